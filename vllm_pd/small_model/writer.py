@@ -40,9 +40,10 @@ def write_model(spec: ModelSpec, model_dir: Path) -> Path:
     _write_json(model_dir / "generation_config.json", {
         "bos_token_id": bos_id, "eos_token_id": [eos_id, im_end_id], "do_sample": False,
     })
-    # metadata makes the file self-describing; sorted keys keep the bytes deterministic
+    # one metadata key only: safetensors writes metadata from a hash map, so several keys come out
+    # in random order and the file bytes would differ between runs
     special_ids = tuple(tok.token_to_id(t) for t in SPECIAL_TOKENS)
     save_file(make_weights(spec, special_ids), str(model_dir / "model.safetensors"),
-              metadata={"format": "pt", "vllm_pd_spec_key": spec.key()})
+              metadata={"format": "pt"})
     logger.info("wrote %s model to %s (key %s)", spec.arch, model_dir, spec.key())
     return model_dir
