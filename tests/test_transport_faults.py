@@ -33,7 +33,7 @@ def receiver():
 
 def _raw_push(sock, nbytes: int, blocks: list[bytes], digests_of: list[bytes], tid: str = "raw") -> Frame:
     frame = Frame(Kind.PUSH, req_id=7, checksum=Checksum.BLAKE3, layer=1, block_nbytes=nbytes,
-                  transfer_id=tid, ids=tuple(range(len(blocks))), lengths=(nbytes,) * len(blocks))
+                  transfer_id=tid, ids=tuple(range(len(blocks))), lengths=tuple(len(b) for b in blocks))
     trailer = b"".join(Checksum.BLAKE3.digest(memoryview(d)) for d in digests_of)
     send_buffers(sock, [frame.encode(), *blocks, trailer])
     return frame
@@ -61,11 +61,16 @@ def test_flipped_byte_in_push_is_detected(receiver) -> None:
 def test_wrong_block_length_is_refused_before_landing(receiver) -> None:
     _, sink, ep, regions = receiver
     nbytes = regions[1].block_nbytes
+    short = os.urandom(nbytes - 2)
     with raw_dial(ep) as s:
-        _raw_push(s, nbytes - 2, [os.urandom(nbytes - 2)], [b""])
+        _raw_push(s, nbytes, [short], [short])  # header says nbytes, block is shorter
         ack = read_frame(s)
-    assert ack.status is Status.CORRUPTED and b"lengths" in ack.payload
+        assert ack.status is Status.CORRUPTED and b"lengths" in ack.payload
+        _raw_push(s, nbytes - 2, [short], [short])  # consistent, but not the sink's block size
+        ack = read_frame(s)
+        assert ack.status is Status.REJECTED and b"does not fit" in ack.payload
     assert not regions[1].tensor.any()
+    assert sink.landed_calls == []
 
 
 def test_truncated_push_fails_the_batch(receiver) -> None:

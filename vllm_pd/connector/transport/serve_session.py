@@ -125,7 +125,9 @@ class ServeSession:
         views = [memoryview(d).cast("B") for d in dests]
         if len(views) != frame.count or any(len(v) != frame.block_nbytes or v.readonly for v in views):
             self._channel.drop_blocks(self.wire, frame)
-            self._ack(frame, Status.ERROR, "sink gave destinations of the wrong number, size or writability")
+            self._ack(frame, Status.REJECTED, f"push of {frame.count} blocks of {frame.block_nbytes} "
+                      f"bytes does not fit the sink's {len(views)} destinations of "
+                      f"{sorted({len(v) for v in views})} bytes (or they are read-only)")
             return
         ok = False
         try:
