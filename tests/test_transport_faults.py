@@ -111,7 +111,7 @@ def test_corrupt_and_truncated_fetch_fail() -> None:
         t.close()
 
 
-@pytest.mark.parametrize("name", ["tcp"])
+@pytest.mark.parametrize("name", ["tcp", "shm"])
 def test_peer_killed_mid_transfer_fails_with_peer_closed(name: str) -> None:
     # The peer's sink never hands out destinations, so a 32 MiB push fills both
     # socket buffers and blocks mid-send; then the peer is SIGKILLed.

@@ -12,7 +12,7 @@ from transport_harness import make_regions, started
 from vllm_pd.connector.exceptions import TransferRejected
 from vllm_pd.connector.transport.base import BlockBatch
 
-TRANSPORTS = ["tcp"]
+TRANSPORTS = ["tcp", "shm"]
 
 
 @pytest.fixture(params=TRANSPORTS)

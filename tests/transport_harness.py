@@ -9,6 +9,7 @@ import threading
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 import torch
 
 from vllm_pd.connector.transport import create_transport
@@ -28,13 +29,17 @@ BLOCK_SHAPE = (2, 16, 128)
 
 def make_regions(num_layers: int, num_blocks: int, seed: int | None = 0,
                  block_shape: tuple[int, ...] = BLOCK_SHAPE) -> list[MemoryRegion]:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    """Regions of random bf16 (or zeros if seed is None). Filled with numpy, not
+    torch ops: forked peer processes must not touch torch's OpenMP pool."""
+    rng = np.random.default_rng(seed) if seed is not None else None
     out = []
     for i in range(num_layers):
-        t = torch.zeros((num_blocks, *block_shape), dtype=torch.bfloat16)
-        if gen is not None:
-            t.copy_(torch.randn(t.shape, generator=gen))
-        out.append(MemoryRegion(f"layer{i}", t))
+        shape = (num_blocks, *block_shape)
+        if rng is None:
+            bits = np.zeros(shape, dtype=np.uint16)
+        else:  # random bit patterns without the exponent's top bit: no NaN/inf
+            bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16) & 0xBFFF
+        out.append(MemoryRegion(f"layer{i}", torch.from_numpy(bits).view(torch.bfloat16)))
     return out
 
 
@@ -88,20 +93,29 @@ def started(name: str, regions: Sequence[MemoryRegion], **options) -> tuple[Tran
 # -- a peer in another process ----------------------------------------------------------
 
 
-def _peer_main(name: str, num_layers: int, num_blocks: int, hold: bool, conn) -> None:
+def _peer_main(name: str, num_layers: int, num_blocks: int, hold: bool, push_to: str | None,
+               options: dict, conn) -> None:
     regions = make_regions(num_layers, num_blocks, seed=1)
-    t, sink, endpoint = started(name, regions)
+    t, sink, endpoint = started(name, regions, **options)
     if hold:
         sink.hold.clear()  # pushes never land: the sender fills the pipe and waits
     t.allow_fetch("granted", list(range(num_blocks)))
+    if push_to is not None:  # push every block of layer 0 to push_to
+        ids = list(range(num_blocks))
+        t.push(push_to, BlockBatch("from-peer", 0, tuple(ids), regions[0].block_nbytes), ids, timeout=600)
     conn.send(endpoint)
     threading.Event().wait()  # until killed
 
 
-def spawn_peer(name: str, num_layers: int, num_blocks: int, hold: bool) -> tuple[mp.Process, str]:
-    ctx = mp.get_context("spawn")
+def spawn_peer(name: str, num_layers: int, num_blocks: int, hold: bool,
+               push_to: str | None = None, **options) -> tuple[mp.Process, str]:
+    # fork, not spawn: re-importing torch in a child takes ~1 min on the loaded CI
+    # box. The child builds its own transport and never touches the parent's
+    # threads' objects, so forking a threaded parent is safe here.
+    ctx = mp.get_context("fork")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_peer_main, args=(name, num_layers, num_blocks, hold, child), daemon=True)
+    p = ctx.Process(target=_peer_main, args=(name, num_layers, num_blocks, hold, push_to, options, child),
+                    daemon=True)
     p.start()
     if not parent.poll(60):
         p.kill()
