@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import pytest
 import torch
-from transport_harness import RawFetchServer, make_regions, raw_dial, spawn_peer, started
+from transport_harness import RawFetchServer, RecordingSink, make_regions, raw_dial, spawn_peer, started
 
 from vllm_pd.connector.exceptions import (
     PeerClosed,
@@ -18,6 +19,7 @@ from vllm_pd.connector.exceptions import (
     TransferCorrupted,
     TransferTimeout,
 )
+from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.framing import Checksum, Frame, Kind, Status, read_frame, send_buffers
 from vllm_pd.vllm_server import free_port
@@ -172,7 +174,6 @@ def test_timeouts(receiver) -> None:
         sink.hold.set()
         # a fetch to an endpoint that accepts but never answers
         with pytest.raises(TransferTimeout):
-            import socket
             mute = socket.create_server(("127.0.0.1", 0))
             a.fetch(f"tcp://127.0.0.1:{mute.getsockname()[1]}", "r", 0, [0], [0], timeout=0.5).result(8)
         mute.close()
@@ -199,3 +200,32 @@ def test_close_fails_pending_futures_and_unreachable_peer(receiver) -> None:
             c.notify(f"tcp://127.0.0.1:{free_port()}", b"x", timeout=5).result(5)
     finally:
         c.close()
+
+
+def test_revoke_cuts_a_stalled_reader_instead_of_hanging() -> None:
+    # A reader that requests 80 MiB and never reads: the serving send blocks once
+    # the socket buffers are full; revoke must give up waiting and cut it.
+    regions = make_regions(1, 80, seed=None, block_shape=(2, 256, 1024))  # 1 MiB blocks
+    t = create_transport("tcp", revoke_wait=0.3)
+    t.register_regions(regions)
+    ep = t.start(RecordingSink(regions), "127.0.0.1", 0)
+    try:
+        t.allow_fetch("big", list(range(80)))
+        with raw_dial(ep) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            send_buffers(s, [Frame(Kind.FETCH, req_id=1, layer=0, block_nbytes=regions[0].block_nbytes,
+                                   transfer_id="big", ids=tuple(range(80))).encode()])
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            t.allow_fetch("big", None)
+            assert time.monotonic() - t0 < 3
+            s.settimeout(5)
+            got = 0
+            try:
+                while chunk := s.recv(1 << 20):
+                    got += len(chunk)
+            except ConnectionResetError:
+                pass
+            assert got < 80 << 20  # cut (EOF or reset), not served to the end
+    finally:
+        t.close()
