@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from transport_harness import RawFetchServer, RecordingSink, make_regions, raw_dial, spawn_peer, started
+from tests.transport_harness import RawFetchServer, RecordingSink, make_regions, raw_dial, spawn_peer, started
 
 from vllm_pd.connector.exceptions import (
     PeerClosed,

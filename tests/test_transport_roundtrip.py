@@ -7,7 +7,7 @@ import concurrent.futures as cf
 
 import pytest
 import torch
-from transport_harness import make_regions, started
+from tests.transport_harness import make_regions, started
 
 from vllm_pd.connector.exceptions import TransferRejected
 from vllm_pd.connector.transport.base import BlockBatch

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from transport_harness import make_regions, spawn_peer, started
+from tests.transport_harness import make_regions, spawn_peer, started
 
 from vllm_pd.connector.exceptions import ConfigError, TransferCorrupted
 from vllm_pd.connector.transport import create_transport
