@@ -109,7 +109,7 @@ def test_outgoing_held_until_released_and_pushes_done() -> None:
     out = OutgoingTransfers(lease_s=60)
     fut: Future[None] = Future()
     out.add_push("t", fut)
-    out.mark_granted("t")
+    out.mark_computed("t")
     assert out.take_reportable() == []
     out.finish("t", held=True)
     out.release("t")
