@@ -140,3 +140,19 @@ def test_proxy_side_release_frees_prefill_at_once(pd_pair, client) -> None:
     assert ec.wait_until(lambda: ec.metric(client, prefill.url, "vllm:pd_held_transfers") == 0, timeout=8)
     assert not release_remote_kv({"do_remote_prefill": True})  # not ours: nothing to do
     assert_nothing_held(client, pd_pair)
+
+
+def test_aborts_on_either_side_leak_nothing(pd_pair, client) -> None:
+    """Clients that hang up mid-prefill (prefill leg) or mid-load (decode leg)."""
+    prefill, decode = pd_pair
+    body = CONNECTOR_CASES["ids2032"]
+    for mode in ("pull", "push"):
+        # prefill leg abandoned while prefill computes
+        with pytest.raises(httpx.TimeoutException):
+            client.post(prefill.url + "/v1/completions", json=ec.prefill_leg(body, mode, decode), timeout=0.05)
+        # decode leg abandoned while its KV is landing
+        p = ec.post(client, prefill.url, ec.prefill_leg(body, mode, decode))
+        with pytest.raises(httpx.TimeoutException):
+            client.post(decode.url + "/v1/completions", json=dict(body, kv_transfer_params=p["kv_transfer_params"]),
+                        timeout=0.05)
+    assert_nothing_held(client, pd_pair)

@@ -139,7 +139,11 @@ class PDConnectorWorker:
         for job in self._step_jobs:
             if job.spec.request_id not in self._jobs:
                 self._jobs[job.spec.request_id] = job
-                self._pool.submit(job.run)
+                self._pool.submit(self._run_job, job)
+
+    def _run_job(self, job: LoadJob) -> None:
+        job.run()
+        self.outgoing.changed.set()  # wakes an idle step waiting in get_finished
 
     def _notify_release(self, endpoint: str, transfer_id: str) -> None:
         peer = self._peer_for_rank(endpoint)
