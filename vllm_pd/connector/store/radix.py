@@ -130,9 +130,9 @@ class RadixIndex:
     def remove_leaf(self, key: BlockKey) -> RadixNode:
         node = self._nodes.get(key)
         if node is None:
-            raise KeyError(key.hex())
+            raise KeyError(key)
         if node.children or node.pins:
-            raise ValueError(f"block {key.hex()} is not an unpinned leaf")
+            raise ValueError(f"block {key!r} is not an unpinned leaf")
         return self._detach(node)
 
     def remove_subtree(self, key: BlockKey) -> list[RadixNode]:

@@ -104,9 +104,11 @@ class TwoLevelCache:
                 self.active.move_to_end(key)
 
     def admit(self, chain: Sequence[Key], evictable: Callable[[Key], bool]) -> tuple[list[Key], list[Key]]:
-        """Store the keys of ``chain`` (a chain from the root) not cached yet;
-        returns (admitted, evicted). Admitted keys are a prefix of the uncached
-        part; admission stops early when every candidate victim is pinned.
+        """Store the keys of ``chain`` (in chain order) not cached yet; returns
+        (admitted, evicted). Admitted keys are a prefix of the uncached part;
+        admission stops early when every candidate victim is pinned. Keys of
+        ``chain`` are never victims; ``evictable`` must refuse the chain's other
+        ancestors when the owner passes only part of a chain.
 
         A chain's new blocks go to history (measured: sending the blocks that
         extend a hit prefix straight to active lost hit rate at small sizes);
