@@ -57,6 +57,7 @@ class StoreWorker:
         self._loaded_requests: set[str] = set()
         self._load_errors: set[int] = set()
         self._save_futures: list[Future[None]] = []
+        self._disk_futures: list[Future[bool]] = []
         self._layer_futures: list[list[Future[None]]] = [[] for _ in kv_caches]
 
     @property
@@ -96,6 +97,8 @@ class StoreWorker:
         for i in reversed(range(len(op.keys))):  # leaf first: parents are the most recent on disk
             fut = self.disk.write(op.keys[i], parents[i], self.pool.slot_view(op.slots[i]), sums[i])
             fut.add_done_callback(lambda f, key=op.keys[i]: self._disk_written(key, f))
+            with self._lock:
+                self._disk_futures = [f for f in self._disk_futures if not f.done()] + [fut]
 
     def _disk_written(self, key: bytes, fut: Future[bool]) -> None:
         if fut.exception() is not None or not fut.result():
@@ -107,6 +110,14 @@ class StoreWorker:
         futures, self._save_futures = self._save_futures, []
         for f in futures:
             f.result()
+
+    def wait_disk(self) -> None:
+        """Block until every started write-through to disk ended (tests, shutdown)."""
+        self.wait_saves()
+        with self._lock:
+            futures, self._disk_futures = self._disk_futures, []
+        for f in futures:
+            f.exception()
 
     # -- loads -----------------------------------------------------------------------
 
@@ -203,6 +214,7 @@ class StoreWorker:
         return errors
 
     def close(self) -> None:
+        self.wait_disk()
         self._saver.shutdown(wait=True)
         self._loader.shutdown(wait=True)
         if self.disk is not None:
