@@ -65,6 +65,16 @@ class RadixIndex:
     def keys(self) -> Iterable[BlockKey]:
         return self._nodes.keys()
 
+    def chains(self) -> list[tuple[BlockKey, BlockKey | None]]:
+        """Every ``(key, parent)``, parents first (a snapshot to republish)."""
+        out: list[tuple[BlockKey, BlockKey | None]] = []
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append((node.key, node.parent.key if node.parent is not None else None))  # type: ignore[arg-type]
+            stack.extend(node.children.values())
+        return out
+
     # -- lookup -------------------------------------------------------------
 
     def longest_prefix(self, chain: Sequence[BlockKey]) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import SlotAllocator
 from vllm_pd.connector.store.keys import BlockKey, KeySalt, chain_keys
+from vllm_pd.connector.store.master_client import MasterClient, RemoteHit
 from vllm_pd.connector.store.plans import LoadOp, SaveOp, StorePlan, StoreReport
 from vllm_pd.connector.store.radix import Lease, RadixIndex
 from vllm_pd.connector.store.two_level_cache import TwoLevelCache
@@ -52,7 +53,9 @@ class _Load:
 
 
 class StoreScheduler:
-    def __init__(self, config: StoreConfig, salt: KeySalt, slot_nbytes: int, world_size: int = 1) -> None:
+    def __init__(
+        self, config: StoreConfig, salt: KeySalt, slot_nbytes: int, world_size: int = 1, endpoint: str = ""
+    ) -> None:
         self.config = config
         self.salt = salt
         self.world_size = world_size
@@ -67,6 +70,13 @@ class StoreScheduler:
         self._disk_acks: dict[BlockKey, int] = {}
         self._disk_orphans: dict[BlockKey, BlockKey | None] = {}  # on disk, parent not indexed yet
         self._plan = StorePlan()
+        self.master: MasterClient | None = None
+        if config.master:
+            import os
+            import socket
+
+            node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
+            self.master = MasterClient(config.master, node, endpoint, self.index.chains, config.master_timeout_s)
         self.stats = {"hit_blocks": 0, "saved_blocks": 0, "evicted_blocks": 0, "load_failures": 0}
 
     # -- queries -------------------------------------------------------------------
@@ -78,6 +88,17 @@ class StoreScheduler:
         """Leading tokens of ``token_ids`` whose KV is committed in the store
         (a multiple of the block size). Side-effect free."""
         return self.index.longest_prefix(self.block_keys(token_ids)) * self.block_size
+
+    def remote_match(self, token_ids: Sequence[int]) -> RemoteHit | None:
+        """Another node holding a longer prefix than this node, per the master
+        (None if the master is absent, down or knows nothing longer)."""
+        if self.master is None:
+            return None
+        keys = self.block_keys(token_ids)
+        hit = self.master.lookup(keys)
+        if hit is None or hit.blocks <= self.index.longest_prefix(keys):
+            return None
+        return hit
 
     # -- loads -----------------------------------------------------------------------
 
@@ -170,6 +191,8 @@ class StoreScheduler:
     def build_plan(self) -> StorePlan:
         """This step's work for the workers (put it into the connector metadata)."""
         plan, self._plan = self._plan, StorePlan()
+        if self.master is not None:
+            self.master.flush()
         return plan
 
     # -- reports -----------------------------------------------------------------------
@@ -236,6 +259,8 @@ class StoreScheduler:
             self._discard_pending(key, pending)  # parent gone meanwhile: unreachable
             return
         self.stats["saved_blocks"] += 1
+        if self.master is not None:
+            self.master.inserted(key, pending.parent)
 
     def _discard_pending(self, key: BlockKey, pending: _Pending) -> None:
         self.cache.remove(key)
@@ -274,6 +299,8 @@ class StoreScheduler:
             self.stats["evicted_blocks"] += 1
             if not loc.on_disk:
                 self.index.remove_leaf(key)
+                if self.master is not None:
+                    self.master.removed(key)
 
     def _remove_subtree(self, key: BlockKey) -> None:
         for node in self.index.remove_subtree(key):
@@ -281,9 +308,10 @@ class StoreScheduler:
             if loc.slot is not None and not loc.staging:
                 self.cache.remove(node.key)
                 self.slots.free([loc.slot])
-            elif loc.staging:
-                pass  # its load's lease/result frees the staging slot via _unstage
+            # a staging slot is freed by its load's result (_unstage)
             self.stats["evicted_blocks"] += 1
+            if self.master is not None:
+                self.master.removed(node.key)  # type: ignore[arg-type]
 
     def _adopt_disk_blocks(self) -> None:
         """Index blocks found on disk (restart) once their parent is indexed."""
@@ -296,6 +324,8 @@ class StoreScheduler:
                     loc.on_disk, loc.disk_writing = True, False
                 elif parent is None or parent in self.index:
                     self.index.insert_chain([key], parent, [Location(on_disk=True)])
+                    if self.master is not None:
+                        self.master.inserted(key, parent)
                 else:
                     continue
                 del self._disk_orphans[key]
