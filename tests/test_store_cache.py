@@ -25,16 +25,25 @@ def test_two_level_promotion_and_capacity():
     assert len(c) == 4 and "a" in c  # history paid for the new chain; the re-used prefix stayed
 
 
-def test_two_level_ghost_hit_goes_to_active_and_pins_are_respected():
-    c = TwoLevelCache(2)
-    c.admit(["a"], always)
-    c.admit(["b", "c"], always)  # evicts a into the history ghost list
-    assert "a" not in c
-    c.admit(["a"], always)
-    assert c.level("a") == "active"
+def test_two_level_frequency_gate_and_ghost_adaptation():
+    c = TwoLevelCache(4, initial_history_fraction=0.5)
+    c.admit(["a", "b"], always)
+    c.hit(["a", "b"])
+    c.admit(["x"], always)
+    c.admit(["y"], always)
+    assert len(c) == 4
+    c.admit(["z"], always)  # history is at its target: x (used once) loses to active's b (used twice)
+    assert "x" not in c and {"a", "b", "y", "z"} <= {k for k in ("a", "b", "x", "y", "z") if k in c}
+    before = c.history_target
+    c.admit(["x"], always)  # x comes back soon after eviction: history was too small
+    assert c.history_target > before
+
+
+def test_pins_are_respected():
     full = TwoLevelCache(2)
     full.admit(["p", "q"], always)
     assert full.admit(["r"], lambda k: False) == ([], [])  # everything pinned: nothing admitted, nothing lost
+    assert "p" in full and "q" in full
 
 
 def test_bad_capacity():
