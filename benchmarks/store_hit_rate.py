@@ -38,10 +38,10 @@ def simulate(requests, cache) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--conversations", type=int, default=3000)
+    ap.add_argument("--conversations", type=int, default=1500)
     ap.add_argument("--arrival-rate", type=float, default=1.0)
     ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--fractions", default="0.01,0.02,0.05,0.1,0.2,0.5")
+    ap.add_argument("--fractions", default="0.005,0.01,0.02,0.05,0.1,0.2,0.5")
     args = ap.parse_args()
     print("| seed | capacity (blocks) | of unique | LRU | two-level | ratio |")
     print("|---|---|---|---|---|---|")
