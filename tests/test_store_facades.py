@@ -139,6 +139,16 @@ def test_disk_restart_rebuild_and_corrupt_block_is_recomputed(tmp_path):
     node.close()
 
 
+def test_per_request_keys_are_extended_not_recomputed():
+    sched = StoreScheduler(StoreConfig(cpu_bytes=8 * SLOT_NBYTES), SALT, SLOT_NBYTES)
+    toks = tokens(30)
+    assert sched.block_keys(toks[:9], request_id="r") == sched.block_keys(toks[:9])
+    assert sched.block_keys(toks, request_id="r") == sched.block_keys(toks)
+    assert sched.block_keys(toks, max_blocks=3, request_id="r") == sched.block_keys(toks)[:3]
+    sched.forget("r")
+    assert "r" not in sched._keys
+
+
 def test_config_is_validated():
     with pytest.raises(ConfigError, match="cpu_byts"):
         StoreConfig.from_dict({"cpu_byts": "1g"})

@@ -31,6 +31,23 @@ def test_master_index_longest_prefix_across_nodes_and_expiry():
     assert idx.num_keys == 3
 
 
+def eventually(fn, timeout=20.0):
+    """fn() until truthy: a master process may take seconds to start on a loaded 2-core box."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = fn()
+        if result:
+            return result
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+def wait_ready(address):
+    probe = MasterClient(address, "probe", "", lambda: [], timeout_s=1.0, retry_after_s=0.0)
+    eventually(lambda: probe.flush(force=True))
+    probe.close()
+
+
 @pytest.fixture
 def master():
     port = free_port()
@@ -43,6 +60,7 @@ def master():
 
 def test_publish_lookup_then_master_killed_falls_back(master):
     proc, address = master
+    wait_ready(address)
     chain = [(k, KEYS[i - 1] if i else None) for i, k in enumerate(KEYS[:5])]
     node_a = MasterClient(address, "a", "tcp://a:1", lambda: chain[:2], timeout_s=2.0)
     node_b = MasterClient(address, "b", "tcp://b:1", lambda: [], timeout_s=2.0)
@@ -70,6 +88,7 @@ def test_scheduler_publishes_commits_and_resyncs_after_master_restart(tmp_path):
     cmd = [sys.executable, "-c", f"from vllm_pd.connector.store.master import serve; serve('{address}')"]
     proc = subprocess.Popen(cmd)
     try:
+        wait_ready(address)
         cfg = StoreConfig(cpu_bytes=64 * 1024, master=address, master_timeout_s=2.0, node_id="p0")
         sched = StoreScheduler(cfg, SALT, slot_nbytes=1024, endpoint="tcp://p0:1")
         reader = MasterClient(address, "d0", "", lambda: [], timeout_s=2.0)
@@ -81,11 +100,12 @@ def test_scheduler_publishes_commits_and_resyncs_after_master_restart(tmp_path):
         proc.kill()
         proc.wait()
         proc = subprocess.Popen(cmd)  # a fresh master knows nothing
-        time.sleep(0.5)
-        sched.master.retry_after_s = sched.master.heartbeat_s = 0.0
-        sched.build_plan()  # node notices (known=False) and republishes a snapshot
-        hit = reader.lookup(chain_keys(toks, SALT))
-        assert hit is not None and hit.blocks == 3
+        wait_ready(address)
+        assert reader.lookup(chain_keys(toks, SALT)) is None
+        sched.master.retry_after_s = sched.master.heartbeat_s = reader.retry_after_s = 0.0
+        sched.build_plan()  # heartbeat: the node learns it is unknown and republishes a snapshot
+        hit = eventually(lambda: sched.build_plan() is not None and reader.lookup(chain_keys(toks, SALT)))
+        assert hit.blocks == 3
         reader.close()
     finally:
         proc.kill()

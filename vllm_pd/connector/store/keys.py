@@ -80,11 +80,8 @@ def chain_keys(
         n = min(n, max_blocks)
     prev = salt.digest() if parent is None else parent
     keys: list[BlockKey] = []
-    view = memoryview(data)
     hasher = blake3.blake3
-    for i in range(n):
-        h = hasher(prev)
-        h.update(view[i * step:(i + 1) * step])
-        prev = h.digest(length=KEY_BYTES)
+    for start in range(0, n * step, step):
+        prev = hasher(prev + data[start:start + step]).digest(length=KEY_BYTES)
         keys.append(prev)
     return keys

@@ -14,6 +14,7 @@ blocks are ever counted by ``match`` or handed to ``plan_load``.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -70,6 +71,9 @@ class StoreScheduler:
         self._disk_acks: dict[BlockKey, int] = {}
         self._disk_orphans: dict[BlockKey, BlockKey | None] = {}  # on disk, parent not indexed yet
         self._plan = StorePlan()
+        # per-request keys, extended as the request grows (vLLM asks about a
+        # waiting request every step; a 128K-token prompt costs ~25 ms to hash)
+        self._keys: OrderedDict[str, list[BlockKey]] = OrderedDict()
         self.master: MasterClient | None = None
         if config.master:
             import os
@@ -81,13 +85,35 @@ class StoreScheduler:
 
     # -- queries -------------------------------------------------------------------
 
-    def block_keys(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[BlockKey]:
-        return chain_keys(token_ids, self.salt, max_blocks=max_blocks)
+    def block_keys(
+        self, token_ids: Sequence[int], max_blocks: int | None = None, request_id: str | None = None
+    ) -> list[BlockKey]:
+        """Keys of the full blocks of ``token_ids``; with ``request_id`` the keys
+        are cached and extended (a request's tokens only ever grow)."""
+        if request_id is None:
+            return chain_keys(token_ids, self.salt, max_blocks=max_blocks)
+        n = len(token_ids) // self.block_size if max_blocks is None else min(max_blocks, len(token_ids) // self.block_size)
+        keys = self._keys.get(request_id, [])
+        if len(keys) < n:
+            done = len(keys) * self.block_size
+            keys = keys + chain_keys(
+                token_ids[done:n * self.block_size], self.salt, parent=keys[-1] if keys else None
+            )
+            self._keys[request_id] = keys
+            while len(self._keys) > 4096:
+                self._keys.popitem(last=False)
+        if request_id in self._keys:
+            self._keys.move_to_end(request_id)
+        return keys[:n]
 
-    def match(self, token_ids: Sequence[int]) -> int:
+    def forget(self, request_id: str) -> None:
+        """Drop a request's cached keys (it finished or was aborted)."""
+        self._keys.pop(request_id, None)
+
+    def match(self, token_ids: Sequence[int], request_id: str | None = None) -> int:
         """Leading tokens of ``token_ids`` whose KV is committed in the store
-        (a multiple of the block size). Side-effect free."""
-        return self.index.longest_prefix(self.block_keys(token_ids)) * self.block_size
+        (a multiple of the block size). Side-effect free on the store."""
+        return self.index.longest_prefix(self.block_keys(token_ids, request_id=request_id)) * self.block_size
 
     def remote_match(self, token_ids: Sequence[int]) -> RemoteHit | None:
         """Another node holding a longer prefix than this node, per the master
@@ -114,7 +140,7 @@ class StoreScheduler:
         first, n = start_token // self.block_size, num_tokens // self.block_size
         if len(block_ids) != n:
             raise ValueError(f"{n} blocks to load but {len(block_ids)} block ids")
-        keys = self.block_keys(token_ids, max_blocks=first + n)
+        keys = self.block_keys(token_ids, max_blocks=first + n, request_id=request_id)
         usable = keys[first:max(first, self.index.longest_prefix(keys))]
         lease = self.index.pin(usable, self.config.lease_s)
         load = _Load(lease)
@@ -159,7 +185,8 @@ class StoreScheduler:
         """Reserve pool slots for the full blocks of ``token_ids`` (whose KV is in
         vLLM blocks ``block_ids``) that the store does not hold yet. The op is
         queued for the next plan; None when there is nothing to save or no room."""
-        keys = self.block_keys(token_ids, max_blocks=len(block_ids))
+        keys = self.block_keys(token_ids, max_blocks=len(block_ids), request_id=request_id)
+        self.forget(request_id)
         m = self.index.longest_prefix(keys)
         new: list[BlockKey] = []
         for key in keys[m:]:
