@@ -20,19 +20,24 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_pd.connector.store.keys import BlockKey
 
 
-@dataclass(eq=False, slots=True)
 class RadixNode:
-    key: BlockKey | None  # None only for the root
-    parent: RadixNode | None
-    children: dict[BlockKey, RadixNode] = field(default_factory=dict)
-    pins: int = 0
-    value: Any = None  # owner's payload (e.g. where the block's bytes are)
+    """One block key. A plain slotted class: inserts create one per key, and a
+    dataclass with a default_factory costs several times more per node."""
+
+    __slots__ = ("key", "parent", "children", "pins", "value")
+
+    def __init__(self, key: BlockKey | None, parent: RadixNode | None, value: Any = None) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: dict[BlockKey, RadixNode] = {}
+        self.pins = 0
+        self.value = value  # owner's payload (e.g. where the block's bytes are)
 
 
 @dataclass(frozen=True)
@@ -105,12 +110,13 @@ class RadixIndex:
                 return []
             node = found
         added: list[BlockKey] = []
+        nodes = self._nodes
         for i, key in enumerate(chain):
             child = node.children.get(key)
             if child is None:
-                child = RadixNode(key=key, parent=node, value=None if values is None else values[i])
+                child = RadixNode(key, node, None if values is None else values[i])
                 node.children[key] = child
-                self._nodes[key] = child
+                nodes[key] = child
                 added.append(key)
             node = child
         return added
