@@ -1,7 +1,10 @@
 """KV block store: keys, radix index, active/history CPU cache, disk tier, master.
 
-Split along vLLM's connector processes (the connector in vllm_pd/connector/
-wires these two facades; nothing else here needs to be touched by it):
+Enable it in PDConnector with ``kv_connector_extra_config: {"store": {"cpu_bytes": "4g",
+"disk_path": "/var/cache/vllm-pd", "disk_bytes": "100g"}}`` (any kv_role, also
+a single colocated ``kv_both`` instance = pure offload). The wiring lives in
+vllm_pd/connector/store_bridge.py; it uses these two facades, split along
+vLLM's connector processes:
 
 Scheduler side (EngineCore process) - ``StoreScheduler(config, salt, slot_nbytes, world_size=1, endpoint="")``
     ``match(token_ids) -> int``
