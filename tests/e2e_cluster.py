@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
+from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
