@@ -14,6 +14,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("vllm_pd.small_model.command", "write a small random-weight HF model folder"),
+    "store-master": ("vllm_pd.connector.store.master_command", "run the KV store's cluster-wide index"),
 }
 
 

@@ -26,6 +26,8 @@ from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake
 from vllm_pd.connector.scheduler import PDConnectorScheduler
 from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
+from vllm_pd.connector.store.config import StoreConfig
+from vllm_pd.connector.store_bridge import StoreBridgeScheduler, StoreBridgeWorker
 from vllm_pd.connector.worker import PDConnectorWorker
 
 if TYPE_CHECKING:
@@ -55,8 +57,13 @@ class PDConnector(KVConnectorBase_V1):
                            ktc.kv_load_failure_policy)
         self._scheduler: PDConnectorScheduler | None = None
         self._worker: PDConnectorWorker | None = None
+        store_config = StoreConfig.from_dict(self.config.store) if self.config.store is not None else None
+        self._store_scheduler: StoreBridgeScheduler | None = None
+        self._store_worker: StoreBridgeWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PDConnectorScheduler(vllm_config, self.config, str(ktc.engine_id))
+            if store_config is not None:
+                self._store_scheduler = StoreBridgeScheduler(vllm_config, store_config)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -68,6 +75,8 @@ class PDConnector(KVConnectorBase_V1):
                 is_producer=self.is_producer,
                 is_consumer=self.is_consumer,
             )
+            if store_config is not None:
+                self._store_worker = StoreBridgeWorker(store_config, vllm_config, get_tensor_model_parallel_rank())
 
     # ---- worker side ----------------------------------------------------------------------------
     @property
@@ -77,6 +86,8 @@ class PDConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
+        if self._store_worker is not None:
+            self._store_worker.register_kv_caches(kv_caches)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.worker.handshake()
@@ -85,12 +96,18 @@ class PDConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, PDConnectorMetadata)
         self.worker.begin_step(connector_metadata)
+        if self._store_worker is not None:
+            self._store_worker.begin_step(connector_metadata.store)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self.worker.start_loads()
+        if self._store_worker is not None:
+            self._store_worker.start()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(layer_name)
+        if self._store_worker is not None:
+            self._store_worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         self.worker.save_kv_layer(layer_name)
@@ -100,15 +117,25 @@ class PDConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sent, recvd, _ = self.worker.get_finished()
+        if self._store_worker is not None:
+            sent = self._store_worker.merge_finished(sent)
         return sent or None, recvd or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, recvd, failed = self.worker.get_finished()
+        if self._store_worker is not None:
+            sent = self._store_worker.merge_finished(sent)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recvd,
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.block_ids_with_load_errors()
+        bad = self.worker.block_ids_with_load_errors()
+        if self._store_worker is not None:
+            bad |= self._store_worker.load_errors()
+        return bad
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._store_worker.worker_meta() if self._store_worker is not None else None
 
     def get_kv_connector_stats(self) -> PDConnectorStats | None:
         return self._worker.stats.take() if self._worker is not None else None
@@ -116,6 +143,8 @@ class PDConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._store_worker is not None:
+            self._store_worker.shutdown()
 
     # ---- scheduler side -------------------------------------------------------------------------
     @property
@@ -131,27 +160,45 @@ class PDConnector(KVConnectorBase_V1):
         self.scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self.scheduler.set_handshake({r: m for r, m in metadata.items() if isinstance(m, PDHandshake)})
+        by_rank = {r: m for r, m in metadata.items() if isinstance(m, PDHandshake)}
+        self.scheduler.set_handshake(by_rank)
+        if self._store_scheduler is not None and by_rank:
+            first = by_rank[min(by_rank)]
+            self._store_scheduler.on_handshake(first.num_layers, first.block_nbytes, first.endpoint)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if self._store_scheduler is not None and not params.get("do_remote_prefill"):
+            hit = self._store_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+            if hit:
+                return hit, False  # sync load: the worker lands it layer by layer before each layer
         if not self.is_consumer:
             return 0, False
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if self._store_scheduler is not None:
+            self._store_scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
         params = request.kv_transfer_params or {}
         if params.get("do_remote_decode") and not self.is_producer:
             return
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        if self._store_scheduler is not None:
+            meta.store = self._store_scheduler.build_meta()
+        return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        return None
+        if self._store_scheduler is not None:
+            self._store_scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        delay, params = self.scheduler.request_finished(request, block_ids)
+        if self._store_scheduler is not None:
+            delay = self._store_scheduler.request_finished(request, block_ids, pd_holds=delay) or delay
+        return delay, params
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()

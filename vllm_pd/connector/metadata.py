@@ -7,6 +7,7 @@ dataclasses of builtins keep that cheap and safe.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -75,6 +76,8 @@ class PDConnectorMetadata(KVConnectorMetadata):
     remote_releases: list[RemoteRelease] = field(default_factory=list)
     # nothing scheduled this step: the worker may wait briefly for transfer events
     idle: bool = False
+    # the KV block store's work for this step (store_bridge.StoreStepMeta), None = no store
+    store: Any = None
 
 
 @dataclass

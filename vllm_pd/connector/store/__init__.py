@@ -1,0 +1,68 @@
+"""KV block store: keys, radix index, active/history CPU cache, disk tier, master.
+
+Enable it in PDConnector with ``kv_connector_extra_config: {"store": {"cpu_bytes": "4g",
+"disk_path": "/var/cache/vllm-pd", "disk_bytes": "100g"}}`` (any kv_role, also
+a single colocated ``kv_both`` instance = pure offload). The wiring lives in
+vllm_pd/connector/store_bridge.py; it uses these two facades, split along
+vLLM's connector processes:
+
+Scheduler side (EngineCore process) - ``StoreScheduler(config, salt, slot_nbytes, world_size=1, endpoint="")``
+    ``match(token_ids) -> int``
+        leading tokens whose KV is committed here (block multiple; side-effect
+        free; pass the prompt minus its last token, vLLM must compute >= 1).
+        -> ``get_num_new_matched_tokens``: ``(max(0, match - num_computed), False)``
+    ``plan_load(req_id, token_ids, start_token, num_tokens, block_ids) -> (LoadOp | None, missing_block_ids)``
+        pins the blocks (lease ``config.lease_s``) and queues the load.
+        -> ``update_state_after_alloc`` (start_token = num_computed_tokens,
+        block_ids = the request's blocks for that range). ``missing`` are blocks
+        that vanished since ``match``: report them as load errors.
+    ``plan_save(req_id, token_ids, block_ids) -> SaveOp | None``
+        reserves pool slots for the full blocks not stored yet (two-phase put).
+        -> ``request_finished`` with ``token_ids = all_token_ids[:num_computed_tokens]``
+        and the request's block ids; return ``True`` (delay freeing) when an op was
+        queued, until the worker lists the request in ``take_finished()[0]``.
+    ``build_plan() -> StorePlan``   -> put into the connector metadata each step.
+    ``on_worker_report(StoreReport)`` -> from ``update_connector_output`` (the
+        worker's report travels in KVConnectorWorkerMetadata; ``StoreReport.aggregate``
+        merges TP ranks; a block commits once all ``world_size`` ranks reported it).
+    ``remote_match(token_ids) -> RemoteHit | None``: a node holding a longer prefix (master).
+
+Worker side (each worker) - ``StoreWorker(config, salt, kv_caches, rank=0)``
+    ``kv_caches``: one tensor per layer, ``[num_blocks, ...]``, blocks moved as bytes.
+    ``execute(plan)``            -> ``start_load_kv`` (starts loads and saves, returns at once)
+    ``wait_layer(layer)``        -> ``wait_for_layer_load`` (``load_layer(layer)`` is the Future form)
+    ``wait_saves()``             -> ``wait_for_save`` only if blocks are freed right away
+    ``take_finished() -> (saved_req_ids, loaded_req_ids)`` -> ``get_finished`` (finished_sending, -)
+    ``take_load_errors() -> set[int]`` -> ``get_block_ids_with_load_errors``
+    ``report() -> StoreReport``  -> ``build_connector_worker_meta``
+    ``slot_nbytes`` must equal the scheduler side's ``slot_nbytes`` (bytes of one
+    block for all layers of one rank: num_layers * block_nbytes).
+
+Config (``kv_connector_extra_config["store"]``): ``StoreConfig.from_dict`` -
+cpu_bytes, disk_path, disk_bytes, lease_s, disk_io_threads, master,
+master_timeout_s, node_id; an unknown key or bad value raises ConfigError.
+Salt: ``KeySalt(model, dtype, kv_layout, block_size, num_layers, tp_size, pp_size, extra)``.
+
+Modules: keys (blake3 chained keys), radix (index, leases), two_level_cache
+(active/history policy), cpu_pool (pool + slot allocator), disk_tier, plans
+(wire structs), config, scheduler_side, worker_side, master / master_client /
+master_command (``vllm-pd store-master``), trace (multi-turn trace generator).
+
+Design notes (why, measured in benchmarks/RESULTS.md "Store"):
+- One radix tree, not separate hot and cold trees: the tiers are a field of
+  each node (CPU slot / on disk), so a lookup is one binary search whatever
+  tier holds a block; a second tree would double lookups and need moves
+  between trees on every promotion. Hot/cold separation is the replacement
+  policy's job (active vs history level), measured against LRU.
+- Write-through to disk: every block committed to the CPU pool is also written
+  to disk asynchronously, so a CPU eviction never has to wait for a write.
+
+Composing with LMCache (not installed here; nothing of this was run): vLLM's
+MultiConnector takes a list of connectors; loads come from the first one that
+reports a hit, saves go to all. ``{"kv_connector": "MultiConnector",
+"kv_connector_extra_config": {"connectors": [{"kv_connector": "PDConnector",
+...}, {"kv_connector": "LMCacheConnectorV1", ...}]}}`` puts our PD transfer
+and store first and LMCache behind it. Keys are not shared: LMCache hashes
+256-token chunks with vLLM's hash, we hash vLLM-sized blocks with blake3, so
+each store only hits on what it saved itself, and both save a copy.
+"""

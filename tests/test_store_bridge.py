@@ -1,0 +1,47 @@
+"""The connector-side joins of the store: a finished request's blocks are given
+back to vLLM only when both the store's copy and the PD transfer are done."""
+
+import torch
+
+from vllm_pd.connector.store.config import StoreConfig
+from vllm_pd.connector.store.keys import KeySalt
+from vllm_pd.connector.store.scheduler_side import StoreScheduler
+from vllm_pd.connector.store.worker_side import StoreWorker
+from vllm_pd.connector.store_bridge import StoreBridgeWorker, StoreStepMeta, StoreWorkerMeta
+
+SALT = KeySalt("m", "bfloat16", "cpu", 4, 2)
+SLOT = 2 * 2 * 4 * 8 * 2
+
+
+def make():
+    cfg = StoreConfig(cpu_bytes=16 * SLOT)
+    kv = [torch.randn(16, 2, 4, 8).to(torch.bfloat16) for _ in range(2)]
+    sched = StoreScheduler(cfg, SALT, SLOT)
+    bridge = StoreBridgeWorker(cfg, vllm_config=None, tp_rank=0)
+    bridge.store = StoreWorker(cfg, SALT, kv)
+    bridge._layer_index = {"l0": 0, "l1": 1}
+    return sched, bridge
+
+
+def test_blocks_released_only_when_store_and_pd_are_both_done():
+    sched, bridge = make()
+    sched.plan_save("both", list(range(8)), [1, 2])
+    sched.plan_save("store-only", list(range(100, 108)), [3, 4])
+    meta = StoreStepMeta(plan=sched.build_plan(), held={"both": ("store", "pd"), "store-only": ("store",)})
+    bridge.begin_step(meta)
+    assert bridge.merge_finished({"both", "pd-only"}) == {"pd-only"}  # the store still copies "both"
+    bridge.start()
+    bridge.store.wait_saves()
+    assert bridge.merge_finished(set()) == {"both", "store-only"}
+    # the worker's report reaches the scheduler side through KVConnectorWorkerMetadata
+    agg = bridge.worker_meta().aggregate(StoreWorkerMeta(bridge.store.report()))
+    sched.on_worker_report(agg.report)
+    assert sched.match(list(range(8))) == 8
+    bridge.shutdown()
+
+
+def test_missing_blocks_become_load_errors():
+    sched, bridge = make()
+    bridge.begin_step(StoreStepMeta(missing_block_ids=[7, 9]))
+    assert bridge.load_errors() == {7, 9} and bridge.load_errors() == set()
+    bridge.shutdown()

@@ -1,0 +1,65 @@
+import torch
+
+from vllm_pd.connector.store.cpu_pool import CpuBlockPool, SlotAllocator
+from vllm_pd.connector.store.disk_tier import HEADER_BYTES, DiskTier
+from vllm_pd.connector.store.keys import KeySalt, chain_keys
+
+SALT = KeySalt("m", "bfloat16", "cpu", 4, 2)
+KEYS = chain_keys(list(range(40)), SALT)
+
+
+def test_slot_allocator_all_or_nothing():
+    a = SlotAllocator(3)
+    s = a.alloc(2)
+    assert a.alloc(2) is None and a.free_count == 1
+    a.free(s)
+    assert a.free_count == 3
+
+
+def test_pool_layer_copies_round_trip():
+    pool = CpuBlockPool(4, 2, 2 * 4 * 8 * 2)
+    kv = [torch.randn(8, 2, 4, 8).to(torch.bfloat16) for _ in range(2)]
+    for layer in range(2):
+        pool.save_layer(layer, [3, 0], kv[layer], [5, 6])
+    out = [torch.zeros_like(t) for t in kv]
+    for layer in range(2):
+        pool.load_layer(layer, [0, 3], out[layer], [1, 2])
+    assert torch.equal(out[0][1], kv[0][6]) and torch.equal(out[1][2], kv[1][5])
+
+
+def test_disk_capacity_bound_holds(tmp_path):
+    payload = memoryview(bytes(range(256)) * 4)
+    size = HEADER_BYTES + len(payload)
+    disk = DiskTier(tmp_path, SALT.digest(), 0, capacity_bytes=3 * size)
+    for i, key in enumerate(KEYS[:6]):
+        assert disk.write(key, KEYS[i - 1] if i else None, payload).result()
+        assert disk.used_bytes <= 3 * size
+    files = list(tmp_path.rglob("*"))
+    assert sum(p.is_file() for p in files) == 3
+    committed, evicted = disk.drain()
+    assert len(committed) == 6 and evicted == KEYS[:3]
+    disk.close()
+
+
+def test_disk_restart_rebuilds_and_drops_bad_files(tmp_path):
+    payload = memoryview(b"x" * 1000)
+    disk = DiskTier(tmp_path, SALT.digest(), 0, capacity_bytes=1 << 20)
+    for i, key in enumerate(KEYS[:3]):
+        disk.write(key, KEYS[i - 1] if i else None, payload).result()
+    disk.close()
+    (disk.dir / "zz").mkdir()
+    (disk.dir / "zz" / "garbage").write_bytes(b"not a block")
+    (disk.dir / "zz" / "half.tmp").write_bytes(b"crashed mid-write")
+    truncated = disk.dir / KEYS[2].hex()[:2] / KEYS[2].hex()
+    truncated.write_bytes(truncated.read_bytes()[:-10])
+    again = DiskTier(tmp_path, SALT.digest(), 0, capacity_bytes=1 << 20)
+    committed, _ = again.drain()
+    assert committed == [(KEYS[0], None), (KEYS[1], KEYS[0])]
+    assert not (disk.dir / "zz" / "garbage").exists() and not (disk.dir / "zz" / "half.tmp").exists()
+    dst = bytearray(1000)
+    assert again.read_into(KEYS[1], memoryview(dst)).result() and bytes(dst) == b"x" * 1000
+    # another model's salt never sees these files
+    other = DiskTier(tmp_path, KeySalt("other", "bfloat16", "cpu", 4, 2).digest(), 0, capacity_bytes=1 << 20)
+    assert other.drain() == ([], [])
+    again.close()
+    other.close()

@@ -1,0 +1,70 @@
+"""Store settings, read from ``kv_connector_extra_config["store"]`` and validated at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from vllm_pd.connector.exceptions import ConfigError
+
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(name: str, value: Any) -> int:
+    """``1073741824``, ``"512m"``, ``"4g"`` -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"store.{name}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and value.strip():
+        text = value.strip().lower().removesuffix("b").removesuffix("i")
+        mult = _UNITS.get(text[-1], 1)
+        try:
+            n = int(float(text[:-1] if text[-1] in _UNITS else text) * mult)
+        except ValueError:
+            raise ConfigError(f"store.{name}: not a size: {value!r}") from None
+    else:
+        raise ConfigError(f"store.{name}: expected a size, got {value!r}")
+    if n < 0:
+        raise ConfigError(f"store.{name}: must be >= 0, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    cpu_bytes: int = 1 << 30  # CPU pool size per worker (rank)
+    disk_path: str | None = None  # None = no disk tier
+    disk_bytes: int = 16 << 30
+    lease_s: float = 60.0  # pins of blocks being loaded expire after this
+    disk_io_threads: int = 2
+    master: str | None = None  # "tcp://host:port" of `vllm-pd store-master`; None = local only
+    master_timeout_s: float = 0.2
+    node_id: str | None = None  # name published to the master (default host:pid)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> StoreConfig:
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"store: unknown key(s) {unknown}; known: {sorted(known)}")
+        for name in ("cpu_bytes", "disk_bytes"):
+            if name in raw:
+                raw[name] = parse_bytes(name, raw[name])
+        for name in ("lease_s", "master_timeout_s"):
+            if name in raw and (not isinstance(raw[name], (int, float)) or isinstance(raw[name], bool) or raw[name] <= 0):
+                raise ConfigError(f"store.{name}: expected a number > 0, got {raw[name]!r}")
+        if "disk_io_threads" in raw and (not isinstance(raw["disk_io_threads"], int) or raw["disk_io_threads"] <= 0):
+            raise ConfigError(f"store.disk_io_threads: expected an integer > 0, got {raw['disk_io_threads']!r}")
+        for name in ("disk_path", "master", "node_id"):
+            if name in raw and raw[name] is not None and not isinstance(raw[name], str):
+                raise ConfigError(f"store.{name}: expected a string, got {raw[name]!r}")
+        cfg = cls(**raw)
+        return cfg
+
+    def num_slots(self, slot_nbytes: int) -> int:
+        """CPU pool slots for blocks of ``slot_nbytes`` (all layers of one rank)."""
+        n = self.cpu_bytes // slot_nbytes
+        if n <= 0:
+            raise ConfigError(f"store.cpu_bytes={self.cpu_bytes} holds no block of {slot_nbytes} bytes")
+        return n

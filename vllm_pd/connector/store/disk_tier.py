@@ -1,0 +1,209 @@
+"""Local disk tier: one file per block key (all layers of this rank), async I/O.
+
+File = 96-byte header + payload. The header names the salt (a directory reused
+by another model/layout is ignored), the key and its *parent* key (so the
+radix index can be rebuilt from disk alone after a restart), the payload length
+and its blake3 checksum. Writes go to ``*.tmp`` then ``os.replace``: a crash
+leaves a stray tmp file, never a half file under a real name (two-phase put on
+disk). Reads verify the checksum; a mismatch deletes the file and reports the
+key as evicted, so a corrupt block is recomputed, never served.
+
+The capacity bound counts file bytes and holds after every write: the least
+recently used files that nobody is reading are deleted first (writes and reads
+touch a chain leaf first, so parents outlive children). Evicted keys are
+reported so the scheduler side drops them from its index.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_pd.connector.store.cpu_pool import CHECKSUM_BYTES, checksum
+from vllm_pd.connector.store.keys import KEY_BYTES, BlockKey
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"VPDKVB01"
+_HEADER = struct.Struct(f"<8s{KEY_BYTES}s{KEY_BYTES}s{KEY_BYTES}sQ{CHECKSUM_BYTES}s")  # magic salt key parent len sum
+HEADER_BYTES = _HEADER.size
+_ROOT = b"\x00" * KEY_BYTES  # parent of a chain's first block
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    key: BlockKey
+    parent: BlockKey | None
+    nbytes: int  # file size
+
+
+class DiskTier:
+    def __init__(self, root: str | Path, salt_digest: BlockKey, rank: int, capacity_bytes: int, io_threads: int = 2) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"disk capacity must be > 0, got {capacity_bytes}")
+        self.dir = Path(root) / salt_digest.hex() / f"rank{rank}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.salt = salt_digest
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[BlockKey, DiskEntry] = OrderedDict()  # LRU first
+        self._readers: dict[BlockKey, int] = {}
+        self._used = 0
+        self._committed: list[tuple[BlockKey, BlockKey | None]] = []
+        self._evicted: list[BlockKey] = []
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-disk")
+        self._rebuild()
+
+    # -- restart -------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Index the files already there; drop tmp files and files with a bad header/size."""
+        found: list[tuple[float, DiskEntry]] = []
+        for path in self.dir.glob("*/*"):
+            if path.suffix == ".tmp":
+                path.unlink(missing_ok=True)
+                continue
+            entry = self._read_header(path)
+            if entry is None:
+                logger.warning("dropping corrupt KV block file %s", path)
+                path.unlink(missing_ok=True)
+                continue
+            found.append((path.stat().st_mtime, entry))
+        found.sort(key=lambda t: t[0])
+        for _, entry in found:
+            self._entries[entry.key] = entry
+            self._used += entry.nbytes
+            self._committed.append((entry.key, entry.parent))
+        self._enforce_capacity(0)
+        logger.info("disk tier %s: %d blocks, %d bytes after restart", self.dir, len(self._entries), self._used)
+
+    def _read_header(self, path: Path) -> DiskEntry | None:
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(HEADER_BYTES)
+            magic, salt, key, parent, nbytes, _ = _HEADER.unpack(head)
+        except (OSError, struct.error):
+            return None
+        if magic != MAGIC or salt != self.salt or size != HEADER_BYTES + nbytes or path.name != key.hex():
+            return None
+        return DiskEntry(key, None if parent == _ROOT else parent, size)
+
+    def _path(self, key: BlockKey) -> Path:
+        h = key.hex()
+        return self.dir / h[:2] / h
+
+    # -- I/O -----------------------------------------------------------------
+
+    def write(self, key: BlockKey, parent: BlockKey | None, payload: memoryview, payload_sum: bytes | None = None) -> Future[bool]:
+        """Store ``payload`` (kept alive and unchanged by the caller until done)."""
+        return self._pool.submit(self._write, key, parent, payload, payload_sum)
+
+    def _write(self, key: BlockKey, parent: BlockKey | None, payload: memoryview, payload_sum: bytes | None) -> bool:
+        size = HEADER_BYTES + len(payload)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return True
+            if not self._enforce_capacity(size):
+                return False
+            self._used += size  # reserve
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            digest = payload_sum if payload_sum is not None else checksum(payload)
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(MAGIC, self.salt, key, parent or _ROOT, len(payload), digest))
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError:
+            logger.exception("disk write of %s failed", key.hex())
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self._used -= size
+            return False
+        with self._lock:
+            self._entries[key] = DiskEntry(key, parent, size)
+            self._committed.append((key, parent))
+        return True
+
+    def read_into(self, key: BlockKey, dst: memoryview) -> Future[bool]:
+        """Read and verify ``key`` into ``dst``; False (and the file dropped) on any doubt."""
+        with self._lock:
+            if key not in self._entries:
+                f: Future[bool] = Future()
+                f.set_result(False)
+                return f
+            self._readers[key] = self._readers.get(key, 0) + 1
+            self._entries.move_to_end(key)
+        return self._pool.submit(self._read, key, dst)
+
+    def _read(self, key: BlockKey, dst: memoryview) -> bool:
+        ok = False
+        try:
+            with open(self._path(key), "rb") as f:
+                magic, salt, fkey, _, nbytes, digest = _HEADER.unpack(f.read(HEADER_BYTES))
+                if magic == MAGIC and salt == self.salt and fkey == key and nbytes == len(dst):
+                    ok = f.readinto(dst) == nbytes and checksum(dst) == digest
+        except (OSError, struct.error):
+            ok = False
+        with self._lock:
+            self._readers[key] -= 1
+            if not self._readers[key]:
+                del self._readers[key]
+            if not ok:
+                logger.warning("KV block %s on disk failed verification; dropped", key.hex())
+                self._drop(key)
+        return ok
+
+    # -- capacity --------------------------------------------------------------
+
+    def _enforce_capacity(self, incoming: int) -> bool:
+        """Evict LRU unread files until ``incoming`` more bytes fit. Lock held."""
+        if incoming > self.capacity_bytes:
+            return False
+        victims = iter(list(self._entries))
+        while self._used + incoming > self.capacity_bytes:
+            victim = next((k for k in victims if k not in self._readers), None)
+            if victim is None:
+                return False
+            self._drop(victim)
+        return True
+
+    def _drop(self, key: BlockKey) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        self._used -= entry.nbytes
+        self._path(key).unlink(missing_ok=True)
+        self._evicted.append(key)
+
+    # -- reporting -------------------------------------------------------------
+
+    def drain(self) -> tuple[list[tuple[BlockKey, BlockKey | None]], list[BlockKey]]:
+        """(committed (key, parent), evicted keys) since the last call."""
+        with self._lock:
+            committed, self._committed = self._committed, []
+            evicted, self._evicted = self._evicted, []
+        return committed, evicted
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        return iter(list(self._entries))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

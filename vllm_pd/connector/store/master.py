@@ -1,0 +1,157 @@
+"""The store master: the cluster-wide index of which node holds which prefix.
+
+One small process (``vllm-pd store-master``). Nodes publish committed block
+keys in batches (with each key's parent) and withdraw evicted ones; anyone asks
+"which node holds the longest prefix of this key chain". Only metadata passes
+through here; block bytes move node to node over the connector's transports.
+
+pyzmq (ROUTER socket, msgpack via msgspec) rather than HTTP: keys are binary,
+requests are tiny and frequent (one publish per engine step per node, one
+lookup per new request), and a zmq round trip costs tens of microseconds with
+no web framework or event loop in the engine process. Nodes that stop
+publishing/heartbeating for ``node_ttl_s`` are dropped with all their keys, so
+a dead node's blocks are never advertised for long; a node that finds a
+master without its keys (restart) republishes a snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from vllm_pd.connector.store.keys import BlockKey
+
+logger = logging.getLogger(__name__)
+
+
+class Publish(msgspec.Struct, tag="publish"):
+    node: str
+    endpoint: str  # where peers fetch this node's blocks (transport endpoint)
+    inserts: list[tuple[BlockKey, BlockKey | None]] = []
+    removes: list[BlockKey] = []
+    snapshot: bool = False  # inserts are the node's whole index: forget its older keys
+
+
+class Lookup(msgspec.Struct, tag="lookup"):
+    keys: list[BlockKey]
+    exclude: str | None = None  # the asking node (it knows its own blocks)
+
+
+class Reply(msgspec.Struct):
+    seq: int
+    ok: bool = True
+    node: str | None = None
+    endpoint: str | None = None
+    blocks: int = 0  # leading keys held by ``node``
+    known: bool = True  # False: the master has no record of the publishing node (restarted): resync
+
+
+class Request(msgspec.Struct):
+    seq: int
+    body: Publish | Lookup
+
+
+@dataclass
+class _Node:
+    endpoint: str
+    last_seen: float
+    keys: set[BlockKey] = field(default_factory=set)
+
+
+class MasterIndex:
+    """The master's state, separate from the socket loop so it is testable directly."""
+
+    def __init__(self, node_ttl_s: float = 30.0) -> None:
+        self.node_ttl_s = node_ttl_s
+        self._owners: dict[BlockKey, set[str]] = {}
+        self._nodes: dict[str, _Node] = {}
+
+    def publish(self, msg: Publish, now: float) -> bool:
+        """Apply a batch; returns whether the node was known before (False = resync needed)."""
+        node = self._nodes.get(msg.node)
+        known = node is not None
+        if node is None or msg.snapshot:
+            if node is not None:
+                self._drop_node(msg.node)
+            node = self._nodes[msg.node] = _Node(msg.endpoint, now)
+        node.endpoint, node.last_seen = msg.endpoint, now
+        for key, _parent in msg.inserts:
+            self._owners.setdefault(key, set()).add(msg.node)
+            node.keys.add(key)
+        for key in msg.removes:
+            owners = self._owners.get(key)
+            if owners is not None:
+                owners.discard(msg.node)
+                if not owners:
+                    del self._owners[key]
+            node.keys.discard(key)
+        return known or msg.snapshot
+
+    def lookup(self, keys: list[BlockKey], exclude: str | None, now: float) -> tuple[str | None, str | None, int]:
+        self.expire(now)
+        alive = set(self._owners.get(keys[0], ())) - {exclude} if keys else set()
+        n = 0
+        best: str | None = None
+        while alive and n < len(keys):
+            nxt = alive & self._owners.get(keys[n], set())
+            if not nxt:
+                break
+            alive = nxt
+            best = min(alive)  # deterministic among equals
+            n += 1
+        if best is None:
+            return None, None, 0
+        return best, self._nodes[best].endpoint, n
+
+    def expire(self, now: float) -> None:
+        for name in [n for n, node in self._nodes.items() if now - node.last_seen > self.node_ttl_s]:
+            logger.info("store master: node %s silent for > %.0fs; dropping its keys", name, self.node_ttl_s)
+            self._drop_node(name)
+
+    def _drop_node(self, name: str) -> None:
+        node = self._nodes.pop(name)
+        for key in node.keys:
+            owners = self._owners.get(key)
+            if owners is not None:
+                owners.discard(name)
+                if not owners:
+                    del self._owners[key]
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._owners)
+
+
+def serve(bind: str, node_ttl_s: float = 30.0, stop_after_s: float | None = None) -> None:
+    """Answer requests on ``bind`` (e.g. ``tcp://0.0.0.0:7700``) until interrupted."""
+    index = MasterIndex(node_ttl_s)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(bind)
+    decoder, encoder = msgspec.msgpack.Decoder(Request), msgspec.msgpack.Encoder()
+    logger.info("store master listening on %s", sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            if not sock.poll(500):
+                continue
+            ident, payload = sock.recv_multipart()
+            now = time.monotonic()
+            try:
+                req = decoder.decode(payload)
+            except msgspec.DecodeError:
+                logger.warning("store master: undecodable request dropped")
+                continue
+            if isinstance(req.body, Publish):
+                reply = Reply(req.seq, known=index.publish(req.body, now))
+            else:
+                node, endpoint, n = index.lookup(req.body.keys, req.body.exclude, now)
+                reply = Reply(req.seq, node=node, endpoint=endpoint, blocks=n)
+            sock.send_multipart([ident, encoder.encode(reply)])
+    finally:
+        sock.close()

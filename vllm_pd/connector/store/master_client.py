@@ -1,0 +1,143 @@
+"""A node's link to the store master: batched publishes, lookups with a deadline.
+
+Everything here is best effort by design: if the master is slow, gone or
+restarted, ``lookup`` returns None (the caller falls back to its local index or
+recomputes) and publishes are dropped until the master answers again, at which
+point the node republishes a snapshot of its index. Wrong data can never come
+from here: a remote hit is only a hint where to fetch, and fetched bytes are
+checksum-verified by the transport before they count.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from vllm_pd.connector.store.keys import BlockKey
+from vllm_pd.connector.store.master import Lookup, Publish, Reply, Request
+
+logger = logging.getLogger(__name__)
+
+BATCH = 256  # keys per publish: ~30x the rate of single inserts, flat beyond (kv-stores.md §6.4)
+
+
+@dataclass(frozen=True)
+class RemoteHit:
+    node: str
+    endpoint: str
+    blocks: int
+
+
+class MasterClient:
+    def __init__(
+        self,
+        address: str,
+        node: str,
+        endpoint: str,
+        snapshot: Callable[[], list[tuple[BlockKey, BlockKey | None]]],
+        timeout_s: float = 0.2,
+        retry_after_s: float = 2.0,
+        heartbeat_s: float = 5.0,
+    ) -> None:
+        self.address, self.node, self.endpoint = address, node, endpoint
+        self.timeout_s, self.retry_after_s, self.heartbeat_s = timeout_s, retry_after_s, heartbeat_s
+        self._last_contact = float("-inf")
+        self._snapshot = snapshot
+        self._seq = itertools.count(1)
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._down_until = 0.0
+        self._need_snapshot = True
+        self._inserts: list[tuple[BlockKey, BlockKey | None]] = []
+        self._removes: list[BlockKey] = []
+        self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Reply)
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
+        self._inserts.append((key, parent))
+
+    def removed(self, key: BlockKey) -> None:
+        self._removes.append(key)
+
+    def flush(self, force: bool = False) -> bool:
+        """Publish queued changes (call once per step). False: master unreachable."""
+        if not self.available:
+            self._inserts.clear()
+            self._removes.clear()
+            self._need_snapshot = True
+            return False
+        if self._need_snapshot:
+            self._inserts, self._removes = [], []
+            msgs = [Publish(self.node, self.endpoint, self._snapshot(), [], snapshot=True)]
+        elif self._inserts or self._removes or force or time.monotonic() - self._last_contact >= self.heartbeat_s:
+            # changes, or a heartbeat: keeps our keys alive on the master and tells us if it restarted
+            msgs = [Publish(self.node, self.endpoint, self._inserts[i:i + BATCH], [])
+                    for i in range(0, len(self._inserts), BATCH)]
+            msgs.append(Publish(self.node, self.endpoint, [], self._removes))
+            self._inserts, self._removes = [], []
+        else:
+            return True
+        for msg in msgs:
+            reply = self._call(msg)
+            if reply is None:
+                self._need_snapshot = True
+                return False
+            if not reply.known:  # master restarted and lost us
+                self._need_snapshot = True
+                return self.flush()
+        self._need_snapshot = False
+        return True
+
+    def lookup(self, keys: Sequence[BlockKey]) -> RemoteHit | None:
+        """Longest prefix of ``keys`` held by another node, or None (also when the master is down)."""
+        if not keys or not self.available:
+            return None
+        reply = self._call(Lookup(list(keys), exclude=self.node))
+        if reply is None or reply.node is None or reply.endpoint is None or reply.blocks <= 0:
+            return None
+        return RemoteHit(reply.node, reply.endpoint, reply.blocks)
+
+    def _call(self, body: Publish | Lookup) -> Reply | None:
+        sock = self._socket()
+        seq = next(self._seq)
+        try:
+            sock.send(self._encoder.encode(Request(seq, body)), zmq.NOBLOCK)
+            deadline = time.monotonic() + self.timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                if not sock.poll(int(left * 1000) + 1):
+                    break
+                reply = self._decoder.decode(sock.recv())
+                if reply.seq == seq:  # older replies arrived after their deadline: skip
+                    self._last_contact = time.monotonic()
+                    return reply
+        except (zmq.ZMQError, msgspec.DecodeError) as exc:
+            logger.debug("store master call failed: %s", exc)
+        logger.warning("store master %s unreachable; local lookups only for %.0fs", self.address, self.retry_after_s)
+        self._down_until = time.monotonic() + self.retry_after_s
+        self._reset()
+        return None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.SNDHWM, 64)
+            self._sock.connect(self.address)
+        return self._sock
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def close(self) -> None:
+        self._reset()

@@ -1,0 +1,221 @@
+"""The store's worker-side facade (runs in each vLLM worker process).
+
+It owns the bytes: the CPU pool and the disk tier of this rank. It executes the
+plans of :class:`~vllm_pd.connector.store.scheduler_side.StoreScheduler` on
+background threads (saves on one, loads on another, disk I/O on the disk
+tier's own threads) and reports what landed through :meth:`StoreWorker.report`
+(send it to the scheduler side in KVConnectorWorkerMetadata).
+
+Loads are layer-wise: :meth:`start_loads` returns at once; a thread copies
+layer 0 of every op, then layer 1, ...; :meth:`wait_layer` blocks until layer
+``i`` is in place, so the forward pass of layer ``i`` overlaps the copy of
+layer ``i+1``. A block read from disk is checksum-verified before any layer of
+it is copied; a failure makes that block and every later block of the request
+a load error (vLLM recomputes them), never wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from vllm_pd.connector.store.config import StoreConfig
+from vllm_pd.connector.store.cpu_pool import CpuBlockPool
+from vllm_pd.connector.store.disk_tier import DiskTier
+from vllm_pd.connector.store.keys import KeySalt
+from vllm_pd.connector.store.plans import LoadOp, LoadResult, SaveOp, SaveResult, StorePlan, StoreReport
+
+logger = logging.getLogger(__name__)
+
+
+class StoreWorker:
+    def __init__(self, config: StoreConfig, salt: KeySalt, kv_caches: Sequence[torch.Tensor], rank: int = 0) -> None:
+        if len(kv_caches) != salt.num_layers:
+            raise ValueError(f"salt says {salt.num_layers} layers, got {len(kv_caches)} KV caches")
+        nbytes = {int(t[0].numel() * t.element_size()) for t in kv_caches}
+        if len(nbytes) != 1:
+            raise ValueError(f"layers have different block sizes in bytes: {sorted(nbytes)}")
+        self.kv_caches = list(kv_caches)
+        layer_nbytes = nbytes.pop()
+        slot_nbytes = layer_nbytes * len(kv_caches)
+        self.pool = CpuBlockPool(config.num_slots(slot_nbytes), len(kv_caches), layer_nbytes)
+        self.disk = (
+            DiskTier(config.disk_path, salt.digest(), rank, config.disk_bytes, config.disk_io_threads)
+            if config.disk_path else None
+        )
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kv-store-save")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-store-load")
+        self._lock = threading.Lock()
+        self._saves: list[SaveResult] = []
+        self._loads: list[LoadResult] = []
+        self._disk_failed: list[bytes] = []
+        self._saved_requests: set[str] = set()
+        self._loaded_requests: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._save_futures: list[Future[None]] = []
+        self._disk_futures: list[Future[bool]] = []
+        self._layer_futures: list[list[Future[None]]] = [[] for _ in kv_caches]
+
+    @property
+    def slot_nbytes(self) -> int:
+        return self.pool.slot_nbytes
+
+    def execute(self, plan: StorePlan) -> None:
+        """Start a step's plan (call in ``start_load_kv``)."""
+        if plan.loads:
+            self.start_loads(plan.loads)
+        if plan.saves:
+            self.start_saves(plan.saves)
+
+    # -- saves ---------------------------------------------------------------------
+
+    def start_saves(self, ops: Sequence[SaveOp]) -> None:
+        """Copy out in the background. vLLM must not reuse the source blocks until
+        the request shows up in :meth:`take_finished` (or :meth:`wait_saves` returned)."""
+        for op in ops:
+            self._save_futures.append(self._saver.submit(self._save, op))
+
+    def _save(self, op: SaveOp) -> None:
+        try:
+            for layer, kv in enumerate(self.kv_caches):
+                self.pool.save_layer(layer, op.slots, kv, op.block_ids)
+            sums = [self.pool.checksum(s) for s in op.slots]
+            result = SaveResult(op.request_id, list(op.keys), [])
+        except Exception:  # noqa: BLE001 - a failed copy must be reported, not kill the thread
+            logger.exception("store: saving %s failed", op.request_id)
+            sums, result = [], SaveResult(op.request_id, [], list(op.keys))
+        with self._lock:
+            self._saves.append(result)
+            self._saved_requests.add(op.request_id)
+        if self.disk is None or not result.committed:
+            return
+        parents = [op.parent, *op.keys[:-1]]
+        for i in reversed(range(len(op.keys))):  # leaf first: parents are the most recent on disk
+            fut = self.disk.write(op.keys[i], parents[i], self.pool.slot_view(op.slots[i]), sums[i])
+            fut.add_done_callback(lambda f, key=op.keys[i]: self._disk_written(key, f))
+            with self._lock:
+                self._disk_futures = [f for f in self._disk_futures if not f.done()] + [fut]
+
+    def _disk_written(self, key: bytes, fut: Future[bool]) -> None:
+        if fut.exception() is not None or not fut.result():
+            with self._lock:
+                self._disk_failed.append(key)
+
+    def wait_saves(self) -> None:
+        """Block until every started save has been copied out of vLLM's blocks."""
+        futures, self._save_futures = self._save_futures, []
+        for f in futures:
+            f.result()
+
+    def wait_disk(self) -> None:
+        """Block until every started write-through to disk ended (tests, shutdown)."""
+        self.wait_saves()
+        with self._lock:
+            futures, self._disk_futures = self._disk_futures, []
+        for f in futures:
+            f.exception()
+
+    # -- loads -----------------------------------------------------------------------
+
+    def start_loads(self, ops: Sequence[LoadOp]) -> None:
+        futures = [Future() for _ in self.kv_caches]
+        for layer, f in enumerate(futures):
+            self._layer_futures[layer].append(f)
+        self._loader.submit(self._load, list(ops), futures)
+
+    def _load(self, ops: list[LoadOp], layer_futures: list[Future[None]]) -> None:
+        try:
+            usable = [self._stage(op) for op in ops]
+            for layer, kv in enumerate(self.kv_caches):
+                for op, n in zip(ops, usable):
+                    if n:
+                        self.pool.load_layer(layer, op.slots[:n], kv, op.block_ids[:n])
+                layer_futures[layer].set_result(None)
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("store: load failed")
+            usable = [0] * len(ops)
+            for f in layer_futures:
+                if not f.done():
+                    f.set_exception(exc)
+        with self._lock:
+            for op, n in zip(ops, usable):
+                self._loads.append(LoadResult(op.request_id, op.keys[:n], op.keys[n:], op.block_ids[n:]))
+                self._load_errors.update(op.block_ids[n:])
+                self._loaded_requests.add(op.request_id)
+
+    def _stage(self, op: LoadOp) -> int:
+        """Read the op's disk blocks into their slots; returns how many leading blocks are usable."""
+        reads = []
+        for i, (slot, from_disk) in enumerate(zip(op.slots, op.from_disk)):
+            if from_disk:
+                if self.disk is None:
+                    return i
+                reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot))))
+        for i, fut in reads:
+            if not fut.result():
+                return i
+        return len(op.keys)
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until every load started so far has put ``layer`` in place."""
+        futures, self._layer_futures[layer] = self._layer_futures[layer], []
+        for f in futures:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - reported as load errors; vLLM recomputes
+                pass
+
+    def load_layer(self, layer: int) -> Future[None]:
+        """A future for ``layer`` of the loads started so far (non-blocking form)."""
+        pending = list(self._layer_futures[layer])
+        done: Future[None] = Future()
+        if not pending:
+            done.set_result(None)
+            return done
+        remaining = [len(pending)]
+        lock = threading.Lock()
+
+        def one(_: Future[None]) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                done.set_result(None)
+
+        for f in pending:
+            f.add_done_callback(one)
+        return done
+
+    # -- reporting ---------------------------------------------------------------------
+
+    def report(self) -> StoreReport:
+        """What landed since the last call (send to the scheduler side)."""
+        committed, evicted = self.disk.drain() if self.disk else ([], [])
+        with self._lock:
+            report = StoreReport(self._saves, self._loads, committed, evicted, self._disk_failed)
+            self._saves, self._loads, self._disk_failed = [], [], []
+        return report
+
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        """(requests whose saves were copied out, requests whose loads ended) since the last call."""
+        with self._lock:
+            saved, self._saved_requests = self._saved_requests, set()
+            loaded, self._loaded_requests = self._loaded_requests, set()
+        return saved, loaded
+
+    def take_load_errors(self) -> set[int]:
+        """vLLM block ids whose load failed (for ``get_block_ids_with_load_errors``)."""
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self.wait_disk()
+        self._saver.shutdown(wait=True)
+        self._loader.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.close()

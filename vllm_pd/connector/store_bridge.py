@@ -1,0 +1,208 @@
+"""Wires the KV block store (vllm_pd.connector.store) into PDConnector.
+
+Enabled by ``kv_connector_extra_config["store"]`` (a dict of StoreConfig keys).
+Works on any role: on a new request without a remote prefill, the store's
+longest committed prefix is reported to vLLM as external tokens (a sync load
+that the worker lands layer by layer before each attention layer); when a
+request finishes, its computed blocks are saved asynchronously and vLLM keeps
+them until the copy is done (``request_finished`` -> True, then
+``finished_sending``), jointly with the PD transfer when prefill holds the same
+blocks for decode.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+from vllm_pd.connector.store.config import StoreConfig
+from vllm_pd.connector.store.keys import KeySalt
+from vllm_pd.connector.store.plans import StorePlan, StoreReport
+from vllm_pd.connector.store.scheduler_side import StoreScheduler
+from vllm_pd.connector.store.worker_side import StoreWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def make_salt(vllm_config: "VllmConfig", num_layers: int, block_nbytes: int) -> KeySalt:
+    from vllm.platforms import current_platform
+
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    return KeySalt(
+        model=f"{mc.model}@{mc.revision or ''}",
+        dtype=f"{mc.dtype}/{cc.cache_dtype}",
+        kv_layout=f"{current_platform.device_type}:{block_nbytes}B/block",
+        block_size=cc.block_size,
+        num_layers=num_layers,
+        tp_size=pc.tensor_parallel_size,
+        pp_size=pc.pipeline_parallel_size,
+    )
+
+
+@dataclass
+class StoreStepMeta:
+    """Rides in PDConnectorMetadata."""
+
+    plan: StorePlan = field(default_factory=StorePlan)
+    missing_block_ids: list[int] = field(default_factory=list)  # vanished between match and alloc
+    # request -> owners of its blocks ("store", and "pd" when prefill also holds them)
+    held: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+class StoreWorkerMeta(KVConnectorWorkerMetadata):
+    def __init__(self, report: StoreReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, StoreWorkerMeta)
+        return StoreWorkerMeta(self.report.aggregate(other.report))
+
+
+class StoreBridgeScheduler:
+    def __init__(self, vllm_config: "VllmConfig", config: StoreConfig) -> None:
+        self.vllm_config = vllm_config
+        self.config = config
+        self.store: StoreScheduler | None = None  # built once the workers' handshake says the block size
+        self._matched: dict[str, int] = {}  # request -> tokens the store holds
+        self._meta = StoreStepMeta()
+
+    def on_handshake(self, num_layers: int, block_nbytes: int, endpoint: str) -> None:
+        salt = make_salt(self.vllm_config, num_layers, block_nbytes)
+        world = self.vllm_config.parallel_config.tensor_parallel_size
+        self.store = StoreScheduler(self.config, salt, num_layers * block_nbytes, world_size=world, endpoint=endpoint)
+        logger.info("KV store: %d CPU slots of %d bytes, disk %s", self.store.slots.num_slots,
+                    num_layers * block_nbytes, self.config.disk_path or "off")
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+        if self.store is None:
+            return 0
+        prompt = request.prompt_token_ids or []
+        hit = self.store.match(prompt[: len(prompt) - 1], request_id=request.request_id)  # >= 1 token to compute
+        if hit <= num_computed_tokens:
+            self._matched.pop(request.request_id, None)
+            return 0
+        self._matched[request.request_id] = hit
+        return hit - num_computed_tokens
+
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> bool:
+        """True if the store serves this request's external tokens."""
+        hit = self._matched.pop(request.request_id, None)
+        if self.store is None or hit is None or num_external_tokens <= 0:
+            return False
+        start = hit - num_external_tokens
+        bs = self.store.block_size
+        blocks = block_ids[start // bs: hit // bs]
+        _, missing = self.store.plan_load(request.request_id, request.prompt_token_ids or [], start,
+                                          num_external_tokens, blocks)
+        self._meta.missing_block_ids.extend(missing)
+        return True
+
+    def request_finished(self, request: "Request", block_ids: list[int], pd_holds: bool) -> bool:
+        """Queue the save of the request's computed blocks; True if vLLM must keep them for it."""
+        self._matched.pop(request.request_id, None)
+        if self.store is None:
+            return False
+        n = request.num_computed_tokens
+        op = self.store.plan_save(request.request_id, list(request.all_token_ids[:n]), block_ids)
+        self.store.forget(request.request_id)
+        if op is None:
+            return False
+        self._meta.held[request.request_id] = ("store", "pd") if pd_holds else ("store",)
+        return True
+
+    def build_meta(self) -> StoreStepMeta | None:
+        if self.store is None:
+            return None
+        meta, self._meta = self._meta, StoreStepMeta()
+        meta.plan = self.store.build_plan()
+        return meta
+
+    def update_connector_output(self, worker_meta: Any) -> None:
+        if self.store is not None and isinstance(worker_meta, StoreWorkerMeta):
+            self.store.on_worker_report(worker_meta.report)
+
+
+class StoreBridgeWorker:
+    def __init__(self, config: StoreConfig, vllm_config: "VllmConfig", tp_rank: int) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.tp_rank = tp_rank
+        self.store: StoreWorker | None = None
+        self._layer_index: dict[str, int] = {}
+        self._owners: dict[str, set[str]] = {}
+        self._pd_done_early: set[str] = set()
+        self._missing: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tensors = list(kv_caches.values())
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        block_nbytes = int(tensors[0][0].numel() * tensors[0].element_size())
+        salt = make_salt(self.vllm_config, len(tensors), block_nbytes)
+        self.store = StoreWorker(self.config, salt, tensors, rank=self.tp_rank)
+
+    def begin_step(self, meta: StoreStepMeta | None) -> None:
+        if self.store is None or meta is None:
+            return
+        for req_id, owners in meta.held.items():
+            self._owners[req_id] = set(owners)
+        self._missing.update(meta.missing_block_ids)
+        self._plan = meta.plan
+
+    def start(self) -> None:
+        plan = getattr(self, "_plan", None)
+        if self.store is not None and plan:
+            self.store.execute(plan)
+        self._plan = None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        i = self._layer_index.get(layer_name)
+        if self.store is not None and i is not None:
+            self.store.wait_layer(i)
+
+    def merge_finished(self, pd_sent: set[str]) -> set[str]:
+        """finished_sending = PD's, except requests the store still copies; plus the store's done ones."""
+        out = set()
+        for req_id in pd_sent:
+            owners = self._owners.get(req_id)
+            if owners is None:
+                out.add(req_id)
+                continue
+            owners.discard("pd")
+            if not owners:
+                del self._owners[req_id]
+                out.add(req_id)
+        if self.store is not None:
+            saved, _ = self.store.take_finished()
+            for req_id in saved:
+                owners = self._owners.get(req_id)
+                if owners is None:
+                    continue
+                owners.discard("store")
+                if not owners:
+                    del self._owners[req_id]
+                    out.add(req_id)
+        return out
+
+    def load_errors(self) -> set[int]:
+        bad, self._missing = self._missing, set()
+        if self.store is not None:
+            bad |= self.store.take_load_errors()
+        return bad
+
+    def worker_meta(self) -> StoreWorkerMeta | None:
+        if self.store is None:
+            return None
+        report = self.store.report()
+        return StoreWorkerMeta(report) if report else None
+
+    def shutdown(self) -> None:
+        if self.store is not None:
+            self.store.close()
