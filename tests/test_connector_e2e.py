@@ -156,3 +156,20 @@ def test_aborts_on_either_side_leak_nothing(pd_pair, client) -> None:
             client.post(decode.url + "/v1/completions", json=dict(body, kv_transfer_params=p["kv_transfer_params"]),
                         timeout=0.05)
     assert_nothing_held(client, pd_pair)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_layerwise_load_output_equals_plain(mode: str, pd_pair, reference_outputs, client) -> None:
+    """load_mode=layerwise: decode's first forward runs at once and waits for each layer's KV."""
+    prefill, decode = pd_pair
+    keys = ["ids17", "ids129", "ids640", "ids1500", "text4", "chat2"]
+    mismatches = []
+    for key in keys:
+        body = CONNECTOR_CASES[key]
+        p = ec.post(client, prefill.url, ec.prefill_leg(body, mode, decode))
+        params = dict(p["kv_transfer_params"], load_mode="layerwise")
+        d = ec.post(client, decode.url, dict(body, kv_transfer_params=params))
+        if ec.output_tokens(d) != reference_outputs[key]:
+            mismatches.append(key)
+    assert not mismatches, f"layer-wise {mode}: outputs differ for {mismatches}"
+    assert_nothing_held(client, pd_pair)

@@ -49,6 +49,9 @@ class LoadSpec:
     remote: RemotePrefill
     first_position: int  # the request's block index of local_block_ids[0]
     local_block_ids: tuple[int, ...]
+    # True: vLLM runs the request's forward now and waits per layer (sync load);
+    # False: the request waits off-batch until the whole load is reported
+    layerwise: bool = False
 
     @property
     def remote_block_ids(self) -> tuple[int, ...]:

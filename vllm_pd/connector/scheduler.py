@@ -61,7 +61,8 @@ class PDConnectorScheduler:
         self._finished_sends: list[FinishedSend] = []
         self._preempted: list[str] = []
         # decode side
-        self._matched: dict[str, tuple[RemotePrefill, int]] = {}  # req -> (remote, local computed)
+        # req -> (remote, locally computed tokens, layer-wise load)
+        self._matched: dict[str, tuple[RemotePrefill, int, bool]] = {}
         self._loads: list[LoadSpec] = []
         self._releases: list[RemoteRelease] = []
 
@@ -84,11 +85,19 @@ class PDConnectorScheduler:
         prompt = request.prompt_token_ids or []
         if not self._remote_usable(request, remote, prompt):
             return 0, False
-        count = min(remote.num_tokens, len(prompt)) - num_computed_tokens
+        layerwise = self._load_mode(request) == "layerwise"
+        # An async load may cover the whole prompt (vLLM then recomputes the last token);
+        # a layer-wise (sync) load must leave that token for this step's forward.
+        count = min(remote.num_tokens, len(prompt) - (1 if layerwise else 0)) - num_computed_tokens
         if count <= 0:
             return 0, False
-        self._matched[request.request_id] = (remote, num_computed_tokens)
-        return count, self.config.load_mode == "async"
+        self._matched[request.request_id] = (remote, num_computed_tokens, layerwise)
+        return count, not layerwise
+
+    def _load_mode(self, request: "Request") -> str:
+        """The instance's load_mode, unless the request's kv_transfer_params ask for another."""
+        mode = (request.kv_transfer_params or {}).get("load_mode", self.config.load_mode)
+        return mode if mode in ("async", "layerwise") else self.config.load_mode
 
     def _remote_usable(self, request: "Request", remote: RemotePrefill, prompt: list[int]) -> bool:
         reason = None
@@ -122,7 +131,7 @@ class PDConnectorScheduler:
             # Prompt already in our prefix cache (or unusable): prefill's copy is not needed.
             self._releases.append(RemoteRelease(remote.endpoint, remote.transfer_id))
             return
-        _, num_local = matched
+        _, num_local, layerwise = matched
         first = num_local // self.block_size
         last = -(-min(remote.num_tokens, request.num_prompt_tokens) // self.block_size)
         block_ids = blocks.get_block_ids()[0]
@@ -131,6 +140,7 @@ class PDConnectorScheduler:
             remote=remote,
             first_position=first,
             local_block_ids=tuple(block_ids[first:last]),
+            layerwise=layerwise,
         ))
 
     # ---- prefill side ---------------------------------------------------------------------------

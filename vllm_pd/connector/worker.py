@@ -160,13 +160,14 @@ class PDConnectorWorker:
         return f"{head}:{int(port) + self.tp_rank}"
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if not self._step_jobs or self.config.load_mode != "layerwise":
+        if not self._step_jobs:
             return
         i = self._layer_index.get(layer_name)
         if i is None:
             return
         for job in self._step_jobs:
-            job.layer_done[i].wait(timeout=self.config.transfer_timeout_s + 5.0)
+            if job.spec.layerwise:
+                job.layer_done[i].wait(timeout=self.config.transfer_timeout_s + 5.0)
 
     def save_kv_layer(self, layer_name: str) -> None:
         i = self._layer_index.get(layer_name)
@@ -223,7 +224,7 @@ class PDConnectorWorker:
         recvd: set[str] = set()
         failed: set[str] = set()
         for req_id, job in list(self._jobs.items()):
-            if not job.done.is_set() or self.config.load_mode == "layerwise":
+            if not job.done.is_set() or job.spec.layerwise:
                 continue  # layer-wise loads are synchronous: errors go by block id
             del self._jobs[req_id]
             recvd.add(req_id)
@@ -238,9 +239,9 @@ class PDConnectorWorker:
     def block_ids_with_load_errors(self) -> set[int]:
         """Layer-wise loads that failed: vLLM recomputes these blocks."""
         bad: set[int] = set()
-        if self.config.load_mode != "layerwise":
-            return bad
         for job in self._step_jobs:
+            if not job.spec.layerwise:
+                continue
             job.done.wait(timeout=self.config.transfer_timeout_s + 5.0)
             self._jobs.pop(job.spec.request_id, None)
             self.stats.record_load(job)
@@ -248,7 +249,6 @@ class PDConnectorWorker:
                 logger.warning("layer-wise KV load for %s failed (%s): its blocks are recomputed",
                                job.spec.request_id, job.error)
                 bad.update(job.spec.local_block_ids)
-        self._step_jobs = []
         return bad
 
     def shutdown(self) -> None:
