@@ -80,6 +80,7 @@ class FlowState:
     kv_params: dict | None = None
     kv_pending: bool = False  # prefill holds KV that no decode has been asked to take
     prefill_cached_tokens: int | None = None
+    pushed: bool = False  # prefill was told to push the KV into one decode instance
     leases: list[LegLease] = field(default_factory=list)
 
 
@@ -149,7 +150,7 @@ class PDFlow:
     def _kv_can_follow(self, state: FlowState, e: DecodeFailed) -> bool:
         # Pull-mode KV still sits untouched on prefill if decode never saw the request;
         # pushed KV went into the failed decode, so prefill must run again.
-        return not e.sent and state.kv_params is not None and state.kv_params.get("transfer_mode") != "push"
+        return not e.sent and state.kv_params is not None and not state.pushed
 
     def _drop_kv(self, state: FlowState) -> None:
         if state.kv_params:
@@ -229,6 +230,7 @@ class PDFlow:
             return True
         state.kv_params = params
         state.kv_pending = True
+        state.pushed = push
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
