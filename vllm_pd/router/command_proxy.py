@@ -83,6 +83,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 
 
 def install_uvloop() -> None:
+    # VLLM_PD_PROXY_LOOP=asyncio keeps the stock loop (used by the stack comparison benchmark)
+    if os.environ.get("VLLM_PD_PROXY_LOOP") == "asyncio":
+        return
     try:
         import uvloop
     except ImportError:
@@ -116,3 +119,12 @@ def run(args: argparse.Namespace) -> int:
     install_uvloop()
     asyncio.run(serve_until_signal(cfg))
     return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m vllm_pd.router.command_proxy")
+    add_arguments(_parser)
+    _parser.add_argument("--log-level", default="WARNING")
+    _args = _parser.parse_args()
+    logging.basicConfig(level=_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(run(_args))

@@ -52,7 +52,8 @@ class LocalServer:
 
     def instance_config(self) -> InstanceConfig:
         # prefill never receives pushed KV, so only decode-capable instances advertise an endpoint
-        return InstanceConfig(self.server.url, self.role, None if self.role == "prefill" else self.kv_endpoint)
+        push_target = self.role != "prefill" and self.server.spec.kv_transfer_config is not None
+        return InstanceConfig(self.server.url, self.role, self.kv_endpoint if push_target else None)
 
 
 @dataclass
@@ -64,7 +65,7 @@ class LocalCluster:
     host: str = "127.0.0.1"
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="vllm-pd-up-")))
     extra_args: list[str] = field(default_factory=list)
-    connector: str = CONNECTOR_NAME
+    connector: str | None = CONNECTOR_NAME  # None: plain vLLM servers (no KV connector)
     transport: str = "tcp"
     max_model_len: int = 2048
     servers: list[LocalServer] = field(default_factory=list)
@@ -78,8 +79,9 @@ class LocalCluster:
             name = f"{role[0]}{counters[role]}"
             counters[role] += 1
             port, kv_port = _distinct_port(used), _distinct_port(used)
-            kv_cfg = {"kv_connector": self.connector, "kv_role": KV_ROLES[role], "kv_port": kv_port,
-                      "kv_connector_extra_config": {"transport": self.transport}}
+            kv_cfg = None if self.connector is None else {
+                "kv_connector": self.connector, "kv_role": KV_ROLES[role], "kv_port": kv_port,
+                "kv_connector_extra_config": {"transport": self.transport}}
             spec = VllmServerSpec(model=self.model, port=port, host=self.host, kv_transfer_config=kv_cfg,
                                   cpu_cores=cores, max_model_len=self.max_model_len, extra_args=self.extra_args)
             server = VllmServer(spec, log_path=self.log_dir / f"{name}.log").start()
