@@ -232,3 +232,13 @@ def test_health_checks_take_dead_instance_out_and_drain_stops_new_requests() -> 
             async with h.session.get(h.url + "/health") as r:
                 assert r.status == 503
     run(go)
+
+
+def test_decode_rejecting_request_releases_prefill_kv() -> None:
+    async def go() -> None:
+        async with harness() as h:
+            h.decodes[0].fail_next("400")
+            status, out = await h.post("/v1/completions", LONG)
+            assert status == 400 and out["error"]["message"] == "bad prompt"
+            await wait_for(lambda: len(h.released) == 1)
+    run(go)

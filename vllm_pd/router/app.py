@@ -7,6 +7,7 @@ disconnect cancels the request's task, and with it whichever leg is running.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Awaitable, Callable
@@ -116,6 +117,9 @@ class ProxyServer:
             return resp
         except ProxyError as e:
             status = e.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away
             raise
         finally:
             self.metrics.requests.labels(request.path, str(status)).inc()

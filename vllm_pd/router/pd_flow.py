@@ -177,6 +177,12 @@ class PDFlow:
             return
         push = self.config.kv_mode != "pull" and decode.kv_endpoint is not None
         tried: set[str] = {decode.url}  # a "both" instance never prefills for itself
+        if not self.pool.eligible("prefill", tried):
+            if self.config.require_disagg:
+                raise unavailable("no prefill instance available and --require-disagg is set",
+                                  "prefill_unavailable")
+            self.metrics.fallbacks.labels("no_prefill_instance").inc()
+            return
         for attempt in range(self.config.prefill_attempts):
             prefill = self._pick("prefill", req, tried)
             if prefill is None:
@@ -268,7 +274,9 @@ class PDFlow:
                 text = await _read_some(resp)
                 raise DecodeFailed(f"HTTP {resp.status}: {text!r}", sent=True, kind="status")
             if resp.status >= 400:
+                # rejected before reaching the engine: the KV prefill holds was never taken
                 decode.breaker.record_success()
+                state.kv_pending = state.kv_params is not None
                 raise _passthrough_error(resp.status, await resp.read())
             if req.stream:
                 return await self._relay_stream(resp, decode, state, http_request, t0)
