@@ -76,21 +76,43 @@ def test_prefix_aware_memory_is_bounded() -> None:
 
 
 def test_supervisor_moves_both_instances_with_the_mix() -> None:
-    pool = InstancePool(ProxyConfig(instances=[InstanceConfig(f"http://b{i}:1", "both") for i in range(4)]))
-    sup = Supervisor(pool)
-    insts = pool.all()
-    for i in insts:
-        i.ttft.add(0.5)
-        i.tpot.add(0.01)
-    # long prompts queue up: most instances prefill
-    leases = [LegLease(insts[0], "prefill", 4000) for _ in range(12)] + [LegLease(insts[1], "decode", 10)]
+    pool = InstancePool(ProxyConfig(instances=[InstanceConfig(f"http://b{i}:1", "both") for i in range(4)]
+                                    + [InstanceConfig("http://fixed:1", "prefill")]))
+    sup = Supervisor(pool, ttft_slo=1.0, tpot_slo=0.05)
     roles = Counter(sup.rebalance().values())
-    assert roles["prefill"] >= 2 and roles["decode"] >= 1
-    for lease in leases:
-        lease.release()
-    # now long outputs dominate: most instances decode, at least one stays a decoder always
-    leases = [LegLease(insts[2], "decode", 10) for _ in range(60)] + [LegLease(insts[3], "prefill", 10)]
-    roles = Counter(sup.rebalance().values())
-    assert roles["decode"] >= 3
-    assert all(i.serves(i.active_role) for i in insts)
-    assert {i.url for i in pool.eligible("prefill")}.isdisjoint({i.url for i in pool.eligible("decode")})
+    assert roles == {"decode": 2, "prefill": 2}  # first split: alternate
+    # long prompts: TTFT misses its target while TPOT is fine -> instances move to prefill, one per call
+    for _ in range(20):
+        pool.recent_ttft.add(3.0)
+        pool.recent_tpot.add(0.01)
+    assert Counter(sup.rebalance().values()) == {"prefill": 3, "decode": 1}
+    assert Counter(sup.rebalance().values()) == {"prefill": 3, "decode": 1}  # the last decoder stays
+    # long outputs: TPOT misses, TTFT fine -> back to decode
+    for _ in range(40):
+        pool.recent_ttft.add(0.2)
+        pool.recent_tpot.add(0.2)
+    for _ in range(3):
+        sup.rebalance()
+    assert Counter(sup.rebalance().values()) == {"decode": 4}
+    assert sup.moves == 4
+    flex = [i for i in pool.all() if i.role == "both"]
+    assert all(i.serves("decode") and not i.serves("prefill") for i in flex)
+    assert [i.url for i in pool.eligible("prefill")] == ["http://fixed:1"]
+    # both within target: nothing moves
+    for _ in range(60):
+        pool.recent_tpot.add(0.03)
+    sup.rebalance()
+    assert sup.moves == 4
+
+
+def test_supervisor_reads_the_prefill_queue_before_completions_do() -> None:
+    pool = InstancePool(ProxyConfig(instances=[InstanceConfig(f"http://b{i}:1", "both") for i in range(3)]))
+    sup = Supervisor(pool, ttft_slo=1.0, tpot_slo=0.05)
+    sup.rebalance()
+    prefiller = next(i for i in pool.all() if i.active_role == "prefill")
+    prefiller.ttft.add(0.5)
+    for _ in range(8):
+        LegLease(prefiller, "prefill", 1000)  # 8 queued x 0.5 s = 4 s predicted TTFT
+    assert sup.pressures()[0] > 3
+    sup.rebalance()
+    assert Counter(i.active_role for i in pool.all())["prefill"] == 2

@@ -67,7 +67,8 @@ class ProxyServer:
         if self._run_health_checks:
             self.health.start()
         if self.config.supervisor:
-            self.supervisor = Supervisor(self.pool, self.config.supervisor_interval)
+            self.supervisor = Supervisor(self.pool, self.config.supervisor_interval,
+                                         self.config.supervisor_ttft_slo, self.config.supervisor_tpot_slo)
             self.supervisor.start()
 
     async def _stop(self, app: web.Application) -> None:

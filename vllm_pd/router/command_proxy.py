@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "require_disagg",
                  "short_prompt_tokens", "prefill_timeout", "decode_timeout", "decode_idle_timeout",
                  "connect_timeout", "max_body_bytes", "prefill_attempts", "decode_attempts", "health_interval",
-                 "breaker_failures", "breaker_cooldown", "admin_token", "supervisor", "tokenizer")
+                 "breaker_failures", "breaker_cooldown", "admin_token", "supervisor", "supervisor_ttft_slo",
+                 "supervisor_tpot_slo", "tokenizer")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bearer token of the admin API (env VLLM_PD_ADMIN_TOKEN); admin API off without it")
     p.add_argument("--supervisor", action="store_true", default=None,
                    help="let observed load choose the role of each --both instance")
+    p.add_argument("--supervisor-ttft-slo", type=float, help="TTFT target in seconds the supervisor balances "
+                   "against (default 2)")
+    p.add_argument("--supervisor-tpot-slo", type=float, help="TPOT target in seconds (default 0.1)")
     p.add_argument("--tokenizer", help="HF model dir whose tokenizer.json counts prompt tokens exactly")
 
 

@@ -62,6 +62,8 @@ class ProxyConfig:
     admin_token: str | None = None  # admin API disabled when unset
     supervisor: bool = False  # choose roles of "both" instances from observed load
     supervisor_interval: float = 2.0
+    supervisor_ttft_slo: float = 2.0  # seconds; the supervisor balances TTFT/slo against TPOT/slo
+    supervisor_tpot_slo: float = 0.1  # seconds per output token
     tokenizer: str | None = None  # HF tokenizer dir for exact prompt lengths (else ~4 bytes/token)
     model_names: list[str] = field(default_factory=list)  # extra accepted model names
 
@@ -78,7 +80,8 @@ class ProxyConfig:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port: {self.port} is out of range")
         for name in ("prefill_timeout", "decode_timeout", "decode_idle_timeout", "connect_timeout",
-                     "health_interval", "health_timeout", "breaker_cooldown", "supervisor_interval"):
+                     "health_interval", "health_timeout", "breaker_cooldown", "supervisor_interval",
+                     "supervisor_ttft_slo", "supervisor_tpot_slo"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("max_body_bytes", "prefill_attempts", "decode_attempts", "breaker_failures"):
@@ -118,7 +121,8 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "max_body_bytes": int, "prefill_attempts": int, "decode_attempts": int,
     "health_interval": (int, float), "health_timeout": (int, float), "breaker_failures": int,
     "breaker_cooldown": (int, float), "admin_token": str, "supervisor": bool,
-    "supervisor_interval": (int, float), "tokenizer": str, "model_names": list,
+    "supervisor_interval": (int, float), "supervisor_ttft_slo": (int, float),
+    "supervisor_tpot_slo": (int, float), "tokenizer": str, "model_names": list,
 }
 assert set(_FIELD_TYPES) | {"instances"} == {f.name for f in dataclasses.fields(ProxyConfig)}
 

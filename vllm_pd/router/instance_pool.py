@@ -89,6 +89,9 @@ class InstancePool:
     def __init__(self, config: ProxyConfig) -> None:
         self._config = config
         self._instances: dict[str, Instance] = {}
+        # what clients saw recently (all instances): the supervisor's signals
+        self.recent_ttft = Ewma(0.1)
+        self.recent_tpot = Ewma(0.1)
         for ic in config.instances:
             self.add(ic)
 

@@ -81,6 +81,7 @@ class FlowState:
     kv_pending: bool = False  # prefill holds KV that no decode has been asked to take
     prefill_cached_tokens: int | None = None
     pushed: bool = False  # prefill was told to push the KV into one decode instance
+    started: float = field(default_factory=time.monotonic)
     leases: list[LegLease] = field(default_factory=list)
 
 
@@ -293,13 +294,14 @@ class PDFlow:
             raise DecodeFailed(repr(e), sent=True, kind="read") from None
         decode.breaker.record_success()
         elapsed = time.monotonic() - t0
-        self.metrics.ttft_seconds.observe(elapsed)
+        self.metrics.ttft_seconds.observe(time.monotonic() - state.started)
         if state.prefill_cached_tokens is not None:
             raw = _rewrite_usage(raw, state.prefill_cached_tokens) or raw
         try:
             tokens = json.loads(raw).get("usage", {}).get("completion_tokens") or 0
             if tokens > 1:
                 decode.tpot.add(elapsed / tokens)
+                self.pool.recent_tpot.add(elapsed / tokens)
         except (ValueError, AttributeError):
             pass
         return web.Response(body=raw, status=resp.status, content_type="application/json",
@@ -321,7 +323,8 @@ class PDFlow:
             raise DecodeFailed(repr(e), sent=True, kind="read") from None
         decode.breaker.record_success()
         t_first = time.monotonic()
-        self.metrics.ttft_seconds.observe(t_first - t0)
+        self.metrics.ttft_seconds.observe(t_first - state.started)
+        self.pool.recent_ttft.add(t_first - state.started)
         out = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
         await out.prepare(http_request)
         await out.write(first)
@@ -350,7 +353,9 @@ class PDFlow:
             logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
             return out
         if n_events > 2:
-            decode.tpot.add((time.monotonic() - t_first) / (n_events - 2))
+            tpot = (time.monotonic() - t_first) / (n_events - 2)
+            decode.tpot.add(tpot)
+            self.pool.recent_tpot.add(tpot)
         await out.write_eof()
         return out
 

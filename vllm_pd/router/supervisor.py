@@ -1,12 +1,15 @@
-"""Supervisor: picks the role each ``both`` instance serves from observed load.
+"""Supervisor: picks the role each ``both`` instance serves from what clients see.
 
 Instances started as kv_both can run either leg. Every interval the
-supervisor estimates the pressure on each side - prefill: queued prompt tokens
-times the recent prefill latency per token; decode: running streams times the
-recent time per output token - and gives the ``both`` instances to the sides in
-proportion, so the prefill/decode split follows the traffic mix. Dedicated
-prefill/decode instances keep their role. An instance's switch takes effect
-for new requests only; in-flight legs finish where they are.
+supervisor compares how far each side is from its target - prefill by the
+recent time to first token (TTFT / ttft_slo, or the prefill queue depth when
+that says more), decode by the recent time per output token (TPOT / tpot_slo) -
+and moves one ``both`` instance from the side with headroom to the side that
+is behind. So the prefill/decode split follows the traffic mix: long prompts
+pull instances to prefill, long outputs pull them to decode. One move per
+interval and a 20 % dead band keep it from flapping; a move affects new
+requests only, in-flight legs finish where they are. Dedicated prefill/decode
+instances keep their role, and at least one decoder always remains.
 """
 
 from __future__ import annotations
@@ -14,15 +17,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from vllm_pd.router.instance_pool import InstancePool
+from vllm_pd.router.instance_pool import Instance, InstancePool
 
 logger = logging.getLogger(__name__)
 
+DEAD_BAND = 1.2
+
 
 class Supervisor:
-    def __init__(self, pool: InstancePool, interval: float = 2.0) -> None:
+    def __init__(self, pool: InstancePool, interval: float = 2.0, ttft_slo: float = 2.0,
+                 tpot_slo: float = 0.1) -> None:
         self._pool = pool
         self.interval = interval
+        self.ttft_slo = ttft_slo
+        self.tpot_slo = tpot_slo
+        self.moves = 0
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -41,45 +50,48 @@ class Supervisor:
             await asyncio.sleep(self.interval)
             self.rebalance()
 
+    def _flexible(self) -> list[Instance]:
+        return sorted((i for i in self._pool.all() if i.role == "both" and i.healthy and not i.draining),
+                      key=lambda i: i.url)
+
     def pressures(self) -> tuple[float, float]:
-        """(prefill, decode) demand in seconds of work, from counts and latency averages."""
-        insts = [i for i in self._pool.all() if i.healthy and not i.draining]
-        prefill_tokens = sum(i.outstanding_tokens["prefill"] for i in insts)
-        decode_streams = sum(i.outstanding["decode"] for i in insts)
-        ttfts = [i.ttft.value for i in insts if i.ttft.value is not None]
-        tpots = [i.tpot.value for i in insts if i.tpot.value is not None]
-        # unmeasured sides count one second per queued unit, so either side can grow from zero
-        prefill = sum(i.outstanding["prefill"] for i in insts) * (sum(ttfts) / len(ttfts) if ttfts else 1.0)
-        decode = decode_streams * (sum(tpots) / len(tpots) if tpots else 1.0) * 16
-        if prefill_tokens == 0 and decode_streams == 0:
-            return 0.0, 0.0
-        return prefill, decode
+        """(prefill, decode): each side's recent latency over its target (> 1 = missing it)."""
+        ttft = self._pool.recent_ttft.value or 0.0
+        tpot = self._pool.recent_tpot.value or 0.0
+        prefillers = [i for i in self._pool.all() if i.eligible("prefill") and not self._decode_only(i)]
+        queued = sum(i.outstanding["prefill"] for i in self._pool.all())
+        # a deep prefill queue predicts TTFT before completions report it
+        per_prefill = [i.ttft.value for i in prefillers if i.ttft.value is not None]
+        queue_ttft = queued / max(1, len(prefillers)) * (sum(per_prefill) / len(per_prefill) if per_prefill else 0)
+        return max(ttft, queue_ttft) / self.ttft_slo, tpot / self.tpot_slo
+
+    @staticmethod
+    def _decode_only(inst: Instance) -> bool:
+        return inst.role == "decode"
 
     def rebalance(self) -> dict[str, str]:
-        """Assign every flexible instance a role; returns url -> role for logging and tests."""
-        flexible = sorted((i for i in self._pool.all() if i.role == "both" and i.healthy and not i.draining),
-                          key=lambda i: i.url)
+        """Assign every flexible instance a role; returns url -> role."""
+        flexible = self._flexible()
         if not flexible:
             return {}
+        for n, inst in enumerate(i for i in flexible if i.active_role is None):
+            # first assignment: alternate, decode first (a decoder must always exist)
+            inst.active_role = "decode" if n % 2 == 0 else "prefill"
         prefill_p, decode_p = self.pressures()
-        if prefill_p == 0 and decode_p == 0:
-            return {i.url: i.active_role or "either" for i in flexible}
-        fixed_p = sum(1 for i in self._pool.all() if i.role == "prefill" and i.healthy)
-        fixed_d = sum(1 for i in self._pool.all() if i.role == "decode" and i.healthy)
-        total = len(flexible) + fixed_p + fixed_d
-        want_p = round(total * prefill_p / (prefill_p + decode_p)) - fixed_p
-        # decode must always exist; prefill may vanish (decode-only fallback covers it)
-        want_p = max(0, min(len(flexible) - (0 if fixed_d else 1), want_p))
-        # keep instances in their current role where possible (fewer switches)
-        current_p = [i for i in flexible if i.active_role == "prefill"]
-        others = [i for i in flexible if i.active_role != "prefill"]
-        ordered = current_p + others
-        result = {}
-        for n, inst in enumerate(ordered):
-            role = "prefill" if n < want_p else "decode"
-            if inst.active_role != role:
-                logger.info("supervisor: %s now serves %s (pressure prefill=%.2f decode=%.2f)",
-                            inst.url, role, prefill_p, decode_p)
+        prefill_side = [i for i in flexible if i.active_role == "prefill"]
+        decode_side = [i for i in flexible if i.active_role == "decode"]
+        fixed_decoders = sum(1 for i in self._pool.all() if i.role == "decode" and i.healthy and not i.draining)
+        move: tuple[Instance, str] | None = None
+        if prefill_p > 1 and prefill_p > DEAD_BAND * decode_p and decode_side \
+                and len(decode_side) + fixed_decoders > 1:
+            # the least loaded decoder switches (its streams finish there)
+            move = (min(decode_side, key=lambda i: i.outstanding["decode"]), "prefill")
+        elif decode_p > 1 and decode_p > DEAD_BAND * prefill_p and prefill_side:
+            move = (min(prefill_side, key=lambda i: i.outstanding["prefill"]), "decode")
+        if move is not None:
+            inst, role = move
+            logger.info("supervisor: %s now serves %s (ttft/slo=%.2f tpot/slo=%.2f)", inst.url, role,
+                        prefill_p, decode_p)
             inst.active_role = role
-            result[inst.url] = role
-        return result
+            self.moves += 1
+        return {i.url: i.active_role or "decode" for i in flexible}
