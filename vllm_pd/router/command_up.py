@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address of the proxy and servers (default 127.0.0.1)")
     p.add_argument("--kv-mode", choices=("push", "pull", "auto"), default="auto")
     p.add_argument("--transport", default="tcp", help="KV transport of the connector (default tcp)")
+    p.add_argument("--connector", default="PDConnector",
+                   help="KV connector of the servers (default PDConnector; 'none' = plain vLLM, decode recomputes)")
     p.add_argument("--log-dir", type=Path, help="where the servers' logs go (default a temp dir)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the servers")
@@ -32,6 +35,10 @@ def _default_model() -> str:
     except ImportError as e:
         raise SystemExit(f"vllm-pd up: no --model given and the built-in small model is unavailable ({e})")
     return str(ensure_default_model())
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _progress(states: dict[str, str]) -> None:
@@ -47,10 +54,14 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill < 0 or args.decode < 0 or args.both < 0 or args.decode + args.both < 1:
         print("vllm-pd up: need at least one decode (or --both) server", file=sys.stderr)
         return 2
+    # SIGTERM must stop the servers too (they run in their own sessions)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     model = args.model or _default_model()
     kw = {"log_dir": args.log_dir} if args.log_dir else {}
     cluster = LocalCluster(model=model, n_prefill=args.prefill, n_decode=args.decode, n_both=args.both,
-                           host=args.host, transport=args.transport, max_model_len=args.max_model_len, **kw)
+                           host=args.host, transport=args.transport,
+                           connector=None if args.connector == "none" else args.connector,
+                           max_model_len=args.max_model_len, **kw)
     print(f"starting {args.prefill} prefill + {args.decode} decode + {args.both} both vLLM servers for {model}"
           f" (logs: {cluster.log_dir})", file=sys.stderr)
     t0 = time.monotonic()
@@ -79,3 +90,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print("stopping vLLM servers...", file=sys.stderr)
         cluster.stop()
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m vllm_pd.router.command_up")
+    add_arguments(_parser)
+    _args = _parser.parse_args()
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(run(_args))
