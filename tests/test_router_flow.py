@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import aiohttp
 
 from router_harness import harness, run
 
@@ -153,4 +152,3 @@ def test_unknown_model_is_404_with_openai_error() -> None:
     run(go)
 
 
-_ = aiohttp

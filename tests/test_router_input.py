@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import aiohttp
 import pytest
 
 from router_harness import harness, run
@@ -76,4 +75,3 @@ def test_no_instances_gives_503() -> None:
     run(go)
 
 
-_ = aiohttp

@@ -33,6 +33,7 @@ from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
 from vllm_pd.router.request_body import ParsedRequest, prefill_body
+from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +297,7 @@ class PDFlow:
         elapsed = time.monotonic() - t0
         self.metrics.ttft_seconds.observe(time.monotonic() - state.started)
         if state.prefill_cached_tokens is not None:
-            raw = _rewrite_usage(raw, state.prefill_cached_tokens) or raw
+            raw = rewrite_usage(raw, state.prefill_cached_tokens) or raw
         try:
             tokens = json.loads(raw).get("usage", {}).get("completion_tokens") or 0
             if tokens > 1:
@@ -309,7 +310,7 @@ class PDFlow:
 
     async def _relay_stream(self, resp: aiohttp.ClientResponse, decode: Instance, state: FlowState,
                             http_request: web.Request, t0: float) -> web.StreamResponse:
-        events = _SseSplitter(state.prefill_cached_tokens)
+        events = SseSplitter(state.prefill_cached_tokens)
         # hold the client's response until decode produced its first event, so a
         # failure before that can still be retried elsewhere
         first = b""
@@ -347,7 +348,8 @@ class PDFlow:
             decode.breaker.record_failure()
             logger.warning("decode stream from %s broke after output started: %r", decode.url, e)
             err = upstream_error(f"decode stream interrupted: {e!r}", code="stream_interrupted")
-            await out.write(events.pending_terminator() + err.sse_event())
+            events.drop_partial()  # the client only ever got whole events; the error is the next one
+            await out.write(err.sse_event())
         except ConnectionResetError:
             self.metrics.disconnects.labels("stream").inc()
             logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
@@ -403,63 +405,4 @@ async def _read_some(resp: aiohttp.ClientResponse) -> bytes:
     try:
         return (await asyncio.wait_for(resp.content.read(500), 2.0))[:500]
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        return b""
-
-
-def _rewrite_usage(raw: bytes, cached_tokens: int) -> bytes | None:
-    """Put prefill's prefix-cache hits into usage.prompt_tokens_details.cached_tokens."""
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    usage = data.get("usage") if isinstance(data, dict) else None
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details")
-    if not isinstance(details, dict):
-        details = {}
-    details["cached_tokens"] = cached_tokens
-    usage["prompt_tokens_details"] = details
-    return json.dumps(data, separators=(",", ":")).encode()
-
-
-class _SseSplitter:
-    """Passes whole SSE events through as soon as they are complete.
-
-    Events are the unit a client parses, so an error event can always be
-    appended cleanly. Only the last (usage) event is rewritten, and only when
-    prefill reported cached tokens.
-    """
-
-    def __init__(self, cached_tokens: int | None) -> None:
-        self._buf = b""
-        self._cached = cached_tokens
-
-    def feed(self, chunk: bytes) -> bytes:
-        data = self._buf + chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self._buf = data
-            return b""
-        out, self._buf = data[:cut + 2], data[cut + 2:]
-        if self._cached is not None and b'"usage":{' in out.replace(b'"usage": {', b'"usage":{'):
-            out = self._rewrite(out)
-        return out
-
-    def _rewrite(self, out: bytes) -> bytes:
-        events = out.split(b"\n\n")
-        for i, ev in enumerate(events):
-            if ev.startswith(b"data: {") and b'"usage"' in ev:
-                new = _rewrite_usage(ev[6:], self._cached)  # type: ignore[arg-type]
-                if new is not None:
-                    events[i] = b"data: " + new
-        return b"\n\n".join(events)
-
-    def flush(self) -> bytes:
-        out, self._buf = self._buf, b""
-        return out
-
-    def pending_terminator(self) -> bytes:
-        # a half-received event is dropped; the error event starts on a fresh line
-        self._buf = b""
         return b""
