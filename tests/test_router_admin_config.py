@@ -110,3 +110,11 @@ def test_yaml_good(tmp_path) -> None:
     cfg = ProxyConfig(**load_yaml(f))
     assert cfg.port == 9000 and cfg.instances[1].url == "http://127.0.0.1:8200"
     assert cfg.instances[1].kv_endpoint == "tcp://127.0.0.1:14600"
+
+
+def test_example_config_loads() -> None:
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "router" / "proxy.yaml"
+    cfg = ProxyConfig(**load_yaml(path))
+    assert [i.role for i in cfg.instances] == ["prefill", "prefill", "decode", "both"]
