@@ -153,6 +153,7 @@ def test_client_disconnect_mid_stream_aborts_decode() -> None:
             await wait_for(lambda: h.decodes[0].seen and h.decodes[0].seen[0].cancelled)
             assert not h.decodes[0].seen[0].finished
             await wait_for(lambda: all(i.load == 0 for i in h.proxy.pool.all()))
+            assert h.proxy.metrics.disconnects.labels("stream")._value.get() == 1
     run(go)
 
 
@@ -168,6 +169,7 @@ def test_client_disconnect_during_prefill_cancels_prefill_and_skips_decode() -> 
             await wait_for(lambda: h.prefills[0].seen[0].cancelled)
             await asyncio.sleep(0.1)
             assert not h.decodes[0].seen
+            assert h.proxy.metrics.disconnects.labels("prefill")._value.get() == 1
     run(go)
 
 

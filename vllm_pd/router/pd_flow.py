@@ -83,6 +83,7 @@ class FlowState:
     prefill_cached_tokens: int | None = None
     pushed: bool = False  # prefill was told to push the KV into one decode instance
     started: float = field(default_factory=time.monotonic)
+    stage: str = "prefill"  # prefill | decode | stream (bytes reached the client): where a disconnect hit
     leases: list[LegLease] = field(default_factory=list)
 
 
@@ -108,7 +109,7 @@ class PDFlow:
         try:
             return await self._run(req, http_request, headers, state)
         except asyncio.CancelledError:
-            self.metrics.disconnects.labels("prefill" if state.kv_params is None else "decode").inc()
+            self.metrics.disconnects.labels(state.stage).inc()
             logger.info("client went away; request %s cancelled", request_id)
             raise
         finally:
@@ -254,6 +255,7 @@ class PDFlow:
             body["kv_transfer_params"] = state.kv_params
         lease = LegLease(decode, "decode", req.prompt_tokens + req.max_tokens)
         state.leases.append(lease)
+        state.stage = "decode"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
                                         sock_read=self.config.decode_idle_timeout)
         t0 = time.monotonic()
@@ -328,6 +330,7 @@ class PDFlow:
         self.pool.recent_ttft.add(t_first - state.started)
         out = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
         await out.prepare(http_request)
+        state.stage = "stream"
         await out.write(first)
         n_events = first.count(b"data:")
         try:
@@ -351,7 +354,7 @@ class PDFlow:
             events.drop_partial()  # the client only ever got whole events; the error is the next one
             await out.write(err.sse_event())
         except ConnectionResetError:
-            self.metrics.disconnects.labels("stream").inc()
+            self.metrics.disconnects.labels(state.stage).inc()
             logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
             return out
         if n_events > 2:
