@@ -204,7 +204,7 @@ def test_client_disconnect_between_legs_releases_prefill_kv() -> None:
 def test_breaker_opens_and_recovers() -> None:
     async def go() -> None:
         async with harness(n_prefill=2, prefill_policy="round_robin", breaker_failures=2,
-                           breaker_cooldown=0.5) as h:
+                           breaker_cooldown=3.0) as h:
             h.prefills[0].fail_next("500", "500")
             for _ in range(4):
                 await h.post("/v1/completions", LONG)
@@ -214,7 +214,7 @@ def test_breaker_opens_and_recovers() -> None:
             for _ in range(4):
                 await h.post("/v1/completions", LONG)
             assert len(h.prefills[0].seen) == before  # open: no traffic
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(3.1)
             for _ in range(4):
                 await h.post("/v1/completions", LONG)
             assert p0.breaker.state.value == "closed" and len(h.prefills[0].seen) > before
@@ -244,3 +244,22 @@ def test_decode_rejecting_request_releases_prefill_kv() -> None:
             assert status == 400 and out["error"]["message"] == "bad prompt"
             await wait_for(lambda: len(h.released) == 1)
     run(go)
+
+
+def test_client_disconnect_seen_on_write_is_not_a_decode_failure(caplog) -> None:
+    async def go() -> None:
+        # a fast stream: the proxy notices the disconnect while writing, not by cancellation
+        async with harness(backend_kw={"itl": 0.0005}) as h:
+            for _ in range(3):
+                async with h.session.post(h.url + "/v1/completions",
+                                          json=dict(LONG, max_tokens=5000, stream=True)) as r:
+                    await r.content.readline()
+                    r.close()
+            await wait_for(lambda: all(s.cancelled for s in h.decodes[0].seen))
+            await wait_for(lambda: all(i.load == 0 for i in h.proxy.pool.all()))
+            assert h.proxy.metrics.disconnects.labels("stream")._value.get() == 3
+            assert h.proxy.metrics.stream_errors._value.get() == 0
+            d0 = h.proxy.pool.get(h.backend_urls["d0"])
+            assert d0.breaker._failures == 0
+    run(go)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -329,13 +329,18 @@ class PDFlow:
         self.metrics.ttft_seconds.observe(t_first - state.started)
         self.pool.recent_ttft.add(t_first - state.started)
         out = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
-        await out.prepare(http_request)
-        state.stage = "stream"
-        await out.write(first)
         n_events = first.count(b"data:")
         try:
+            await out.prepare(http_request)
+            state.stage = "stream"
+            await out.write(first)
             while True:
-                chunk = await resp.content.readany()
+                try:
+                    chunk = await resp.content.readany()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    # bytes already reached the client: end the stream with an error event
+                    await self._end_with_error(out, events, decode, e)
+                    return out
                 if not chunk:
                     break
                 data = events.feed(chunk)
@@ -345,15 +350,8 @@ class PDFlow:
             tail = events.flush()
             if tail:
                 await out.write(tail)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            # bytes already reached the client: end the stream with an error event
-            self.metrics.stream_errors.inc()
-            decode.breaker.record_failure()
-            logger.warning("decode stream from %s broke after output started: %r", decode.url, e)
-            err = upstream_error(f"decode stream interrupted: {e!r}", code="stream_interrupted")
-            events.drop_partial()  # the client only ever got whole events; the error is the next one
-            await out.write(err.sse_event())
-        except ConnectionResetError:
+            await out.write_eof()
+        except ConnectionResetError:  # writing to the client failed: it went away
             self.metrics.disconnects.labels(state.stage).inc()
             logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
             return out
@@ -361,8 +359,17 @@ class PDFlow:
             tpot = (time.monotonic() - t_first) / (n_events - 2)
             decode.tpot.add(tpot)
             self.pool.recent_tpot.add(tpot)
-        await out.write_eof()
         return out
+
+    async def _end_with_error(self, out: web.StreamResponse, events: SseSplitter, decode: Instance,
+                              e: BaseException) -> None:
+        self.metrics.stream_errors.inc()
+        decode.breaker.record_failure()
+        logger.warning("decode stream from %s broke after output started: %r", decode.url, e)
+        err = upstream_error(f"decode stream interrupted: {e!r}", code="stream_interrupted")
+        events.drop_partial()  # the client only ever got whole events; the error is the next one
+        await out.write(err.sse_event())
+        await out.write_eof()
 
     # ---------------------------------------------------------------- release
     def _release_in_background(self, params: dict) -> None:
