@@ -1,7 +1,11 @@
 """End-to-end: the proxy in front of real vLLM servers, driven by the official `openai` client.
 
-One set of servers (2 prefill + 2 decode) serves every test in this module;
-each test builds a cheap proxy over the subset it needs (2P1D, 1P2D, ...).
+One set of three servers - p0 (kv_producer), b0 (kv_both), d0 (kv_consumer) -
+serves every test in this module; each test builds a cheap proxy over the
+roles it needs: 2P1D = {p0, b0} -> d0, 1P2D = p0 -> {b0, d0}. The reference
+for "same output as a plain instance" is a direct request to one of the
+servers without kv_transfer_params: the connector stays out of it, so it is
+plain vLLM computing prompt and output itself.
 With our connector on main the servers run PDConnector (tcp transport) and
 the tests also prove no KV is left held (vLLM's /metrics). Without it
 (VLLM_PD_E2E_CONNECTOR=none, or before the connector lands) the servers are
@@ -81,7 +85,7 @@ class ProxyThread:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = LocalCluster(model=_model_dir(), n_prefill=2, n_decode=2, max_model_len=1024,
+    c = LocalCluster(model=_model_dir(), n_prefill=1, n_decode=1, n_both=1, max_model_len=1024,
                      connector=None if not _connector_mode() else "PDConnector")
     try:
         c.start()
@@ -91,8 +95,13 @@ def cluster() -> Iterator[LocalCluster]:
         c.stop()
 
 
-def _by_name(cluster: LocalCluster, *names: str) -> list[InstanceConfig]:
-    return [s.instance_config() for n in names for s in cluster.servers if s.name == n]
+def _as(cluster: LocalCluster, **roles: str) -> list[InstanceConfig]:
+    """Instance configs for the named servers in the given roles, e.g. _as(c, p0="prefill", b0="decode")."""
+    out = []
+    for name, role in roles.items():
+        ic = next(s.instance_config() for s in cluster.servers if s.name == name)
+        out.append(InstanceConfig(ic.url, role, ic.kv_endpoint if role != "prefill" else None))
+    return out
 
 
 def _direct(cluster: LocalCluster, name: str) -> "openai.OpenAI":
@@ -107,7 +116,9 @@ def _kv_usage(cluster: LocalCluster) -> dict[str, float]:
             continue
         text = urllib.request.urlopen(s.server.url + "/metrics", timeout=5).read().decode()
         vals = [float(v) for v in re.findall(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M)]
-        held = [float(v) for v in re.findall(r"^vllm:pd_held_requests(?:\{[^}]*\})? (\S+)$", text, re.M)]
+        # the connector's gauges: KV held for another instance, loads in progress
+        held = [float(v) for v in re.findall(r"^vllm:pd_(?:held_transfers|loading_requests)(?:\{[^}]*\})? (\S+)$",
+                                             text, re.M)]
         out[s.name] = sum(vals) + sum(held)
     return out
 
@@ -130,13 +141,13 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, th
 
 
 def test_completions_2p1d_equal_plain_instance(cluster: LocalCluster) -> None:
-    proxy = ProxyThread(_by_name(cluster, "p0", "p1", "d0"), prefill_policy="round_robin")
+    proxy = ProxyThread(_as(cluster, p0="prefill", b0="prefill", d0="decode"), prefill_policy="round_robin")
     try:
         client = proxy.client()
         model = cluster.model
         for prompt in PROMPTS:
             via = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
-            ref = _direct(cluster, "d1").completions.create(model=model, prompt=prompt, max_tokens=12,
+            ref = _direct(cluster, "b0").completions.create(model=model, prompt=prompt, max_tokens=12,
                                                             temperature=0)
             assert via.choices[0].text == ref.choices[0].text
             assert via.usage.prompt_tokens == ref.usage.prompt_tokens
@@ -149,11 +160,11 @@ def test_completions_2p1d_equal_plain_instance(cluster: LocalCluster) -> None:
 
 
 def test_chat_streaming_1p2d_equal_plain_instance(cluster: LocalCluster) -> None:
-    proxy = ProxyThread(_by_name(cluster, "p0", "d0", "d1"), decode_policy="round_robin")
+    proxy = ProxyThread(_as(cluster, p0="prefill", b0="decode", d0="decode"), decode_policy="round_robin")
     try:
         client = proxy.client()
         messages = [{"role": "user", "content": "Write a short poem about the sea."}]
-        ref = _direct(cluster, "p1").chat.completions.create(model=cluster.model, messages=messages,
+        ref = _direct(cluster, "p0").chat.completions.create(model=cluster.model, messages=messages,
                                                              max_tokens=10, temperature=0)
         for _ in range(2):  # both decode instances
             stream = client.chat.completions.create(model=cluster.model, messages=messages, max_tokens=10,
@@ -179,7 +190,7 @@ def test_chat_streaming_1p2d_equal_plain_instance(cluster: LocalCluster) -> None
 
 
 def test_client_disconnect_mid_stream_releases_everything(cluster: LocalCluster) -> None:
-    proxy = ProxyThread(_by_name(cluster, "p0", "d0"))
+    proxy = ProxyThread(_as(cluster, p0="prefill", d0="decode"))
     try:
         client = proxy.client()
         for _ in range(3):
@@ -200,7 +211,7 @@ def test_client_disconnect_mid_stream_releases_everything(cluster: LocalCluster)
 
 
 def test_kill_prefill_during_load_every_request_succeeds(cluster: LocalCluster) -> None:
-    proxy = ProxyThread(_by_name(cluster, "p0", "p1", "d0", "d1"), prefill_policy="round_robin",
+    proxy = ProxyThread(_as(cluster, p0="prefill", b0="prefill", d0="decode"), prefill_policy="round_robin",
                         decode_policy="least_outstanding")
     try:
         client = proxy.client(timeout=120)
@@ -212,7 +223,7 @@ def test_kill_prefill_during_load_every_request_succeeds(cluster: LocalCluster) 
             done.append(i)
             return r.choices[0].text
 
-        victim = next(s for s in cluster.servers if s.name == "p1")
+        victim = next(s for s in cluster.servers if s.name == "b0")
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(one, i) for i in range(200)]
             while len(done) < 40:
@@ -226,11 +237,11 @@ def test_kill_prefill_during_load_every_request_succeeds(cluster: LocalCluster) 
 
 
 def test_kill_only_decode_gives_clean_errors_no_hang(cluster: LocalCluster) -> None:
-    proxy = ProxyThread(_by_name(cluster, "p0", "d1"))
+    proxy = ProxyThread(_as(cluster, p0="prefill", d0="decode"))
     try:
         client = proxy.client(timeout=60)
         assert client.completions.create(model=cluster.model, prompt="hi", max_tokens=2).choices
-        next(s for s in cluster.servers if s.name == "d1").server.kill()
+        next(s for s in cluster.servers if s.name == "d0").server.kill()
         for stream in (False, True):
             t0 = time.monotonic()
             with pytest.raises((openai.APIStatusError, openai.APIConnectionError)) as e:

@@ -81,7 +81,9 @@ class LocalCluster:
             port, kv_port = _distinct_port(used), _distinct_port(used)
             kv_cfg = None if self.connector is None else {
                 "kv_connector": self.connector, "kv_role": KV_ROLES[role], "kv_port": kv_port,
-                "kv_connector_extra_config": {"transport": self.transport}}
+                # a KV load that fails is recomputed on decode rather than failing the request
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"transport": self.transport, "host": self.host}}
             spec = VllmServerSpec(model=self.model, port=port, host=self.host, kv_transfer_config=kv_cfg,
                                   cpu_cores=cores, max_model_len=self.max_model_len, extra_args=self.extra_args)
             server = VllmServer(spec, log_path=self.log_dir / f"{name}.log").start()
