@@ -85,7 +85,9 @@ class ProxyThread:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
+    # a short lease so KV that nobody releases explicitly is provably freed within the test
     c = LocalCluster(model=_model_dir(), n_prefill=1, n_decode=1, n_both=1, max_model_len=1024,
+                     connector_extra={"lease_s": 15.0},
                      connector=None if not _connector_mode() else "PDConnector")
     try:
         c.start()

@@ -67,6 +67,7 @@ class LocalCluster:
     extra_args: list[str] = field(default_factory=list)
     connector: str | None = CONNECTOR_NAME  # None: plain vLLM servers (no KV connector)
     transport: str = "tcp"
+    connector_extra: dict = field(default_factory=dict)  # more kv_connector_extra_config keys
     max_model_len: int = 2048
     servers: list[LocalServer] = field(default_factory=list)
 
@@ -83,7 +84,8 @@ class LocalCluster:
                 "kv_connector": self.connector, "kv_role": KV_ROLES[role], "kv_port": kv_port,
                 # a KV load that fails is recomputed on decode rather than failing the request
                 "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"transport": self.transport, "host": self.host}}
+                "kv_connector_extra_config": {"transport": self.transport, "host": self.host,
+                                              **self.connector_extra}}
             spec = VllmServerSpec(model=self.model, port=port, host=self.host, kv_transfer_config=kv_cfg,
                                   cpu_cores=cores, max_model_len=self.max_model_len, extra_args=self.extra_args)
             server = VllmServer(spec, log_path=self.log_dir / f"{name}.log").start()
