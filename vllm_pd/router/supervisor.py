@@ -58,16 +58,12 @@ class Supervisor:
         """(prefill, decode): each side's recent latency over its target (> 1 = missing it)."""
         ttft = self._pool.recent_ttft.value or 0.0
         tpot = self._pool.recent_tpot.value or 0.0
-        prefillers = [i for i in self._pool.all() if i.eligible("prefill") and not self._decode_only(i)]
+        prefillers = self._pool.eligible("prefill")
         queued = sum(i.outstanding["prefill"] for i in self._pool.all())
         # a deep prefill queue predicts TTFT before completions report it
         per_prefill = [i.ttft.value for i in prefillers if i.ttft.value is not None]
         queue_ttft = queued / max(1, len(prefillers)) * (sum(per_prefill) / len(per_prefill) if per_prefill else 0)
         return max(ttft, queue_ttft) / self.ttft_slo, tpot / self.tpot_slo
-
-    @staticmethod
-    def _decode_only(inst: Instance) -> bool:
-        return inst.role == "decode"
 
     def rebalance(self) -> dict[str, str]:
         """Assign every flexible instance a role; returns url -> role."""
