@@ -161,6 +161,19 @@ def test_completions_2p1d_equal_plain_instance(cluster: LocalCluster) -> None:
         proxy.close()
 
 
+def test_pull_mode_equal_plain_instance(cluster: LocalCluster) -> None:
+    proxy = ProxyThread(_as(cluster, p0="prefill", d0="decode"), kv_mode="pull")
+    try:
+        via = proxy.client().completions.create(model=cluster.model, prompt=PROMPTS[1], max_tokens=12,
+                                                temperature=0)
+        ref = _direct(cluster, "b0").completions.create(model=cluster.model, prompt=PROMPTS[1], max_tokens=12,
+                                                        temperature=0)
+        assert via.choices[0].text == ref.choices[0].text
+        _assert_no_kv_held(cluster)
+    finally:
+        proxy.close()
+
+
 def test_chat_streaming_1p2d_equal_plain_instance(cluster: LocalCluster) -> None:
     proxy = ProxyThread(_as(cluster, p0="prefill", b0="decode", d0="decode"), decode_policy="round_robin")
     try:
