@@ -35,7 +35,16 @@ from vllm_pd.vllm_server import free_port
 
 pytestmark = pytest.mark.e2e
 
-openai = pytest.importorskip("openai")
+
+class _LazyOpenAI:
+    """`import openai` takes seconds; only the e2e tests pay for it, not their collection."""
+
+    def __getattr__(self, name: str) -> Any:
+        module = pytest.importorskip("openai")
+        return getattr(module, name)
+
+
+openai = _LazyOpenAI()
 
 
 def _model_dir() -> str:
