@@ -75,3 +75,49 @@ def test_no_instances_gives_503() -> None:
     run(go)
 
 
+
+
+def _random_value(rng, depth: int = 0):
+    kinds = ["int", "float", "str", "bool", "none", "list", "dict", "neg"]
+    kind = rng.choice(kinds if depth < 3 else kinds[:5])
+    if kind == "int":
+        return rng.randint(0, 10**6)
+    if kind == "neg":
+        return -rng.randint(1, 10)
+    if kind == "float":
+        return rng.random() * 1e3
+    if kind == "str":
+        return "".join(rng.choice("ab \u00e9\u4e2d\"\\{}\n") for _ in range(rng.randint(0, 20)))
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    return {rng.choice(["role", "content", "text", "x"]): _random_value(rng, depth + 1) for _ in range(3)}
+
+
+def test_random_bodies_never_give_500() -> None:
+    import random
+
+    rng = random.Random(7)
+    fields = ["prompt", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
+              "model", "best_of", "min_tokens", "kv_transfer_params", "logprobs", "stop"]
+
+    async def go() -> None:
+        async with harness() as h:
+            await h.proxy.health.check_all()
+            for i in range(150):
+                body = {f: _random_value(rng) for f in rng.sample(fields, rng.randint(0, len(fields)))}
+                if rng.random() < 0.5:
+                    body["prompt"] = "valid prompt " * rng.randint(0, 20)
+                path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+                async with h.session.post(h.url + path, json=body) as r:
+                    raw = await r.read()
+                    assert r.status < 500, (body, r.status, raw[:300])
+                    if r.status >= 400:
+                        import json
+                        assert _is_openai_error(json.loads(raw))
+            status, _ = await h.post("/v1/completions", {"prompt": "still alive " * 10})
+            assert status == 200
+    run(go)
