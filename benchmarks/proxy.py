@@ -177,6 +177,8 @@ def run_suite(args: argparse.Namespace) -> None:
             else:
                 print(f"  {name:18s} p50 {p50:8.2f} ms  p99 {p99:8.2f} ms  added p50 {p50 - base[0]:+7.2f} ms"
                       f"  added p99 {p99 - base[1]:+7.2f} ms  ({len(lat)} req, {rate:.0f} req/s)")
+        if args.skip_saturation:
+            return
         print(f"\n[saturation] non-streaming, max_tokens=2, zero-delay backends, concurrency {args.sat_concurrency}")
         for p in procs:
             p.terminate()
@@ -276,6 +278,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--sat-concurrency", type=int, default=128)
     ap.add_argument("--vllm-router-path", default="/tmp/vr" if Path("/tmp/vr/vllm_router").exists() else None)
+    ap.add_argument("--skip-saturation", action="store_true")
     ap.add_argument("--stacks", action="store_true", help="compare client libraries and event loops instead")
     args = ap.parse_args()
     try:
