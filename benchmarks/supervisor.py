@@ -122,13 +122,14 @@ async def one_request(session: aiohttp.ClientSession, url: str, ph: Phase, out: 
     first = last = None
     n = 0
     try:
-        async with session.post(url + "/v1/completions", json=body) as r:
+        # bounded so an overloaded case ends: a request still unanswered after 30 s misses its SLO anyway
+        async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=30)) as r:
             async for line in r.content:
                 if line.startswith(b"data: {"):
                     n += 1
                     last = time.monotonic()
                     first = first or last
-    except aiohttp.ClientError:
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         pass
     if first is None or last is None or n < ph.output:
         out.append((ph.name, float("inf"), float("inf")))

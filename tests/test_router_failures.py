@@ -263,3 +263,28 @@ def test_client_disconnect_seen_on_write_is_not_a_decode_failure(caplog) -> None
             assert d0.breaker._failures == 0
     run(go)
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_prefill_dying_under_load_loses_no_request() -> None:
+    async def go() -> None:
+        async with harness(n_prefill=2, prefill_policy="round_robin", backend_kw={"ttft": 0.02}) as h:
+            done: list[int] = []
+
+            async def one(i: int) -> int:
+                status, _ = await h.post("/v1/completions", dict(LONG, prompt=f"{i} " + LONG["prompt"]))
+                done.append(i)
+                return status
+
+            sem = asyncio.Semaphore(16)
+
+            async def limited(i: int) -> int:
+                async with sem:
+                    return await one(i)
+
+            tasks = [asyncio.create_task(limited(i)) for i in range(200)]
+            await wait_for(lambda: len(done) >= 40, 20)
+            await h.stop_backend("p1")  # in-flight prefills on p1 are cut
+            statuses = await asyncio.gather(*tasks)
+            assert statuses == [200] * 200
+            assert len(h.prefills[0].seen) > 100
+    run(go)
