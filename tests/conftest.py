@@ -13,3 +13,62 @@ from vllm_pd.small_model import ensure_default_model
 def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Folder of the default llama-style model (in a per-session temp cache, so tests never share state)."""
     return ensure_default_model("llama", cache_dir=tmp_path_factory.mktemp("vllm-pd-cache"))
+
+
+# ---- real vLLM servers, in phases (see tests/e2e_cluster.py) -------------------------------------
+import httpx  # noqa: E402
+
+from tests import e2e_cluster as ec  # noqa: E402
+from tests.prompt_catalogue import CATALOGUE  # noqa: E402
+
+
+def _running_cluster() -> list[dict] | None:
+    """Developer loop: VLLM_PD_TEST_CLUSTER=file.json names already running servers
+    ([plain, pd0, pd1] as {"url", "kv"}), so e2e tests run without starting any."""
+    import json
+    import os
+
+    path = os.environ.get("VLLM_PD_TEST_CLUSTER")
+    return json.loads(Path(path).read_text()) if path else None
+
+
+class _External:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Greedy output token ids of a plain instance (no connector) for every catalogue entry.
+
+    Runs alone and is stopped before the disaggregated instances start."""
+    running = _running_cluster()
+    if running:
+        with httpx.Client() as client:
+            return {key: ec.output_tokens(ec.post(client, running[0]["url"], body)) for key, body in CATALOGUE.items()}
+    log_dir = tmp_path_factory.mktemp("vllm-logs")
+    [plain] = ec.start_all([(ec.server_spec(small_model_dir, "0-1", None), None)], log_dir)
+    try:
+        with httpx.Client() as client:
+            return {key: ec.output_tokens(ec.post(client, plain.url, body)) for key, body in CATALOGUE.items()}
+    finally:
+        ec.stop_all([plain])
+
+
+@pytest.fixture(scope="session")
+def pd_pair(reference_outputs: dict[str, list[int]], small_model_dir: Path,
+            tmp_path_factory: pytest.TempPathFactory):
+    """Two kv_both instances with the connector: [0] on core 0, [1] on core 1."""
+    running = _running_cluster()
+    if running:
+        yield [ec.Instance(_External(r["url"]), r["kv"]) for r in running[1:]]  # type: ignore[arg-type]
+        return
+    log_dir = tmp_path_factory.mktemp("vllm-logs")
+    specs = []
+    for cores in ("0", "1"):
+        kv_port = ec.free_port()
+        ktc = ec.connector_config("kv_both", kv_port, lease_s=20.0)
+        specs.append((ec.server_spec(small_model_dir, cores, ktc), kv_port))
+    instances = ec.start_all(specs, log_dir)
+    yield instances
+    ec.stop_all(instances)

@@ -33,6 +33,10 @@ class OutgoingTransfer:
     released: bool = False  # decode is done with it (or aborted)
     expiry: float | None = None
     created: float = field(default_factory=time.monotonic)
+    # layer-wise overlap: first push started, prompt fully computed, last push landed
+    first_push_at: float | None = None
+    computed_at: float | None = None
+    last_push_done_at: float | None = None
 
     def pushes_done(self) -> bool:
         return all(f.done() for f in self.pushes)
@@ -58,11 +62,18 @@ class OutgoingTransfers:
 
     def add_push(self, transfer_id: str, fut: Future[None]) -> None:
         with self._lock:
-            self._get(transfer_id).pushes.append(fut)
+            t = self._get(transfer_id)
+            t.pushes.append(fut)
+            if t.first_push_at is None:
+                t.first_push_at = time.monotonic()
         fut.add_done_callback(lambda f, tid=transfer_id: self._push_done(tid, f))
 
     def _push_done(self, transfer_id: str, fut: Future[None]) -> None:
         exc = fut.exception()
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            if t is not None:
+                t.last_push_done_at = time.monotonic()
         if exc is not None:
             with self._lock:
                 t = self._transfers.get(transfer_id)
@@ -72,9 +83,12 @@ class OutgoingTransfers:
             logger.warning("push of transfer %s failed (%s); decode will pull instead", transfer_id, exc)
         self.changed.set()
 
-    def mark_granted(self, transfer_id: str) -> None:
+    def mark_computed(self, transfer_id: str) -> None:
+        """The prompt's last layer was computed (and handed to the transport)."""
         with self._lock:
-            self._get(transfer_id).granted = True
+            t = self._get(transfer_id)
+            t.granted = True
+            t.computed_at = time.monotonic()
 
     def finish(self, transfer_id: str, held: bool) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ Prometheus names (in vLLM's /metrics, labelled per engine):
 ``vllm:pd_pushed_blocks_total``, ``vllm:pd_pushed_bytes_total``,
 ``vllm:pd_loaded_blocks_total{source="push"|"fetch"}``, ``vllm:pd_loaded_bytes_total``,
 ``vllm:pd_loads_total{result="ok"|"failed"}``, ``vllm:pd_lease_expired_total``,
+``vllm:pd_push_transfers_total``, ``vllm:pd_push_tail_seconds_total``, ``vllm:pd_push_span_seconds_total``,
 and gauges ``vllm:pd_held_transfers`` (prefill KV held for decode),
 ``vllm:pd_loading_requests``, ``vllm:pd_staged_bytes``.
 """
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
 COUNTERS = (
     "pushed_blocks", "pushed_bytes", "loaded_blocks_push", "loaded_blocks_fetch", "loaded_bytes",
     "loads_ok", "loads_failed", "lease_expired",
+    # layer-wise overlap of pushes: time after the last layer computed until all KV landed
+    # (tail) vs first push to all landed (span), summed over push transfers
+    "push_transfers", "push_tail_seconds", "push_span_seconds",
 )
 GAUGES = ("held_transfers", "loading_requests", "staged_bytes")
 
@@ -44,6 +48,11 @@ class PDConnectorStats(KVConnectorStats):
     def record_push(self, blocks: int, nbytes: int) -> None:
         self.data["pushed_blocks"] += blocks
         self.data["pushed_bytes"] += nbytes
+
+    def record_push_overlap(self, tail_s: float, span_s: float) -> None:
+        self.data["push_transfers"] += 1
+        self.data["push_tail_seconds"] += tail_s
+        self.data["push_span_seconds"] += span_s
 
     def record_load(self, job: "LoadJob") -> None:
         self.data["loaded_blocks_push"] += job.blocks_from_push
@@ -94,7 +103,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         c, g = self._counter_cls, self._gauge_cls
         self._counters: dict[str, Any] = {}
-        for name in ("pushed_blocks", "pushed_bytes", "loaded_bytes", "lease_expired"):
+        for name in ("pushed_blocks", "pushed_bytes", "loaded_bytes", "lease_expired", "push_transfers",
+                     "push_tail_seconds", "push_span_seconds"):
             self._counters[name] = c(name=f"vllm:pd_{name}", documentation=f"PD connector {name}",
                                      labelnames=labelnames)
         self._loaded_blocks = c(name="vllm:pd_loaded_blocks", documentation="KV blocks landed by source",

@@ -192,7 +192,7 @@ class PDConnectorWorker:
             if spec.prefill_done:
                 n = -(-spec.num_prompt_tokens // self.block_size)
                 self.transport.allow_fetch(spec.transfer_id, list(spec.block_ids[:n]))
-                self.outgoing.mark_granted(spec.transfer_id)
+                self.outgoing.mark_computed(spec.transfer_id)
         self._step_sends = []
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
@@ -212,6 +212,9 @@ class PDConnectorWorker:
             if t.granted:
                 self.transport.allow_fetch(t.transfer_id, None)  # waits for reads in flight
             sent.add(t.transfer_id)
+            if t.first_push_at is not None and t.computed_at is not None and t.last_push_done_at is not None:
+                self.stats.record_push_overlap(tail_s=max(0.0, t.last_push_done_at - t.computed_at),
+                                               span_s=t.last_push_done_at - t.first_push_at)
         self.stats.expired = self.outgoing.expired_total
         recvd: set[str] = set()
         failed: set[str] = set()

@@ -18,12 +18,17 @@ def cache_root() -> Path:
 
 
 def ensure_default_model(arch: str = "llama", cache_dir: Path | None = None) -> Path:
-    """Path of the default ``arch`` model, writing it first if absent.
+    """Path of the default ``arch`` model, writing it first if absent."""
+    return ensure_model(ModelSpec(arch=arch), cache_dir)
+
+
+def ensure_model(spec: ModelSpec, cache_dir: Path | None = None) -> Path:
+    """Path of the model ``spec`` describes, writing it first if absent.
 
     Safe under concurrent callers: each writes into its own temp dir and renames it into place;
     a loser of the race discards its copy (the bytes are identical anyway).
     """
-    spec = ModelSpec(arch=arch)
+    arch = spec.arch
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     final = root / f"{arch}-{spec.key()}"
     if (final / "config.json").exists():

@@ -32,8 +32,8 @@ class ModelSpec:
     max_positions: int = 4096
     seed: int = 0
     # DeepSeek-V2 (MLA) only
-    kv_lora_rank: int = 128
-    qk_rope_head_dim: int = 32
+    kv_lora_rank: int = 512  # CPU MLA rejected 128+32 ("Head dimension 160 is not supported by MLA"); 512+64 is DeepSeek's own
+    qk_rope_head_dim: int = 64
     qk_nope_head_dim: int = 64
     v_head_dim: int = 64
     q_lora_rank: int | None = None

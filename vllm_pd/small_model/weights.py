@@ -8,25 +8,42 @@ import torch
 
 from vllm_pd.small_model.spec import ModelSpec
 
-# Embedding / lm_head scales: a large lm_head spreads the logits so greedy decoding has wide
-# top-1 margins (random models otherwise have near-ties that flip under bf16 batch-shape noise).
-EMBED_STD = 1.0
-LM_HEAD_GAIN = 4.0
+# Random-weight models have flat logits whose near-ties flip under bf16 batch-shape noise, which
+# would make "disaggregated == single instance" greedy comparisons flaky. The Llama model is
+# therefore built as a noisy "copy" circuit: layer 0's head 0 attends sharply (large random q/k)
+# to one earlier position s* and writes a 64-dim projection of that token's embedding into the
+# residual stream, scaled by COPY_GAIN; lm_head row j reads the same projection of the embedding
+# of token perm(j). The winner perm^-1(x[s*]) then leads by ~COPY_GAIN x the runner-up, so greedy
+# outputs are stable, yet they depend on the keys of the whole context (a wrong KV cache changes them).
+# Every other weight is random but small (NOISE_GAIN), so the model still computes everything.
+COPY_GAIN = 3.0
+QK_GAIN = 4.0
+NOISE_GAIN = 0.1
+LM_HEAD_SCALE = 0.25
 
 
 def _linear(gen: torch.Generator, out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
-    # std 1/sqrt(fan_in): each layer changes the residual stream as much as the embedding, so the
-    # output depends on the whole context (and on a correctly transferred KV cache), not just the last token
     return torch.randn(out_dim, in_dim, generator=gen) * (gain / math.sqrt(in_dim))
 
 
-def _attention_llama(spec: ModelSpec, gen: torch.Generator, p: str) -> dict[str, torch.Tensor]:
+def _orthonormal_rows(gen: torch.Generator, rows: int, dim: int) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(dim, rows, generator=gen))
+    return q.T.contiguous()  # (rows, dim), orthonormal rows
+
+
+def _attention_llama(spec: ModelSpec, gen: torch.Generator, p: str, proj: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Attention of one layer; ``proj`` (head_dim x hidden) makes it the copy layer."""
     q_out, kv_out = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    v = _linear(gen, kv_out, spec.hidden, gain=NOISE_GAIN)
+    o = _linear(gen, spec.hidden, q_out, gain=NOISE_GAIN)
+    if proj is not None:
+        v[: spec.head_dim] = proj  # kv head 0 carries proj(embedding)
+        o[:, : spec.head_dim] = COPY_GAIN * proj.T  # only query head 0 writes it back
     return {
-        f"{p}.q_proj.weight": _linear(gen, q_out, spec.hidden, gain=2.0),
-        f"{p}.k_proj.weight": _linear(gen, kv_out, spec.hidden, gain=2.0),
-        f"{p}.v_proj.weight": _linear(gen, kv_out, spec.hidden),
-        f"{p}.o_proj.weight": _linear(gen, spec.hidden, q_out),
+        f"{p}.q_proj.weight": _linear(gen, q_out, spec.hidden, gain=QK_GAIN),
+        f"{p}.k_proj.weight": _linear(gen, kv_out, spec.hidden, gain=QK_GAIN),
+        f"{p}.v_proj.weight": v,
+        f"{p}.o_proj.weight": o,
     }
 
 
@@ -47,21 +64,32 @@ def _attention_mla(spec: ModelSpec, gen: torch.Generator, p: str) -> dict[str, t
     return t
 
 
-def make_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """All tensors in bfloat16, a pure function of ``spec`` (including its seed)."""
+def make_weights(spec: ModelSpec, special_ids: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """All tensors in bfloat16, a pure function of ``spec`` (including its seed).
+
+    ``special_ids`` get zero lm_head rows so greedy decoding never emits them (no early EOS).
+    """
     gen = torch.Generator().manual_seed(spec.seed)
-    t: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.randn(spec.vocab, spec.hidden, generator=gen) * EMBED_STD,
-    }
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(spec.vocab, spec.hidden, generator=gen)}
+    proj = _orthonormal_rows(gen, spec.head_dim, spec.hidden) if spec.arch == "llama" else None
     for i in range(spec.layers):
         p = f"model.layers.{i}"
-        attn = _attention_llama if spec.arch == "llama" else _attention_mla
-        t.update(attn(spec, gen, f"{p}.self_attn"))
+        if spec.arch == "llama":
+            t.update(_attention_llama(spec, gen, f"{p}.self_attn", proj if i == 0 else None))
+        else:
+            t.update(_attention_mla(spec, gen, f"{p}.self_attn"))
         t[f"{p}.mlp.gate_proj.weight"] = _linear(gen, spec.intermediate, spec.hidden)
         t[f"{p}.mlp.up_proj.weight"] = _linear(gen, spec.intermediate, spec.hidden)
-        t[f"{p}.mlp.down_proj.weight"] = _linear(gen, spec.hidden, spec.intermediate)
+        t[f"{p}.mlp.down_proj.weight"] = _linear(gen, spec.hidden, spec.intermediate, gain=NOISE_GAIN)
         t[f"{p}.input_layernorm.weight"] = torch.ones(spec.hidden)
         t[f"{p}.post_attention_layernorm.weight"] = torch.ones(spec.hidden)
     t["model.norm.weight"] = torch.ones(spec.hidden)
-    t["lm_head.weight"] = _linear(gen, spec.vocab, spec.hidden, gain=LM_HEAD_GAIN)
+    if proj is not None:
+        perm = torch.randperm(spec.vocab, generator=gen)
+        embed = t["model.embed_tokens.weight"]
+        t["lm_head.weight"] = LM_HEAD_SCALE * (embed[perm] @ proj.T @ proj)
+    else:
+        t["lm_head.weight"] = _linear(gen, spec.vocab, spec.hidden, gain=4.0)
+    if special_ids:
+        t["lm_head.weight"][list(special_ids)] = 0.0
     return {name: w.to(torch.bfloat16).contiguous() for name, w in t.items()}

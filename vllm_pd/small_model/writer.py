@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from vllm_pd.small_model.spec import ModelSpec
-from vllm_pd.small_model.tokenizer import EOS, IM_END, train_tokenizer, write_tokenizer
+from vllm_pd.small_model.tokenizer import EOS, IM_END, SPECIAL_TOKENS, train_tokenizer, write_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,10 @@ def write_model(spec: ModelSpec, model_dir: Path) -> Path:
     _write_json(model_dir / "generation_config.json", {
         "bos_token_id": bos_id, "eos_token_id": [eos_id, im_end_id], "do_sample": False,
     })
-    # metadata makes the file self-describing; sorted keys keep the bytes deterministic
-    save_file(make_weights(spec), str(model_dir / "model.safetensors"),
-              metadata={"format": "pt", "vllm_pd_spec_key": spec.key()})
+    # one metadata key only: safetensors writes metadata from a hash map, so several keys come out
+    # in random order and the file bytes would differ between runs
+    special_ids = tuple(tok.token_to_id(t) for t in SPECIAL_TOKENS)
+    save_file(make_weights(spec, special_ids), str(model_dir / "model.safetensors"),
+              metadata={"format": "pt"})
     logger.info("wrote %s model to %s (key %s)", spec.arch, model_dir, spec.key())
     return model_dir

@@ -83,7 +83,9 @@ class BlockSink(Protocol):
         """The batch's bytes are in ``destinations`` and verified (ok), or not."""
 
     def on_notify(self, peer: str, message: bytes) -> bytes | None:
-        """A control message from a peer; the return value is the reply."""
+        """A control message from a peer; the return value is the reply.
+        ``peer`` is the sender's own endpoint (what its ``start`` returned), so
+        the sink can push or notify back."""
 
 
 class Transport(abc.ABC):
@@ -107,7 +109,8 @@ class Transport(abc.ABC):
     ) -> Future[None]:
         """Send local blocks ``block_ids`` of region ``batch.layer`` to ``peer``.
         The source blocks must stay untouched until the future resolves. Batches
-        to one peer land in the order they were pushed."""
+        to one peer land in the order they were pushed. A push that times out
+        after its bytes left may still land at the peer: abort it with notify."""
 
     @abc.abstractmethod
     def fetch(
@@ -121,7 +124,8 @@ class Transport(abc.ABC):
     ) -> Future[None]:
         """Read blocks ``remote_block_ids`` of the peer's region ``layer`` into our
         region ``layer`` at ``local_block_ids``. The peer serves the read only if
-        ``transfer_id`` is one it holds (see :meth:`allow_fetch`)."""
+        ``transfer_id`` is one it holds and every id in ``remote_block_ids`` is in
+        its grant (see :meth:`allow_fetch`); else TransferRejected."""
 
     @abc.abstractmethod
     def notify(self, peer: str, message: bytes, timeout: float) -> Future[bytes | None]:
@@ -131,7 +135,9 @@ class Transport(abc.ABC):
     def allow_fetch(self, transfer_id: str, block_ids: Sequence[int] | None) -> None:
         """Grant (a list) or revoke (None) peers' reads of our blocks for
         ``transfer_id``; reads of anything else are rejected, so a late reader of
-        freed (reused) blocks gets an error, never another request's KV."""
+        freed (reused) blocks gets an error, never another request's KV. A revoke
+        returns once no read of ``transfer_id`` is still sending (a stalled reader
+        is disconnected after the transport's ``revoke_wait``)."""
 
     @abc.abstractmethod
     def close(self) -> None:

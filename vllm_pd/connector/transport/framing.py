@@ -217,7 +217,8 @@ def decode_frame(buf: bytes) -> Frame:
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from the socket; PeerClosed on end of stream."""
     while len(view):
-        n = sock.recv_into(view)
+        # MSG_WAITALL: one syscall (and one trip through Python) per block.
+        n = sock.recv_into(view, 0, socket.MSG_WAITALL)
         if n == 0:
             raise PeerClosed("connection closed by peer (end of stream)")
         view = view[n:]

@@ -13,6 +13,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -153,9 +154,14 @@ class PeerLink:
                 wire, channel = self._wire, self._channel
             if wire is None or channel is None:
                 try:
-                    wire, channel = self._connect()
+                    # Bounded by the op's own deadline too: expire() cannot cut a connect.
+                    wire, channel = self._connect(min(self._connect_timeout,
+                                                      max(op.deadline - time.monotonic(), 0.01)))
                 except (OSError, TransportError) as e:
-                    self._pop_and_fail(op, PeerUnreachable(f"cannot connect to {self.endpoint}: {e}"))
+                    self._pop_and_fail(op, TransferTimeout(
+                        f"{op.frame.kind.name} to {self.endpoint} timed out while connecting: {e}"
+                    ) if op.timed_out or time.monotonic() >= op.deadline else PeerUnreachable(
+                        f"cannot connect to {self.endpoint}: {e}"))
                     continue
                 if op.timed_out:
                     self._pop_and_fail(op, TransferTimeout(f"{op.frame.kind.name} to {self.endpoint} timed out"))
@@ -172,17 +178,17 @@ class PeerLink:
                 if op.state == "sending":
                     op.state = "sent"
 
-    def _connect(self) -> tuple[Wire, BlockChannel]:
+    def _connect(self, timeout: float) -> tuple[Wire, BlockChannel]:
         sock = socket.socket(self._family, socket.SOCK_STREAM)
         try:
-            sock.settimeout(self._connect_timeout)
+            sock.settimeout(timeout)
             sock.connect(self._address)
             configure_socket(sock)
             wire = Wire(sock)
             channel = self._make_channel()
             try:
                 wire.send_frame(Frame(Kind.HELLO, payload=self._hello_payload(channel)))
-                sock.settimeout(self._connect_timeout)
+                sock.settimeout(timeout)
                 reply = read_frame(sock)
                 sock.settimeout(None)
                 if reply.kind is not Kind.HELLO:

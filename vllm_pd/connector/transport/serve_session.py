@@ -52,6 +52,7 @@ class ServeSession:
         self._grants = grants
         self._checksum = checksum
         self._on_end = on_end
+        self.serving: set[str] = set()  # transfer ids whose DATA is being sent now
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, name=f"pd-serve-reader {peer}", daemon=True)
@@ -125,7 +126,9 @@ class ServeSession:
         views = [memoryview(d).cast("B") for d in dests]
         if len(views) != frame.count or any(len(v) != frame.block_nbytes or v.readonly for v in views):
             self._channel.drop_blocks(self.wire, frame)
-            self._ack(frame, Status.ERROR, "sink gave destinations of the wrong number, size or writability")
+            self._ack(frame, Status.REJECTED, f"push of {frame.count} blocks of {frame.block_nbytes} "
+                      f"bytes does not fit the sink's {len(views)} destinations of "
+                      f"{sorted({len(v) for v in views})} bytes (or they are read-only)")
             return
         ok = False
         try:
@@ -168,6 +171,7 @@ class ServeSession:
             self.wire.send_frame(Frame(Kind.ACK, req_id=frame.req_id, status=Status.REJECTED,
                                        payload=why.encode()))
             return
+        self.serving.add(frame.transfer_id)
         try:
             data = Frame(
                 Kind.DATA, req_id=frame.req_id, checksum=self._checksum, layer=frame.layer,
@@ -176,6 +180,7 @@ class ServeSession:
             )
             self._channel.send_blocks(self.wire, data, views)
         finally:
+            self.serving.discard(frame.transfer_id)
             self._grants.end_serve(frame.transfer_id)
 
     def _on_notify(self, frame: Frame) -> None:

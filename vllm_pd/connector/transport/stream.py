@@ -172,7 +172,7 @@ class StreamTransport(Transport):
             logger.warning("revoke of %r: a read still in flight after %.1fs; closing "
                            "the serving connections", transfer_id, self._revoke_wait)
             with self._lock:
-                sessions = list(self._sessions)
+                sessions = [s for s in self._sessions if transfer_id in s.serving]
             for s in sessions:
                 s.close()
             self._grants.revoke(transfer_id, self._revoke_wait)

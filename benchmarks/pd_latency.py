@@ -1,0 +1,234 @@
+"""End-to-end latency of 1P1D on real vLLM CPU servers, side by side in one run with
+a plain 1-core instance and with vLLM's own NixlConnector 1P1D.
+
+    python3 benchmarks/pd_latency.py [--lengths 128 512 1024 2048] [--requests 5] [--no-nixl]
+
+Prefill is pinned to core 0 and decode to core 1; the plain instance gets core 0
+alone. Every prompt is unique (no prefix-cache hits), 32 output tokens, greedy,
+requests one at a time. TTFT is measured as a client behind a proxy sees it: from
+sending the prefill leg to the first streamed token of the decode leg.
+
+Targets (issue 2): our TTFT <= 1.15 x plain 1-core and <= 0.5 x stock NIXL; an
+idle PD pair uses ~0 % CPU. Also printed: the layer-wise overlap of push mode
+(time from prefill's last layer to "all KV landed" vs the whole transfer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from vllm_pd.small_model import ModelSpec, ensure_model
+from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
+
+OUTPUT_TOKENS = 32
+BENCH_MODEL = ModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, head_dim=64, intermediate=1024,
+                        max_positions=4096)  # 8 KiB of KV per token, like the NIXL baseline's model
+
+
+def spec(model: Path, cores: str, ktc: dict[str, Any] | None, env: dict[str, str] | None = None) -> VllmServerSpec:
+    return VllmServerSpec(model=str(model), port=free_port(), kv_transfer_config=ktc, cpu_cores=cores,
+                          max_model_len=4096, served_model_name="bench", kv_cache_bytes="1g",
+                          env=env or {}, extra_args=["--seed", "0"])
+
+
+def start(specs: list[VllmServerSpec], log_dir: Path) -> list[VllmServer]:
+    servers = [VllmServer(s, log_dir / f"{s.port}.log").start() for s in specs]
+    for s in servers:
+        s.wait_healthy(timeout=900)
+    return servers
+
+
+def stop(servers: list[VllmServer]) -> None:
+    for s in servers:
+        s.stop()
+
+
+class Prompts:
+    """Unique token-id prompts: the first tokens differ per request, so nothing hits a prefix cache."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.n = 0
+
+    def make(self, length: int) -> list[int]:
+        self.n += 1
+        head = [5 + (self.n * 7919) % 3990, 5 + (self.n * 104729) % 3990]
+        return (head + [self.rng.randrange(5, 4000) for _ in range(length)])[:length]
+
+
+def stream_ttft(client: httpx.Client, url: str, body: dict[str, Any], t0: float) -> tuple[float, float]:
+    """(ttft, total) in seconds from t0, reading decode's SSE stream."""
+    ttft = None
+    with client.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
+                ttft = time.perf_counter() - t0
+    return ttft or float("nan"), time.perf_counter() - t0
+
+
+def run_plain(client: httpx.Client, server: VllmServer, prompt: list[int]) -> tuple[float, float]:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
+    return stream_ttft(client, server.url, body, time.perf_counter())
+
+
+def run_pd(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: list[int], params: dict[str, Any]) -> tuple[float, float]:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
+    t0 = time.perf_counter()
+    leg = dict(body, max_tokens=1, stream=False, kv_transfer_params=params)
+    r = client.post(p.url + "/v1/completions", json=leg, timeout=600)
+    r.raise_for_status()
+    return stream_ttft(client, d.url, dict(body, kv_transfer_params=r.json()["kv_transfer_params"]), t0)
+
+
+def measure(name: str, fn: Any, lengths: list[int], n: int, prompts: Prompts) -> dict[int, tuple[float, float]]:
+    fn(prompts.make(64))  # warm-up (NIXL's handshake, first-request costs)
+    out = {}
+    for length in lengths:
+        samples = [fn(prompts.make(length)) for _ in range(n)]
+        out[length] = (statistics.median(s[0] for s in samples) * 1e3, statistics.median(s[1] for s in samples) * 1e3)
+        print(f"  {name:<28} L={length:<5} TTFT {out[length][0]:7.1f} ms  total {out[length][1]:7.1f} ms", flush=True)
+    return out
+
+
+def idle_cpu(servers: list[VllmServer], seconds: float = 5.0) -> float:
+    """CPU use of the servers' whole process trees while idle, in % of one core."""
+    procs = []
+    for s in servers:
+        root = psutil.Process(s.pid)
+        procs += [root, *root.children(recursive=True)]
+
+    def cpu() -> float:
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    time.sleep(2.0)
+    c0 = cpu()
+    time.sleep(seconds)
+    return (cpu() - c0) / seconds * 100
+
+
+def metric(client: httpx.Client, url: str, name: str) -> float:
+    total = 0.0
+    for line in client.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def ours_ktc(role: str, kv_port: int) -> dict[str, Any]:
+    return {"kv_connector": "PDConnector", "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"transport": "tcp", "host": "127.0.0.1"}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    ap.add_argument("--requests", type=int, default=5, help="requests per length and configuration")
+    ap.add_argument("--no-nixl", action="store_true")
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-bench-logs"))
+    args = ap.parse_args()
+    model = ensure_model(BENCH_MODEL)
+    prompts = Prompts(seed=1)
+    results: dict[str, dict[int, tuple[float, float]]] = {}
+    idle: dict[str, float] = {}
+    client = httpx.Client()
+
+    print("phase 1: plain instance on core 0", flush=True)
+    [plain] = start([spec(model, "0", None)], args.log_dir)
+    try:
+        results["plain 1-core"] = measure("plain 1-core", lambda pr: run_plain(client, plain, pr),
+                                          args.lengths, args.requests, prompts)
+    finally:
+        stop([plain])
+
+    print("phase 2: vllm-pd 1P1D (prefill core 0, decode core 1)", flush=True)
+    pk, dk = free_port(), free_port()
+    p, d = start([spec(model, "0", ours_ktc("kv_producer", pk)), spec(model, "1", ours_ktc("kv_consumer", dk))],
+                 args.log_dir)
+    overlap = {}
+    try:
+        for mode in ("push", "pull"):
+            params: dict[str, Any] = {"do_remote_decode": True, "transfer_mode": mode}
+            if mode == "push":
+                params["decode_endpoint"] = f"tcp://127.0.0.1:{dk}"
+            before = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in ("transfers", "tail_seconds", "span_seconds")}
+            results[f"vllm-pd 1P1D {mode}"] = measure(f"vllm-pd 1P1D {mode}", lambda pr: run_pd(client, p, d, pr, params),
+                                                     args.lengths, args.requests, prompts)
+            if mode == "push":
+                time.sleep(1.0)
+                after = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in before}
+                n = after["transfers"] - before["transfers"]
+                if n:
+                    overlap = {"transfers": n, "tail_ms": (after["tail_seconds"] - before["tail_seconds"]) / n * 1e3,
+                               "span_ms": (after["span_seconds"] - before["span_seconds"]) / n * 1e3}
+        idle["vllm-pd 1P1D"] = idle_cpu([p, d])
+    finally:
+        stop([p, d])
+
+    if not args.no_nixl:
+        try:
+            import nixl  # noqa: F401
+        except ImportError:
+            print("phase 3 skipped: the `nixl` package is not installed (pip install nixl)", flush=True)
+        else:
+            print("phase 3: vLLM NixlConnector 1P1D (prefill core 0, decode core 1)", flush=True)
+            ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+            envs = [{"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+                    for _ in range(2)]
+            p, d = start([spec(model, "0", ktc, envs[0]), spec(model, "1", ktc, envs[1])], args.log_dir)
+            try:
+                params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                          "remote_block_ids": None, "remote_host": None, "remote_port": None}
+                results["NIXL 1P1D"] = measure("NIXL 1P1D", lambda pr: run_pd(client, p, d, pr, params),
+                                               args.lengths, args.requests, prompts)
+                idle["NIXL 1P1D"] = idle_cpu([p, d])
+            finally:
+                stop([p, d])
+
+    print()
+    print(f"| config | " + " | ".join(f"L={n} TTFT / total (ms)" for n in args.lengths) + " |")
+    print("|---|" + "---|" * len(args.lengths))
+    for name, row in results.items():
+        print(f"| {name} | " + " | ".join(f"{row[n][0]:.0f} / {row[n][1]:.0f}" for n in args.lengths) + " |")
+    print()
+    plain_row = results["plain 1-core"]
+    for mode in ("push", "pull"):
+        ours = results[f"vllm-pd 1P1D {mode}"]
+        ratios = " ".join(f"L={n}: {ours[n][0] / plain_row[n][0]:.2f}x" for n in args.lengths)
+        print(f"TTFT vllm-pd {mode} / plain 1-core (target <= 1.15): {ratios}")
+        if "NIXL 1P1D" in results:
+            nixl_row = results["NIXL 1P1D"]
+            ratios = " ".join(f"L={n}: {ours[n][0] / nixl_row[n][0]:.2f}x" for n in args.lengths)
+            print(f"TTFT vllm-pd {mode} / NIXL 1P1D   (target <= 0.5):  {ratios}")
+    for name, pct in idle.items():
+        print(f"idle CPU of the {name} pair: {pct:.1f} % of one core (2 cores = 200 %)")
+    if overlap:
+        print(f"push overlap: after prefill's last layer, all KV landed in {overlap['tail_ms']:.2f} ms on average, "
+              f"of a {overlap['span_ms']:.2f} ms transfer (first push to last landed), over {overlap['transfers']:.0f} "
+              f"transfers: {100 * (1 - overlap['tail_ms'] / max(overlap['span_ms'], 1e-9)):.0f} % of the transfer hidden "
+              f"behind compute")
+    print(json.dumps({"results": results, "idle_cpu_pct": idle, "overlap": overlap}), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())

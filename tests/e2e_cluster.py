@@ -1,0 +1,146 @@
+"""Real vLLM servers for end-to-end tests: started once per session, in phases.
+
+Two cores cannot run three vLLM servers without starving them, so the plain
+(reference) instance runs first, alone, over the whole prompt catalogue, and is
+stopped before the disaggregated instances start.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port  # noqa: F401 - re-exported
+
+logger = logging.getLogger(__name__)
+
+MAX_MODEL_LEN = 2048
+MAX_TOKENS = 12
+
+
+def connector_config(role: str, kv_port: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "PDConnector",
+        "kv_role": role,
+        "kv_port": kv_port,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"transport": "tcp", "host": "127.0.0.1", **extra},
+    }
+
+
+@dataclass
+class Instance:
+    server: VllmServer
+    kv_port: int | None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def kv_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.kv_port}"
+
+
+def server_spec(model: Path, cores: str, ktc: dict[str, Any] | None) -> VllmServerSpec:
+    return VllmServerSpec(
+        model=str(model), port=free_port(), kv_transfer_config=ktc, cpu_cores=cores,
+        max_model_len=MAX_MODEL_LEN, served_model_name="small",
+        extra_args=["--enable-prompt-tokens-details", "--seed", "0"],
+    )
+
+
+def start_all(specs: list[tuple[VllmServerSpec, int | None]], log_dir: Path) -> list[Instance]:
+    instances = [
+        Instance(VllmServer(spec, log_dir / f"vllm-{spec.port}.log").start(), kv_port)
+        for spec, kv_port in specs
+    ]
+    try:
+        for inst in instances:
+            inst.server.wait_healthy(timeout=900)
+    except BaseException:
+        stop_all(instances)
+        raise
+    return instances
+
+
+def stop_all(instances: list[Instance]) -> None:
+    for inst in instances:
+        inst.server.stop()
+
+
+# ---- requests ---------------------------------------------------------------------------------
+def completion_body(prompt: str | list[int], max_tokens: int = MAX_TOKENS, **kw: Any) -> dict[str, Any]:
+    return {"model": "small", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **kw}
+
+
+def chat_body(text: str, max_tokens: int = MAX_TOKENS, **kw: Any) -> dict[str, Any]:
+    return {"model": "small", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "return_token_ids": True, **kw}
+
+
+def endpoint_for(body: dict[str, Any]) -> str:
+    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
+
+
+def post(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = client.post(url + endpoint_for(body), json=body, timeout=300)
+    assert r.status_code == 200, f"{url}: HTTP {r.status_code}: {r.text[:500]}"
+    return r.json()
+
+
+def output_tokens(resp: dict[str, Any]) -> list[int]:
+    choice = resp["choices"][0]
+    ids = choice.get("token_ids")
+    assert ids is not None, f"no token_ids in {resp}"
+    return list(ids)
+
+
+def prefill_leg(body: dict[str, Any], mode: str, decode: Instance | None) -> dict[str, Any]:
+    params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    if mode == "push":
+        assert decode is not None
+        params.update(transfer_mode="push", decode_endpoint=decode.kv_endpoint)
+    leg = dict(body, max_tokens=1, stream=False, kv_transfer_params=params)
+    leg.pop("stream_options", None)
+    return leg
+
+
+def disagg(client: httpx.Client, prefill: Instance, decode: Instance, body: dict[str, Any],
+           mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """vLLM's standard two-leg PD flow, by hand: (prefill response, decode response)."""
+    p = post(client, prefill.url, prefill_leg(body, mode, decode))
+    assert p.get("kv_transfer_params"), f"prefill returned no kv_transfer_params: {p}"
+    d = post(client, decode.url, dict(body, kv_transfer_params=p["kv_transfer_params"]))
+    return p, d
+
+
+def metric(client: httpx.Client, url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples on a vLLM server (0 if absent)."""
+    text = client.get(url + "/metrics", timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{", 1)[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def wait_until(pred: Any, timeout: float, interval: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return bool(pred())

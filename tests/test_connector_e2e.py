@@ -1,0 +1,129 @@
+"""Prefill -> decode on real vLLM CPU servers with the PD connector.
+
+The core promise: disaggregated greedy output == plain single-instance output,
+token for token, in push and pull mode, for prompts from 1 token to near
+max-model-len, completions and chat; decode does not recompute the prompt; and
+afterwards neither side holds a single KV block.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+
+from tests import e2e_cluster as ec
+from tests.prompt_catalogue import CONNECTOR_CASES
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def client():
+    with httpx.Client() as c:
+        yield c
+
+
+def prompt_sources(client: httpx.Client, inst: ec.Instance) -> tuple[float, float]:
+    """vLLM's count of prompt tokens (transferred from elsewhere, computed here) on ``inst``."""
+    name = "vllm:prompt_tokens_by_source_total"
+    return (ec.metric(client, inst.url, name, source="external_kv_transfer"),
+            ec.metric(client, inst.url, name, source="local_compute"))
+
+
+def assert_nothing_held(client: httpx.Client, instances: list[ec.Instance]) -> None:
+    for inst in instances:
+        assert ec.wait_until(
+            lambda: ec.metric(client, inst.url, "vllm:kv_cache_usage_perc") == 0
+            and ec.metric(client, inst.url, "vllm:pd_held_transfers") == 0
+            and ec.metric(client, inst.url, "vllm:pd_loading_requests") == 0,
+            timeout=15,
+        ), (f"{inst.url} still holds KV: usage={ec.metric(client, inst.url, 'vllm:kv_cache_usage_perc')} "
+            f"held={ec.metric(client, inst.url, 'vllm:pd_held_transfers')}")
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_disaggregated_output_equals_plain(mode: str, pd_pair, reference_outputs, client) -> None:
+    prefill, decode = pd_pair
+    source = "push" if mode == "push" else "fetch"
+    ok_before = ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok")
+    blocks_before = ec.metric(client, decode.url, "vllm:pd_loaded_blocks_total", source=source)
+    mismatches = []
+    for key, body in CONNECTOR_CASES.items():
+        ext0, local0 = prompt_sources(client, decode)
+        p, d = ec.disagg(client, prefill, decode, body, mode)
+        ext, local = (a - b for a, b in zip(prompt_sources(client, decode), (ext0, local0)))
+        prompt_tokens = d["usage"]["prompt_tokens"]
+        assert p["usage"]["prompt_tokens"] == prompt_tokens
+        if ec.output_tokens(d) != reference_outputs[key]:
+            mismatches.append(key)
+        # decode did not compute the prompt: it came from prefill (or, when an earlier test sent
+        # the same prompt, partly from decode's own prefix cache)
+        if prompt_tokens > 1:
+            cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            assert local == 0, f"{key}: decode computed {local} of {prompt_tokens} prompt tokens"
+            assert ext + cached == prompt_tokens, f"{key}: {ext} transferred + {cached} cached != {prompt_tokens}"
+            assert ext > 0, f"{key}: nothing was transferred"
+    assert not mismatches, f"{mode}: outputs differ from the plain instance for {mismatches}"
+    n_remote = sum(1 for k in CONNECTOR_CASES if k != "ids1")
+    assert ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok") - ok_before >= n_remote
+    assert ec.metric(client, decode.url, "vllm:pd_loaded_blocks_total", source=source) > blocks_before
+    assert_nothing_held(client, pd_pair)
+
+
+def test_tampered_block_ids_are_rejected_and_recomputed(pd_pair, reference_outputs, client) -> None:
+    """Decode asks for blocks prefill never granted: the read is refused, decode recomputes."""
+    prefill, decode = pd_pair
+    key = "ids300"
+    body = CONNECTOR_CASES[key]
+    failed_before = ec.metric(client, decode.url, "vllm:pd_loads_total", result="failed")
+    p = ec.post(client, prefill.url, ec.prefill_leg(body, "pull", decode))
+    params = copy.deepcopy(p["kv_transfer_params"])
+    params["remote_block_ids"] = [b + 7 for b in params["remote_block_ids"]]
+    d = ec.post(client, decode.url, dict(body, kv_transfer_params=params))
+    assert ec.output_tokens(d) == reference_outputs[key]
+    assert ec.metric(client, decode.url, "vllm:pd_loads_total", result="failed") == failed_before + 1
+    # decode released prefill's real transfer anyway (same transfer id)
+    assert_nothing_held(client, pd_pair)
+
+
+def test_dead_prefill_endpoint_is_recomputed(pd_pair, reference_outputs, client) -> None:
+    prefill, decode = pd_pair
+    key = "text3"
+    body = CONNECTOR_CASES[key]
+    p = ec.post(client, prefill.url, ec.prefill_leg(body, "pull", decode))
+    params = dict(p["kv_transfer_params"])
+    real = dict(params)
+    dead = f"tcp://127.0.0.1:{ec.free_port()}"
+    params.update(remote_endpoint=dead, remote_endpoints=[dead])
+    d = ec.post(client, decode.url, dict(body, kv_transfer_params=params))
+    assert ec.output_tokens(d) == reference_outputs[key]
+    # the real prefill still holds its copy until its lease ends (nobody could reach it)
+    assert ec.metric(client, prefill.url, "vllm:pd_held_transfers") >= 1
+    ec.post(client, decode.url, dict(body, kv_transfer_params=real))  # the real one releases it
+    assert_nothing_held(client, pd_pair)
+
+
+def test_decode_rejecting_the_request_releases_prefill(pd_pair, client) -> None:
+    """A request decode refuses before admission must not strand prefill's blocks until the lease."""
+    prefill, decode = pd_pair
+    body = CONNECTOR_CASES["ids512"]
+    p = ec.post(client, prefill.url, ec.prefill_leg(body, "pull", decode))
+    assert ec.metric(client, prefill.url, "vllm:pd_held_transfers") >= 1
+    bad = dict(body, max_tokens=ec.MAX_MODEL_LEN * 4, kv_transfer_params=p["kv_transfer_params"])
+    r = client.post(decode.url + "/v1/completions", json=bad, timeout=60)
+    assert r.status_code == 400
+    # released well before the 20 s lease
+    assert ec.wait_until(lambda: ec.metric(client, prefill.url, "vllm:pd_held_transfers") == 0, timeout=8)
+    assert_nothing_held(client, pd_pair)
+
+
+def test_unclaimed_kv_is_freed_when_the_lease_ends(pd_pair, client) -> None:
+    prefill, decode = pd_pair
+    expired_before = ec.metric(client, prefill.url, "vllm:pd_lease_expired_total")
+    ec.post(client, prefill.url, ec.prefill_leg(CONNECTOR_CASES["ids640"], "pull", decode))
+    assert ec.metric(client, prefill.url, "vllm:pd_held_transfers") >= 1
+    assert ec.wait_until(lambda: ec.metric(client, prefill.url, "vllm:pd_held_transfers") == 0, timeout=45)
+    assert ec.metric(client, prefill.url, "vllm:pd_lease_expired_total") == expired_before + 1
+    assert_nothing_held(client, pd_pair)

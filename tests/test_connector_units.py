@@ -1,0 +1,199 @@
+"""Unit tests of the connector's pieces that need no vLLM engine."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from vllm_pd.connector.config import PDConnectorConfig, parse_size
+from vllm_pd.connector.control import ReleaseMessage, decode_control
+from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.connector.outgoing import OutgoingTransfers
+from vllm_pd.connector.push_staging import PushStaging
+from vllm_pd.connector.transfer_params import RemoteDecodeRequest, RemotePrefill, prompt_hash
+from vllm_pd.connector.transport.base import BlockBatch
+
+
+# ---- config ---------------------------------------------------------------------------------------
+def test_config_defaults_and_values() -> None:
+    cfg = PDConnectorConfig.from_extra_config({"transport": "shm", "lease_s": 5, "staging_bytes": "64m",
+                                               "load_mode": "layerwise"})
+    assert (cfg.transport, cfg.lease_s, cfg.staging_bytes, cfg.load_mode) == ("shm", 5.0, 64 << 20, "layerwise")
+    assert PDConnectorConfig.from_extra_config(None) == PDConnectorConfig()
+
+
+@pytest.mark.parametrize("extra, names", [
+    ({"transprot": "tcp"}, "transprot"),
+    ({"transport": "udp"}, "transport"),
+    ({"lease_s": 0}, "lease_s"),
+    ({"lease_s": "long"}, "lease_s"),
+    ({"checksum": "yes"}, "checksum"),
+    ({"staging_bytes": "lots"}, "staging_bytes"),
+    ({"default_mode": "teleport"}, "default_mode"),
+    ({"store": 3}, "store"),
+])
+def test_config_errors_name_the_key(extra: dict, names: str) -> None:
+    with pytest.raises(ConfigError, match=names):
+        PDConnectorConfig.from_extra_config(extra)
+
+
+def test_parse_size() -> None:
+    assert parse_size("k", "2G") == 2 << 30
+    assert parse_size("k", "512mib") == 512 << 20
+    assert parse_size("k", 1000) == 1000
+    with pytest.raises(ConfigError):
+        parse_size("k", -1)
+
+
+# ---- kv_transfer_params ----------------------------------------------------------------------------
+def _remote(**kw) -> RemotePrefill:
+    base = dict(transfer_id="cmpl-1-0-abc", engine_id="e", endpoint="tcp://10.0.0.1:5000", host="10.0.0.1",
+                port=5000, block_ids=(4, 9, 2), num_tokens=300, block_size=128, mode="pull",
+                prompt_hash=prompt_hash([1, 2, 3]))
+    base.update(kw)
+    return RemotePrefill(**base)
+
+
+def test_remote_prefill_round_trip() -> None:
+    rp = _remote()
+    params = rp.to_params()
+    # vLLM's standard keys are there, so standard proxies pass them on unchanged
+    for key in ("do_remote_prefill", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
+                "remote_block_ids"):
+        assert key in params
+    assert RemotePrefill.from_params(params) == rp
+    assert RemotePrefill.from_params({**params, "do_remote_prefill": False}) is None
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda p: p.pop("remote_endpoint"),
+    lambda p: p.update(remote_port="x"),
+    lambda p: p.update(remote_block_ids=[1]),  # too few blocks for 300 tokens
+    lambda p: p.update(transfer_mode="teleport"),
+    lambda p: p.pop("vllm_pd"),  # another connector's params
+])
+def test_malformed_remote_prefill_params_are_ignored(mutate) -> None:
+    params = _remote().to_params()
+    mutate(params)
+    assert RemotePrefill.from_params(params) is None
+
+
+def test_remote_decode_request_modes() -> None:
+    assert RemoteDecodeRequest.from_params({"do_remote_decode": True}, "pull").mode == "pull"
+    push = RemoteDecodeRequest.from_params(
+        {"do_remote_decode": True, "transfer_mode": "push", "decode_endpoint": "tcp://h:1"}, "pull")
+    assert (push.mode, push.decode_endpoint) == ("push", "tcp://h:1")
+    # push without a decode endpoint degrades to pull
+    assert RemoteDecodeRequest.from_params({"do_remote_decode": True, "transfer_mode": "push"}, "pull").mode == "pull"
+    assert RemoteDecodeRequest.from_params({"do_remote_prefill": True}, "pull") is None
+
+
+def test_prompt_hash_is_stable_and_sensitive() -> None:
+    assert prompt_hash([1, 2, 3]) == prompt_hash((1, 2, 3))
+    assert prompt_hash([1, 2, 3]) != prompt_hash([1, 2, 4])
+    # fixed value: the same on every machine and process (no Python hash())
+    assert prompt_hash([1, 2, 3]) == "001a4cc3a7c5c739df759df2c0563c82"
+
+
+def test_control_messages() -> None:
+    assert decode_control(ReleaseMessage("t1").encode()) == ReleaseMessage("t1")
+    with pytest.raises(Exception):
+        decode_control(b"\x00garbage")
+
+
+# ---- prefill: held transfers --------------------------------------------------------------------
+def test_outgoing_held_until_released_and_pushes_done() -> None:
+    out = OutgoingTransfers(lease_s=60)
+    fut: Future[None] = Future()
+    out.add_push("t", fut)
+    out.mark_computed("t")
+    assert out.take_reportable() == []
+    out.finish("t", held=True)
+    out.release("t")
+    assert out.take_reportable() == []  # a push still reads the blocks
+    fut.set_result(None)
+    [t] = out.take_reportable()
+    assert t.transfer_id == "t" and t.granted
+    assert out.pending() == 0
+
+
+def test_outgoing_release_before_finish_waits_for_the_scheduler() -> None:
+    out = OutgoingTransfers(lease_s=60)
+    out.release("t")  # decode was fast: its release beat the scheduler's finish
+    assert out.take_reportable() == []
+    out.finish("t", held=True)
+    assert [t.transfer_id for t in out.take_reportable()] == ["t"]
+
+
+def test_outgoing_lease_expiry_and_abort() -> None:
+    out = OutgoingTransfers(lease_s=0.05)
+    out.finish("held", held=True)
+    out.finish("aborted", held=False)
+    assert [t.transfer_id for t in out.take_reportable()] == ["aborted"]
+    time.sleep(0.06)
+    assert [t.transfer_id for t in out.take_reportable()] == ["held"]
+    assert out.expired_total == 1
+
+
+def test_outgoing_failed_push_is_counted_not_fatal() -> None:
+    out = OutgoingTransfers(lease_s=60)
+    fut: Future[None] = Future()
+    out.add_push("t", fut)
+    fut.set_exception(RuntimeError("peer gone"))
+    assert out.push_failures_total == 1
+    out.finish("t", held=False)
+    assert [t.transfer_id for t in out.take_reportable()] == ["t"]
+
+
+# ---- decode: push staging --------------------------------------------------------------------------
+def _land(st: PushStaging, tid: str, layer: int, positions: tuple[int, ...], fill: int, last: bool,
+          ok: bool = True) -> BlockBatch:
+    batch = BlockBatch(tid, layer, positions, 8, last=last)
+    views = st.destinations(batch)
+    assert views is not None
+    for v in views:
+        v[:] = bytes([fill]) * 8
+    st.landed(batch, ok)
+    return batch
+
+
+def test_staging_complete_only_after_each_layers_last_batch() -> None:
+    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    _land(st, "t", 0, (0, 1), fill=1, last=False)  # first chunk; block 1 partly filled
+    assert not st.wait_complete("t", num_layers=2, deadline=time.monotonic())
+    _land(st, "t", 0, (1, 2), fill=2, last=True)  # final chunk re-sends block 1
+    _land(st, "t", 1, (0, 1, 2), fill=3, last=True)
+    assert st.wait_complete("t", num_layers=2, deadline=time.monotonic())
+    assert bytes(st.landed_block("t", 0, 1).numpy()) == b"\x02" * 8  # the final version
+    assert bytes(st.landed_block("t", 0, 0).numpy()) == b"\x01" * 8
+    st.drop("t")
+    assert st.used_bytes == 0 and len(st) == 0
+
+
+def test_staging_failed_batch_is_not_landed() -> None:
+    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    _land(st, "t", 0, (0,), fill=1, last=True, ok=False)
+    assert st.landed_block("t", 0, 0) is None
+
+
+def test_staging_capacity_rejects_and_expiry_frees() -> None:
+    st = PushStaging(capacity_bytes=16, ttl_s=0.05)
+    _land(st, "a", 0, (0, 1), fill=1, last=True)
+    assert st.destinations(BlockBatch("b", 0, (0,), 8)) is None  # full
+    assert st.rejected_total == 1
+    time.sleep(0.06)
+    st.expire()
+    assert st.used_bytes == 0
+    assert st.destinations(BlockBatch("b", 0, (0,), 8)) is not None
+
+
+def test_staging_views_write_into_its_buffers() -> None:
+    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    batch = BlockBatch("t", 0, (0,), 4, last=True)
+    [view] = st.destinations(batch)
+    view[:] = b"abcd"
+    st.landed(batch, True)
+    assert torch.equal(st.landed_block("t", 0, 0), torch.tensor(list(b"abcd"), dtype=torch.uint8))

@@ -1,0 +1,121 @@
+"""The wire format: round trips and rejection of malformed headers."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import pytest
+
+from vllm_pd.connector.exceptions import ConfigError, PeerClosed, TransferCorrupted
+from vllm_pd.connector.transport import create_transport
+from vllm_pd.connector.transport.framing import (
+    HEADER_NBYTES,
+    MAX_COUNT,
+    Checksum,
+    Frame,
+    Kind,
+    Status,
+    decode_frame,
+    decode_header,
+    read_frame,
+    recv_exact,
+    send_buffers,
+)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        Frame(Kind.HELLO, payload=b'{"endpoint":"tcp://h:1"}'),
+        Frame(Kind.PUSH, req_id=2**63 + 5, checksum=Checksum.BLAKE3, flags=1, layer=31,
+              block_nbytes=262144, transfer_id="req-ü-1", ids=(0, 1, 7), lengths=(262144,) * 3),
+        Frame(Kind.FETCH, req_id=9, layer=3, block_nbytes=4096, transfer_id="t", ids=(5, 2**32 - 1)),
+        Frame(Kind.ACK, req_id=9, status=Status.REJECTED, payload=b"no such transfer"),
+        Frame(Kind.DATA, req_id=1, checksum=Checksum.CRC32, block_nbytes=8, ids=(1,), lengths=(8,)),
+        Frame(Kind.REPLY, req_id=3, flags=1, payload=b""),
+    ],
+)
+def test_round_trip(frame: Frame) -> None:
+    assert decode_frame(frame.encode()) == frame
+
+
+def test_data_nbytes_counts_blocks_and_trailer() -> None:
+    f = Frame(Kind.PUSH, ids=(0, 1), lengths=(100, 100), block_nbytes=100)
+    assert f.data_nbytes == 200 + 2 * 8
+    assert Frame(Kind.FETCH, ids=(0, 1)).data_nbytes == 0
+
+
+def _header(**over) -> bytes:
+    fields = dict(magic=b"VPD1", kind=int(Kind.ACK), status=0, checksum=0, flags=0, req_id=1,
+                  layer=0, count=0, bnb=0, tid=0, payload=0)
+    fields.update(over)
+    return struct.pack("<4sBBBBQIIQII", *fields.values())
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(magic=b"HTTP"), "bad magic"),
+        (dict(kind=99), "bad header field"),
+        (dict(status=42), "bad header field"),
+        (dict(checksum=7), "bad header field"),
+        (dict(count=MAX_COUNT + 1), "out of bounds"),
+        (dict(tid=5000), "out of bounds"),
+        (dict(bnb=1 << 40), "out of bounds"),
+    ],
+)
+def test_bad_header_rejected(bad: dict, match: str) -> None:
+    with pytest.raises(TransferCorrupted, match=match):
+        decode_header(_header(**bad))
+
+
+def test_short_header_and_wrong_variable_part_rejected() -> None:
+    with pytest.raises(TransferCorrupted):
+        decode_header(_header()[:-1])
+    enc = Frame(Kind.FETCH, transfer_id="abc", ids=(1, 2)).encode()
+    with pytest.raises(TransferCorrupted, match="variable part"):
+        decode_frame(enc[:-1])
+    with pytest.raises(TransferCorrupted, match="utf-8"):
+        decode_frame(enc[:HEADER_NBYTES] + b"\xff\xfe\xfd" + enc[HEADER_NBYTES + 3:])
+
+
+def test_send_buffers_many_views_and_read_frame_over_a_socket() -> None:
+    a, b = socket.socketpair()
+    try:
+        frame = Frame(Kind.PUSH, transfer_id="x", ids=tuple(range(1500)), lengths=(3,) * 1500,
+                      block_nbytes=3)
+        views = [memoryview(bytes([i % 256] * 3)) for i in range(1500)]  # > IOV_MAX buffers
+        t = threading.Thread(target=send_buffers, args=(a, [frame.encode(), *views]))
+        t.start()
+        got = read_frame(b)
+        body = recv_exact(b, 3 * 1500)
+        t.join()
+        assert got == frame
+        assert bytes(body) == b"".join(bytes(v) for v in views)
+        a.close()
+        with pytest.raises(PeerClosed):
+            read_frame(b)
+    finally:
+        b.close()
+
+
+def test_checksums_detect_a_flipped_byte() -> None:
+    data = bytearray(range(256)) * 64
+    for c in (Checksum.CRC32, Checksum.BLAKE3):
+        d = c.digest(memoryview(data))
+        data[1000] ^= 1
+        assert c.digest(memoryview(data)) != d
+        data[1000] ^= 1
+    with pytest.raises(ValueError, match="checksum"):
+        Checksum.parse("md5")
+
+
+def test_create_transport_names_unknown_name_and_option() -> None:
+    with pytest.raises(ConfigError, match="'rdma'"):
+        create_transport("rdma")
+    with pytest.raises(ConfigError, match="checksum"):
+        create_transport("tcp", checksum="md5")
+    with pytest.raises(ConfigError, match="bogus"):
+        create_transport("tcp", bogus=1)

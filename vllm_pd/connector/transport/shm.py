@@ -1,0 +1,222 @@
+"""Same-host transport: block bytes through POSIX shared memory.
+
+Each connection has two rings in /dev/shm, one per direction, each created by
+the side that writes it and announced in the HELLO handshake. A ring is
+``slots`` slots of ``slot_nbytes``; the TCP connection (the control channel)
+carries the frames plus two tiny flow-control frames: READY (sender filled slot
+k with n bytes) and CREDIT (receiver emptied slot k). The sender fills slot k+1
+while the receiver empties slot k, so the two copies run in parallel on two
+cores and throughput approaches one memcpy.
+
+Each side unlinks the peer's ring name as soon as it has mapped it (and its own
+on close), so a killed process leaves nothing in /dev/shm: the memory goes when
+the last mapping does. Endpoint: ``shm://127.0.0.1:port``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
+from vllm_pd.connector.transport.framing import DIGEST_NBYTES, Checksum, Frame, Kind, read_frame
+from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
+from vllm_pd.connector.transport.wire import Wire
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "vllmpd-"
+FLAG_TRAILER = 1  # READY: payload = the digests; no slot
+
+
+class ShmRing:
+    """``slots`` x ``slot_nbytes`` bytes of shared memory, mapped in this process."""
+
+    def __init__(self, name: str, slots: int, slot_nbytes: int, create: bool) -> None:
+        self.name, self.slots, self.slot_nbytes = name, slots, slot_nbytes
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, slots * slot_nbytes)
+            elif os.fstat(fd).st_size != slots * slot_nbytes:
+                raise TransferCorrupted(f"shm ring {name}: size differs from the announced one")
+            # Never closed explicitly: memoryviews of it may still be in use by a
+            # thread that is about to notice the connection died; GC unmaps it.
+            self._map = mmap.mmap(fd, slots * slot_nbytes)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, slot_nbytes)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass
+
+
+def _np(view: memoryview) -> np.ndarray:
+    return np.frombuffer(view, dtype=np.uint8)
+
+
+class ShmChannel:
+    """Block bytes of one connection through two shared-memory rings."""
+
+    # Test-only fault injection: called with each filled slot before READY.
+    fault_hook: Any = None
+
+    def __init__(self, slots: int, slot_nbytes: int) -> None:
+        self._tx = ShmRing(f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", slots, slot_nbytes,
+                           create=True)
+        self._rx: ShmRing | None = None
+        self._credits = threading.Semaphore(slots)
+        # Slots are filled strictly round-robin across messages and emptied in
+        # READY order, so holding a credit means the next slot is free.
+        self._next_slot = 0
+        self._closed = False
+
+    def local_info(self) -> dict[str, Any]:
+        return {"ring": self._tx.name, "slots": self._tx.slots, "slot_nbytes": self._tx.slot_nbytes}
+
+    def attach(self, remote_info: dict[str, Any]) -> None:
+        try:
+            name, slots, slot_nbytes = remote_info["ring"], remote_info["slots"], remote_info["slot_nbytes"]
+        except KeyError as e:
+            raise TransferCorrupted(f"shm handshake without {e}") from None
+        if not str(name).startswith(SEGMENT_PREFIX) or "/" in str(name):
+            raise TransferCorrupted(f"shm handshake: bad ring name {name!r}")
+        self._rx = ShmRing(str(name), int(slots), int(slot_nbytes), create=False)
+        self._rx.unlink()  # both sides map it now; the name is no longer needed
+
+    # -- sending -------------------------------------------------------------------
+
+    def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
+        tx, checksum = self._tx, frame.checksum
+        wire.send_frame(frame)
+        digests: list[bytes] = []
+        slot, fill = self._next_slot, 0  # slot being filled, bytes in it so far
+        self._take_credit()
+        for view in views:
+            digests.append(checksum.digest(view))
+            src, pos = _np(view), 0
+            while pos < len(src):
+                n = min(len(src) - pos, tx.slot_nbytes - fill)
+                np.copyto(tx.array[slot, fill : fill + n], src[pos : pos + n])
+                pos += n
+                fill += n
+                if fill == tx.slot_nbytes:
+                    if self.fault_hook is not None:
+                        self.fault_hook(tx.array[slot, :fill])
+                    wire.send_frame(Frame(Kind.READY, ids=(slot,), lengths=(fill,)))
+                    slot, fill = (slot + 1) % tx.slots, 0
+                    self._take_credit()
+        if fill:
+            if self.fault_hook is not None:
+                self.fault_hook(tx.array[slot, :fill])
+            wire.send_frame(Frame(Kind.READY, ids=(slot,), lengths=(fill,)))
+            slot = (slot + 1) % tx.slots
+        else:
+            self._credits.release()  # took one we did not use
+        self._next_slot = slot
+        wire.send_frame(Frame(Kind.READY, flags=FLAG_TRAILER, payload=b"".join(digests)))
+
+    def _take_credit(self) -> None:
+        self._credits.acquire()
+        if self._closed:
+            self._credits.release()  # wake the next waiter too
+            raise PeerClosed("shm channel closed")
+
+    def on_credit(self, frame: Frame) -> None:
+        for _ in frame.ids:
+            self._credits.release()
+
+    # -- receiving -----------------------------------------------------------------
+
+    def recv_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> bool:
+        return self._receive(wire, frame, views)
+
+    def drop_blocks(self, wire: Wire, frame: Frame) -> None:
+        self._receive(wire, frame, None)
+
+    def _receive(self, wire: Wire, frame: Frame, views: Sequence[memoryview] | None) -> bool:
+        rx = self._rx
+        if rx is None:
+            raise PeerClosed("shm channel not attached")
+        checksum = frame.checksum
+        lengths = frame.lengths
+        digests: list[bytes] = []
+        block, pos = 0, 0  # block being filled, bytes of it so far
+        while True:
+            f = read_frame(wire.sock)
+            if f.kind is Kind.CREDIT:
+                self.on_credit(f)
+                continue
+            if f.kind is not Kind.READY:
+                raise TransferCorrupted(f"expected READY in a block stream, got {f.kind.name}")
+            if f.flags & FLAG_TRAILER:
+                break
+            slot, n = f.ids[0], f.lengths[0]
+            if not 0 <= slot < rx.slots or n > rx.slot_nbytes:
+                raise TransferCorrupted(f"READY for slot {slot} of {n} bytes is out of the ring")
+            off = 0
+            while off < n:
+                if block >= len(lengths):
+                    raise TransferCorrupted("more block bytes than the frame announced")
+                take = min(n - off, lengths[block] - pos)
+                if views is not None:
+                    np.copyto(_np(views[block])[pos : pos + take], rx.array[slot, off : off + take])
+                off += take
+                pos += take
+                if pos == lengths[block]:
+                    if views is not None and checksum is not Checksum.NONE:
+                        digests.append(checksum.digest(views[block]))
+                    block, pos = block + 1, 0
+            wire.send_frame(Frame(Kind.CREDIT, ids=(slot,)))
+        if block != len(lengths) or pos:
+            raise TransferCorrupted(f"block stream ended after {block} of {len(lengths)} blocks")
+        if len(f.payload) != DIGEST_NBYTES * len(lengths):
+            raise TransferCorrupted("trailer has the wrong number of digests")
+        if views is None or checksum is Checksum.NONE:
+            return True
+        return b"".join(digests) == f.payload
+
+    def close(self) -> None:
+        self._closed = True
+        self._tx.unlink()
+        for _ in range(self._tx.slots + 1):
+            self._credits.release()
+
+
+class ShmTransport(TcpTransport):
+    """Stream transport whose block bytes go through /dev/shm (same host only)."""
+
+    name = "shm"
+    scheme = "shm"
+
+    def __init__(self, slots: int = 4, slot_nbytes: int = 4 << 20, **options: Any) -> None:
+        super().__init__(**options)
+        if slots < 2:
+            raise ValueError(f"slots must be >= 2 (pipelining), got {slots}")
+        if slot_nbytes < 4096:
+            raise ValueError(f"slot_nbytes must be >= 4096, got {slot_nbytes}")
+        self._slots, self._slot_nbytes = slots, slot_nbytes
+
+    def _listen(self, host: str, port: int):
+        sock, endpoint = super()._listen(host, port)
+        return sock, "shm://" + endpoint.removeprefix("tcp://")
+
+    def _dial_address(self, endpoint: str):
+        if not endpoint.startswith("shm://"):
+            raise ValueError(f"bad shm endpoint {endpoint!r} (expected shm://host:port)")
+        return super()._dial_address("tcp://" + endpoint.removeprefix("shm://"))
+
+    def _new_channel(self) -> ShmChannel:
+        return ShmChannel(self._slots, self._slot_nbytes)
+
+
+__all__ = ["ShmChannel", "ShmRing", "ShmTransport", "parse_tcp_endpoint"]
