@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router_harness import harness, run
+from tests.router_harness import harness, run
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml, parse_instance_flag
 from vllm_pd.router.mock_backend import MockBackend, start_backend
 

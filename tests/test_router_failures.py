@@ -7,7 +7,7 @@ import json
 
 import aiohttp
 
-from router_harness import harness, run, wait_for
+from tests.router_harness import harness, run, wait_for
 
 LONG = {"prompt": "long prompt " * 30, "max_tokens": 3}
 

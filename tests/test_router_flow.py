@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 
-from router_harness import harness, run
+from tests.router_harness import harness, run
 
 NIXL_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
