@@ -127,3 +127,16 @@ def test_unclaimed_kv_is_freed_when_the_lease_ends(pd_pair, client) -> None:
     assert ec.wait_until(lambda: ec.metric(client, prefill.url, "vllm:pd_held_transfers") == 0, timeout=45)
     assert ec.metric(client, prefill.url, "vllm:pd_lease_expired_total") == expired_before + 1
     assert_nothing_held(client, pd_pair)
+
+
+def test_proxy_side_release_frees_prefill_at_once(pd_pair, client) -> None:
+    """What the proxy does when the decode leg will never run (client gone between legs)."""
+    from vllm_pd.connector.release import release_remote_kv
+
+    prefill, decode = pd_pair
+    p = ec.post(client, prefill.url, ec.prefill_leg(CONNECTOR_CASES["ids1000"], "pull", decode))
+    assert ec.metric(client, prefill.url, "vllm:pd_held_transfers") >= 1
+    assert release_remote_kv(p["kv_transfer_params"])
+    assert ec.wait_until(lambda: ec.metric(client, prefill.url, "vllm:pd_held_transfers") == 0, timeout=8)
+    assert not release_remote_kv({"do_remote_prefill": True})  # not ours: nothing to do
+    assert_nothing_held(client, pd_pair)
