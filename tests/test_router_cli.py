@@ -1,0 +1,53 @@
+"""The proxy's flags (merged with YAML) and `vllm-pd up` helpers."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vllm_pd.router import command_proxy, command_up
+from vllm_pd.router.config import ConfigError
+from vllm_pd.router.local_cluster import cpu_bindings
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    command_proxy.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_flags_build_instances_and_override_yaml(tmp_path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("port: 9100\nkv_mode: pull\ninstances:\n  - {url: 'http://127.0.0.1:8101', role: prefill}\n")
+    cfg = command_proxy.config_from_args(_args(
+        "--config", str(f), "--kv-mode", "push", "--prefill", "http://127.0.0.1:8100",
+        "--decode", "http://127.0.0.1:8200", "--decode-kv", "tcp://127.0.0.1:14600",
+        "--both", "http://127.0.0.1:8300@tcp://127.0.0.1:14700", "--require-disagg"))
+    assert cfg.port == 9100 and cfg.kv_mode == "push" and cfg.require_disagg is True
+    assert [(i.url, i.role, i.kv_endpoint) for i in cfg.instances] == [
+        ("http://127.0.0.1:8101", "prefill", None), ("http://127.0.0.1:8100", "prefill", None),
+        ("http://127.0.0.1:8200", "decode", "tcp://127.0.0.1:14600"),
+        ("http://127.0.0.1:8300", "both", "tcp://127.0.0.1:14700")]
+
+
+def test_flag_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match="decode_kv"):
+        command_proxy.config_from_args(_args("--decode", "http://a:1", "--decode", "http://a:2",
+                                             "--decode-kv", "tcp://a:3"))
+    with pytest.raises(ConfigError, match="prefill_timeout"):
+        command_proxy.config_from_args(_args("--prefill-timeout", "0"))
+    with pytest.raises(ConfigError, match="url"):
+        command_proxy.config_from_args(_args("--decode", "localhost:8000"))
+    assert command_proxy.run(_args("--decode", "nope")) == 2
+
+
+def test_up_arguments_and_cpu_binding() -> None:
+    p = argparse.ArgumentParser()
+    command_up.add_arguments(p)
+    a = p.parse_args(["--prefill", "2", "--decode", "1"])
+    assert (a.prefill, a.decode, a.port) == (2, 1, 8000)
+    assert cpu_bindings(2, [0, 1]) == ["0", "1"]
+    assert cpu_bindings(3, [0, 1]) == ["0", "1", "0"]  # more servers than cores: share single cores
+    assert cpu_bindings(2, list(range(8))) == ["0-3", "4-7"]
+    assert command_up.run(p.parse_args(["--decode", "0"])) == 2

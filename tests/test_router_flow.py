@@ -1,0 +1,154 @@
+"""The two-leg flow against mock backends: bodies on the wire, passthrough, streaming."""
+
+from __future__ import annotations
+
+import json
+
+
+from tests.router_harness import harness, run
+
+NIXL_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def test_two_leg_bodies_exactly() -> None:
+    async def go() -> None:
+        async with harness() as h:
+            body = {"model": "mock-model", "prompt": "hello world " * 10, "max_tokens": 5,
+                    "max_completion_tokens": 5, "min_tokens": 2, "stream": True,
+                    "stream_options": {"include_usage": True}, "n": 1, "stop": ["x"], "logprobs": 2,
+                    "my_unknown_field": {"a": [1, 2]}}
+            async with h.session.post(h.url + "/v1/completions", json=body, headers={"X-Request-Id": "rid-1"}) as r:
+                assert r.status == 200
+                await r.read()
+            (p,) = h.prefills[0].seen
+            (d,) = h.decodes[0].seen
+            expected_p = dict(body, max_tokens=1, max_completion_tokens=1, stream=False,
+                              kv_transfer_params=NIXL_REQUEST)
+            del expected_p["stream_options"], expected_p["min_tokens"]
+            assert p.body == expected_p
+            kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0",
+                  "remote_block_ids": [1, 2, 3], "remote_request_id": "rid-1", "remote_host": "127.0.0.1",
+                  "remote_port": 5600}
+            assert d.body == dict(body, kv_transfer_params=kv)
+            assert p.headers["x-request-id"] == d.headers["x-request-id"] == "rid-1"
+    run(go)
+
+
+def test_push_mode_names_decode_endpoint_and_pull_mode_does_not() -> None:
+    async def go() -> None:
+        async with harness(decode_kv=True, kv_mode="auto") as h:
+            await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})
+            kvp = h.prefills[0].seen[0].body["kv_transfer_params"]
+            assert kvp == dict(NIXL_REQUEST, transfer_mode="push", decode_endpoint="tcp://127.0.0.1:14601")
+        async with harness(decode_kv=True, kv_mode="pull") as h:
+            await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})
+            assert h.prefills[0].seen[0].body["kv_transfer_params"] == NIXL_REQUEST
+    run(go)
+
+
+def test_chat_non_streaming_passthrough_and_request_id_generated() -> None:
+    async def go() -> None:
+        async with harness() as h:
+            body = {"model": "mock-model", "messages": [{"role": "user", "content": "hi there"}],
+                    "max_completion_tokens": 3, "temperature": 0, "tools": [{"type": "function",
+                                                                            "function": {"name": "f"}}]}
+            status, out = await h.post("/v1/chat/completions", body)
+            assert status == 200
+            assert out["choices"][0]["message"]["content"] == " t0 t1 t2"
+            assert out["served_by"] == "d0"
+            d = h.decodes[0].seen[0]
+            assert d.body["tools"] == body["tools"] and d.body["max_completion_tokens"] == 3
+            assert h.prefills[0].seen[0].body["max_completion_tokens"] == 1
+            rid = d.headers["x-request-id"]
+            assert len(rid) >= 16 and h.prefills[0].seen[0].headers["x-request-id"] == rid
+    run(go)
+
+
+def test_streaming_is_flushed_per_event() -> None:
+    async def go() -> None:
+        async with harness(backend_kw={"itl": 0.25}) as h:
+            body = {"prompt": "x " * 40, "max_tokens": 4, "stream": True}
+            loop = __import__("asyncio").get_running_loop()
+            arrivals = []
+            t0 = loop.time()
+            async with h.session.post(h.url + "/v1/completions", json=body) as r:
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                async for line in r.content:
+                    if line.startswith(b"data:"):
+                        arrivals.append(loop.time())
+            assert len(arrivals) == 5  # 4 tokens + [DONE]
+            # the backend spends 0.75 s on the 4 events: a buffering proxy would deliver
+            # them all at the end; a flushing one delivers the first at once
+            assert arrivals[0] - t0 < 0.45, arrivals[0] - t0
+            assert arrivals[3] - arrivals[0] > 0.5
+    run(go)
+
+
+def test_usage_reports_prefill_cached_tokens() -> None:
+    async def go() -> None:
+        async with harness(backend_kw={"cached_tokens": 0}) as h:
+            h.prefills[0].cached_tokens = 32
+            status, out = await h.post("/v1/completions", {"prompt": "y " * 100, "max_tokens": 2})
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+            body = {"prompt": "y " * 100, "max_tokens": 2, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with h.session.post(h.url + "/v1/completions", json=body) as r:
+                events = [json.loads(line[6:]) for line in (await r.read()).split(b"\n\n")
+                          if line.startswith(b"data: {")]
+            assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+            assert events[-1]["usage"]["prompt_tokens"] > 0
+    run(go)
+
+
+def test_short_prompt_and_n_greater_than_one_skip_prefill() -> None:
+    async def go() -> None:
+        async with harness(short_prompt_tokens=8) as h:
+            status, _ = await h.post("/v1/completions", {"prompt": "tiny", "max_tokens": 2})
+            assert status == 200 and not h.prefills[0].seen
+            assert "kv_transfer_params" not in h.decodes[0].seen[0].body
+            status, _ = await h.post("/v1/completions", {"prompt": "long " * 50, "max_tokens": 2, "n": 2})
+            assert status == 200 and not h.prefills[0].seen
+            assert h.decodes[0].seen[1].body["n"] == 2
+            status, _ = await h.post("/v1/completions", {"prompt": "long " * 50, "max_tokens": 2})
+            assert len(h.prefills[0].seen) == 1
+    run(go)
+
+
+def test_prefill_without_kv_params_still_answers() -> None:
+    async def go() -> None:
+        async with harness() as h:
+            h.prefills[0].kv_params = False  # an instance without a connector
+            status, out = await h.post("/v1/completions", {"prompt": "long " * 50, "max_tokens": 2})
+            assert status == 200
+            assert "kv_transfer_params" not in h.decodes[0].seen[0].body
+    run(go)
+
+
+def test_models_health_metrics() -> None:
+    async def go() -> None:
+        async with harness(n_prefill=2, n_decode=1) as h:
+            await h.proxy.health.check_all()
+            async with h.session.get(h.url + "/v1/models") as r:
+                assert [m["id"] for m in (await r.json())["data"]] == ["mock-model"]
+            async with h.session.get(h.url + "/health") as r:
+                assert r.status == 200
+            await h.post("/v1/completions", {"prompt": "long " * 50, "max_tokens": 2})
+            async with h.session.get(h.url + "/metrics") as r:
+                text = await r.text()
+            assert 'vllm_pd_proxy_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
+            assert "vllm_pd_proxy_instance_healthy" in text
+    run(go)
+
+
+def test_unknown_model_is_404_with_openai_error() -> None:
+    async def go() -> None:
+        async with harness() as h:
+            await h.proxy.health.check_all()
+            status, out = await h.post("/v1/completions", {"model": "nope", "prompt": "a"})
+            assert status == 404
+            assert out["error"]["code"] == "model_not_found" and out["error"]["param"] == "model"
+            assert set(out["error"]) == {"message", "type", "param", "code"}
+    run(go)
+
+

@@ -1,0 +1,107 @@
+"""Admin API: list, add, remove, drain and re-role instances, behind a bearer token.
+
+Without a configured token the admin API is off (every call answers 403), so
+an exposed proxy is never reconfigurable by accident.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from vllm_pd.router.config import ConfigError, InstanceConfig
+from vllm_pd.router.errors import ProxyError, bad_request
+from vllm_pd.router.instance_pool import InstancePool
+
+
+class AdminApi:
+    def __init__(self, pool: InstancePool, token: str | None,
+                 on_added: Callable[[], Awaitable[None]] | None = None) -> None:
+        self._pool = pool
+        self._token = token
+        self._on_added = on_added
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_get("/admin/instances", self._list)
+        app.router.add_post("/admin/instances", self._add)
+        app.router.add_delete("/admin/instances", self._remove)
+        app.router.add_post("/admin/instances/drain", self._drain)
+        app.router.add_post("/admin/instances/undrain", self._undrain)
+        app.router.add_post("/admin/instances/role", self._role)
+
+    def _authorize(self, request: web.Request) -> None:
+        if not self._token:
+            raise ProxyError(403, "admin API disabled (start the proxy with --admin-token)", "permission_error",
+                             code="admin_disabled")
+        header = request.headers.get("Authorization", "")
+        given = header[7:] if header.startswith("Bearer ") else ""
+        if not hmac.compare_digest(given.encode(), self._token.encode()):
+            raise ProxyError(401, "missing or wrong admin token", "authentication_error", code="invalid_token")
+
+    async def _json(self, request: web.Request) -> dict:
+        try:
+            data = json.loads(await request.read())
+        except ValueError as e:
+            raise bad_request(f"body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise bad_request("body must be a JSON object", code="invalid_json")
+        return data
+
+    def _url(self, data: dict) -> str:
+        url = data.get("url")
+        if not isinstance(url, str):
+            raise bad_request("'url' must be a string", "url", "invalid_type")
+        try:
+            self._pool.get(url)
+        except KeyError:
+            raise ProxyError(404, f"no instance {url}", "NotFoundError", "url", "instance_not_found") from None
+        return url
+
+    async def _list(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return web.json_response({"instances": [i.describe() for i in self._pool.all()]})
+
+    async def _add(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        data = await self._json(request)
+        unknown = set(data) - {"url", "role", "kv_endpoint"}
+        if unknown:
+            raise bad_request(f"unknown key {sorted(unknown)[0]!r}", sorted(unknown)[0], "unknown_key")
+        try:
+            inst = self._pool.add(InstanceConfig(url=data.get("url"), role=data.get("role"),  # type: ignore[arg-type]
+                                                 kv_endpoint=data.get("kv_endpoint")))
+        except ConfigError as e:
+            raise bad_request(str(e), str(e).split(":")[0], "invalid_value") from None
+        if self._on_added is not None:
+            await self._on_added()
+        return web.json_response(inst.describe(), status=201)
+
+    async def _remove(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        url = self._url({"url": request.query.get("url")} if "url" in request.query else await self._json(request))
+        return web.json_response(self._pool.remove(url).describe())
+
+    async def _drain(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        inst = self._pool.get(self._url(await self._json(request)))
+        inst.draining = True
+        return web.json_response(inst.describe())
+
+    async def _undrain(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        inst = self._pool.get(self._url(await self._json(request)))
+        inst.draining = False
+        return web.json_response(inst.describe())
+
+    async def _role(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        data = await self._json(request)
+        url = self._url(data)
+        try:
+            inst = self._pool.set_role(url, data.get("role"))  # type: ignore[arg-type]
+        except ConfigError as e:
+            raise bad_request(str(e), "role", "invalid_value") from None
+        return web.json_response(inst.describe())

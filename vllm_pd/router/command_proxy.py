@@ -1,0 +1,134 @@
+"""``vllm-pd proxy``: run the PD proxy in front of existing vLLM instances."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from vllm_pd.router.config import (DECODE_POLICIES, KV_MODES, PREFILL_POLICIES, ConfigError, ProxyConfig,
+                                   load_yaml, parse_instance_flag)
+
+logger = logging.getLogger(__name__)
+
+# flag dest -> ProxyConfig field, for flags that override the YAML file when given
+_SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "require_disagg",
+                 "short_prompt_tokens", "prefill_timeout", "decode_timeout", "decode_idle_timeout",
+                 "connect_timeout", "max_body_bytes", "prefill_attempts", "decode_attempts", "health_interval",
+                 "breaker_failures", "breaker_cooldown", "admin_token", "supervisor", "supervisor_ttft_slo",
+                 "supervisor_tpot_slo", "tokenizer")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML file with any ProxyConfig field and 'instances' (flags override it)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill instance (repeatable)")
+    p.add_argument("--decode", action="append", default=[], metavar="URL[@tcp://HOST:KVPORT]",
+                   help="a decode instance, optionally with its KV endpoint after '@' (repeatable)")
+    p.add_argument("--decode-kv", action="append", default=[], metavar="tcp://HOST:KVPORT",
+                   help="KV endpoint of the decode instance given in the same position")
+    p.add_argument("--both", action="append", default=[], metavar="URL[@tcp://HOST:KVPORT]",
+                   help="a kv_both instance that can serve either leg (repeatable)")
+    p.add_argument("--kv-mode", choices=KV_MODES, help="push: prefill writes KV into decode (needs the "
+                   "decode KV endpoint); pull: decode reads it; auto: push where known (default)")
+    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, help="default prefix_aware")
+    p.add_argument("--decode-policy", choices=DECODE_POLICIES, help="default least_outstanding")
+    p.add_argument("--require-disagg", action="store_true", default=None,
+                   help="fail requests instead of letting decode compute the prompt when no prefill works")
+    p.add_argument("--short-prompt-tokens", type=int, help="prompts this short skip prefill (default 0)")
+    p.add_argument("--prefill-timeout", type=float, help="seconds for the prefill leg (default 300)")
+    p.add_argument("--decode-timeout", type=float, help="seconds until decode answers (default 600)")
+    p.add_argument("--decode-idle-timeout", type=float, help="max seconds between stream chunks (default 300)")
+    p.add_argument("--connect-timeout", type=float, help="backend connect timeout (default 5)")
+    p.add_argument("--max-body-bytes", type=int, help="request body size limit (default 32 MiB)")
+    p.add_argument("--prefill-attempts", type=int, help="prefill instances tried per request (default 3)")
+    p.add_argument("--decode-attempts", type=int, help="decode instances tried per request (default 3)")
+    p.add_argument("--health-interval", type=float, help="seconds between health checks (default 5)")
+    p.add_argument("--breaker-failures", type=int, help="consecutive failures that open a breaker (default 5)")
+    p.add_argument("--breaker-cooldown", type=float, help="seconds a breaker stays open (default 10)")
+    p.add_argument("--admin-token", default=os.environ.get("VLLM_PD_ADMIN_TOKEN"),
+                   help="bearer token of the admin API (env VLLM_PD_ADMIN_TOKEN); admin API off without it")
+    p.add_argument("--supervisor", action="store_true", default=None,
+                   help="let observed load choose the role of each --both instance")
+    p.add_argument("--supervisor-ttft-slo", type=float, help="TTFT target in seconds the supervisor balances "
+                   "against (default 2)")
+    p.add_argument("--supervisor-tpot-slo", type=float, help="TPOT target in seconds (default 0.1)")
+    p.add_argument("--tokenizer", help="HF model dir whose tokenizer.json counts prompt tokens exactly")
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    kw: dict[str, Any] = load_yaml(args.config) if args.config else {}
+    for name in _SCALAR_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            kw[name] = value
+    instances = list(kw.pop("instances", []))
+    instances += [parse_instance_flag(u, "prefill") for u in args.prefill]
+    if args.decode_kv and len(args.decode_kv) != len(args.decode):
+        raise ConfigError(f"decode_kv: {len(args.decode_kv)} --decode-kv for {len(args.decode)} --decode")
+    for i, u in enumerate(args.decode):
+        ic = parse_instance_flag(u, "decode")
+        if args.decode_kv:
+            ic = parse_instance_flag(f"{ic.url}@{args.decode_kv[i]}", "decode")
+        instances.append(ic)
+    instances += [parse_instance_flag(u, "both") for u in args.both]
+    cfg = ProxyConfig(instances=instances, **kw)
+    if cfg.kv_mode == "push":
+        for ic in cfg.instances:
+            if ic.role != "prefill" and ic.kv_endpoint is None:
+                logger.warning("kv_mode push: %s has no kv_endpoint, it is served in pull mode", ic.url)
+    return cfg
+
+
+def install_uvloop() -> None:
+    # VLLM_PD_PROXY_LOOP=asyncio keeps the stock loop (used by the stack comparison benchmark)
+    if os.environ.get("VLLM_PD_PROXY_LOOP") == "asyncio":
+        return
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def serve_until_signal(cfg: ProxyConfig) -> None:
+    from vllm_pd.router.app import ProxyServer, serve
+
+    server = ProxyServer(cfg)
+    runner = await serve(server)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        print(f"vllm-pd proxy: configuration error: {e}", file=sys.stderr)
+        return 2
+    if not cfg.instances:
+        logger.warning("no instances configured; add them with the admin API")
+    install_uvloop()
+    asyncio.run(serve_until_signal(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m vllm_pd.router.command_proxy")
+    add_arguments(_parser)
+    _parser.add_argument("--log-level", default="WARNING")
+    _args = _parser.parse_args()
+    logging.basicConfig(level=_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(run(_args))

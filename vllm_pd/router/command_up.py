@@ -1,0 +1,100 @@
+"""``vllm-pd up``: N prefill + M decode vLLM servers and the proxy, on this machine, in one command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model dir or HF id (default: the built-in small model, works offline)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill servers (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode servers (default 1)")
+    p.add_argument("--both", type=int, default=0, help="kv_both servers whose role the supervisor picks")
+    p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="address of the proxy and servers (default 127.0.0.1)")
+    p.add_argument("--kv-mode", choices=("push", "pull", "auto"), default="auto")
+    p.add_argument("--transport", default="tcp", help="KV transport of the connector (default tcp)")
+    p.add_argument("--connector", default="PDConnector",
+                   help="KV connector of the servers (default PDConnector; 'none' = plain vLLM, decode recomputes)")
+    p.add_argument("--log-dir", type=Path, help="where the servers' logs go (default a temp dir)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the servers")
+
+
+def _default_model() -> str:
+    try:
+        from vllm_pd.small_model import ensure_default_model
+    except ImportError as e:
+        raise SystemExit(f"vllm-pd up: no --model given and the built-in small model is unavailable ({e})")
+    return str(ensure_default_model())
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _progress(states: dict[str, str]) -> None:
+    line = "  ".join(f"[{name} {state}]" for name, state in states.items())
+    print(f"\rwaiting for vLLM servers: {line}   ", end="", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_pd.router.command_proxy import install_uvloop, serve_until_signal
+    from vllm_pd.router.config import ProxyConfig
+    from vllm_pd.router.local_cluster import LocalCluster
+
+    if args.prefill < 0 or args.decode < 0 or args.both < 0 or args.decode + args.both < 1:
+        print("vllm-pd up: need at least one decode (or --both) server", file=sys.stderr)
+        return 2
+    # SIGTERM must stop the servers too (they run in their own sessions)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    model = args.model or _default_model()
+    kw = {"log_dir": args.log_dir} if args.log_dir else {}
+    cluster = LocalCluster(model=model, n_prefill=args.prefill, n_decode=args.decode, n_both=args.both,
+                           host=args.host, transport=args.transport,
+                           connector=None if args.connector == "none" else args.connector,
+                           max_model_len=args.max_model_len, **kw)
+    print(f"starting {args.prefill} prefill + {args.decode} decode + {args.both} both vLLM servers for {model}"
+          f" (logs: {cluster.log_dir})", file=sys.stderr)
+    t0 = time.monotonic()
+    try:
+        cluster.start()
+        cluster.wait_healthy(args.timeout, _progress)
+        print(f"\nall servers ready in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+        cfg = ProxyConfig(host=args.host, port=args.port, instances=cluster.instances(), kv_mode=args.kv_mode,
+                          supervisor=args.both > 0)
+        url = f"http://{args.host}:{args.port}"
+        print(f"\nvllm-pd proxy: {url}   (Ctrl-C stops everything)\n\n"
+              f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'\n")
+        for s in cluster.servers:
+            print(f"  {s.name}: {s.role:7s} {s.server.url}  kv {s.kv_endpoint}  cores "
+                  f"{s.server.spec.cpu_cores}")
+        install_uvloop()
+        asyncio.run(serve_until_signal(cfg))
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError) as e:
+        print(f"\nvllm-pd up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping vLLM servers...", file=sys.stderr)
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m vllm_pd.router.command_up")
+    add_arguments(_parser)
+    _args = _parser.parse_args()
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(run(_args))

@@ -1,0 +1,184 @@
+"""Typed proxy configuration from flags and/or a YAML file, validated at start-up.
+
+Any unknown key or bad value raises :class:`ConfigError` naming the key, so a
+typo stops start-up instead of silently using a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+ROLES = ("prefill", "decode", "both")
+KV_MODES = ("push", "pull", "auto")
+PREFILL_POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix_aware")
+DECODE_POLICIES = ("round_robin", "least_outstanding", "power_of_two")
+
+
+class ConfigError(ValueError):
+    """A configuration error; the message names the offending key."""
+
+
+@dataclass
+class InstanceConfig:
+    url: str
+    role: str
+    kv_endpoint: str | None = None  # "tcp://host:port" of the instance's KV endpoint (push mode)
+
+    def __post_init__(self) -> None:
+        self.url = _check_url(self.url, "url")
+        if self.role not in ROLES:
+            raise ConfigError(f"role: {self.role!r} is not one of {ROLES}")
+        if self.kv_endpoint is not None:
+            parsed = urlparse(self.kv_endpoint)
+            if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+                raise ConfigError(f"kv_endpoint: {self.kv_endpoint!r} is not tcp://host:port")
+
+
+@dataclass
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    instances: list[InstanceConfig] = field(default_factory=list)
+    kv_mode: str = "auto"  # push where the decode instance has a kv_endpoint, else pull
+    prefill_policy: str = "prefix_aware"
+    decode_policy: str = "least_outstanding"
+    require_disagg: bool = False  # never fall back to decode-only when no prefill works
+    short_prompt_tokens: int = 0  # prompts with at most this many tokens skip prefill (0 = never)
+    prefill_timeout: float = 300.0  # seconds for the whole prefill leg
+    decode_timeout: float = 600.0  # seconds until decode's response headers
+    decode_idle_timeout: float = 300.0  # seconds between two chunks of decode's stream
+    connect_timeout: float = 5.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    prefill_attempts: int = 3
+    decode_attempts: int = 3
+    health_interval: float = 5.0
+    health_timeout: float = 2.0
+    breaker_failures: int = 5  # consecutive failures that open an instance's breaker
+    breaker_cooldown: float = 10.0  # seconds an open breaker stays open before a probe
+    admin_token: str | None = None  # admin API disabled when unset
+    supervisor: bool = False  # choose roles of "both" instances from observed load
+    supervisor_interval: float = 2.0
+    supervisor_ttft_slo: float = 2.0  # seconds; the supervisor balances TTFT/slo against TPOT/slo
+    supervisor_tpot_slo: float = 0.1  # seconds per output token
+    tokenizer: str | None = None  # HF tokenizer dir for exact prompt lengths (else ~4 bytes/token)
+    model_names: list[str] = field(default_factory=list)  # extra accepted model names
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.kv_mode not in KV_MODES:
+            raise ConfigError(f"kv_mode: {self.kv_mode!r} is not one of {KV_MODES}")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ConfigError(f"prefill_policy: {self.prefill_policy!r} is not one of {PREFILL_POLICIES}")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ConfigError(f"decode_policy: {self.decode_policy!r} is not one of {DECODE_POLICIES}")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port: {self.port} is out of range")
+        for name in ("prefill_timeout", "decode_timeout", "decode_idle_timeout", "connect_timeout",
+                     "health_interval", "health_timeout", "breaker_cooldown", "supervisor_interval",
+                     "supervisor_ttft_slo", "supervisor_tpot_slo"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("max_body_bytes", "prefill_attempts", "decode_attempts", "breaker_failures"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.short_prompt_tokens < 0:
+            raise ConfigError(f"short_prompt_tokens: must be >= 0, got {self.short_prompt_tokens}")
+        urls = [i.url for i in self.instances]
+        dup = {u for u in urls if urls.count(u) > 1}
+        if dup:
+            raise ConfigError(f"instances: duplicate url {sorted(dup)[0]}")
+
+
+def _check_url(url: Any, key: str) -> str:
+    if not isinstance(url, str):
+        raise ConfigError(f"{key}: expected a string, got {type(url).__name__}")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(f"{key}: {url!r} is not an http(s) URL")
+    try:
+        parsed.port
+    except ValueError as e:
+        raise ConfigError(f"{key}: {url!r}: {e}") from None
+    return url.rstrip("/")
+
+
+def parse_instance_flag(value: str, role: str) -> InstanceConfig:
+    """``http://h:p`` or ``http://h:p@tcp://h:kvport`` (the KV endpoint after '@')."""
+    url, sep, kv = value.partition("@")
+    return InstanceConfig(url=url, role=role, kv_endpoint=kv if sep else None)
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "host": str, "port": int, "kv_mode": str, "prefill_policy": str, "decode_policy": str,
+    "require_disagg": bool, "short_prompt_tokens": int, "prefill_timeout": (int, float),
+    "decode_timeout": (int, float), "decode_idle_timeout": (int, float), "connect_timeout": (int, float),
+    "max_body_bytes": int, "prefill_attempts": int, "decode_attempts": int,
+    "health_interval": (int, float), "health_timeout": (int, float), "breaker_failures": int,
+    "breaker_cooldown": (int, float), "admin_token": str, "supervisor": bool,
+    "supervisor_interval": (int, float), "supervisor_ttft_slo": (int, float),
+    "supervisor_tpot_slo": (int, float), "tokenizer": str, "model_names": list,
+}
+assert set(_FIELD_TYPES) | {"instances"} == {f.name for f in dataclasses.fields(ProxyConfig)}
+
+
+def config_from_mapping(data: Any, where: str = "config") -> dict[str, Any]:
+    """Validate a YAML mapping into ProxyConfig keyword arguments."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping at the top level")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "instances":
+            out["instances"] = _instances_from_list(value)
+            continue
+        if key not in _FIELD_TYPES:
+            raise ConfigError(f"{key}: unknown key in {where} (known: instances, {', '.join(sorted(_FIELD_TYPES))})")
+        want = _FIELD_TYPES[key]
+        # bool is an int subclass; reject it where a number is wanted
+        if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
+            raise ConfigError(f"{key}: expected {_type_name(want)}, got {value!r}")
+        out[key] = value
+    return out
+
+
+def _instances_from_list(value: Any) -> list[InstanceConfig]:
+    if not isinstance(value, list):
+        raise ConfigError("instances: expected a list")
+    result = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise ConfigError(f"instances[{i}]: expected a mapping with url and role")
+        unknown = set(item) - {"url", "role", "kv_endpoint"}
+        if unknown:
+            raise ConfigError(f"instances[{i}].{sorted(unknown)[0]}: unknown key (known: url, role, kv_endpoint)")
+        for req in ("url", "role"):
+            if req not in item:
+                raise ConfigError(f"instances[{i}].{req}: missing")
+        try:
+            result.append(InstanceConfig(url=item["url"], role=item["role"], kv_endpoint=item.get("kv_endpoint")))
+        except ConfigError as e:
+            raise ConfigError(f"instances[{i}].{e}") from None
+    return result
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: invalid YAML: {e}") from None
+    return config_from_mapping(data or {}, where=str(path))
+
+
+def _type_name(t: type | tuple[type, ...]) -> str:
+    if isinstance(t, tuple):
+        return "a number"
+    return {str: "a string", int: "an integer", bool: "true/false", list: "a list"}[t]

@@ -1,0 +1,134 @@
+"""The set of backend vLLM instances and their live state.
+
+An instance is eligible for new requests of a role when it serves that role,
+is healthy, not draining, and its circuit breaker lets requests through. Load
+(outstanding requests and tokens) is counted from the moment a leg is chosen
+until that leg ends - for decode, until the stream to the client ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from vllm_pd.router.circuit_breaker import CircuitBreaker
+from vllm_pd.router.config import ROLES, ConfigError, InstanceConfig, ProxyConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Ewma:
+    """Exponentially weighted moving average; None until the first sample."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.alpha * x + (1 - self.alpha) * self.value
+
+
+@dataclass(eq=False)
+class Instance:
+    url: str
+    role: str  # configured role: prefill | decode | both
+    kv_endpoint: str | None
+    breaker: CircuitBreaker
+    healthy: bool = True
+    draining: bool = False
+    # for "both" instances the supervisor picks the role they serve now (None = either)
+    active_role: str | None = None
+    outstanding: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    outstanding_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    ttft: Ewma = field(default_factory=Ewma)  # seconds, prefill leg (or decode-only first token)
+    tpot: Ewma = field(default_factory=Ewma)  # seconds per output token on decode
+    models: list[str] = field(default_factory=list)
+    added_at: float = field(default_factory=time.monotonic)
+
+    def serves(self, role: str) -> bool:
+        if self.role == "both":
+            return self.active_role in (None, role)
+        return self.role == role
+
+    def eligible(self, role: str) -> bool:
+        return self.serves(role) and self.healthy and not self.draining and self.breaker.allows()
+
+    @property
+    def load(self) -> int:
+        return self.outstanding["prefill"] + self.outstanding["decode"]
+
+    def describe(self) -> dict:
+        return {
+            "url": self.url, "role": self.role, "active_role": self.active_role,
+            "kv_endpoint": self.kv_endpoint, "healthy": self.healthy, "draining": self.draining,
+            "breaker": self.breaker.state.value, "outstanding": dict(self.outstanding),
+            "outstanding_tokens": dict(self.outstanding_tokens), "ttft_s": self.ttft.value,
+            "tpot_s": self.tpot.value, "models": list(self.models),
+        }
+
+
+class LegLease:
+    """Counts one leg's load on an instance; ``release()`` is idempotent."""
+
+    def __init__(self, instance: Instance, role: str, tokens: int) -> None:
+        self.instance, self.role, self.tokens = instance, role, tokens
+        instance.outstanding[role] += 1
+        instance.outstanding_tokens[role] += tokens
+        instance.breaker.on_send()
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.instance.outstanding[self.role] -= 1
+            self.instance.outstanding_tokens[self.role] -= self.tokens
+
+
+class InstancePool:
+    def __init__(self, config: ProxyConfig) -> None:
+        self._config = config
+        self._instances: dict[str, Instance] = {}
+        # what clients saw recently (all instances): the supervisor's signals
+        self.recent_ttft = Ewma(0.1)
+        self.recent_tpot = Ewma(0.1)
+        for ic in config.instances:
+            self.add(ic)
+
+    def add(self, ic: InstanceConfig) -> Instance:
+        if ic.url in self._instances:
+            raise ConfigError(f"url: instance {ic.url} already exists")
+        inst = Instance(url=ic.url, role=ic.role, kv_endpoint=ic.kv_endpoint,
+                        breaker=CircuitBreaker(self._config.breaker_failures, self._config.breaker_cooldown))
+        self._instances[ic.url] = inst
+        logger.info("instance added: %s role=%s kv=%s", ic.url, ic.role, ic.kv_endpoint)
+        return inst
+
+    def remove(self, url: str) -> Instance:
+        inst = self.get(url)
+        del self._instances[inst.url]
+        logger.info("instance removed: %s", url)
+        return inst
+
+    def get(self, url: str) -> Instance:
+        inst = self._instances.get(url.rstrip("/"))
+        if inst is None:
+            raise KeyError(url)
+        return inst
+
+    def set_role(self, url: str, role: str) -> Instance:
+        if role not in ROLES:
+            raise ConfigError(f"role: {role!r} is not one of {ROLES}")
+        inst = self.get(url)
+        inst.role = role
+        inst.active_role = None
+        return inst
+
+    def all(self) -> list[Instance]:
+        return list(self._instances.values())
+
+    def eligible(self, role: str, exclude: set[str] = frozenset()) -> list[Instance]:  # type: ignore[assignment]
+        return [i for i in self._instances.values() if i.url not in exclude and i.eligible(role)]
+
+    def has_role(self, role: str) -> bool:
+        return any(i.serves(role) for i in self._instances.values())

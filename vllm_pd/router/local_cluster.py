@@ -1,0 +1,131 @@
+"""N prefill + M decode vLLM servers on this machine, configured for the PD connector.
+
+Used by ``vllm-pd up`` and the proxy's end-to-end tests. Every server gets a
+free HTTP port, a distinct free KV port, and its own CPU cores where the
+machine has enough (VLLM_CPU_OMP_THREADS_BIND), so servers do not fight over
+the same core's OpenMP threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from vllm_pd import CONNECTOR_NAME
+from vllm_pd.router.config import InstanceConfig
+from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
+
+logger = logging.getLogger(__name__)
+
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def cpu_bindings(n_servers: int, cores: list[int] | None = None) -> list[str]:
+    """One core list per server: disjoint ranges when there are enough cores, else shared single cores."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if n_servers <= 0:
+        return []
+    if len(cores) >= n_servers:
+        per = len(cores) // n_servers
+        groups = [cores[i * per:(i + 1) * per] for i in range(n_servers)]
+        # "a-b" for contiguous groups: the form vLLM's docs use for VLLM_CPU_OMP_THREADS_BIND
+        return [f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1 and len(g) > 1 else ",".join(map(str, g))
+                for g in groups]
+    return [str(cores[i % len(cores)]) for i in range(n_servers)]
+
+
+@dataclass
+class LocalServer:
+    name: str
+    role: str
+    server: VllmServer
+    kv_port: int
+
+    @property
+    def kv_endpoint(self) -> str:
+        return f"tcp://{self.server.spec.host}:{self.kv_port}"
+
+    def instance_config(self) -> InstanceConfig:
+        # prefill never receives pushed KV, so only decode-capable instances advertise an endpoint
+        push_target = self.role != "prefill" and self.server.spec.kv_transfer_config is not None
+        return InstanceConfig(self.server.url, self.role, self.kv_endpoint if push_target else None)
+
+
+@dataclass
+class LocalCluster:
+    model: str
+    n_prefill: int = 1
+    n_decode: int = 1
+    n_both: int = 0
+    host: str = "127.0.0.1"
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="vllm-pd-up-")))
+    extra_args: list[str] = field(default_factory=list)
+    connector: str | None = CONNECTOR_NAME  # None: plain vLLM servers (no KV connector)
+    transport: str = "tcp"
+    connector_extra: dict = field(default_factory=dict)  # more kv_connector_extra_config keys
+    max_model_len: int = 2048
+    servers: list[LocalServer] = field(default_factory=list)
+
+    def start(self) -> None:
+        roles = ["prefill"] * self.n_prefill + ["decode"] * self.n_decode + ["both"] * self.n_both
+        binds = cpu_bindings(len(roles))
+        used: set[int] = set()
+        counters = {"prefill": 0, "decode": 0, "both": 0}
+        for role, cores in zip(roles, binds):
+            name = f"{role[0]}{counters[role]}"
+            counters[role] += 1
+            port, kv_port = _distinct_port(used), _distinct_port(used)
+            kv_cfg = None if self.connector is None else {
+                "kv_connector": self.connector, "kv_role": KV_ROLES[role], "kv_port": kv_port,
+                # a KV load that fails is recomputed on decode rather than failing the request
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"transport": self.transport, "host": self.host,
+                                              **self.connector_extra}}
+            spec = VllmServerSpec(model=self.model, port=port, host=self.host, kv_transfer_config=kv_cfg,
+                                  cpu_cores=cores, max_model_len=self.max_model_len, extra_args=self.extra_args)
+            server = VllmServer(spec, log_path=self.log_dir / f"{name}.log").start()
+            self.servers.append(LocalServer(name, role, server, kv_port))
+
+    def wait_healthy(self, timeout: float = 900.0,
+                     progress: Callable[[dict[str, str]], None] | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        pending = {s.name: s for s in self.servers}
+        states = {s.name: "starting" for s in self.servers}
+        while pending:
+            for name, s in list(pending.items()):
+                if not s.server.alive():
+                    raise RuntimeError(f"vLLM server {name} exited during start-up; log {s.server.log_path}:\n"
+                                       f"{s.server.log_tail()}")
+                if s.server.healthy():
+                    states[name] = f"ready {time.monotonic() - t0:.0f}s"
+                    del pending[name]
+            if progress:
+                progress(states)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM servers {sorted(pending)} not healthy after {timeout:.0f}s "
+                                   f"(logs in {self.log_dir})")
+            time.sleep(1.0)
+
+    def instances(self) -> list[InstanceConfig]:
+        return [s.instance_config() for s in self.servers]
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.server.stop()
+
+
+def _distinct_port(used: set[int]) -> int:
+    while True:
+        p = free_port()
+        # TP rank r listens on kv_port + r: keep neighbours free of each other too
+        if p not in used and p + 1 not in used and p - 1 not in used:
+            used.add(p)
+            return p

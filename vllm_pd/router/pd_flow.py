@@ -1,0 +1,418 @@
+"""The two-leg prefill -> decode flow, with every failure handled here.
+
+Prefill leg: the request with max_tokens=1, stream=false and
+``kv_transfer_params`` asking prefill to keep the KV for a remote decode (in
+push mode also where to write it). Decode leg: the original request plus the
+``kv_transfer_params`` prefill returned, verbatim; its answer is relayed to
+the client event by event.
+
+Failures: a prefill error retries on another prefill, then falls back to
+decode-only (unless require_disagg). A decode error before the first byte to
+the client retries on another decode (re-running prefill unless the KV can
+follow). After bytes went out an OpenAI-style error event ends the stream. A
+client disconnect cancels whichever leg is running; prefill KV that no decode
+will consume is released through ``release_remote_kv``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import aiohttp
+from aiohttp import web
+
+from vllm_pd.router.config import ProxyConfig
+from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
+from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
+from vllm_pd.router.metrics import ProxyMetrics
+from vllm_pd.router.policies import Policy
+from vllm_pd.router.request_body import ParsedRequest, prefill_body
+from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
+
+logger = logging.getLogger(__name__)
+
+FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "x-data-parallel-rank")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+ReleaseFn = Callable[[dict], bool]
+
+
+def default_release_remote_kv(params: dict) -> bool:
+    """The connector's release call, imported lazily (it lands on main separately)."""
+    try:
+        from vllm_pd.connector.release import release_remote_kv
+    except ImportError:
+        logger.warning("vllm_pd.connector.release is not available; prefill KV stays held until its lease ends")
+        return False
+    return bool(release_remote_kv(params, timeout=2.0))
+
+
+def remote_decode_params(decode: Instance, push: bool) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    }
+    if push:
+        params["transfer_mode"] = "push"
+        params["decode_endpoint"] = decode.kv_endpoint
+    return params
+
+
+class DecodeFailed(Exception):
+    """Decode failed before any byte reached the client; ``sent`` = decode saw the request."""
+
+    def __init__(self, message: str, sent: bool, kind: str) -> None:
+        super().__init__(message)
+        self.sent = sent
+        self.kind = kind
+
+
+@dataclass
+class FlowState:
+    """What one client request has in flight (for cleanup on cancel)."""
+
+    request_id: str
+    kv_params: dict | None = None
+    kv_pending: bool = False  # prefill holds KV that no decode has been asked to take
+    prefill_cached_tokens: int | None = None
+    pushed: bool = False  # prefill was told to push the KV into one decode instance
+    started: float = field(default_factory=time.monotonic)
+    stage: str = "prefill"  # prefill | decode | stream (bytes reached the client): where a disconnect hit
+    leases: list[LegLease] = field(default_factory=list)
+
+
+class PDFlow:
+    def __init__(self, config: ProxyConfig, pool: InstancePool, session: aiohttp.ClientSession,
+                 metrics: ProxyMetrics, prefill_policy: Policy, decode_policy: Policy,
+                 release_kv: ReleaseFn = default_release_remote_kv) -> None:
+        self.config = config
+        self.pool = pool
+        self.session = session
+        self.metrics = metrics
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.release_kv = release_kv
+        self._background: set[asyncio.Future] = set()
+
+    # ------------------------------------------------------------------ entry
+    async def handle(self, req: ParsedRequest, http_request: web.Request) -> web.StreamResponse:
+        request_id = http_request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        headers = {k: v for k, v in http_request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        headers["X-Request-Id"] = request_id
+        state = FlowState(request_id)
+        try:
+            return await self._run(req, http_request, headers, state)
+        except asyncio.CancelledError:
+            self.metrics.disconnects.labels(state.stage).inc()
+            logger.info("client went away; request %s cancelled", request_id)
+            raise
+        finally:
+            for lease in state.leases:
+                lease.release()
+            if state.kv_pending and state.kv_params:
+                self._release_in_background(state.kv_params)
+
+    async def _run(self, req: ParsedRequest, http_request: web.Request, headers: dict[str, str],
+                   state: FlowState) -> web.StreamResponse:
+        tried: set[str] = set()
+        decode = self._pick("decode", req, tried)
+        if decode is None:
+            raise unavailable("no healthy decode instance")
+        last_error: DecodeFailed | None = None
+        for attempt in range(self.config.decode_attempts):
+            if attempt:
+                self.metrics.retries.labels("decode").inc()
+            if state.kv_params is None:
+                await self._maybe_prefill(req, decode, headers, state)
+            try:
+                return await self._decode(req, decode, headers, state, http_request)
+            except DecodeFailed as e:
+                last_error = e
+                self.metrics.leg_errors.labels("decode", e.kind).inc()
+                decode.breaker.record_failure()
+                logger.warning("decode on %s failed before output (%s); attempt %d/%d",
+                               decode.url, e, attempt + 1, self.config.decode_attempts)
+                tried.add(decode.url)
+                if state.kv_params is not None and not self._kv_can_follow(state, e):
+                    self._drop_kv(state)
+                nxt = self._pick("decode", req, tried)
+                if nxt is None:
+                    break
+                decode = nxt
+        if state.kv_params is not None:
+            self._drop_kv(state)
+        raise upstream_error(f"decode failed: {last_error}" if last_error else "no healthy decode instance",
+                             502 if last_error else 503)
+
+    def _kv_can_follow(self, state: FlowState, e: DecodeFailed) -> bool:
+        # Pull-mode KV still sits untouched on prefill if decode never saw the request;
+        # pushed KV went into the failed decode, so prefill must run again.
+        return not e.sent and state.kv_params is not None and not state.pushed
+
+    def _drop_kv(self, state: FlowState) -> None:
+        if state.kv_params:
+            self._release_in_background(state.kv_params)
+        state.kv_params = None
+        state.kv_pending = False
+
+    def _pick(self, role: str, req: ParsedRequest, exclude: set[str]) -> Instance | None:
+        candidates = self.pool.eligible(role, exclude)
+        if not candidates:
+            return None
+        policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        return policy.choose(candidates, role, req.prompt_key, req.prompt_tokens)
+
+    # ---------------------------------------------------------------- prefill
+    async def _maybe_prefill(self, req: ParsedRequest, decode: Instance, headers: dict[str, str],
+                             state: FlowState) -> None:
+        """Run the prefill leg, leaving ``state.kv_params`` set, or None for decode-only."""
+        if not req.disaggregable:
+            self.metrics.fallbacks.labels("multi_sequence").inc()
+            return
+        if req.prompt_tokens <= self.config.short_prompt_tokens:
+            self.metrics.fallbacks.labels("short_prompt").inc()
+            return
+        push = self.config.kv_mode != "pull" and decode.kv_endpoint is not None
+        tried: set[str] = {decode.url}  # a "both" instance never prefills for itself
+        if not self.pool.eligible("prefill", tried):
+            if self.config.require_disagg:
+                raise unavailable("no prefill instance available and --require-disagg is set",
+                                  "prefill_unavailable")
+            self.metrics.fallbacks.labels("no_prefill_instance").inc()
+            return
+        for attempt in range(self.config.prefill_attempts):
+            prefill = self._pick("prefill", req, tried)
+            if prefill is None:
+                break
+            if attempt:
+                self.metrics.retries.labels("prefill").inc()
+            tried.add(prefill.url)
+            if await self._prefill_once(req, prefill, decode, push, headers, state):
+                return
+        if self.config.require_disagg:
+            raise unavailable("no prefill instance could run the prompt and --require-disagg is set",
+                              "prefill_unavailable")
+        self.metrics.fallbacks.labels("prefill_unavailable").inc()
+        logger.warning("request %s: no prefill succeeded; decode computes the prompt", state.request_id)
+
+    async def _prefill_once(self, req: ParsedRequest, prefill: Instance, decode: Instance, push: bool,
+                            headers: dict[str, str], state: FlowState) -> bool:
+        body = prefill_body(req.body, remote_decode_params(decode, push))
+        lease = LegLease(prefill, "prefill", req.prompt_tokens)
+        state.leases.append(lease)
+        t0 = time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, sock_connect=self.config.connect_timeout)
+        try:
+            async with self.session.post(prefill.url + req.path, json=body, headers=headers, timeout=timeout) as r:
+                raw = await r.read()
+                if r.status >= 500 or r.status in (408, 429):
+                    raise _LegError(f"HTTP {r.status}: {raw[:200]!r}", "status")
+                if r.status >= 400:
+                    # the client's own mistake: decode would say the same, so say it now
+                    prefill.breaker.record_success()
+                    raise _passthrough_error(r.status, raw)
+                data = json.loads(raw)
+        except (aiohttp.ClientError, asyncio.TimeoutError, _LegError, ValueError) as e:
+            kind = e.kind if isinstance(e, _LegError) else ("timeout" if isinstance(e, asyncio.TimeoutError)
+                                                           else "connect")
+            self.metrics.leg_errors.labels("prefill", kind).inc()
+            prefill.breaker.record_failure()
+            logger.warning("prefill on %s failed: %r", prefill.url, e)
+            return False
+        finally:
+            lease.release()
+        elapsed = time.monotonic() - t0
+        prefill.ttft.add(elapsed)
+        prefill.breaker.record_success()
+        self.metrics.prefill_seconds.observe(elapsed)
+        params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        if not isinstance(params, dict):
+            # an instance without a connector: decode will have to compute the prompt
+            logger.warning("prefill %s returned no kv_transfer_params; decode recomputes", prefill.url)
+            self.metrics.fallbacks.labels("no_kv_params").inc()
+            return True
+        state.kv_params = params
+        state.kv_pending = True
+        state.pushed = push
+        usage = data.get("usage") or {}
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            state.prefill_cached_tokens = details["cached_tokens"]
+        return True
+
+    # ----------------------------------------------------------------- decode
+    async def _decode(self, req: ParsedRequest, decode: Instance, headers: dict[str, str], state: FlowState,
+                      http_request: web.Request) -> web.StreamResponse:
+        body = req.body
+        if state.kv_params is not None:
+            body = dict(req.body)
+            body["kv_transfer_params"] = state.kv_params
+        lease = LegLease(decode, "decode", req.prompt_tokens + req.max_tokens)
+        state.leases.append(lease)
+        state.stage = "decode"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
+                                        sock_read=self.config.decode_idle_timeout)
+        t0 = time.monotonic()
+        try:
+            # from here decode owns the KV: closing this request aborts it and decode releases prefill's KV
+            state.kv_pending = False
+            resp = await asyncio.wait_for(
+                self.session.post(decode.url + req.path, json=body, headers=headers, timeout=timeout),
+                self.config.decode_timeout)
+        except aiohttp.ClientConnectorError as e:
+            state.kv_pending = state.kv_params is not None
+            lease.release()
+            raise DecodeFailed(repr(e), sent=False, kind="connect") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            lease.release()
+            raise DecodeFailed(repr(e), sent=True, kind="timeout" if isinstance(e, asyncio.TimeoutError)
+                               else "connection") from None
+        try:
+            if resp.status >= 500:
+                text = await _read_some(resp)
+                raise DecodeFailed(f"HTTP {resp.status}: {text!r}", sent=True, kind="status")
+            if resp.status >= 400:
+                # rejected before reaching the engine: the KV prefill holds was never taken
+                decode.breaker.record_success()
+                state.kv_pending = state.kv_params is not None
+                raise _passthrough_error(resp.status, await resp.read())
+            if req.stream:
+                return await self._relay_stream(resp, decode, state, http_request, t0)
+            return await self._relay_json(resp, decode, state, t0)
+        finally:
+            resp.close()  # aborts decode in vLLM if we got here early (client gone, error)
+            lease.release()
+
+    async def _relay_json(self, resp: aiohttp.ClientResponse, decode: Instance, state: FlowState,
+                          t0: float) -> web.Response:
+        try:
+            raw = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise DecodeFailed(repr(e), sent=True, kind="read") from None
+        decode.breaker.record_success()
+        elapsed = time.monotonic() - t0
+        self.metrics.ttft_seconds.observe(time.monotonic() - state.started)
+        if state.prefill_cached_tokens is not None:
+            raw = rewrite_usage(raw, state.prefill_cached_tokens) or raw
+        try:
+            tokens = json.loads(raw).get("usage", {}).get("completion_tokens") or 0
+            if tokens > 1:
+                decode.tpot.add(elapsed / tokens)
+                self.pool.recent_tpot.add(elapsed / tokens)
+        except (ValueError, AttributeError):
+            pass
+        return web.Response(body=raw, status=resp.status, content_type="application/json",
+                            headers={"X-Request-Id": state.request_id})
+
+    async def _relay_stream(self, resp: aiohttp.ClientResponse, decode: Instance, state: FlowState,
+                            http_request: web.Request, t0: float) -> web.StreamResponse:
+        events = SseSplitter(state.prefill_cached_tokens)
+        # hold the client's response until decode produced its first event, so a
+        # failure before that can still be retried elsewhere
+        first = b""
+        try:
+            while not first:
+                chunk = await resp.content.readany()
+                if not chunk:
+                    raise DecodeFailed("stream ended before any event", sent=True, kind="empty")
+                first = events.feed(chunk)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise DecodeFailed(repr(e), sent=True, kind="read") from None
+        decode.breaker.record_success()
+        t_first = time.monotonic()
+        self.metrics.ttft_seconds.observe(t_first - state.started)
+        self.pool.recent_ttft.add(t_first - state.started)
+        out = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
+        n_events = first.count(b"data:")
+        try:
+            await out.prepare(http_request)
+            state.stage = "stream"
+            await out.write(first)
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    # bytes already reached the client: end the stream with an error event
+                    await self._end_with_error(out, events, decode, e)
+                    return out
+                if not chunk:
+                    break
+                data = events.feed(chunk)
+                if data:
+                    n_events += data.count(b"data:")
+                    await out.write(data)
+            tail = events.flush()
+            if tail:
+                await out.write(tail)
+            await out.write_eof()
+        except ConnectionResetError:  # writing to the client failed: it went away
+            self.metrics.disconnects.labels(state.stage).inc()
+            logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
+            return out
+        if n_events > 2:
+            tpot = (time.monotonic() - t_first) / (n_events - 2)
+            decode.tpot.add(tpot)
+            self.pool.recent_tpot.add(tpot)
+        return out
+
+    async def _end_with_error(self, out: web.StreamResponse, events: SseSplitter, decode: Instance,
+                              e: BaseException) -> None:
+        self.metrics.stream_errors.inc()
+        decode.breaker.record_failure()
+        logger.warning("decode stream from %s broke after output started: %r", decode.url, e)
+        err = upstream_error(f"decode stream interrupted: {e!r}", code="stream_interrupted")
+        events.drop_partial()  # the client only ever got whole events; the error is the next one
+        await out.write(err.sse_event())
+        await out.write_eof()
+
+    # ---------------------------------------------------------------- release
+    def _release_in_background(self, params: dict) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(None, self._release_sync, params)
+        self._background.add(fut)
+        fut.add_done_callback(self._background.discard)
+
+    def _release_sync(self, params: dict) -> None:
+        try:
+            ok = self.release_kv(params)
+        except Exception as e:  # the release path must never take the proxy down
+            logger.warning("release_remote_kv failed: %r", e)
+            ok = False
+        self.metrics.kv_releases.labels("ok" if ok else "failed").inc()
+
+    async def drain_background(self) -> None:
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+class _LegError(Exception):
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _passthrough_error(status: int, raw: bytes) -> ProxyError:
+    """A backend 4xx, relayed with the backend's own message."""
+    message, etype, param, code = raw.decode(errors="replace")[:2000], "invalid_request_error", None, None
+    try:
+        err = json.loads(raw).get("error")
+        if isinstance(err, dict):
+            message = str(err.get("message", message))
+            etype = str(err.get("type", etype))
+            param, code = err.get("param"), err.get("code")
+    except (ValueError, AttributeError):
+        pass
+    return ProxyError(status, message, etype, param, code)
+
+
+async def _read_some(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return (await asyncio.wait_for(resp.content.read(500), 2.0))[:500]
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return b""

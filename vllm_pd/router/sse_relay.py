@@ -1,0 +1,62 @@
+"""Relaying decode's SSE stream: whole events only, and the usage the client should see."""
+
+from __future__ import annotations
+
+import json
+
+
+def rewrite_usage(raw: bytes, cached_tokens: int) -> bytes | None:
+    """Put prefill's prefix-cache hits into usage.prompt_tokens_details.cached_tokens."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    usage = data.get("usage") if isinstance(data, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        details = {}
+    details["cached_tokens"] = cached_tokens
+    usage["prompt_tokens_details"] = details
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+class SseSplitter:
+    """Passes whole SSE events through as soon as they are complete.
+
+    Events are the unit a client parses, so an error event can always be
+    appended cleanly. Only the last (usage) event is rewritten, and only when
+    prefill reported cached tokens.
+    """
+
+    def __init__(self, cached_tokens: int | None) -> None:
+        self._buf = b""
+        self._cached = cached_tokens
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._buf + chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._buf = data
+            return b""
+        out, self._buf = data[:cut + 2], data[cut + 2:]
+        if self._cached is not None and b'"usage":{' in out.replace(b'"usage": {', b'"usage":{'):
+            out = self._rewrite(out)
+        return out
+
+    def _rewrite(self, out: bytes) -> bytes:
+        events = out.split(b"\n\n")
+        for i, ev in enumerate(events):
+            if ev.startswith(b"data: {") and b'"usage"' in ev:
+                new = rewrite_usage(ev[6:], self._cached)  # type: ignore[arg-type]
+                if new is not None:
+                    events[i] = b"data: " + new
+        return b"\n\n".join(events)
+
+    def flush(self) -> bytes:
+        out, self._buf = self._buf, b""
+        return out
+
+    def drop_partial(self) -> None:
+        self._buf = b""
