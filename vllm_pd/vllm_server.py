@@ -63,7 +63,6 @@ class VllmServerSpec:
             "--max-num-seqs", str(self.max_num_seqs),
             "--kv-cache-memory-bytes", self.kv_cache_bytes,
             "--dtype", "bfloat16",
-            "--disable-log-stats",
         ]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]

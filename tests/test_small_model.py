@@ -1,0 +1,148 @@
+"""The model maker: deterministic files, loadable by transformers, and (e2e) served by vLLM."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from vllm_pd import cli
+from vllm_pd.small_model import ModelSpec, ModelSpecError, ensure_default_model, write_model
+from vllm_pd.small_model.writer import MODEL_FILES
+
+TINY = dict(layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=600)
+
+
+def _bytes(d: Path) -> dict[str, bytes]:
+    return {name: (d / name).read_bytes() for name in MODEL_FILES}
+
+
+def test_same_seed_gives_identical_files(tmp_path: Path) -> None:
+    a = write_model(ModelSpec(seed=3, **TINY), tmp_path / "a")
+    b = write_model(ModelSpec(seed=3, **TINY), tmp_path / "b")
+    assert _bytes(a) == _bytes(b)
+
+
+def test_different_seed_gives_different_weights(tmp_path: Path) -> None:
+    a = write_model(ModelSpec(seed=1, **TINY), tmp_path / "a")
+    b = write_model(ModelSpec(seed=2, **TINY), tmp_path / "b")
+    with safe_open(a / "model.safetensors", "pt") as fa, safe_open(b / "model.safetensors", "pt") as fb:
+        assert set(fa.keys()) == set(fb.keys())
+        for key in ("lm_head.weight", "model.layers.0.self_attn.q_proj.weight"):
+            assert not fa.get_tensor(key).equal(fb.get_tensor(key))
+
+
+def test_weights_match_config_shapes(tmp_path: Path) -> None:
+    d = write_model(ModelSpec(**TINY), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    with safe_open(d / "model.safetensors", "pt") as f:
+        assert list(f.get_slice("model.embed_tokens.weight").get_shape()) == [cfg["vocab_size"], cfg["hidden_size"]]
+        assert list(f.get_slice("model.layers.0.self_attn.k_proj.weight").get_shape()) == [
+            cfg["num_key_value_heads"] * cfg["head_dim"], cfg["hidden_size"]]
+        assert str(f.get_tensor("lm_head.weight").dtype) == "torch.bfloat16"
+
+
+def test_transformers_loads_config_and_tokenizer(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    d = write_model(ModelSpec(**TINY), tmp_path / "m")
+    cfg = AutoConfig.from_pretrained(d)
+    assert cfg.model_type == "llama" and cfg.num_key_value_heads == 1
+    tok = AutoTokenizer.from_pretrained(d)
+    assert len(tok) <= cfg.vocab_size
+    text = "Hello world, prefill and decode: 12345 tokens!\n    return x * 2"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    # the chat markers are single special tokens, not spelled out byte by byte
+    assert tok.convert_tokens_to_ids("<|im_start|>") in tok(chat, add_special_tokens=False)["input_ids"]
+
+
+def test_deepseek_v2_config_is_mla_and_dense(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    d = write_model(ModelSpec(arch="deepseek_v2", layers=2, hidden=64, heads=2, intermediate=128, vocab=600,
+                              kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32), tmp_path / "m")
+    cfg = AutoConfig.from_pretrained(d)
+    assert cfg.model_type == "deepseek_v2" and cfg.kv_lora_rank == 32 and cfg.q_lora_rank is None
+    assert cfg.first_k_dense_replace == cfg.num_hidden_layers
+    with safe_open(d / "model.safetensors", "pt") as f:
+        assert list(f.get_slice("model.layers.1.self_attn.kv_a_proj_with_mqa.weight").get_shape()) == [32 + 16, 64]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(arch="gpt2"), "--arch"),
+    (dict(heads=4, kv_heads=3), "--kv-heads"),
+    (dict(head_dim=48), "--head-dim"),
+    (dict(layers=0), "--layers"),
+    (dict(vocab=100), "--vocab"),
+    (dict(seed=-1), "--seed"),
+])
+def test_bad_spec_names_the_argument(kwargs: dict, message: str) -> None:
+    with pytest.raises(ModelSpecError, match=message):
+        ModelSpec(**kwargs)
+
+
+def test_cli_rejects_bad_args_and_existing_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="--head-dim"):
+        cli.main(["make-model", str(tmp_path / "x"), "--head-dim", "48"])
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="not empty"):
+        cli.main(["make-model", str(tmp_path / "full")])
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def test_cli_writes_model(tmp_path: Path) -> None:
+    assert cli.main(["make-model", str(tmp_path / "m"), "--layers", "1", "--hidden", "64", "--heads", "2",
+                     "--kv-heads", "1", "--head-dim", "32", "--intermediate", "128", "--vocab", "600"]) == 0
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["num_hidden_layers"] == 1
+
+
+def test_ensure_default_model_concurrent_callers(tmp_path: Path) -> None:
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_default_model(cache_dir=tmp_path)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1 and len(results) == 3
+    assert all((results[0] / name).is_file() for name in MODEL_FILES)
+    assert [p.name for p in tmp_path.iterdir()] == [results[0].name]  # no temp dirs left behind
+    assert ensure_default_model(cache_dir=tmp_path) == results[0]
+
+
+def test_ensure_default_model_honours_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_PD_CACHE", str(tmp_path))
+    d = ensure_default_model()
+    assert d.parent == tmp_path / "models" and d.name.startswith("llama-")
+
+
+@pytest.mark.e2e
+def test_vllm_serves_made_model(small_model_dir: Path, tmp_path: Path) -> None:
+    import httpx
+
+    from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
+
+    server = VllmServer(VllmServerSpec(model=str(small_model_dir), port=free_port(), cpu_cores="0"),
+                        log_path=tmp_path / "vllm.log")
+    try:
+        server.start().wait_healthy(timeout=300)
+        body = {"model": str(small_model_dir), "prompt": "the cache block", "max_tokens": 8, "temperature": 0}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        chat = {"model": str(small_model_dir), "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 4, "temperature": 0}
+        r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()

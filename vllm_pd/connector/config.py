@@ -1,0 +1,113 @@
+"""The connector's typed settings, read from ``kv_connector_extra_config``.
+
+Validated once at start-up: an unknown key or a bad value raises
+:class:`ConfigError` naming the key, so vLLM stops before serving anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
+
+from vllm_pd.connector.exceptions import ConfigError
+
+TransferMode = Literal["push", "pull"]
+LoadMode = Literal["async", "layerwise"]
+TransportName = Literal["tcp", "shm"]
+
+_SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(key: str, value: object) -> int:
+    """Bytes from an int or a string like ``512m`` / ``2G``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and value.strip():
+        s = value.strip().lower().removesuffix("b").removesuffix("i")
+        mult = _SIZE_SUFFIXES.get(s[-1], 1) if s else 1
+        digits = s[:-1] if s and s[-1] in _SIZE_SUFFIXES else s
+        try:
+            n = int(float(digits) * mult)
+        except ValueError:
+            raise ConfigError(f"kv_connector_extra_config.{key}: bad size {value!r}") from None
+    else:
+        raise ConfigError(f"kv_connector_extra_config.{key}: expected a size, got {value!r}")
+    if n < 0:
+        raise ConfigError(f"kv_connector_extra_config.{key}: must be >= 0, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class PDConnectorConfig:
+    # transport between instances
+    transport: TransportName = "tcp"
+    # address peers use to reach this instance's KV endpoint ("auto": this host's IP)
+    host: str = "auto"
+    # address to bind the KV endpoint to
+    bind_host: str = "0.0.0.0"
+    # mode a prefill instance uses when the proxy's kv_transfer_params don't say
+    default_mode: TransferMode = "pull"
+    # async: a request waits (off the batch) until its KV has landed;
+    # layerwise: its first forward waits per layer while later layers still arrive
+    load_mode: LoadMode = "async"
+    # prefill holds a request's blocks at most this long for decode to take them
+    lease_s: float = 60.0
+    # one transfer (all layers of one request) must complete within this
+    transfer_timeout_s: float = 30.0
+    # decode: how long to wait for pushed KV that has not fully arrived yet
+    push_wait_s: float = 10.0
+    # decode: memory for KV pushed before decode has admitted the request
+    staging_bytes: int = 1 << 30
+    # verify a checksum of every block (length is always verified)
+    checksum: bool = True
+    # settings of the KV block store (validated by vllm_pd.connector.store); None = no store
+    store: dict[str, Any] | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> "PDConnectorConfig":
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"known keys: {', '.join(sorted(known))}"
+            )
+        values: dict[str, Any] = {}
+        for key, value in extra.items():
+            values[key] = _coerce(key, known[key].type, value)
+        cfg = cls(**values)
+        for key in ("lease_s", "transfer_timeout_s", "push_wait_s"):
+            if getattr(cfg, key) <= 0:
+                raise ConfigError(f"kv_connector_extra_config.{key}: must be > 0, got {getattr(cfg, key)!r}")
+        return cfg
+
+
+def _coerce(key: str, type_name: Any, value: object) -> Any:
+    literal = {"TransferMode": TransferMode, "LoadMode": LoadMode, "TransportName": TransportName}.get(str(type_name))
+    if literal is not None:
+        choices = get_args(literal)
+        if value not in choices:
+            raise ConfigError(f"kv_connector_extra_config.{key}: {value!r} is not one of {list(choices)}")
+        return value
+    if key == "store":
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"kv_connector_extra_config.{key}: expected an object, got {value!r}")
+        return value
+    if key == "staging_bytes":
+        return parse_size(key, value)
+    if type_name == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"kv_connector_extra_config.{key}: expected true/false, got {value!r}")
+        return value
+    if type_name == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"kv_connector_extra_config.{key}: expected a number, got {value!r}")
+        return float(value)
+    if type_name == "str":
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"kv_connector_extra_config.{key}: expected a non-empty string, got {value!r}")
+        return value
+    raise ConfigError(f"kv_connector_extra_config.{key}: unsupported setting")  # pragma: no cover

@@ -1,0 +1,167 @@
+"""``PDConnector``: the facade vLLM instantiates, once per role and process.
+
+The scheduler role (EngineCore process) delegates to
+:class:`~vllm_pd.connector.scheduler.PDConnectorScheduler`, the worker role (each
+worker process) to :class:`~vllm_pd.connector.worker.PDConnectorWorker`.
+
+Roles: ``kv_producer`` serves prefill legs (``do_remote_decode``), ``kv_consumer``
+serves decode legs (``do_remote_prefill``), ``kv_both`` either, per request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from vllm_pd.connector.config import PDConnectorConfig
+from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake
+from vllm_pd.connector.scheduler import PDConnectorScheduler
+from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
+from vllm_pd.connector.worker import PDConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class PDConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.config = PDConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
+        self.is_producer = bool(ktc.is_kv_producer)
+        self.is_consumer = bool(ktc.is_kv_consumer)
+        if self.is_consumer and ktc.kv_load_failure_policy != "recompute":
+            logger.warning("kv_load_failure_policy=%r: a failed KV transfer fails the request; "
+                           "set \"kv_load_failure_policy\": \"recompute\" to recompute it instead",
+                           ktc.kv_load_failure_policy)
+        self._scheduler: PDConnectorScheduler | None = None
+        self._worker: PDConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = PDConnectorScheduler(vllm_config, self.config, str(ktc.engine_id))
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = PDConnectorWorker(
+                self.config,
+                block_size=vllm_config.cache_config.block_size,
+                tp_rank=get_tensor_model_parallel_rank(),
+                base_port=int(ktc.kv_port),
+                is_producer=self.is_producer,
+                is_consumer=self.is_consumer,
+            )
+
+    # ---- worker side ----------------------------------------------------------------------------
+    @property
+    def worker(self) -> PDConnectorWorker:
+        assert self._worker is not None
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self.worker.handshake()
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, PDConnectorMetadata)
+        self.worker.begin_step(connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self.worker.start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self.worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sent, recvd, _ = self.worker.get_finished()
+        return sent or None, recvd or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sent, recvd, failed = self.worker.get_finished()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=recvd,
+                                          failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> PDConnectorStats | None:
+        return self._worker.stats.take() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side -------------------------------------------------------------------------
+    @property
+    def scheduler(self) -> PDConnectorScheduler:
+        assert self._scheduler is not None
+        return self._scheduler
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.scheduler.set_handshake({r: m for r, m in metadata.items() if isinstance(m, PDHandshake)})
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.is_consumer:
+            return 0, False
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode") and not self.is_producer:
+            return
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        return None
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    # ---- class-level hooks ----------------------------------------------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PDConnectorStats | None:
+        return PDConnectorStats(data=dict(data)) if data is not None else PDConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> PDPromMetrics:
+        return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,146 @@
+"""Decode side: land one request's remote KV in its blocks, layer by layer.
+
+Push mode: the bytes are (or are arriving) in :class:`PushStaging`; copy them.
+Whatever did not arrive in time is fetched (pulled) from prefill, which holds
+its blocks until we release them. Pull mode: fetch every layer.
+
+The job always ends ``ok`` or failed - never pending forever - and always tells
+prefill to release its copy, so neither side leaks blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from vllm_pd.connector.control import ReleaseMessage
+from vllm_pd.connector.metadata import LoadSpec
+from vllm_pd.connector.push_staging import PushStaging
+from vllm_pd.connector.transport.base import MemoryRegion, Transport
+
+logger = logging.getLogger(__name__)
+
+
+class LoadJob:
+    def __init__(
+        self,
+        spec: LoadSpec,
+        transport: Transport,
+        regions: list[MemoryRegion],
+        staging: PushStaging,
+        rank: int,
+        timeout_s: float,
+        push_wait_s: float,
+    ) -> None:
+        self.spec = spec
+        self._transport = transport
+        self._regions = regions
+        self._staging = staging
+        self._rank = rank
+        self._timeout_s = timeout_s
+        self._push_wait_s = push_wait_s
+        self.layer_done = [threading.Event() for _ in regions]
+        self.layer_ok = [False] * len(regions)
+        self.done = threading.Event()
+        self.ok = False
+        self.error: str | None = None
+        self.bytes_landed = 0
+        self.blocks_from_push = 0
+        self.blocks_fetched = 0
+        self.started = time.monotonic()
+        self.finished_at: float | None = None
+
+    @property
+    def peer(self) -> str:
+        return self.spec.remote.endpoint_for_rank(self._rank)
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as e:  # noqa: BLE001 - any failure means: recompute
+            logger.exception("KV load for request %s failed", self.spec.request_id)
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.ok = self.error is None and all(self.layer_ok)
+            for ev in self.layer_done:
+                ev.set()
+            self.finished_at = time.monotonic()
+            self.done.set()
+            self._staging.drop(self.spec.remote.transfer_id)
+            self._release_remote()
+
+    def _run(self) -> None:
+        spec = self.spec
+        deadline = time.monotonic() + self._timeout_s
+        missing: dict[int, list[int]] = {}  # layer -> indexes into spec.positions
+        if spec.remote.mode == "push":
+            self._staging.wait_complete(spec.remote.transfer_id, len(self._regions),
+                                        min(deadline, time.monotonic() + self._push_wait_s))
+            for layer, region in enumerate(self._regions):
+                miss = self._copy_staged(layer, region)
+                if miss:
+                    missing[layer] = miss
+                else:
+                    self._layer_landed(layer, True)
+            if missing:
+                logger.info("request %s: %d layer(s) incomplete after push; fetching them from prefill",
+                            spec.request_id, len(missing))
+        else:
+            missing = {layer: list(range(len(spec.positions))) for layer in range(len(self._regions))}
+        futures: list[tuple[int, list[int], Future[None]]] = []
+        for layer, idxs in missing.items():
+            remote = [spec.remote_block_ids[i] for i in idxs]
+            local = [spec.local_block_ids[i] for i in idxs]
+            fut = self._transport.fetch(self.peer, spec.remote.transfer_id, layer, remote, local,
+                                        timeout=max(0.1, deadline - time.monotonic()))
+            futures.append((layer, idxs, fut))
+        for layer, idxs, fut in futures:
+            try:
+                fut.result(timeout=max(0.1, deadline - time.monotonic() + 1.0))
+            except Exception as e:  # noqa: BLE001
+                self.error = self.error or f"fetch of layer {layer} failed: {type(e).__name__}: {e}"
+                self._layer_landed(layer, False)
+                continue
+            self.blocks_fetched += len(idxs)
+            self.bytes_landed += len(idxs) * self._regions[layer].block_nbytes
+            self._layer_landed(layer, True)
+        if self.error:
+            raise_error = self.error
+            self.error = None
+            raise RuntimeError(raise_error)
+
+    def _copy_staged(self, layer: int, region: MemoryRegion) -> list[int]:
+        missing = []
+        tid = self.spec.remote.transfer_id
+        for i, (pos, block_id) in enumerate(zip(self.spec.positions, self.spec.local_block_ids)):
+            buf = self._staging.landed_block(tid, layer, pos)
+            if buf is None or buf.numel() != region.block_nbytes:
+                missing.append(i)
+                continue
+            region.tensor[block_id].view(-1).view(torch.uint8).copy_(buf)
+            self.blocks_from_push += 1
+            self.bytes_landed += region.block_nbytes
+        return missing
+
+    def _layer_landed(self, layer: int, ok: bool) -> None:
+        self.layer_ok[layer] = ok
+        self.layer_done[layer].set()
+
+    def _release_remote(self) -> None:
+        try:
+            fut = self._transport.notify(self.peer, ReleaseMessage(self.spec.remote.transfer_id).encode(),
+                                         timeout=5.0)
+            fut.add_done_callback(_log_release_failure)
+        except Exception as e:  # noqa: BLE001 - prefill's lease frees it anyway
+            logger.warning("could not ask %s to release transfer %s: %s", self.peer,
+                           self.spec.remote.transfer_id, e)
+
+
+def _log_release_failure(fut: Future[bytes | None]) -> None:
+    exc = fut.exception()
+    if exc is not None:
+        logger.warning("release notification failed (%s); prefill frees the KV when its lease ends", exc)

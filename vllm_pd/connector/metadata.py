@@ -1,0 +1,88 @@
+"""What the scheduler side tells the worker side each step (and the handshake).
+
+vLLM serialises these between the EngineCore and worker processes; plain
+dataclasses of builtins keep that cheap and safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+from vllm_pd.connector.transfer_params import RemotePrefill
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """Prefill side: a request whose KV a decode instance will take, this step."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]  # all the request's blocks so far
+    first_block: int  # first position to send this step (earlier ones went already)
+    end_token: int  # tokens with KV once this step's forward is done
+    num_prompt_tokens: int
+    push_endpoint: str | None  # push each layer here; None: decode pulls
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.end_token >= self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class FinishedSend:
+    """Prefill side: the scheduler saw the request finish."""
+
+    transfer_id: str
+    held: bool  # blocks kept for decode (normal finish); False: aborted, release at once
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Decode side: land a remote prefill's KV into our blocks."""
+
+    request_id: str
+    remote: RemotePrefill
+    first_position: int  # the request's block index of local_block_ids[0]
+    local_block_ids: tuple[int, ...]
+
+    @property
+    def remote_block_ids(self) -> tuple[int, ...]:
+        return self.remote.block_ids[self.first_position:self.first_position + len(self.local_block_ids)]
+
+    @property
+    def positions(self) -> range:
+        return range(self.first_position, self.first_position + len(self.local_block_ids))
+
+
+@dataclass(frozen=True)
+class RemoteRelease:
+    """Decode side: tell prefill its held KV is not needed (abort, local hit)."""
+
+    endpoint: str
+    transfer_id: str
+
+
+@dataclass
+class PDConnectorMetadata(KVConnectorMetadata):
+    sends: list[SendSpec] = field(default_factory=list)
+    finished_sends: list[FinishedSend] = field(default_factory=list)
+    preempted_transfers: list[str] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    remote_releases: list[RemoteRelease] = field(default_factory=list)
+    # nothing scheduled this step: the worker may wait briefly for transfer events
+    idle: bool = False
+
+
+@dataclass
+class PDHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at start-up: where this worker's KV endpoint is."""
+
+    endpoint: str
+    host: str
+    port: int
+    num_layers: int
+    block_nbytes: int

@@ -1,0 +1,123 @@
+"""Decode side: KV pushed by prefill before decode has admitted the request.
+
+Prefill pushes each layer while it computes, usually before the proxy has even
+sent the request to decode, so the bytes land here first (bounded memory) and
+are copied into the request's blocks when decode admits it.
+
+A layer counts as complete only once the batch prefill marked ``last`` for it
+has landed: pushes to one peer land in order, so by then every earlier version
+of a re-sent partial block has been overwritten by its final one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_pd.connector.transport.base import BlockBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StagedTransfer:
+    blocks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, pos) -> bytes
+    landed: dict[tuple[int, int], bool] = field(default_factory=dict)
+    last_landed: set[int] = field(default_factory=set)  # layers whose final batch landed
+    touched: float = field(default_factory=time.monotonic)
+
+
+class PushStaging:
+    def __init__(self, capacity_bytes: int, ttl_s: float) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.ttl_s = ttl_s
+        self.used_bytes = 0
+        self.rejected_total = 0
+        self._cond = threading.Condition()
+        self._transfers: dict[str, _StagedTransfer] = {}
+
+    # ---- BlockSink half (transport threads) ----------------------------------------------------
+    def destinations(self, batch: BlockBatch) -> list[memoryview] | None:
+        with self._cond:
+            self._expire_locked()
+            st = self._transfers.get(batch.transfer_id)
+            new = [p for p in batch.positions if st is None or (batch.layer, p) not in st.blocks]
+            need = len(new) * batch.block_nbytes
+            if self.used_bytes + need > self.capacity_bytes:
+                self.rejected_total += 1
+                logger.warning("push staging full (%d/%d bytes): rejecting transfer %s layer %d",
+                               self.used_bytes, self.capacity_bytes, batch.transfer_id, batch.layer)
+                return None
+            if st is None:
+                st = self._transfers[batch.transfer_id] = _StagedTransfer()
+            views = []
+            for p in batch.positions:
+                key = (batch.layer, p)
+                buf = st.blocks.get(key)
+                if buf is None or buf.numel() != batch.block_nbytes:
+                    if buf is not None:
+                        self.used_bytes -= buf.numel()
+                    buf = st.blocks[key] = torch.empty(batch.block_nbytes, dtype=torch.uint8)
+                    self.used_bytes += batch.block_nbytes
+                st.landed[key] = False
+                views.append(memoryview(buf.numpy()))
+            st.touched = time.monotonic()
+            return views
+
+    def landed(self, batch: BlockBatch, ok: bool) -> None:
+        with self._cond:
+            st = self._transfers.get(batch.transfer_id)
+            if st is None:
+                return
+            for p in batch.positions:
+                st.landed[(batch.layer, p)] = ok
+            if batch.last:
+                st.last_landed.add(batch.layer)
+            st.touched = time.monotonic()
+            self._cond.notify_all()
+
+    # ---- decode's load ------------------------------------------------------------------------
+    def wait_complete(self, transfer_id: str, num_layers: int, deadline: float) -> bool:
+        """Wait until every layer's final batch has landed (True) or the deadline passed."""
+        with self._cond:
+            while True:
+                st = self._transfers.get(transfer_id)
+                if st is not None and len(st.last_landed) >= num_layers:
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(timeout=min(remaining, 0.5))
+
+    def landed_block(self, transfer_id: str, layer: int, position: int) -> torch.Tensor | None:
+        with self._cond:
+            st = self._transfers.get(transfer_id)
+            if st is None or not st.landed.get((layer, position)):
+                return None
+            return st.blocks[(layer, position)]
+
+    def drop(self, transfer_id: str) -> None:
+        with self._cond:
+            st = self._transfers.pop(transfer_id, None)
+            if st is not None:
+                self.used_bytes -= sum(b.numel() for b in st.blocks.values())
+
+    def _expire_locked(self) -> None:
+        now = time.monotonic()
+        for tid in [t for t, st in self._transfers.items() if now - st.touched > self.ttl_s]:
+            st = self._transfers.pop(tid)
+            self.used_bytes -= sum(b.numel() for b in st.blocks.values())
+            logger.warning("pushed KV of transfer %s never claimed by a request within %.0fs: dropped",
+                           tid, self.ttl_s)
+
+    def expire(self) -> None:
+        with self._cond:
+            self._expire_locked()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._transfers)

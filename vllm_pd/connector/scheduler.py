@@ -1,0 +1,227 @@
+"""Scheduler side of the PD connector (runs in vLLM's EngineCore process).
+
+It decides, per request and per step, what the worker side moves:
+
+* prefill (``do_remote_decode``): each step that computes part of the prompt
+  becomes a :class:`SendSpec`; when the request finishes its blocks are held
+  (``request_finished`` -> True) until the worker reports the transfer released
+  by decode, expired (lease) or aborted - then vLLM frees them.
+* decode (``do_remote_prefill``): the prompt counts as computed elsewhere; an
+  async (or layer-wise) load lands it in our blocks, and prefill is always told
+  to release its copy, also when the request is aborted before admission or its
+  prompt was already in our own prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm_pd.connector.config import PDConnectorConfig
+from vllm_pd.connector.metadata import (
+    FinishedSend,
+    LoadSpec,
+    PDConnectorMetadata,
+    PDHandshake,
+    RemoteRelease,
+    SendSpec,
+)
+from vllm_pd.connector.transfer_params import RemoteDecodeRequest, RemotePrefill, prompt_hash
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _OutgoingRequest:
+    request: "Request"
+    ask: RemoteDecodeRequest
+    next_block: int = 0  # first block position not yet handed to the worker
+    seen_by_worker: bool = False
+
+
+class PDConnectorScheduler:
+    def __init__(self, vllm_config: "VllmConfig", config: PDConnectorConfig, engine_id: str) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._kv_cache_manager: Any = None
+        self._endpoints: tuple[str, ...] = ()
+        self._host = ""
+        self._port = 0
+        # prefill side
+        self._outgoing: dict[str, _OutgoingRequest] = {}
+        self._finished_sends: list[FinishedSend] = []
+        self._preempted: list[str] = []
+        # decode side
+        self._matched: dict[str, tuple[RemotePrefill, int]] = {}  # req -> (remote, local computed)
+        self._loads: list[LoadSpec] = []
+        self._releases: list[RemoteRelease] = []
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def set_handshake(self, by_rank: dict[int, PDHandshake]) -> None:
+        ranks = sorted(by_rank)
+        self._endpoints = tuple(by_rank[r].endpoint for r in ranks)
+        self._host = by_rank[ranks[0]].host
+        self._port = by_rank[ranks[0]].port
+        logger.info("PD connector KV endpoints: %s", ", ".join(self._endpoints))
+
+    # ---- decode side: remote prefill -> load --------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        remote = RemotePrefill.from_params(request.kv_transfer_params)
+        if remote is None:
+            return 0, False
+        prompt = request.prompt_token_ids or []
+        if not self._remote_usable(request, remote, prompt):
+            return 0, False
+        count = min(remote.num_tokens, len(prompt)) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._matched[request.request_id] = (remote, num_computed_tokens)
+        return count, self.config.load_mode == "async"
+
+    def _remote_usable(self, request: "Request", remote: RemotePrefill, prompt: list[int]) -> bool:
+        reason = None
+        if remote.block_size != self.block_size:
+            reason = f"block size {remote.block_size} != ours {self.block_size}"
+        elif remote.tp_size != self.tp_size:
+            reason = f"prefill TP {remote.tp_size} != ours {self.tp_size}"
+        elif remote.prompt_hash and remote.prompt_hash != prompt_hash(prompt):
+            reason = "prompt differs from the one prefill computed"
+        if reason:
+            logger.warning("request %s: remote KV not usable (%s); decode recomputes the prompt",
+                           request.request_id, reason)
+        return reason is None
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if params.get("do_remote_decode"):
+            self._track_outgoing(request)
+            return
+        if not params.get("do_remote_prefill"):
+            return
+        # Only one load per request: the second call (after the load) must not start another.
+        params["do_remote_prefill"] = False
+        remote = RemotePrefill.from_params({**params, "do_remote_prefill": True})
+        matched = self._matched.pop(request.request_id, None)
+        if remote is None:
+            return
+        if num_external_tokens == 0 or matched is None:
+            # Prompt already in our prefix cache (or unusable): prefill's copy is not needed.
+            self._releases.append(RemoteRelease(remote.endpoint, remote.transfer_id))
+            return
+        _, num_local = matched
+        first = num_local // self.block_size
+        last = -(-min(remote.num_tokens, request.num_prompt_tokens) // self.block_size)
+        block_ids = blocks.get_block_ids()[0]
+        self._loads.append(LoadSpec(
+            request_id=request.request_id,
+            remote=remote,
+            first_position=first,
+            local_block_ids=tuple(block_ids[first:last]),
+        ))
+
+    # ---- prefill side ---------------------------------------------------------------------------
+    def _track_outgoing(self, request: "Request") -> None:
+        if request.request_id in self._outgoing:
+            return
+        ask = RemoteDecodeRequest.from_params(request.kv_transfer_params, self.config.default_mode)
+        if ask is not None:
+            self._outgoing[request.request_id] = _OutgoingRequest(request, ask)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PDConnectorMetadata:
+        meta = PDConnectorMetadata(
+            finished_sends=self._finished_sends,
+            loads=self._loads,
+            remote_releases=self._releases,
+            preempted_transfers=[],
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
+        self._finished_sends, self._loads, self._releases = [], [], []
+        for req_id in scheduler_output.preempted_req_ids or ():
+            out = self._outgoing.get(req_id)
+            if out is not None:
+                # Its blocks are freed: sends restart from the first block when it is rescheduled.
+                out.next_block = 0
+                meta.preempted_transfers.append(req_id)
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            out = self._outgoing.get(req_id)
+            if out is None:
+                continue
+            request = out.request
+            end = request.num_computed_tokens + num_tokens
+            prompt_len = request.num_prompt_tokens
+            if out.next_block * self.block_size >= prompt_len:
+                continue  # prompt fully handed over; generated tokens are not transferred
+            block_ids = tuple(self._kv_cache_manager.get_block_ids(req_id)[0])
+            meta.sends.append(SendSpec(
+                transfer_id=req_id,
+                block_ids=block_ids,
+                first_block=out.next_block,
+                end_token=min(end, prompt_len),
+                num_prompt_tokens=prompt_len,
+                push_endpoint=out.ask.decode_endpoint,
+            ))
+            out.seen_by_worker = True
+            # A partly filled last block is sent again with the next chunk.
+            out.next_block = min(end, prompt_len) // self.block_size
+            if end >= prompt_len:
+                out.next_block = -(-prompt_len // self.block_size)
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        req_id = request.request_id
+        self._matched.pop(req_id, None)
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            # Finished (aborted) before any load was set up: prefill still holds the KV.
+            params["do_remote_prefill"] = False
+            remote = RemotePrefill.from_params({**params, "do_remote_prefill": True})
+            if remote is not None:
+                self._releases.append(RemoteRelease(remote.endpoint, remote.transfer_id))
+            return False, None
+        out = self._outgoing.pop(req_id, None)
+        if out is None:
+            return False, None
+        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        prefill_done = request.num_computed_tokens >= request.num_prompt_tokens
+        held = normal and prefill_done and bool(block_ids)
+        if not out.seen_by_worker:
+            return False, None
+        # The worker may have pushes in flight or reads granted on these blocks: they stay
+        # ours until it reports the transfer finished (released, expired or revoked).
+        self._finished_sends.append(FinishedSend(req_id, held=held))
+        if not held:
+            return True, None
+        remote = RemotePrefill(
+            transfer_id=req_id,
+            engine_id=self.engine_id,
+            endpoint=self._endpoints[0],
+            host=self._host,
+            port=self._port,
+            block_ids=tuple(block_ids),
+            num_tokens=request.num_prompt_tokens,
+            block_size=self.block_size,
+            mode=out.ask.mode,
+            tp_size=self.tp_size,
+            endpoints=self._endpoints,
+            prompt_hash=prompt_hash(request.prompt_token_ids or []),
+        )
+        return True, remote.to_params()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._finished_sends or self._loads or self._releases)

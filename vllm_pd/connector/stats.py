@@ -1,0 +1,121 @@
+"""Connector counters: sent from the workers to vLLM's logger and /metrics.
+
+Prometheus names (in vLLM's /metrics, labelled per engine):
+``vllm:pd_pushed_blocks_total``, ``vllm:pd_pushed_bytes_total``,
+``vllm:pd_loaded_blocks_total{source="push"|"fetch"}``, ``vllm:pd_loaded_bytes_total``,
+``vllm:pd_loads_total{result="ok"|"failed"}``, ``vllm:pd_lease_expired_total``,
+and gauges ``vllm:pd_held_transfers`` (prefill KV held for decode),
+``vllm:pd_loading_requests``, ``vllm:pd_staged_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+if TYPE_CHECKING:
+    from vllm_pd.connector.load_job import LoadJob
+
+COUNTERS = (
+    "pushed_blocks", "pushed_bytes", "loaded_blocks_push", "loaded_blocks_fetch", "loaded_bytes",
+    "loads_ok", "loads_failed", "lease_expired",
+)
+GAUGES = ("held_transfers", "loading_requests", "staged_bytes")
+
+
+@dataclass
+class PDConnectorStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=dict)
+    expired: int = 0  # cumulative, turned into a per-interval delta
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+        self._expired_reported = 0
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in COUNTERS}
+
+    def record_push(self, blocks: int, nbytes: int) -> None:
+        self.data["pushed_blocks"] += blocks
+        self.data["pushed_bytes"] += nbytes
+
+    def record_load(self, job: "LoadJob") -> None:
+        self.data["loaded_blocks_push"] += job.blocks_from_push
+        self.data["loaded_blocks_fetch"] += job.blocks_fetched
+        self.data["loaded_bytes"] += job.bytes_landed
+        self.data["loads_ok" if job.ok else "loads_failed"] += 1
+
+    def set_gauges(self, held: int, loading: int, staged_bytes: int) -> None:
+        changed = (self.data.get("held_transfers"), self.data.get("loading_requests"),
+                   self.data.get("staged_bytes")) != (held, loading, staged_bytes)
+        self.data.update(held_transfers=held, loading_requests=loading, staged_bytes=staged_bytes)
+        if self.expired != self._expired_reported:
+            self.data["lease_expired"] += self.expired - self._expired_reported
+            self._expired_reported = self.expired
+        self.data["_dirty"] = bool(self.data.get("_dirty")) or changed
+
+    def take(self) -> "PDConnectorStats | None":
+        """The interval's stats (None if nothing happened), then start a new interval."""
+        dirty = self.data.pop("_dirty", False)
+        if not dirty and not any(self.data.get(k) for k in COUNTERS):
+            return None
+        out = PDConnectorStats(data=dict(self.data))
+        gauges = {k: self.data[k] for k in GAUGES if k in self.data}
+        self.reset()
+        self.data.update(gauges)
+        return out
+
+    # ---- KVConnectorStats -----------------------------------------------------------------------
+    def aggregate(self, other: KVConnectorStats) -> "PDConnectorStats":
+        for k in COUNTERS:
+            self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        for k in GAUGES:
+            if k in other.data:
+                self.data[k] = other.data[k]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: self.data.get(k, 0) for k in (*COUNTERS, *GAUGES)}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in COUNTERS) and not any(
+            k in self.data for k in GAUGES)
+
+
+class PDPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        c, g = self._counter_cls, self._gauge_cls
+        self._counters: dict[str, Any] = {}
+        for name in ("pushed_blocks", "pushed_bytes", "loaded_bytes", "lease_expired"):
+            self._counters[name] = c(name=f"vllm:pd_{name}", documentation=f"PD connector {name}",
+                                     labelnames=labelnames)
+        self._loaded_blocks = c(name="vllm:pd_loaded_blocks", documentation="KV blocks landed by source",
+                                labelnames=[*labelnames, "source"])
+        self._loads = c(name="vllm:pd_loads", documentation="remote KV loads by result",
+                        labelnames=[*labelnames, "result"])
+        self._gauges = {name: g(name=f"vllm:pd_{name}", documentation=f"PD connector {name}",
+                                labelnames=labelnames, multiprocess_mode="mostrecent")
+                        for name in GAUGES}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, metric in self._counters.items():
+            if v := transfer_stats_data.get(name, 0):
+                metric.labels(*labels).inc(v)
+        for source in ("push", "fetch"):
+            if v := transfer_stats_data.get(f"loaded_blocks_{source}", 0):
+                self._loaded_blocks.labels(*labels, source).inc(v)
+        for result in ("ok", "failed"):
+            if v := transfer_stats_data.get(f"loads_{result}", 0):
+                self._loads.labels(*labels, result).inc(v)
+        for name, metric in self._gauges.items():
+            if name in transfer_stats_data:
+                metric.labels(*labels).set(transfer_stats_data[name])

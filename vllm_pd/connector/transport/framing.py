@@ -1,0 +1,260 @@
+"""Wire format shared by the stream transports (tcp, shm).
+
+Every message is a fixed 40-byte header, a variable part whose size the header
+gives, and - for messages that carry blocks (PUSH, DATA) - the block bytes
+followed by a trailer of one 8-byte digest per block::
+
+    header   magic "VPD1", kind, status, checksum kind, flags, request id, layer,
+             block count, block_nbytes, transfer-id length, payload length
+    variable transfer id (utf-8) | ids (u32 x count) | lengths (u64 x count,
+             data messages only) | payload
+    blocks   count x block_nbytes bytes                (data messages only)
+    trailer  count x 8-byte digest                     (data messages only)
+
+The digests trail the bytes so that each side hashes a block right next to the
+copy that moves it (the block is still in cache), and the lengths lead them so
+the receiver rejects a wrong-sized block before writing a byte of it.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import blake3
+
+from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
+
+MAGIC = b"VPD1"
+DIGEST_NBYTES = 8
+MAX_COUNT = 1 << 20
+MAX_TRANSFER_ID = 1024
+MAX_PAYLOAD = 16 << 20
+MAX_BLOCK_NBYTES = 1 << 32
+# sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
+MAX_IOV = 512
+
+_HEADER = struct.Struct("<4sBBBBQIIQII")
+HEADER_NBYTES = _HEADER.size
+
+FLAG_LAST = 1  # PUSH: BlockBatch.last
+FLAG_HAS_REPLY = 1  # REPLY: the sink returned bytes (not None)
+
+
+class Kind(IntEnum):
+    HELLO = 1  # first message of a connection; payload = the dialler's endpoint
+    PUSH = 2  # blocks for the peer's sink; ids = positions
+    FETCH = 3  # read request; ids = the server's block ids
+    NOTIFY = 4  # control message; payload = message
+    ACK = 5  # status of a PUSH, or a refused FETCH; payload = error text
+    DATA = 6  # blocks answering a FETCH
+    REPLY = 7  # answer to a NOTIFY; payload = reply
+    CREDIT = 8  # shm: ids = ring slots the receiver has emptied
+    READY = 9  # shm: ids = ring slots the sender has filled (sizes in lengths)
+
+
+DATA_KINDS = frozenset({Kind.PUSH, Kind.DATA})
+LENGTH_KINDS = frozenset({Kind.PUSH, Kind.DATA, Kind.READY})
+
+
+class Status(IntEnum):
+    OK = 0
+    REJECTED = 1
+    CORRUPTED = 2
+    ERROR = 3
+
+
+class Checksum(IntEnum):
+    NONE = 0
+    CRC32 = 1
+    BLAKE3 = 2
+
+    @classmethod
+    def parse(cls, name: str) -> Checksum:
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(
+                f"checksum: unknown value {name!r} (one of: none, crc32, blake3)"
+            ) from None
+
+    def digest(self, data: memoryview) -> bytes:
+        # blake3 and zlib release the GIL on large buffers, so I/O threads hash
+        # in parallel; blake3 measured ~4 GB/s vs crc32 ~1.5 GB/s here (SIMD).
+        if self is Checksum.BLAKE3:
+            return blake3.blake3(data).digest(DIGEST_NBYTES)
+        if self is Checksum.CRC32:
+            return zlib.crc32(data).to_bytes(DIGEST_NBYTES, "little")
+        return bytes(DIGEST_NBYTES)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One message without its block bytes and trailer."""
+
+    kind: Kind
+    req_id: int = 0
+    status: Status = Status.OK
+    checksum: Checksum = Checksum.NONE
+    flags: int = 0
+    layer: int = 0
+    block_nbytes: int = 0
+    transfer_id: str = ""
+    ids: tuple[int, ...] = ()
+    lengths: tuple[int, ...] = ()
+    payload: bytes = b""
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+    @property
+    def data_nbytes(self) -> int:
+        """Bytes that follow the frame on the stream (blocks + trailer)."""
+        if self.kind not in DATA_KINDS:
+            return 0
+        return sum(self.lengths) + DIGEST_NBYTES * self.count
+
+    def encode(self) -> bytes:
+        tid = self.transfer_id.encode()
+        if self.kind in LENGTH_KINDS and len(self.lengths) != len(self.ids):
+            raise ValueError("lengths must give one length per id")
+        n = len(self.ids)
+        parts = [
+            _HEADER.pack(
+                MAGIC, int(self.kind), int(self.status), int(self.checksum), self.flags,
+                self.req_id, self.layer, n, self.block_nbytes, len(tid), len(self.payload),
+            ),
+            tid,
+            struct.pack(f"<{n}I", *self.ids),
+        ]
+        if self.kind in LENGTH_KINDS:
+            parts.append(struct.pack(f"<{n}Q", *self.lengths))
+        parts.append(self.payload)
+        return b"".join(parts)
+
+
+@dataclass(frozen=True)
+class _HeaderFields:
+    kind: Kind
+    status: Status
+    checksum: Checksum
+    flags: int
+    req_id: int
+    layer: int
+    count: int
+    block_nbytes: int
+    tid_len: int
+    payload_len: int
+
+    @property
+    def rest_nbytes(self) -> int:
+        per_id = 12 if self.kind in LENGTH_KINDS else 4
+        return self.tid_len + per_id * self.count + self.payload_len
+
+
+def decode_header(buf: bytes | bytearray | memoryview) -> _HeaderFields:
+    """Parse and validate the fixed header; TransferCorrupted on anything odd."""
+    if len(buf) != HEADER_NBYTES:
+        raise TransferCorrupted(f"header is {len(buf)} bytes, expected {HEADER_NBYTES}")
+    magic, kind, status, checksum, flags, req_id, layer, count, bnb, tid_len, plen = (
+        _HEADER.unpack(buf)
+    )
+    if magic != MAGIC:
+        raise TransferCorrupted(f"bad magic {magic!r} (not a vllm-pd transport stream)")
+    try:
+        fields = _HeaderFields(
+            Kind(kind), Status(status), Checksum(checksum), flags, req_id, layer,
+            count, bnb, tid_len, plen,
+        )
+    except ValueError as e:
+        raise TransferCorrupted(f"bad header field: {e}") from None
+    if count > MAX_COUNT or tid_len > MAX_TRANSFER_ID or plen > MAX_PAYLOAD:
+        raise TransferCorrupted(
+            f"header out of bounds: count={count} transfer_id_len={tid_len} payload={plen}"
+        )
+    if bnb > MAX_BLOCK_NBYTES:
+        raise TransferCorrupted(f"header out of bounds: block_nbytes={bnb}")
+    return fields
+
+
+def decode_rest(h: _HeaderFields, rest: bytes | bytearray | memoryview) -> Frame:
+    """Build the Frame from a decoded header and its variable part."""
+    rest = memoryview(rest)
+    if len(rest) != h.rest_nbytes:
+        raise TransferCorrupted(f"variable part is {len(rest)} bytes, expected {h.rest_nbytes}")
+    off = h.tid_len
+    try:
+        tid = bytes(rest[:off]).decode()
+    except UnicodeDecodeError:
+        raise TransferCorrupted("transfer id is not utf-8") from None
+    ids = struct.unpack_from(f"<{h.count}I", rest, off)
+    off += 4 * h.count
+    lengths: tuple[int, ...] = ()
+    if h.kind in LENGTH_KINDS:
+        lengths = struct.unpack_from(f"<{h.count}Q", rest, off)
+        off += 8 * h.count
+    return Frame(
+        kind=h.kind, req_id=h.req_id, status=h.status, checksum=h.checksum, flags=h.flags,
+        layer=h.layer, block_nbytes=h.block_nbytes, transfer_id=tid, ids=ids,
+        lengths=lengths, payload=bytes(rest[off:]),
+    )
+
+
+def decode_frame(buf: bytes) -> Frame:
+    """Decode a whole encoded frame (tests, tools)."""
+    h = decode_header(buf[:HEADER_NBYTES])
+    return decode_rest(h, buf[HEADER_NBYTES:])
+
+
+# -- socket I/O -----------------------------------------------------------------
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket; PeerClosed on end of stream."""
+    while len(view):
+        n = sock.recv_into(view)
+        if n == 0:
+            raise PeerClosed("connection closed by peer (end of stream)")
+        view = view[n:]
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf))
+    return buf
+
+
+def read_frame(sock: socket.socket) -> Frame:
+    h = decode_header(recv_exact(sock, HEADER_NBYTES))
+    return decode_rest(h, recv_exact(sock, h.rest_nbytes) if h.rest_nbytes else b"")
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Send all buffers in order with as few sendmsg calls as possible (no copies)."""
+    bufs = [memoryview(b).cast("B") if not isinstance(b, memoryview) else b for b in buffers]
+    i = 0
+    while i < len(bufs):
+        sent = sock.sendmsg(bufs[i : i + MAX_IOV])
+        while sent:
+            if sent >= len(bufs[i]):
+                sent -= len(bufs[i])
+                i += 1
+            else:
+                bufs[i] = bufs[i][sent:]
+                sent = 0
+        while i < len(bufs) and len(bufs[i]) == 0:
+            i += 1
+
+
+def discard(sock: socket.socket, nbytes: int) -> None:
+    """Read and drop ``nbytes`` (blocks we refused), keeping the stream in sync."""
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
+    while nbytes:
+        n = min(nbytes, len(scratch))
+        recv_exact_into(sock, scratch[:n])
+        nbytes -= n

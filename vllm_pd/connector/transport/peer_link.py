@@ -1,0 +1,290 @@
+"""The dialling side of a stream transport: one persistent connection to a peer.
+
+A :class:`PeerLink` owns a writer thread (connects lazily, sends requests in
+submission order, so pushes land in order) and, per connection, a reader thread
+that completes requests from the peer's ACK / DATA / REPLY frames. A lost
+connection fails every request of the link with PeerClosed; the next request
+reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from vllm_pd.connector.exceptions import (
+    PeerClosed,
+    PeerUnreachable,
+    TransferCorrupted,
+    TransferRejected,
+    TransferTimeout,
+    TransportError,
+)
+from vllm_pd.connector.transport.framing import (
+    FLAG_HAS_REPLY,
+    Frame,
+    Kind,
+    Status,
+    read_frame,
+)
+from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PendingOp:
+    """One request awaiting its answer."""
+
+    frame: Frame  # what to send (req_id set)
+    future: Future[Any]
+    deadline: float  # time.monotonic()
+    send_views: list[memoryview] = field(default_factory=list)  # PUSH source blocks
+    recv_views: list[memoryview] = field(default_factory=list)  # FETCH destinations
+    state: str = "queued"  # queued -> sending -> sent -> receiving
+    timed_out: bool = False
+
+    @property
+    def req_id(self) -> int:
+        return self.frame.req_id
+
+
+def settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve a future once; later attempts (a race with a timeout) are no-ops."""
+    if future.done():
+        return
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except Exception:  # InvalidStateError: settled concurrently
+        pass
+
+
+_STATUS_ERRORS: dict[Status, type[TransportError]] = {
+    Status.REJECTED: TransferRejected,
+    Status.CORRUPTED: TransferCorrupted,
+    Status.ERROR: TransportError,
+}
+
+
+class PeerLink:
+    def __init__(
+        self,
+        endpoint: str,
+        address: Any,
+        family: int,
+        make_channel: Callable[[], BlockChannel],
+        hello_payload: Callable[[BlockChannel], bytes],
+        connect_timeout: float,
+    ) -> None:
+        self.endpoint = endpoint
+        self._address = address
+        self._family = family
+        self._make_channel = make_channel
+        self._hello_payload = hello_payload
+        self._connect_timeout = connect_timeout
+        self._lock = threading.Lock()
+        self._pending: dict[int, PendingOp] = {}
+        self._queue: queue.SimpleQueue[PendingOp | None] = queue.SimpleQueue()
+        self._wire: Wire | None = None
+        self._channel: BlockChannel | None = None
+        self._closed = False
+        self._writer = threading.Thread(
+            target=self._write_loop, name=f"pd-link-writer {endpoint}", daemon=True
+        )
+        self._writer.start()
+
+    # -- called by the transport ---------------------------------------------------
+
+    def submit(self, op: PendingOp) -> None:
+        with self._lock:
+            if self._closed:
+                settle(op.future, error=PeerClosed(f"transport closed ({self.endpoint})"))
+                return
+            self._pending[op.req_id] = op
+        self._queue.put(op)
+
+    def expire(self, op: PendingOp) -> None:
+        """The op's deadline passed (timer thread)."""
+        with self._lock:
+            if self._pending.get(op.req_id) is not op:
+                return
+            if op.state in ("sending", "receiving"):
+                # Its bytes are moving right now; abort the connection so that the
+                # moving thread stops touching the op's memory, then it settles it.
+                op.timed_out = True
+                wire = self._wire
+            else:
+                del self._pending[op.req_id]
+                wire = None
+        if wire is not None:
+            wire.shutdown()
+        elif not op.timed_out:
+            settle(op.future, error=TransferTimeout(f"{op.frame.kind.name} to {self.endpoint} timed out"))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            wire = self._wire
+        self._queue.put(None)
+        if wire is not None:
+            self._lost(wire, PeerClosed(f"transport closed ({self.endpoint})"))
+        self._fail_all(PeerClosed(f"transport closed ({self.endpoint})"))
+        self._writer.join(timeout=5)
+
+    # -- writer thread -------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while (op := self._queue.get()) is not None:
+            with self._lock:
+                if self._pending.get(op.req_id) is not op:
+                    continue  # timed out while queued
+                op.state = "sending"
+                wire, channel = self._wire, self._channel
+            if wire is None or channel is None:
+                try:
+                    wire, channel = self._connect()
+                except (OSError, TransportError) as e:
+                    self._pop_and_fail(op, PeerUnreachable(f"cannot connect to {self.endpoint}: {e}"))
+                    continue
+                if op.timed_out:
+                    self._pop_and_fail(op, TransferTimeout(f"{op.frame.kind.name} to {self.endpoint} timed out"))
+                    continue
+            try:
+                if op.send_views:
+                    channel.send_blocks(wire, op.frame, op.send_views)
+                else:
+                    wire.send_frame(op.frame)
+            except (OSError, TransportError) as e:
+                self._lost(wire, e)
+                continue
+            with self._lock:
+                if op.state == "sending":
+                    op.state = "sent"
+
+    def _connect(self) -> tuple[Wire, BlockChannel]:
+        sock = socket.socket(self._family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self._connect_timeout)
+            sock.connect(self._address)
+            configure_socket(sock)
+            wire = Wire(sock)
+            channel = self._make_channel()
+            try:
+                wire.send_frame(Frame(Kind.HELLO, payload=self._hello_payload(channel)))
+                sock.settimeout(self._connect_timeout)
+                reply = read_frame(sock)
+                sock.settimeout(None)
+                if reply.kind is not Kind.HELLO:
+                    raise TransferRejected(f"expected HELLO from {self.endpoint}, got {reply.kind.name}")
+                channel.attach(msgspec.json.decode(reply.payload).get("channel", {}))
+            except BaseException:
+                channel.close()
+                raise
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            if self._closed:
+                wire.close()
+                channel.close()
+                raise PeerClosed("transport closed")
+            self._wire, self._channel = wire, channel
+        threading.Thread(
+            target=self._read_loop, args=(wire, channel), name=f"pd-link-reader {self.endpoint}",
+            daemon=True,
+        ).start()
+        return wire, channel
+
+    # -- reader thread ---------------------------------------------------------------
+
+    def _read_loop(self, wire: Wire, channel: BlockChannel) -> None:
+        try:
+            while True:
+                frame = read_frame(wire.sock)
+                if frame.kind is Kind.CREDIT:
+                    channel.on_credit(frame)
+                elif frame.kind is Kind.DATA:
+                    self._on_data(wire, channel, frame)
+                elif frame.kind in (Kind.ACK, Kind.REPLY):
+                    self._on_answer(frame)
+                else:
+                    raise TransferCorrupted(f"unexpected {frame.kind.name} frame from {self.endpoint}")
+        except (OSError, TransportError) as e:
+            self._lost(wire, e)
+        finally:
+            channel.close()
+
+    def _on_answer(self, frame: Frame) -> None:
+        with self._lock:
+            op = self._pending.pop(frame.req_id, None)
+        if op is None:
+            return  # already timed out
+        if frame.status is not Status.OK:
+            text = frame.payload.decode(errors="replace")
+            settle(op.future, error=_STATUS_ERRORS[frame.status](f"{self.endpoint}: {text}"))
+        elif frame.kind is Kind.REPLY:
+            settle(op.future, frame.payload if frame.flags & FLAG_HAS_REPLY else None)
+        else:
+            settle(op.future, None)
+
+    def _on_data(self, wire: Wire, channel: BlockChannel, frame: Frame) -> None:
+        with self._lock:
+            op = self._pending.get(frame.req_id)
+            if op is not None:
+                op.state = "receiving"
+        if op is None:
+            channel.drop_blocks(wire, frame)
+            return
+        views = op.recv_views
+        if len(frame.ids) != len(views) or any(
+            n != len(v) for n, v in zip(frame.lengths, views, strict=False)
+        ):
+            channel.drop_blocks(wire, frame)
+            self._pop_and_fail(op, TransferCorrupted(
+                f"fetch from {self.endpoint}: got {len(frame.ids)} blocks of lengths "
+                f"{sorted(set(frame.lengths))}, expected {len(views)} of {len(views[0]) if views else 0}"
+            ))
+            return
+        ok = channel.recv_blocks(wire, frame, views)
+        self._pop_and_fail(op, None if ok else TransferCorrupted(
+            f"fetch {frame.transfer_id!r} layer {frame.layer} from {self.endpoint}: checksum mismatch"
+        ))
+
+    # -- failure -------------------------------------------------------------------
+
+    def _pop_and_fail(self, op: PendingOp, error: BaseException | None) -> None:
+        with self._lock:
+            self._pending.pop(op.req_id, None)
+        settle(op.future, error=error)
+
+    def _lost(self, wire: Wire, error: BaseException) -> None:
+        """The connection broke: every request of this link fails."""
+        with self._lock:
+            if self._wire is wire:
+                self._wire = None
+                self._channel = None
+        wire.close()
+        self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            ops = list(self._pending.values())
+            self._pending.clear()
+        for op in ops:
+            if op.timed_out:
+                settle(op.future, error=TransferTimeout(
+                    f"{op.frame.kind.name} to {self.endpoint} timed out (connection aborted)"
+                ))
+            else:
+                settle(op.future, error=PeerClosed(f"connection to {self.endpoint} lost: {error}"))

@@ -1,0 +1,289 @@
+"""The transport logic shared by tcp and shm: everything but where bytes travel.
+
+Subclasses say how to listen, how to dial an endpoint and which BlockChannel
+carries block bytes; requests, answers, checks, grants and timeouts live here,
+in :class:`PeerLink` (dialling side) and :class:`ServeSession` (listening side).
+"""
+
+from __future__ import annotations
+
+import abc
+import heapq
+import itertools
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import msgspec
+
+from vllm_pd.connector.exceptions import PeerClosed, TransportError
+from vllm_pd.connector.transport.base import BlockBatch, BlockSink, MemoryRegion, Transport
+from vllm_pd.connector.transport.framing import FLAG_LAST, Checksum, Frame, Kind, read_frame
+from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
+from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
+from vllm_pd.connector.transport.serve_session import ServeSession
+from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
+
+logger = logging.getLogger(__name__)
+
+
+class DeadlineTimer:
+    """One thread that expires pending ops at their deadlines."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, PeerLink, PendingOp]] = []
+        self._seq = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="pd-transport-timer", daemon=True)
+        self._thread.start()
+
+    def add(self, link: PeerLink, op: PendingOp) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (op.deadline, next(self._seq), link, op))
+            if self._heap[0][3] is op:
+                self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._heap.clear()
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (
+                    not self._heap or self._heap[0][0] > time.monotonic()
+                ):
+                    self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                if self._stopped:
+                    return
+                _, _, link, op = heapq.heappop(self._heap)
+            if not op.future.done():
+                link.expire(op)
+
+
+class StreamTransport(Transport):
+    """A Transport over one persistent stream connection per peer."""
+
+    scheme = ""
+
+    def __init__(
+        self,
+        checksum: str = "blake3",
+        connect_timeout: float = 5.0,
+        revoke_wait: float = 5.0,
+    ) -> None:
+        self._checksum = Checksum.parse(checksum)
+        if connect_timeout <= 0:
+            raise ValueError(f"connect_timeout must be > 0, got {connect_timeout}")
+        self._connect_timeout = connect_timeout
+        self._revoke_wait = revoke_wait
+        self._regions: RegisteredRegions | None = None
+        self._grants = FetchGrants()
+        self._sink: BlockSink | None = None
+        self._endpoint = ""
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._links: dict[str, PeerLink] = {}
+        self._sessions: set[ServeSession] = set()
+        self._req_ids = itertools.count(1)
+        self._timer = DeadlineTimer()
+        self._closed = False
+
+    # -- what a subclass provides --------------------------------------------------
+
+    @abc.abstractmethod
+    def _listen(self, host: str, port: int) -> tuple[socket.socket, str]:
+        """Bound, listening socket and this side's endpoint string."""
+
+    @abc.abstractmethod
+    def _dial_address(self, endpoint: str) -> tuple[int, Any]:
+        """(address family, address) of a peer endpoint; ValueError if malformed."""
+
+    @abc.abstractmethod
+    def _new_channel(self) -> BlockChannel:
+        """A fresh data channel for one connection."""
+
+    # -- Transport -------------------------------------------------------------------
+
+    def register_regions(self, regions: Sequence[MemoryRegion]) -> None:
+        if self._regions is not None:
+            raise RuntimeError("register_regions called twice")
+        self._regions = RegisteredRegions(regions)
+
+    def start(self, sink: BlockSink, host: str, port: int) -> str:
+        if self._regions is None:
+            raise RuntimeError("register_regions must be called before start")
+        if self._listener is not None:
+            raise RuntimeError("start called twice")
+        self._sink = sink
+        self._listener, self._endpoint = self._listen(host, port)
+        self._acceptor = threading.Thread(target=self._accept_loop, name="pd-transport-accept", daemon=True)
+        self._acceptor.start()
+        logger.info("%s transport serving at %s", self.name, self._endpoint)
+        return self._endpoint
+
+    def push(self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float) -> Future[None]:
+        regions = self._require_regions()
+        if len(block_ids) != len(batch.positions):
+            raise ValueError(f"push: {len(block_ids)} block ids but {len(batch.positions)} positions")
+        views = regions.views(batch.layer, block_ids)
+        if batch.block_nbytes != regions.block_nbytes[batch.layer]:
+            raise ValueError(f"push: batch.block_nbytes {batch.block_nbytes} != region's "
+                             f"{regions.block_nbytes[batch.layer]}")
+        frame = Frame(
+            Kind.PUSH, req_id=next(self._req_ids), checksum=self._checksum,
+            flags=FLAG_LAST if batch.last else 0, layer=batch.layer, block_nbytes=batch.block_nbytes,
+            transfer_id=batch.transfer_id, ids=tuple(batch.positions),
+            lengths=tuple(len(v) for v in views),
+        )
+        return self._submit(peer, frame, timeout, send_views=views)
+
+    def fetch(self, peer: str, transfer_id: str, layer: int, remote_block_ids: Sequence[int],
+              local_block_ids: Sequence[int], timeout: float) -> Future[None]:
+        regions = self._require_regions()
+        if len(remote_block_ids) != len(local_block_ids):
+            raise ValueError(f"fetch: {len(remote_block_ids)} remote but {len(local_block_ids)} local ids")
+        views = regions.views(layer, local_block_ids)
+        frame = Frame(Kind.FETCH, req_id=next(self._req_ids), layer=layer,
+                      block_nbytes=regions.block_nbytes[layer], transfer_id=transfer_id,
+                      ids=tuple(remote_block_ids))
+        return self._submit(peer, frame, timeout, recv_views=views)
+
+    def notify(self, peer: str, message: bytes, timeout: float) -> Future[bytes | None]:
+        frame = Frame(Kind.NOTIFY, req_id=next(self._req_ids), payload=bytes(message))
+        return self._submit(peer, frame, timeout)
+
+    def allow_fetch(self, transfer_id: str, block_ids: Sequence[int] | None) -> None:
+        if block_ids is not None:
+            self._grants.grant(transfer_id, block_ids)
+            return
+        if not self._grants.revoke(transfer_id, self._revoke_wait):
+            # A reader stalls mid-read: cut its connection so no byte of these
+            # blocks is sent after we return (the blocks may be reused).
+            logger.warning("revoke of %r: a read still in flight after %.1fs; closing "
+                           "the serving connections", transfer_id, self._revoke_wait)
+            with self._lock:
+                sessions = list(self._sessions)
+            for s in sessions:
+                s.close()
+            self._grants.revoke(transfer_id, self._revoke_wait)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            links, sessions = list(self._links.values()), list(self._sessions)
+            self._links.clear()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        for link in links:
+            link.close()
+        for s in sessions:
+            s.close()
+        for s in sessions:
+            s.join(timeout=5)
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=5)
+        self._timer.stop()
+        self._after_close()
+
+    def _after_close(self) -> None:
+        """Subclass hook: release transport-wide resources."""
+
+    # -- internals -------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def _require_regions(self) -> RegisteredRegions:
+        if self._regions is None:
+            raise RuntimeError("register_regions must be called first")
+        return self._regions
+
+    def _submit(self, peer: str, frame: Frame, timeout: float, send_views: list[memoryview] | None = None,
+                recv_views: list[memoryview] | None = None) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_running_or_notify_cancel()  # not cancellable: bytes may be moving
+        op = PendingOp(frame, future, time.monotonic() + timeout, send_views or [], recv_views or [])
+        try:
+            link = self._link(peer)
+        except TransportError as e:
+            settle(future, error=e)
+            return future
+        self._timer.add(link, op)
+        link.submit(op)
+        return future
+
+    def _link(self, peer: str) -> PeerLink:
+        with self._lock:
+            if self._closed:
+                raise PeerClosed("transport is closed")
+            link = self._links.get(peer)
+            if link is None:
+                family, address = self._dial_address(peer)
+                link = PeerLink(peer, address, family, self._new_channel, self._hello,
+                                self._connect_timeout)
+                self._links[peer] = link
+            return link
+
+    def _hello(self, channel: BlockChannel) -> bytes:
+        return msgspec.json.encode({"endpoint": self._endpoint, "channel": channel.local_info()})
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            threading.Thread(target=self._open_session, args=(sock, addr), daemon=True,
+                             name="pd-transport-handshake").start()
+
+    def _open_session(self, sock: socket.socket, addr: Any) -> None:
+        channel = self._new_channel()
+        try:
+            configure_socket(sock)
+            sock.settimeout(self._connect_timeout)
+            hello = read_frame(sock)
+            if hello.kind is not Kind.HELLO:
+                raise TransportError(f"expected HELLO, got {hello.kind.name}")
+            info = msgspec.json.decode(hello.payload)
+            channel.attach(info.get("channel", {}))
+            sock.settimeout(None)
+            wire = Wire(sock)
+            wire.send_frame(Frame(Kind.HELLO, payload=self._hello(channel)))
+        except (OSError, TransportError, msgspec.DecodeError, ValueError) as e:
+            logger.warning("handshake with %s failed: %s", addr, e)
+            channel.close()
+            sock.close()
+            return
+        assert self._sink is not None and self._regions is not None
+        session = ServeSession(wire, channel, info.get("endpoint") or f"{self.scheme}://{addr}",
+                               self._sink, self._regions, self._grants, self._checksum,
+                               self._session_ended)
+        with self._lock:
+            if self._closed:
+                session.close()
+                channel.close()
+                return
+            self._sessions.add(session)
+        session.start()
+
+    def _session_ended(self, session: ServeSession) -> None:
+        with self._lock:
+            self._sessions.discard(session)

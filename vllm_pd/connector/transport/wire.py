@@ -1,0 +1,136 @@
+"""One connected socket of a stream transport and the data path beside it.
+
+A :class:`Wire` is the control stream: frames (see framing.py) written under one
+lock so that the two threads that may write (the writer, and on shm the reader
+returning ring credits) never interleave bytes. A :class:`BlockChannel` moves
+block bytes: over the socket itself (tcp) or through shared memory (shm).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from vllm_pd.connector.transport.framing import (
+    DIGEST_NBYTES,
+    Checksum,
+    Frame,
+    discard,
+    recv_exact_into,
+    send_buffers,
+)
+
+SOCKET_BUFFER_NBYTES = 8 << 20
+# Blocks hashed then handed to the kernel in one sendmsg: large enough to keep
+# syscalls few, small enough that the bytes are still in cache when sent.
+SEND_GROUP_NBYTES = 1 << 20
+
+
+def configure_socket(sock: socket.socket, buffer_nbytes: int = SOCKET_BUFFER_NBYTES) -> None:
+    sock.settimeout(None)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_nbytes)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_nbytes)
+
+
+class Wire:
+    """A connected socket; frames are sent whole under ``lock``."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self._closed = False
+
+    def send_frame(self, frame: Frame) -> None:
+        with self.lock:
+            send_buffers(self.sock, [frame.encode()])
+
+    def shutdown(self) -> None:
+        """Make every blocked send/recv on this socket return now (with an error)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.shutdown()
+            self.sock.close()
+
+
+class BlockChannel(Protocol):
+    """How the block bytes of PUSH/DATA frames travel between the two ends."""
+
+    def local_info(self) -> dict[str, Any]:
+        """Sent to the other end in HELLO (shm: the ring this side writes)."""
+
+    def attach(self, remote_info: dict[str, Any]) -> None:
+        """Connect to what the other end announced in its HELLO."""
+
+    def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
+        """Send ``frame`` followed by the bytes of ``views`` and their digests."""
+
+    def recv_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> bool:
+        """Receive the blocks announced by ``frame`` into ``views``; True if every
+        digest matched."""
+
+    def drop_blocks(self, wire: Wire, frame: Frame) -> None:
+        """Consume (and discard) the blocks announced by ``frame``."""
+
+    def on_credit(self, frame: Frame) -> None:
+        """A CREDIT frame from the other end (shm flow control)."""
+
+    def close(self) -> None:
+        """Free the channel's resources (shm: unlink segments)."""
+
+
+class SocketChannel:
+    """Block bytes on the socket itself: zero-copy sendmsg / recv_into."""
+
+    def local_info(self) -> dict[str, Any]:
+        return {}
+
+    def attach(self, remote_info: dict[str, Any]) -> None:
+        pass
+
+    def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
+        digests: list[bytes] = []
+        with wire.lock:
+            group: list[bytes | memoryview] = [frame.encode()]
+            group_nbytes = 0
+            for view in views:
+                digests.append(frame.checksum.digest(view))
+                group.append(view)
+                group_nbytes += len(view)
+                if group_nbytes >= SEND_GROUP_NBYTES:
+                    send_buffers(wire.sock, group)
+                    group, group_nbytes = [], 0
+            group.append(b"".join(digests))
+            send_buffers(wire.sock, group)
+
+    def recv_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> bool:
+        digests = [_recv_and_digest(wire.sock, v, frame.checksum) for v in views]
+        trailer = bytearray(DIGEST_NBYTES * len(views))
+        recv_exact_into(wire.sock, memoryview(trailer))
+        if frame.checksum is Checksum.NONE:
+            return True
+        return b"".join(digests) == bytes(trailer)
+
+    def drop_blocks(self, wire: Wire, frame: Frame) -> None:
+        discard(wire.sock, frame.data_nbytes)
+
+    def on_credit(self, frame: Frame) -> None:
+        raise ValueError("CREDIT frame on a socket channel")
+
+    def close(self) -> None:
+        pass
+
+
+def _recv_and_digest(sock: socket.socket, view: memoryview, checksum: Checksum) -> bytes:
+    recv_exact_into(sock, view)
+    return checksum.digest(view)

@@ -1,0 +1,7 @@
+"""Small random-weight Hugging Face models that vLLM loads offline (tests, benchmarks, ``vllm-pd up``)."""
+
+from vllm_pd.small_model.cache import ensure_default_model
+from vllm_pd.small_model.spec import ModelSpec, ModelSpecError
+from vllm_pd.small_model.writer import write_model
+
+__all__ = ["ModelSpec", "ModelSpecError", "ensure_default_model", "write_model"]

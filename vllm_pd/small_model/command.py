@@ -1,0 +1,43 @@
+"""``vllm-pd make-model DIR``: write a small random-weight HF model folder vLLM can serve offline."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+from vllm_pd.small_model.spec import ARCHS, ModelSpec, ModelSpecError
+
+_DEFAULTS = ModelSpec()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", type=Path, help="output folder (must not exist or be empty)")
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    for f in dataclasses.fields(ModelSpec):
+        if f.name == "arch":
+            continue
+        default = getattr(_DEFAULTS, f.name)
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=default,
+                            help=f"default {default}" + (" (deepseek_v2 only)" if f.name in _MLA_ONLY else ""))
+
+
+_MLA_ONLY = {"kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank"}
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_pd.small_model.writer import write_model
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)}
+    try:
+        spec = ModelSpec(**values)
+    except ModelSpecError as e:
+        raise SystemExit(f"vllm-pd make-model: {e}") from None
+    start = time.monotonic()
+    try:
+        write_model(spec, args.dir)
+    except FileExistsError as e:
+        raise SystemExit(f"vllm-pd make-model: {e}") from None
+    print(f"wrote {spec.arch} model to {args.dir} in {time.monotonic() - start:.1f}s")
+    return 0

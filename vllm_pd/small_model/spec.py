@@ -1,0 +1,121 @@
+"""ModelSpec: the validated shape of a small model and its Hugging Face config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+ARCHS = ("llama", "deepseek_v2")
+# head sizes vLLM's CPU attention backend supports
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# bump when the written files change for the same spec, so cached copies are rebuilt
+FORMAT_VERSION = 1
+
+
+class ModelSpecError(ValueError):
+    """A model argument is out of range or inconsistent; the message names the argument."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str = "llama"
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    intermediate: int = 512
+    vocab: int = 4096
+    max_positions: int = 4096
+    seed: int = 0
+    # DeepSeek-V2 (MLA) only
+    kv_lora_rank: int = 128
+    qk_rope_head_dim: int = 32
+    qk_nope_head_dim: int = 64
+    v_head_dim: int = 64
+    q_lora_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ModelSpecError(f"--arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        positive = ["layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
+                    "max_positions", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ModelSpecError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ModelSpecError(f"--q-lora-rank must be > 0 or omitted, got {self.q_lora_rank}")
+        if self.seed < 0:
+            raise ModelSpecError(f"--seed must be >= 0, got {self.seed}")
+        if self.vocab < 512:
+            # room for the 256 byte tokens, the special tokens and some merges
+            raise ModelSpecError(f"--vocab must be >= 512, got {self.vocab}")
+        if self.arch == "llama":
+            if self.heads % self.kv_heads:
+                raise ModelSpecError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})")
+            if self.head_dim not in CPU_HEAD_SIZES:
+                raise ModelSpecError(f"--head-dim must be one of {CPU_HEAD_SIZES} (vLLM CPU attention), got {self.head_dim}")
+
+    def key(self) -> str:
+        """Short stable hash of every field: names a cached copy of this model."""
+        blob = json.dumps({"format": FORMAT_VERSION, **dataclasses.asdict(self)}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    def hf_config(self, bos_id: int, eos_id: int) -> dict[str, Any]:
+        common: dict[str, Any] = {
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "max_position_embeddings": self.max_positions,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "hidden_act": "silu",
+            "initializer_range": 0.02,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": bos_id,
+            "eos_token_id": eos_id,
+            "torch_dtype": "bfloat16",
+            "use_cache": True,
+        }
+        if self.arch == "llama":
+            return {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "num_key_value_heads": self.kv_heads,
+                "head_dim": self.head_dim,
+                "mlp_bias": False,
+                **common,
+            }
+        return {
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "num_key_value_heads": self.heads,
+            "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": self.q_lora_rank,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            # every layer dense (first_k_dense_replace = all layers): no MoE kernels needed on CPU;
+            # the expert fields must still be ints for transformers' strict config validation
+            "first_k_dense_replace": self.layers,
+            "n_routed_experts": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": self.intermediate,
+            "moe_layer_freq": 1,
+            "num_experts_per_tok": 1,
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "scoring_func": "softmax",
+            "norm_topk_prob": False,
+            "rope_scaling": None,
+            **common,
+        }
