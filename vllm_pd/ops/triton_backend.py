@@ -31,10 +31,16 @@ def unavailable_reason(op: str, device: torch.device) -> str | None:
     return None
 
 
+def _store_dtype(dtype: torch.dtype) -> torch.dtype:
+    # The interpreter truncates fp32 -> bf16/fp16 stores instead of rounding to nearest like
+    # GPUs do, so there the kernels store fp32 and torch rounds.
+    return torch.float32 if _interpreted() else dtype
+
+
 def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal):
     b, s_q, h_q, d = q.shape
     rows = s_q * h_q
-    out = q.new_empty((b, s_q, h_q, head_dim_v))
+    out = q.new_empty((b, s_q, h_q, head_dim_v), dtype=_store_dtype(q.dtype))
     lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     if b == 0:
         return out, lse
@@ -52,7 +58,7 @@ def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         PAGE=k_cache.shape[1], CAUSAL=bool(causal and s_q > 1), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
         DOT_F32=_interpreted() or q.dtype == torch.float32,
     )
-    return out, lse
+    return out.to(q.dtype), lse
 
 
 def _fp8_dot(a: torch.Tensor) -> bool:
@@ -61,6 +67,11 @@ def _fp8_dot(a: torch.Tensor) -> bool:
 
 
 def _launch(mode, a, sfa, b, sfb, d, c, layout, masked_m, groups, m):
+    if _store_dtype(d.dtype) != d.dtype:
+        staged = d.float()
+        _launch(mode, a, sfa, b, sfb, staged, c, layout, masked_m, groups, m)
+        d.copy_(staged)
+        return
     n, k = b.shape[-2], b.shape[-1]
     dummy = d  # stands in for absent pointer arguments; never read
     grid = (triton.cdiv(m, GEMM_BLOCK_M), triton.cdiv(n, GEMM_BLOCK_N), groups)
