@@ -37,18 +37,18 @@ def _gpu_flavour() -> str | None:
 
 
 def _extension() -> cpp_extension.CppExtension:
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden"]
+    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]
     sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
     flavour = _gpu_flavour()
     if flavour is None:
         return cpp_extension.CppExtension("vllm_pd._C", sources, extra_compile_args={"cxx": cxx})
     sources += _sources("csrc/cuda/*.cu")
     if flavour == "cuda":
-        nvcc = ["-O3", "-std=c++20", "-gencode", "arch=compute_90a,code=sm_90a", "--use_fast_math"]
+        nvcc = ["-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "--use_fast_math"]
         macros = [("VLLM_PD_WITH_CUDA", "1")]
     else:
         targets = os.environ.get("HCU_TARGET", ",".join(DCU_TARGETS)).split(",")
-        nvcc = ["-O3", "-std=c++20", "-DUSE_HCU", "-DHIP_FP8_TYPE_FNUZ"]
+        nvcc = ["-O3", "-std=c++17", "-DUSE_HCU", "-DHIP_FP8_TYPE_FNUZ"]
         nvcc += [f"--offload-arch={t}" for t in targets]
         macros = [("VLLM_PD_WITH_CUDA", "1"), ("VLLM_PD_HIP", "1")]
     return cpp_extension.CUDAExtension(

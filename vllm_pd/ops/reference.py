@@ -63,9 +63,9 @@ def per_token_cast_to_fp8(
     """1x128 quantisation: x [m, k] -> (fp8 [m, k], fp32 scales [m, ceil(k/128)])."""
     m, k = x.shape
     pad = (-k) % FP8_BLOCK
-    xp = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, FP8_BLOCK)
+    xp = torch.nn.functional.pad(x.float(), (0, pad)).view(m, (k + pad) // FP8_BLOCK, FP8_BLOCK)
     sf = xp.abs().amax(dim=2).clamp(min=1e-4) / fp8_max(dtype)
-    q = (xp / sf.unsqueeze(2)).to(dtype).view(m, -1)[:, :k]
+    q = (xp / sf.unsqueeze(2)).to(dtype).view(m, k + pad)[:, :k]
     return q.contiguous(), sf
 
 

@@ -10,6 +10,8 @@ torch.ops.vllm_pd.mla_decode; prefill, KV-cache writes and metadata stay vLLM's.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backend import AttentionLayer
@@ -17,6 +19,17 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAImpl
 
 import vllm_pd.ops.library  # noqa: F401  (defines torch.ops.vllm_pd)
+from vllm_pd.ops import backends
+
+# A child of vLLM's "vllm" logger, so the line shows in the server log next to vLLM's own
+# backend choice (vLLM only installs handlers on "vllm").
+logger = logging.getLogger("vllm.plugins.vllm_pd.mla")
+
+
+def _announce(impl: object, device: str) -> None:
+    choice = backends.requested_backend(None)
+    logger.info("vllm_pd MLA decode: %s runs torch.ops.vllm_pd.mla_decode (backend %s on %s)",
+                type(impl).__name__, choice, device)
 
 
 def decode_with_vllm_pd(impl: CPUMLAImpl | TritonMLAImpl, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -40,6 +53,10 @@ def decode_with_vllm_pd(impl: CPUMLAImpl | TritonMLAImpl, q: torch.Tensor | tupl
 
 
 class PDCpuMLAImpl(CPUMLAImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _announce(self, "cpu")
+
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata,
                     layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
         return decode_with_vllm_pd(self, q, kv_c_and_k_pe_cache, attn_metadata)
@@ -52,6 +69,10 @@ class PDCpuMLABackend(CPUMLABackend):
 
 
 class PDTritonMLAImpl(TritonMLAImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _announce(self, "cuda")
+
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata,
                     layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
         return decode_with_vllm_pd(self, q, kv_c_and_k_pe_cache, attn_metadata)
