@@ -1,8 +1,14 @@
 // torch.ops.vllm_pd_C CUDA registrations (also used for HIP: ROCm tensors use the CUDA key).
 // Argument checks beyond the Python-side validation are the ones a GPU kernel cannot make.
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
 
 #include "launch.h"
 
@@ -61,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_cuda(const at::Tensor& q_in, const
   p.scale = static_cast<float>(softmax_scale);
   p.causal = causal && s_q > 1;
   p.dtype = dtype_of(q, "q");
-  gpu::launch_mla_decode(p, at::cuda::getCurrentCUDAStream());
+  gpu::launch_mla_decode(p, c10::cuda::getCurrentCUDAStream());
   return {out, lse};
 }
 
@@ -105,7 +111,7 @@ void fp8_gemm_nt_cuda(const at::Tensor& a, const at::Tensor& sfa, const at::Tens
     p.ldc = cc.stride(0);
   }
   p.mode = gpu::GemmMode::kPlain;
-  gpu::launch_fp8_gemm(p, at::cuda::getCurrentCUDAStream());
+  gpu::launch_fp8_gemm(p, c10::cuda::getCurrentCUDAStream());
 }
 
 void contiguous_cuda(const at::Tensor& a, const at::Tensor& sfa, const at::Tensor& b, const at::Tensor& sfb,
@@ -115,7 +121,7 @@ void contiguous_cuda(const at::Tensor& a, const at::Tensor& sfa, const at::Tenso
   gpu::GemmParams p = gemm_params(a, sfa, b, sfb, d);
   p.grouped_layout = layout.data_ptr<int32_t>();
   p.mode = gpu::GemmMode::kContiguous;
-  gpu::launch_fp8_gemm(p, at::cuda::getCurrentCUDAStream());
+  gpu::launch_fp8_gemm(p, c10::cuda::getCurrentCUDAStream());
 }
 
 void masked_cuda(const at::Tensor& a, const at::Tensor& sfa, const at::Tensor& b, const at::Tensor& sfb,
@@ -125,7 +131,7 @@ void masked_cuda(const at::Tensor& a, const at::Tensor& sfa, const at::Tensor& b
   gpu::GemmParams p = gemm_params(a, sfa, b, sfb, d);
   p.masked_m = mm.data_ptr<int32_t>();
   p.mode = gpu::GemmMode::kMasked;
-  gpu::launch_fp8_gemm(p, at::cuda::getCurrentCUDAStream());
+  gpu::launch_fp8_gemm(p, c10::cuda::getCurrentCUDAStream());
 }
 
 }  // namespace
