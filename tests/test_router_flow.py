@@ -152,3 +152,17 @@ def test_unknown_model_is_404_with_openai_error() -> None:
     run(go)
 
 
+
+
+def test_tpot_is_sampled_while_a_long_stream_runs() -> None:
+    async def go() -> None:
+        async with harness(backend_kw={"itl": 0.01}) as h:
+            body = {"prompt": "x " * 40, "max_tokens": 400, "stream": True}
+            async with h.session.post(h.url + "/v1/completions", json=body) as r:
+                for _ in range(60):
+                    await r.content.readline()
+                # mid-stream, the supervisor's signal already has decode's time per token
+                tpot = h.proxy.pool.recent_tpot.value
+                assert tpot is not None and 0.005 < tpot < 0.2, tpot
+                r.close()
+    run(go)

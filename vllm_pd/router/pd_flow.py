@@ -41,6 +41,7 @@ FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "x-data-paral
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 ReleaseFn = Callable[[dict], bool]
+TPOT_WINDOW = 16  # stream events per live TPOT sample
 
 
 def default_release_remote_kv(params: dict) -> bool:
@@ -330,6 +331,9 @@ class PDFlow:
         self.pool.recent_ttft.add(t_first - state.started)
         out = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
         n_events = first.count(b"data:")
+        # TPOT is sampled while the stream runs (every TPOT_WINDOW events), not only at its end:
+        # long outputs would otherwise tell the supervisor about decode pressure far too late
+        sample_t, sample_n = t_first, n_events
         try:
             await out.prepare(http_request)
             state.stage = "stream"
@@ -347,6 +351,10 @@ class PDFlow:
                 if data:
                     n_events += data.count(b"data:")
                     await out.write(data)
+                    if n_events - sample_n >= TPOT_WINDOW:
+                        now = time.monotonic()
+                        self._record_tpot(decode, (now - sample_t) / (n_events - sample_n))
+                        sample_t, sample_n = now, n_events
             tail = events.flush()
             if tail:
                 await out.write(tail)
@@ -355,11 +363,13 @@ class PDFlow:
             self.metrics.disconnects.labels(state.stage).inc()
             logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
             return out
-        if n_events > 2:
-            tpot = (time.monotonic() - t_first) / (n_events - 2)
-            decode.tpot.add(tpot)
-            self.pool.recent_tpot.add(tpot)
+        if n_events - sample_n > 2:  # the tail since the last sample, minus the [DONE] event
+            self._record_tpot(decode, (time.monotonic() - sample_t) / (n_events - sample_n - 1))
         return out
+
+    def _record_tpot(self, decode: Instance, tpot: float) -> None:
+        decode.tpot.add(tpot)
+        self.pool.recent_tpot.add(tpot)
 
     async def _end_with_error(self, out: web.StreamResponse, events: SseSplitter, decode: Instance,
                               e: BaseException) -> None:
