@@ -177,7 +177,11 @@ def test_register_is_idempotent_and_cheap(monkeypatch):
 
     calls = []
     monkeypatch.setattr(ops, "_registered", False)
-    monkeypatch.setitem(sys.modules, "vllm_pd.ops.vllm_integration", types.SimpleNamespace(install=lambda: calls.append(1)))
+    stub = types.SimpleNamespace(install=lambda: calls.append(1))
+    # `from vllm_pd.ops import vllm_integration` finds the package attribute first once
+    # another test imported the real module, so stub both places
+    monkeypatch.setitem(sys.modules, "vllm_pd.ops.vllm_integration", stub)
+    monkeypatch.setattr(ops, "vllm_integration", stub, raising=False)
     ops.register()
     ops.register()
     assert calls == [1]
