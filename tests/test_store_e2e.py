@@ -22,7 +22,7 @@ from vllm_pd.vllm_server import VllmServer, free_port
 
 pytestmark = pytest.mark.e2e
 
-BLOCK = 16
+BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 rng = random.Random(5)
 TURN1 = [rng.randrange(300, 3000) for _ in range(150)]
 TURN2 = TURN1 + [rng.randrange(300, 3000) for _ in range(60)]  # turn 1 + reply + next user message

@@ -57,6 +57,11 @@ Design notes (why, measured in benchmarks/RESULTS.md "Store"):
 - Write-through to disk: every block committed to the CPU pool is also written
   to disk asynchronously, so a CPU eviction never has to wait for a write.
 
+Not done yet: fetching blocks from another node. The master (index, batched
+publishes, expiry, snapshot resync, local fallback) and ``remote_match`` work,
+but no code moves a remote node's pool slots over the transport yet, so the
+connector only uses local tiers; ``remote_match`` is a hint nobody acts on.
+
 Composing with LMCache (not installed here; nothing of this was run): vLLM's
 MultiConnector takes a list of connectors; loads come from the first one that
 reports a hit, saves go to all. ``{"kv_connector": "MultiConnector",

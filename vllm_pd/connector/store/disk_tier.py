@@ -44,11 +44,44 @@ class DiskEntry:
     nbytes: int  # file size
 
 
+def rank_dir(root: str | Path, salt_digest: BlockKey, rank: int) -> Path:
+    return Path(root) / salt_digest.hex() / f"rank{rank}"
+
+
+def read_header(path: Path, salt: BlockKey) -> DiskEntry | None:
+    """The entry a block file claims to be, or None if its header or size is wrong."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+        magic, fsalt, key, parent, nbytes, _ = _HEADER.unpack(head)
+    except (OSError, struct.error):
+        return None
+    if magic != MAGIC or fsalt != salt or size != HEADER_BYTES + nbytes or path.name != key.hex():
+        return None
+    return DiskEntry(key, None if parent == _ROOT else parent, size)
+
+
+def scan(root: str | Path, salt_digest: BlockKey, rank: int) -> list[tuple[BlockKey, BlockKey | None]]:
+    """Read-only listing of a rank's valid block files, oldest first (the scheduler
+    side indexes a restarted disk tier with it before the first step)."""
+    found = []
+    for path in rank_dir(root, salt_digest, rank).glob("*/*"):
+        entry = read_header(path, salt_digest) if path.suffix != ".tmp" else None
+        if entry is not None:
+            try:
+                found.append((path.stat().st_mtime, entry))
+            except OSError:
+                continue
+    found.sort(key=lambda t: t[0])
+    return [(e.key, e.parent) for _, e in found]
+
+
 class DiskTier:
     def __init__(self, root: str | Path, salt_digest: BlockKey, rank: int, capacity_bytes: int, io_threads: int = 2) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"disk capacity must be > 0, got {capacity_bytes}")
-        self.dir = Path(root) / salt_digest.hex() / f"rank{rank}"
+        self.dir = rank_dir(root, salt_digest, rank)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.salt = salt_digest
         self.capacity_bytes = capacity_bytes
@@ -70,7 +103,7 @@ class DiskTier:
             if path.suffix == ".tmp":
                 path.unlink(missing_ok=True)
                 continue
-            entry = self._read_header(path)
+            entry = read_header(path, self.salt)
             if entry is None:
                 logger.warning("dropping corrupt KV block file %s", path)
                 path.unlink(missing_ok=True)
@@ -83,18 +116,6 @@ class DiskTier:
             self._committed.append((entry.key, entry.parent))
         self._enforce_capacity(0)
         logger.info("disk tier %s: %d blocks, %d bytes after restart", self.dir, len(self._entries), self._used)
-
-    def _read_header(self, path: Path) -> DiskEntry | None:
-        try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.read(HEADER_BYTES)
-            magic, salt, key, parent, nbytes, _ = _HEADER.unpack(head)
-        except (OSError, struct.error):
-            return None
-        if magic != MAGIC or salt != self.salt or size != HEADER_BYTES + nbytes or path.name != key.hex():
-            return None
-        return DiskEntry(key, None if parent == _ROOT else parent, size)
 
     def _path(self, key: BlockKey) -> Path:
         h = key.hex()

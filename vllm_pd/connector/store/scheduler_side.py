@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import SlotAllocator
+from vllm_pd.connector.store.disk_tier import scan
 from vllm_pd.connector.store.keys import BlockKey, KeySalt, chain_keys
 from vllm_pd.connector.store.master_client import MasterClient, RemoteHit
 from vllm_pd.connector.store.plans import LoadOp, SaveOp, StorePlan, StoreReport
@@ -82,6 +83,11 @@ class StoreScheduler:
             node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
             self.master = MasterClient(config.master, node, endpoint, self.index.chains, config.master_timeout_s)
         self.stats = {"hit_blocks": 0, "saved_blocks": 0, "evicted_blocks": 0, "load_failures": 0}
+        if config.disk_path is not None:
+            # index a restarted disk tier now, so the first requests already hit it (the
+            # workers' own rebuild reports arrive only after a step and are then no-ops)
+            for rank in range(world_size):
+                self.on_worker_report(StoreReport(disk_committed=scan(config.disk_path, salt.digest(), rank)))
 
     # -- queries -------------------------------------------------------------------
 
