@@ -19,9 +19,9 @@ _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_size(key: str, value: object) -> int:
-    """Bytes from an int or a string like ``512m`` / ``2G``."""
+    """Bytes from an int or a string like ``512m`` / ``2G``; errors name ``key``."""
     if isinstance(value, bool):
-        raise ConfigError(f"kv_connector_extra_config.{key}: expected a size, got {value!r}")
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
     if isinstance(value, int):
         n = value
     elif isinstance(value, str) and value.strip():
@@ -31,11 +31,11 @@ def parse_size(key: str, value: object) -> int:
         try:
             n = int(float(digits) * mult)
         except ValueError:
-            raise ConfigError(f"kv_connector_extra_config.{key}: bad size {value!r}") from None
+            raise ConfigError(f"{key}: not a size: {value!r}") from None
     else:
-        raise ConfigError(f"kv_connector_extra_config.{key}: expected a size, got {value!r}")
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
     if n < 0:
-        raise ConfigError(f"kv_connector_extra_config.{key}: must be >= 0, got {value!r}")
+        raise ConfigError(f"{key}: must be >= 0, got {value!r}")
     return n
 
 
@@ -97,7 +97,7 @@ def _coerce(key: str, type_name: Any, value: object) -> Any:
             raise ConfigError(f"kv_connector_extra_config.{key}: expected an object, got {value!r}")
         return value
     if key == "staging_bytes":
-        return parse_size(key, value)
+        return parse_size(f"kv_connector_extra_config.{key}", value)
     if type_name == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"kv_connector_extra_config.{key}: expected true/false, got {value!r}")

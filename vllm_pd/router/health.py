@@ -9,11 +9,12 @@ import logging
 import aiohttp
 
 from vllm_pd.router.instance_pool import Instance, InstancePool
+from vllm_pd.router.periodic_task import PeriodicTask
 
 logger = logging.getLogger(__name__)
 
 
-class HealthChecker:
+class HealthChecker(PeriodicTask):
     def __init__(self, pool: InstancePool, session: aiohttp.ClientSession, interval: float, timeout: float,
                  failures_to_down: int = 2) -> None:
         self._pool = pool
@@ -22,23 +23,9 @@ class HealthChecker:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._failures_to_down = failures_to_down
         self._failures: dict[str, int] = {}
-        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-
-    async def _loop(self) -> None:
-        while True:
-            await self.check_all()
-            await asyncio.sleep(self.interval)
+    async def tick(self) -> None:
+        await self.check_all()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(i) for i in self._pool.all()))

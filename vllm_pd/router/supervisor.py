@@ -14,17 +14,19 @@ instances keep their role, and at least one decoder always remains.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from vllm_pd.router.instance_pool import Instance, InstancePool
+from vllm_pd.router.periodic_task import PeriodicTask
 
 logger = logging.getLogger(__name__)
 
 DEAD_BAND = 1.2
 
 
-class Supervisor:
+class Supervisor(PeriodicTask):
+    run_first = False
+
     def __init__(self, pool: InstancePool, interval: float = 2.0, ttft_slo: float = 2.0,
                  tpot_slo: float = 0.1) -> None:
         self._pool = pool
@@ -32,23 +34,9 @@ class Supervisor:
         self.ttft_slo = ttft_slo
         self.tpot_slo = tpot_slo
         self.moves = 0
-        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            self.rebalance()
+    async def tick(self) -> None:
+        self.rebalance()
 
     def _flexible(self) -> list[Instance]:
         return sorted((i for i in self._pool.all() if i.role == "both" and i.healthy and not i.draining),

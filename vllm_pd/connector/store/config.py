@@ -5,29 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vllm_pd.connector.config import parse_size
 from vllm_pd.connector.exceptions import ConfigError
-
-_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
 
 def parse_bytes(name: str, value: Any) -> int:
     """``1073741824``, ``"512m"``, ``"4g"`` -> bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"store.{name}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, str) and value.strip():
-        text = value.strip().lower().removesuffix("b").removesuffix("i")
-        mult = _UNITS.get(text[-1], 1)
-        try:
-            n = int(float(text[:-1] if text[-1] in _UNITS else text) * mult)
-        except ValueError:
-            raise ConfigError(f"store.{name}: not a size: {value!r}") from None
-    else:
-        raise ConfigError(f"store.{name}: expected a size, got {value!r}")
-    if n < 0:
-        raise ConfigError(f"store.{name}: must be >= 0, got {value!r}")
-    return n
+    return parse_size(f"store.{name}", value)
 
 
 @dataclass(frozen=True)
