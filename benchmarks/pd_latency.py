@@ -4,7 +4,8 @@ a plain 1-core instance and with vLLM's own NixlConnector 1P1D.
     python3 benchmarks/pd_latency.py [--lengths 128 512 1024 2048] [--requests 5] [--no-nixl]
 
 Prefill is pinned to core 0 and decode to core 1; the plain instance gets core 0
-alone. Every prompt is unique (no prefix-cache hits), 32 output tokens, greedy,
+alone. Pinning covers each instance's whole process tree (API server, engine
+core, worker: ``taskset``), not only vLLM's OpenMP threads. Every prompt is unique (no prefix-cache hits), 32 output tokens, greedy,
 requests one at a time. TTFT is measured as a client behind a proxy sees it: from
 sending the prefill leg to the first streamed token of the decode leg.
 
@@ -39,7 +40,7 @@ BENCH_MODEL = ModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, head_dim=64, 
 def spec(model: Path, cores: str, ktc: dict[str, Any] | None, env: dict[str, str] | None = None) -> VllmServerSpec:
     return VllmServerSpec(model=str(model), port=free_port(), kv_transfer_config=ktc, cpu_cores=cores,
                           max_model_len=4096, served_model_name="bench", kv_cache_bytes="1g",
-                          env=env or {}, extra_args=["--seed", "0"])
+                          env=env or {}, extra_args=["--seed", "0"], pin_processes=True)
 
 
 def start(specs: list[VllmServerSpec], log_dir: Path) -> list[VllmServer]:

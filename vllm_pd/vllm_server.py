@@ -40,6 +40,9 @@ class VllmServerSpec:
     kv_transfer_config: dict[str, Any] | None = None
     # CPU cores for vLLM's OpenMP threads ("0", "1", "0-1"); None = vLLM's default
     cpu_cores: str | None = None
+    # also confine the API server and engine-core processes to cpu_cores (taskset), so an
+    # instance really uses only its cores (fair 1-core comparisons on small machines)
+    pin_processes: bool = False
     kv_cache_bytes: str = "256m"
     max_model_len: int = 2048
     max_num_seqs: int = 64
@@ -54,7 +57,9 @@ class VllmServerSpec:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
+        pin = ["taskset", "-c", self.cpu_cores] if self.pin_processes and self.cpu_cores else []
         cmd = [
+            *pin,
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model,
             "--host", self.host,
