@@ -12,6 +12,7 @@ detected, recomputed, and the answer is still exact.
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,7 @@ from vllm_pd.vllm_server import VllmServer, free_port
 pytestmark = pytest.mark.e2e
 
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
+THINK_TIME_S = 2.0
 rng = random.Random(5)
 TURN1 = [rng.randrange(300, 3000) for _ in range(150)]
 TURN2 = TURN1 + [rng.randrange(300, 3000) for _ in range(60)]  # turn 1 + reply + next user message
@@ -64,6 +66,9 @@ def phases(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     server = run_server(small_model_dir, log_dir, ktc, "store")
     try:
         r1 = post(client, server.url, completion_body(TURN1))
+        # the user's think time: turn 1's blocks are saved after it finishes (asynchronously,
+        # committed a step or two later); a turn 2 arriving within milliseconds would miss them
+        time.sleep(THINK_TIME_S)
         r2 = post(client, server.url, completion_body(TURN2))
         out["turn1"], out["turn2"] = r1, r2
         post(client, server.url, completion_body(OTHER))  # saved too, for the corruption phase
