@@ -121,8 +121,10 @@ class PDConnectorWorker:
         """Bookkeeping of a step's metadata, before its forward writes any block."""
         self._idle = meta.idle
         for tid in meta.preempted_transfers:
-            # the blocks are about to be reused: pushes still reading them must end first
+            # the blocks are about to be reused: pushes and reads of them must end first
+            # (the grant comes back when the request's prompt is computed again)
             self.outgoing.wait_pushes(tid, timeout=self.config.transfer_timeout_s)
+            self.transport.allow_fetch(tid, None)
         for fs in meta.finished_sends:
             self.outgoing.finish(fs.transfer_id, fs.held)
         self._step_sends = [s for s in meta.sends if self.is_producer]
