@@ -116,10 +116,8 @@ class PDConnector(KVConnectorBase_V1):
         self.worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sent, recvd, _ = self.worker.get_finished()
-        if self._store_worker is not None:
-            sent = self._store_worker.merge_finished(sent)
-        return sent or None, recvd or None
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, recvd, failed = self.worker.get_finished()
@@ -151,9 +149,6 @@ class PDConnector(KVConnectorBase_V1):
     def scheduler(self) -> PDConnectorScheduler:
         assert self._scheduler is not None
         return self._scheduler
-
-    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        super().bind_gpu_block_pool(gpu_block_pool)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
