@@ -23,12 +23,15 @@ import random
 import statistics
 import sys
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
+from vllm_pd.connector.transfer_params import awaited_push_params
 from vllm_pd.small_model import ModelSpec, ensure_model
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
@@ -93,6 +96,22 @@ def run_pd(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: list[int]
     return stream_ttft(client, d.url, dict(body, kv_transfer_params=r.json()["kv_transfer_params"]), t0)
 
 
+def run_pd_beside(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: list[int],
+                  decode_endpoint: str) -> tuple[float, float]:
+    """Our proxy's push flow: the decode leg goes out with the prefill leg, waiting for the push."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
+    key = uuid.uuid4().hex
+    params = {"do_remote_decode": True, "transfer_mode": "push", "decode_endpoint": decode_endpoint, "push_key": key}
+    t0 = time.perf_counter()
+    with httpx.Client() as decode_client:
+        decode_leg = _pool.submit(stream_ttft, decode_client, d.url,
+                                  dict(body, kv_transfer_params=awaited_push_params(key)), t0)
+        r = client.post(p.url + "/v1/completions", json=dict(body, max_tokens=1, stream=False, kv_transfer_params=params),
+                        timeout=600)
+        r.raise_for_status()
+        return decode_leg.result()
+
+
 def measure(name: str, fn: Any, lengths: list[int], n: int, prompts: Prompts) -> dict[int, tuple[float, float]]:
     fn(prompts.make(64))  # warm-up (NIXL's handshake, first-request costs)
     out = {}
@@ -139,6 +158,12 @@ def ours_ktc(role: str, kv_port: int) -> dict[str, Any]:
             "kv_connector_extra_config": {"transport": "tcp", "host": "127.0.0.1"}}
 
 
+# "push": prefill's answer, then the decode leg (vLLM's example proxies); "push beside": both legs
+# at once (our proxy); "pull": decode reads the KV after prefill answered
+MODES = ("push beside", "push", "pull")
+_pool = ThreadPoolExecutor(1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
@@ -166,14 +191,17 @@ def main() -> int:
                  args.log_dir)
     overlap = {}
     try:
-        for mode in ("push", "pull"):
-            params: dict[str, Any] = {"do_remote_decode": True, "transfer_mode": mode}
-            if mode == "push":
+        for mode in MODES:
+            params: dict[str, Any] = {"do_remote_decode": True, "transfer_mode": "pull" if mode == "pull" else "push"}
+            if mode != "pull":
                 params["decode_endpoint"] = f"tcp://127.0.0.1:{dk}"
             before = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in ("transfers", "tail_seconds", "span_seconds")}
-            results[f"vllm-pd 1P1D {mode}"] = measure(f"vllm-pd 1P1D {mode}", lambda pr: run_pd(client, p, d, pr, params),
-                                                     args.lengths, args.requests, prompts)
-            if mode == "push":
+            if mode == "push beside":
+                fn = lambda pr: run_pd_beside(client, p, d, pr, params["decode_endpoint"])  # noqa: E731
+            else:
+                fn = lambda pr: run_pd(client, p, d, pr, params)  # noqa: E731
+            results[f"vllm-pd 1P1D {mode}"] = measure(f"vllm-pd 1P1D {mode}", fn, args.lengths, args.requests, prompts)
+            if mode == "push beside":
                 time.sleep(1.0)
                 after = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in before}
                 n = after["transfers"] - before["transfers"]
@@ -211,7 +239,7 @@ def main() -> int:
         print(f"| {name} | " + " | ".join(f"{row[n][0]:.0f} / {row[n][1]:.0f}" for n in args.lengths) + " |")
     print()
     plain_row = results["plain 1-core"]
-    for mode in ("push", "pull"):
+    for mode in MODES:
         ours = results[f"vllm-pd 1P1D {mode}"]
         ratios = " ".join(f"L={n}: {ours[n][0] / plain_row[n][0]:.2f}x" for n in args.lengths)
         print(f"TTFT vllm-pd {mode} / plain 1-core (target <= 1.15): {ratios}")

@@ -9,12 +9,21 @@ import pytest
 import torch
 
 from vllm_pd.connector.config import PDConnectorConfig, parse_size
-from vllm_pd.connector.control import ReleaseMessage, decode_control
+from vllm_pd.connector.control import PushDoneMessage, ReleaseMessage, decode_control
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.connector.outgoing import OutgoingTransfers
 from vllm_pd.connector.push_staging import PushStaging
-from vllm_pd.connector.transfer_params import RemoteDecodeRequest, RemotePrefill, prompt_hash
-from vllm_pd.connector.transport.base import BlockBatch
+from vllm_pd.connector.load_job import LoadJob
+from vllm_pd.connector.metadata import LoadSpec
+from vllm_pd.connector.transfer_params import (
+    AwaitedPush,
+    LocalPrompt,
+    RemoteDecodeRequest,
+    RemotePrefill,
+    awaited_push_params,
+    prompt_hash,
+)
+from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 
 
 # ---- config ---------------------------------------------------------------------------------------
@@ -197,3 +206,108 @@ def test_staging_views_write_into_its_buffers() -> None:
     view[:] = b"abcd"
     st.landed(batch, True)
     assert torch.equal(st.landed_block("t", 0, 0), torch.tensor(list(b"abcd"), dtype=torch.uint8))
+
+
+# ---- decode leg sent beside the prefill leg (awaited push) -----------------------------------------
+def test_awaited_push_params_are_told_apart_from_a_remote_prefill() -> None:
+    params = awaited_push_params("k1")
+    assert AwaitedPush.from_params(params) == AwaitedPush("k1")
+    assert AwaitedPush.from_params(_remote().to_params()) is None  # prefill's answer: the other flow
+    assert AwaitedPush.from_params({**params, "push_key": ""}) is None
+    assert AwaitedPush.from_params({**params, "transfer_mode": "pull"}) is None
+    assert AwaitedPush.from_params({k: v for k, v in params.items() if k != "vllm_pd"}) is None
+    ask = RemoteDecodeRequest.from_params({"do_remote_decode": True, "transfer_mode": "push",
+                                           "decode_endpoint": "tcp://h:1", "push_key": "k1"}, "pull")
+    assert ask.push_key == "k1"
+    rp = _remote(mode="push", push_key="k1")
+    assert RemotePrefill.from_params(rp.to_params()) == rp and rp.staging_key == "k1"
+    assert _remote().staging_key == "cmpl-1-0-abc"
+
+
+def test_local_prompt_mismatch_names_the_reason() -> None:
+    mine = LocalPrompt(prompt_hash([1, 2, 3]), 3, block_size=128, tp_size=1)
+    assert mine.mismatch(_remote()) is None
+    assert "prompt differs" in mine.mismatch(_remote(prompt_hash=prompt_hash([1, 2, 4])))
+    assert "block size" in mine.mismatch(_remote(block_size=16))
+    assert "TP" in mine.mismatch(_remote(tp_size=2))
+
+
+def test_push_done_message_round_trip() -> None:
+    msg = PushDoneMessage("k1", _remote(push_key="k1").to_params())
+    assert decode_control(msg.encode()) == msg
+
+
+def test_staging_announcement_and_abandoned_pushes() -> None:
+    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    assert st.wait_announced("k", deadline=time.monotonic()) is None
+    assert st.announce("k", {"x": 1}) is False
+    assert st.wait_announced("k", deadline=time.monotonic()) == {"x": 1}
+    # abandoned after the announcement: handed back for release at once, bytes dropped
+    _land(st, "k", 0, (0,), fill=1, last=True)
+    assert st.abandon("k") == {"x": 1}
+    assert st.used_bytes == 0 and len(st) == 0
+    # abandoned before: later pushes are refused, the announcement is to be released
+    assert st.abandon("j") is None
+    assert st.destinations(BlockBatch("j", 0, (0,), 8)) is None
+    assert st.announce("j", {"y": 2}) is True
+    assert len(st) == 0
+
+
+class _RecordingTransport:
+    """Stands in for the TCP transport: a LoadJob of an awaited push only notifies (release);
+    fetches are tested over real sockets in test_transport_*."""
+
+    def __init__(self) -> None:
+        self.notified: list[tuple[str, bytes]] = []
+
+    def notify(self, peer: str, message: bytes, timeout: float) -> Future:
+        self.notified.append((peer, message))
+        fut: Future = Future()
+        fut.set_result(b"ok")
+        return fut
+
+    def fetch(self, *args, **kwargs) -> Future:
+        raise AssertionError("everything was pushed: nothing to fetch")
+
+
+def _awaited_job(st: PushStaging, prompt: list[int], timeout_s: float = 2.0):
+    regions = [MemoryRegion(f"l{i}", torch.zeros(4, 8, dtype=torch.uint8)) for i in range(2)]
+    spec = LoadSpec(request_id="d-1", remote=None, first_position=0, local_block_ids=(3, 1), push_key="k",
+                    prompt=LocalPrompt(prompt_hash(prompt), len(prompt), block_size=2, tp_size=1))
+    transport = _RecordingTransport()
+    return LoadJob(spec, transport, regions, st, rank=0, timeout_s=timeout_s, push_wait_s=1.0), regions, transport
+
+
+def test_load_job_of_awaited_push_checks_the_announcement_then_copies_and_releases() -> None:
+    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    job, regions, transport = _awaited_job(st, [5, 6, 7])
+    for layer in range(2):
+        _land(st, "k", layer, (0, 1), fill=10 + layer, last=True)
+    st.announce("k", _remote(mode="push", push_key="k", block_ids=(8, 9), num_tokens=3, block_size=2,
+                             prompt_hash=prompt_hash([5, 6, 7])).to_params())
+    job.run()
+    assert job.ok and job.blocks_from_push == 4
+    assert bytes(regions[1].tensor[3].numpy()) == b"\x0b" * 8 and bytes(regions[0].tensor[1].numpy()) == b"\x0a" * 8
+    assert transport.notified == [("tcp://10.0.0.1:5000", ReleaseMessage("cmpl-1-0-abc").encode())]
+    assert len(st) == 0
+
+
+def test_load_job_of_awaited_push_refuses_another_prompts_kv() -> None:
+    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    job, regions, transport = _awaited_job(st, [5, 6, 7])
+    for layer in range(2):
+        _land(st, "k", layer, (0, 1), fill=1, last=True)
+    st.announce("k", _remote(mode="push", push_key="k", block_ids=(8, 9), num_tokens=3, block_size=2,
+                             prompt_hash=prompt_hash([5, 6, 8])).to_params())
+    job.run()
+    assert not job.ok and "not for this request" in job.error
+    assert not regions[0].tensor.any()  # not one byte of it used
+    assert len(transport.notified) == 1  # prefill still told to release
+
+
+def test_load_job_of_awaited_push_never_announced_fails_and_abandons() -> None:
+    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    job, _, transport = _awaited_job(st, [5, 6, 7], timeout_s=0.05)
+    job.run()
+    assert not job.ok and "never announced" in job.error and transport.notified == []
+    assert st.announce("k", {"late": True}) is True  # the late announcement gets released by the worker

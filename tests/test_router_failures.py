@@ -100,12 +100,20 @@ def test_decode_connect_error_in_pull_mode_reuses_kv() -> None:
 def test_decode_connect_error_in_push_mode_reruns_prefill_for_new_target() -> None:
     async def go() -> None:
         async with harness(n_decode=2, decode_policy="round_robin", decode_kv=True) as h:
+            h.prefills[0].ttft = 0.3  # decode d0's leg fails while the first prefill leg computes
             await h.stop_backend("d0")
             status, _ = await h.post("/v1/completions", LONG)
             assert status == 200
-            targets = [s.body["kv_transfer_params"]["decode_endpoint"] for s in h.prefills[0].seen]
+            seen = h.prefills[0].seen
+            targets = [s.body["kv_transfer_params"]["decode_endpoint"] for s in seen]
             assert targets == ["tcp://127.0.0.1:14601", "tcp://127.0.0.1:14602"]
-            await wait_for(lambda: len(h.released) == 1)
+            # both legs go out at once; d1 waits for the push of the second prefill leg
+            key = seen[1].body["kv_transfer_params"]["push_key"]
+            assert h.decodes[1].seen[0].body["kv_transfer_params"]["push_key"] == key
+            assert "remote_request_id" not in h.decodes[1].seen[0].body["kv_transfer_params"]
+            # the first push lost its decode: its prefill leg is aborted (vLLM frees it), not held
+            await wait_for(lambda: seen[0].cancelled)
+            assert h.released == []
     run(go)
 
 
@@ -296,3 +304,18 @@ def test_default_release_uses_the_connector_and_ignores_foreign_params() -> None
     # NixlConnector-style params are not ours: nothing to release, no exception
     assert default_release_remote_kv({"do_remote_prefill": True, "remote_engine_id": "x",
                                       "remote_block_ids": [1]}) is False
+
+
+def test_push_mode_prefill_failure_cancels_the_waiting_decode_leg_and_runs_decode_only() -> None:
+    async def go() -> None:
+        async with harness(decode_kv=True) as h:
+            h.decodes[0].ttft = 0.5  # the first decode leg is still waiting when prefill fails
+            h.prefills[0].fail_next("500")
+            status, out = await h.post("/v1/completions", LONG)
+            assert status == 200 and out["served_by"] == "d0"
+            legs = h.decodes[0].seen
+            assert len(legs) == 2
+            assert legs[0].body["kv_transfer_params"]["push_key"]  # sent beside the prefill leg
+            await wait_for(lambda: legs[0].cancelled)  # no push will come: not left waiting
+            assert "kv_transfer_params" not in legs[1].body  # decode computes the prompt
+    run(go)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 
+from vllm_pd.connector.transfer_params import awaited_push_params
 from tests.router_harness import harness, run
 
 NIXL_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -40,7 +41,12 @@ def test_push_mode_names_decode_endpoint_and_pull_mode_does_not() -> None:
         async with harness(decode_kv=True, kv_mode="auto") as h:
             await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})
             kvp = h.prefills[0].seen[0].body["kv_transfer_params"]
-            assert kvp == dict(NIXL_REQUEST, transfer_mode="push", decode_endpoint="tcp://127.0.0.1:14601")
+            key = kvp.get("push_key")
+            assert isinstance(key, str) and len(key) == 32
+            assert kvp == dict(NIXL_REQUEST, transfer_mode="push", decode_endpoint="tcp://127.0.0.1:14601",
+                               push_key=key)
+            # the decode leg went out beside the prefill leg, waiting for that push
+            assert h.decodes[0].seen[0].body["kv_transfer_params"] == awaited_push_params(key)
         async with harness(decode_kv=True, kv_mode="pull") as h:
             await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})
             assert h.prefills[0].seen[0].body["kv_transfer_params"] == NIXL_REQUEST

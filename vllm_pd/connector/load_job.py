@@ -2,7 +2,9 @@
 
 Push mode: the bytes are (or are arriving) in :class:`PushStaging`; copy them.
 Whatever did not arrive in time is fetched (pulled) from prefill, which holds
-its blocks until we release them. Pull mode: fetch every layer.
+its blocks until we release them. Pull mode: fetch every layer. A decode leg
+sent beside its prefill leg (no ``RemotePrefill`` yet) first waits for
+prefill's announcement and checks it is for this very prompt.
 
 The job always ends ``ok`` or failed - never pending forever - and always tells
 prefill to release its copy, so neither side leaks blocks.
@@ -20,6 +22,7 @@ import torch
 from vllm_pd.connector.control import ReleaseMessage
 from vllm_pd.connector.metadata import LoadSpec
 from vllm_pd.connector.push_staging import PushStaging
+from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport.base import MemoryRegion, Transport
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,7 @@ class LoadJob:
         push_wait_s: float,
     ) -> None:
         self.spec = spec
+        self.remote: RemotePrefill | None = spec.remote
         self._transport = transport
         self._regions = regions
         self._staging = staging
@@ -53,10 +57,10 @@ class LoadJob:
         self.blocks_fetched = 0
         self.started = time.monotonic()
         self.finished_at: float | None = None
+        self.cancelled = False  # set before run(): the request is gone, do not wait for prefill
 
-    @property
-    def peer(self) -> str:
-        return self.spec.remote.endpoint_for_rank(self._rank)
+    def _peer(self, remote: RemotePrefill) -> str:
+        return remote.endpoint_for_rank(self._rank)
 
     def run(self) -> None:
         try:
@@ -70,18 +74,27 @@ class LoadJob:
                 ev.set()
             self.finished_at = time.monotonic()
             self.done.set()
-            self._staging.drop(self.spec.remote.transfer_id)
-            self._release_remote()
+            if self.remote is None:
+                # never announced: whenever prefill announces it, it is released
+                announced = self._staging.abandon(self.spec.push_key)
+                self.remote = RemotePrefill.from_params(announced) if announced else None
+            else:
+                self._staging.drop(self.remote.staging_key)
+            if self.remote is not None:
+                self._release_remote(self.remote)
 
     def _run(self) -> None:
         spec = self.spec
-        deadline = time.monotonic() + self._timeout_s
+        deadline = self.started + self._timeout_s  # a job parked for prefill's announcement counts too
+        remote = self.remote or self._await_announcement(deadline)
+        if remote is None:
+            return
         missing: dict[int, list[int]] = {}  # layer -> indexes into spec.positions
-        if spec.remote.mode == "push":
-            self._staging.wait_complete(spec.remote.transfer_id, len(self._regions),
+        if remote.mode == "push":
+            self._staging.wait_complete(remote.staging_key, len(self._regions),
                                         min(deadline, time.monotonic() + self._push_wait_s))
             for layer, region in enumerate(self._regions):
-                miss = self._copy_staged(layer, region)
+                miss = self._copy_staged(remote.staging_key, layer, region)
                 if miss:
                     missing[layer] = miss
                 else:
@@ -92,10 +105,10 @@ class LoadJob:
         else:
             missing = {layer: list(range(len(spec.positions))) for layer in range(len(self._regions))}
         futures: list[tuple[int, list[int], Future[None]]] = []
+        remote_ids = spec.remote_block_ids(remote)
         for layer, idxs in missing.items():
-            remote = [spec.remote_block_ids[i] for i in idxs]
-            local = [spec.local_block_ids[i] for i in idxs]
-            fut = self._transport.fetch(self.peer, spec.remote.transfer_id, layer, remote, local,
+            fut = self._transport.fetch(self._peer(remote), remote.transfer_id, layer,
+                                        [remote_ids[i] for i in idxs], [spec.local_block_ids[i] for i in idxs],
                                         timeout=max(0.1, deadline - time.monotonic()))
             futures.append((layer, idxs, fut))
         for layer, idxs, fut in futures:
@@ -109,9 +122,29 @@ class LoadJob:
             self.bytes_landed += len(idxs) * self._regions[layer].block_nbytes
             self._layer_landed(layer, True)
 
-    def _copy_staged(self, layer: int, region: MemoryRegion) -> list[int]:
+    def _await_announcement(self, deadline: float) -> RemotePrefill | None:
+        """The decode leg came first: wait for prefill to say what it pushed (None: error set)."""
+        spec = self.spec
+        params = self._staging.wait_announced(spec.push_key, time.monotonic() if self.cancelled else deadline)
+        if params is None:
+            self.error = ("request aborted before prefill announced push " + spec.push_key if self.cancelled
+                          else f"prefill never announced push {spec.push_key} within {self._timeout_s:.0f}s")
+            return None
+        remote = RemotePrefill.from_params(params)
+        if remote is None:
+            self.error = f"prefill announced push {spec.push_key} with unusable params"
+            return None
+        self.remote = remote  # from here on it is released whatever happens
+        problem = spec.prompt.mismatch(remote) if spec.prompt is not None else "no local prompt to check"
+        if problem is None and len(remote.block_ids) < spec.first_position + len(spec.local_block_ids):
+            problem = f"prefill computed {remote.num_tokens} tokens, fewer than this prompt's"
+        if problem is not None:
+            self.error = f"pushed KV {spec.push_key} is not for this request: {problem}"
+            return None
+        return remote
+
+    def _copy_staged(self, tid: str, layer: int, region: MemoryRegion) -> list[int]:
         missing = []
-        tid = self.spec.remote.transfer_id
         for i, (pos, block_id) in enumerate(zip(self.spec.positions, self.spec.local_block_ids)):
             buf = self._staging.landed_block(tid, layer, pos)
             if buf is None or buf.numel() != region.block_nbytes:
@@ -126,14 +159,14 @@ class LoadJob:
         self.layer_ok[layer] = ok
         self.layer_done[layer].set()
 
-    def _release_remote(self) -> None:
+    def _release_remote(self, remote: RemotePrefill) -> None:
         try:
-            fut = self._transport.notify(self.peer, ReleaseMessage(self.spec.remote.transfer_id).encode(),
+            fut = self._transport.notify(self._peer(remote), ReleaseMessage(remote.transfer_id).encode(),
                                          timeout=5.0)
             fut.add_done_callback(_log_release_failure)
         except Exception as e:  # noqa: BLE001 - prefill's lease frees it anyway
-            logger.warning("could not ask %s to release transfer %s: %s", self.peer,
-                           self.spec.remote.transfer_id, e)
+            logger.warning("could not ask %s to release transfer %s: %s", self._peer(remote),
+                           remote.transfer_id, e)
 
 
 def _log_release_failure(fut: Future[bytes | None]) -> None:

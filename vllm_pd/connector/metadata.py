@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from vllm_pd.connector.transfer_params import RemotePrefill
+from vllm_pd.connector.transfer_params import LocalPrompt, RemotePrefill
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,10 @@ class SendSpec:
     end_token: int  # tokens with KV once this step's forward is done
     num_prompt_tokens: int
     push_endpoint: str | None  # push each layer here; None: decode pulls
+    push_key: str = ""  # the blocks' name on decode ("" = transfer_id)
+    # on the step that completes the prompt of a push: RemotePrefill.to_params(), announced to
+    # decode once the forward is done (a decode leg sent beside the prefill leg waits for it)
+    announcement: dict[str, Any] | None = None
 
     @property
     def prefill_done(self) -> bool:
@@ -46,16 +50,18 @@ class LoadSpec:
     """Decode side: land a remote prefill's KV into our blocks."""
 
     request_id: str
-    remote: RemotePrefill
+    # None: the decode leg came before prefill finished (AwaitedPush); prefill announces it
+    remote: RemotePrefill | None
     first_position: int  # the request's block index of local_block_ids[0]
     local_block_ids: tuple[int, ...]
     # True: vLLM runs the request's forward now and waits per layer (sync load);
     # False: the request waits off-batch until the whole load is reported
     layerwise: bool = False
+    push_key: str = ""  # awaited push: its name, and the prompt its announcement must match
+    prompt: LocalPrompt | None = None
 
-    @property
-    def remote_block_ids(self) -> tuple[int, ...]:
-        return self.remote.block_ids[self.first_position:self.first_position + len(self.local_block_ids)]
+    def remote_block_ids(self, remote: RemotePrefill) -> tuple[int, ...]:
+        return remote.block_ids[self.first_position:self.first_position + len(self.local_block_ids)]
 
     @property
     def positions(self) -> range:
@@ -77,6 +83,11 @@ class PDConnectorMetadata(KVConnectorMetadata):
     preempted_transfers: list[str] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     remote_releases: list[RemoteRelease] = field(default_factory=list)
+    # push keys of awaited pushes no request will claim (abort, local prefix hit):
+    # released at prefill as soon as it announces them
+    abandoned_pushes: list[str] = field(default_factory=list)
+    # requests aborted while their load waited for prefill's announcement: end those loads now
+    cancelled_loads: list[str] = field(default_factory=list)
     # nothing scheduled this step: the worker may wait briefly for transfer events
     idle: bool = False
     # the KV block store's work for this step (store_bridge.StoreStepMeta), None = no store

@@ -7,6 +7,11 @@ are copied into the request's blocks when decode admits it.
 A layer counts as complete only once the batch prefill marked ``last`` for it
 has landed: pushes to one peer land in order, so by then every earlier version
 of a re-sent partial block has been overwritten by its final one.
+
+When our proxy sends the decode leg beside the prefill leg, decode learns what
+was pushed (prefill's ``RemotePrefill`` params) from prefill's announcement,
+kept here with the bytes. A push no request will claim is *abandoned*: its
+bytes are dropped and, once it is announced, prefill is told to release.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +35,8 @@ class _StagedTransfer:
     blocks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, pos) -> bytes
     landed: dict[tuple[int, int], bool] = field(default_factory=dict)
     last_landed: set[int] = field(default_factory=set)  # layers whose final batch landed
+    announcement: dict[str, Any] | None = None  # prefill's RemotePrefill params
+    abandoned: bool = False
     touched: float = field(default_factory=time.monotonic)
 
 
@@ -54,6 +63,8 @@ class PushStaging:
                 return None
             if st is None:
                 st = self._transfers[batch.transfer_id] = _StagedTransfer()
+            if st.abandoned:
+                return None
             views = []
             for p in batch.positions:
                 key = (batch.layer, p)
@@ -80,17 +91,57 @@ class PushStaging:
             st.touched = time.monotonic()
             self._cond.notify_all()
 
+    def announce(self, key: str, params: dict[str, Any]) -> bool:
+        """Record prefill's announcement; True if the push was abandoned (release it)."""
+        with self._cond:
+            st = self._transfers.get(key)
+            if st is None:
+                st = self._transfers[key] = _StagedTransfer()
+            if st.abandoned:
+                self._drop_locked(key)
+                return True
+            st.announcement = params
+            st.touched = time.monotonic()
+            self._cond.notify_all()
+            return False
+
+    def abandon(self, key: str) -> dict[str, Any] | None:
+        """No request will claim this push: drop its bytes. Returns the announcement
+        if it came already (release it now); else it is released when it comes."""
+        with self._cond:
+            st = self._transfers.get(key)
+            if st is not None and st.announcement is not None:
+                self._drop_locked(key)
+                return st.announcement
+            self._drop_locked(key)
+            self._transfers[key] = _StagedTransfer(abandoned=True)
+            return None
+
+    def is_announced(self, key: str) -> bool:
+        with self._cond:
+            st = self._transfers.get(key)
+            return st is not None and st.announcement is not None
+
     # ---- decode's load ------------------------------------------------------------------------
+    def wait_announced(self, key: str, deadline: float) -> dict[str, Any] | None:
+        """Prefill's announcement of this push, or None if the deadline passed first."""
+        st = self._wait_for(key, lambda st: st.announcement is not None, deadline)
+        return st.announcement if st is not None else None
+
     def wait_complete(self, transfer_id: str, num_layers: int, deadline: float) -> bool:
         """Wait until every layer's final batch has landed (True) or the deadline passed."""
+        return self._wait_for(transfer_id, lambda st: len(st.last_landed) >= num_layers, deadline) is not None
+
+    def _wait_for(self, key: str, ready: Callable[[_StagedTransfer], bool],
+                  deadline: float) -> _StagedTransfer | None:
         with self._cond:
             while True:
-                st = self._transfers.get(transfer_id)
-                if st is not None and len(st.last_landed) >= num_layers:
-                    return True
+                st = self._transfers.get(key)
+                if st is not None and ready(st):
+                    return st
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return False
+                    return None
                 self._cond.wait(timeout=min(remaining, 0.5))
 
     def landed_block(self, transfer_id: str, layer: int, position: int) -> torch.Tensor | None:
@@ -102,15 +153,20 @@ class PushStaging:
 
     def drop(self, transfer_id: str) -> None:
         with self._cond:
-            st = self._transfers.pop(transfer_id, None)
-            if st is not None:
-                self.used_bytes -= sum(b.numel() for b in st.blocks.values())
+            self._drop_locked(transfer_id)
+
+    def _drop_locked(self, key: str) -> None:
+        st = self._transfers.pop(key, None)
+        if st is not None:
+            self.used_bytes -= sum(b.numel() for b in st.blocks.values())
 
     def _expire_locked(self) -> None:
         now = time.monotonic()
         for tid in [t for t, st in self._transfers.items() if now - st.touched > self.ttl_s]:
-            st = self._transfers.pop(tid)
-            self.used_bytes -= sum(b.numel() for b in st.blocks.values())
+            abandoned = self._transfers[tid].abandoned
+            self._drop_locked(tid)
+            if abandoned:
+                continue  # never announced: prefill's lease frees its copy
             logger.warning("pushed KV of transfer %s never claimed by a request within %.0fs: dropped",
                            tid, self.ttl_s)
 

@@ -9,7 +9,9 @@ It decides, per request and per step, what the worker side moves:
 * decode (``do_remote_prefill``): the prompt counts as computed elsewhere; an
   async (or layer-wise) load lands it in our blocks, and prefill is always told
   to release its copy, also when the request is aborted before admission or its
-  prompt was already in our own prefix cache.
+  prompt was already in our own prefix cache. A decode leg sent beside its
+  prefill leg (:class:`AwaitedPush`) loads asynchronously once prefill announces
+  the push; if it will never load, the push is abandoned (released when announced).
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from vllm_pd.connector.metadata import (
     RemoteRelease,
     SendSpec,
 )
-from vllm_pd.connector.transfer_params import RemoteDecodeRequest, RemotePrefill, prompt_hash
+from vllm_pd.connector.transfer_params import (
+    AwaitedPush,
+    LocalPrompt,
+    RemoteDecodeRequest,
+    RemotePrefill,
+    prompt_hash,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,9 +70,12 @@ class PDConnectorScheduler:
         self._preempted: list[str] = []
         # decode side
         # req -> (remote, locally computed tokens, layer-wise load)
-        self._matched: dict[str, tuple[RemotePrefill, int, bool]] = {}
+        self._matched: dict[str, tuple[RemotePrefill | AwaitedPush, int, bool]] = {}
         self._loads: list[LoadSpec] = []
         self._releases: list[RemoteRelease] = []
+        self._abandoned: list[str] = []
+        self._awaiting: set[str] = set()  # requests whose load waits for prefill's announcement
+        self._cancelled_loads: list[str] = []
 
     # ---- set-up ---------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -79,6 +90,15 @@ class PDConnectorScheduler:
 
     # ---- decode side: remote prefill -> load --------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        awaited = AwaitedPush.from_params(request.kv_transfer_params)
+        if awaited is not None:
+            # the whole prompt arrives by push; never layer-wise: that would stall the batch
+            # for as long as prefill computes
+            count = request.num_prompt_tokens - num_computed_tokens
+            if count <= 0:
+                return 0, False
+            self._matched[request.request_id] = (awaited, num_computed_tokens, False)
+            return count, True
         remote = RemotePrefill.from_params(request.kv_transfer_params)
         if remote is None:
             return 0, False
@@ -99,14 +119,11 @@ class PDConnectorScheduler:
         mode = (request.kv_transfer_params or {}).get("load_mode", self.config.load_mode)
         return mode if mode in ("async", "layerwise") else self.config.load_mode
 
+    def _local_prompt(self, prompt: list[int]) -> LocalPrompt:
+        return LocalPrompt(prompt_hash(prompt), len(prompt), self.block_size, self.tp_size)
+
     def _remote_usable(self, request: "Request", remote: RemotePrefill, prompt: list[int]) -> bool:
-        reason = None
-        if remote.block_size != self.block_size:
-            reason = f"block size {remote.block_size} != ours {self.block_size}"
-        elif remote.tp_size != self.tp_size:
-            reason = f"prefill TP {remote.tp_size} != ours {self.tp_size}"
-        elif remote.prompt_hash and remote.prompt_hash != prompt_hash(prompt):
-            reason = "prompt differs from the one prefill computed"
+        reason = self._local_prompt(prompt).mismatch(remote)
         if reason:
             logger.warning("request %s: remote KV not usable (%s); decode recomputes the prompt",
                            request.request_id, reason)
@@ -121,8 +138,12 @@ class PDConnectorScheduler:
             return
         if not params.get("do_remote_prefill"):
             return
+        awaited = AwaitedPush.from_params(params)
         # Only one load per request: the second call (after the load) must not start another.
         params["do_remote_prefill"] = False
+        if awaited is not None:
+            self._load_awaited(request, awaited, blocks, num_external_tokens)
+            return
         remote = RemotePrefill.from_params({**params, "do_remote_prefill": True})
         matched = self._matched.pop(request.request_id, None)
         if remote is None:
@@ -143,6 +164,24 @@ class PDConnectorScheduler:
             layerwise=layerwise,
         ))
 
+    def _load_awaited(self, request: "Request", awaited: AwaitedPush, blocks: "KVCacheBlocks",
+                      num_external_tokens: int) -> None:
+        matched = self._matched.pop(request.request_id, None)
+        if num_external_tokens == 0 or matched is None:
+            self._abandoned.append(awaited.push_key)
+            return
+        first = matched[1] // self.block_size
+        last = -(-request.num_prompt_tokens // self.block_size)
+        self._awaiting.add(request.request_id)
+        self._loads.append(LoadSpec(
+            request_id=request.request_id,
+            remote=None,
+            first_position=first,
+            local_block_ids=tuple(blocks.get_block_ids()[0][first:last]),
+            push_key=awaited.push_key,
+            prompt=self._local_prompt(request.prompt_token_ids or []),
+        ))
+
     # ---- prefill side ---------------------------------------------------------------------------
     def _track_outgoing(self, request: "Request") -> None:
         if request.request_id in self._outgoing:
@@ -156,10 +195,13 @@ class PDConnectorScheduler:
             finished_sends=self._finished_sends,
             loads=self._loads,
             remote_releases=self._releases,
+            abandoned_pushes=self._abandoned,
+            cancelled_loads=self._cancelled_loads,
             preempted_transfers=[],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
-        self._finished_sends, self._loads, self._releases = [], [], []
+        self._finished_sends, self._loads, self._releases, self._abandoned = [], [], [], []
+        self._cancelled_loads = []
         for req_id in scheduler_output.preempted_req_ids or ():
             out = self._outgoing.get(req_id)
             if out is not None:
@@ -176,6 +218,7 @@ class PDConnectorScheduler:
             if out.next_block * self.block_size >= prompt_len:
                 continue  # prompt fully handed over; generated tokens are not transferred
             block_ids = tuple(self._kv_cache_manager.get_block_ids(req_id)[0])
+            announce = out.ask.decode_endpoint is not None and end >= prompt_len
             meta.sends.append(SendSpec(
                 transfer_id=req_id,
                 block_ids=block_ids,
@@ -183,6 +226,8 @@ class PDConnectorScheduler:
                 end_token=min(end, prompt_len),
                 num_prompt_tokens=prompt_len,
                 push_endpoint=out.ask.decode_endpoint,
+                push_key=out.ask.push_key,
+                announcement=self._remote_prefill(out, block_ids).to_params() if announce else None,
             ))
             out.seen_by_worker = True
             # A partly filled last block is sent again with the next chunk.
@@ -196,12 +241,20 @@ class PDConnectorScheduler:
 
         req_id = request.request_id
         self._matched.pop(req_id, None)
+        if req_id in self._awaiting:
+            self._awaiting.discard(req_id)
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                # vLLM keeps its blocks until the load reports: do not wait for a prefill that may never come
+                self._cancelled_loads.append(req_id)
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill"):
             # Finished (aborted) before any load was set up: prefill still holds the KV.
+            awaited = AwaitedPush.from_params(params)
             params["do_remote_prefill"] = False
             remote = RemotePrefill.from_params({**params, "do_remote_prefill": True})
-            if remote is not None:
+            if awaited is not None:
+                self._abandoned.append(awaited.push_key)
+            elif remote is not None:
                 self._releases.append(RemoteRelease(remote.endpoint, remote.transfer_id))
             return False, None
         out = self._outgoing.pop(req_id, None)
@@ -217,21 +270,28 @@ class PDConnectorScheduler:
         self._finished_sends.append(FinishedSend(req_id, held=held))
         if not held:
             return True, None
-        remote = RemotePrefill(
-            transfer_id=req_id,
+        return True, self._remote_prefill(out, tuple(block_ids)).to_params()
+
+    def _remote_prefill(self, out: _OutgoingRequest, block_ids: tuple[int, ...]) -> RemotePrefill:
+        """Where decode finds this request's prompt KV."""
+        request = out.request
+        n = -(-request.num_prompt_tokens // self.block_size)
+        return RemotePrefill(
+            transfer_id=request.request_id,
             engine_id=self.engine_id,
             endpoint=self._endpoints[0],
             host=self._host,
             port=self._port,
-            block_ids=tuple(block_ids),
+            block_ids=tuple(block_ids[:n]),
             num_tokens=request.num_prompt_tokens,
             block_size=self.block_size,
             mode=out.ask.mode,
             tp_size=self.tp_size,
             endpoints=self._endpoints,
             prompt_hash=prompt_hash(request.prompt_token_ids or []),
+            push_key=out.ask.push_key,
         )
-        return True, remote.to_params()
 
     def has_pending_work(self) -> bool:
-        return bool(self._finished_sends or self._loads or self._releases)
+        return bool(self._finished_sends or self._loads or self._releases or self._abandoned
+                    or self._cancelled_loads)

@@ -8,6 +8,13 @@ speak), so those proxies work with this connector unchanged:
   prefill then writes each layer's KV to decode while it computes the next one).
 * prefill -> proxy (response), passed verbatim to decode by the proxy:
   :meth:`RemotePrefill.to_params`.
+
+Our proxy sends both legs at once in push mode, so decode's API work and
+scheduling overlap prefill's compute: it names the push with a ``push_key`` in
+both legs (:func:`awaited_push_params` on the decode leg); prefill pushes under
+that key and, once its forward is done, announces its :class:`RemotePrefill`
+to decode (``PushDoneMessage``), which checks it is the same prompt before
+using a byte.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class RemoteDecodeRequest:
 
     mode: TransferMode
     decode_endpoint: str | None  # where to push (push mode)
+    push_key: str = ""  # names the push on decode (proxy-chosen); "" = prefill's request id
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None, default_mode: TransferMode) -> "RemoteDecodeRequest | None":
@@ -46,7 +54,9 @@ class RemoteDecodeRequest:
         if mode == "push" and not isinstance(endpoint, str):
             # no decode endpoint to push to: decode pulls instead
             mode = "pull"
-        return cls(mode=mode, decode_endpoint=endpoint if mode == "push" else None)
+        key = params.get("push_key") if mode == "push" else None
+        return cls(mode=mode, decode_endpoint=endpoint if mode == "push" else None,
+                   push_key=key if isinstance(key, str) else "")
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,11 @@ class RemotePrefill:
     tp_size: int = 1
     endpoints: tuple[str, ...] = ()  # per TP rank; () = (endpoint,)
     prompt_hash: str = ""  # of the prompt token ids: decode checks it is the same prompt
+    push_key: str = ""  # the pushed blocks' name on decode; "" = transfer_id
+
+    @property
+    def staging_key(self) -> str:
+        return self.push_key or self.transfer_id
 
     def endpoint_for_rank(self, rank: int) -> str:
         eps = self.endpoints or (self.endpoint,)
@@ -86,6 +101,7 @@ class RemotePrefill:
             "block_size": self.block_size,
             "remote_endpoints": list(self.endpoints),
             "prompt_hash": self.prompt_hash,
+            "push_key": self.push_key,
             PROTOCOL_KEY: PROTOCOL_VERSION,
         }
 
@@ -117,6 +133,7 @@ class RemotePrefill:
                 tp_size=int(params.get("tp_size", 1)),
                 endpoints=tuple(str(e) for e in params.get("remote_endpoints") or ()),
                 prompt_hash=str(params.get("prompt_hash", "")),
+                push_key=str(params.get("push_key") or ""),
             )
         except (KeyError, TypeError, ValueError) as e:
             logger.warning("malformed kv_transfer_params %r (%s): decode recomputes the prompt", params, e)
@@ -128,6 +145,50 @@ class RemotePrefill:
             logger.warning("kv_transfer_params name too few blocks for %d tokens: recompute", rp.num_tokens)
             return None
         return rp
+
+
+@dataclass(frozen=True)
+class LocalPrompt:
+    """What decode knows of a request's prompt, to check remote KV is really for it."""
+
+    prompt_hash: str
+    num_tokens: int
+    block_size: int
+    tp_size: int
+
+    def mismatch(self, remote: RemotePrefill) -> str | None:
+        """Why ``remote``'s KV cannot be used for this prompt, or None if it can."""
+        if remote.block_size != self.block_size:
+            return f"block size {remote.block_size} != ours {self.block_size}"
+        if remote.tp_size != self.tp_size:
+            return f"prefill TP {remote.tp_size} != ours {self.tp_size}"
+        if remote.prompt_hash and remote.prompt_hash != self.prompt_hash:
+            return "prompt differs from the one prefill computed"
+        return None
+
+
+@dataclass(frozen=True)
+class AwaitedPush:
+    """Decode leg sent while prefill still computes: the KV arrives under ``push_key``."""
+
+    push_key: str
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> "AwaitedPush | None":
+        if (not params or not params.get("do_remote_prefill") or params.get(PROTOCOL_KEY) != PROTOCOL_VERSION
+                or "remote_request_id" in params):
+            return None
+        key = params.get("push_key")
+        if params.get("transfer_mode") != "push" or not isinstance(key, str) or not key:
+            logger.warning("kv_transfer_params %r name no prefill and no push_key: decode recomputes", params)
+            return None
+        return cls(key)
+
+
+def awaited_push_params(push_key: str) -> dict[str, Any]:
+    """The decode leg's ``kv_transfer_params`` when it is sent beside the prefill leg."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+            "push_key": push_key, PROTOCOL_KEY: PROTOCOL_VERSION}
 
 
 def prompt_hash(token_ids: "list[int] | tuple[int, ...]") -> str:

@@ -14,18 +14,21 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import torch
 
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.control import ReleaseMessage, decode_control
+from vllm_pd.connector.control import PushDoneMessage, ReleaseMessage, decode_control
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, SendSpec
 from vllm_pd.connector.outgoing import OutgoingTransfers
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.stats import PDConnectorStats
+from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 
@@ -66,6 +69,10 @@ class PDConnectorWorker:
         self.staging = PushStaging(config.staging_bytes, ttl_s=config.lease_s)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pd-load")
         self._jobs: dict[str, LoadJob] = {}
+        # jobs of decode legs sent beside their prefill leg, parked (no thread) until prefill
+        # announces the push: a thread each would let slow prefills block every other load
+        self._awaiting: dict[str, LoadJob] = {}
+        self._awaiting_lock = threading.Lock()
         self._step_jobs: list[LoadJob] = []
         self._step_sends: list[SendSpec] = []
         self._idle = False
@@ -114,7 +121,20 @@ class PDConnectorWorker:
             return b"unknown"
         if isinstance(msg, ReleaseMessage):
             self.outgoing.release(msg.transfer_id)
+        elif self.is_consumer:
+            with self._awaiting_lock:
+                abandoned = self.staging.announce(msg.push_key, msg.params)
+                job = self._awaiting.pop(msg.push_key, None)
+            if abandoned:
+                self._release_announced(msg.params)
+            if job is not None:
+                self._pool.submit(self._run_job, job)
         return b"ok"
+
+    def _release_announced(self, params: dict) -> None:
+        remote = RemotePrefill.from_params(params)
+        if remote is not None:
+            self._notify_release(remote.endpoint, remote.transfer_id)
 
     # ---- each step ------------------------------------------------------------------------------
     def begin_step(self, meta: PDConnectorMetadata) -> None:
@@ -135,13 +155,35 @@ class PDConnectorWorker:
         ]
         for rel in meta.remote_releases:
             self._notify_release(rel.endpoint, rel.transfer_id)
+        for key in meta.abandoned_pushes:
+            announced = self.staging.abandon(key)
+            if announced is not None:
+                self._release_announced(announced)
+        for req_id in meta.cancelled_loads:
+            job = self._jobs.get(req_id)
+            if job is not None:
+                self._unpark(job, cancel=True)
 
     def start_loads(self) -> None:
         """Called by vLLM after it zeroed this step's new blocks, so nothing overwrites what lands."""
         for job in self._step_jobs:
-            if job.spec.request_id not in self._jobs:
-                self._jobs[job.spec.request_id] = job
-                self._pool.submit(self._run_job, job)
+            if job.spec.request_id in self._jobs:
+                continue
+            self._jobs[job.spec.request_id] = job
+            if job.remote is None:
+                with self._awaiting_lock:
+                    if not self.staging.is_announced(job.spec.push_key):
+                        self._awaiting[job.spec.push_key] = job
+                        continue
+            self._pool.submit(self._run_job, job)
+
+    def _unpark(self, job: LoadJob, cancel: bool) -> None:
+        """Run a parked job now: it fails at once (cancelled, or past its deadline) unless announced."""
+        with self._awaiting_lock:
+            if self._awaiting.pop(job.spec.push_key, None) is None:
+                return  # announced meanwhile: already running
+            job.cancelled = cancel
+        self._pool.submit(self._run_job, job)
 
     def _run_job(self, job: LoadJob) -> None:
         job.run()
@@ -182,7 +224,7 @@ class PDConnectorWorker:
             positions = tuple(range(spec.first_block, end_block))
             if not positions:
                 continue
-            batch = BlockBatch(spec.transfer_id, i, positions, self.regions[i].block_nbytes,
+            batch = BlockBatch(spec.push_key or spec.transfer_id, i, positions, self.regions[i].block_nbytes,
                                last=spec.prefill_done)
             block_ids = [spec.block_ids[p] for p in positions]
             try:
@@ -200,7 +242,18 @@ class PDConnectorWorker:
                 n = -(-spec.num_prompt_tokens // self.block_size)
                 self.transport.allow_fetch(spec.transfer_id, list(spec.block_ids[:n]))
                 self.outgoing.mark_computed(spec.transfer_id)
+                if spec.announcement is not None and spec.push_endpoint is not None:
+                    self._announce(spec)
         self._step_sends = []
+
+    def _announce(self, spec: SendSpec) -> None:
+        """Tell decode what it got under the push key (reads of the blocks are granted already)."""
+        message = PushDoneMessage(spec.push_key or spec.transfer_id, spec.announcement).encode()
+        try:
+            self.transport.notify(self._peer_for_rank(spec.push_endpoint), message,
+                                  timeout=self.config.transfer_timeout_s)
+        except Exception as e:  # noqa: BLE001 - decode times out and recomputes; our lease frees the KV
+            logger.warning("announcing push of %s failed: %s", spec.transfer_id, e)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving)."""
@@ -223,6 +276,10 @@ class PDConnectorWorker:
                 self.stats.record_push_overlap(tail_s=max(0.0, t.last_push_done_at - t.computed_at),
                                                span_s=t.last_push_done_at - t.first_push_at)
         self.stats.expired = self.outgoing.expired_total
+        if self._awaiting:
+            now = time.monotonic()
+            for job in [j for j in list(self._awaiting.values()) if now - j.started > self.config.transfer_timeout_s]:
+                self._unpark(job, cancel=False)
         recvd: set[str] = set()
         failed: set[str] = set()
         for req_id, job in list(self._jobs.items()):

@@ -6,6 +6,12 @@ push mode also where to write it). Decode leg: the original request plus the
 ``kv_transfer_params`` prefill returned, verbatim; its answer is relayed to
 the client event by event.
 
+In push mode both legs go out at once: the decode leg names the push
+(``push_key``) it will receive instead of prefill's answer, so decode's
+tokenising, scheduling and block allocation happen while prefill computes.
+If no prefill succeeds, the waiting decode leg is cancelled and the request
+runs decode-only (or fails under require_disagg).
+
 Failures: a prefill error retries on another prefill, then falls back to
 decode-only (unless require_disagg). A decode error before the first byte to
 the client retries on another decode (re-running prefill unless the KV can
@@ -33,6 +39,7 @@ from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
 from vllm_pd.router.request_body import ParsedRequest, prefill_body
+from vllm_pd.connector.transfer_params import awaited_push_params
 from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
 
 logger = logging.getLogger(__name__)
@@ -54,14 +61,16 @@ def default_release_remote_kv(params: dict) -> bool:
     return bool(release_remote_kv(params, timeout=2.0))
 
 
-def remote_decode_params(decode: Instance, push: bool) -> dict[str, Any]:
+def remote_decode_params(decode: Instance, push_key: str | None) -> dict[str, Any]:
+    """The prefill leg's kv_transfer_params; push_key: push to decode under that name."""
     params: dict[str, Any] = {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None,
     }
-    if push:
+    if push_key is not None:
         params["transfer_mode"] = "push"
         params["decode_endpoint"] = decode.kv_endpoint
+        params["push_key"] = push_key
     return params
 
 
@@ -83,6 +92,7 @@ class FlowState:
     kv_pending: bool = False  # prefill holds KV that no decode has been asked to take
     prefill_cached_tokens: int | None = None
     pushed: bool = False  # prefill was told to push the KV into one decode instance
+    prefill_leg: "asyncio.Task[bool] | None" = None  # running beside the decode leg (push mode)
     started: float = field(default_factory=time.monotonic)
     stage: str = "prefill"  # prefill | decode | stream (bytes reached the client): where a disconnect hit
     leases: list[LegLease] = field(default_factory=list)
@@ -129,10 +139,12 @@ class PDFlow:
         for attempt in range(self.config.decode_attempts):
             if attempt:
                 self.metrics.retries.labels("decode").inc()
-            if state.kv_params is None:
-                await self._maybe_prefill(req, decode, headers, state)
             try:
-                return await self._decode(req, decode, headers, state, http_request)
+                if state.kv_params is None and await self._needs_prefill(req, decode, state):
+                    if self._push_to(decode):
+                        return await self._decode_beside_prefill(req, decode, headers, state, http_request)
+                    await self._prefill(req, decode, None, headers, state)
+                return await self._decode(req, decode, headers, state, http_request, state.kv_params)
             except DecodeFailed as e:
                 last_error = e
                 self.metrics.leg_errors.labels("decode", e.kind).inc()
@@ -170,23 +182,61 @@ class PDFlow:
         return policy.choose(candidates, role, req.prompt_key, req.prompt_tokens)
 
     # ---------------------------------------------------------------- prefill
-    async def _maybe_prefill(self, req: ParsedRequest, decode: Instance, headers: dict[str, str],
-                             state: FlowState) -> None:
-        """Run the prefill leg, leaving ``state.kv_params`` set, or None for decode-only."""
+    async def _needs_prefill(self, req: ParsedRequest, decode: Instance, state: FlowState) -> bool:
+        """Whether this request gets a prefill leg (False: decode computes the prompt)."""
         if not req.disaggregable:
             self.metrics.fallbacks.labels("multi_sequence").inc()
-            return
+            return False
         if req.prompt_tokens <= self.config.short_prompt_tokens:
             self.metrics.fallbacks.labels("short_prompt").inc()
-            return
-        push = self.config.kv_mode != "pull" and decode.kv_endpoint is not None
-        tried: set[str] = {decode.url}  # a "both" instance never prefills for itself
-        if not self.pool.eligible("prefill", tried):
+            return False
+        if not self.pool.eligible("prefill", {decode.url}):  # a "both" instance never prefills for itself
             if self.config.require_disagg:
                 raise unavailable("no prefill instance available and --require-disagg is set",
                                   "prefill_unavailable")
             self.metrics.fallbacks.labels("no_prefill_instance").inc()
-            return
+            return False
+        return True
+
+    def _push_to(self, decode: Instance) -> bool:
+        return self.config.kv_mode != "pull" and decode.kv_endpoint is not None
+
+    async def _decode_beside_prefill(self, req: ParsedRequest, decode: Instance, headers: dict[str, str],
+                                     state: FlowState, http_request: web.Request) -> web.StreamResponse:
+        """Push mode: both legs at once; decode waits for the KV prefill pushes under push_key."""
+        push_key = uuid.uuid4().hex
+        state.pushed = True
+        prefill = asyncio.ensure_future(self._prefill(req, decode, push_key, headers, state))
+        state.prefill_leg = prefill
+        decode_leg = asyncio.ensure_future(
+            self._decode(req, decode, headers, state, http_request, awaited_push_params(push_key)))
+        try:
+            await asyncio.wait({prefill, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and not decode_leg.done() and state.stage != "stream":
+                # result() raises the client's 4xx, or 503 under require_disagg
+                if not prefill.result() or state.kv_params is None:
+                    # nothing will be pushed: decode would wait for nothing, so it computes the prompt
+                    decode_leg.cancel()
+                    await asyncio.gather(decode_leg, return_exceptions=True)
+                    state.pushed = False
+                    return await self._decode(req, decode, headers, state, http_request, None)
+            return await decode_leg
+        finally:
+            if not decode_leg.done():
+                decode_leg.cancel()
+                await asyncio.gather(decode_leg, return_exceptions=True)
+            if not prefill.done():
+                if decode_leg.cancelled() or decode_leg.exception() is not None:
+                    prefill.cancel()  # decode failed or the client left: the push has no taker
+                else:  # decode answered already; let prefill's answer (usage, release) come in
+                    self._background.add(prefill)
+                    prefill.add_done_callback(self._background.discard)
+
+    async def _prefill(self, req: ParsedRequest, decode: Instance, push_key: str | None,
+                       headers: dict[str, str], state: FlowState) -> bool:
+        """Run the prefill leg with retries, leaving ``state.kv_params`` set. False: none succeeded,
+        decode computes the prompt (raises instead under require_disagg)."""
+        tried: set[str] = {decode.url}
         for attempt in range(self.config.prefill_attempts):
             prefill = self._pick("prefill", req, tried)
             if prefill is None:
@@ -194,17 +244,18 @@ class PDFlow:
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
             tried.add(prefill.url)
-            if await self._prefill_once(req, prefill, decode, push, headers, state):
-                return
+            if await self._prefill_once(req, prefill, decode, push_key, headers, state):
+                return True
         if self.config.require_disagg:
             raise unavailable("no prefill instance could run the prompt and --require-disagg is set",
                               "prefill_unavailable")
         self.metrics.fallbacks.labels("prefill_unavailable").inc()
         logger.warning("request %s: no prefill succeeded; decode computes the prompt", state.request_id)
+        return False
 
-    async def _prefill_once(self, req: ParsedRequest, prefill: Instance, decode: Instance, push: bool,
-                            headers: dict[str, str], state: FlowState) -> bool:
-        body = prefill_body(req.body, remote_decode_params(decode, push))
+    async def _prefill_once(self, req: ParsedRequest, prefill: Instance, decode: Instance,
+                            push_key: str | None, headers: dict[str, str], state: FlowState) -> bool:
+        body = prefill_body(req.body, remote_decode_params(decode, push_key))
         lease = LegLease(prefill, "prefill", req.prompt_tokens)
         state.leases.append(lease)
         t0 = time.monotonic()
@@ -239,8 +290,9 @@ class PDFlow:
             self.metrics.fallbacks.labels("no_kv_params").inc()
             return True
         state.kv_params = params
-        state.kv_pending = True
-        state.pushed = push
+        # beside a running decode leg the KV is decode's already (it releases it); else it waits for one
+        state.kv_pending = push_key is None
+        state.pushed = push_key is not None
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
@@ -249,11 +301,11 @@ class PDFlow:
 
     # ----------------------------------------------------------------- decode
     async def _decode(self, req: ParsedRequest, decode: Instance, headers: dict[str, str], state: FlowState,
-                      http_request: web.Request) -> web.StreamResponse:
+                      http_request: web.Request, kv_params: dict | None) -> web.StreamResponse:
         body = req.body
-        if state.kv_params is not None:
+        if kv_params is not None:
             body = dict(req.body)
-            body["kv_transfer_params"] = state.kv_params
+            body["kv_transfer_params"] = kv_params
         lease = LegLease(decode, "decode", req.prompt_tokens + req.max_tokens)
         state.leases.append(lease)
         state.stage = "decode"
@@ -299,6 +351,9 @@ class PDFlow:
         decode.breaker.record_success()
         elapsed = time.monotonic() - t0
         self.metrics.ttft_seconds.observe(time.monotonic() - state.started)
+        if state.prefill_leg is not None and not state.prefill_leg.done():
+            # decode answered before prefill's answer (with its usage) came back
+            await asyncio.wait({state.prefill_leg}, timeout=self.config.prefill_timeout)
         if state.prefill_cached_tokens is not None:
             raw = rewrite_usage(raw, state.prefill_cached_tokens) or raw
         try:
@@ -347,6 +402,7 @@ class PDFlow:
                     return out
                 if not chunk:
                     break
+                events.cached_tokens = state.prefill_cached_tokens  # prefill may answer after decode began
                 data = events.feed(chunk)
                 if data:
                     n_events += data.count(b"data:")

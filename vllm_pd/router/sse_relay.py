@@ -32,7 +32,7 @@ class SseSplitter:
 
     def __init__(self, cached_tokens: int | None) -> None:
         self._buf = b""
-        self._cached = cached_tokens
+        self.cached_tokens = cached_tokens
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._buf + chunk
@@ -41,7 +41,7 @@ class SseSplitter:
             self._buf = data
             return b""
         out, self._buf = data[:cut + 2], data[cut + 2:]
-        if self._cached is not None and b'"usage":{' in out.replace(b'"usage": {', b'"usage":{'):
+        if self.cached_tokens is not None and b'"usage":{' in out.replace(b'"usage": {', b'"usage":{'):
             out = self._rewrite(out)
         return out
 
@@ -49,7 +49,7 @@ class SseSplitter:
         events = out.split(b"\n\n")
         for i, ev in enumerate(events):
             if ev.startswith(b"data: {") and b'"usage"' in ev:
-                new = rewrite_usage(ev[6:], self._cached)  # type: ignore[arg-type]
+                new = rewrite_usage(ev[6:], self.cached_tokens)  # type: ignore[arg-type]
                 if new is not None:
                     events[i] = b"data: " + new
         return b"\n\n".join(events)
