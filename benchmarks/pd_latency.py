@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import psutil
 
-from vllm_pd.connector.transfer_params import awaited_push_params
+from vllm_pd.connector.transfer_params import awaited_prefill_params
 from vllm_pd.small_model import ModelSpec, ensure_model
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
@@ -97,19 +97,18 @@ def run_pd(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: list[int]
 
 
 def run_pd_beside(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: list[int],
-                  decode_endpoint: str) -> tuple[float, float]:
-    """Our proxy's push flow: the decode leg goes out with the prefill leg, waiting for the push."""
+                  decode_endpoint: str, mode: str) -> tuple[float, float]:
+    """Our proxy's flow: the decode leg goes out with the prefill leg, waiting for prefill's announcement."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
     key = uuid.uuid4().hex
-    params = {"do_remote_decode": True, "transfer_mode": "push", "decode_endpoint": decode_endpoint, "push_key": key}
+    params = {"do_remote_decode": True, "transfer_mode": mode, "decode_endpoint": decode_endpoint, "transfer_key": key}
     t0 = time.perf_counter()
-    with httpx.Client() as decode_client:
-        decode_leg = _pool.submit(stream_ttft, decode_client, d.url,
-                                  dict(body, kv_transfer_params=awaited_push_params(key)), t0)
-        r = client.post(p.url + "/v1/completions", json=dict(body, max_tokens=1, stream=False, kv_transfer_params=params),
-                        timeout=600)
-        r.raise_for_status()
-        return decode_leg.result()
+    decode_leg = _pool.submit(stream_ttft, _decode_client, d.url,
+                              dict(body, kv_transfer_params=awaited_prefill_params(key, mode)), t0)
+    r = client.post(p.url + "/v1/completions", json=dict(body, max_tokens=1, stream=False, kv_transfer_params=params),
+                    timeout=600)
+    r.raise_for_status()
+    return decode_leg.result()
 
 
 def measure(name: str, fn: Any, lengths: list[int], n: int, prompts: Prompts) -> dict[int, tuple[float, float]]:
@@ -158,10 +157,13 @@ def ours_ktc(role: str, kv_port: int) -> dict[str, Any]:
             "kv_connector_extra_config": {"transport": "tcp", "host": "127.0.0.1"}}
 
 
-# "push": prefill's answer, then the decode leg (vLLM's example proxies); "push beside": both legs
-# at once (our proxy); "pull": decode reads the KV after prefill answered
-MODES = ("push beside", "push", "pull")
+# "beside": both legs at once, decode waiting for prefill's announcement (our proxy); otherwise
+# prefill's answer first, then the decode leg (vLLM's example proxies). push: prefill writes each
+# layer into decode while computing; pull: decode reads the KV once prefill is done
+MODES = ("push beside", "pull beside", "push", "pull")
 _pool = ThreadPoolExecutor(1)
+# its own connection pool, made once: creating an httpx.Client costs tens of ms (SSL context)
+_decode_client = httpx.Client()
 
 
 def main() -> int:
@@ -192,12 +194,13 @@ def main() -> int:
     overlap = {}
     try:
         for mode in MODES:
-            params: dict[str, Any] = {"do_remote_decode": True, "transfer_mode": "pull" if mode == "pull" else "push"}
-            if mode != "pull":
+            transfer_mode = mode.split()[0]
+            params: dict[str, Any] = {"do_remote_decode": True, "transfer_mode": transfer_mode}
+            if transfer_mode == "push":
                 params["decode_endpoint"] = f"tcp://127.0.0.1:{dk}"
             before = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in ("transfers", "tail_seconds", "span_seconds")}
-            if mode == "push beside":
-                fn = lambda pr: run_pd_beside(client, p, d, pr, params["decode_endpoint"])  # noqa: E731
+            if mode.endswith("beside"):
+                fn = lambda pr: run_pd_beside(client, p, d, pr, f"tcp://127.0.0.1:{dk}", transfer_mode)  # noqa: E731
             else:
                 fn = lambda pr: run_pd(client, p, d, pr, params)  # noqa: E731
             results[f"vllm-pd 1P1D {mode}"] = measure(f"vllm-pd 1P1D {mode}", fn, args.lengths, args.requests, prompts)

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from vllm_pd.connector.transfer_params import awaited_push_params
+from vllm_pd.connector.transfer_params import awaited_prefill_params
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -105,31 +105,36 @@ def output_tokens(resp: dict[str, Any]) -> list[int]:
     return list(ids)
 
 
-def prefill_leg(body: dict[str, Any], mode: str, decode: Instance | None, push_key: str = "") -> dict[str, Any]:
+def prefill_leg(body: dict[str, Any], mode: str, decode: Instance | None, transfer_key: str = "") -> dict[str, Any]:
     params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                               "remote_block_ids": None, "remote_host": None, "remote_port": None}
-    if mode == "push":
+    if mode == "push" or transfer_key:
         assert decode is not None
-        params.update(transfer_mode="push", decode_endpoint=decode.kv_endpoint)
-        if push_key:
-            params["push_key"] = push_key
+        params.update(transfer_mode=mode, decode_endpoint=decode.kv_endpoint)
+        if transfer_key:
+            params["transfer_key"] = transfer_key
     leg = dict(body, max_tokens=1, stream=False, kv_transfer_params=params)
     leg.pop("stream_options", None)
     return leg
+
+
+# the decode leg of mode "beside" runs on this thread, with its own connection pool
+_beside_pool = ThreadPoolExecutor(1)
+_beside_client = httpx.Client()
 
 
 def disagg(client: httpx.Client, prefill: Instance, decode: Instance, body: dict[str, Any],
            mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """vLLM's standard two-leg PD flow, by hand: (prefill response, decode response).
 
-    mode "beside": our proxy's push flow - the decode leg goes out first, waiting for the
-    push named in both legs, and the prefill leg right after it."""
-    if mode == "beside":
-        key = uuid.uuid4().hex
-        with ThreadPoolExecutor(1) as pool, httpx.Client() as decode_client:
-            leg = pool.submit(post, decode_client, decode.url, dict(body, kv_transfer_params=awaited_push_params(key)))
-            p = post(client, prefill.url, prefill_leg(body, "push", decode, push_key=key))
-            return p, leg.result()
+    modes "push-beside" / "pull-beside": our proxy's flow - the decode leg goes out first, waiting
+    for prefill's announcement of the transfer named in both legs, and the prefill leg right after."""
+    if mode.endswith("-beside"):
+        key, transfer_mode = uuid.uuid4().hex, mode.split("-")[0]
+        leg = _beside_pool.submit(post, _beside_client, decode.url,
+                                  dict(body, kv_transfer_params=awaited_prefill_params(key, transfer_mode)))
+        p = post(client, prefill.url, prefill_leg(body, transfer_mode, decode, transfer_key=key))
+        return p, leg.result()
     p = post(client, prefill.url, prefill_leg(body, mode, decode))
     assert p.get("kv_transfer_params"), f"prefill returned no kv_transfer_params: {p}"
     d = post(client, decode.url, dict(body, kv_transfer_params=p["kv_transfer_params"]))

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests import e2e_cluster as ec
-from vllm_pd.connector.transfer_params import awaited_push_params
+from vllm_pd.connector.transfer_params import awaited_prefill_params
 from tests.prompt_catalogue import CONNECTOR_CASES
 
 pytestmark = pytest.mark.e2e
@@ -49,10 +49,10 @@ def assert_nothing_held(client: httpx.Client, instances: list[ec.Instance]) -> N
             f"held={ec.metric(client, inst.url, 'vllm:pd_held_transfers')}")
 
 
-@pytest.mark.parametrize("mode", ["pull", "push", "beside"])
+@pytest.mark.parametrize("mode", ["pull", "push", "push-beside", "pull-beside"])
 def test_disaggregated_output_equals_plain(mode: str, pd_pair, reference_outputs, client) -> None:
     prefill, decode = pd_pair
-    source = "fetch" if mode == "pull" else "push"
+    source = "fetch" if mode.startswith("pull") else "push"
     ok_before = ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok")
     blocks_before = ec.metric(client, decode.url, "vllm:pd_loaded_blocks_total", source=source)
     mismatches = []
@@ -69,7 +69,7 @@ def test_disaggregated_output_equals_plain(mode: str, pd_pair, reference_outputs
         if prompt_tokens > 1:
             cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             assert local == 0, f"{key}: decode computed {local} of {prompt_tokens} prompt tokens"
-            if mode == "beside":
+            if mode.endswith("-beside"):
                 # no prefill answer in the decode leg to take prefill's cache hits from, so vLLM counts
                 # the transferred tokens as cached (our proxy rewrites usage with prefill's figure)
                 assert cached == prompt_tokens and ext <= prompt_tokens, f"{key}: {ext} transferred, {cached} cached"
@@ -175,8 +175,8 @@ def test_aborts_on_either_side_leak_nothing(pd_pair, client) -> None:
     body = ec.completion_body([rng.randrange(5, 4000) for _ in range(1800)], max_tokens=200)
     with pytest.raises(httpx.TimeoutException):
         client.post(decode.url + "/v1/completions", timeout=0.05,
-                    json=dict(body, kv_transfer_params=awaited_push_params("abandoned-1")))
-    ec.post(client, prefill.url, ec.prefill_leg(body, "push", decode, push_key="abandoned-1"))
+                    json=dict(body, kv_transfer_params=awaited_prefill_params("abandoned-1", "push")))
+    ec.post(client, prefill.url, ec.prefill_leg(body, "push", decode, transfer_key="abandoned-1"))
     assert_nothing_held(client, pd_pair)
 
 

@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from vllm_pd.connector.config import PDConnectorConfig, parse_size
-from vllm_pd.connector.control import PushDoneMessage, ReleaseMessage, decode_control
+from vllm_pd.connector.control import PrefillDoneMessage, ReleaseMessage, decode_control
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.connector.outgoing import OutgoingTransfers
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.metadata import LoadSpec
 from vllm_pd.connector.transfer_params import (
-    AwaitedPush,
+    AwaitedPrefill,
     LocalPrompt,
     RemoteDecodeRequest,
     RemotePrefill,
-    awaited_push_params,
+    awaited_prefill_params,
     prompt_hash,
 )
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
@@ -209,17 +209,22 @@ def test_staging_views_write_into_its_buffers() -> None:
 
 
 # ---- decode leg sent beside the prefill leg (awaited push) -----------------------------------------
-def test_awaited_push_params_are_told_apart_from_a_remote_prefill() -> None:
-    params = awaited_push_params("k1")
-    assert AwaitedPush.from_params(params) == AwaitedPush("k1")
-    assert AwaitedPush.from_params(_remote().to_params()) is None  # prefill's answer: the other flow
-    assert AwaitedPush.from_params({**params, "push_key": ""}) is None
-    assert AwaitedPush.from_params({**params, "transfer_mode": "pull"}) is None
-    assert AwaitedPush.from_params({k: v for k, v in params.items() if k != "vllm_pd"}) is None
+def test_awaited_prefill_params_are_told_apart_from_a_remote_prefill() -> None:
+    params = awaited_prefill_params("k1", "push")
+    assert AwaitedPrefill.from_params(params) == AwaitedPrefill("k1")
+    assert AwaitedPrefill.from_params(awaited_prefill_params("k1", "pull")) == AwaitedPrefill("k1")
+    assert AwaitedPrefill.from_params(_remote().to_params()) is None  # prefill's answer: the other flow
+    assert AwaitedPrefill.from_params({**params, "transfer_key": ""}) is None
+    assert AwaitedPrefill.from_params({**params, "transfer_mode": "teleport"}) is None
+    assert AwaitedPrefill.from_params({k: v for k, v in params.items() if k != "vllm_pd"}) is None
     ask = RemoteDecodeRequest.from_params({"do_remote_decode": True, "transfer_mode": "push",
-                                           "decode_endpoint": "tcp://h:1", "push_key": "k1"}, "pull")
-    assert ask.push_key == "k1"
-    rp = _remote(mode="push", push_key="k1")
+                                           "decode_endpoint": "tcp://h:1", "transfer_key": "k1"}, "pull")
+    assert (ask.transfer_key, ask.decode_endpoint, ask.announce_endpoint) == ("k1", "tcp://h:1", "tcp://h:1")
+    # pull beside a decode leg: nothing pushed, the KV is announced to decode, which reads it
+    ask = RemoteDecodeRequest.from_params({"do_remote_decode": True, "transfer_mode": "pull",
+                                           "decode_endpoint": "tcp://h:1", "transfer_key": "k1"}, "pull")
+    assert (ask.mode, ask.decode_endpoint, ask.announce_endpoint) == ("pull", None, "tcp://h:1")
+    rp = _remote(mode="push", transfer_key="k1")
     assert RemotePrefill.from_params(rp.to_params()) == rp and rp.staging_key == "k1"
     assert _remote().staging_key == "cmpl-1-0-abc"
 
@@ -233,7 +238,7 @@ def test_local_prompt_mismatch_names_the_reason() -> None:
 
 
 def test_push_done_message_round_trip() -> None:
-    msg = PushDoneMessage("k1", _remote(push_key="k1").to_params())
+    msg = PrefillDoneMessage("k1", _remote(transfer_key="k1").to_params())
     assert decode_control(msg.encode()) == msg
 
 
@@ -272,7 +277,7 @@ class _RecordingTransport:
 
 def _awaited_job(st: PushStaging, prompt: list[int], timeout_s: float = 2.0):
     regions = [MemoryRegion(f"l{i}", torch.zeros(4, 8, dtype=torch.uint8)) for i in range(2)]
-    spec = LoadSpec(request_id="d-1", remote=None, first_position=0, local_block_ids=(3, 1), push_key="k",
+    spec = LoadSpec(request_id="d-1", remote=None, first_position=0, local_block_ids=(3, 1), transfer_key="k",
                     prompt=LocalPrompt(prompt_hash(prompt), len(prompt), block_size=2, tp_size=1))
     transport = _RecordingTransport()
     return LoadJob(spec, transport, regions, st, rank=0, timeout_s=timeout_s, push_wait_s=1.0), regions, transport
@@ -283,7 +288,7 @@ def test_load_job_of_awaited_push_checks_the_announcement_then_copies_and_releas
     job, regions, transport = _awaited_job(st, [5, 6, 7])
     for layer in range(2):
         _land(st, "k", layer, (0, 1), fill=10 + layer, last=True)
-    st.announce("k", _remote(mode="push", push_key="k", block_ids=(8, 9), num_tokens=3, block_size=2,
+    st.announce("k", _remote(mode="push", transfer_key="k", block_ids=(8, 9), num_tokens=3, block_size=2,
                              prompt_hash=prompt_hash([5, 6, 7])).to_params())
     job.run()
     assert job.ok and job.blocks_from_push == 4
@@ -297,7 +302,7 @@ def test_load_job_of_awaited_push_refuses_another_prompts_kv() -> None:
     job, regions, transport = _awaited_job(st, [5, 6, 7])
     for layer in range(2):
         _land(st, "k", layer, (0, 1), fill=1, last=True)
-    st.announce("k", _remote(mode="push", push_key="k", block_ids=(8, 9), num_tokens=3, block_size=2,
+    st.announce("k", _remote(mode="push", transfer_key="k", block_ids=(8, 9), num_tokens=3, block_size=2,
                              prompt_hash=prompt_hash([5, 6, 8])).to_params())
     job.run()
     assert not job.ok and "not for this request" in job.error

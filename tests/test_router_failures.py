@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 
 from tests.router_harness import harness, run, wait_for
 
@@ -97,9 +98,10 @@ def test_decode_connect_error_in_pull_mode_reuses_kv() -> None:
     run(go)
 
 
-def test_decode_connect_error_in_push_mode_reruns_prefill_for_new_target() -> None:
+@pytest.mark.parametrize("kv_mode", ["push", "pull"])
+def test_decode_connect_error_beside_prefill_reruns_prefill_for_new_target(kv_mode: str) -> None:
     async def go() -> None:
-        async with harness(n_decode=2, decode_policy="round_robin", decode_kv=True) as h:
+        async with harness(n_decode=2, decode_policy="round_robin", decode_kv=True, kv_mode=kv_mode) as h:
             h.prefills[0].ttft = 0.3  # decode d0's leg fails while the first prefill leg computes
             await h.stop_backend("d0")
             status, _ = await h.post("/v1/completions", LONG)
@@ -107,11 +109,11 @@ def test_decode_connect_error_in_push_mode_reruns_prefill_for_new_target() -> No
             seen = h.prefills[0].seen
             targets = [s.body["kv_transfer_params"]["decode_endpoint"] for s in seen]
             assert targets == ["tcp://127.0.0.1:14601", "tcp://127.0.0.1:14602"]
-            # both legs go out at once; d1 waits for the push of the second prefill leg
-            key = seen[1].body["kv_transfer_params"]["push_key"]
-            assert h.decodes[1].seen[0].body["kv_transfer_params"]["push_key"] == key
+            # both legs go out at once; d1 waits for the announcement of the second prefill leg
+            key = seen[1].body["kv_transfer_params"]["transfer_key"]
+            assert h.decodes[1].seen[0].body["kv_transfer_params"]["transfer_key"] == key
             assert "remote_request_id" not in h.decodes[1].seen[0].body["kv_transfer_params"]
-            # the first push lost its decode: its prefill leg is aborted (vLLM frees it), not held
+            # the first prefill leg lost its decode: it is aborted (vLLM frees its KV), not held
             await wait_for(lambda: seen[0].cancelled)
             assert h.released == []
     run(go)
@@ -315,7 +317,7 @@ def test_push_mode_prefill_failure_cancels_the_waiting_decode_leg_and_runs_decod
             assert status == 200 and out["served_by"] == "d0"
             legs = h.decodes[0].seen
             assert len(legs) == 2
-            assert legs[0].body["kv_transfer_params"]["push_key"]  # sent beside the prefill leg
+            assert legs[0].body["kv_transfer_params"]["transfer_key"]  # sent beside the prefill leg
             await wait_for(lambda: legs[0].cancelled)  # no push will come: not left waiting
             assert "kv_transfer_params" not in legs[1].body  # decode computes the prompt
     run(go)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 
-from vllm_pd.connector.transfer_params import awaited_push_params
+from vllm_pd.connector.transfer_params import awaited_prefill_params
 from tests.router_harness import harness, run
 
 NIXL_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -36,20 +36,23 @@ def test_two_leg_bodies_exactly() -> None:
     run(go)
 
 
-def test_push_mode_names_decode_endpoint_and_pull_mode_does_not() -> None:
+def test_legs_go_out_together_when_decode_kv_endpoint_is_known() -> None:
     async def go() -> None:
-        async with harness(decode_kv=True, kv_mode="auto") as h:
-            await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})
-            kvp = h.prefills[0].seen[0].body["kv_transfer_params"]
-            key = kvp.get("push_key")
-            assert isinstance(key, str) and len(key) == 32
-            assert kvp == dict(NIXL_REQUEST, transfer_mode="push", decode_endpoint="tcp://127.0.0.1:14601",
-                               push_key=key)
-            # the decode leg went out beside the prefill leg, waiting for that push
-            assert h.decodes[0].seen[0].body["kv_transfer_params"] == awaited_push_params(key)
-        async with harness(decode_kv=True, kv_mode="pull") as h:
+        for kv_mode, mode in (("auto", "pull"), ("push", "push"), ("pull", "pull")):
+            async with harness(decode_kv=True, kv_mode=kv_mode) as h:
+                await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})
+                kvp = h.prefills[0].seen[0].body["kv_transfer_params"]
+                key = kvp.get("transfer_key")
+                assert isinstance(key, str) and len(key) == 32
+                assert kvp == dict(NIXL_REQUEST, transfer_mode=mode, decode_endpoint="tcp://127.0.0.1:14601",
+                                   transfer_key=key)
+                # the decode leg went out beside the prefill leg, waiting for prefill's announcement
+                assert h.decodes[0].seen[0].body["kv_transfer_params"] == awaited_prefill_params(key, mode)
+        # no KV endpoint for decode: vLLM's standard flow, prefill's answer carried to decode
+        async with harness(decode_kv=False, kv_mode="auto") as h:
             await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})
             assert h.prefills[0].seen[0].body["kv_transfer_params"] == NIXL_REQUEST
+            assert h.decodes[0].seen[0].body["kv_transfer_params"]["remote_engine_id"] == "p0"
     run(go)
 
 

@@ -16,19 +16,19 @@ class ReleaseMessage(msgspec.Struct, tag="release", frozen=True):
         return msgspec.msgpack.encode(self)
 
 
-class PushDoneMessage(msgspec.Struct, tag="push_done", frozen=True):
+class PrefillDoneMessage(msgspec.Struct, tag="prefill_done", frozen=True):
     """Prefill -> decode, after the forward that computed the prompt's last layer:
-    what was pushed under ``push_key`` (``RemotePrefill.to_params()``), so a decode
+    what was pushed under ``transfer_key`` (``RemotePrefill.to_params()``), so a decode
     request that was sent before prefill finished can check and claim it."""
 
-    push_key: str
+    transfer_key: str
     params: dict[str, Any]
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
 
 
-ControlMessage = ReleaseMessage | PushDoneMessage
+ControlMessage = ReleaseMessage | PrefillDoneMessage
 
 _decoder = msgspec.msgpack.Decoder(ControlMessage)
 

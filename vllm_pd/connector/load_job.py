@@ -76,7 +76,7 @@ class LoadJob:
             self.done.set()
             if self.remote is None:
                 # never announced: whenever prefill announces it, it is released
-                announced = self._staging.abandon(self.spec.push_key)
+                announced = self._staging.abandon(self.spec.transfer_key)
                 self.remote = RemotePrefill.from_params(announced) if announced else None
             else:
                 self._staging.drop(self.remote.staging_key)
@@ -125,21 +125,21 @@ class LoadJob:
     def _await_announcement(self, deadline: float) -> RemotePrefill | None:
         """The decode leg came first: wait for prefill to say what it pushed (None: error set)."""
         spec = self.spec
-        params = self._staging.wait_announced(spec.push_key, time.monotonic() if self.cancelled else deadline)
+        params = self._staging.wait_announced(spec.transfer_key, time.monotonic() if self.cancelled else deadline)
         if params is None:
-            self.error = ("request aborted before prefill announced push " + spec.push_key if self.cancelled
-                          else f"prefill never announced push {spec.push_key} within {self._timeout_s:.0f}s")
+            self.error = ("request aborted before prefill announced push " + spec.transfer_key if self.cancelled
+                          else f"prefill never announced push {spec.transfer_key} within {self._timeout_s:.0f}s")
             return None
         remote = RemotePrefill.from_params(params)
         if remote is None:
-            self.error = f"prefill announced push {spec.push_key} with unusable params"
+            self.error = f"prefill announced push {spec.transfer_key} with unusable params"
             return None
         self.remote = remote  # from here on it is released whatever happens
         problem = spec.prompt.mismatch(remote) if spec.prompt is not None else "no local prompt to check"
         if problem is None and len(remote.block_ids) < spec.first_position + len(spec.local_block_ids):
             problem = f"prefill computed {remote.num_tokens} tokens, fewer than this prompt's"
         if problem is not None:
-            self.error = f"pushed KV {spec.push_key} is not for this request: {problem}"
+            self.error = f"pushed KV {spec.transfer_key} is not for this request: {problem}"
             return None
         return remote
 

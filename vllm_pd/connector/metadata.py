@@ -27,10 +27,11 @@ class SendSpec:
     end_token: int  # tokens with KV once this step's forward is done
     num_prompt_tokens: int
     push_endpoint: str | None  # push each layer here; None: decode pulls
-    push_key: str = ""  # the blocks' name on decode ("" = transfer_id)
-    # on the step that completes the prompt of a push: RemotePrefill.to_params(), announced to
-    # decode once the forward is done (a decode leg sent beside the prefill leg waits for it)
+    transfer_key: str = ""  # the blocks' name on decode ("" = transfer_id)
+    # on the step that completes the prompt: RemotePrefill.to_params(), announced at
+    # announce_endpoint once the forward is done (a decode leg sent beside the prefill leg waits for it)
     announcement: dict[str, Any] | None = None
+    announce_endpoint: str | None = None
 
     @property
     def prefill_done(self) -> bool:
@@ -50,14 +51,14 @@ class LoadSpec:
     """Decode side: land a remote prefill's KV into our blocks."""
 
     request_id: str
-    # None: the decode leg came before prefill finished (AwaitedPush); prefill announces it
+    # None: the decode leg came before prefill finished (AwaitedPrefill); prefill announces it
     remote: RemotePrefill | None
     first_position: int  # the request's block index of local_block_ids[0]
     local_block_ids: tuple[int, ...]
     # True: vLLM runs the request's forward now and waits per layer (sync load);
     # False: the request waits off-batch until the whole load is reported
     layerwise: bool = False
-    push_key: str = ""  # awaited push: its name, and the prompt its announcement must match
+    transfer_key: str = ""  # awaited prefill: its name, and the prompt its announcement must match
     prompt: LocalPrompt | None = None
 
     def remote_block_ids(self, remote: RemotePrefill) -> tuple[int, ...]:

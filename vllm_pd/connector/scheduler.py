@@ -10,7 +10,7 @@ It decides, per request and per step, what the worker side moves:
   async (or layer-wise) load lands it in our blocks, and prefill is always told
   to release its copy, also when the request is aborted before admission or its
   prompt was already in our own prefix cache. A decode leg sent beside its
-  prefill leg (:class:`AwaitedPush`) loads asynchronously once prefill announces
+  prefill leg (:class:`AwaitedPrefill`) loads asynchronously once prefill announces
   the push; if it will never load, the push is abandoned (released when announced).
 """
 
@@ -30,7 +30,7 @@ from vllm_pd.connector.metadata import (
     SendSpec,
 )
 from vllm_pd.connector.transfer_params import (
-    AwaitedPush,
+    AwaitedPrefill,
     LocalPrompt,
     RemoteDecodeRequest,
     RemotePrefill,
@@ -70,7 +70,7 @@ class PDConnectorScheduler:
         self._preempted: list[str] = []
         # decode side
         # req -> (remote, locally computed tokens, layer-wise load)
-        self._matched: dict[str, tuple[RemotePrefill | AwaitedPush, int, bool]] = {}
+        self._matched: dict[str, tuple[RemotePrefill | AwaitedPrefill, int, bool]] = {}
         self._loads: list[LoadSpec] = []
         self._releases: list[RemoteRelease] = []
         self._abandoned: list[str] = []
@@ -90,7 +90,7 @@ class PDConnectorScheduler:
 
     # ---- decode side: remote prefill -> load --------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        awaited = AwaitedPush.from_params(request.kv_transfer_params)
+        awaited = AwaitedPrefill.from_params(request.kv_transfer_params)
         if awaited is not None:
             # the whole prompt arrives by push; never layer-wise: that would stall the batch
             # for as long as prefill computes
@@ -138,7 +138,7 @@ class PDConnectorScheduler:
             return
         if not params.get("do_remote_prefill"):
             return
-        awaited = AwaitedPush.from_params(params)
+        awaited = AwaitedPrefill.from_params(params)
         # Only one load per request: the second call (after the load) must not start another.
         params["do_remote_prefill"] = False
         if awaited is not None:
@@ -164,11 +164,11 @@ class PDConnectorScheduler:
             layerwise=layerwise,
         ))
 
-    def _load_awaited(self, request: "Request", awaited: AwaitedPush, blocks: "KVCacheBlocks",
+    def _load_awaited(self, request: "Request", awaited: AwaitedPrefill, blocks: "KVCacheBlocks",
                       num_external_tokens: int) -> None:
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens == 0 or matched is None:
-            self._abandoned.append(awaited.push_key)
+            self._abandoned.append(awaited.transfer_key)
             return
         first = matched[1] // self.block_size
         last = -(-request.num_prompt_tokens // self.block_size)
@@ -178,7 +178,7 @@ class PDConnectorScheduler:
             remote=None,
             first_position=first,
             local_block_ids=tuple(blocks.get_block_ids()[0][first:last]),
-            push_key=awaited.push_key,
+            transfer_key=awaited.transfer_key,
             prompt=self._local_prompt(request.prompt_token_ids or []),
         ))
 
@@ -218,7 +218,7 @@ class PDConnectorScheduler:
             if out.next_block * self.block_size >= prompt_len:
                 continue  # prompt fully handed over; generated tokens are not transferred
             block_ids = tuple(self._kv_cache_manager.get_block_ids(req_id)[0])
-            announce = out.ask.decode_endpoint is not None and end >= prompt_len
+            announce = out.ask.announce_endpoint is not None and end >= prompt_len
             meta.sends.append(SendSpec(
                 transfer_id=req_id,
                 block_ids=block_ids,
@@ -226,8 +226,9 @@ class PDConnectorScheduler:
                 end_token=min(end, prompt_len),
                 num_prompt_tokens=prompt_len,
                 push_endpoint=out.ask.decode_endpoint,
-                push_key=out.ask.push_key,
+                transfer_key=out.ask.transfer_key,
                 announcement=self._remote_prefill(out, block_ids).to_params() if announce else None,
+                announce_endpoint=out.ask.announce_endpoint,
             ))
             out.seen_by_worker = True
             # A partly filled last block is sent again with the next chunk.
@@ -249,11 +250,11 @@ class PDConnectorScheduler:
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill"):
             # Finished (aborted) before any load was set up: prefill still holds the KV.
-            awaited = AwaitedPush.from_params(params)
+            awaited = AwaitedPrefill.from_params(params)
             params["do_remote_prefill"] = False
             remote = RemotePrefill.from_params({**params, "do_remote_prefill": True})
             if awaited is not None:
-                self._abandoned.append(awaited.push_key)
+                self._abandoned.append(awaited.transfer_key)
             elif remote is not None:
                 self._releases.append(RemoteRelease(remote.endpoint, remote.transfer_id))
             return False, None
@@ -289,7 +290,7 @@ class PDConnectorScheduler:
             tp_size=self.tp_size,
             endpoints=self._endpoints,
             prompt_hash=prompt_hash(request.prompt_token_ids or []),
-            push_key=out.ask.push_key,
+            transfer_key=out.ask.transfer_key,
         )
 
     def has_pending_work(self) -> bool:

@@ -9,12 +9,13 @@ speak), so those proxies work with this connector unchanged:
 * prefill -> proxy (response), passed verbatim to decode by the proxy:
   :meth:`RemotePrefill.to_params`.
 
-Our proxy sends both legs at once in push mode, so decode's API work and
-scheduling overlap prefill's compute: it names the push with a ``push_key`` in
-both legs (:func:`awaited_push_params` on the decode leg); prefill pushes under
-that key and, once its forward is done, announces its :class:`RemotePrefill`
-to decode (``PushDoneMessage``), which checks it is the same prompt before
-using a byte.
+Our proxy sends both legs at once, so decode's API work and scheduling
+overlap prefill's compute: it names the transfer with a ``transfer_key`` in both
+legs (:func:`awaited_prefill_params` on the decode leg) and gives prefill decode's
+endpoint; prefill pushes under that key (push mode) and, once its forward is
+done, announces its :class:`RemotePrefill` to decode (``PrefillDoneMessage``),
+which checks it is the same prompt before using a byte (and, in pull mode,
+reads the KV then).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class RemoteDecodeRequest:
 
     mode: TransferMode
     decode_endpoint: str | None  # where to push (push mode)
-    push_key: str = ""  # names the push on decode (proxy-chosen); "" = prefill's request id
+    transfer_key: str = ""  # names the transfer on decode (proxy-chosen); "" = prefill's request id
+    # a decode leg waits there for prefill's announcement (sent beside this leg)
+    announce_endpoint: str | None = None
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None, default_mode: TransferMode) -> "RemoteDecodeRequest | None":
@@ -54,9 +57,10 @@ class RemoteDecodeRequest:
         if mode == "push" and not isinstance(endpoint, str):
             # no decode endpoint to push to: decode pulls instead
             mode = "pull"
-        key = params.get("push_key") if mode == "push" else None
+        key = params.get("transfer_key")
+        key = key if isinstance(key, str) and isinstance(endpoint, str) else ""
         return cls(mode=mode, decode_endpoint=endpoint if mode == "push" else None,
-                   push_key=key if isinstance(key, str) else "")
+                   transfer_key=key, announce_endpoint=endpoint if key else None)
 
 
 @dataclass(frozen=True)
@@ -75,11 +79,11 @@ class RemotePrefill:
     tp_size: int = 1
     endpoints: tuple[str, ...] = ()  # per TP rank; () = (endpoint,)
     prompt_hash: str = ""  # of the prompt token ids: decode checks it is the same prompt
-    push_key: str = ""  # the pushed blocks' name on decode; "" = transfer_id
+    transfer_key: str = ""  # the pushed blocks' name on decode; "" = transfer_id
 
     @property
     def staging_key(self) -> str:
-        return self.push_key or self.transfer_id
+        return self.transfer_key or self.transfer_id
 
     def endpoint_for_rank(self, rank: int) -> str:
         eps = self.endpoints or (self.endpoint,)
@@ -101,7 +105,7 @@ class RemotePrefill:
             "block_size": self.block_size,
             "remote_endpoints": list(self.endpoints),
             "prompt_hash": self.prompt_hash,
-            "push_key": self.push_key,
+            "transfer_key": self.transfer_key,
             PROTOCOL_KEY: PROTOCOL_VERSION,
         }
 
@@ -133,7 +137,7 @@ class RemotePrefill:
                 tp_size=int(params.get("tp_size", 1)),
                 endpoints=tuple(str(e) for e in params.get("remote_endpoints") or ()),
                 prompt_hash=str(params.get("prompt_hash", "")),
-                push_key=str(params.get("push_key") or ""),
+                transfer_key=str(params.get("transfer_key") or ""),
             )
         except (KeyError, TypeError, ValueError) as e:
             logger.warning("malformed kv_transfer_params %r (%s): decode recomputes the prompt", params, e)
@@ -168,27 +172,27 @@ class LocalPrompt:
 
 
 @dataclass(frozen=True)
-class AwaitedPush:
-    """Decode leg sent while prefill still computes: the KV arrives under ``push_key``."""
+class AwaitedPrefill:
+    """Decode leg sent while prefill still computes: prefill announces its KV under ``transfer_key``."""
 
-    push_key: str
+    transfer_key: str
 
     @classmethod
-    def from_params(cls, params: dict[str, Any] | None) -> "AwaitedPush | None":
+    def from_params(cls, params: dict[str, Any] | None) -> "AwaitedPrefill | None":
         if (not params or not params.get("do_remote_prefill") or params.get(PROTOCOL_KEY) != PROTOCOL_VERSION
                 or "remote_request_id" in params):
             return None
-        key = params.get("push_key")
-        if params.get("transfer_mode") != "push" or not isinstance(key, str) or not key:
-            logger.warning("kv_transfer_params %r name no prefill and no push_key: decode recomputes", params)
+        key = params.get("transfer_key")
+        if params.get("transfer_mode") not in ("push", "pull") or not isinstance(key, str) or not key:
+            logger.warning("kv_transfer_params %r name no prefill and no transfer_key: decode recomputes", params)
             return None
         return cls(key)
 
 
-def awaited_push_params(push_key: str) -> dict[str, Any]:
+def awaited_prefill_params(transfer_key: str, mode: TransferMode) -> dict[str, Any]:
     """The decode leg's ``kv_transfer_params`` when it is sent beside the prefill leg."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
-            "push_key": push_key, PROTOCOL_KEY: PROTOCOL_VERSION}
+    return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": mode,
+            "transfer_key": transfer_key, PROTOCOL_KEY: PROTOCOL_VERSION}
 
 
 def prompt_hash(token_ids: "list[int] | tuple[int, ...]") -> str:

@@ -22,7 +22,7 @@ import msgspec
 import torch
 
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.control import PushDoneMessage, ReleaseMessage, decode_control
+from vllm_pd.connector.control import PrefillDoneMessage, ReleaseMessage, decode_control
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, SendSpec
 from vllm_pd.connector.outgoing import OutgoingTransfers
@@ -123,8 +123,8 @@ class PDConnectorWorker:
             self.outgoing.release(msg.transfer_id)
         elif self.is_consumer:
             with self._awaiting_lock:
-                abandoned = self.staging.announce(msg.push_key, msg.params)
-                job = self._awaiting.pop(msg.push_key, None)
+                abandoned = self.staging.announce(msg.transfer_key, msg.params)
+                job = self._awaiting.pop(msg.transfer_key, None)
             if abandoned:
                 self._release_announced(msg.params)
             if job is not None:
@@ -172,15 +172,15 @@ class PDConnectorWorker:
             self._jobs[job.spec.request_id] = job
             if job.remote is None:
                 with self._awaiting_lock:
-                    if not self.staging.is_announced(job.spec.push_key):
-                        self._awaiting[job.spec.push_key] = job
+                    if not self.staging.is_announced(job.spec.transfer_key):
+                        self._awaiting[job.spec.transfer_key] = job
                         continue
             self._pool.submit(self._run_job, job)
 
     def _unpark(self, job: LoadJob, cancel: bool) -> None:
         """Run a parked job now: it fails at once (cancelled, or past its deadline) unless announced."""
         with self._awaiting_lock:
-            if self._awaiting.pop(job.spec.push_key, None) is None:
+            if self._awaiting.pop(job.spec.transfer_key, None) is None:
                 return  # announced meanwhile: already running
             job.cancelled = cancel
         self._pool.submit(self._run_job, job)
@@ -224,7 +224,7 @@ class PDConnectorWorker:
             positions = tuple(range(spec.first_block, end_block))
             if not positions:
                 continue
-            batch = BlockBatch(spec.push_key or spec.transfer_id, i, positions, self.regions[i].block_nbytes,
+            batch = BlockBatch(spec.transfer_key or spec.transfer_id, i, positions, self.regions[i].block_nbytes,
                                last=spec.prefill_done)
             block_ids = [spec.block_ids[p] for p in positions]
             try:
@@ -242,18 +242,18 @@ class PDConnectorWorker:
                 n = -(-spec.num_prompt_tokens // self.block_size)
                 self.transport.allow_fetch(spec.transfer_id, list(spec.block_ids[:n]))
                 self.outgoing.mark_computed(spec.transfer_id)
-                if spec.announcement is not None and spec.push_endpoint is not None:
+                if spec.announcement is not None and spec.announce_endpoint is not None:
                     self._announce(spec)
         self._step_sends = []
 
     def _announce(self, spec: SendSpec) -> None:
-        """Tell decode what it got under the push key (reads of the blocks are granted already)."""
-        message = PushDoneMessage(spec.push_key or spec.transfer_id, spec.announcement).encode()
+        """Tell the waiting decode where its KV is (reads of the blocks are granted already)."""
+        message = PrefillDoneMessage(spec.transfer_key or spec.transfer_id, spec.announcement).encode()
         try:
-            self.transport.notify(self._peer_for_rank(spec.push_endpoint), message,
+            self.transport.notify(self._peer_for_rank(spec.announce_endpoint), message,
                                   timeout=self.config.transfer_timeout_s)
         except Exception as e:  # noqa: BLE001 - decode times out and recomputes; our lease frees the KV
-            logger.warning("announcing push of %s failed: %s", spec.transfer_id, e)
+            logger.warning("announcing the KV of %s failed: %s", spec.transfer_id, e)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving)."""

@@ -35,8 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV endpoint of the decode instance given in the same position")
     p.add_argument("--both", action="append", default=[], metavar="URL[@tcp://HOST:KVPORT]",
                    help="a kv_both instance that can serve either leg (repeatable)")
-    p.add_argument("--kv-mode", choices=KV_MODES, help="push: prefill writes KV into decode (needs the "
-                   "decode KV endpoint); pull: decode reads it; auto: push where known (default)")
+    p.add_argument("--kv-mode", choices=KV_MODES, help="with a decode KV endpoint both legs go out at once; push: "
+                   "prefill writes each layer into decode while computing; pull: decode reads the KV once "
+                   "prefill announces it; auto (default): pull, the faster one on small CPU instances "
+                   "(benchmarks/RESULTS.md)")
     p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, help="default prefix_aware")
     p.add_argument("--decode-policy", choices=DECODE_POLICIES, help="default least_outstanding")
     p.add_argument("--require-disagg", action="store_true", default=None,

@@ -6,11 +6,13 @@ push mode also where to write it). Decode leg: the original request plus the
 ``kv_transfer_params`` prefill returned, verbatim; its answer is relayed to
 the client event by event.
 
-In push mode both legs go out at once: the decode leg names the push
-(``push_key``) it will receive instead of prefill's answer, so decode's
-tokenising, scheduling and block allocation happen while prefill computes.
-If no prefill succeeds, the waiting decode leg is cancelled and the request
-runs decode-only (or fails under require_disagg).
+When decode's KV endpoint is known both legs go out at once: the decode leg
+names the transfer (``transfer_key``) prefill will announce to it instead of
+carrying prefill's answer, so decode's tokenising, scheduling and block
+allocation happen while prefill computes; prefill pushes the KV while it
+computes (push) or decode reads it once announced (pull). If no prefill
+succeeds, the waiting decode leg is cancelled and the request runs
+decode-only (or fails under require_disagg).
 
 Failures: a prefill error retries on another prefill, then falls back to
 decode-only (unless require_disagg). A decode error before the first byte to
@@ -39,7 +41,7 @@ from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
 from vllm_pd.router.request_body import ParsedRequest, prefill_body
-from vllm_pd.connector.transfer_params import awaited_push_params
+from vllm_pd.connector.transfer_params import awaited_prefill_params
 from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
 
 logger = logging.getLogger(__name__)
@@ -61,16 +63,17 @@ def default_release_remote_kv(params: dict) -> bool:
     return bool(release_remote_kv(params, timeout=2.0))
 
 
-def remote_decode_params(decode: Instance, push_key: str | None) -> dict[str, Any]:
-    """The prefill leg's kv_transfer_params; push_key: push to decode under that name."""
+def remote_decode_params(decode: Instance, transfer_key: str | None, mode: str = "push") -> dict[str, Any]:
+    """The prefill leg's kv_transfer_params; transfer_key: announce the KV to decode under that
+    name (and push it there in push mode)."""
     params: dict[str, Any] = {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None,
     }
-    if push_key is not None:
-        params["transfer_mode"] = "push"
+    if transfer_key is not None:
+        params["transfer_mode"] = mode
         params["decode_endpoint"] = decode.kv_endpoint
-        params["push_key"] = push_key
+        params["transfer_key"] = transfer_key
     return params
 
 
@@ -92,7 +95,7 @@ class FlowState:
     kv_pending: bool = False  # prefill holds KV that no decode has been asked to take
     prefill_cached_tokens: int | None = None
     pushed: bool = False  # prefill was told to push the KV into one decode instance
-    prefill_leg: "asyncio.Task[bool] | None" = None  # running beside the decode leg (push mode)
+    prefill_leg: "asyncio.Task[bool] | None" = None  # running beside the decode leg
     started: float = field(default_factory=time.monotonic)
     stage: str = "prefill"  # prefill | decode | stream (bytes reached the client): where a disconnect hit
     leases: list[LegLease] = field(default_factory=list)
@@ -141,7 +144,7 @@ class PDFlow:
                 self.metrics.retries.labels("decode").inc()
             try:
                 if state.kv_params is None and await self._needs_prefill(req, decode, state):
-                    if self._push_to(decode):
+                    if decode.kv_endpoint is not None:
                         return await self._decode_beside_prefill(req, decode, headers, state, http_request)
                     await self._prefill(req, decode, None, headers, state)
                 return await self._decode(req, decode, headers, state, http_request, state.kv_params)
@@ -198,24 +201,24 @@ class PDFlow:
             return False
         return True
 
-    def _push_to(self, decode: Instance) -> bool:
-        return self.config.kv_mode != "pull" and decode.kv_endpoint is not None
-
     async def _decode_beside_prefill(self, req: ParsedRequest, decode: Instance, headers: dict[str, str],
                                      state: FlowState, http_request: web.Request) -> web.StreamResponse:
-        """Push mode: both legs at once; decode waits for the KV prefill pushes under push_key."""
-        push_key = uuid.uuid4().hex
-        state.pushed = True
-        prefill = asyncio.ensure_future(self._prefill(req, decode, push_key, headers, state))
+        """Both legs at once; decode waits for prefill to announce the KV under transfer_key."""
+        transfer_key = uuid.uuid4().hex
+        # auto = pull: with one core per instance, prefill's push threads cost its forward more than
+        # the read after it (benchmarks/RESULTS.md, "PD latency")
+        mode = "push" if self.config.kv_mode == "push" else "pull"
+        state.pushed = mode == "push"
+        prefill = asyncio.ensure_future(self._prefill(req, decode, transfer_key, headers, state, mode))
         state.prefill_leg = prefill
         decode_leg = asyncio.ensure_future(
-            self._decode(req, decode, headers, state, http_request, awaited_push_params(push_key)))
+            self._decode(req, decode, headers, state, http_request, awaited_prefill_params(transfer_key, mode)))
         try:
             await asyncio.wait({prefill, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and not decode_leg.done() and state.stage != "stream":
                 # result() raises the client's 4xx, or 503 under require_disagg
                 if not prefill.result() or state.kv_params is None:
-                    # nothing will be pushed: decode would wait for nothing, so it computes the prompt
+                    # nothing will be announced: decode would wait for nothing, so it computes the prompt
                     decode_leg.cancel()
                     await asyncio.gather(decode_leg, return_exceptions=True)
                     state.pushed = False
@@ -227,13 +230,13 @@ class PDFlow:
                 await asyncio.gather(decode_leg, return_exceptions=True)
             if not prefill.done():
                 if decode_leg.cancelled() or decode_leg.exception() is not None:
-                    prefill.cancel()  # decode failed or the client left: the push has no taker
+                    prefill.cancel()  # decode failed or the client left: the KV has no taker
                 else:  # decode answered already; let prefill's answer (usage, release) come in
                     self._background.add(prefill)
                     prefill.add_done_callback(self._background.discard)
 
-    async def _prefill(self, req: ParsedRequest, decode: Instance, push_key: str | None,
-                       headers: dict[str, str], state: FlowState) -> bool:
+    async def _prefill(self, req: ParsedRequest, decode: Instance, transfer_key: str | None,
+                       headers: dict[str, str], state: FlowState, mode: str = "pull") -> bool:
         """Run the prefill leg with retries, leaving ``state.kv_params`` set. False: none succeeded,
         decode computes the prompt (raises instead under require_disagg)."""
         tried: set[str] = {decode.url}
@@ -244,7 +247,7 @@ class PDFlow:
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
             tried.add(prefill.url)
-            if await self._prefill_once(req, prefill, decode, push_key, headers, state):
+            if await self._prefill_once(req, prefill, decode, transfer_key, headers, state, mode):
                 return True
         if self.config.require_disagg:
             raise unavailable("no prefill instance could run the prompt and --require-disagg is set",
@@ -254,8 +257,9 @@ class PDFlow:
         return False
 
     async def _prefill_once(self, req: ParsedRequest, prefill: Instance, decode: Instance,
-                            push_key: str | None, headers: dict[str, str], state: FlowState) -> bool:
-        body = prefill_body(req.body, remote_decode_params(decode, push_key))
+                            transfer_key: str | None, headers: dict[str, str], state: FlowState,
+                            mode: str) -> bool:
+        body = prefill_body(req.body, remote_decode_params(decode, transfer_key, mode))
         lease = LegLease(prefill, "prefill", req.prompt_tokens)
         state.leases.append(lease)
         t0 = time.monotonic()
@@ -291,8 +295,8 @@ class PDFlow:
             return True
         state.kv_params = params
         # beside a running decode leg the KV is decode's already (it releases it); else it waits for one
-        state.kv_pending = push_key is None
-        state.pushed = push_key is not None
+        state.kv_pending = transfer_key is None
+        state.pushed = transfer_key is not None and mode == "push"
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
