@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -74,6 +75,9 @@ class LocalCluster:
     def start(self) -> None:
         roles = ["prefill"] * self.n_prefill + ["decode"] * self.n_decode + ["both"] * self.n_both
         binds = cpu_bindings(len(roles))
+        # each server has cores of its own: confine its whole process tree (API server, engine core,
+        # worker) to them, not only vLLM's OpenMP threads, so servers never steal each other's cores
+        pin = len(set(binds)) == len(binds) and shutil.which("taskset") is not None
         used: set[int] = set()
         counters = {"prefill": 0, "decode": 0, "both": 0}
         for role, cores in zip(roles, binds):
@@ -87,7 +91,8 @@ class LocalCluster:
                 "kv_connector_extra_config": {"transport": self.transport, "host": self.host,
                                               **self.connector_extra}}
             spec = VllmServerSpec(model=self.model, port=port, host=self.host, kv_transfer_config=kv_cfg,
-                                  cpu_cores=cores, max_model_len=self.max_model_len, extra_args=self.extra_args)
+                                  cpu_cores=cores, pin_processes=pin, max_model_len=self.max_model_len,
+                                  extra_args=self.extra_args)
             server = VllmServer(spec, log_path=self.log_dir / f"{name}.log").start()
             self.servers.append(LocalServer(name, role, server, kv_port))
 
