@@ -337,6 +337,9 @@ class StoreScheduler:
                 self._remove_subtree(key)
         if self._disk_orphans:
             self._adopt_disk_blocks()
+        if self.master is not None:
+            # publish now: the step that reports the last commits may be the engine's last for a while
+            self.master.flush()
 
     # -- internals ---------------------------------------------------------------------
 
