@@ -141,8 +141,7 @@ def main() -> int:
           f"prompt tokens not recomputed {100 * with_store['not_recomputed']:.1f} % "
           f"(without: {100 * without['not_recomputed']:.1f} %); {time.monotonic() - t0:.0f} s")
     chart = BarChart(
-        title=f"TTFT on a multi-turn trace ({len(prompts)} requests, 1 CPU core); "
-              f"store: {100 * with_store['not_recomputed']:.0f} % of prompt tokens not recomputed",
+        title=f"TTFT, multi-turn trace: the store serves {100 * with_store['not_recomputed']:.0f} % of prompt tokens",
         y_label="TTFT (ms)",
         groups=["p50", "p99", "mean"],
         series={
