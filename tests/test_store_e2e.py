@@ -19,7 +19,6 @@ Three server starts in all (two of them side by side).
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from tests.e2e_cluster import (
     stop_all,
 )
 from tests.prompt_catalogue import STORE_LATE, STORE_OTHER, STORE_PRESSURE, STORE_TURN1, STORE_TURN2
-from vllm_pd.connector.store.master_client import MasterClient
+from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.vllm_server import free_port
 
 pytestmark = pytest.mark.e2e
@@ -63,26 +62,13 @@ def store_spec(model: Path, cores: str, store: dict):
     return spec, None
 
 
-def start_master() -> tuple[subprocess.Popen, str]:
-    address = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-c",
-                             f"from vllm_pd.connector.store.master import serve; serve('{address}')"])
-    probe = MasterClient(address, "probe", "", lambda: [], timeout_s=1.0, retry_after_s=0.0)
-    deadline = time.monotonic() + 60
-    while not probe.flush(force=True):
-        assert time.monotonic() < deadline and proc.poll() is None, "store master did not start"
-        time.sleep(0.2)
-    probe.close()
-    return proc, address
-
-
 @pytest.fixture(scope="module")
 def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log_dir = tmp_path_factory.mktemp("store-e2e-logs")
     disk = tmp_path_factory.mktemp("store-disk")
     client = httpx.Client()
     out: dict[str, object] = {}
-    master, address = start_master()
+    master, address = spawn_master(free_port())
     store_a = {"cpu_bytes": "64m", "disk_path": str(disk), "disk_bytes": "256m", "master": address,
                "node_id": "A"}
     store_b = {"cpu_bytes": f"{B_SLOTS * 256}k", "master": address, "node_id": "B"}  # 256 KiB per block

@@ -2,8 +2,6 @@
 then two store nodes (scheduler + worker facades, real tensors) and a real
 master process: fetched through the master, stale master entries, dead master."""
 
-import subprocess
-import sys
 import time
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool, checksum
 from vllm_pd.connector.store.keys import KeySalt, chain_keys
-from vllm_pd.connector.store.master_client import MasterClient
+from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.connector.store.pool_exchange import PoolExchange, SlotDirectory
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
@@ -139,12 +137,7 @@ class Node:
 
 @pytest.fixture
 def master():
-    address = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-c",
-                             f"from vllm_pd.connector.store.master import serve; serve('{address}')"])
-    probe = MasterClient(address, "probe", "", lambda: [], timeout_s=1.0, retry_after_s=0.0)
-    assert eventually(lambda: probe.flush(force=True), timeout=20.0)
-    probe.close()
+    proc, address = spawn_master(free_port())
     yield proc, address
     proc.kill()
     proc.wait()
