@@ -175,37 +175,44 @@ class StoreWorker:
         """Read the op's disk blocks and fetch its peer blocks into their slots;
         returns how many leading blocks are usable."""
         usable = len(op.keys)
-        reads = []
-        for i, (slot, from_disk) in enumerate(zip(op.slots, op.from_disk)):
-            if from_disk:
-                if self.disk is None:
-                    usable = min(usable, i)
-                    break
-                self.directory.drop_slots([slot])
-                reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot))))
-        for i, fut in reads:  # wait for all: no read may still write a slot the scheduler frees
-            if fut.result():
-                self.directory.put(op.keys[i], op.slots[i], self.pool.checksum(op.slots[i]))
-            else:
-                usable = min(usable, i)
         remote = [i for i, p in enumerate(op.from_peer) if p]
-        if remote:
-            got = self._fetch(op, remote) if usable >= remote[0] else 0
-            usable = min(usable, remote[0] + got)
-        return usable
+        fetched: list[bytes] = []  # checksums of the peer blocks that landed
+        try:
+            reads = []
+            for i, (slot, from_disk) in enumerate(zip(op.slots, op.from_disk)):
+                if from_disk:
+                    if self.disk is None:
+                        usable = min(usable, i)
+                        break
+                    self.directory.drop_slots([slot])
+                    reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot))))
+            for i, fut in reads:  # wait for all: no read may still write a slot the scheduler frees
+                if fut.result():
+                    self.directory.put(op.keys[i], op.slots[i], self.pool.checksum(op.slots[i]))
+                else:
+                    usable = min(usable, i)
+            if remote and usable >= remote[0]:
+                fetched = self._fetch(op, remote)
+        finally:
+            if remote:  # the reserved slots must always be committed or given back
+                self._fetched(op, remote, fetched)
+        return min(usable, remote[0] + len(fetched)) if remote else usable
 
-    def _fetch(self, op: LoadOp, remote: list[int]) -> int:
-        """Fetch the op's peer blocks (a suffix of it); report them as a save of
-        this node (committed: landed and verified); returns how many landed."""
-        keys = [op.keys[i] for i in remote]
-        slots = [op.slots[i] for i in remote]
+    def _fetch(self, op: LoadOp, remote: list[int]) -> list[bytes]:
+        """Fetch the op's peer blocks (a suffix of it) into their reserved slots;
+        returns the checksums of the leading ones that landed verified."""
         peers = op.peer.split(",")
+        slots = [op.slots[i] for i in remote]
         self.directory.drop_slots(slots)
-        sums: list[bytes] = []
         if self.exchange is None or len(peers) <= self.rank:
             logger.warning("store: no peer endpoint for rank %d (%r); recomputing", self.rank, op.peer)
-        else:
-            sums = self.exchange.fetch(peers[self.rank], keys, slots)
+            return []
+        return self.exchange.fetch(peers[self.rank], [op.keys[i] for i in remote], slots)
+
+    def _fetched(self, op: LoadOp, remote: list[int], sums: list[bytes]) -> None:
+        """Report fetched blocks as saved here (the scheduler commits them), the rest as failed."""
+        keys = [op.keys[i] for i in remote]
+        slots = [op.slots[i] for i in remote]
         got = len(sums)
         for key, slot, digest in zip(keys, slots, sums):
             self.directory.put(key, slot, digest)
@@ -214,7 +221,6 @@ class StoreWorker:
         if self.disk is not None and got:
             parent = op.keys[remote[0] - 1] if remote[0] else op.parent
             self._write_through(parent, keys[:got], slots[:got], sums)
-        return got
 
     def wait_layer(self, layer: int) -> None:
         """Block until every load started so far has put ``layer`` in place."""
