@@ -237,3 +237,11 @@ def test_dead_master_means_local_lookups_only(nodes):
     op, missing = b.sched.plan_load("r-b", TOKS[:-1], 0, 4, [20])
     b.step()
     assert op is not None and not missing and b.worker.take_load_errors() == set()
+
+
+def test_fetch_timeout_is_validated():
+    from vllm_pd.connector.exceptions import ConfigError
+
+    assert StoreConfig.from_dict({"fetch_timeout_s": 0.5}).fetch_timeout_s == 0.5
+    with pytest.raises(ConfigError, match="fetch_timeout_s"):
+        StoreConfig.from_dict({"fetch_timeout_s": 0})
