@@ -10,6 +10,7 @@ import torch
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool, checksum
 from vllm_pd.connector.store.keys import KeySalt, chain_keys
+from vllm_pd.connector.store.master_client import MasterClient
 from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.connector.store.pool_exchange import PoolExchange, SlotDirectory
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
@@ -245,3 +246,38 @@ def test_fetch_timeout_is_validated():
     assert StoreConfig.from_dict({"fetch_timeout_s": 0.5}).fetch_timeout_s == 0.5
     with pytest.raises(ConfigError, match="fetch_timeout_s"):
         StoreConfig.from_dict({"fetch_timeout_s": 0})
+
+
+def test_master_advertises_only_blocks_in_cpu_slots(master, tmp_path):
+    _, address = master
+    a = Node("a", address, seed=1, slots=3, disk_path=str(tmp_path))
+    b = Node("b", address, seed=2)
+    try:
+        save_on(a)
+        assert b.sched.match_with_remote(TOKS[:-1])[1].blocks == 3
+        other = list(range(500, 513))
+        a.sched.plan_save("r-a2", other, [1, 2, 4])  # needs all 3 slots: TOKS's blocks stay on disk only
+        a.step()
+        assert a.sched.match(TOKS) == 12  # still a local (disk) hit on a ...
+        assert b.sched.match_with_remote(TOKS[:-1]) == (0, None)  # ... but nothing a peer could fetch
+        op, _ = a.sched.plan_load("r-a3", TOKS[:-1], 0, 12, [20, 21, 22])  # a reads them back into slots
+        assert op is not None and all(op.from_disk)
+        a.step()
+        assert b.sched.match_with_remote(TOKS[:-1])[1].blocks == 3  # servable again
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_master_is_retried_ever_more_rarely():
+    client = MasterClient(f"tcp://127.0.0.1:{free_port()}", "n", "", lambda: [], timeout_s=0.05,
+                          retry_after_s=1.0)
+    try:
+        assert client.lookup(KEYS) is None and not client.available  # nobody there: down for 1 s
+        time.sleep(1.1)
+        assert client.available
+        assert client.lookup(KEYS) is None  # fails again: down for 2 s now
+        time.sleep(1.1)
+        assert not client.available
+    finally:
+        client.close()

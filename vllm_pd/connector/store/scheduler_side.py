@@ -81,7 +81,7 @@ class StoreScheduler:
             import socket
 
             node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
-            self.master = MasterClient(config.master, node, endpoint, self.index.chains, config.master_timeout_s)
+            self.master = MasterClient(config.master, node, endpoint, self._servable_chains, config.master_timeout_s)
         self.stats = {"hit_blocks": 0, "remote_blocks": 0, "saved_blocks": 0, "evicted_blocks": 0,
                       "load_failures": 0}
         if config.disk_path is not None:
@@ -307,6 +307,8 @@ class StoreScheduler:
                 node = self.index.get(key)
                 if node is not None and key in load.staging:
                     node.value.staging = False
+                    if self.master is not None:  # back in a CPU slot: peers may fetch it again
+                        self.master.inserted(key, node.parent.key if node.parent is not None else None)
             for key in result.failed:
                 self.stats["load_failures"] += 1
                 if key in load.staging:
@@ -376,6 +378,16 @@ class StoreScheduler:
                 return False
         return loc.on_disk or not node.children
 
+    def _servable_chains(self) -> list[tuple[BlockKey, BlockKey | None]]:
+        """What the master may advertise of this node: blocks in CPU slots (peers
+        fetch from the pool, not from disk), parents first."""
+        out = []
+        for key, parent in self.index.chains():
+            loc: Location = self.index.get(key).value  # type: ignore[union-attr]
+            if loc.slot is not None and not loc.staging:
+                out.append((key, parent))
+        return out
+
     def _drop_memory(self, keys: Sequence[BlockKey]) -> None:
         """The cache evicted ``keys`` from the CPU tier."""
         for key in keys:
@@ -387,10 +399,10 @@ class StoreScheduler:
                 self.slots.free([loc.slot])
                 loc.slot = None
             self.stats["evicted_blocks"] += 1
+            if self.master is not None:
+                self.master.removed(key)  # peers fetch from CPU slots only, also when it stays on disk here
             if not loc.on_disk:
                 self.index.remove_leaf(key)
-                if self.master is not None:
-                    self.master.removed(key)
 
     def _remove_subtree(self, key: BlockKey) -> None:
         for node in self.index.remove_subtree(key):
@@ -413,9 +425,7 @@ class StoreScheduler:
                     loc = self.index.get(key).value  # type: ignore[union-attr]
                     loc.on_disk, loc.disk_writing = True, False
                 elif parent is None or parent in self.index:
-                    self.index.insert_chain([key], parent, [Location(on_disk=True)])
-                    if self.master is not None:
-                        self.master.inserted(key, parent)
+                    self.index.insert_chain([key], parent, [Location(on_disk=True)])  # not servable to peers
                 else:
                     continue
                 del self._disk_orphans[key]
