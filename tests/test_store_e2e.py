@@ -81,6 +81,7 @@ def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.Te
             time.sleep(THINK_TIME_S)  # turn 1's blocks are saved asynchronously, then published
             out["turn2"] = post(client, b, completion_body(TURN2))  # on the other node
             out["pressure"] = [post(client, b, completion_body(p)) for p in PRESSURE]
+            time.sleep(THINK_TIME_S)  # the last one's blocks commit after its answer
             out["pressure_again"] = [post(client, b, completion_body(p)) for p in reversed(PRESSURE)]
             out["late"] = late_requests_while_the_master_dies(a, b, master)
             post(client, a, completion_body(OTHER))  # A's last blocks on disk, for the corruption phase

@@ -77,7 +77,10 @@ here), and reports them as saved: they commit like any put, and vLLM got them
 as a store hit in the same step. A stale entry (node gone, block evicted), a
 slow peer (``fetch_timeout_s``) or a dead master fall back to the local prefix;
 what did not arrive is reported as load errors and recomputed. Only blocks in
-the holder's CPU pool are served (not its disk tier). The fetch runs before
+the holder's CPU pool are served and advertised (not its disk tier; a block
+read back from disk is advertised again). A master that stays down is retried
+with a doubling back-off (up to 60 s): each failed call stalls the scheduler
+for ``master_timeout_s``. The fetch runs before
 the first layer's copy, so the step waits for it (no per-layer overlap yet).
 
 Composing with LMCache (not installed here; nothing of this was run): vLLM's
