@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_pd.connector.store.config import StoreConfig
-from vllm_pd.connector.store.cpu_pool import CpuBlockPool, checksum
+from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.keys import KeySalt, chain_keys
 from vllm_pd.connector.store.master_client import MasterClient
 from vllm_pd.connector.store.master_command import spawn_master
