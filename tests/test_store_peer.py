@@ -77,9 +77,25 @@ def test_lease_covers_only_the_leading_blocks_still_held(pair):
 
 def test_block_overwritten_after_its_lease_is_rejected(pair):
     a, b = pair
-    a.pool.data[5].add_(1)  # slot of KEYS[1] reused mid-flight: bytes no longer match its commit
+    lease = a.directory.lease
+
+    def lease_then_reuse_slot(keys):
+        held = lease(keys)
+        a.directory.drop_slots([5])  # a save reuses KEYS[1]'s slot right after the lease ...
+        a.pool.data[5].add_(1)  # ... and writes it while it is being sent
+        return held
+
+    a.directory.lease = lease_then_reuse_slot
     sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3])
     assert len(sums) == 1  # KEYS[0] only: never a wrong block, not the ones after it either
+    assert eventually(lambda: a.live_grants == 0)
+
+
+def test_release_of_an_unknown_or_expired_grant_counts_nothing(pair):
+    a, _ = pair
+    from vllm_pd.connector.store.pool_exchange import Released, ReleaseBlocks, _decoder, _encoder
+
+    assert _decoder.decode(a.on_notify("x", _encoder.encode(ReleaseBlocks("store-nope")))) == Released(0)
 
 
 def test_gone_peer_fetches_nothing_within_the_timeout(pair):
