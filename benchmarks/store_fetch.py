@@ -4,8 +4,9 @@
 
 Two store pools (PoolExchange, TCP transport on loopback) in one process. The
 store's fetch = lease round trip (notify) + transport fetch (per-block length
-and blake3 checksum) + a check of every landed slot against its commit-time
-checksum + release. Its peer, measured in the same run on the same pools: the
+and blake3 checksum) + release round trip (answers whether a slot was
+overwritten meanwhile). Its peer, measured in the same run on the same pools,
+rounds alternating with it (a loaded machine slows both alike): the
 transport's fetch alone of the same slots under a standing grant. Also the
 latency of fetching one slot (what a short prefix costs).
 """
@@ -31,13 +32,15 @@ def exchange(slots: int, layers: int, layer_nbytes: int) -> PoolExchange:
     return ex
 
 
-def timed(fn, rounds: int) -> float:  # noqa: ANN001
-    samples = []
+def timed_pair(first, second, rounds: int) -> tuple[float, float]:  # noqa: ANN001
+    """Median seconds of ``first`` and of ``second``, run alternately."""
+    samples: tuple[list[float], list[float]] = ([], [])
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for fn, out in ((first, samples[0]), (second, samples[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 def main() -> None:
@@ -61,20 +64,19 @@ def main() -> None:
             if len(asker.fetch(holder.endpoint, keys, local)) != n:
                 raise SystemExit("store fetch failed")
 
-        store = timed(store_fetch, args.rounds)
+        store_fetch()
         assert torch.equal(asker.pool.data[:n], holder.pool.data[n:])
         holder.transport.allow_fetch("bench-standing", remote)
-        bare = timed(lambda: asker.transport.fetch(holder.endpoint, "bench-standing", POOL_REGION, remote, local,
-                                                   30.0).result(), args.rounds)
-        one = timed(lambda: asker.fetch(holder.endpoint, keys[:1], local[:1]), args.rounds)
-        one_bare = timed(lambda: asker.transport.fetch(holder.endpoint, "bench-standing", POOL_REGION, remote[:1],
-                                                       local[:1], 30.0).result(), args.rounds)
+        store, bare = timed_pair(store_fetch, lambda: asker.transport.fetch(
+            holder.endpoint, "bench-standing", POOL_REGION, remote, local, 30.0).result(), args.rounds)
+        one, one_bare = timed_pair(lambda: asker.fetch(holder.endpoint, keys[:1], local[:1]), lambda: asker.transport.fetch(
+            holder.endpoint, "bench-standing", POOL_REGION, remote[:1], local[:1], 30.0).result(), args.rounds)
     finally:
         holder.close()
         asker.close()
     print(f"{n} slots x {holder.pool.slot_nbytes / (1 << 20):.2f} MiB = {nbytes / (1 << 20):.0f} MiB per fetch, "
           f"median of {args.rounds}")
-    print(f"store fetch (lease + fetch + commit-checksum check + release): {nbytes / store / 1e9:.2f} GB/s "
+    print(f"store fetch (lease + fetch + release/intact check): {nbytes / store / 1e9:.2f} GB/s "
           f"= {bare / store:.2f} x bare transport fetch ({nbytes / bare / 1e9:.2f} GB/s)")
     print(f"one slot: store {one * 1e3:.2f} ms vs bare transport {one_bare * 1e3:.2f} ms")
 

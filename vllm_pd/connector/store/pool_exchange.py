@@ -20,7 +20,7 @@ checksum checks. Two small control messages ride on the transport's
    SlotDirectory, which bumps the slot's generation). A slot evicted and
    reused while it was being sent is therefore never counted as fetched; the
    blocks before it still are. This replaces re-hashing every landed slot on
-   the asker (0.67x -> ~0.9x of a bare transport fetch, benchmarks/store_fetch.py).
+   the asker (0.67x -> 0.90-0.96x of a bare transport fetch, benchmarks/store_fetch.py).
 
 A peer that is gone, slow or no longer holds the blocks makes ``fetch`` return
 fewer (or zero) blocks; the caller recomputes the rest.
