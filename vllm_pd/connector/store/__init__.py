@@ -71,9 +71,9 @@ TCP transport instance (pool_exchange.py; the endpoint rides in the connector's
 handshake and is published to the master). A node whose local prefix is
 shorter than what the master says another node holds reserves slots for the
 rest, its worker leases them from that node (``notify``), fetches the slots
-(transport ``fetch``, length + checksum per block), checks each against the
-checksum the holder recorded at commit time (an evicted-and-reused slot fails
-here), and reports them as saved: they commit like any put, and vLLM got them
+(transport ``fetch``, length + checksum per block), releases the lease (the
+answer says which slots the holder started to overwrite meanwhile: those and
+the ones after them do not count), and reports them as saved: they commit like any put, and vLLM got them
 as a store hit in the same step. A stale entry (node gone, block evicted), a
 slow peer (``fetch_timeout_s``) or a dead master fall back to the local prefix;
 what did not arrive is reported as load errors and recomputed. Only blocks in
