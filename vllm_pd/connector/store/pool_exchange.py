@@ -223,9 +223,10 @@ class PoolExchange:
 
     def fetch(self, peer: str, keys: Sequence[BlockKey], local_slots: Sequence[int]) -> list[bytes]:
         """Land ``keys`` from ``peer``'s pool into our ``local_slots`` (reserved by
-        the caller, nobody else writes them); returns the checksums of the
-        *leading* keys that landed intact (verified in transit, not overwritten at the holder while sent; one
-        per key, possibly none). Never raises for a peer's fault."""
+        the caller, nobody else writes them); returns the commit-time checksums
+        of the *leading* keys that landed intact (verified in transit, not
+        overwritten at the holder while sent), possibly none. Never raises for
+        a peer's fault."""
         if not keys:
             return []
         try:
