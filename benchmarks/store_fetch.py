@@ -67,10 +67,13 @@ def main() -> None:
         store_fetch()
         assert torch.equal(asker.pool.data[:n], holder.pool.data[n:])
         holder.transport.allow_fetch("bench-standing", remote)
-        store, bare = timed_pair(store_fetch, lambda: asker.transport.fetch(
-            holder.endpoint, "bench-standing", POOL_REGION, remote, local, 30.0).result(), args.rounds)
-        one, one_bare = timed_pair(lambda: asker.fetch(holder.endpoint, keys[:1], local[:1]), lambda: asker.transport.fetch(
-            holder.endpoint, "bench-standing", POOL_REGION, remote[:1], local[:1], 30.0).result(), args.rounds)
+        def bare_fetch(count: int) -> None:
+            asker.transport.fetch(holder.endpoint, "bench-standing", POOL_REGION, remote[:count], local[:count],
+                                  30.0).result()
+
+        store, bare = timed_pair(store_fetch, lambda: bare_fetch(n), args.rounds)
+        one, one_bare = timed_pair(lambda: asker.fetch(holder.endpoint, keys[:1], local[:1]),
+                                   lambda: bare_fetch(1), args.rounds)
     finally:
         holder.close()
         asker.close()

@@ -127,7 +127,9 @@ class StoreScheduler:
         (None if the master is absent, down or knows nothing longer)."""
         return self.match_with_remote(token_ids, request_id)[1]
 
-    def match_with_remote(self, token_ids: Sequence[int], request_id: str | None = None) -> tuple[int, RemoteHit | None]:
+    def match_with_remote(
+        self, token_ids: Sequence[int], request_id: str | None = None
+    ) -> tuple[int, RemoteHit | None]:
         """(tokens to load, the node to fetch the part beyond the local prefix
         from, or None): the local prefix, or a longer one the master says
         another node holds. Only a hint: the fetch verifies, and what does not
