@@ -152,24 +152,32 @@ class StoreWorker:
         self._loader.submit(self._load, list(ops), futures)
 
     def _load(self, ops: list[LoadOp], layer_futures: list[Future[None]]) -> None:
+        error: Exception | None = None
         try:
             usable = [self._stage(op) for op in ops]
             for layer, kv in enumerate(self.kv_caches):
                 for op, n in zip(ops, usable):
                     if n:
                         self.pool.load_layer(layer, op.slots[:n], kv, op.block_ids[:n])
-                layer_futures[layer].set_result(None)
+                if layer < len(layer_futures) - 1:
+                    layer_futures[layer].set_result(None)
         except Exception as exc:  # noqa: BLE001
             logger.exception("store: load failed")
-            usable = [0] * len(ops)
-            for f in layer_futures:
-                if not f.done():
-                    f.set_exception(exc)
+            usable, error = [0] * len(ops), exc
+        # recorded before the last layer is released: vLLM asks for load errors right
+        # after its forward, which waits for every layer
         with self._lock:
             for op, n in zip(ops, usable):
                 self._loads.append(LoadResult(op.request_id, op.keys[:n], op.keys[n:], op.block_ids[n:]))
                 self._load_errors.update(op.block_ids[n:])
                 self._loaded_requests.add(op.request_id)
+        for f in layer_futures:
+            if f.done():
+                continue
+            if error is not None:
+                f.set_exception(error)
+            else:
+                f.set_result(None)
 
     def _stage(self, op: LoadOp) -> int:
         """Read the op's disk blocks and fetch its peer blocks into their slots;
