@@ -43,5 +43,28 @@ for i, t in enumerate(TEXTS):
 for i, t in enumerate(CHATS):
     CONNECTOR_CASES[f"chat{i}"] = chat_body(t)
 
+# The KV block store (tests/test_store_e2e.py): multi-turn prefixes, prompts for
+# memory pressure and for requests sent while the store master is killed.
+_store_rng = random.Random(5)
+
+
+def _store_ids(n: int) -> list[int]:
+    return [_store_rng.randrange(300, 3000) for _ in range(n)]
+
+
+STORE_TURN1 = _store_ids(300)
+STORE_TURN2 = STORE_TURN1 + _store_ids(120)  # turn 1 + reply + next user message
+STORE_OTHER = _store_ids(200)
+STORE_PRESSURE = [_store_ids(300) for _ in range(4)]
+STORE_LATE = [_store_ids(260) for _ in range(3)]
+STORE_LATE.append(STORE_LATE[0] + _store_ids(100))
+STORE_CASES: dict[str, dict[str, Any]] = {
+    "store_turn1": completion_body(STORE_TURN1),
+    "store_turn2": completion_body(STORE_TURN2),
+    "store_other": completion_body(STORE_OTHER),
+    **{f"store_pressure{i}": completion_body(p) for i, p in enumerate(STORE_PRESSURE)},
+    **{f"store_late{i}": completion_body(p) for i, p in enumerate(STORE_LATE)},
+}
+
 # Other areas add their own dicts here; the reference phase runs all of them.
-CATALOGUE: dict[str, dict[str, Any]] = {**CONNECTOR_CASES}
+CATALOGUE: dict[str, dict[str, Any]] = {**CONNECTOR_CASES, **STORE_CASES}

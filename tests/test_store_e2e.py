@@ -1,34 +1,53 @@
-"""The KV block store on real vLLM CPU servers (one at a time: 2 cores).
+"""The KV block store on real vLLM CPU servers; expected outputs come from the
+session's plain reference instance (``reference_outputs``; the prompts are
+tests/prompt_catalogue.STORE_CASES).
 
-Phase 1: a plain server (no connector, no prefix cache) gives reference outputs.
-Phase 2: a colocated server (kv_both) with the store (CPU + disk), vLLM's own
-prefix cache off so every reused token comes from the store: turn 2 of a
-conversation loads turn 1's prefix (cached_tokens) and answers exactly like
-the reference. Phase 3: the same server restarted on the same disk directory
-(empty CPU pool): the prefix comes back from disk; a corrupted block file is
-detected, recomputed, and the answer is still exact.
+Phase 1: a store master process and two colocated store nodes (kv_both), A on
+core 0 and B on core 1, vLLM's own prefix cache off so every reused token
+comes from the store. A serves turn 1; B serves turn 2 with turn 1's prefix
+fetched from A through the master (cached_tokens on B, which never saw turn 1)
+and answers exactly like the reference. B has a CPU tier of a few blocks and
+no disk: under that memory pressure it evicts, never serves an evicted block,
+and answers exactly. Then the master is killed while requests run: they all
+succeed with exact output (local lookups / recompute).
+Phase 2: A restarted on the same disk directory (empty CPU pool): the prefix
+comes back from disk; a corrupted block file is detected, recomputed, and the
+answer is still exact.
+Three server starts in all (two of them side by side).
 """
 
 from __future__ import annotations
 
-import random
+import subprocess
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e_cluster import completion_body, connector_config, output_tokens, post, server_spec
-from vllm_pd.vllm_server import VllmServer, free_port
+from tests.e2e_cluster import (
+    completion_body,
+    connector_config,
+    output_tokens,
+    post,
+    server_spec,
+    start_all,
+    stop_all,
+)
+from tests.prompt_catalogue import STORE_LATE, STORE_OTHER, STORE_PRESSURE, STORE_TURN1, STORE_TURN2
+from vllm_pd.connector.store.master_command import spawn_master
+from vllm_pd.vllm_server import free_port
 
 pytestmark = pytest.mark.e2e
 
-BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
+BLOCK = 128  # vLLM's CPU default (the reference instance uses it too)
+B_SLOTS = 6  # node B's CPU tier, in blocks: memory pressure
 THINK_TIME_S = 2.0
-rng = random.Random(5)
-TURN1 = [rng.randrange(300, 3000) for _ in range(150)]
-TURN2 = TURN1 + [rng.randrange(300, 3000) for _ in range(60)]  # turn 1 + reply + next user message
-OTHER = [rng.randrange(300, 3000) for _ in range(100)]
+TURN1, TURN2, OTHER = STORE_TURN1, STORE_TURN2, STORE_OTHER
+PRESSURE = STORE_PRESSURE  # 2 full blocks saved each: 8 > B_SLOTS
+LATE = STORE_LATE[:3]  # sent to A and B while the master is killed
+LATE_EXT = STORE_LATE[3]  # extends LATE[0] (computed on A), asked on B once the master is dead
 
 
 def cached(resp) -> int:
@@ -36,44 +55,43 @@ def cached(resp) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
-def run_server(model: Path, log_dir: Path, ktc, name: str) -> VllmServer:
-    spec = server_spec(model, "0-1", ktc)
-    spec.extra_args += ["--no-enable-prefix-caching", "--block-size", str(BLOCK)]
-    server = VllmServer(spec, log_dir / f"{name}.log").start()
-    try:
-        server.wait_healthy(timeout=900)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+def store_spec(model: Path, cores: str, store: dict):
+    ktc = connector_config("kv_both", free_port(), store=store)
+    spec = server_spec(model, cores, ktc)
+    spec.extra_args += ["--no-enable-prefix-caching"]
+    return spec, None
 
 
 @pytest.fixture(scope="module")
-def phases(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log_dir = tmp_path_factory.mktemp("store-e2e-logs")
     disk = tmp_path_factory.mktemp("store-disk")
     client = httpx.Client()
-    out: dict[str, object] = {"disk": disk}
-    server = run_server(small_model_dir, log_dir, None, "plain")
+    out: dict[str, object] = {}
+    master, address = spawn_master(free_port())
+    store_a = {"cpu_bytes": "64m", "disk_path": str(disk), "disk_bytes": "256m", "master": address,
+               "node_id": "A"}
+    store_b = {"cpu_bytes": f"{B_SLOTS * 256}k", "master": address, "node_id": "B"}  # 256 KiB per block
     try:
-        out["ref1"] = output_tokens(post(client, server.url, completion_body(TURN1)))
-        out["ref2"] = output_tokens(post(client, server.url, completion_body(TURN2)))
-        out["ref_other"] = output_tokens(post(client, server.url, completion_body(OTHER)))
+        node_a, node_b = start_all([store_spec(small_model_dir, "0", store_a),
+                                    store_spec(small_model_dir, "1", store_b)], log_dir)
+        try:
+            a, b = node_a.url, node_b.url
+            out["turn1"] = post(client, a, completion_body(TURN1))
+            time.sleep(THINK_TIME_S)  # turn 1's blocks are saved asynchronously, then published
+            out["turn2"] = post(client, b, completion_body(TURN2))  # on the other node
+            out["pressure"] = [post(client, b, completion_body(p)) for p in PRESSURE]
+            time.sleep(THINK_TIME_S)  # the last one's blocks commit after its answer
+            out["pressure_again"] = [post(client, b, completion_body(p)) for p in reversed(PRESSURE)]
+            out["late"] = late_requests_while_the_master_dies(a, b, master)
+            post(client, a, completion_body(OTHER))  # A's last blocks on disk, for the corruption phase
+            time.sleep(THINK_TIME_S)
+        finally:
+            stop_all([node_a, node_b])
     finally:
-        server.stop()
-    store = {"cpu_bytes": "64m", "disk_path": str(disk), "disk_bytes": "256m"}
-    ktc = connector_config("kv_both", free_port(), store=store)
-    server = run_server(small_model_dir, log_dir, ktc, "store")
-    try:
-        r1 = post(client, server.url, completion_body(TURN1))
-        # the user's think time: turn 1's blocks are saved after it finishes (asynchronously,
-        # committed a step or two later); a turn 2 arriving within milliseconds would miss them
-        time.sleep(THINK_TIME_S)
-        r2 = post(client, server.url, completion_body(TURN2))
-        out["turn1"], out["turn2"] = r1, r2
-        post(client, server.url, completion_body(OTHER))  # saved too, for the corruption phase
-    finally:
-        server.stop()
+        master.kill()
+        master.wait()
+        client.close()
     # corrupt the most recently written block file (one of OTHER's blocks)
     files = sorted((p for p in Path(disk).rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime)
     out["files"] = len(files)
@@ -81,31 +99,80 @@ def phases(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    server = run_server(small_model_dir, log_dir, ktc, "store-restarted")
+    [restarted] = start_all([store_spec(small_model_dir, "0-1", store_a)], log_dir)
+    client = httpx.Client()
     try:
-        out["turn2_disk"] = post(client, server.url, completion_body(TURN2))
-        out["other_disk"] = post(client, server.url, completion_body(OTHER))
+        out["turn2_disk"] = post(client, restarted.url, completion_body(TURN2))
+        out["other_disk"] = post(client, restarted.url, completion_body(OTHER))
     finally:
-        server.stop()
+        stop_all([restarted])
         client.close()
     return out
 
 
-def test_turn2_loads_turn1_prefix_from_the_store_and_matches(phases):
+def late_requests_while_the_master_dies(a: str, b: str, master: subprocess.Popen) -> dict:
+    """LATE prompts go to A and B at once; the master is killed after the first
+    answer, while the others run; then B gets an extension of what A computed."""
+    results: dict[str, object] = {}
+
+    def send(name: str, url: str, ids: list[int]) -> None:
+        try:
+            with httpx.Client() as own:  # one client per thread
+                results[name] = post(own, url, completion_body(ids))
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            results[name] = exc
+
+    threads = [threading.Thread(target=send, args=(f"store_late{i}", a if i % 2 == 0 else b, ids))
+               for i, ids in enumerate(LATE)]
+    threads[0].start()
+    threads[0].join()
+    master.kill()
+    master.wait()
+    for t in threads[1:]:
+        t.start()
+    for t in threads[1:]:
+        t.join()
+    time.sleep(THINK_TIME_S)
+    send("store_late3", b, LATE_EXT)
+    return results
+
+
+def test_turn2_on_another_node_fetches_turn1_through_the_master(phases, reference_outputs):
     assert cached(phases["turn1"]) == 0
-    assert output_tokens(phases["turn1"]) == phases["ref1"]
-    # turn 1's full blocks (prompt + generated tokens with KV) came from the store
+    assert output_tokens(phases["turn1"]) == reference_outputs["store_turn1"]
+    # B never saw turn 1: its full blocks (prompt + generated tokens with KV) came from A
     assert cached(phases["turn2"]) >= (len(TURN1) // BLOCK) * BLOCK
-    assert output_tokens(phases["turn2"]) == phases["ref2"]
+    assert output_tokens(phases["turn2"]) == reference_outputs["store_turn2"]
 
 
-def test_after_restart_prefix_comes_from_disk(phases):
+def test_memory_pressure_evicts_within_capacity_and_never_serves_evicted_blocks(phases, reference_outputs):
+    first, again = phases["pressure"], list(reversed(phases["pressure_again"]))
+    for i, (r1, r2) in enumerate(zip(first, again)):
+        assert output_tokens(r1) == output_tokens(r2) == reference_outputs[f"store_pressure{i}"]
+        assert cached(r1) == 0 and cached(r2) <= B_SLOTS * BLOCK
+    full = (len(PRESSURE[0]) // BLOCK) * BLOCK
+    hits = [cached(r) for r in again]
+    assert max(hits) >= BLOCK  # the store still serves under pressure
+    assert min(hits) < full  # and evicted: 8 blocks of these prompts never fit in 6 slots
+
+
+def test_killing_the_master_mid_run_keeps_requests_exact(phases, reference_outputs):
+    late = phases["late"]
+    for name in ("store_late0", "store_late1", "store_late2", "store_late3"):
+        resp = late[name]
+        assert not isinstance(resp, Exception), f"{name}: {resp!r}"
+        assert output_tokens(resp) == reference_outputs[name]
+    # B would have fetched LATE[0]'s blocks from A through the master; with the master dead it recomputes
+    assert cached(late["store_late3"]) == 0
+
+
+def test_after_restart_prefix_comes_from_disk(phases, reference_outputs):
     assert phases["files"] > 0
     assert cached(phases["turn2_disk"]) >= (len(TURN1) // BLOCK) * BLOCK
-    assert output_tokens(phases["turn2_disk"]) == phases["ref2"]
+    assert output_tokens(phases["turn2_disk"]) == reference_outputs["store_turn2"]
 
 
-def test_corrupt_disk_block_is_recomputed_and_output_is_exact(phases):
+def test_corrupt_disk_block_is_recomputed_and_output_is_exact(phases, reference_outputs):
     # whichever chain the corrupted file belonged to, every answer stays exact
-    assert output_tokens(phases["other_disk"]) == phases["ref_other"]
-    assert output_tokens(phases["turn2_disk"]) == phases["ref2"]
+    assert output_tokens(phases["other_disk"]) == reference_outputs["store_other"]
+    assert output_tokens(phases["turn2_disk"]) == reference_outputs["store_turn2"]

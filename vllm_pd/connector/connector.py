@@ -87,10 +87,13 @@ class PDConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
         if self._store_worker is not None:
-            self._store_worker.register_kv_caches(kv_caches)
+            self._store_worker.register_kv_caches(kv_caches, self.config.bind_host, self.worker.host)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self.worker.handshake()
+        handshake = self.worker.handshake()
+        if self._store_worker is not None:
+            handshake.store_endpoint = self._store_worker.endpoint
+        return handshake
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -159,7 +162,9 @@ class PDConnector(KVConnectorBase_V1):
         self.scheduler.set_handshake(by_rank)
         if self._store_scheduler is not None and by_rank:
             first = by_rank[min(by_rank)]
-            self._store_scheduler.on_handshake(first.num_layers, first.block_nbytes, first.endpoint)
+            store_endpoints = [by_rank[r].store_endpoint for r in sorted(by_rank)]
+            self._store_scheduler.on_handshake(first.num_layers, first.block_nbytes,
+                                               ",".join(store_endpoints) if all(store_endpoints) else "")
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}

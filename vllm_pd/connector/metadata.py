@@ -104,3 +104,4 @@ class PDHandshake(KVConnectorHandshakeMetadata):
     port: int
     num_layers: int
     block_nbytes: int
+    store_endpoint: str = ""  # where other nodes fetch this worker's KV store blocks ("" = none)

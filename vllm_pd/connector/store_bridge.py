@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.keys import KeySalt
+from vllm_pd.connector.store.master_client import RemoteHit
 from vllm_pd.connector.store.plans import StorePlan, StoreReport
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
@@ -71,10 +72,13 @@ class StoreBridgeScheduler:
         self.vllm_config = vllm_config
         self.config = config
         self.store: StoreScheduler | None = None  # built once the workers' handshake says the block size
-        self._matched: dict[str, int] = {}  # request -> tokens the store holds
+        # request -> (tokens the store holds, the node holding those beyond the local prefix)
+        self._matched: dict[str, tuple[int, RemoteHit | None]] = {}
         self._meta = StoreStepMeta()
 
     def on_handshake(self, num_layers: int, block_nbytes: int, endpoint: str) -> None:
+        """``endpoint``: where peers fetch this node's blocks (store endpoints of
+        the TP ranks, comma-separated; "" when no master is configured)."""
         salt = make_salt(self.vllm_config, num_layers, block_nbytes)
         world = self.vllm_config.parallel_config.tensor_parallel_size
         self.store = StoreScheduler(self.config, salt, num_layers * block_nbytes, world_size=world, endpoint=endpoint)
@@ -85,23 +89,25 @@ class StoreBridgeScheduler:
         if self.store is None:
             return 0
         prompt = request.prompt_token_ids or []
-        hit = self.store.match(prompt[: len(prompt) - 1], request_id=request.request_id)  # >= 1 token to compute
+        # >= 1 token left to compute; the master is asked only beyond the local prefix
+        hit, remote = self.store.match_with_remote(prompt[: len(prompt) - 1], request_id=request.request_id)
         if hit <= num_computed_tokens:
             self._matched.pop(request.request_id, None)
             return 0
-        self._matched[request.request_id] = hit
+        self._matched[request.request_id] = (hit, remote)
         return hit - num_computed_tokens
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> bool:
         """True if the store serves this request's external tokens."""
-        hit = self._matched.pop(request.request_id, None)
-        if self.store is None or hit is None or num_external_tokens <= 0:
+        matched = self._matched.pop(request.request_id, None)
+        if self.store is None or matched is None or num_external_tokens <= 0:
             return False
+        hit, remote = matched
         start = hit - num_external_tokens
         bs = self.store.block_size
         blocks = block_ids[start // bs: hit // bs]
         _, missing = self.store.plan_load(request.request_id, request.prompt_token_ids or [], start,
-                                          num_external_tokens, blocks)
+                                          num_external_tokens, blocks, remote=remote)
         self._meta.missing_block_ids.extend(missing)
         return True
 
@@ -136,17 +142,20 @@ class StoreBridgeWorker:
         self.vllm_config = vllm_config
         self.tp_rank = tp_rank
         self.store: StoreWorker | None = None
+        self.endpoint = ""  # where peers fetch this rank's pool ("" = not served)
         self._layer_index: dict[str, int] = {}
         self._owners: dict[str, set[str]] = {}
         self._pd_done_early: set[str] = set()
         self._missing: set[int] = set()
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], bind_host: str, advertised_host: str) -> None:
         tensors = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         block_nbytes = int(tensors[0][0].numel() * tensors[0].element_size())
         salt = make_salt(self.vllm_config, len(tensors), block_nbytes)
         self.store = StoreWorker(self.config, salt, tensors, rank=self.tp_rank)
+        if self.config.master:  # other nodes learn of our blocks: let them fetch them
+            self.endpoint = self.store.serve_peers(bind_host, advertised_host)
 
     def begin_step(self, meta: StoreStepMeta | None) -> None:
         if self.store is None or meta is None:

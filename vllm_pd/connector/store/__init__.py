@@ -25,7 +25,10 @@ Scheduler side (EngineCore process) - ``StoreScheduler(config, salt, slot_nbytes
     ``on_worker_report(StoreReport)`` -> from ``update_connector_output`` (the
         worker's report travels in KVConnectorWorkerMetadata; ``StoreReport.aggregate``
         merges TP ranks; a block commits once all ``world_size`` ranks reported it).
-    ``remote_match(token_ids) -> RemoteHit | None``: a node holding a longer prefix (master).
+    ``match_with_remote(token_ids, request_id) -> (tokens, RemoteHit | None)``: the local
+        prefix, or a longer one another node holds per the master (then pass the hit
+        to ``plan_load(..., remote=hit)``: the part beyond the local prefix is fetched
+        from that node). ``remote_match`` returns only the hit.
 
 Worker side (each worker) - ``StoreWorker(config, salt, kv_caches, rank=0)``
     ``kv_caches``: one tensor per layer, ``[num_blocks, ...]``, blocks moved as bytes.
@@ -35,32 +38,50 @@ Worker side (each worker) - ``StoreWorker(config, salt, kv_caches, rank=0)``
     ``take_finished() -> (saved_req_ids, loaded_req_ids)`` -> ``get_finished`` (finished_sending, -)
     ``take_load_errors() -> set[int]`` -> ``get_block_ids_with_load_errors``
     ``report() -> StoreReport``  -> ``build_connector_worker_meta``
+    ``serve_peers(bind_host, advertised_host) -> endpoint``: put the pool on the
+        transport so other nodes can fetch from it (publish the endpoints of all
+        ranks, comma-separated, as the scheduler side's ``endpoint``).
     ``slot_nbytes`` must equal the scheduler side's ``slot_nbytes`` (bytes of one
     block for all layers of one rank: num_layers * block_nbytes).
 
 Config (``kv_connector_extra_config["store"]``): ``StoreConfig.from_dict`` -
 cpu_bytes, disk_path, disk_bytes, lease_s, disk_io_threads, master,
-master_timeout_s, node_id; an unknown key or bad value raises ConfigError.
+master_timeout_s, node_id, fetch_timeout_s; an unknown key or bad value raises ConfigError.
 Salt: ``KeySalt(model, dtype, kv_layout, block_size, num_layers, tp_size, pp_size, extra)``.
 
 Modules: keys (blake3 chained keys), radix (index, leases), two_level_cache
 (active/history policy), cpu_pool (pool + slot allocator), disk_tier, plans
-(wire structs), config, scheduler_side, worker_side, master / master_client /
-master_command (``vllm-pd store-master``), trace (multi-turn trace generator).
+(wire structs), config, scheduler_side, worker_side, pool_exchange (node-to-node
+fetch), master / master_client / master_command (``vllm-pd store-master``),
+trace (multi-turn trace generator).
 
 Design notes (why, measured in benchmarks/RESULTS.md "Store"):
 - One radix tree, not separate hot and cold trees: the tiers are a field of
   each node (CPU slot / on disk), so a lookup is one binary search whatever
-  tier holds a block; a second tree would double lookups and need moves
-  between trees on every promotion. Hot/cold separation is the replacement
-  policy's job (active vs history level), measured against LRU.
+  tier holds a block. Hot/cold separation is the replacement policy's job
+  (active vs history level, measured against LRU); two trees would hold the
+  same keys the policy keeps (same hit rate) and only add index work: a
+  second lookup for 26-50 % of requests and 1.4-6.3 moves between trees per
+  request (benchmarks/store_trees.py).
 - Write-through to disk: every block committed to the CPU pool is also written
   to disk asynchronously, so a CPU eviction never has to wait for a write.
 
-Not done yet: fetching blocks from another node. The master (index, batched
-publishes, expiry, snapshot resync, local fallback) and ``remote_match`` work,
-but no code moves a remote node's pool slots over the transport yet, so the
-connector only uses local tiers; ``remote_match`` is a hint nobody acts on.
+Node to node (with ``master`` set): each rank serves its CPU pool on its own
+TCP transport instance (pool_exchange.py; the endpoint rides in the connector's
+handshake and is published to the master). A node whose local prefix is
+shorter than what the master says another node holds reserves slots for the
+rest, its worker leases them from that node (``notify``), fetches the slots
+(transport ``fetch``, length + checksum per block), releases the lease (the
+answer says which slots the holder started to overwrite meanwhile: those and
+the ones after them do not count), and reports them as saved: they commit like any put, and vLLM got them
+as a store hit in the same step. A stale entry (node gone, block evicted), a
+slow peer (``fetch_timeout_s``) or a dead master fall back to the local prefix;
+what did not arrive is reported as load errors and recomputed. Only blocks in
+the holder's CPU pool are served and advertised (not its disk tier; a block
+read back from disk is advertised again). A master that stays down is retried
+with a doubling back-off (up to 60 s): each failed call stalls the scheduler
+for ``master_timeout_s``. The fetch runs before
+the first layer's copy, so the step waits for it (no per-layer overlap yet).
 
 Composing with LMCache (not installed here; nothing of this was run): vLLM's
 MultiConnector takes a list of connectors; loads come from the first one that

@@ -23,6 +23,7 @@ class StoreConfig:
     master: str | None = None  # "tcp://host:port" of `vllm-pd store-master`; None = local only
     master_timeout_s: float = 0.2
     node_id: str | None = None  # name published to the master (default host:pid)
+    fetch_timeout_s: float = 2.0  # node-to-node fetch (lease + bytes) must finish in this, else recompute
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> StoreConfig:
@@ -34,7 +35,7 @@ class StoreConfig:
         for name in ("cpu_bytes", "disk_bytes"):
             if name in raw:
                 raw[name] = parse_bytes(name, raw[name])
-        for name in ("lease_s", "master_timeout_s"):
+        for name in ("lease_s", "master_timeout_s", "fetch_timeout_s"):
             if name in raw and (not isinstance(raw[name], (int, float)) or isinstance(raw[name], bool) or raw[name] <= 0):
                 raise ConfigError(f"store.{name}: expected a number > 0, got {raw[name]!r}")
         if "disk_io_threads" in raw and (not isinstance(raw["disk_io_threads"], int) or raw["disk_io_threads"] <= 0):

@@ -25,6 +25,7 @@ from vllm_pd.connector.store.master import Lookup, Publish, Reply, Request
 logger = logging.getLogger(__name__)
 
 BATCH = 256  # keys per publish: ~30x the rate of single inserts, flat beyond (kv-stores.md §6.4)
+MAX_BACKOFF_S = 60.0  # a master that stays down is retried at most this rarely
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class MasterClient:
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._down_until = 0.0
+        # each failed call blocks the engine's scheduler for timeout_s: retry a dead master
+        # ever more rarely (doubling from retry_after_s), back to normal on the first answer
+        self._backoff_s = retry_after_s
         self._need_snapshot = True
         self._inserts: list[tuple[BlockKey, BlockKey | None]] = []
         self._removes: list[BlockKey] = []
@@ -118,11 +122,14 @@ class MasterClient:
                 reply = self._decoder.decode(sock.recv())
                 if reply.seq == seq:  # older replies arrived after their deadline: skip
                     self._last_contact = time.monotonic()
+                    self._backoff_s = self.retry_after_s
                     return reply
         except (zmq.ZMQError, msgspec.DecodeError) as exc:
             logger.debug("store master call failed: %s", exc)
-        logger.warning("store master %s unreachable; local lookups only for %.0fs", self.address, self.retry_after_s)
-        self._down_until = time.monotonic() + self.retry_after_s
+        wait = min(max(self._backoff_s, self.retry_after_s), MAX_BACKOFF_S)
+        logger.warning("store master %s unreachable; local lookups only for %.0fs", self.address, wait)
+        self._down_until = time.monotonic() + wait
+        self._backoff_s = min(wait * 2, MAX_BACKOFF_S)
         self._reset()
         return None
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+import time
 
 from vllm_pd.connector.store.master import serve
 
@@ -22,3 +25,25 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def spawn_master(port: int, host: str = "127.0.0.1", timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """Start ``vllm-pd store-master`` as a child process and wait until it answers
+    (tests, benchmarks); returns (process, address). The caller kills it."""
+    from vllm_pd.connector.store.master_client import MasterClient
+
+    address = f"tcp://{host}:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_pd.cli", "store-master", "--host", host,
+                             "--port", str(port)])
+    probe = MasterClient(address, "probe", "", lambda: [], timeout_s=1.0, retry_after_s=0.0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not probe.flush(force=True):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"store master on {address} did not start (exit code {proc.returncode})")
+            time.sleep(0.2)
+    finally:
+        probe.close()
+    return proc, address

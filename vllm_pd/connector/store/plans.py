@@ -23,13 +23,19 @@ class SaveOp(msgspec.Struct, frozen=True):
 
 class LoadOp(msgspec.Struct, frozen=True):
     """Copy ``keys`` into vLLM blocks ``block_ids``, layer by layer. A key with
-    ``from_disk`` is first read (and verified) from disk into its ``slots`` entry."""
+    ``from_disk`` is first read (and verified) from disk into its ``slots`` entry;
+    a key with ``from_peer`` is first fetched from another node (``peer``: its
+    store endpoints, one per TP rank, comma-separated) into its reserved slot,
+    and reported back as a save (two-phase put: it commits once it landed)."""
 
     request_id: str
     keys: list[BlockKey]
     block_ids: list[int]
     slots: list[int]
     from_disk: list[bool]
+    from_peer: list[bool] = []  # empty: none
+    peer: str = ""
+    parent: BlockKey | None = None  # parent of keys[0] (fetched blocks are written to disk with it)
 
 
 class StorePlan(msgspec.Struct):

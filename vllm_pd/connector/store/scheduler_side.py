@@ -81,8 +81,9 @@ class StoreScheduler:
             import socket
 
             node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
-            self.master = MasterClient(config.master, node, endpoint, self.index.chains, config.master_timeout_s)
-        self.stats = {"hit_blocks": 0, "saved_blocks": 0, "evicted_blocks": 0, "load_failures": 0}
+            self.master = MasterClient(config.master, node, endpoint, self._servable_chains, config.master_timeout_s)
+        self.stats = {"hit_blocks": 0, "remote_blocks": 0, "saved_blocks": 0, "evicted_blocks": 0,
+                      "load_failures": 0}
         if config.disk_path is not None:
             # index a restarted disk tier now, so the first requests already hit it (the
             # workers' own rebuild reports arrive only after a step and are then no-ops)
@@ -121,33 +122,50 @@ class StoreScheduler:
         (a multiple of the block size). Side-effect free on the store."""
         return self.index.longest_prefix(self.block_keys(token_ids, request_id=request_id)) * self.block_size
 
-    def remote_match(self, token_ids: Sequence[int]) -> RemoteHit | None:
+    def remote_match(self, token_ids: Sequence[int], request_id: str | None = None) -> RemoteHit | None:
         """Another node holding a longer prefix than this node, per the master
         (None if the master is absent, down or knows nothing longer)."""
-        if self.master is None:
-            return None
-        keys = self.block_keys(token_ids)
+        return self.match_with_remote(token_ids, request_id)[1]
+
+    def match_with_remote(
+        self, token_ids: Sequence[int], request_id: str | None = None
+    ) -> tuple[int, RemoteHit | None]:
+        """(tokens to load, the node to fetch the part beyond the local prefix
+        from, or None): the local prefix, or a longer one the master says
+        another node holds. Only a hint: the fetch verifies, and what does not
+        arrive is recomputed (plan_load reports it as missing)."""
+        keys = self.block_keys(token_ids, request_id=request_id)
+        local = self.index.longest_prefix(keys)
+        if self.master is None or local >= len(keys):
+            return local * self.block_size, None
         hit = self.master.lookup(keys)
-        if hit is None or hit.blocks <= self.index.longest_prefix(keys):
-            return None
-        return hit
+        if hit is None or hit.blocks <= local or not hit.endpoint:
+            return local * self.block_size, None
+        return hit.blocks * self.block_size, hit
 
     # -- loads -----------------------------------------------------------------------
 
     def plan_load(
-        self, request_id: str, token_ids: Sequence[int], start_token: int, num_tokens: int, block_ids: Sequence[int]
+        self, request_id: str, token_ids: Sequence[int], start_token: int, num_tokens: int,
+        block_ids: Sequence[int], remote: RemoteHit | None = None,
     ) -> tuple[LoadOp | None, list[int]]:
         """Load tokens ``[start_token, start_token + num_tokens)`` (block aligned)
         into vLLM blocks ``block_ids`` (one per block of that range). Returns the
         op (queued for the next plan) and the vLLM block ids that cannot be
-        loaded after all (the connector reports them as load errors)."""
+        loaded after all (the connector reports them as load errors).
+
+        With ``remote`` (from :meth:`match_with_remote`), the blocks beyond the
+        local prefix are fetched from that node: slots are reserved for them
+        as for a save (two-phase put), the worker fetches and verifies them,
+        and reports them as saved; they commit like any other put."""
         if start_token % self.block_size or num_tokens % self.block_size:
             raise ValueError("start_token and num_tokens must be multiples of the block size")
         first, n = start_token // self.block_size, num_tokens // self.block_size
         if len(block_ids) != n:
             raise ValueError(f"{n} blocks to load but {len(block_ids)} block ids")
         keys = self.block_keys(token_ids, max_blocks=first + n, request_id=request_id)
-        usable = keys[first:max(first, self.index.longest_prefix(keys))]
+        local_end = max(first, self.index.longest_prefix(keys))
+        usable = keys[first:local_end]
         lease = self.index.pin(usable, self.config.lease_s)
         load = _Load(lease)
         # blocks only on disk need a pool slot to land in (they are promoted)
@@ -174,16 +192,54 @@ class StoreScheduler:
         for key, slot in staged.items():  # staged beyond the cut: give back
             if key not in load.staging:
                 self._unstage(key, slot)
-        missing = list(block_ids[len(usable):])
-        if not usable:
+        fetched: list[BlockKey] = []
+        fetch_slots: list[int] = []
+        if remote is not None and first + len(usable) == local_end:  # local part whole: go on remotely
+            fetched, fetch_slots = self._reserve_fetch(request_id, keys, local_end, min(first + n, remote.blocks))
+        count = len(usable) + len(fetched)
+        missing = list(block_ids[count:])
+        if not count:
             self.index.release(lease)
             return None, missing
         self._loads[request_id] = load
         self.cache.hit(usable)
         self.stats["hit_blocks"] += len(usable)
-        op = LoadOp(request_id, usable, list(block_ids[: len(usable)]), slots, from_disk)
+        self.stats["remote_blocks"] += len(fetched)
+        op = LoadOp(
+            request_id, usable + fetched, list(block_ids[:count]), slots + fetch_slots,
+            from_disk + [False] * len(fetched),
+            from_peer=[False] * len(usable) + [True] * len(fetched) if fetched else [],
+            peer=remote.endpoint if remote is not None and fetched else "",
+            parent=keys[first - 1] if first else None,
+        )
         self._plan.loads.append(op)
         return op, missing
+
+    def _reserve_fetch(
+        self, request_id: str, keys: Sequence[BlockKey], start: int, end: int
+    ) -> tuple[list[BlockKey], list[int]]:
+        """Reserve pool slots for ``keys[start:end]`` to be fetched from a peer
+        (phase one of the put; invisible to ``match`` until committed)."""
+        new: list[BlockKey] = []
+        for key in keys[start:end]:
+            if key in self._pending or key in self.index:
+                break  # being written by another request (or landed meanwhile): stop the chain here
+            new.append(key)
+        if not new:
+            return [], []
+        guard = set(keys[: start + len(new)])
+        admitted, evicted = self.cache.admit(new, lambda k: k not in guard and self._evictable(k))
+        self._drop_memory(evicted)
+        slots = self.slots.alloc(len(admitted)) if admitted else None
+        if not slots:
+            for key in admitted:
+                self.cache.remove(key)
+            return [], []
+        prev = keys[start - 1] if start else None
+        for key, slot in zip(admitted, slots):
+            self._pending[key] = _Pending(request_id, slot, prev)
+            prev = key
+        return admitted, slots
 
     # -- saves -----------------------------------------------------------------------
 
@@ -253,6 +309,8 @@ class StoreScheduler:
                 node = self.index.get(key)
                 if node is not None and key in load.staging:
                     node.value.staging = False
+                    if self.master is not None:  # back in a CPU slot: peers may fetch it again
+                        self.master.inserted(key, node.parent.key if node.parent is not None else None)
             for key in result.failed:
                 self.stats["load_failures"] += 1
                 if key in load.staging:
@@ -283,6 +341,9 @@ class StoreScheduler:
                 self._remove_subtree(key)
         if self._disk_orphans:
             self._adopt_disk_blocks()
+        if self.master is not None:
+            # publish now: the step that reports the last commits may be the engine's last for a while
+            self.master.flush()
 
     # -- internals ---------------------------------------------------------------------
 
@@ -319,6 +380,16 @@ class StoreScheduler:
                 return False
         return loc.on_disk or not node.children
 
+    def _servable_chains(self) -> list[tuple[BlockKey, BlockKey | None]]:
+        """What the master may advertise of this node: blocks in CPU slots (peers
+        fetch from the pool, not from disk), parents first."""
+        out = []
+        for key, parent in self.index.chains():
+            loc: Location = self.index.get(key).value  # type: ignore[union-attr]
+            if loc.slot is not None and not loc.staging:
+                out.append((key, parent))
+        return out
+
     def _drop_memory(self, keys: Sequence[BlockKey]) -> None:
         """The cache evicted ``keys`` from the CPU tier."""
         for key in keys:
@@ -330,10 +401,10 @@ class StoreScheduler:
                 self.slots.free([loc.slot])
                 loc.slot = None
             self.stats["evicted_blocks"] += 1
+            if self.master is not None:
+                self.master.removed(key)  # peers fetch from CPU slots only, also when it stays on disk here
             if not loc.on_disk:
                 self.index.remove_leaf(key)
-                if self.master is not None:
-                    self.master.removed(key)
 
     def _remove_subtree(self, key: BlockKey) -> None:
         for node in self.index.remove_subtree(key):
@@ -356,9 +427,7 @@ class StoreScheduler:
                     loc = self.index.get(key).value  # type: ignore[union-attr]
                     loc.on_disk, loc.disk_writing = True, False
                 elif parent is None or parent in self.index:
-                    self.index.insert_chain([key], parent, [Location(on_disk=True)])
-                    if self.master is not None:
-                        self.master.inserted(key, parent)
+                    self.index.insert_chain([key], parent, [Location(on_disk=True)])  # not servable to peers
                 else:
                     continue
                 del self._disk_orphans[key]

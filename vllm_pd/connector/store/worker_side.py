@@ -12,6 +12,10 @@ layer 0 of every op, then layer 1, ...; :meth:`wait_layer` blocks until layer
 layer ``i+1``. A block read from disk is checksum-verified before any layer of
 it is copied; a failure makes that block and every later block of the request
 a load error (vLLM recomputes them), never wrong KV.
+
+With a master configured, :meth:`serve_peers` puts the pool on the transport
+(pool_exchange.py): peers fetch committed slots directly, and loads marked
+``from_peer`` fetch theirs from another node before the layer copies start.
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_tier import DiskTier
 from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.plans import LoadOp, LoadResult, SaveOp, SaveResult, StorePlan, StoreReport
+from vllm_pd.connector.store.pool_exchange import PoolExchange, SlotDirectory
 
 logger = logging.getLogger(__name__)
 
 
 class StoreWorker:
     def __init__(self, config: StoreConfig, salt: KeySalt, kv_caches: Sequence[torch.Tensor], rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
         if len(kv_caches) != salt.num_layers:
             raise ValueError(f"salt says {salt.num_layers} layers, got {len(kv_caches)} KV caches")
         nbytes = {int(t[0].numel() * t.element_size()) for t in kv_caches}
@@ -59,6 +66,16 @@ class StoreWorker:
         self._save_futures: list[Future[None]] = []
         self._disk_futures: list[Future[bool]] = []
         self._layer_futures: list[list[Future[None]]] = [[] for _ in kv_caches]
+        self.directory = SlotDirectory()  # what each pool slot holds, for peers' fetches
+        self.exchange: PoolExchange | None = None
+
+    def serve_peers(self, bind_host: str, advertised_host: str) -> str:
+        """Serve this rank's pool to other nodes; returns the endpoint to publish."""
+        if self.exchange is None:
+            self.exchange = PoolExchange(self.pool, self.directory, timeout_s=self.config.fetch_timeout_s,
+                                         grant_ttl_s=self.config.lease_s)
+            self.exchange.start(bind_host, advertised_host)
+        return self.exchange.endpoint
 
     @property
     def slot_nbytes(self) -> int:
@@ -80,10 +97,13 @@ class StoreWorker:
             self._save_futures.append(self._saver.submit(self._save, op))
 
     def _save(self, op: SaveOp) -> None:
+        self.directory.drop_slots(op.slots)  # before a byte changes: peers stop getting them
         try:
             for layer, kv in enumerate(self.kv_caches):
                 self.pool.save_layer(layer, op.slots, kv, op.block_ids)
             sums = [self.pool.checksum(s) for s in op.slots]
+            for key, slot, digest in zip(op.keys, op.slots, sums):
+                self.directory.put(key, slot, digest)
             result = SaveResult(op.request_id, list(op.keys), [])
         except Exception:  # noqa: BLE001 - a failed copy must be reported, not kill the thread
             logger.exception("store: saving %s failed", op.request_id)
@@ -91,12 +111,16 @@ class StoreWorker:
         with self._lock:
             self._saves.append(result)
             self._saved_requests.add(op.request_id)
-        if self.disk is None or not result.committed:
-            return
-        parents = [op.parent, *op.keys[:-1]]
-        for i in reversed(range(len(op.keys))):  # leaf first: parents are the most recent on disk
-            fut = self.disk.write(op.keys[i], parents[i], self.pool.slot_view(op.slots[i]), sums[i])
-            fut.add_done_callback(lambda f, key=op.keys[i]: self._disk_written(key, f))
+        if self.disk is not None and result.committed:
+            self._write_through(op.parent, op.keys, op.slots, sums)
+
+    def _write_through(self, parent: bytes | None, keys: Sequence[bytes], slots: Sequence[int],
+                       sums: Sequence[bytes]) -> None:
+        assert self.disk is not None
+        parents = [parent, *keys[:-1]]
+        for i in reversed(range(len(keys))):  # leaf first: parents are the most recent on disk
+            fut = self.disk.write(keys[i], parents[i], self.pool.slot_view(slots[i]), sums[i])
+            fut.add_done_callback(lambda f, key=keys[i]: self._disk_written(key, f))
             with self._lock:
                 self._disk_futures = [f for f in self._disk_futures if not f.done()] + [fut]
 
@@ -128,37 +152,83 @@ class StoreWorker:
         self._loader.submit(self._load, list(ops), futures)
 
     def _load(self, ops: list[LoadOp], layer_futures: list[Future[None]]) -> None:
+        error: Exception | None = None
         try:
             usable = [self._stage(op) for op in ops]
             for layer, kv in enumerate(self.kv_caches):
                 for op, n in zip(ops, usable):
                     if n:
                         self.pool.load_layer(layer, op.slots[:n], kv, op.block_ids[:n])
-                layer_futures[layer].set_result(None)
+                if layer < len(layer_futures) - 1:
+                    layer_futures[layer].set_result(None)
         except Exception as exc:  # noqa: BLE001
             logger.exception("store: load failed")
-            usable = [0] * len(ops)
-            for f in layer_futures:
-                if not f.done():
-                    f.set_exception(exc)
+            usable, error = [0] * len(ops), exc
+        # recorded before the last layer is released: vLLM asks for load errors right
+        # after its forward, which waits for every layer
         with self._lock:
             for op, n in zip(ops, usable):
                 self._loads.append(LoadResult(op.request_id, op.keys[:n], op.keys[n:], op.block_ids[n:]))
                 self._load_errors.update(op.block_ids[n:])
                 self._loaded_requests.add(op.request_id)
+        for f in layer_futures:
+            if f.done():
+                continue
+            if error is not None:
+                f.set_exception(error)
+            else:
+                f.set_result(None)
 
     def _stage(self, op: LoadOp) -> int:
-        """Read the op's disk blocks into their slots; returns how many leading blocks are usable."""
-        reads = []
-        for i, (slot, from_disk) in enumerate(zip(op.slots, op.from_disk)):
-            if from_disk:
-                if self.disk is None:
-                    return i
-                reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot))))
-        for i, fut in reads:
-            if not fut.result():
-                return i
-        return len(op.keys)
+        """Read the op's disk blocks and fetch its peer blocks into their slots;
+        returns how many leading blocks are usable."""
+        usable = len(op.keys)
+        remote = [i for i, p in enumerate(op.from_peer) if p]
+        fetched: list[bytes] = []  # checksums of the peer blocks that landed
+        try:
+            reads = []
+            for i, (slot, from_disk) in enumerate(zip(op.slots, op.from_disk)):
+                if from_disk:
+                    if self.disk is None:
+                        usable = min(usable, i)
+                        break
+                    self.directory.drop_slots([slot])
+                    reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot))))
+            for i, fut in reads:  # wait for all: no read may still write a slot the scheduler frees
+                if fut.result():
+                    self.directory.put(op.keys[i], op.slots[i], self.pool.checksum(op.slots[i]))
+                else:
+                    usable = min(usable, i)
+            if remote and usable >= remote[0]:
+                fetched = self._fetch(op, remote)
+        finally:
+            if remote:  # the reserved slots must always be committed or given back
+                self._fetched(op, remote, fetched)
+        return min(usable, remote[0] + len(fetched)) if remote else usable
+
+    def _fetch(self, op: LoadOp, remote: list[int]) -> list[bytes]:
+        """Fetch the op's peer blocks (a suffix of it) into their reserved slots;
+        returns the checksums of the leading ones that landed verified."""
+        peers = op.peer.split(",")
+        slots = [op.slots[i] for i in remote]
+        self.directory.drop_slots(slots)
+        if self.exchange is None or len(peers) <= self.rank:
+            logger.warning("store: no peer endpoint for rank %d (%r); recomputing", self.rank, op.peer)
+            return []
+        return self.exchange.fetch(peers[self.rank], [op.keys[i] for i in remote], slots)
+
+    def _fetched(self, op: LoadOp, remote: list[int], sums: list[bytes]) -> None:
+        """Report fetched blocks as saved here (the scheduler commits them), the rest as failed."""
+        keys = [op.keys[i] for i in remote]
+        slots = [op.slots[i] for i in remote]
+        got = len(sums)
+        for key, slot, digest in zip(keys, slots, sums):
+            self.directory.put(key, slot, digest)
+        with self._lock:
+            self._saves.append(SaveResult(op.request_id, keys[:got], keys[got:]))
+        if self.disk is not None and got:
+            parent = op.keys[remote[0] - 1] if remote[0] else op.parent
+            self._write_through(parent, keys[:got], slots[:got], sums)
 
     def wait_layer(self, layer: int) -> None:
         """Block until every load started so far has put ``layer`` in place."""
@@ -214,6 +284,8 @@ class StoreWorker:
         return errors
 
     def close(self) -> None:
+        if self.exchange is not None:
+            self.exchange.close()
         self.wait_disk()
         self._saver.shutdown(wait=True)
         self._loader.shutdown(wait=True)
