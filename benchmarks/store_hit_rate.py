@@ -12,28 +12,34 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 from vllm_pd.connector.store.radix import RadixIndex
 from vllm_pd.connector.store.trace import TraceConfig, generate
 from vllm_pd.connector.store.two_level_cache import LruCache, TwoLevelCache
 
 
+def serve(index: RadixIndex, cache, req, on_hit: Callable[[int], None] | None = None) -> int:
+    """One request: hit the longest cached prefix of its prompt, then store prompt + reply.
+    Returns the hit length; ``on_hit(n)`` sees the cache just before the hit is recorded."""
+    n = index.longest_prefix(req.prompt)
+    if n:
+        if on_hit is not None:
+            on_hit(n)
+        cache.hit(req.prompt[:n])
+    admitted, evicted = cache.admit(req.saved, index.evictable)
+    for key in evicted:
+        index.remove_leaf(key)
+    if admitted:
+        start = req.saved.index(admitted[0])
+        index.insert_chain(admitted, req.saved[start - 1] if start else None)
+    return n
+
+
 def simulate(requests, cache) -> float:
     index = RadixIndex()
-    hit = total = 0
-    for req in requests:
-        n = index.longest_prefix(req.prompt)
-        hit += n
-        total += len(req.prompt)
-        if n:
-            cache.hit(req.prompt[:n])
-        admitted, evicted = cache.admit(req.saved, index.evictable)
-        for key in evicted:
-            index.remove_leaf(key)
-        if admitted:
-            start = req.saved.index(admitted[0])
-            index.insert_chain(admitted, req.saved[start - 1] if start else None)
-    return hit / total
+    hit = sum(serve(index, cache, req) for req in requests)
+    return hit / sum(len(req.prompt) for req in requests)
 
 
 def main() -> None:

@@ -25,6 +25,8 @@ from vllm_pd.connector.store.radix import RadixIndex
 from vllm_pd.connector.store.trace import TraceConfig, generate
 from vllm_pd.connector.store.two_level_cache import TwoLevelCache
 
+from store_hit_rate import serve  # benchmarks/ is the script's own folder
+
 
 class CountingActive(OrderedDict):
     """The active level; every new key in it came from history (a hot-tree insert)."""
@@ -46,22 +48,18 @@ def replay(requests, capacity: int) -> dict[str, float]:
     lookup_s = 0.0
     for req in requests:
         t0 = time.perf_counter()
-        n = index.longest_prefix(req.prompt)
+        index.longest_prefix(req.prompt)
         lookup_s += time.perf_counter() - t0
-        hit += n
-        total += len(req.prompt)
-        if n:
+
+        def count_second_lookup(n: int, prompt=req.prompt) -> None:  # noqa: ANN001
             # a two-tree lookup walks the hot tree first and continues in the cold one
             # unless the whole hit is hot
-            if any(k not in cache.active for k in req.prompt[:n]):
+            nonlocal second_lookups
+            if any(k not in cache.active for k in prompt[:n]):
                 second_lookups += 1
-            cache.hit(req.prompt[:n])
-        admitted, evicted = cache.admit(req.saved, index.evictable)
-        for key in evicted:
-            index.remove_leaf(key)
-        if admitted:
-            start = req.saved.index(admitted[0])
-            index.insert_chain(admitted, req.saved[start - 1] if start else None)
+
+        hit += serve(index, cache, req, count_second_lookup)
+        total += len(req.prompt)
     return {"requests": len(requests), "hit_rate": hit / total, "moves": CountingActive.moves,
             "second_lookups": second_lookups, "lookup_us": 1e6 * lookup_s / len(requests)}
 
