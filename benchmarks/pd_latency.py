@@ -111,11 +111,34 @@ def run_pd_beside(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: li
     return decode_leg.result()
 
 
-def measure(name: str, fn: Any, lengths: list[int], n: int, prompts: Prompts) -> dict[int, tuple[float, float]]:
+# vLLM's own per-request histograms: where the time goes inside each server
+SERVER_TIMES = {"prefill": "vllm:request_prefill_time_seconds", "queue": "vllm:request_queue_time_seconds"}
+BREAKDOWN: dict[str, dict[int, dict[str, dict[str, float]]]] = {}  # config -> length -> server -> ms
+
+
+def server_times(client: httpx.Client, servers: dict[str, VllmServer]) -> dict[str, dict[str, float]]:
+    return {role: {f"{key}_{part}": metric(client, s.url, f"{name}_{part}")
+                   for key, name in SERVER_TIMES.items() for part in ("sum", "count")}
+            for role, s in servers.items()}
+
+
+def mean_ms(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for role in after:
+        a, b = after[role], before[role]
+        out[role] = {k: (a[f"{k}_sum"] - b[f"{k}_sum"]) / max(a[f"{k}_count"] - b[f"{k}_count"], 1) * 1e3
+                     for k in SERVER_TIMES}
+    return out
+
+
+def measure(name: str, fn: Any, lengths: list[int], n: int, prompts: Prompts,
+            client: httpx.Client, servers: dict[str, VllmServer]) -> dict[int, tuple[float, float]]:
     fn(prompts.make(64))  # warm-up (NIXL's handshake, first-request costs)
     out = {}
     for length in lengths:
+        before = server_times(client, servers)
         samples = [fn(prompts.make(length)) for _ in range(n)]
+        BREAKDOWN.setdefault(name, {})[length] = mean_ms(before, server_times(client, servers))
         out[length] = (statistics.median(s[0] for s in samples) * 1e3, statistics.median(s[1] for s in samples) * 1e3)
         print(f"  {name:<28} L={length:<5} TTFT {out[length][0]:7.1f} ms  total {out[length][1]:7.1f} ms", flush=True)
     return out
@@ -183,7 +206,7 @@ def main() -> int:
     [plain] = start([spec(model, "0", None)], args.log_dir)
     try:
         results["plain 1-core"] = measure("plain 1-core", lambda pr: run_plain(client, plain, pr),
-                                          args.lengths, args.requests, prompts)
+                                          args.lengths, args.requests, prompts, client, {"plain": plain})
     finally:
         stop([plain])
 
@@ -203,7 +226,8 @@ def main() -> int:
                 fn = lambda pr: run_pd_beside(client, p, d, pr, f"tcp://127.0.0.1:{dk}", transfer_mode)  # noqa: E731
             else:
                 fn = lambda pr: run_pd(client, p, d, pr, params)  # noqa: E731
-            results[f"vllm-pd 1P1D {mode}"] = measure(f"vllm-pd 1P1D {mode}", fn, args.lengths, args.requests, prompts)
+            results[f"vllm-pd 1P1D {mode}"] = measure(f"vllm-pd 1P1D {mode}", fn, args.lengths, args.requests, prompts,
+                                                     client, {"prefill": p, "decode": d})
             if mode == "push beside":
                 time.sleep(1.0)
                 after = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in before}
@@ -230,7 +254,7 @@ def main() -> int:
                 params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                           "remote_block_ids": None, "remote_host": None, "remote_port": None}
                 results["NIXL 1P1D"] = measure("NIXL 1P1D", lambda pr: run_pd(client, p, d, pr, params),
-                                               args.lengths, args.requests, prompts)
+                                               args.lengths, args.requests, prompts, client, {"prefill": p, "decode": d})
                 idle["NIXL 1P1D"] = idle_cpu([p, d])
             finally:
                 stop([p, d])
@@ -250,6 +274,17 @@ def main() -> int:
             nixl_row = results["NIXL 1P1D"]
             ratios = " ".join(f"L={n}: {ours[n][0] / nixl_row[n][0]:.2f}x" for n in args.lengths)
             print(f"TTFT vllm-pd {mode} / NIXL 1P1D   (target <= 0.5):  {ratios}")
+    print()
+    print("inside the servers (vLLM's histograms, mean ms per request): prefill = the step(s) computing the prompt "
+          "(on decode: the last prompt token, which vLLM recomputes to sample the first output token); "
+          "queue = waiting before that (on decode: for the KV)")
+    for name, rows in BREAKDOWN.items():
+        cells = []
+        for n_tok in args.lengths:
+            parts = rows[n_tok]
+            cells.append(f"L={n_tok}: " + ", ".join(f"{role} prefill {t['prefill']:.1f} queue {t['queue']:.1f}"
+                                                   for role, t in parts.items()))
+        print(f"  {name}: " + " | ".join(cells))
     for name, pct in idle.items():
         print(f"idle CPU of the {name} pair: {pct:.1f} % of one core (2 cores = 200 %)")
     if overlap:
