@@ -394,19 +394,23 @@ def run_stacks(args: argparse.Namespace) -> None:
     layout = _layout(args)
     procs: list[subprocess.Popen] = []
     try:
-        mp, murl = start_mock(layout, 0.0, 0.0, "m")
+        # the client under test has the load core to itself here; the mock it calls gets the router core
+        mp, murl = start_mock(Layout(None, layout.router_core), 0.0, 0.0, "m")
         procs.append(mp)
         print("[client library] requests/s one process sends to a zero-delay mock, concurrency 64")
         for kind in ("aiohttp", "httpx"):
             for loop in ("asyncio", "uvloop"):
-                if loop == "uvloop":
-                    import uvloop
-                    rate = uvloop.run(_client_rate(kind, murl, 64, args.seconds))
-                else:
-                    rate = asyncio.run(_client_rate(kind, murl, 64, args.seconds))
+                import uvloop
+                # an explicit loop factory: main() installed uvloop's policy, which asyncio.run would follow
+                factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.SelectorEventLoop
+                with asyncio.Runner(loop_factory=factory) as runner:
+                    rate = runner.run(_client_rate(kind, murl, 64, args.seconds))
                 print(f"  {kind:8s} {loop:8s} {rate:8.0f} req/s")
+        stop(procs)
+        procs = []
+        mp, murl = start_mock(layout, 0.0, 0.0, "m")
         mp2, murl2 = start_mock(layout, 0.0, 0.0, "m2")
-        procs.append(mp2)
+        procs += [mp, mp2]
         print("[proxy event loop] vllm-pd proxy saturation, non-streaming, concurrency 128")
         for loop in ("asyncio", "uvloop"):
             p, url = start_ours(layout, murl, murl2, loop)
