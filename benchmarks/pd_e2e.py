@@ -2,7 +2,7 @@
 
     flock /tmp/vllm-pd-heavy.lock python3 benchmarks/pd_e2e.py --config colocated
     flock /tmp/vllm-pd-heavy.lock python3 benchmarks/pd_e2e.py --config 1p1d
-    python3 benchmarks/pd_e2e.py --report                 # table + benchmarks/pd_e2e_*.svg
+    python3 benchmarks/pd_e2e.py --report                 # table + benchmarks/pd_e2e_{ttft,tpot,itl}.svg
 
 Each configuration runs in its own invocation (never both at once; each stays
 under the heavy lock's 5-minute budget) and merges its figures into --results.
@@ -17,7 +17,11 @@ Load: the same seeded open-loop schedule for both - Poisson arrivals at each
 rate, a mix of long and short unique prompts (no prefix-cache hits), a fixed
 output length (ignore_eos). The proxy and this load generator float over both
 cores in both configurations. TTFT = request sent -> first streamed token as
-the client sees it; TPOT = (last token - first token) / (tokens - 1).
+the client sees it; TPOT = (last token - first token) / (tokens - 1); ITL p99 =
+the 99th percentile of all gaps between consecutive tokens (where a prefill
+stalling a colocated decode batch shows; a per-request TPOT averages it away).
+The CPU other processes used during each rate is printed: the heavy lock only
+serialises lock-takers, and this machine is shared.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import psutil
 
 from pd_latency import BENCH_MODEL, Prompts, ours_ktc, spec, start, stop
 from svg_chart import BarChart
@@ -52,6 +57,7 @@ class Outcome:
     ttft: float  # seconds
     tpot: float  # seconds
     ok: bool
+    gaps: tuple[float, ...] = ()  # seconds between consecutive tokens (a prefill stalling decode shows here)
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int,
@@ -74,7 +80,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
     if not stamps:
         return Outcome(rate, long, 0.0, 0.0, False)
     tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
-    return Outcome(rate, long, stamps[0] - t0, tpot, True)
+    gaps = tuple(b - a for a, b in zip(stamps, stamps[1:]))
+    return Outcome(rate, long, stamps[0] - t0, tpot, True, gaps)
 
 
 async def poisson_load(url: str, rate: float, seconds: float, args: argparse.Namespace,
@@ -107,8 +114,29 @@ def summarise(outcomes: list[Outcome]) -> dict[str, float]:
     return {"requests": len(outcomes), "ok": len(ok),
             "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
             "tpot_p50": pct(tpot, 0.5), "tpot_p99": pct(tpot, 0.99),
+            "itl_p99": pct([g * 1e3 for o in ok for g in o.gaps], 0.99),
             "ttft_p50_long": pct([o.ttft * 1e3 for o in ok if o.long], 0.5),
             "ttft_p50_short": pct([o.ttft * 1e3 for o in ok if not o.long], 0.5)}
+
+
+def machine_busy() -> float:
+    """CPU seconds the whole machine spent busy (all cores)."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq
+
+
+def own_cpu(servers: list[Any], procs: list[subprocess.Popen]) -> float:
+    """CPU seconds of this benchmark's processes: the servers' trees, the proxy, this load generator."""
+    total = 0.0
+    roots = [psutil.Process(s.pid) for s in servers] + [psutil.Process(p.pid) for p in procs] + [psutil.Process()]
+    for root in roots:
+        for p in [root, *(root.children(recursive=True) if root.pid != os.getpid() else [])]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+    return total
 
 
 def start_proxy(prefill: str, decode: str, kv_mode: str) -> tuple[subprocess.Popen, str]:
@@ -152,12 +180,17 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         asyncio.run(poisson_load(url, 2.0, 1.0, argparse.Namespace(**{**vars(args), "long_fraction": 0.5}),
                                  Prompts(seed=99)))
         for rate in args.rates:
+            busy0, ours0 = machine_busy(), own_cpu(servers, procs)
+            t0 = time.monotonic()
             outcomes = asyncio.run(poisson_load(url, rate, args.seconds, args, prompts))
+            foreign = (machine_busy() - busy0 - (own_cpu(servers, procs) - ours0)) / (time.monotonic() - t0)
             rows[str(rate)] = summarise(outcomes)
+            rows[str(rate)]["foreign_cpu_pct"] = foreign * 100
             r = rows[str(rate)]
             print(f"  {args.config:10s} {rate:4.1f} req/s  {r['ok']:3d}/{r['requests']:3d} ok  "
                   f"TTFT p50 {r['ttft_p50']:7.1f} p99 {r['ttft_p99']:7.1f} ms (long {r['ttft_p50_long']:.0f}, "
-                  f"short {r['ttft_p50_short']:.0f})  TPOT p50 {r['tpot_p50']:6.1f} p99 {r['tpot_p99']:6.1f} ms",
+                  f"short {r['ttft_p50_short']:.0f})  TPOT p50 {r['tpot_p50']:6.1f} p99 {r['tpot_p99']:6.1f} ms  "
+                  f"ITL p99 {r['itl_p99']:6.1f} ms  other processes {r['foreign_cpu_pct']:.0f} % of a core",
                   flush=True)
         if args.config == "1p1d":
             text = httpx.get(servers[1].url + "/metrics", timeout=10).text
@@ -180,16 +213,19 @@ def report(results: dict[str, Any], svg_prefix: Path) -> None:
     names = [n for n in ("colocated", "1p1d") if n in results]
     rates = results[names[0]]["rows"].keys()
     label = {"colocated": "colocated (1 instance, 2 cores)", "1p1d": "1P1D (vllm-pd proxy + connector)"}
-    print("| config | rate (req/s) | TTFT p50 / p99 (ms) | TTFT p50 long / short (ms) | TPOT p50 / p99 (ms) | ok |")
-    print("|---|---|---|---|---|---|")
+    print("| config | rate (req/s) | TTFT p50 / p99 (ms) | TTFT p50 long / short (ms) | TPOT p50 / p99 (ms) "
+          "| ITL p99 (ms) | other processes (% of a core) | ok |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in names:
         for rate, r in results[n]["rows"].items():
             print(f"| {label[n]} | {rate} | {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} | {r['ttft_p50_long']:.0f} / "
-                  f"{r['ttft_p50_short']:.0f} | {r['tpot_p50']:.1f} / {r['tpot_p99']:.1f} | {r['ok']}/{r['requests']} |")
+                  f"{r['ttft_p50_short']:.0f} | {r['tpot_p50']:.1f} / {r['tpot_p99']:.1f} | {r.get('itl_p99', float('nan')):.0f} "
+                  f"| {r.get('foreign_cpu_pct', float('nan')):.0f} | {r['ok']}/{r['requests']} |")
     groups = [f"{r} req/s" for r in rates]
-    for metric_name, title in (("ttft", "TTFT"), ("tpot", "TPOT")):
+    for metric_name, title, qs in (("ttft", "TTFT", ("p50", "p99")), ("tpot", "TPOT", ("p50", "p99")),
+                                   ("itl", "Inter-token latency", ("p99",))):
         series = {f"{n} {q}": [results[n]["rows"][r][f"{metric_name}_{q}"] for r in rates]
-                  for n in names for q in ("p50", "p99")}
+                  for n in names for q in qs}
         path = BarChart(f"{title}, mixed long/short prompts, 1P1D vs colocated (2 cores)", f"{title} (ms)",
                         groups, series).write(f"{svg_prefix}_{metric_name}.svg")
         print(f"wrote {path}")
