@@ -219,7 +219,8 @@ def report(results: dict[str, Any], svg_prefix: Path) -> None:
     for n in names:
         for rate, r in results[n]["rows"].items():
             print(f"| {label[n]} | {rate} | {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} | {r['ttft_p50_long']:.0f} / "
-                  f"{r['ttft_p50_short']:.0f} | {r['tpot_p50']:.1f} / {r['tpot_p99']:.1f} | {r.get('itl_p99', float('nan')):.0f} "
+                  f"{r['ttft_p50_short']:.0f} | {r['tpot_p50']:.1f} / {r['tpot_p99']:.1f} "
+                  f"| {r.get('itl_p99', float('nan')):.0f} "
                   f"| {r.get('foreign_cpu_pct', float('nan')):.0f} | {r['ok']}/{r['requests']} |")
     groups = [f"{r} req/s" for r in rates]
     for metric_name, title, qs in (("ttft", "TTFT", ("p50", "p99")), ("tpot", "TPOT", ("p50", "p99")),

@@ -84,9 +84,12 @@ def start_mock(layout: Layout, itl: float, ttft: float, name: str) -> tuple[subp
 
 
 def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
-               profile: str | None = None) -> tuple[subprocess.Popen, str]:
+               profile: str | None = None, tree: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Our proxy from this checkout, or from another source tree (``tree``) for an A/B of two versions."""
     port = free_port()
     env = _env()
+    if tree:
+        env["PYTHONPATH"] = tree
     if loop == "asyncio":
         env["VLLM_PD_PROXY_LOOP"] = "asyncio"
     # cProfile writes its file when the proxy exits on SIGTERM (it stops cleanly)
@@ -194,7 +197,7 @@ class LoadResult:
         cpu = {k: sum(r.cpu[k] * r.wall for r in rounds) / wall for k in rounds[0].cpu}
         per_req = None
         if rounds[0].router_cpu_per_req is not None:
-            per_req = sum(r.router_cpu_per_req * len(r.samples) for r in rounds) / len(samples)  # type: ignore[operator]
+            per_req = sum((r.router_cpu_per_req or 0.0) * len(r.samples) for r in rounds) / len(samples)
         return LoadResult(samples, len(samples) / wall, cpu, per_req, wall)
 
 
@@ -263,7 +266,8 @@ class Routers:
     mock_pids: list[int] = field(default_factory=list)
 
     @classmethod
-    def start(cls, layout: Layout, ttft: float, itl: float, vr_path: str | None, profile: str | None) -> Routers:
+    def start(cls, layout: Layout, ttft: float, itl: float, vr_path: str | None, profile: str | None,
+              compare_tree: str | None = None) -> Routers:
         r = cls(layout)
         try:
             pp, purl = start_mock(layout, itl, ttft, "p0")
@@ -275,6 +279,10 @@ class Routers:
             ours, ours_url = start_ours(layout, purl, durl, profile=profile)
             r.procs.append(ours)
             r.entries.append(("vllm-pd proxy", ours_url, ours.pid))
+            if compare_tree:
+                other, other_url = start_ours(layout, purl, durl, tree=compare_tree)
+                r.procs.append(other)
+                r.entries.append(("vllm-pd other tree", other_url, other.pid))
             if vr_path:
                 try:
                     vr, vr_url = start_vllm_router(layout, vr_path, purl, durl)
@@ -316,35 +324,39 @@ def run_suite(args: argparse.Namespace) -> None:
           f"{args.tokens} output tokens, prompt {len(BODY['prompt'])} chars; cores={os.cpu_count()}; "
           f"router on core {layout.router_core}, load generator + mocks on core {layout.load_core}; "
           f"load average at start {os.getloadavg()[0]:.2f}")
-    rs = Routers.start(layout, args.ttft, args.itl, args.vllm_router_path, args.profile)
-    try:
-        stagger = 0.0 if args.lockstep else 2 * args.ttft + args.itl * (args.tokens - 1)
-        print(f"\n[latency] {args.streams} concurrent streams, {args.rounds} rounds of {args.seconds:.0f} s "
-              f"(first second not measured), "
-              f"client starts spread over {stagger * 1e3:.0f} ms")
-        res = rs.run(args.streams, args.seconds, True, args.tokens, args.rounds, stagger)
-        base = res.pop("direct (no proxy)")
-        b_tot, b_fb = pct([s.total for s in base.samples], 0.5), pct([s.ttfb for s in base.samples], 0.5)
-        b_tot99, b_fb99 = pct([s.total for s in base.samples], 0.99), pct([s.ttfb for s in base.samples], 0.99)
-        print(f"  {'direct (no proxy)':18s} total p50 {b_tot * 1e3:7.2f} p99 {b_tot99 * 1e3:7.2f} ms   "
-              f"TTFB p50 {b_fb * 1e3:7.2f} p99 {b_fb99 * 1e3:7.2f} ms  ({len(base.samples)} req, {base.rate:.0f} req/s)")
-        print(_cpu_line(base))
-        for name, r in res.items():
-            tot, fb = [s.total for s in r.samples], [s.ttfb for s in r.samples]
-            print(f"  {name:18s} total p50 {pct(tot, .5) * 1e3:7.2f} p99 {pct(tot, .99) * 1e3:7.2f} ms   "
-                  f"TTFB p50 {pct(fb, .5) * 1e3:7.2f} p99 {pct(fb, .99) * 1e3:7.2f} ms  "
-                  f"({len(r.samples)} req, {r.rate:.0f} req/s)")
-            print(f"  {'':18s} added: total p50 {(pct(tot, .5) - b_tot) * 1e3:+6.2f} ms p99 "
-                  f"{(pct(tot, .99) - b_tot99) * 1e3:+6.2f} ms   TTFB p50 {(pct(fb, .5) - b_fb) * 1e3:+6.2f} ms p99 "
-                  f"{(pct(fb, .99) - b_fb99) * 1e3:+6.2f} ms   (target: added p50 <= 1 ms)")
-            print(_cpu_line(r))
-    finally:
-        stop(rs.procs)
+    if not args.skip_latency:
+        rs = Routers.start(layout, args.ttft, args.itl, args.vllm_router_path, args.profile, args.compare_tree)
+        try:
+            stagger = 0.0 if args.lockstep else 2 * args.ttft + args.itl * (args.tokens - 1)
+            print(f"\n[latency] {args.streams} concurrent streams, {args.rounds} rounds of {args.seconds:.0f} s "
+                  f"(first second not measured), "
+                  f"client starts spread over {stagger * 1e3:.0f} ms")
+            res = rs.run(args.streams, args.seconds, True, args.tokens, args.rounds, stagger)
+            base = res.pop("direct (no proxy)")
+            b_tot, b_fb = pct([s.total for s in base.samples], 0.5), pct([s.ttfb for s in base.samples], 0.5)
+            b_tot99, b_fb99 = pct([s.total for s in base.samples], 0.99), pct([s.ttfb for s in base.samples], 0.99)
+            print(f"  {'direct (no proxy)':18s} total p50 {b_tot * 1e3:7.2f} p99 {b_tot99 * 1e3:7.2f} ms   "
+                  f"TTFB p50 {b_fb * 1e3:7.2f} p99 {b_fb99 * 1e3:7.2f} ms  "
+                  f"({len(base.samples)} req, {base.rate:.0f} req/s)")
+            print(_cpu_line(base))
+            for name, r in res.items():
+                tot, fb = [s.total for s in r.samples], [s.ttfb for s in r.samples]
+                print(f"  {name:18s} total p50 {pct(tot, .5) * 1e3:7.2f} p99 {pct(tot, .99) * 1e3:7.2f} ms   "
+                      f"TTFB p50 {pct(fb, .5) * 1e3:7.2f} p99 {pct(fb, .99) * 1e3:7.2f} ms  "
+                      f"({len(r.samples)} req, {r.rate:.0f} req/s)")
+                print(f"  {'':18s} added: total p50 {(pct(tot, .5) - b_tot) * 1e3:+6.2f} ms p99 "
+                      f"{(pct(tot, .99) - b_tot99) * 1e3:+6.2f} ms   "
+                      f"TTFB p50 {(pct(fb, .5) - b_fb) * 1e3:+6.2f} ms p99 "
+                      f"{(pct(fb, .99) - b_fb99) * 1e3:+6.2f} ms   (target: added p50 <= 1 ms)")
+                print(_cpu_line(r))
+        finally:
+            stop(rs.procs)
     if args.skip_saturation:
         return
     print(f"\n[saturation] non-streaming, max_tokens=2, zero-delay backends, concurrency {args.sat_concurrency}, "
           f"{args.rounds} rounds of {args.seconds:.0f} s")
-    rs = Routers.start(layout, 0.0, 0.0, args.vllm_router_path, args.profile and args.profile + ".saturation")
+    rs = Routers.start(layout, 0.0, 0.0, args.vllm_router_path, args.profile and args.profile + ".saturation",
+                       args.compare_tree)
     try:
         res = rs.run(args.sat_concurrency, args.seconds, False, 2, args.rounds)
     finally:
@@ -434,13 +446,18 @@ def main() -> None:
     ap.add_argument("--sat-concurrency", type=int, default=128)
     ap.add_argument("--vllm-router-path", default="/tmp/vr" if Path("/tmp/vr/vllm_router").exists() else None)
     ap.add_argument("--skip-saturation", action="store_true")
+    ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--prompt-chars", type=int, default=544, help="prompt size (the default is ~136 tokens)")
     ap.add_argument("--router-core", type=int, default=1, help="core of the router under test")
     ap.add_argument("--load-core", type=int, default=0, help="core of the load generator and the mocks")
     ap.add_argument("--no-pin", action="store_true", help="let every process float over all cores")
     ap.add_argument("--lockstep", action="store_true", help="start all latency clients at once (bursts)")
+    ap.add_argument("--compare-tree", metavar="DIR", help="also run the proxy of another source tree (e.g. a "
+                    "`git worktree` of the previous commit), interleaved with this one")
     ap.add_argument("--profile", metavar="FILE", help="run our proxy under cProfile, writing FILE")
     ap.add_argument("--stacks", action="store_true", help="compare client libraries and event loops instead")
     args = ap.parse_args()
+    BODY["prompt"] = ("benchmark prompt " * (args.prompt_chars // 17 + 1))[:args.prompt_chars]
     try:
         import uvloop
         uvloop.install()
