@@ -12,6 +12,7 @@ measured window is printed; "CPU/req" = the router's CPU seconds / requests.
 
     flock /tmp/vllm-pd-heavy.lock python3 benchmarks/proxy.py            # both routers
     flock /tmp/vllm-pd-heavy.lock python3 benchmarks/proxy.py --profile /tmp/proxy.prof --skip-saturation
+    flock /tmp/vllm-pd-heavy.lock python3 benchmarks/proxy.py --compare-tree DIR   # A/B: also DIR's vllm_pd proxy
     python3 benchmarks/proxy.py --stacks                                 # client/loop stack comparison
 
 vllm-router: `pip install --no-deps --target /tmp/vr vllm-router` (binary wheel), then --vllm-router-path /tmp/vr.
