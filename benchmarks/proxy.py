@@ -1,11 +1,18 @@
-"""Proxy overhead: added latency and saturation rate, vllm-pd proxy vs vllm-router, same mock backends.
+"""Proxy overhead: added latency, CPU per request and saturation rate, vllm-pd proxy vs vllm-router.
 
 Every process is separate: two mock vLLM backends (prefill, decode; fixed
 TTFT/ITL, see vllm_pd/router/mock_backend.py), the router under test, and this
 load generator (aiohttp + uvloop). "direct" is the load generator doing both
 legs itself against the same backends - the floor any proxy adds to.
 
+CPU layout (2 cores): the router under test (ours, then vllm-router) runs alone
+on --router-core; the load generator and both mocks share --load-core, so the
+router never competes with its own load. Each process's CPU use over the
+measured window is printed; "CPU/req" = the router's CPU seconds / requests.
+
     flock /tmp/vllm-pd-heavy.lock python3 benchmarks/proxy.py            # both routers
+    flock /tmp/vllm-pd-heavy.lock python3 benchmarks/proxy.py --profile /tmp/proxy.prof --skip-saturation
+    flock /tmp/vllm-pd-heavy.lock python3 benchmarks/proxy.py --compare-tree DIR   # A/B: also DIR's vllm_pd proxy
     python3 benchmarks/proxy.py --stacks                                 # client/loop stack comparison
 
 vllm-router: `pip install --no-deps --target /tmp/vr vllm-router` (binary wheel), then --vllm-router-path /tmp/vr.
@@ -17,13 +24,16 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -32,6 +42,17 @@ from vllm_pd.vllm_server import free_port  # noqa: E402
 
 KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
       "remote_host": None, "remote_port": None}
+
+
+@dataclass
+class Layout:
+    """Which core runs the router under test and which runs its load (None: no pinning)."""
+
+    router_core: int | None
+    load_core: int | None
+
+    def prefix(self, core: int | None) -> list[str]:
+        return ["taskset", "-c", str(core)] if core is not None else []
 
 
 def _env() -> dict[str, str]:
@@ -53,48 +74,92 @@ def _wait(url: str, timeout: float = 30.0) -> None:
     raise TimeoutError(url)
 
 
-def start_mock(itl: float, ttft: float, name: str) -> tuple[subprocess.Popen, str]:
+def start_mock(layout: Layout, itl: float, ttft: float, name: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "vllm_pd.router.mock_backend", "--port", str(port), "--name", name,
-                          "--itl", str(itl), "--ttft", str(ttft)], env=_env())
+    p = subprocess.Popen(layout.prefix(layout.load_core) + [
+        sys.executable, "-m", "vllm_pd.router.mock_backend", "--port", str(port), "--name", name,
+        "--itl", str(itl), "--ttft", str(ttft)], env=_env())
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health")
     return p, url
 
 
-def start_ours(prefill: str, decode: str, loop: str = "uvloop") -> tuple[subprocess.Popen, str]:
+def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
+               profile: str | None = None, tree: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Our proxy from this checkout, or from another source tree (``tree``) for an A/B of two versions."""
     port = free_port()
     env = _env()
+    if tree:
+        env["PYTHONPATH"] = tree
     if loop == "asyncio":
         env["VLLM_PD_PROXY_LOOP"] = "asyncio"
-    p = subprocess.Popen([sys.executable, "-m", "vllm_pd.router.command_proxy", "--port", str(port),
-                          "--prefill", prefill, "--decode", decode, "--prefill-policy", "round_robin",
-                          "--decode-policy", "round_robin", "--log-level", "ERROR"], env=env)
+    # cProfile writes its file when the proxy exits on SIGTERM (it stops cleanly)
+    prof = ["-m", "cProfile", "-o", profile] if profile else []
+    p = subprocess.Popen(layout.prefix(layout.router_core) + [
+        sys.executable, *prof, "-m", "vllm_pd.router.command_proxy", "--port", str(port),
+        "--prefill", prefill, "--decode", decode, "--prefill-policy", "round_robin",
+        "--decode-policy", "round_robin", "--log-level", "WARNING"], env=env)
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health")
     return p, url
 
 
-def start_vllm_router(path: str, prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
+def start_vllm_router(layout: Layout, path: str, prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = _env()
     env["PYTHONPATH"] = path + os.pathsep + env["PYTHONPATH"]
-    p = subprocess.Popen([sys.executable, "-m", "vllm_router.launch_router", "--port", str(port),
-                          "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-                          "--policy", "round_robin", "--log-level", "error",
-                          "--prometheus-port", str(free_port())],
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(layout.prefix(layout.router_core) + [
+        sys.executable, "-m", "vllm_router.launch_router", "--port", str(port),
+        "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
+        "--policy", "round_robin", "--log-level", "error", "--prometheus-port", str(free_port())],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health", 60)
     return p, url
 
 
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class CpuMeter:
+    """CPU seconds (user + system) of processes (pid None: this one), with their children if ``tree``."""
+
+    def __init__(self, pids: list[int | None], tree: bool = True) -> None:
+        self._procs = [psutil.Process(pid) for pid in pids]
+        self._tree = tree
+
+    def seconds(self) -> float:
+        total = 0.0
+        for root in self._procs:
+            for p in [root, *(root.children(recursive=True) if self._tree else [])]:
+                try:
+                    t = p.cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+        return total
+
+
 BODY = {"model": "mock-model", "prompt": "benchmark prompt " * 32, "temperature": 0}
 
 
+@dataclass
+class Sample:
+    total: float  # seconds, request sent -> last byte
+    ttfb: float  # seconds, request sent -> first body byte (the first SSE event when streaming)
+
+
 async def _request(session: aiohttp.ClientSession, url: str | None, direct: tuple[str, str] | None,
-                   stream: bool, max_tokens: int) -> float:
-    """One client request; returns its latency in seconds. direct=(prefill, decode) does both legs here."""
+                   stream: bool, max_tokens: int) -> Sample:
+    """One client request. direct=(prefill, decode) runs both legs here, as a zero-cost proxy would."""
     body = dict(BODY, max_tokens=max_tokens, stream=stream)
     t0 = time.perf_counter()
     if direct is not None:
@@ -106,39 +171,77 @@ async def _request(session: aiohttp.ClientSession, url: str | None, direct: tupl
     else:
         assert url is not None
         target = url
+    ttfb = None
     async with session.post(target + "/v1/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
         async for _ in r.content.iter_any():
-            pass
-    return time.perf_counter() - t0
+            if ttfb is None:
+                ttfb = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return Sample(total, ttfb if ttfb is not None else total)
+
+
+@dataclass
+class LoadResult:
+    samples: list[Sample]
+    rate: float  # completed requests/s in the measured window
+    cpu: dict[str, float]  # name -> CPU seconds per wall second in the window (1.0 = one core)
+    router_cpu_per_req: float | None  # seconds
+    wall: float = 0.0  # seconds measured
+
+    @staticmethod
+    def pooled(rounds: list[LoadResult]) -> LoadResult:
+        """Several interleaved rounds as one: samples pooled, rates and CPU over the summed windows."""
+        wall = sum(r.wall for r in rounds)
+        samples = [s for r in rounds for s in r.samples]
+        cpu = {k: sum(r.cpu[k] * r.wall for r in rounds) / wall for k in rounds[0].cpu}
+        per_req = None
+        if rounds[0].router_cpu_per_req is not None:
+            per_req = sum((r.router_cpu_per_req or 0.0) * len(r.samples) for r in rounds) / len(samples)
+        return LoadResult(samples, len(samples) / wall, cpu, per_req, wall)
 
 
 async def closed_loop(url: str | None, direct: tuple[str, str] | None, concurrency: int, seconds: float,
-                      stream: bool, max_tokens: int) -> tuple[list[float], float]:
-    lat: list[float] = []
+                      stream: bool, max_tokens: int, meters: dict[str, CpuMeter], router: str | None,
+                      stagger: float = 0.0) -> LoadResult:
+    """`concurrency` clients each sending the next request when the last one ended; the first quarter
+    (at most 1 s) is warm-up, not measured. Client i starts after a random delay in [0, stagger): with
+    fixed backend latencies, clients that all start at once stay in lockstep forever and hit the router
+    in bursts of `concurrency` requests, which no real traffic does."""
+    samples: list[Sample] = []
     errors = 0
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         stop_at = time.perf_counter() + seconds
-        warm_until = time.perf_counter() + min(1.0, seconds / 4)
+        warm = min(1.0, seconds / 4)
+        cpu0: dict[str, float] = {}
+        done_at_warm = 0
+
+        async def mark_warm() -> None:
+            nonlocal done_at_warm
+            await asyncio.sleep(warm)
+            cpu0.update({k: m.seconds() for k, m in meters.items()})
+            done_at_warm = len(samples)
 
         async def worker() -> None:
             nonlocal errors
+            await asyncio.sleep(random.uniform(0, stagger))
             while time.perf_counter() < stop_at:
                 try:
-                    t = await _request(session, url, direct, stream, max_tokens)
+                    samples.append(await _request(session, url, direct, stream, max_tokens))
                 except (aiohttp.ClientError, RuntimeError):
                     errors += 1
-                    continue
-                if time.perf_counter() > warm_until:
-                    lat.append(t)
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        measured = time.perf_counter() - warm_until
+        t_warm = time.perf_counter() + warm
+        await asyncio.gather(mark_warm(), *(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t_warm
+        cpu = {k: (m.seconds() - cpu0[k]) / wall for k, m in meters.items()}
     if errors:
         print(f"    ({errors} errors)")
-    return lat, len(lat) / measured
+    measured = samples[done_at_warm:]
+    per_req = cpu[router] * wall / len(measured) if router and measured else None
+    return LoadResult(measured, len(measured) / wall, cpu, per_req, wall)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -146,70 +249,129 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def _cpu_line(res: LoadResult) -> str:
+    parts = [f"{k} {v * 100:3.0f}%" for k, v in res.cpu.items()]
+    if res.router_cpu_per_req is not None:
+        parts.append(f"router CPU/req {res.router_cpu_per_req * 1e3:.3f} ms")
+    return "      cpu (% of one core): " + ", ".join(parts)
+
+
+@dataclass
+class Routers:
+    """The running processes of one suite: mocks plus the routers under test."""
+
+    layout: Layout
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    entries: list[tuple[str, str | None, int | None]] = field(default_factory=list)  # (name, url, pid)
+    backends: tuple[str, str] = ("", "")
+    mock_pids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, layout: Layout, ttft: float, itl: float, vr_path: str | None, profile: str | None,
+              compare_tree: str | None = None) -> Routers:
+        r = cls(layout)
+        try:
+            pp, purl = start_mock(layout, itl, ttft, "p0")
+            dp, durl = start_mock(layout, itl, ttft, "d0")
+            r.procs += [pp, dp]
+            r.mock_pids = [pp.pid, dp.pid]
+            r.backends = (purl, durl)
+            r.entries.append(("direct (no proxy)", None, None))
+            ours, ours_url = start_ours(layout, purl, durl, profile=profile)
+            r.procs.append(ours)
+            r.entries.append(("vllm-pd proxy", ours_url, ours.pid))
+            if compare_tree:
+                other, other_url = start_ours(layout, purl, durl, tree=compare_tree)
+                r.procs.append(other)
+                r.entries.append(("vllm-pd other tree", other_url, other.pid))
+            if vr_path:
+                try:
+                    vr, vr_url = start_vllm_router(layout, vr_path, purl, durl)
+                    r.procs.append(vr)
+                    r.entries.append(("vllm-router", vr_url, vr.pid))
+                except (TimeoutError, OSError) as e:
+                    print(f"vllm-router did not start: {e!r}")
+        except BaseException:
+            stop(r.procs)
+            raise
+        return r
+
+    def run(self, concurrency: int, seconds: float, stream: bool, max_tokens: int, rounds: int,
+            stagger: float = 0.0) -> dict[str, LoadResult]:
+        """`rounds` interleaved rounds (direct, ours, vllm-router, direct, ...) so that load from outside
+        this benchmark hits every router alike; results pooled per router."""
+        out: dict[str, list[LoadResult]] = {name: [] for name, _, _ in self.entries}
+        for _ in range(rounds):
+            for name, url, pid in self.entries:
+                meters = {"loadgen": CpuMeter([None], tree=False), "mocks": CpuMeter(list(self.mock_pids))}
+                if pid is not None:
+                    meters["router"] = CpuMeter([pid])
+                direct = self.backends if url is None else None
+                out[name].append(asyncio.run(closed_loop(url, direct, concurrency, seconds, stream, max_tokens,
+                                                         meters, "router" if pid is not None else None, stagger)))
+        return {name: LoadResult.pooled(rs) for name, rs in out.items()}
+
+
+def _layout(args: argparse.Namespace) -> Layout:
+    layout = Layout(None, None) if args.no_pin else Layout(args.router_core, args.load_core)
+    if layout.load_core is not None:
+        os.sched_setaffinity(0, {layout.load_core})
+    return layout
+
+
 def run_suite(args: argparse.Namespace) -> None:
-    procs: list[subprocess.Popen] = []
+    layout = _layout(args)
+    print(f"backends: mock prefill+decode, ttft={args.ttft * 1e3:.0f} ms itl={args.itl * 1e3:.0f} ms, "
+          f"{args.tokens} output tokens, prompt {len(BODY['prompt'])} chars; cores={os.cpu_count()}; "
+          f"router on core {layout.router_core}, load generator + mocks on core {layout.load_core}; "
+          f"load average at start {os.getloadavg()[0]:.2f}")
+    if not args.skip_latency:
+        rs = Routers.start(layout, args.ttft, args.itl, args.vllm_router_path, args.profile, args.compare_tree)
+        try:
+            stagger = 0.0 if args.lockstep else 2 * args.ttft + args.itl * (args.tokens - 1)
+            print(f"\n[latency] {args.streams} concurrent streams, {args.rounds} rounds of {args.seconds:.0f} s "
+                  f"(first second not measured), "
+                  f"client starts spread over {stagger * 1e3:.0f} ms")
+            res = rs.run(args.streams, args.seconds, True, args.tokens, args.rounds, stagger)
+            base = res.pop("direct (no proxy)")
+            b_tot, b_fb = pct([s.total for s in base.samples], 0.5), pct([s.ttfb for s in base.samples], 0.5)
+            b_tot99, b_fb99 = pct([s.total for s in base.samples], 0.99), pct([s.ttfb for s in base.samples], 0.99)
+            print(f"  {'direct (no proxy)':18s} total p50 {b_tot * 1e3:7.2f} p99 {b_tot99 * 1e3:7.2f} ms   "
+                  f"TTFB p50 {b_fb * 1e3:7.2f} p99 {b_fb99 * 1e3:7.2f} ms  "
+                  f"({len(base.samples)} req, {base.rate:.0f} req/s)")
+            print(_cpu_line(base))
+            for name, r in res.items():
+                tot, fb = [s.total for s in r.samples], [s.ttfb for s in r.samples]
+                print(f"  {name:18s} total p50 {pct(tot, .5) * 1e3:7.2f} p99 {pct(tot, .99) * 1e3:7.2f} ms   "
+                      f"TTFB p50 {pct(fb, .5) * 1e3:7.2f} p99 {pct(fb, .99) * 1e3:7.2f} ms  "
+                      f"({len(r.samples)} req, {r.rate:.0f} req/s)")
+                print(f"  {'':18s} added: total p50 {(pct(tot, .5) - b_tot) * 1e3:+6.2f} ms p99 "
+                      f"{(pct(tot, .99) - b_tot99) * 1e3:+6.2f} ms   "
+                      f"TTFB p50 {(pct(fb, .5) - b_fb) * 1e3:+6.2f} ms p99 "
+                      f"{(pct(fb, .99) - b_fb99) * 1e3:+6.2f} ms   (target: added p50 <= 1 ms)")
+                print(_cpu_line(r))
+        finally:
+            stop(rs.procs)
+    if args.skip_saturation:
+        return
+    print(f"\n[saturation] non-streaming, max_tokens=2, zero-delay backends, concurrency {args.sat_concurrency}, "
+          f"{args.rounds} rounds of {args.seconds:.0f} s")
+    rs = Routers.start(layout, 0.0, 0.0, args.vllm_router_path, args.profile and args.profile + ".saturation",
+                       args.compare_tree)
     try:
-        pp, purl = start_mock(args.itl, args.ttft, "p0")
-        dp, durl = start_mock(args.itl, args.ttft, "d0")
-        procs += [pp, dp]
-        routers: list[tuple[str, str | None]] = [("direct (no proxy)", None)]
-        ours, ours_url = start_ours(purl, durl)
-        procs.append(ours)
-        routers.append(("vllm-pd proxy", ours_url))
-        if args.vllm_router_path:
-            try:
-                vr, vr_url = start_vllm_router(args.vllm_router_path, purl, durl)
-                procs.append(vr)
-                routers.append(("vllm-router", vr_url))
-            except (TimeoutError, OSError) as e:
-                print(f"vllm-router did not start: {e!r}")
-        print(f"backends: mock prefill+decode, ttft={args.ttft * 1e3:.0f} ms itl={args.itl * 1e3:.0f} ms, "
-              f"{args.tokens} output tokens, prompt {len(BODY['prompt'])} chars; cores={os.cpu_count()}")
-        print(f"\n[latency] {args.streams} concurrent streams, {args.seconds:.0f} s each")
-        base = None
-        for name, url in routers:
-            direct = (purl, durl) if url is None else None
-            lat, rate = asyncio.run(closed_loop(url, direct, args.streams, args.seconds, True, args.tokens))
-            p50, p99 = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
-            if base is None:
-                base = (p50, p99)
-                print(f"  {name:18s} p50 {p50:8.2f} ms  p99 {p99:8.2f} ms  ({len(lat)} req, {rate:.0f} req/s)")
-            else:
-                print(f"  {name:18s} p50 {p50:8.2f} ms  p99 {p99:8.2f} ms  added p50 {p50 - base[0]:+7.2f} ms"
-                      f"  added p99 {p99 - base[1]:+7.2f} ms  ({len(lat)} req, {rate:.0f} req/s)")
-        if args.skip_saturation:
-            return
-        print(f"\n[saturation] non-streaming, max_tokens=2, zero-delay backends, concurrency {args.sat_concurrency}")
-        for p in procs:
-            p.terminate()
-            p.wait(10)
-        pp, purl = start_mock(0.0, 0.0, "p0")
-        dp, durl = start_mock(0.0, 0.0, "d0")
-        procs = [pp, dp]
-        sat_routers: list[tuple[str, str | None]] = [("direct (no proxy)", None)]
-        ours, ours_url = start_ours(purl, durl)
-        procs.append(ours)
-        sat_routers.append(("vllm-pd proxy", ours_url))
-        if args.vllm_router_path:
-            try:
-                vr, vr_url = start_vllm_router(args.vllm_router_path, purl, durl)
-                procs.append(vr)
-                sat_routers.append(("vllm-router", vr_url))
-            except (TimeoutError, OSError) as e:
-                print(f"vllm-router did not start: {e!r}")
-        rates = {}
-        for name, url in sat_routers:
-            direct = (purl, durl) if url is None else None
-            lat, rate = asyncio.run(closed_loop(url, direct, args.sat_concurrency, args.seconds, False, 2))
-            rates[name] = rate
-            print(f"  {name:18s} {rate:8.0f} req/s  p50 {pct(lat, 0.5) * 1e3:7.2f} ms")
-        if "vllm-router" in rates:
-            print(f"  vllm-pd proxy = {rates['vllm-pd proxy'] / rates['vllm-router']:.2f} x vllm-router")
+        res = rs.run(args.sat_concurrency, args.seconds, False, 2, args.rounds)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(10)
+        stop(rs.procs)
+    for name, r in res.items():
+        print(f"  {name:18s} {r.rate:8.0f} req/s  p50 {pct([s.total for s in r.samples], 0.5) * 1e3:7.2f} ms")
+        print(_cpu_line(r))
+    if "vllm-router" in res:
+        ours, vr = res["vllm-pd proxy"], res["vllm-router"]
+        line = f"  saturation: vllm-pd proxy = {ours.rate / vr.rate:.2f} x vllm-router (target >= 1)"
+        if ours.router_cpu_per_req and vr.router_cpu_per_req:
+            line += (f"; CPU per request {ours.router_cpu_per_req * 1e3:.3f} ms vs "
+                     f"{vr.router_cpu_per_req * 1e3:.3f} ms = {ours.router_cpu_per_req / vr.router_cpu_per_req:.2f} x")
+        print(line)
 
 
 # ---------------------------------------------------------------- stack comparison
@@ -242,31 +404,36 @@ async def _client_rate(kind: str, url: str, concurrency: int, seconds: float) ->
 
 
 def run_stacks(args: argparse.Namespace) -> None:
+    layout = _layout(args)
     procs: list[subprocess.Popen] = []
     try:
-        mp, murl = start_mock(0.0, 0.0, "m")
+        # the client under test has the load core to itself here; the mock it calls gets the router core
+        mp, murl = start_mock(Layout(None, layout.router_core), 0.0, 0.0, "m")
         procs.append(mp)
         print("[client library] requests/s one process sends to a zero-delay mock, concurrency 64")
         for kind in ("aiohttp", "httpx"):
             for loop in ("asyncio", "uvloop"):
-                if loop == "uvloop":
-                    import uvloop
-                    rate = uvloop.run(_client_rate(kind, murl, 64, args.seconds))
-                else:
-                    rate = asyncio.run(_client_rate(kind, murl, 64, args.seconds))
+                import uvloop
+                # an explicit loop factory: main() installed uvloop's policy, which asyncio.run would follow
+                factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.SelectorEventLoop
+                with asyncio.Runner(loop_factory=factory) as runner:
+                    rate = runner.run(_client_rate(kind, murl, 64, args.seconds))
                 print(f"  {kind:8s} {loop:8s} {rate:8.0f} req/s")
-        mp2, murl2 = start_mock(0.0, 0.0, "m2")
-        procs.append(mp2)
+        stop(procs)
+        procs = []
+        mp, murl = start_mock(layout, 0.0, 0.0, "m")
+        mp2, murl2 = start_mock(layout, 0.0, 0.0, "m2")
+        procs += [mp, mp2]
         print("[proxy event loop] vllm-pd proxy saturation, non-streaming, concurrency 128")
         for loop in ("asyncio", "uvloop"):
-            p, url = start_ours(murl, murl2, loop)
-            lat, rate = asyncio.run(closed_loop(url, None, 128, args.seconds, False, 2))
-            print(f"  {loop:8s} {rate:8.0f} req/s  p50 {pct(lat, 0.5) * 1e3:.2f} ms")
-            p.terminate()
-            p.wait(10)
+            p, url = start_ours(layout, murl, murl2, loop)
+            res = asyncio.run(closed_loop(url, None, 128, args.seconds, False, 2, {"router": CpuMeter([p.pid])},
+                                          "router"))
+            print(f"  {loop:8s} {res.rate:8.0f} req/s  p50 {pct([x.total for x in res.samples], 0.5) * 1e3:.2f} ms")
+            print(_cpu_line(res))
+            stop([p])
     finally:
-        for p in procs:
-            p.terminate()
+        stop(procs)
 
 
 def main() -> None:
@@ -275,12 +442,23 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--itl", type=float, default=0.05)
     ap.add_argument("--ttft", type=float, default=0.02)
-    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--seconds", type=float, default=4.0, help="per router and round")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per phase")
     ap.add_argument("--sat-concurrency", type=int, default=128)
     ap.add_argument("--vllm-router-path", default="/tmp/vr" if Path("/tmp/vr/vllm_router").exists() else None)
     ap.add_argument("--skip-saturation", action="store_true")
+    ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--prompt-chars", type=int, default=544, help="prompt size (the default is ~136 tokens)")
+    ap.add_argument("--router-core", type=int, default=1, help="core of the router under test")
+    ap.add_argument("--load-core", type=int, default=0, help="core of the load generator and the mocks")
+    ap.add_argument("--no-pin", action="store_true", help="let every process float over all cores")
+    ap.add_argument("--lockstep", action="store_true", help="start all latency clients at once (bursts)")
+    ap.add_argument("--compare-tree", metavar="DIR", help="also run the proxy of another source tree (e.g. a "
+                    "`git worktree` of the previous commit), interleaved with this one")
+    ap.add_argument("--profile", metavar="FILE", help="run our proxy under cProfile, writing FILE")
     ap.add_argument("--stacks", action="store_true", help="compare client libraries and event loops instead")
     args = ap.parse_args()
+    BODY["prompt"] = ("benchmark prompt " * (args.prompt_chars // 17 + 1))[:args.prompt_chars]
     try:
         import uvloop
         uvloop.install()

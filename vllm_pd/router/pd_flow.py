@@ -35,13 +35,14 @@ from typing import Any, Callable
 import aiohttp
 from aiohttp import web
 
+from vllm_pd.connector.transfer_params import awaited_prefill_params
+from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
-from vllm_pd.router.request_body import ParsedRequest, prefill_body
-from vllm_pd.connector.transfer_params import awaited_prefill_params
+from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_json, prefill_body
 from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class PDFlow:
         request_id = http_request.headers.get("X-Request-Id") or uuid.uuid4().hex
         headers = {k: v for k, v in http_request.headers.items() if k.lower() in FORWARDED_HEADERS}
         headers["X-Request-Id"] = request_id
+        headers["Content-Type"] = "application/json"  # both legs send bytes this proxy encoded
         state = FlowState(request_id)
         try:
             return await self._run(req, http_request, headers, state)
@@ -265,7 +267,8 @@ class PDFlow:
         t0 = time.monotonic()
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, sock_connect=self.config.connect_timeout)
         try:
-            async with self.session.post(prefill.url + req.path, json=body, headers=headers, timeout=timeout) as r:
+            async with self.session.post(prefill.url + req.path, data=encode_json(body), headers=headers,
+                                         timeout=timeout) as r:
                 raw = await r.read()
                 if r.status >= 500 or r.status in (408, 429):
                     raise _LegError(f"HTTP {r.status}: {raw[:200]!r}", "status")
@@ -273,7 +276,7 @@ class PDFlow:
                     # the client's own mistake: decode would say the same, so say it now
                     prefill.breaker.record_success()
                     raise _passthrough_error(r.status, raw)
-                data = json.loads(raw)
+                answer = BackendAnswer(raw)
         except (aiohttp.ClientError, asyncio.TimeoutError, _LegError, ValueError) as e:
             kind = e.kind if isinstance(e, _LegError) else ("timeout" if isinstance(e, asyncio.TimeoutError)
                                                            else "connect")
@@ -287,8 +290,8 @@ class PDFlow:
         prefill.ttft.add(elapsed)
         prefill.breaker.record_success()
         self.metrics.prefill_seconds.observe(elapsed)
-        params = data.get("kv_transfer_params") if isinstance(data, dict) else None
-        if not isinstance(params, dict):
+        params = answer.kv_params
+        if params is None:
             # an instance without a connector: decode will have to compute the prompt
             logger.warning("prefill %s returned no kv_transfer_params; decode recomputes", prefill.url)
             self.metrics.fallbacks.labels("no_kv_params").inc()
@@ -297,19 +300,14 @@ class PDFlow:
         # beside a running decode leg the KV is decode's already (it releases it); else it waits for one
         state.kv_pending = transfer_key is None
         state.pushed = transfer_key is not None and mode == "push"
-        usage = data.get("usage") or {}
-        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            state.prefill_cached_tokens = details["cached_tokens"]
+        if answer.cached_tokens is not None:
+            state.prefill_cached_tokens = answer.cached_tokens
         return True
 
     # ----------------------------------------------------------------- decode
     async def _decode(self, req: ParsedRequest, decode: Instance, headers: dict[str, str], state: FlowState,
                       http_request: web.Request, kv_params: dict | None) -> web.StreamResponse:
-        body = req.body
-        if kv_params is not None:
-            body = dict(req.body)
-            body["kv_transfer_params"] = kv_params
+        body = decode_body(req, kv_params)
         lease = LegLease(decode, "decode", req.prompt_tokens + req.max_tokens)
         state.leases.append(lease)
         state.stage = "decode"
@@ -319,9 +317,8 @@ class PDFlow:
         try:
             # from here decode owns the KV: closing this request aborts it and decode releases prefill's KV
             state.kv_pending = False
-            resp = await asyncio.wait_for(
-                self.session.post(decode.url + req.path, json=body, headers=headers, timeout=timeout),
-                self.config.decode_timeout)
+            async with asyncio.timeout(self.config.decode_timeout):  # no extra task, unlike wait_for
+                resp = await self.session.post(decode.url + req.path, data=body, headers=headers, timeout=timeout)
         except aiohttp.ClientConnectorError as e:
             state.kv_pending = state.kv_params is not None
             lease.release()
@@ -361,11 +358,11 @@ class PDFlow:
         if state.prefill_cached_tokens is not None:
             raw = rewrite_usage(raw, state.prefill_cached_tokens) or raw
         try:
-            tokens = json.loads(raw).get("usage", {}).get("completion_tokens") or 0
+            tokens = BackendAnswer(raw).completion_tokens
             if tokens > 1:
                 decode.tpot.add(elapsed / tokens)
                 self.pool.recent_tpot.add(elapsed / tokens)
-        except (ValueError, AttributeError):
+        except ValueError:
             pass
         return web.Response(body=raw, status=resp.status, content_type="application/json",
                             headers={"X-Request-Id": state.request_id})

@@ -35,15 +35,19 @@ class SseSplitter:
         self.cached_tokens = cached_tokens
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._buf + chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self._buf = data
-            return b""
-        out, self._buf = data[:cut + 2], data[cut + 2:]
-        if self.cached_tokens is not None and b'"usage":{' in out.replace(b'"usage": {', b'"usage":{'):
-            out = self._rewrite(out)
-        return out
+        # the common case - a read that ends on an event boundary with nothing held back -
+        # passes the very bytes object through: no concatenation, no slicing
+        if self._buf:
+            chunk, self._buf = self._buf + chunk, b""
+        if not chunk.endswith(b"\n\n"):
+            cut = chunk.rfind(b"\n\n")
+            if cut < 0:
+                self._buf = chunk
+                return b""
+            chunk, self._buf = chunk[:cut + 2], chunk[cut + 2:]
+        if self.cached_tokens is not None and (b'"usage":{' in chunk or b'"usage": {' in chunk):
+            chunk = self._rewrite(chunk)
+        return chunk
 
     def _rewrite(self, out: bytes) -> bytes:
         events = out.split(b"\n\n")
