@@ -29,7 +29,6 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import aiohttp
@@ -38,20 +37,18 @@ from aiohttp import web
 from vllm_pd.connector.transfer_params import awaited_prefill_params
 from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.config import ProxyConfig
+from vllm_pd.router.decode_relay import DecodeFailed, DecodeRelay, FlowState
 from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
 from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_json, prefill_body
-from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
 
 logger = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "x-data-parallel-rank")
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 ReleaseFn = Callable[[dict], bool]
-TPOT_WINDOW = 16  # stream events per live TPOT sample
 
 
 def default_release_remote_kv(params: dict) -> bool:
@@ -78,30 +75,6 @@ def remote_decode_params(decode: Instance, transfer_key: str | None, mode: str =
     return params
 
 
-class DecodeFailed(Exception):
-    """Decode failed before any byte reached the client; ``sent`` = decode saw the request."""
-
-    def __init__(self, message: str, sent: bool, kind: str) -> None:
-        super().__init__(message)
-        self.sent = sent
-        self.kind = kind
-
-
-@dataclass
-class FlowState:
-    """What one client request has in flight (for cleanup on cancel)."""
-
-    request_id: str
-    kv_params: dict | None = None
-    kv_pending: bool = False  # prefill holds KV that no decode has been asked to take
-    prefill_cached_tokens: int | None = None
-    pushed: bool = False  # prefill was told to push the KV into one decode instance
-    prefill_leg: "asyncio.Task[bool] | None" = None  # running beside the decode leg
-    started: float = field(default_factory=time.monotonic)
-    stage: str = "prefill"  # prefill | decode | stream (bytes reached the client): where a disconnect hit
-    leases: list[LegLease] = field(default_factory=list)
-
-
 class PDFlow:
     def __init__(self, config: ProxyConfig, pool: InstancePool, session: aiohttp.ClientSession,
                  metrics: ProxyMetrics, prefill_policy: Policy, decode_policy: Policy,
@@ -113,6 +86,7 @@ class PDFlow:
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.release_kv = release_kv
+        self.relay = DecodeRelay(metrics, pool, config.prefill_timeout)
         self._background: set[asyncio.Future] = set()
 
     # ------------------------------------------------------------------ entry
@@ -337,106 +311,11 @@ class PDFlow:
                 state.kv_pending = state.kv_params is not None
                 raise _passthrough_error(resp.status, await resp.read())
             if req.stream:
-                return await self._relay_stream(resp, decode, state, http_request, t0)
-            return await self._relay_json(resp, decode, state, t0)
+                return await self.relay.stream(resp, decode, state, http_request, t0)
+            return await self.relay.json(resp, decode, state, t0)
         finally:
             resp.close()  # aborts decode in vLLM if we got here early (client gone, error)
             lease.release()
-
-    async def _relay_json(self, resp: aiohttp.ClientResponse, decode: Instance, state: FlowState,
-                          t0: float) -> web.Response:
-        try:
-            raw = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise DecodeFailed(repr(e), sent=True, kind="read") from None
-        decode.breaker.record_success()
-        elapsed = time.monotonic() - t0
-        self.metrics.ttft_seconds.observe(time.monotonic() - state.started)
-        if state.prefill_leg is not None and not state.prefill_leg.done():
-            # decode answered before prefill's answer (with its usage) came back
-            await asyncio.wait({state.prefill_leg}, timeout=self.config.prefill_timeout)
-        if state.prefill_cached_tokens is not None:
-            raw = rewrite_usage(raw, state.prefill_cached_tokens) or raw
-        try:
-            tokens = BackendAnswer(raw).completion_tokens
-            if tokens > 1:
-                decode.tpot.add(elapsed / tokens)
-                self.pool.recent_tpot.add(elapsed / tokens)
-        except ValueError:
-            pass
-        return web.Response(body=raw, status=resp.status, content_type="application/json",
-                            headers={"X-Request-Id": state.request_id})
-
-    async def _relay_stream(self, resp: aiohttp.ClientResponse, decode: Instance, state: FlowState,
-                            http_request: web.Request, t0: float) -> web.StreamResponse:
-        events = SseSplitter(state.prefill_cached_tokens)
-        # hold the client's response until decode produced its first event, so a
-        # failure before that can still be retried elsewhere
-        first = b""
-        try:
-            while not first:
-                chunk = await resp.content.readany()
-                if not chunk:
-                    raise DecodeFailed("stream ended before any event", sent=True, kind="empty")
-                first = events.feed(chunk)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise DecodeFailed(repr(e), sent=True, kind="read") from None
-        decode.breaker.record_success()
-        t_first = time.monotonic()
-        self.metrics.ttft_seconds.observe(t_first - state.started)
-        self.pool.recent_ttft.add(t_first - state.started)
-        out = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
-        n_events = first.count(b"data:")
-        # TPOT is sampled while the stream runs (every TPOT_WINDOW events), not only at its end:
-        # long outputs would otherwise tell the supervisor about decode pressure far too late
-        sample_t, sample_n = t_first, n_events
-        try:
-            await out.prepare(http_request)
-            state.stage = "stream"
-            await out.write(first)
-            while True:
-                try:
-                    chunk = await resp.content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    # bytes already reached the client: end the stream with an error event
-                    await self._end_with_error(out, events, decode, e)
-                    return out
-                if not chunk:
-                    break
-                events.cached_tokens = state.prefill_cached_tokens  # prefill may answer after decode began
-                data = events.feed(chunk)
-                if data:
-                    n_events += data.count(b"data:")
-                    await out.write(data)
-                    if n_events - sample_n >= TPOT_WINDOW:
-                        now = time.monotonic()
-                        self._record_tpot(decode, (now - sample_t) / (n_events - sample_n))
-                        sample_t, sample_n = now, n_events
-            tail = events.flush()
-            if tail:
-                await out.write(tail)
-            await out.write_eof()
-        except ConnectionResetError:  # writing to the client failed: it went away
-            self.metrics.disconnects.labels(state.stage).inc()
-            logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
-            return out
-        if n_events - sample_n > 2:  # the tail since the last sample, minus the [DONE] event
-            self._record_tpot(decode, (time.monotonic() - sample_t) / (n_events - sample_n - 1))
-        return out
-
-    def _record_tpot(self, decode: Instance, tpot: float) -> None:
-        decode.tpot.add(tpot)
-        self.pool.recent_tpot.add(tpot)
-
-    async def _end_with_error(self, out: web.StreamResponse, events: SseSplitter, decode: Instance,
-                              e: BaseException) -> None:
-        self.metrics.stream_errors.inc()
-        decode.breaker.record_failure()
-        logger.warning("decode stream from %s broke after output started: %r", decode.url, e)
-        err = upstream_error(f"decode stream interrupted: {e!r}", code="stream_interrupted")
-        events.drop_partial()  # the client only ever got whole events; the error is the next one
-        await out.write(err.sse_event())
-        await out.write_eof()
 
     # ---------------------------------------------------------------- release
     def _release_in_background(self, params: dict) -> None:

@@ -1,0 +1,154 @@
+"""Relaying decode's answer to the client: whole JSON, or SSE event by event.
+
+Until decode's first event nothing is sent to the client, so a failure there is
+a :class:`DecodeFailed` the flow can retry; after it, an OpenAI-style error
+event ends the stream. TTFT and TPOT are recorded on the way (the supervisor
+and the policies read them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from vllm_pd.router.backend_answer import BackendAnswer
+from vllm_pd.router.errors import upstream_error
+from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
+from vllm_pd.router.metrics import ProxyMetrics
+from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+TPOT_WINDOW = 16  # stream events per live TPOT sample
+
+
+class DecodeFailed(Exception):
+    """Decode failed before any byte reached the client; ``sent`` = decode saw the request."""
+
+    def __init__(self, message: str, sent: bool, kind: str) -> None:
+        super().__init__(message)
+        self.sent = sent
+        self.kind = kind
+
+
+@dataclass
+class FlowState:
+    """What one client request has in flight (for cleanup on cancel)."""
+
+    request_id: str
+    kv_params: dict | None = None
+    kv_pending: bool = False  # prefill holds KV that no decode has been asked to take
+    prefill_cached_tokens: int | None = None
+    pushed: bool = False  # prefill was told to push the KV into one decode instance
+    prefill_leg: "asyncio.Task[bool] | None" = None  # running beside the decode leg
+    started: float = field(default_factory=time.monotonic)
+    stage: str = "prefill"  # prefill | decode | stream (bytes reached the client): where a disconnect hit
+    leases: list[LegLease] = field(default_factory=list)
+
+
+class DecodeRelay:
+    def __init__(self, metrics: ProxyMetrics, pool: InstancePool, prefill_timeout: float) -> None:
+        self.metrics = metrics
+        self.pool = pool
+        self.prefill_timeout = prefill_timeout
+
+    async def json(self, resp: aiohttp.ClientResponse, decode: Instance, state: FlowState,
+                          t0: float) -> web.Response:
+        try:
+            raw = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise DecodeFailed(repr(e), sent=True, kind="read") from None
+        decode.breaker.record_success()
+        elapsed = time.monotonic() - t0
+        self.metrics.ttft_seconds.observe(time.monotonic() - state.started)
+        if state.prefill_leg is not None and not state.prefill_leg.done():
+            # decode answered before prefill's answer (with its usage) came back
+            await asyncio.wait({state.prefill_leg}, timeout=self.prefill_timeout)
+        if state.prefill_cached_tokens is not None:
+            raw = rewrite_usage(raw, state.prefill_cached_tokens) or raw
+        try:
+            tokens = BackendAnswer(raw).completion_tokens
+            if tokens > 1:
+                decode.tpot.add(elapsed / tokens)
+                self.pool.recent_tpot.add(elapsed / tokens)
+        except ValueError:
+            pass
+        return web.Response(body=raw, status=resp.status, content_type="application/json",
+                            headers={"X-Request-Id": state.request_id})
+
+    async def stream(self, resp: aiohttp.ClientResponse, decode: Instance, state: FlowState,
+                            http_request: web.Request, t0: float) -> web.StreamResponse:
+        events = SseSplitter(state.prefill_cached_tokens)
+        # hold the client's response until decode produced its first event, so a
+        # failure before that can still be retried elsewhere
+        first = b""
+        try:
+            while not first:
+                chunk = await resp.content.readany()
+                if not chunk:
+                    raise DecodeFailed("stream ended before any event", sent=True, kind="empty")
+                first = events.feed(chunk)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise DecodeFailed(repr(e), sent=True, kind="read") from None
+        decode.breaker.record_success()
+        t_first = time.monotonic()
+        self.metrics.ttft_seconds.observe(t_first - state.started)
+        self.pool.recent_ttft.add(t_first - state.started)
+        out = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
+        n_events = first.count(b"data:")
+        # TPOT is sampled while the stream runs (every TPOT_WINDOW events), not only at its end:
+        # long outputs would otherwise tell the supervisor about decode pressure far too late
+        sample_t, sample_n = t_first, n_events
+        try:
+            await out.prepare(http_request)
+            state.stage = "stream"
+            await out.write(first)
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    # bytes already reached the client: end the stream with an error event
+                    await self._end_with_error(out, events, decode, e)
+                    return out
+                if not chunk:
+                    break
+                events.cached_tokens = state.prefill_cached_tokens  # prefill may answer after decode began
+                data = events.feed(chunk)
+                if data:
+                    n_events += data.count(b"data:")
+                    await out.write(data)
+                    if n_events - sample_n >= TPOT_WINDOW:
+                        now = time.monotonic()
+                        self._record_tpot(decode, (now - sample_t) / (n_events - sample_n))
+                        sample_t, sample_n = now, n_events
+            tail = events.flush()
+            if tail:
+                await out.write(tail)
+            await out.write_eof()
+        except ConnectionResetError:  # writing to the client failed: it went away
+            self.metrics.disconnects.labels(state.stage).inc()
+            logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
+            return out
+        if n_events - sample_n > 2:  # the tail since the last sample, minus the [DONE] event
+            self._record_tpot(decode, (time.monotonic() - sample_t) / (n_events - sample_n - 1))
+        return out
+
+    def _record_tpot(self, decode: Instance, tpot: float) -> None:
+        decode.tpot.add(tpot)
+        self.pool.recent_tpot.add(tpot)
+
+    async def _end_with_error(self, out: web.StreamResponse, events: SseSplitter, decode: Instance,
+                              e: BaseException) -> None:
+        self.metrics.stream_errors.inc()
+        decode.breaker.record_failure()
+        logger.warning("decode stream from %s broke after output started: %r", decode.url, e)
+        err = upstream_error(f"decode stream interrupted: {e!r}", code="stream_interrupted")
+        events.drop_partial()  # the client only ever got whole events; the error is the next one
+        await out.write(err.sse_event())
+        await out.write_eof()
