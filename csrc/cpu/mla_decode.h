@@ -50,6 +50,14 @@ class AmxAttention {
               int64_t end, float* acc, float* row_max, float* row_sum);
 
  private:
+  struct TokenTile {
+    const uint16_t* rows;  // first of 16 token rows of dim bf16
+    int64_t stride;        // bytes between rows
+  };
+  void scores_tiles(int64_t group, const TokenTile* kv, int tiles);
+  void softmax_chunk(int64_t group, int64_t t0, int64_t end, int tiles, float scale_log2);
+  void accumulate_values(int64_t group, const TokenTile* kv, int tiles);
+
   const Problem p_;
   int64_t groups_;   // row groups of 16 (tile height)
   int64_t kq_;       // dim / 32: QK^T tile steps
@@ -60,9 +68,10 @@ class AmxAttention {
   float* max_;         // [groups * 16], log2 units
   float* sum_;         // [groups * 16]
   int32_t* visible_;   // [groups * 16]: keys < visible are seen by the row (0 for padding)
-  float* scores_;      // [32][16]: one chunk's scores, token-major
-  uint32_t* probs_;    // [2 groups][2 parities][16][16]: bf16 probabilities as A tiles
-  uint16_t* stage_;    // [2][16][dim]: KV rows that are not 16 contiguous cache rows
+  float* scores_;           // [64][16]: one chunk's scores, token-major
+  uint32_t* token_probs_;   // [64][16]: its bf16 probabilities, token-major
+  uint32_t* probs_;         // [4 tiles][2 parities][16][16]: the same as A tiles
+  uint16_t* stage_;         // [4][16][dim]: KV rows that are not 16 contiguous cache rows
 };
 
 }  // namespace mla

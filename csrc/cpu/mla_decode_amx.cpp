@@ -45,7 +45,8 @@ bool amx_fits(const Problem& p) { return p.dim % 32 == 0 && p.dim_v % 32 == 0 &&
 namespace {
 
 constexpr int kRows = 16;        // tile height: query rows per group, tokens per KV tile
-constexpr int kChunk = 2 * kRows;  // tokens scored per softmax step
+constexpr int kTiles = 4;              // token tiles per chunk: 4 accumulators hide the tile latency
+constexpr int kChunk = kTiles * kRows;  // tokens scored per softmax step
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 bool cpu_has_amx_bf16() {
@@ -71,8 +72,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tile registers. QK^T step: 0/1 scores of token tiles 0/1, 2/3 their K rows, 4 q^T.
-// P.V step: 0/1 even/odd output columns, 2/3 and 5/6 (p,0)/(0,p) of token tiles 0/1, 4 V rows.
+// All eight tiles are 16 rows x 64 bytes; scores_tiles and accumulate_values say what each holds.
 AMX_FN void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -128,10 +128,6 @@ AMX_FN inline void transpose16(const uint32_t* src, uint32_t* dst) {
   }
 }
 
-struct TokenTile {
-  const uint16_t* rows;  // first of 16 rows of dim bf16
-  int64_t stride;        // bytes between rows
-};
 
 }  // namespace
 
@@ -144,9 +140,9 @@ AmxAttention::AmxAttention(const Problem& p)
     : p_(p), groups_((p.rows + kRows - 1) / kRows), kq_(p.dim / 32), kv_(p.dim_v / 32) {
   TORCH_CHECK(amx_fits(p), "mla_decode: AMX kernel needs head dims in multiples of 32");
   const size_t q_tiles = groups_ * kq_ * 256 * 4, out_tiles = groups_ * kv_ * 512 * 4;
-  const size_t per_row = groups_ * kRows * 4, scores = kChunk * kRows * 4, probs = 4 * 256 * 4;
-  const size_t stage = 2 * kRows * p.dim * 2;
-  const size_t total = q_tiles + out_tiles + 3 * per_row + scores + probs + stage;
+  const size_t per_row = groups_ * kRows * 4, scores = kChunk * kRows * 4, probs = kTiles * 512 * 4;
+  const size_t stage = kTiles * kRows * p.dim * 2;
+  const size_t total = q_tiles + out_tiles + 3 * per_row + 2 * scores + probs + stage;
   memory_ = std::aligned_alloc(64, (total + 63) / 64 * 64 + 64 * 8);
   TORCH_CHECK(memory_ != nullptr, "mla_decode: out of memory for the AMX workspace");
   char* m = static_cast<char*>(memory_);
@@ -161,6 +157,7 @@ AmxAttention::AmxAttention(const Problem& p)
   sum_ = reinterpret_cast<float*>(take(per_row));
   visible_ = reinterpret_cast<int32_t*>(take(per_row));
   scores_ = reinterpret_cast<float*>(take(scores));
+  token_probs_ = reinterpret_cast<uint32_t*>(take(scores));
   probs_ = reinterpret_cast<uint32_t*>(take(probs));
   stage_ = reinterpret_cast<uint16_t*>(take(stage));
   configure_tiles();
@@ -222,100 +219,15 @@ AMX_FN void AmxAttention::attend(const c10::BFloat16* cache_bf16, const int32_t*
   };
 
   for (int64_t t0 = begin; t0 < end; t0 += kChunk) {
-    const int tiles = end - t0 > kRows ? 2 : 1;
-    const TokenTile kv0 = token_tile(0, t0);
-    const TokenTile kv1 = tiles == 2 ? token_tile(1, t0 + kRows) : kv0;
+    const int tiles = static_cast<int>(std::min<int64_t>(kTiles, (end - t0 + kRows - 1) / kRows));
+    TokenTile kv[kTiles];
+    for (int i = 0; i < kTiles; ++i) kv[i] = i < tiles ? token_tile(i, t0 + i * kRows) : kv[0];
     for (int64_t g = 0; g < groups_; ++g) {
       const __m512i visible = _mm512_loadu_si512(visible_ + g * kRows);
       if (_mm512_reduce_max_epi32(visible) <= t0) continue;  // causal: no row sees these keys
-
-      // S^T = K . q^T
-      _tile_zero(0);
-      _tile_zero(1);
-      const uint32_t* qt = q_tiles_ + g * kq_ * 256;
-      for (int64_t k = 0; k < kq_; ++k) {
-        _tile_loadd(4, qt + k * 256, 64);
-        _tile_loadd(2, kv0.rows + 32 * k, kv0.stride);
-        _tile_dpbf16ps(0, 2, 4);
-        if (tiles == 2) {
-          _tile_loadd(3, kv1.rows + 32 * k, kv1.stride);
-          _tile_dpbf16ps(1, 3, 4);
-        }
-      }
-      _tile_stored(0, scores_, 64);
-      if (tiles == 2) _tile_stored(1, scores_ + 256, 64);
-
-      // Online softmax, lane = query row, in log2 units.
-      const int n_tok = tiles * kRows;
-      const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-      __m512 chunk_max = neg_inf;
-      for (int t = 0; t < n_tok; ++t) {
-        const __m512i token = _mm512_set1_epi32(static_cast<int32_t>(t0 + t));
-        const __mmask16 hidden = t0 + t >= end ? __mmask16(0xffff) : _mm512_cmpge_epi32_mask(token, visible);
-        const __m512 s = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_loadu_ps(scores_ + 16 * t), _mm512_set1_ps(scale_log2)),
-                                            hidden, neg_inf);
-        _mm512_storeu_ps(scores_ + 16 * t, s);
-        chunk_max = _mm512_max_ps(chunk_max, s);
-      }
-      const __m512 old_max = _mm512_loadu_ps(max_ + g * kRows);
-      const __m512 new_max = _mm512_max_ps(old_max, chunk_max);
-      // A row that has seen nothing yet keeps max -inf; subtracting 0 then keeps its p at 0.
-      const __m512 base = _mm512_mask_mov_ps(new_max, _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
-      const __m512 correction = exp2_nonpositive(_mm512_sub_ps(old_max, base));
-      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(sum_ + g * kRows), correction);
-      uint32_t* pt = probs_ + 2 * 256;  // scratch: token-major bf16 probabilities
-      for (int t = 0; t < n_tok; ++t) {
-        const __m512 prob = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores_ + 16 * t), base));
-        sum = _mm512_add_ps(sum, prob);
-        const __m256i bf = (__m256i)_mm512_cvtneps_pbh(prob);
-        _mm512_storeu_si512(pt + 16 * t, _mm512_cvtepu16_epi32(bf));
-      }
-      _mm512_storeu_ps(max_ + g * kRows, new_max);
-      _mm512_storeu_ps(sum_ + g * kRows, sum);
-      // Rows whose max grew rescale what they have accumulated (rows that saw nothing hold 0).
-      const __mmask16 grown = _mm512_cmp_ps_mask(correction, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) &
-                              _mm512_cmp_ps_mask(old_max, neg_inf, _CMP_NEQ_UQ);
-      if (grown) {
-        alignas(64) float c[kRows];
-        _mm512_store_ps(c, correction);
-        float* out = out_tiles_ + g * kv_ * 512;
-        for (int h = 0; h < kRows; ++h) {
-          if (!(grown >> h & 1)) continue;
-          const __m512 ch = _mm512_set1_ps(c[h]);
-          for (int64_t j = 0; j < 2 * kv_; ++j)
-            _mm512_storeu_ps(out + j * 256 + h * 16, _mm512_mul_ps(_mm512_loadu_ps(out + j * 256 + h * 16), ch));
-        }
-      }
-      // A tiles (row = query row, dword = token): (p, 0) in probs_[tile][0], (0, p) in [tile][1].
-      for (int i = 0; i < tiles; ++i) {
-        uint32_t* even = probs_ + i * 512;
-        transpose16(pt + i * 256, even);  // the scratch is tile 1's slots: read before written
-        for (int h = 0; h < kRows; ++h)
-          _mm512_storeu_si512(even + 256 + 16 * h, _mm512_slli_epi32(_mm512_loadu_si512(even + 16 * h), 16));
-      }
-
-      // O += P . V
-      _tile_loadd(2, probs_, 64);
-      _tile_loadd(3, probs_ + 256, 64);
-      if (tiles == 2) {
-        _tile_loadd(5, probs_ + 512, 64);
-        _tile_loadd(6, probs_ + 768, 64);
-      }
-      float* out = out_tiles_ + g * kv_ * 512;
-      for (int64_t c = 0; c < kv_; ++c) {
-        _tile_loadd(0, out + c * 512, 64);
-        _tile_loadd(1, out + c * 512 + 256, 64);
-        _tile_loadd(4, kv0.rows + 32 * c, kv0.stride);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(1, 3, 4);
-        if (tiles == 2) {
-          _tile_loadd(4, kv1.rows + 32 * c, kv1.stride);
-          _tile_dpbf16ps(0, 5, 4);
-          _tile_dpbf16ps(1, 6, 4);
-        }
-        _tile_stored(0, out + c * 512, 64);
-        _tile_stored(1, out + c * 512 + 256, 64);
-      }
+      scores_tiles(g, kv, tiles);
+      softmax_chunk(g, t0, end, tiles, scale_log2);
+      accumulate_values(g, kv, tiles);
     }
   }
 
@@ -334,6 +246,120 @@ AMX_FN void AmxAttention::attend(const c10::BFloat16* cache_bf16, const int32_t*
   }
 }
 
+// S^T [token, row] of each token tile: tiles 0-3 accumulate, 4 holds q^T, 5-7 take turns at K.
+AMX_FN void AmxAttention::scores_tiles(int64_t g, const TokenTile* kv, int tiles) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const uint32_t* qt = q_tiles_ + g * kq_ * 256;
+  for (int64_t k = 0; k < kq_; ++k) {
+    _tile_loadd(4, qt + k * 256, 64);
+    _tile_loadd(5, kv[0].rows + 32 * k, kv[0].stride);
+    _tile_dpbf16ps(0, 5, 4);
+    if (tiles > 1) {
+      _tile_loadd(6, kv[1].rows + 32 * k, kv[1].stride);
+      _tile_dpbf16ps(1, 6, 4);
+    }
+    if (tiles > 2) {
+      _tile_loadd(7, kv[2].rows + 32 * k, kv[2].stride);
+      _tile_dpbf16ps(2, 7, 4);
+    }
+    if (tiles > 3) {
+      _tile_loadd(5, kv[3].rows + 32 * k, kv[3].stride);
+      _tile_dpbf16ps(3, 5, 4);
+    }
+  }
+  _tile_stored(0, scores_, 64);
+  if (tiles > 1) _tile_stored(1, scores_ + 256, 64);
+  if (tiles > 2) _tile_stored(2, scores_ + 512, 64);
+  if (tiles > 3) _tile_stored(3, scores_ + 768, 64);
+}
+
+// Online softmax of one chunk for row group g, lane = query row, in log2 units; leaves the bf16
+// probabilities as A tiles in probs_ (row = query row, dword = token): (p, 0) then (0, p).
+AMX_FN void AmxAttention::softmax_chunk(int64_t g, int64_t t0, int64_t end, int tiles, float scale_log2) {
+  const __m512i visible = _mm512_loadu_si512(visible_ + g * kRows);
+  const int n_tok = tiles * kRows;
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(scale_log2);
+  __m512 chunk_max = neg_inf;
+  for (int t = 0; t < n_tok; ++t) {
+    const __m512i token = _mm512_set1_epi32(static_cast<int32_t>(t0 + t));
+    const __mmask16 hidden = t0 + t >= end ? __mmask16(0xffff) : _mm512_cmpge_epi32_mask(token, visible);
+    const __m512 x = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_loadu_ps(scores_ + 16 * t), scale), hidden, neg_inf);
+    _mm512_storeu_ps(scores_ + 16 * t, x);
+    chunk_max = _mm512_max_ps(chunk_max, x);
+  }
+  const __m512 old_max = _mm512_loadu_ps(max_ + g * kRows);
+  const __m512 new_max = _mm512_max_ps(old_max, chunk_max);
+  // A row that has seen nothing yet keeps max -inf; subtracting 0 then keeps its p at 0.
+  const __m512 base = _mm512_mask_mov_ps(new_max, _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
+  const __m512 correction = exp2_nonpositive(_mm512_sub_ps(old_max, base));
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(sum_ + g * kRows), correction);
+  for (int t = 0; t < n_tok; ++t) {
+    const __m512 prob = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores_ + 16 * t), base));
+    sum = _mm512_add_ps(sum, prob);
+    const __m256i bf = (__m256i)_mm512_cvtneps_pbh(prob);
+    _mm512_storeu_si512(token_probs_ + 16 * t, _mm512_cvtepu16_epi32(bf));
+  }
+  _mm512_storeu_ps(max_ + g * kRows, new_max);
+  _mm512_storeu_ps(sum_ + g * kRows, sum);
+  // Rows whose max grew rescale what they have accumulated (rows that saw nothing hold 0).
+  const __mmask16 grown = _mm512_cmp_ps_mask(correction, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) &
+                          _mm512_cmp_ps_mask(old_max, neg_inf, _CMP_NEQ_UQ);
+  if (grown) {
+    alignas(64) float c[kRows];
+    _mm512_store_ps(c, correction);
+    float* out = out_tiles_ + g * kv_ * 512;
+    for (int h = 0; h < kRows; ++h) {
+      if (!(grown >> h & 1)) continue;
+      const __m512 ch = _mm512_set1_ps(c[h]);
+      for (int64_t j = 0; j < 2 * kv_; ++j)
+        _mm512_storeu_ps(out + j * 256 + h * 16, _mm512_mul_ps(_mm512_loadu_ps(out + j * 256 + h * 16), ch));
+    }
+  }
+  for (int i = 0; i < tiles; ++i) {
+    uint32_t* even = probs_ + i * 512;
+    transpose16(token_probs_ + i * 256, even);
+    for (int h = 0; h < kRows; ++h)
+      _mm512_storeu_si512(even + 256 + 16 * h, _mm512_slli_epi32(_mm512_loadu_si512(even + 16 * h), 16));
+  }
+}
+
+// O += P . V, two 32-column slices at a time: tiles 0-3 accumulate (slice c even / odd columns,
+// slice c + 1 even / odd), 5/6 hold (p, 0)/(0, p) of a token tile, 4/7 its V rows of c / c + 1.
+AMX_FN void AmxAttention::accumulate_values(int64_t g, const TokenTile* kv, int tiles) {
+  float* out = out_tiles_ + g * kv_ * 512;
+  for (int64_t c = 0; c < kv_; c += 2) {
+    const bool pair = c + 1 < kv_;
+    float* o = out + c * 512;
+    _tile_loadd(0, o, 64);
+    _tile_loadd(1, o + 256, 64);
+    if (pair) {
+      _tile_loadd(2, o + 512, 64);
+      _tile_loadd(3, o + 768, 64);
+    }
+    for (int i = 0; i < tiles; ++i) {
+      _tile_loadd(5, probs_ + i * 512, 64);
+      _tile_loadd(6, probs_ + i * 512 + 256, 64);
+      _tile_loadd(4, kv[i].rows + 32 * c, kv[i].stride);
+      _tile_dpbf16ps(0, 5, 4);
+      _tile_dpbf16ps(1, 6, 4);
+      if (pair) {
+        _tile_loadd(7, kv[i].rows + 32 * (c + 1), kv[i].stride);
+        _tile_dpbf16ps(2, 5, 7);
+        _tile_dpbf16ps(3, 6, 7);
+      }
+    }
+    _tile_stored(0, o, 64);
+    _tile_stored(1, o + 256, 64);
+    if (pair) {
+      _tile_stored(2, o + 512, 64);
+      _tile_stored(3, o + 768, 64);
+    }
+  }
+}
+
 #else  // no AMX in this build (not x86-64 GCC >= 11): the portable kernel runs
 
 bool amx_usable() { return false; }
@@ -341,6 +367,9 @@ AmxAttention::AmxAttention(const Problem& p) : p_(p) { TORCH_CHECK(false, "mla_d
 AmxAttention::~AmxAttention() = default;
 void AmxAttention::load_query(const c10::BFloat16*) {}
 void AmxAttention::attend(const c10::BFloat16*, const int32_t*, int64_t, int64_t, int64_t, float*, float*, float*) {}
+void AmxAttention::scores_tiles(int64_t, const TokenTile*, int) {}
+void AmxAttention::softmax_chunk(int64_t, int64_t, int64_t, int, float) {}
+void AmxAttention::accumulate_values(int64_t, const TokenTile*, int) {}
 
 #endif
 
