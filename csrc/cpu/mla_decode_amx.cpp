@@ -102,10 +102,10 @@ AMX_FN inline __m512 exp2_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// dst[j] (row j, 16 dwords) = column j of the 16 x 16 dword matrix src (row stride 16).
-AMX_FN inline void transpose16(const uint32_t* src, uint32_t* dst) {
+// dst[j] (row j, 16 dwords) = column j of the 16 x 16 dword matrix src (rows `stride` apart).
+AMX_FN inline void transpose16(const uint32_t* src, uint32_t* dst, int64_t stride = 16) {
   __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + 16 * i);
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + stride * i);
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
@@ -168,17 +168,26 @@ AmxAttention::~AmxAttention() {
   std::free(memory_);
 }
 
-void AmxAttention::load_query(const c10::BFloat16* q) {
-  // B tile of step k for group g: row i, column h = the (2i, 2i+1) bf16 pair of dims 32k.. of row h.
+AMX_FN void AmxAttention::load_query(const c10::BFloat16* q) {
+  // B tile of step k for group g: row i, column h = the (2i, 2i+1) bf16 pair of dims 32k.. of
+  // row h, i.e. the transpose of rows g*16.. as dwords. Missing rows of the last group are 0.
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q);
   const int64_t half = p_.dim / 2;
-  for (int64_t g = 0; g < groups_; ++g)
-    for (int64_t k = 0; k < kq_; ++k)
-      for (int i = 0; i < kRows; ++i)
-        for (int h = 0; h < kRows; ++h) {
-          const int64_t r = g * kRows + h;
-          q_tiles_[((g * kq_ + k) * kRows + i) * kRows + h] = r < p_.rows ? pairs[r * half + 16 * k + i] : 0;
-        }
+  alignas(64) uint32_t padded[kRows * kRows];
+  for (int64_t g = 0; g < groups_; ++g) {
+    const int64_t present = std::min<int64_t>(kRows, p_.rows - g * kRows);
+    const uint32_t* rows = pairs + g * kRows * half;
+    for (int64_t k = 0; k < kq_; ++k) {
+      uint32_t* dst = q_tiles_ + (g * kq_ + k) * 256;
+      if (present == kRows) {
+        transpose16(rows + 16 * k, dst, half);
+        continue;
+      }
+      std::memset(padded, 0, sizeof(padded));
+      for (int64_t h = 0; h < present; ++h) std::memcpy(padded + 16 * h, rows + h * half + 16 * k, 64);
+      transpose16(padded, dst);
+    }
+  }
 }
 
 AMX_FN void AmxAttention::attend(const c10::BFloat16* cache_bf16, const int32_t* blocks,
@@ -232,17 +241,19 @@ AMX_FN void AmxAttention::attend(const c10::BFloat16* cache_bf16, const int32_t*
   }
 
   const float ln2 = static_cast<float>(M_LN2);
+  const __m512i interleave_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i interleave_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t g = r / kRows, h = r % kRows;
     row_max[r] = max_[r] == kNegInf ? kNegInf : max_[r] * ln2;
     row_sum[r] = sum_[r];
     const float* out = out_tiles_ + g * kv_ * 512 + h * 16;
     float* a = acc + r * p_.dim_v;
-    for (int64_t c = 0; c < kv_; ++c)
-      for (int j = 0; j < 16; ++j) {
-        a[32 * c + 2 * j] = out[c * 512 + j];
-        a[32 * c + 2 * j + 1] = out[c * 512 + 256 + j];
-      }
+    for (int64_t c = 0; c < kv_; ++c) {  // interleave the even and odd columns back
+      const __m512 even = _mm512_loadu_ps(out + c * 512), odd = _mm512_loadu_ps(out + c * 512 + 256);
+      _mm512_storeu_ps(a + 32 * c, _mm512_permutex2var_ps(even, interleave_lo, odd));
+      _mm512_storeu_ps(a + 32 * c + 16, _mm512_permutex2var_ps(even, interleave_hi, odd));
+    }
   }
 }
 
