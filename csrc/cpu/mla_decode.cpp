@@ -11,6 +11,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -176,12 +177,16 @@ void run(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const
 
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* cache = k_cache.data_ptr<scalar_t>();
-  at::parallel_for(0, n_splits, 1, [&](int64_t lo, int64_t hi) {
+  // One task per thread; each takes the next split as it finishes one, so a thread whose core
+  // is shared with another process takes fewer splits instead of holding the others back.
+  std::atomic<int64_t> next_split{0};
+  const int64_t workers = std::min<int64_t>(threads, n_splits);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
       if (kernel == Kernel::kAmx) {
         mla::AmxAttention amx(p);  // tile registers belong to this thread
         int64_t loaded = -1;
-        for (int64_t s = lo; s < hi; ++s) {
+        for (int64_t s; (s = next_split.fetch_add(1)) < n_splits;) {
           const Split& sp = splits[s];
           if (sp.batch != loaded) {
             amx.load_query(qp + sp.batch * R * D);
@@ -195,7 +200,7 @@ void run(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const
     }
     std::vector<float> qf(R * D), kbuf(kTile * D), scores(R * kTile);
     int64_t loaded = -1;
-    for (int64_t s = lo; s < hi; ++s) {
+    for (int64_t s; (s = next_split.fetch_add(1)) < n_splits;) {
       const Split& sp = splits[s];
       if (sp.batch != loaded) {
         to_float(qp + sp.batch * R * D, qf.data(), R * D);
