@@ -163,3 +163,11 @@ def test_kernel_choice_is_validated(monkeypatch):
         q16, c16 = q.half(), cache.half()
         with pytest.raises(RuntimeError, match="needs bf16"):
             torch.ops.vllm_pd.mla_decode(q16, c16, table, lens, 512, SCALE, True, "native")
+
+
+@pytest.mark.parametrize("dim,dim_v", [(576, 480), (320, 96)])
+def test_other_head_dims(dim, dim_v, kernel):
+    """An odd number of 32-column output slices (480, 96) takes the AMX kernel's unpaired step."""
+    q, cache, table, lens = mla_inputs([150, 7], 2, 16, 64, torch.bfloat16, seed=11, dim=dim)
+    args = (q, cache, table, lens, dim_v, SCALE, True)
+    _check(*torch.ops.vllm_pd.mla_decode(*args, "native"), *reference.mla_decode(*args))
