@@ -69,8 +69,8 @@ class AmxAttention {
   float* sum_;         // [groups * 16]
   int32_t* visible_;   // [groups * 16]: keys < visible are seen by the row (0 for padding)
   float* scores_;           // [64][16]: one chunk's scores, token-major
-  uint32_t* token_probs_;   // [64][16]: its bf16 probabilities, token-major
-  uint32_t* probs_;         // [4 tiles][2 parities][16][16]: the same as A tiles
+  uint32_t* token_probs_;   // [64][16]: its probabilities as (hi, lo) bf16 pairs, token-major
+  uint32_t* probs_;         // [4 tiles][4][16][16]: the same as A tiles (see softmax_chunk)
   uint16_t* stage_;         // [4][16][dim]: KV rows that are not 16 contiguous cache rows
 };
 

@@ -140,7 +140,7 @@ AmxAttention::AmxAttention(const Problem& p)
     : p_(p), groups_((p.rows + kRows - 1) / kRows), kq_(p.dim / 32), kv_(p.dim_v / 32) {
   TORCH_CHECK(amx_fits(p), "mla_decode: AMX kernel needs head dims in multiples of 32");
   const size_t q_tiles = groups_ * kq_ * 256 * 4, out_tiles = groups_ * kv_ * 512 * 4;
-  const size_t per_row = groups_ * kRows * 4, scores = kChunk * kRows * 4, probs = kTiles * 512 * 4;
+  const size_t per_row = groups_ * kRows * 4, scores = kChunk * kRows * 4, probs = kTiles * 1024 * 4;
   const size_t stage = kTiles * kRows * p.dim * 2;
   const size_t total = q_tiles + out_tiles + 3 * per_row + 2 * scores + probs + stage;
   memory_ = std::aligned_alloc(64, (total + 63) / 64 * 64 + 64 * 8);
@@ -288,7 +288,7 @@ AMX_FN void AmxAttention::scores_tiles(int64_t g, const TokenTile* kv, int tiles
 }
 
 // Online softmax of one chunk for row group g, lane = query row, in log2 units; leaves the bf16
-// probabilities as A tiles in probs_ (row = query row, dword = token): (p, 0) then (0, p).
+// probabilities as A tiles in probs_ (row = query row, dword = token).
 AMX_FN void AmxAttention::softmax_chunk(int64_t g, int64_t t0, int64_t end, int tiles, float scale_log2) {
   const __m512i visible = _mm512_loadu_si512(visible_ + g * kRows);
   const int n_tok = tiles * kRows;
@@ -310,8 +310,11 @@ AMX_FN void AmxAttention::softmax_chunk(int64_t g, int64_t t0, int64_t end, int 
   for (int t = 0; t < n_tok; ++t) {
     const __m512 prob = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores_ + 16 * t), base));
     sum = _mm512_add_ps(sum, prob);
-    const __m256i bf = (__m256i)_mm512_cvtneps_pbh(prob);
-    _mm512_storeu_si512(token_probs_ + 16 * t, _mm512_cvtepu16_epi32(bf));
+    // p = hi + lo, both bf16 (16 significant bits together): P.V close to fp32, not bf16.
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(prob));
+    const __m512 rest = _mm512_sub_ps(prob, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(rest));
+    _mm512_storeu_si512(token_probs_ + 16 * t, _mm512_or_si512(hi, _mm512_slli_epi32(lo, 16)));
   }
   _mm512_storeu_ps(max_ + g * kRows, new_max);
   _mm512_storeu_ps(sum_ + g * kRows, sum);
@@ -329,45 +332,44 @@ AMX_FN void AmxAttention::softmax_chunk(int64_t g, int64_t t0, int64_t end, int 
         _mm512_storeu_ps(out + j * 256 + h * 16, _mm512_mul_ps(_mm512_loadu_ps(out + j * 256 + h * 16), ch));
     }
   }
+  // One transpose of the (hi, lo) dwords, then the four A tiles: (hi, 0), (0, hi), (lo, 0), (0, lo).
+  const __m512i low_half = _mm512_set1_epi32(0xffff), high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int i = 0; i < tiles; ++i) {
-    uint32_t* even = probs_ + i * 512;
-    transpose16(token_probs_ + i * 256, even);
-    for (int h = 0; h < kRows; ++h)
-      _mm512_storeu_si512(even + 256 + 16 * h, _mm512_slli_epi32(_mm512_loadu_si512(even + 16 * h), 16));
+    uint32_t* a = probs_ + i * 1024;
+    alignas(64) uint32_t packed[256];
+    transpose16(token_probs_ + i * 256, packed);
+    for (int h = 0; h < kRows; ++h) {
+      const __m512i v = _mm512_load_si512(packed + 16 * h);
+      _mm512_storeu_si512(a + 16 * h, _mm512_and_si512(v, low_half));
+      _mm512_storeu_si512(a + 256 + 16 * h, _mm512_slli_epi32(v, 16));
+      _mm512_storeu_si512(a + 512 + 16 * h, _mm512_srli_epi32(v, 16));
+      _mm512_storeu_si512(a + 768 + 16 * h, _mm512_and_si512(v, high_half));
+    }
   }
 }
 
-// O += P . V, two 32-column slices at a time: tiles 0-3 accumulate (slice c even / odd columns,
-// slice c + 1 even / odd), 5/6 hold (p, 0)/(0, p) of a token tile, 4/7 its V rows of c / c + 1.
+// O += P . V, one 32-column slice at a time: tiles 0/1 accumulate its even / odd columns, 2/3
+// hold (hi, 0)/(0, hi) and 5/6 (lo, 0)/(0, lo) of a token tile's probabilities, 4 its V rows.
 AMX_FN void AmxAttention::accumulate_values(int64_t g, const TokenTile* kv, int tiles) {
   float* out = out_tiles_ + g * kv_ * 512;
-  for (int64_t c = 0; c < kv_; c += 2) {
-    const bool pair = c + 1 < kv_;
+  for (int64_t c = 0; c < kv_; ++c) {
     float* o = out + c * 512;
     _tile_loadd(0, o, 64);
     _tile_loadd(1, o + 256, 64);
-    if (pair) {
-      _tile_loadd(2, o + 512, 64);
-      _tile_loadd(3, o + 768, 64);
-    }
     for (int i = 0; i < tiles; ++i) {
-      _tile_loadd(5, probs_ + i * 512, 64);
-      _tile_loadd(6, probs_ + i * 512 + 256, 64);
+      const uint32_t* a = probs_ + i * 1024;
+      _tile_loadd(2, a, 64);
+      _tile_loadd(3, a + 256, 64);
+      _tile_loadd(5, a + 512, 64);
+      _tile_loadd(6, a + 768, 64);
       _tile_loadd(4, kv[i].rows + 32 * c, kv[i].stride);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(1, 3, 4);
       _tile_dpbf16ps(0, 5, 4);
       _tile_dpbf16ps(1, 6, 4);
-      if (pair) {
-        _tile_loadd(7, kv[i].rows + 32 * (c + 1), kv[i].stride);
-        _tile_dpbf16ps(2, 5, 7);
-        _tile_dpbf16ps(3, 6, 7);
-      }
     }
     _tile_stored(0, o, 64);
     _tile_stored(1, o + 256, 64);
-    if (pair) {
-      _tile_stored(2, o + 512, 64);
-      _tile_stored(3, o + 768, 64);
-    }
   }
 }
 
