@@ -1,16 +1,17 @@
 // MLA decode on Intel AMX (bf16 tiles), for one (sequence, split) at a time.
 //
-// Why AMX: at h_q = 16 every 1152-byte KV token costs ~35 kFLOP, so staying memory-bound on two
-// cores needs a few hundred GFLOP/s; fp32 FMAs give ~15. Each chunk of 32 tokens is read from
-// the cache once for all query rows (16 rows = one tile height):
+// Why AMX: at h_q = 16 every 1152-byte KV token costs ~35 kFLOP, so keeping up with memory on
+// two cores needs several hundred GFLOP/s; fp32 FMAs gave ~15. Each chunk of 64 tokens (four
+// 16-row tiles) is read from the cache once for all query rows (16 rows = one tile height):
 //   S^T [tokens x rows] = K [tokens x 576] . Q^T   A = 16 cache rows, loaded in place (stride =
 //                                                   token stride); B = q^T packed once per sequence
 //   online softmax on S^T: one zmm holds one token's 16 rows, so max / sum are lane-wise
-//   O [rows x 512] += P . V                          B = the same 16 cache rows, in place; bf16 P
-//                                                   as A, twice: (p, 0) pairs give the even output
-//                                                   columns, (0, p) pairs the odd ones
-// The doubled P.V tile work costs less than re-packing V into pairs of tokens, and AMX has
-// compute to spare here. P is rounded to bf16 before P.V as FlashMLA does on GPUs.
+//   O [rows x 512] += P . V                          B = the same 16 cache rows, in place; P as
+//                                                   A tiles of bf16 pairs: (p, 0) pairs give the
+//                                                   even output columns, (0, p) pairs the odd ones
+// Doubling the P.V tile work that way costs less than re-packing V into pairs of tokens. P is
+// split into bf16 hi + lo parts (twice again) so P.V is close to fp32: FlashMLA rounds P to bf16,
+// but here that alone was enough to flip vLLM's greedy output on a small model.
 //
 // Everything that uses AVX-512 or tiles carries a target attribute (no file-wide flags), so the
 // rest of the library still runs on any x86-64; mla_decode.cpp only calls in after amx_usable().
