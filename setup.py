@@ -37,11 +37,14 @@ def _gpu_flavour() -> str | None:
 
 
 def _extension() -> cpp_extension.CppExtension:
-    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    # -fopenmp: at::parallel_for is an inline `#pragma omp parallel` in torch's headers; without
+    # it every kernel silently ran on one thread. libgomp.so.1 resolves to the copy torch loaded.
+    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fopenmp"]
+    link = ["-fopenmp"]
     sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
     flavour = _gpu_flavour()
     if flavour is None:
-        return cpp_extension.CppExtension("vllm_pd._C", sources, extra_compile_args={"cxx": cxx})
+        return cpp_extension.CppExtension("vllm_pd._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)
     sources += _sources("csrc/cuda/*.cu")
     if flavour == "cuda":
         nvcc = ["-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "--use_fast_math"]
@@ -56,6 +59,7 @@ def _extension() -> cpp_extension.CppExtension:
         sources,
         define_macros=macros,
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        extra_link_args=link,
     )
 
 

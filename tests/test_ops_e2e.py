@@ -35,27 +35,36 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
             server.stop()
 
 
-def _greedy(server: VllmServer, model: Path, prompt: str) -> tuple[str, list[float]]:
+NEAR_TIE = 0.1  # nats: above the ~0.05 step-to-step drift seen between the two kernels
+
+
+def _greedy(server: VllmServer, model: Path, prompt: str) -> dict:
     import httpx
 
-    body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1}
+    body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 2}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    return choice["text"], choice["logprobs"]["token_logprobs"]
+    return r.json()["choices"][0]["logprobs"]
 
 
 @pytest.mark.e2e
 def test_same_greedy_output_as_vllm_cpu_mla(servers):
+    """Same greedy tokens as vLLM's own kernel, except after a step where vLLM's top two tokens
+    were a near-tie: the random model has flat distributions (even exact ties), and rounding
+    differences in attention move logprobs by up to ~0.05 nats between the kernels."""
     model, started = servers
     for prompt in PROMPTS:
-        ours_text, ours_lp = _greedy(started["vllm_pd"], model, prompt)
-        theirs_text, theirs_lp = _greedy(started["vllm"], model, prompt)
-        assert ours_text == theirs_text, prompt
-        # The first token comes from (shared) prefill and matches exactly; decode steps differ
-        # by bf16 rounding of the attention output (summation order), seen up to ~0.05 nats.
-        assert ours_lp[0] == pytest.approx(theirs_lp[0], abs=1e-5)
-        assert max(abs(a - b) for a, b in zip(ours_lp, theirs_lp)) < 0.2, (prompt, ours_lp, theirs_lp)
+        ours = _greedy(started["vllm_pd"], model, prompt)
+        theirs = _greedy(started["vllm"], model, prompt)
+        # The first token comes from (shared) prefill and matches exactly.
+        assert ours["token_logprobs"][0] == pytest.approx(theirs["token_logprobs"][0], abs=1e-5)
+        for step, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])):
+            if a != b:
+                candidates = theirs["top_logprobs"][step]  # vLLM's two best at this step
+                top = sorted(candidates.values(), reverse=True)
+                assert a in candidates and top[0] - top[1] < NEAR_TIE, (prompt, step, a, b, candidates)
+                break
+            assert abs(ours["token_logprobs"][step] - theirs["token_logprobs"][step]) < 0.2, (prompt, step)
     # and the decode really ran through torch.ops.vllm_pd in one server and not the other
     assert MARKER in started["vllm_pd"].log_path.read_text(errors="replace")
     assert MARKER not in started["vllm"].log_path.read_text(errors="replace")

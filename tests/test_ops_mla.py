@@ -11,6 +11,7 @@ from vllm_pd.ops.flash_mla_api import flash_mla_with_kvcache, get_mla_metadata
 from vllm_pd.ops.testing import LSE_TOL, OUT_TOL, flash_mla_mismatch, mla_inputs
 
 SCALE = 0.1352  # vLLM passes the model's scale, never 576 ** -0.5
+KERNEL_ENV = "VLLM_PD_MLA_CPU_KERNEL"
 
 
 def test_native_library_is_built():
@@ -34,9 +35,32 @@ CASES = [
 ]
 
 
+def _amx_unavailable() -> str | None:
+    """None when the AMX kernel can run here, else why not (asked of the kernel itself)."""
+    q, cache, table, lens = mla_inputs([1], 1, 1, 16, torch.bfloat16)
+    mp = pytest.MonkeyPatch()
+    mp.setenv(KERNEL_ENV, "amx")
+    try:
+        torch.ops.vllm_pd.mla_decode(q, cache, table, lens, 512, SCALE, True, "native")
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    finally:
+        mp.undo()
+    return None
+
+
+@pytest.fixture(params=["amx", "portable"])
+def kernel(request, monkeypatch):
+    """Runs a bf16 test once per CPU kernel, forced through VLLM_PD_MLA_CPU_KERNEL."""
+    if request.param == "amx" and (why := _amx_unavailable()) is not None:
+        pytest.skip(f"AMX kernel cannot run on this machine: {why}")
+    monkeypatch.setenv(KERNEL_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("seqlens,s_q,h_q,block_size", CASES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_native_matches_reference_bf16(seqlens, s_q, h_q, block_size, causal):
+def test_native_matches_reference_bf16(seqlens, s_q, h_q, block_size, causal, kernel):
     q, cache, table, lens = mla_inputs(seqlens, s_q, h_q, block_size, torch.bfloat16)
     args = (q, cache, table, lens, 512, SCALE, causal)
     out, lse = torch.ops.vllm_pd.mla_decode(*args, "native")
@@ -90,3 +114,60 @@ def test_out_of_range_block_is_an_error():
     lens[0] = 10_000
     with pytest.raises(RuntimeError, match="cache_seqlens"):
         torch.ops.vllm_pd.mla_decode(q, cache, table, lens, 512, SCALE, True, "native")
+
+
+# Long and uneven sequences: cut into 256-token splits spread over the threads and merged by LSE;
+# block sizes that are not whole 16-token tiles make the AMX kernel copy rows instead of reading
+# them in place; q * 8 sharpens the softmax so running maxima change between chunks.
+SPLIT_CASES = [
+    ([1000, 37, 0, 513, 2049], 1, 16, 64, 1.0),
+    ([777, 300], 2, 8, 16, 8.0),
+    ([650, 129], 1, 32, 24, 1.0),
+    ([300, 5, 90], 3, 16, 1, 8.0),
+]
+
+
+@pytest.mark.parametrize("seqlens,s_q,h_q,block_size,q_gain", SPLIT_CASES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_splits_and_odd_blocks_match_reference(seqlens, s_q, h_q, block_size, q_gain, threads, kernel):
+    q, cache, table, lens = mla_inputs(seqlens, s_q, h_q, block_size, torch.bfloat16, seed=7)
+    q = (q.float() * q_gain).bfloat16()
+    args = (q, cache, table, lens, 512, SCALE, True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = torch.ops.vllm_pd.mla_decode(*args, "native")
+    finally:
+        torch.set_num_threads(before)
+    _check(out, lse, *reference.mla_decode(*args))
+
+
+def test_strided_cache_rows(kernel):
+    """A cache whose token rows are wider than head_dim (a view) is read through its strides."""
+    q, cache, table, lens = mla_inputs([70, 33], 1, 16, 16, torch.bfloat16, seed=5)
+    wide = torch.full((*cache.shape[:3], 640), float("nan"), dtype=cache.dtype)
+    wide[..., :576] = cache
+    view = wide[..., :576]
+    assert view.stride(1) == 640
+    args = (q, view, table, lens, 512, SCALE, True)
+    _check(*torch.ops.vllm_pd.mla_decode(*args, "native"), *reference.mla_decode(q, cache, table, lens, 512, SCALE, True))
+
+
+def test_kernel_choice_is_validated(monkeypatch):
+    q, cache, table, lens = mla_inputs([3], 1, 4, 16, torch.bfloat16)
+    monkeypatch.setenv(KERNEL_ENV, "fastest")
+    with pytest.raises(RuntimeError, match=KERNEL_ENV):
+        torch.ops.vllm_pd.mla_decode(q, cache, table, lens, 512, SCALE, True, "native")
+    if _amx_unavailable() is None:  # AMX handles bf16 only: forcing it on fp16 is an error, not a fallback
+        monkeypatch.setenv(KERNEL_ENV, "amx")
+        q16, c16 = q.half(), cache.half()
+        with pytest.raises(RuntimeError, match="needs bf16"):
+            torch.ops.vllm_pd.mla_decode(q16, c16, table, lens, 512, SCALE, True, "native")
+
+
+@pytest.mark.parametrize("dim,dim_v", [(576, 480), (320, 96)])
+def test_other_head_dims(dim, dim_v, kernel):
+    """An odd number of 32-column output slices (480, 96) takes the AMX kernel's unpaired step."""
+    q, cache, table, lens = mla_inputs([150, 7], 2, 16, 64, torch.bfloat16, seed=11, dim=dim)
+    args = (q, cache, table, lens, dim_v, SCALE, True)
+    _check(*torch.ops.vllm_pd.mla_decode(*args, "native"), *reference.mla_decode(*args))

@@ -1,9 +1,9 @@
 // Paged MLA (MQA, one latent KV head) decode on CPU: FlashMLA's flash_mla_with_kvcache semantics.
 //
-// Memory-bound by design: every KV token is read from the cache once per (sequence, split) and
-// reused by all s_q * h_q query rows, which stay in fp32 in cache. Long sequences are cut into
-// splits so both cores stay busy at small batch (flash-decoding); the splits are merged with
-// their log-sum-exp at the end.
+// This file checks the input, cuts sequences into splits so both cores stay busy at small batch
+// (flash-decoding) and merges the splits with their log-sum-exp. Each split reads every KV token
+// once for all s_q * h_q query rows, with one of two kernels: AMX bf16 tiles (mla_decode_amx.cpp,
+// bf16 on CPUs that have AMX) or the portable fp32 one below (any x86-64, any dtype).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -11,12 +11,17 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../ops.h"
+#include "mla_decode.h"
 #include "simd.h"
 
 namespace vllm_pd {
@@ -42,19 +47,8 @@ inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-struct Problem {
-  int64_t rows;   // s_q * h_q query rows per sequence
-  int64_t h_q;
-  int64_t s_q;
-  int64_t dim;    // 576
-  int64_t dim_v;  // 512
-  int64_t block_size;
-  int64_t cache_block_stride;
-  int64_t cache_token_stride;
-  int64_t max_blocks;
-  float scale;
-  bool causal;
-};
+using mla::Problem;
+
 
 // Scores one fp32 tile of KV tokens [t0, t0 + nt) against all rows and folds it into the
 // running (unnormalised) output, max and sum of exponentials of every row.
@@ -118,15 +112,59 @@ void attend_split(const Problem& p, const float* qf, const scalar_t* cache, cons
   }
 }
 
+// out = x * scale in the output dtype. The bf16 one rounds to nearest-even with integer ops
+// (as c10::BFloat16 does, NaN kept) so it vectorises: c10's scalar conversion was a visible
+// share of short-sequence decode time.
+VLLM_PD_SIMD_CLONES void store_scaled(const float* x, float scale, c10::BFloat16* out, int64_t n) {
+  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i] * scale;
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    o[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+  }
+}
+
+void store_scaled(const float* x, float scale, c10::Half* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<c10::Half>(x[i] * scale);
+}
+
+void store_scaled(const float* x, float scale, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale;
+}
+
+// VLLM_PD_MLA_CPU_KERNEL picks the per-split kernel: "auto" (default: AMX for bf16 when the CPU
+// and OS allow it, else portable), "amx" (an error where AMX cannot run) or "portable".
+enum class Kernel { kPortable, kAmx };
+
+Kernel pick_kernel(const Problem& p, at::ScalarType dtype) {
+  const char* env = std::getenv("VLLM_PD_MLA_CPU_KERNEL");
+  const std::string want = env == nullptr || *env == '\0' ? "auto" : env;
+  TORCH_CHECK(want == "auto" || want == "amx" || want == "portable",
+              "mla_decode: VLLM_PD_MLA_CPU_KERNEL must be auto, amx or portable, got '", want, "'");
+  if (want == "portable") return Kernel::kPortable;
+  const bool fits = dtype == at::kBFloat16 && mla::amx_fits(p);
+  if (want == "amx") {
+    TORCH_CHECK(mla::amx_usable(), "mla_decode: VLLM_PD_MLA_CPU_KERNEL=amx but this CPU or kernel offers no AMX-BF16");
+    TORCH_CHECK(fits, "mla_decode: VLLM_PD_MLA_CPU_KERNEL=amx needs bf16 and head dims in multiples of 32");
+    return Kernel::kAmx;
+  }
+  return fits && mla::amx_usable() ? Kernel::kAmx : Kernel::kPortable;
+}
+
 template <typename scalar_t>
 void run(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const int32_t* table,
          const int32_t* lens, int64_t batch, at::Tensor& out, at::Tensor& lse) {
+  const Kernel kernel = pick_kernel(p, q.scalar_type());
   const int64_t R = p.rows, D = p.dim, DV = p.dim_v;
   // Split sizes: enough pieces for every thread, never pieces so small the overhead shows.
   int64_t total = 0;
   for (int64_t i = 0; i < batch; ++i) total += lens[i];
   const int64_t threads = at::get_num_threads();
-  const int64_t chunk = std::max<int64_t>(256, (total + 4 * threads - 1) / (4 * threads));
+  // Whole multiples of 64 tokens keep the AMX kernel's 16-token tiles inside cache blocks.
+  int64_t chunk = std::max<int64_t>(256, (total + 4 * threads - 1) / (4 * threads));
+  chunk = (chunk + 63) / 64 * 64;
   std::vector<Split> splits;
   std::vector<int64_t> first_split(batch + 1);
   for (int64_t i = 0; i < batch; ++i) {
@@ -139,10 +177,30 @@ void run(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const
 
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* cache = k_cache.data_ptr<scalar_t>();
-  at::parallel_for(0, n_splits, 1, [&](int64_t lo, int64_t hi) {
+  // One task per thread; each takes the next split as it finishes one, so a thread whose core
+  // is shared with another process takes fewer splits instead of holding the others back.
+  std::atomic<int64_t> next_split{0};
+  const int64_t workers = std::min<int64_t>(threads, n_splits);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (kernel == Kernel::kAmx) {
+        mla::AmxAttention amx(p);  // tile registers belong to this thread
+        int64_t loaded = -1;
+        for (int64_t s; (s = next_split.fetch_add(1)) < n_splits;) {
+          const Split& sp = splits[s];
+          if (sp.batch != loaded) {
+            amx.load_query(qp + sp.batch * R * D);
+            loaded = sp.batch;
+          }
+          amx.attend(cache, table + sp.batch * p.max_blocks, lens[sp.batch], sp.begin, sp.end,
+                     part_acc.data() + s * R * DV, part_max.data() + s * R, part_sum.data() + s * R);
+        }
+        return;
+      }
+    }
     std::vector<float> qf(R * D), kbuf(kTile * D), scores(R * kTile);
     int64_t loaded = -1;
-    for (int64_t s = lo; s < hi; ++s) {
+    for (int64_t s; (s = next_split.fetch_add(1)) < n_splits;) {
       const Split& sp = splits[s];
       if (sp.batch != loaded) {
         to_float(qp + sp.batch * R * D, qf.data(), R * D);
@@ -177,7 +235,7 @@ void run(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t qi = r / p.h_q, h = r % p.h_q;
       if (l > 0.f) {
         const float inv = 1.f / l;
-        for (int64_t d = 0; d < DV; ++d) o[d] = static_cast<scalar_t>(row[d] * inv);
+        store_scaled(row.data(), inv, o, DV);
         lp[(i * p.h_q + h) * p.s_q + qi] = m + std::log(l);
       } else {  // nothing visible: FlashMLA's convention is out = 0, lse = +inf
         for (int64_t d = 0; d < DV; ++d) o[d] = static_cast<scalar_t>(0.f);

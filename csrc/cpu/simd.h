@@ -5,7 +5,9 @@
 #include <cstdint>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VLLM_PD_SIMD_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+// Clones by feature, not by "arch=": GCC resolves an arch= clone with __builtin_cpu_is, i.e. by
+// CPU model, so a Sapphire Rapids (or any non-Skylake AVX-512 CPU) silently ran the baseline.
+#define VLLM_PD_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define VLLM_PD_SIMD_CLONES
 #endif
