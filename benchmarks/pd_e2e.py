@@ -42,6 +42,7 @@ import aiohttp
 import httpx
 import psutil
 
+from cpu_meter import CpuMeter
 from pd_latency import BENCH_MODEL, Prompts, ours_ktc, spec, start, stop
 from svg_chart import BarChart
 from vllm_pd.small_model import ensure_model
@@ -127,16 +128,8 @@ def machine_busy() -> float:
 
 def own_cpu(servers: list[Any], procs: list[subprocess.Popen]) -> float:
     """CPU seconds of this benchmark's processes: the servers' trees, the proxy, this load generator."""
-    total = 0.0
-    roots = [psutil.Process(s.pid) for s in servers] + [psutil.Process(p.pid) for p in procs] + [psutil.Process()]
-    for root in roots:
-        for p in [root, *(root.children(recursive=True) if root.pid != os.getpid() else [])]:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-    return total
+    trees = CpuMeter([s.pid for s in servers] + [p.pid for p in procs])
+    return trees.seconds() + CpuMeter([None], tree=False).seconds()
 
 
 def start_proxy(prefill: str, decode: str, kv_mode: str) -> tuple[subprocess.Popen, str]:

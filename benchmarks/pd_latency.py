@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
+from cpu_meter import CpuMeter  # benchmarks/ is the script's own folder
 from vllm_pd.connector.transfer_params import awaited_prefill_params
 from vllm_pd.small_model import ModelSpec, ensure_model
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
@@ -146,25 +146,11 @@ def measure(name: str, fn: Any, lengths: list[int], n: int, prompts: Prompts,
 
 def idle_cpu(servers: list[VllmServer], seconds: float = 5.0) -> float:
     """CPU use of the servers' whole process trees while idle, in % of one core."""
-    procs = []
-    for s in servers:
-        root = psutil.Process(s.pid)
-        procs += [root, *root.children(recursive=True)]
-
-    def cpu() -> float:
-        total = 0.0
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
-
+    meter = CpuMeter([s.pid for s in servers])
     time.sleep(2.0)
-    c0 = cpu()
+    c0 = meter.seconds()
     time.sleep(seconds)
-    return (cpu() - c0) / seconds * 100
+    return (meter.seconds() - c0) / seconds * 100
 
 
 def metric(client: httpx.Client, url: str, name: str) -> float:

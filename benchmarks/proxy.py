@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_pd.vllm_server import free_port  # noqa: E402
+
+from cpu_meter import CpuMeter  # noqa: E402 - benchmarks/ is the script's own folder
 
 KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
       "remote_host": None, "remote_port": None}
@@ -127,25 +128,6 @@ def stop(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-class CpuMeter:
-    """CPU seconds (user + system) of processes (pid None: this one), with their children if ``tree``."""
-
-    def __init__(self, pids: list[int | None], tree: bool = True) -> None:
-        self._procs = [psutil.Process(pid) for pid in pids]
-        self._tree = tree
-
-    def seconds(self) -> float:
-        total = 0.0
-        for root in self._procs:
-            for p in [root, *(root.children(recursive=True) if self._tree else [])]:
-                try:
-                    t = p.cpu_times()
-                    total += t.user + t.system
-                except psutil.Error:
-                    pass
-        return total
 
 
 BODY = {"model": "mock-model", "prompt": "benchmark prompt " * 32, "temperature": 0}
