@@ -47,9 +47,15 @@ def spec(model: Path, cores: str, ktc: dict[str, Any] | None, env: dict[str, str
 
 
 def start(specs: list[VllmServerSpec], log_dir: Path) -> list[VllmServer]:
-    servers = [VllmServer(s, log_dir / f"{s.port}.log").start() for s in specs]
-    for s in servers:
-        s.wait_healthy(timeout=900)
+    servers: list[VllmServer] = []
+    try:
+        for s in specs:
+            servers.append(VllmServer(s, log_dir / f"{s.port}.log").start())
+        for server in servers:
+            server.wait_healthy(timeout=900)
+    except BaseException:
+        stop(servers)  # one server failing to start must not leave the others running
+        raise
     return servers
 
 
