@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,11 +25,48 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+_handed_out: set[int] = set()
+# below the kernel's ephemeral range; ports are picked from here when that range leaves room
+_LOW_PORT = 10000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on right now."""
+    """A TCP port that nothing listens on right now, never handed out before by this process.
+
+    Taken from below the kernel's ephemeral range when it leaves room: the ports other
+    processes get with ``bind(port 0)`` - among them the internal ports of a vLLM server
+    starting beside ours - come from that range, so they cannot take this port before the
+    server it is meant for binds it (two servers starting at once did clash otherwise)."""
+    low = _ephemeral_low()
+    if low - _LOW_PORT >= 1000:
+        for _ in range(500):
+            port = random.randrange(_LOW_PORT, low)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
