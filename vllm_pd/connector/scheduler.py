@@ -52,6 +52,7 @@ class _OutgoingRequest:
     ask: RemoteDecodeRequest
     next_block: int = 0  # first block position not yet handed to the worker
     seen_by_worker: bool = False
+    prompt_hash: str = ""  # hashed once: the announcement and the final params both carry it
 
 
 class PDConnectorScheduler:
@@ -277,6 +278,8 @@ class PDConnectorScheduler:
         """Where decode finds this request's prompt KV."""
         request = out.request
         n = -(-request.num_prompt_tokens // self.block_size)
+        if not out.prompt_hash:
+            out.prompt_hash = prompt_hash(request.prompt_token_ids or [])
         return RemotePrefill(
             transfer_id=request.request_id,
             engine_id=self.engine_id,
@@ -289,7 +292,7 @@ class PDConnectorScheduler:
             mode=out.ask.mode,
             tp_size=self.tp_size,
             endpoints=self._endpoints,
-            prompt_hash=prompt_hash(request.prompt_token_ids or []),
+            prompt_hash=out.prompt_hash,
             transfer_key=out.ask.transfer_key,
         )
 

@@ -61,7 +61,7 @@ def default_release_remote_kv(params: dict) -> bool:
     return bool(release_remote_kv(params, timeout=2.0))
 
 
-def remote_decode_params(decode: Instance, transfer_key: str | None, mode: str = "push") -> dict[str, Any]:
+def remote_decode_params(decode: Instance, transfer_key: str | None, mode: str) -> dict[str, Any]:
     """The prefill leg's kv_transfer_params; transfer_key: announce the KV to decode under that
     name (and push it there in push mode)."""
     params: dict[str, Any] = {
