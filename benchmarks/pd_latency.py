@@ -93,24 +93,25 @@ def run_plain(client: httpx.Client, server: VllmServer, prompt: list[int]) -> tu
     return stream_ttft(client, server.url, body, time.perf_counter())
 
 
-def run_pd(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: list[int], params: dict[str, Any]) -> tuple[float, float]:
+def run_pd(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: list[int], params: dict[str, Any],
+           load_ask: dict[str, str]) -> tuple[float, float]:
     body = {"model": "bench", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
     t0 = time.perf_counter()
     leg = dict(body, max_tokens=1, stream=False, kv_transfer_params=params)
     r = client.post(p.url + "/v1/completions", json=leg, timeout=600)
     r.raise_for_status()
-    return stream_ttft(client, d.url, dict(body, kv_transfer_params=r.json()["kv_transfer_params"]), t0)
+    return stream_ttft(client, d.url, dict(body, kv_transfer_params={**r.json()["kv_transfer_params"], **load_ask}), t0)
 
 
 def run_pd_beside(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: list[int],
-                  decode_endpoint: str, mode: str) -> tuple[float, float]:
+                  decode_endpoint: str, mode: str, load_ask: dict[str, str]) -> tuple[float, float]:
     """Our proxy's flow: the decode leg goes out with the prefill leg, waiting for prefill's announcement."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
     key = uuid.uuid4().hex
     params = {"do_remote_decode": True, "transfer_mode": mode, "decode_endpoint": decode_endpoint, "transfer_key": key}
     t0 = time.perf_counter()
     decode_leg = _pool.submit(stream_ttft, _decode_client, d.url,
-                              dict(body, kv_transfer_params=awaited_prefill_params(key, mode)), t0)
+                              dict(body, kv_transfer_params={**awaited_prefill_params(key, mode), **load_ask}), t0)
     r = client.post(p.url + "/v1/completions", json=dict(body, max_tokens=1, stream=False, kv_transfer_params=params),
                     timeout=600)
     r.raise_for_status()
@@ -174,8 +175,10 @@ def ours_ktc(role: str, kv_port: int) -> dict[str, Any]:
 
 # "beside": both legs at once, decode waiting for prefill's announcement (our proxy); otherwise
 # prefill's answer first, then the decode leg (vLLM's example proxies). push: prefill writes each
-# layer into decode while computing; pull: decode reads the KV once prefill is done
-MODES = ("push beside", "pull beside", "push", "pull")
+# layer into decode while computing; pull: decode reads the KV once prefill is done. Decode's load:
+# its default (load_mode auto: layer-wise on an idle decode, as here), or "async" (what auto does
+# on a busy decode: the request waits off the batch for its whole KV, then one more engine step).
+MODES = ("push beside", "pull beside", "push beside async", "pull beside async", "push", "pull")
 _pool = ThreadPoolExecutor(1)
 # its own connection pool, made once: creating an httpx.Client costs tens of ms (SSL context)
 _decode_client = httpx.Client()
@@ -186,6 +189,7 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
     ap.add_argument("--requests", type=int, default=5, help="requests per length and configuration")
     ap.add_argument("--no-nixl", action="store_true")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="configurations of ours to run")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-bench-logs"))
     args = ap.parse_args()
     model = ensure_model(BENCH_MODEL)
@@ -208,16 +212,18 @@ def main() -> int:
                  args.log_dir)
     overlap = {}
     try:
-        for mode in MODES:
+        for mode in args.modes:
             transfer_mode = mode.split()[0]
+            load_ask = {"load_mode": "async"} if mode.endswith("async") else {}
             params: dict[str, Any] = {"do_remote_decode": True, "transfer_mode": transfer_mode}
             if transfer_mode == "push":
                 params["decode_endpoint"] = f"tcp://127.0.0.1:{dk}"
             before = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in ("transfers", "tail_seconds", "span_seconds")}
-            if mode.endswith("beside"):
-                fn = lambda pr: run_pd_beside(client, p, d, pr, f"tcp://127.0.0.1:{dk}", transfer_mode)  # noqa: E731
+            if "beside" in mode:
+                fn = lambda pr: run_pd_beside(client, p, d, pr, f"tcp://127.0.0.1:{dk}", transfer_mode,  # noqa: E731
+                                              load_ask)
             else:
-                fn = lambda pr: run_pd(client, p, d, pr, params)  # noqa: E731
+                fn = lambda pr: run_pd(client, p, d, pr, params, load_ask)  # noqa: E731
             results[f"vllm-pd 1P1D {mode}"] = measure(f"vllm-pd 1P1D {mode}", fn, args.lengths, args.requests, prompts,
                                                      client, {"prefill": p, "decode": d})
             if mode == "push beside":
@@ -245,7 +251,7 @@ def main() -> int:
             try:
                 params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                           "remote_block_ids": None, "remote_host": None, "remote_port": None}
-                results["NIXL 1P1D"] = measure("NIXL 1P1D", lambda pr: run_pd(client, p, d, pr, params),
+                results["NIXL 1P1D"] = measure("NIXL 1P1D", lambda pr: run_pd(client, p, d, pr, params, {}),
                                                args.lengths, args.requests, prompts, client, {"prefill": p, "decode": d})
                 idle["NIXL 1P1D"] = idle_cpu([p, d])
             finally:
@@ -258,7 +264,7 @@ def main() -> int:
         print(f"| {name} | " + " | ".join(f"{row[n][0]:.0f} / {row[n][1]:.0f}" for n in args.lengths) + " |")
     print()
     plain_row = results["plain 1-core"]
-    for mode in MODES:
+    for mode in args.modes:
         ours = results[f"vllm-pd 1P1D {mode}"]
         ratios = " ".join(f"L={n}: {ours[n][0] / plain_row[n][0]:.2f}x" for n in args.lengths)
         print(f"TTFT vllm-pd {mode} / plain 1-core (target <= 1.15): {ratios}")

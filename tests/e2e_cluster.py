@@ -124,20 +124,22 @@ _beside_client = httpx.Client()
 
 
 def disagg(client: httpx.Client, prefill: Instance, decode: Instance, body: dict[str, Any],
-           mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
+           mode: str, load_mode: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """vLLM's standard two-leg PD flow, by hand: (prefill response, decode response).
 
     modes "push-beside" / "pull-beside": our proxy's flow - the decode leg goes out first, waiting
-    for prefill's announcement of the transfer named in both legs, and the prefill leg right after."""
+    for prefill's announcement of the transfer named in both legs, and the prefill leg right after.
+    ``load_mode``: the decode leg asks for this load mode instead of decode's configured one."""
+    ask = {} if load_mode is None else {"load_mode": load_mode}
     if mode.endswith("-beside"):
         key, transfer_mode = uuid.uuid4().hex, mode.split("-")[0]
         leg = _beside_pool.submit(post, _beside_client, decode.url,
-                                  dict(body, kv_transfer_params=awaited_prefill_params(key, transfer_mode)))
+                                  dict(body, kv_transfer_params={**awaited_prefill_params(key, transfer_mode), **ask}))
         p = post(client, prefill.url, prefill_leg(body, transfer_mode, decode, transfer_key=key))
         return p, leg.result()
     p = post(client, prefill.url, prefill_leg(body, mode, decode))
     assert p.get("kv_transfer_params"), f"prefill returned no kv_transfer_params: {p}"
-    d = post(client, decode.url, dict(body, kv_transfer_params=p["kv_transfer_params"]))
+    d = post(client, decode.url, dict(body, kv_transfer_params={**p["kv_transfer_params"], **ask}))
     return p, d
 
 

@@ -172,10 +172,12 @@ def _land(st: PushStaging, tid: str, layer: int, positions: tuple[int, ...], fil
 def test_staging_complete_only_after_each_layers_last_batch() -> None:
     st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
     _land(st, "t", 0, (0, 1), fill=1, last=False)  # first chunk; block 1 partly filled
-    assert not st.wait_complete("t", num_layers=2, deadline=time.monotonic())
+    assert not st.wait_layer("t", 0, deadline=time.monotonic())
     _land(st, "t", 0, (1, 2), fill=2, last=True)  # final chunk re-sends block 1
+    assert st.wait_layer("t", 0, deadline=time.monotonic())
+    assert not st.wait_layer("t", 1, deadline=time.monotonic())
     _land(st, "t", 1, (0, 1, 2), fill=3, last=True)
-    assert st.wait_complete("t", num_layers=2, deadline=time.monotonic())
+    assert st.wait_layer("t", 1, deadline=time.monotonic())
     assert bytes(st.landed_block("t", 0, 1).numpy()) == b"\x02" * 8  # the final version
     assert bytes(st.landed_block("t", 0, 0).numpy()) == b"\x01" * 8
     st.drop("t")

@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 from vllm_pd.connector.exceptions import ConfigError
 
 TransferMode = Literal["push", "pull"]
-LoadMode = Literal["async", "layerwise"]
+LoadMode = Literal["auto", "async", "layerwise"]
 TransportName = Literal["tcp", "shm"]
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -50,8 +50,9 @@ class PDConnectorConfig:
     # mode a prefill instance uses when the proxy's kv_transfer_params don't say
     default_mode: TransferMode = "pull"
     # async: a request waits (off the batch) until its KV has landed;
-    # layerwise: its first forward waits per layer while later layers still arrive
-    load_mode: LoadMode = "async"
+    # layerwise: its first forward waits per layer while later layers still arrive;
+    # auto: layer-wise while this instance has no other request (nothing to stall), else async
+    load_mode: LoadMode = "auto"
     # prefill holds a request's blocks at most this long for decode to take them
     lease_s: float = 60.0
     # one transfer (all layers of one request) must complete within this

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake
+from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, PDWorkerMeta
 from vllm_pd.connector.scheduler import PDConnectorScheduler
 from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
 from vllm_pd.connector.store.config import StoreConfig
@@ -135,8 +135,10 @@ class PDConnector(KVConnectorBase_V1):
             bad |= self._store_worker.load_errors()
         return bad
 
-    def build_connector_worker_meta(self) -> Any:
-        return self._store_worker.worker_meta() if self._store_worker is not None else None
+    def build_connector_worker_meta(self) -> PDWorkerMeta | None:
+        announced = self.worker.take_announced()
+        store = self._store_worker.worker_meta() if self._store_worker is not None else None
+        return PDWorkerMeta(announced, store) if announced or store is not None else None
 
     def get_kv_connector_stats(self) -> PDConnectorStats | None:
         return self._worker.stats.take() if self._worker is not None else None
@@ -167,6 +169,7 @@ class PDConnector(KVConnectorBase_V1):
                                                ",".join(store_endpoints) if all(store_endpoints) else "")
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        self.scheduler.note_request(request.request_id)
         params = request.kv_transfer_params or {}
         if self._store_scheduler is not None and not params.get("do_remote_prefill"):
             hit = self._store_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -191,8 +194,13 @@ class PDConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, PDWorkerMeta):
+            return
+        if meta.announced:
+            self.scheduler.note_announced(meta.announced)
         if self._store_scheduler is not None:
-            self._store_scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+            self._store_scheduler.update_connector_output(meta.store)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         delay, params = self.scheduler.request_finished(request, block_ids)

@@ -91,9 +91,10 @@ class LoadJob:
             return
         missing: dict[int, list[int]] = {}  # layer -> indexes into spec.positions
         if remote.mode == "push":
-            self._staging.wait_complete(remote.staging_key, len(self._regions),
-                                        min(deadline, time.monotonic() + self._push_wait_s))
+            # layer by layer: announced as prefill's forward starts, the pushes land while we copy
+            push_deadline = min(deadline, time.monotonic() + self._push_wait_s)
             for layer, region in enumerate(self._regions):
+                self._staging.wait_layer(remote.staging_key, layer, push_deadline)
                 miss = self._copy_staged(remote.staging_key, layer, region)
                 if miss:
                     missing[layer] = miss

@@ -12,6 +12,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
 
 from vllm_pd.connector.transfer_params import LocalPrompt, RemotePrefill
@@ -89,6 +90,8 @@ class PDConnectorMetadata(KVConnectorMetadata):
     abandoned_pushes: list[str] = field(default_factory=list)
     # requests aborted while their load waited for prefill's announcement: end those loads now
     cancelled_loads: list[str] = field(default_factory=list)
+    # decode legs waiting (unscheduled) for prefill's announcement: an idle step may wait for them
+    awaited_keys: list[str] = field(default_factory=list)
     # nothing scheduled this step: the worker may wait briefly for transfer events
     idle: bool = False
     # the KV block store's work for this step (store_bridge.StoreStepMeta), None = no store
@@ -105,3 +108,18 @@ class PDHandshake(KVConnectorHandshakeMetadata):
     num_layers: int
     block_nbytes: int
     store_endpoint: str = ""  # where other nodes fetch this worker's KV store blocks ("" = none)
+
+
+class PDWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler after each step: prefill announcements that arrived, and the store's report."""
+
+    def __init__(self, announced: frozenset[str] = frozenset(), store: Any = None) -> None:
+        self.announced = announced
+        self.store = store
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PDWorkerMeta)
+        # a rank that has not seen an announcement yet waits for it in its own load job
+        store = self.store if other.store is None else other.store if self.store is None \
+            else self.store.aggregate(other.store)
+        return PDWorkerMeta(self.announced | other.announced, store)

@@ -128,9 +128,9 @@ class PushStaging:
         st = self._wait_for(key, lambda st: st.announcement is not None, deadline)
         return st.announcement if st is not None else None
 
-    def wait_complete(self, transfer_id: str, num_layers: int, deadline: float) -> bool:
-        """Wait until every layer's final batch has landed (True) or the deadline passed."""
-        return self._wait_for(transfer_id, lambda st: len(st.last_landed) >= num_layers, deadline) is not None
+    def wait_layer(self, transfer_id: str, layer: int, deadline: float) -> bool:
+        """Wait until the layer's final batch has landed (True) or the deadline passed."""
+        return self._wait_for(transfer_id, lambda st: layer in st.last_landed, deadline) is not None
 
     def _wait_for(self, key: str, ready: Callable[[_StagedTransfer], bool],
                   deadline: float) -> _StagedTransfer | None:

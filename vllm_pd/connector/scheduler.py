@@ -17,6 +17,7 @@ It decides, per request and per step, what the worker side moves:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,10 @@ class PDConnectorScheduler:
         self._abandoned: list[str] = []
         self._awaiting: set[str] = set()  # requests whose load waits for prefill's announcement
         self._cancelled_loads: list[str] = []
+        self._live: set[str] = set()  # requests of any role not finished yet
+        self._announced: dict[str, float] = {}  # transfer key -> when its announcement reached us
+        # unscheduled decode legs waiting for prefill's announcement: request -> (since, transfer key)
+        self._awaited_since: dict[str, tuple[float, str]] = {}
 
     # ---- set-up ---------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -90,23 +95,29 @@ class PDConnectorScheduler:
         logger.info("PD connector KV endpoints: %s", ", ".join(self._endpoints))
 
     # ---- decode side: remote prefill -> load --------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def note_request(self, request_id: str) -> None:
+        """Every request vLLM asks us about (any role): while another one lives, a layer-wise
+        load would stall it for as long as the load's forward waits."""
+        self._live.add(request_id)
+
+    def note_announced(self, keys: frozenset[str]) -> None:
+        now = time.monotonic()
+        for key in keys:
+            self._announced[key] = now
+        for key in [k for k, t in self._announced.items() if now - t > self.config.lease_s]:
+            del self._announced[key]  # its decode leg never came (prefill's lease frees the KV)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         awaited = AwaitedPrefill.from_params(request.kv_transfer_params)
         if awaited is not None:
-            # the whole prompt arrives by push; never layer-wise: that would stall the batch
-            # for as long as prefill computes
-            count = request.num_prompt_tokens - num_computed_tokens
-            if count <= 0:
-                return 0, False
-            self._matched[request.request_id] = (awaited, num_computed_tokens, False)
-            return count, True
+            return self._match_awaited(request, awaited, num_computed_tokens)
         remote = RemotePrefill.from_params(request.kv_transfer_params)
         if remote is None:
             return 0, False
         prompt = request.prompt_token_ids or []
         if not self._remote_usable(request, remote, prompt):
             return 0, False
-        layerwise = self._load_mode(request) == "layerwise"
+        layerwise = self._layerwise(request)
         # An async load may cover the whole prompt (vLLM then recomputes the last token);
         # a layer-wise (sync) load must leave that token for this step's forward.
         count = min(remote.num_tokens, len(prompt) - (1 if layerwise else 0)) - num_computed_tokens
@@ -115,10 +126,43 @@ class PDConnectorScheduler:
         self._matched[request.request_id] = (remote, num_computed_tokens, layerwise)
         return count, not layerwise
 
+    def _match_awaited(self, request: "Request", awaited: AwaitedPrefill,
+                       num_computed_tokens: int) -> tuple[int | None, bool]:
+        """A decode leg sent beside its prefill leg. Unless async loads are asked for, it stays
+        unscheduled (None) until prefill announces its KV - the announcement of a push comes as
+        prefill's last forward starts - and then takes a layer-wise load if nothing else runs
+        here: its forward runs beside prefill's, each layer waiting for the pushed KV, instead
+        of a whole engine step after the load."""
+        req_id = request.request_id
+        count = request.num_prompt_tokens - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        layerwise = False
+        if self._load_mode(request) != "async":
+            if awaited.transfer_key not in self._announced:
+                since, _ = self._awaited_since.setdefault(req_id, (time.monotonic(), awaited.transfer_key))
+                if time.monotonic() - since < self.config.transfer_timeout_s:
+                    return None, False
+                logger.warning("request %s: prefill never announced %s within %.0fs; decode recomputes the prompt",
+                               req_id, awaited.transfer_key, self.config.transfer_timeout_s)
+                del self._awaited_since[req_id]
+                return 0, False  # update_state_after_alloc abandons the push
+            layerwise = self._layerwise(request)
+        # a layer-wise load leaves the last token to the forward: nothing to load if it is the only one
+        count -= 1 if layerwise else 0
+        if count <= 0:
+            return 0, False  # update_state_after_alloc abandons the push
+        self._matched[req_id] = (awaited, num_computed_tokens, layerwise)
+        return count, not layerwise
+
+    def _layerwise(self, request: "Request") -> bool:
+        mode = self._load_mode(request)
+        return mode == "layerwise" or (mode == "auto" and self._live <= {request.request_id})
+
     def _load_mode(self, request: "Request") -> str:
         """The instance's load_mode, unless the request's kv_transfer_params ask for another."""
         mode = (request.kv_transfer_params or {}).get("load_mode", self.config.load_mode)
-        return mode if mode in ("async", "layerwise") else self.config.load_mode
+        return mode if mode in ("auto", "async", "layerwise") else self.config.load_mode
 
     def _local_prompt(self, prompt: list[int]) -> LocalPrompt:
         return LocalPrompt(prompt_hash(prompt), len(prompt), self.block_size, self.tp_size)
@@ -168,17 +212,22 @@ class PDConnectorScheduler:
     def _load_awaited(self, request: "Request", awaited: AwaitedPrefill, blocks: "KVCacheBlocks",
                       num_external_tokens: int) -> None:
         matched = self._matched.pop(request.request_id, None)
+        self._awaited_since.pop(request.request_id, None)
+        self._announced.pop(awaited.transfer_key, None)
         if num_external_tokens == 0 or matched is None:
             self._abandoned.append(awaited.transfer_key)
             return
-        first = matched[1] // self.block_size
+        _, num_local, layerwise = matched
+        first = num_local // self.block_size
         last = -(-request.num_prompt_tokens // self.block_size)
-        self._awaiting.add(request.request_id)
+        if not layerwise:
+            self._awaiting.add(request.request_id)
         self._loads.append(LoadSpec(
             request_id=request.request_id,
             remote=None,
             first_position=first,
             local_block_ids=tuple(blocks.get_block_ids()[0][first:last]),
+            layerwise=layerwise,
             transfer_key=awaited.transfer_key,
             prompt=self._local_prompt(request.prompt_token_ids or []),
         ))
@@ -199,6 +248,7 @@ class PDConnectorScheduler:
             abandoned_pushes=self._abandoned,
             cancelled_loads=self._cancelled_loads,
             preempted_transfers=[],
+            awaited_keys=[key for _, key in self._awaited_since.values()],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._finished_sends, self._loads, self._releases, self._abandoned = [], [], [], []
@@ -243,6 +293,8 @@ class PDConnectorScheduler:
 
         req_id = request.request_id
         self._matched.pop(req_id, None)
+        self._live.discard(req_id)
+        self._awaited_since.pop(req_id, None)
         if req_id in self._awaiting:
             self._awaiting.discard(req_id)
             if request.status == RequestStatus.FINISHED_ABORTED:

@@ -73,6 +73,8 @@ class PDConnectorWorker:
         # announces the push: a thread each would let slow prefills block every other load
         self._awaiting: dict[str, LoadJob] = {}
         self._awaiting_lock = threading.Lock()
+        self._announced: set[str] = set()  # announcements not yet reported to the scheduler (under the lock)
+        self._awaited_keys: list[str] = []  # decode legs the scheduler holds back until announced
         self._step_jobs: list[LoadJob] = []
         self._step_sends: list[SendSpec] = []
         self._idle = False
@@ -125,10 +127,13 @@ class PDConnectorWorker:
             with self._awaiting_lock:
                 abandoned = self.staging.announce(msg.transfer_key, msg.params)
                 job = self._awaiting.pop(msg.transfer_key, None)
+                if not abandoned:
+                    self._announced.add(msg.transfer_key)
             if abandoned:
                 self._release_announced(msg.params)
             if job is not None:
                 self._pool.submit(self._run_job, job)
+            self.outgoing.changed.set()  # an idle step reports it to the scheduler at once
         return b"ok"
 
     def _release_announced(self, params: dict) -> None:
@@ -140,6 +145,7 @@ class PDConnectorWorker:
     def begin_step(self, meta: PDConnectorMetadata) -> None:
         """Bookkeeping of a step's metadata, before its forward writes any block."""
         self._idle = meta.idle
+        self._awaited_keys = meta.awaited_keys
         for tid in meta.preempted_transfers:
             # the blocks are about to be reused: pushes and reads of them must end first
             # (the grant comes back when the request's prompt is computed again)
@@ -148,6 +154,11 @@ class PDConnectorWorker:
         for fs in meta.finished_sends:
             self.outgoing.finish(fs.transfer_id, fs.held)
         self._step_sends = [s for s in meta.sends if self.is_producer]
+        for spec in self._step_sends:
+            if spec.push_endpoint is not None:
+                # Pushed KV is announced as its last forward starts: decode may then run its own
+                # forward beside ours, taking each layer as it lands (a layer-wise load).
+                self._announce(spec)
         self._step_jobs = [
             LoadJob(spec, self.transport, self.regions, self.staging, self.tp_rank,
                     self.config.transfer_timeout_s, self.config.push_wait_s)
@@ -170,7 +181,7 @@ class PDConnectorWorker:
             if job.spec.request_id in self._jobs:
                 continue
             self._jobs[job.spec.request_id] = job
-            if job.remote is None:
+            if job.remote is None and not job.spec.layerwise:
                 with self._awaiting_lock:
                     if not self.staging.is_announced(job.spec.transfer_key):
                         self._awaiting[job.spec.transfer_key] = job
@@ -242,12 +253,14 @@ class PDConnectorWorker:
                 n = -(-spec.num_prompt_tokens // self.block_size)
                 self.transport.allow_fetch(spec.transfer_id, list(spec.block_ids[:n]))
                 self.outgoing.mark_computed(spec.transfer_id)
-                if spec.announcement is not None and spec.announce_endpoint is not None:
-                    self._announce(spec)
+                if spec.push_endpoint is None:
+                    self._announce(spec)  # decode reads it now: reads were just granted
         self._step_sends = []
 
     def _announce(self, spec: SendSpec) -> None:
-        """Tell the waiting decode where its KV is (reads of the blocks are granted already)."""
+        """Tell the waiting decode where its KV is (or is being pushed to)."""
+        if spec.announcement is None or spec.announce_endpoint is None:
+            return
         message = PrefillDoneMessage(spec.transfer_key or spec.transfer_id, spec.announcement).encode()
         try:
             self.transport.notify(self._peer_for_rank(spec.announce_endpoint), message,
@@ -258,7 +271,7 @@ class PDConnectorWorker:
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving)."""
         sent, recvd, failed = self._collect()
-        if self._idle and not (sent or recvd) and (self.outgoing.pending() or self._jobs):
+        if self._idle and not (sent or recvd) and (self.outgoing.pending() or self._jobs or self._awaited_keys):
             self.outgoing.changed.wait(IDLE_WAIT_S)
             sent, recvd, failed = self._collect()
         self.stats.set_gauges(held=self.outgoing.held(), loading=len(self._jobs),
@@ -294,6 +307,13 @@ class PDConnectorWorker:
                                req_id, job.error)
         self.staging.expire()
         return sent, recvd, failed
+
+    def take_announced(self) -> frozenset[str]:
+        """Transfer keys announced since the last call, for the scheduler's layer-wise choice."""
+        with self._awaiting_lock:
+            keys = frozenset(self._announced)
+            self._announced.clear()
+        return keys
 
     def block_ids_with_load_errors(self) -> set[int]:
         """Layer-wise loads that failed: vLLM recomputes these blocks."""

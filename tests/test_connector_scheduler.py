@@ -1,0 +1,129 @@
+"""The decode scheduler's choice of load for a decode leg sent beside its prefill leg.
+
+vLLM's scheduler and requests are stood in for by plain objects carrying just the fields the
+connector reads (request id, prompt, kv_transfer_params, status; a block table); the real
+engine path is covered by tests/test_connector_e2e.py.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from vllm.v1.request import RequestStatus
+
+from vllm_pd.connector.config import PDConnectorConfig
+from vllm_pd.connector.scheduler import PDConnectorScheduler
+from vllm_pd.connector.transfer_params import awaited_prefill_params
+
+BLOCK = 16
+
+
+def make_scheduler(**extra: object) -> PDConnectorScheduler:
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK),
+                                  parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    return PDConnectorScheduler(vllm_config, PDConnectorConfig.from_extra_config(extra), "engine-0")
+
+
+def make_request(req_id: str, key: str, n: int = 40, **ask: object) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(n)), num_prompt_tokens=n,
+                           kv_transfer_params={**awaited_prefill_params(key, "push"), **ask},
+                           status=RequestStatus.WAITING)
+
+
+def ask(sched: PDConnectorScheduler, request: SimpleNamespace) -> tuple[int | None, bool]:
+    sched.note_request(request.request_id)
+    return sched.get_num_new_matched_tokens(request, 0)
+
+
+def alloc(sched: PDConnectorScheduler, request: SimpleNamespace, n_external: int) -> None:
+    n_blocks = -(-request.num_prompt_tokens // BLOCK)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([100 + i for i in range(n_blocks)],))
+    sched.update_state_after_alloc(request, blocks, n_external)
+
+
+def step(sched: PDConnectorScheduler):  # noqa: ANN201 - PDConnectorMetadata
+    return sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0, preempted_req_ids=(),
+                                                      num_scheduled_tokens={}))
+
+
+def test_alone_it_waits_for_the_announcement_then_loads_layer_wise() -> None:
+    sched = make_scheduler()
+    req = make_request("r1", "k1")
+    assert ask(sched, req) == (None, False)  # unscheduled until prefill announces
+    assert step(sched).awaited_keys == ["k1"]  # an idle worker step waits for it
+    sched.note_announced(frozenset({"k1"}))
+    assert ask(sched, req) == (39, False)  # all but the last token, landed during this step's forward
+    alloc(sched, req, 39)
+    meta = step(sched)
+    [load] = meta.loads
+    assert load.layerwise and load.transfer_key == "k1" and load.remote is None
+    assert load.local_block_ids == (100, 101, 102) and meta.awaited_keys == []
+
+
+def test_with_another_request_live_it_loads_async() -> None:
+    sched = make_scheduler()
+    ask(sched, SimpleNamespace(request_id="other", kv_transfer_params=None))
+    req = make_request("r1", "k1")
+    sched.note_announced(frozenset({"k1"}))
+    assert ask(sched, req) == (40, True)  # off the batch: a layer-wise forward would stall "other"
+    alloc(sched, req, 40)
+    [load] = step(sched).loads
+    assert not load.layerwise
+
+
+def test_once_the_other_request_finished_it_is_alone_again() -> None:
+    sched = make_scheduler()
+    other = SimpleNamespace(request_id="other", kv_transfer_params=None, status=RequestStatus.FINISHED_STOPPED)
+    ask(sched, other)
+    sched.request_finished(other, [])
+    sched.note_announced(frozenset({"k1"}))
+    assert ask(sched, make_request("r1", "k1")) == (39, False)
+
+
+def test_async_load_mode_does_not_wait_for_the_announcement() -> None:
+    sched = make_scheduler(load_mode="async")
+    assert ask(sched, make_request("r1", "k1")) == (40, True)
+    sched = make_scheduler()
+    assert ask(sched, make_request("r2", "k2", load_mode="async")) == (40, True)  # asked per request
+
+
+def test_never_announced_recomputes_and_abandons_the_push() -> None:
+    sched = make_scheduler(transfer_timeout_s=0.01)
+    req = make_request("r1", "k1")
+    assert ask(sched, req) == (None, False)
+    time.sleep(0.02)
+    assert ask(sched, req) == (0, False)  # decode computes the prompt itself
+    alloc(sched, req, 0)
+    meta = step(sched)
+    assert meta.abandoned_pushes == ["k1"] and not meta.loads and meta.awaited_keys == []
+
+
+def test_aborted_while_waiting_abandons_the_push() -> None:
+    sched = make_scheduler()
+    req = make_request("r1", "k1")
+    assert ask(sched, req) == (None, False)
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(req, []) == (False, None)
+    meta = step(sched)
+    assert meta.abandoned_pushes == ["k1"] and meta.awaited_keys == []
+
+
+def test_announcements_nobody_claims_are_forgotten_after_the_lease() -> None:
+    sched = make_scheduler(lease_s=0.01)
+    sched.note_announced(frozenset({"k1"}))
+    time.sleep(0.02)
+    sched.note_announced(frozenset())
+    assert ask(sched, make_request("r1", "k1")) == (None, False)
+
+
+def test_only_the_last_token_missing_loads_nothing() -> None:
+    """Decode's prefix cache holds all but the last token: the forward computes it, prefill is released."""
+    sched = make_scheduler()
+    req = make_request("r1", "k1", n=BLOCK + 1)
+    sched.note_announced(frozenset({"k1"}))
+    sched.note_request("r1")
+    assert sched.get_num_new_matched_tokens(req, BLOCK) == (0, False)
+    alloc(sched, req, 0)
+    meta = step(sched)
+    assert meta.abandoned_pushes == ["k1"] and not meta.loads
