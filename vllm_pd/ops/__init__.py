@@ -19,12 +19,17 @@ _registered = False
 def register() -> None:
     """Called by vllm_pd.register() in every vLLM process: cheap and idempotent.
 
-    Points vLLM's MLA backend slot and DeepGEMM hooks at our ops; the ops themselves (and the
-    C++ library) load lazily on first use of the backend."""
+    Makes vLLM's CPU rotary embedding correct for MLA models (see cpu_rope), and points vLLM's
+    MLA backend slot and DeepGEMM hooks at our ops; the ops themselves (and the C++ library) load
+    lazily on first use of the backend."""
     global _registered
     if _registered:
         return
     _registered = True
+    # a correctness fix of vLLM's own CPU kernel, not one of our ops: always on
+    from vllm_pd.ops import cpu_rope
+
+    cpu_rope.install()
     if os.environ.get(ENV_VLLM_INTEGRATION, "1") == "0":
         logger.info("%s=0: vLLM keeps its own MLA backend and DeepGEMM path", ENV_VLLM_INTEGRATION)
         return
