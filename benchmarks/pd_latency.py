@@ -274,8 +274,9 @@ def main() -> int:
             print(f"TTFT vllm-pd {mode} / NIXL 1P1D   (target <= 0.5):  {ratios}")
     print()
     print("inside the servers (vLLM's histograms, mean ms per request): prefill = the step(s) computing the prompt "
-          "(on decode: the last prompt token, which vLLM recomputes to sample the first output token); "
-          "queue = waiting before that (on decode: for the KV)")
+          "(on decode: the step computing the last prompt token to sample the first output token - with a "
+          "layer-wise load it runs beside prefill's forward, waiting per layer); "
+          "queue = waiting before that (on decode: for the KV, or for prefill's announcement)")
     for name, rows in BREAKDOWN.items():
         cells = []
         for n_tok in args.lengths:
