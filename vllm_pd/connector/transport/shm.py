@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
-from vllm_pd.connector.transport.framing import DIGEST_NBYTES, Checksum, Frame, Kind, read_frame
+from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
+from vllm_pd.connector.transport.framing import Frame, Kind, read_frame
 from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
 from vllm_pd.connector.transport.wire import Wire
 
@@ -60,10 +61,6 @@ class ShmRing:
             pass
 
 
-def _np(view: memoryview) -> np.ndarray:
-    return np.frombuffer(view, dtype=np.uint8)
-
-
 class ShmChannel:
     """Block bytes of one connection through two shared-memory rings."""
 
@@ -96,34 +93,20 @@ class ShmChannel:
     # -- sending -------------------------------------------------------------------
 
     def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
-        tx, checksum = self._tx, frame.checksum
+        tx = self._tx
         wire.send_frame(frame)
-        digests: list[bytes] = []
-        slot, fill = self._next_slot, 0  # slot being filled, bytes in it so far
-        self._take_credit()
-        for view in views:
-            digests.append(checksum.digest(view))
-            src, pos = _np(view), 0
-            while pos < len(src):
-                n = min(len(src) - pos, tx.slot_nbytes - fill)
-                np.copyto(tx.array[slot, fill : fill + n], src[pos : pos + n])
-                pos += n
-                fill += n
-                if fill == tx.slot_nbytes:
-                    if self.fault_hook is not None:
-                        self.fault_hook(tx.array[slot, :fill])
-                    wire.send_frame(Frame(Kind.READY, ids=(slot,), lengths=(fill,)))
-                    slot, fill = (slot + 1) % tx.slots, 0
-                    self._take_credit()
-        if fill:
+        # Each block is hashed by the copy that puts it in the ring: one read of it.
+        stream = BlockStream(frame.checksum, views)
+        slot = self._next_slot
+        while not stream.done:
+            self._take_credit()
+            n = stream.fill(tx.array[slot])
             if self.fault_hook is not None:
-                self.fault_hook(tx.array[slot, :fill])
-            wire.send_frame(Frame(Kind.READY, ids=(slot,), lengths=(fill,)))
+                self.fault_hook(tx.array[slot, :n])
+            wire.send_frame(Frame(Kind.READY, ids=(slot,), lengths=(n,)))
             slot = (slot + 1) % tx.slots
-        else:
-            self._credits.release()  # took one we did not use
         self._next_slot = slot
-        wire.send_frame(Frame(Kind.READY, flags=FLAG_TRAILER, payload=b"".join(digests)))
+        wire.send_frame(Frame(Kind.READY, flags=FLAG_TRAILER, payload=stream.digests()))
 
     def _take_credit(self) -> None:
         self._credits.acquire()
@@ -147,10 +130,10 @@ class ShmChannel:
         rx = self._rx
         if rx is None:
             raise PeerClosed("shm channel not attached")
-        checksum = frame.checksum
-        lengths = frame.lengths
-        digests: list[bytes] = []
-        block, pos = 0, 0  # block being filled, bytes of it so far
+        # The bytes are hashed as they leave the ring (the copy reads them once), so what is
+        # verified is exactly what landed in the destination.
+        stream = BlockStream(frame.checksum, views) if views is not None else None
+        expected, got = sum(frame.lengths), 0
         while True:
             f = read_frame(wire.sock)
             if f.kind is Kind.CREDIT:
@@ -163,27 +146,19 @@ class ShmChannel:
             slot, n = f.ids[0], f.lengths[0]
             if not 0 <= slot < rx.slots or n > rx.slot_nbytes:
                 raise TransferCorrupted(f"READY for slot {slot} of {n} bytes is out of the ring")
-            off = 0
-            while off < n:
-                if block >= len(lengths):
-                    raise TransferCorrupted("more block bytes than the frame announced")
-                take = min(n - off, lengths[block] - pos)
-                if views is not None:
-                    np.copyto(_np(views[block])[pos : pos + take], rx.array[slot, off : off + take])
-                off += take
-                pos += take
-                if pos == lengths[block]:
-                    if views is not None and checksum is not Checksum.NONE:
-                        digests.append(checksum.digest(views[block]))
-                    block, pos = block + 1, 0
+            if got + n > expected:
+                raise TransferCorrupted("more block bytes than the frame announced")
+            if stream is not None:
+                stream.drain(rx.array[slot, :n])
+            got += n
             wire.send_frame(Frame(Kind.CREDIT, ids=(slot,)))
-        if block != len(lengths) or pos:
-            raise TransferCorrupted(f"block stream ended after {block} of {len(lengths)} blocks")
-        if len(f.payload) != DIGEST_NBYTES * len(lengths):
+        if got != expected:
+            raise TransferCorrupted(f"block stream ended after {got} of {expected} bytes")
+        if len(f.payload) != DIGEST_NBYTES * len(frame.lengths):
             raise TransferCorrupted("trailer has the wrong number of digests")
-        if views is None or checksum is Checksum.NONE:
+        if stream is None or frame.checksum is Checksum.NONE:
             return True
-        return b"".join(digests) == f.payload
+        return stream.digests() == f.payload
 
     def close(self) -> None:
         self._closed = True
