@@ -103,7 +103,7 @@ def test_send_buffers_many_views_and_read_frame_over_a_socket() -> None:
 
 def test_checksums_detect_a_flipped_byte() -> None:
     data = bytearray(range(256)) * 64
-    for c in (Checksum.CRC32, Checksum.BLAKE3):
+    for c in (Checksum.CRC32, Checksum.BLAKE3, Checksum.CRC32C):
         d = c.digest(memoryview(data))
         data[1000] ^= 1
         assert c.digest(memoryview(data)) != d
