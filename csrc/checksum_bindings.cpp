@@ -6,6 +6,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "checksum_bindings.h"
@@ -50,11 +51,12 @@ PyObject* py_copy_crc32c(PyObject*, PyObject* args) {
 }
 
 // copy_blocks_crc32c(span, blocks, index, offset, value, to_span)
-//     -> (moved, index, offset, value, crcs)
+//     -> (moved, index, offset, value, digests)
 // Moves bytes between one contiguous span (a ring slot) and a sequence of blocks, in order,
 // starting at blocks[index][offset:], until the span or the blocks run out: into the span when
-// to_span, out of it otherwise. `value` is the CRC32C of blocks[index][:offset] so far; `crcs`
-// holds the CRC32C of each block completed by this call. The transports call it once per ring
+// to_span, out of it otherwise. `value` is the CRC32C of blocks[index][:offset] so far;
+// `digests` holds, per block completed by this call, its CRC32C as 8 little-endian bytes (the
+// transports' digest slot), ready to join into the trailer. The transports call it once per ring
 // slot instead of once per block, so Python's per-block cost (~5 us, a quarter of a 128 KiB
 // copy) is gone; the GIL is released for all the copies of the call.
 struct Piece {
@@ -120,7 +122,10 @@ PyObject* py_copy_blocks_crc32c(PyObject*, PyObject* args) {
     for (const Piece& p : pieces) {
       uint8_t* blk = p.block + p.block_off;
       uint8_t* spn = span_bytes + p.span_off;
-      crc = to_span ? vllm_pd::crc32c_copy(spn, blk, p.n, crc) : vllm_pd::crc32c_copy(blk, spn, p.n, crc);
+      // Into the span (a ring slot the peer reads next): cached stores. Into the blocks (KV
+      // pages nobody on this core reads soon): streamed stores, no read-for-ownership.
+      crc = to_span ? vllm_pd::crc32c_copy(spn, blk, p.n, crc, false)
+                    : vllm_pd::crc32c_copy(blk, spn, p.n, crc, true);
       if (p.ends_block) {
         crcs.push_back(crc);
         crc = 0;
@@ -132,14 +137,18 @@ PyObject* py_copy_blocks_crc32c(PyObject*, PyObject* args) {
     size_t next_offset = 0;
     if (!pieces.empty() && !pieces.back().ends_block) next_offset = pieces.back().block_off + pieces.back().n;
     else if (pieces.empty()) next_offset = static_cast<size_t>(offset);
-    PyObject* crc_list = PyList_New(static_cast<Py_ssize_t>(crcs.size()));
-    if (crc_list == nullptr) goto done;
-    for (size_t k = 0; k < crcs.size(); ++k)
-      PyList_SET_ITEM(crc_list, static_cast<Py_ssize_t>(k), PyLong_FromUnsignedLong(crcs[k]));
+    PyObject* digests = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(8 * crcs.size()));
+    if (digests == nullptr) goto done;
+    {
+      char* out = PyBytes_AS_STRING(digests);
+      std::memset(out, 0, 8 * crcs.size());
+      for (size_t k = 0; k < crcs.size(); ++k)
+        for (int byte = 0; byte < 4; ++byte) out[8 * k + byte] = static_cast<char>(crcs[k] >> (8 * byte));
+    }
     size_t moved = 0;
     for (const Piece& p : pieces) moved += p.n;
     result = Py_BuildValue("(nnnIN)", static_cast<Py_ssize_t>(moved), next_index,
-                           static_cast<Py_ssize_t>(next_offset), crc, crc_list);
+                           static_cast<Py_ssize_t>(next_offset), crc, digests);
   }
 done:
   for (Py_buffer& b : held) PyBuffer_Release(&b);
@@ -158,7 +167,8 @@ PyMethodDef kMethods[] = {
      "CRC32C of the bytes, continuing from value; one read of src."},
     {"copy_blocks_crc32c", py_copy_blocks_crc32c, METH_VARARGS,
      "copy_blocks_crc32c(span, blocks, index, offset, value, to_span) -> (moved, index, offset, "
-     "value, crcs): move bytes between a span and blocks[index][offset:]... with per-block CRC32C."},
+     "value, digests): move bytes between a span and blocks[index][offset:]... with per-block "
+     "CRC32C (digests: 8 little-endian bytes per completed block)."},
     {"crc32c_hardware", py_crc32c_hardware, METH_NOARGS,
      "crc32c_hardware() -> bool: True when the SSE4.2 instruction path is used."},
     {nullptr, nullptr, 0, nullptr},

@@ -11,6 +11,7 @@ import pytest
 
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.connector.transport import create_transport
+from vllm_pd.connector.transport import checksum as checksum_module
 from vllm_pd.connector.transport.checksum import BlockStream, Checksum
 from vllm_pd.ops import native
 
@@ -131,6 +132,7 @@ def test_block_stream_digest_sees_a_byte_changed_in_the_span() -> None:
 
 def test_crc32c_without_the_extension_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "load_error", lambda: "vllm_pd._C is not built (test)")
+    monkeypatch.setattr(checksum_module, "_NATIVE", None)  # as in a process that never loaded it
     with pytest.raises(ConfigError, match="crc32c.*C\\+\\+ extension"):
         create_transport("shm", checksum="crc32c")
     create_transport("tcp", checksum="blake3").close()  # the others need nothing built

@@ -34,16 +34,22 @@ DIGEST_NBYTES = 8
 Bytes = Any
 
 
+_NATIVE: Any = None
+
+
 def _native() -> Any:
     """vllm_pd._C, or ImportError naming why it is not available."""
-    from vllm_pd.ops import native  # imports torch first: _C links against libc10
+    global _NATIVE
+    if _NATIVE is None:
+        from vllm_pd.ops import native  # imports torch first: _C links against libc10
 
-    error = native.load_error()
-    if error is not None:
-        raise ImportError(error)
-    from vllm_pd import _C
+        error = native.load_error()
+        if error is not None:
+            raise ImportError(error)
+        from vllm_pd import _C
 
-    return _C
+        _NATIVE = _C
+    return _NATIVE
 
 
 class Checksum(IntEnum):
@@ -183,12 +189,10 @@ class BlockStream:
 
     def _move(self, span: Bytes, to_span: bool) -> int:
         if self._native is not None:
-            moved, self._index, self._offset, self._value, crcs = self._native.copy_blocks_crc32c(
+            moved, self._index, self._offset, self._value, digests = self._native.copy_blocks_crc32c(
                 span, self._blocks, self._index, self._offset, self._value, to_span)
-            if self._checksum is Checksum.NONE:
-                self._digests.extend(bytes(DIGEST_NBYTES) for _ in crcs)
-            else:
-                self._digests.extend(c.to_bytes(DIGEST_NBYTES, "little") for c in crcs)
+            # none: the CRC came for free with the copy, but the slots carry zeros
+            self._digests.append(digests if self._checksum is Checksum.CRC32C else bytes(len(digests)))
             return moved
         return self._move_python(np.frombuffer(span, dtype=np.uint8), to_span)
 

@@ -32,7 +32,7 @@ from vllm_pd.connector.transport.wire import Wire
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "vllmpd-"
-FLAG_TRAILER = 1  # READY: payload = the digests; no slot
+FLAG_TRAILER = 1  # READY: the batch's last; payload = the digests (ids: its last slot, if any)
 
 
 class ShmRing:
@@ -94,19 +94,30 @@ class ShmChannel:
 
     def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
         tx = self._tx
-        wire.send_frame(frame)
         # Each block is hashed by the copy that puts it in the ring: one read of it.
         stream = BlockStream(frame.checksum, views)
         slot = self._next_slot
-        while not stream.done:
-            self._take_credit()
-            n = stream.fill(tx.array[slot])
-            if self.fault_hook is not None:
-                self.fault_hook(tx.array[slot, :n])
-            wire.send_frame(Frame(Kind.READY, ids=(slot,), lengths=(n,)))
-            slot = (slot + 1) % tx.slots
+        # Control frames go out together where they can: the header with the first READY,
+        # the digests with the last one, so a batch that fits a slot is one write and one
+        # wake-up of the receiver (per-batch overhead is what small per-layer pushes pay).
+        pending: list[Frame] = [frame]
+        while True:
+            filled: tuple[int, ...] = ()
+            if not stream.done:
+                self._take_credit()
+                n = stream.fill(tx.array[slot])
+                if self.fault_hook is not None:
+                    self.fault_hook(tx.array[slot, :n])
+                filled, slot = (slot, n), (slot + 1) % tx.slots
+            if stream.done:
+                pending.append(Frame(Kind.READY, flags=FLAG_TRAILER, ids=filled[:1], lengths=filled[1:],
+                                     payload=stream.digests()))
+                break
+            pending.append(Frame(Kind.READY, ids=filled[:1], lengths=filled[1:]))
+            wire.send_frames(pending)
+            pending = []
         self._next_slot = slot
-        wire.send_frame(Frame(Kind.READY, flags=FLAG_TRAILER, payload=stream.digests()))
+        wire.send_frames(pending)
 
     def _take_credit(self) -> None:
         self._credits.acquire()
@@ -141,17 +152,18 @@ class ShmChannel:
                 continue
             if f.kind is not Kind.READY:
                 raise TransferCorrupted(f"expected READY in a block stream, got {f.kind.name}")
+            if f.ids:  # a filled slot (the trailer may carry the last one)
+                slot, n = f.ids[0], f.lengths[0]
+                if not 0 <= slot < rx.slots or n > rx.slot_nbytes:
+                    raise TransferCorrupted(f"READY for slot {slot} of {n} bytes is out of the ring")
+                if got + n > expected:
+                    raise TransferCorrupted("more block bytes than the frame announced")
+                if stream is not None:
+                    stream.drain(rx.array[slot, :n])
+                got += n
+                wire.send_frame(Frame(Kind.CREDIT, ids=(slot,)))
             if f.flags & FLAG_TRAILER:
                 break
-            slot, n = f.ids[0], f.lengths[0]
-            if not 0 <= slot < rx.slots or n > rx.slot_nbytes:
-                raise TransferCorrupted(f"READY for slot {slot} of {n} bytes is out of the ring")
-            if got + n > expected:
-                raise TransferCorrupted("more block bytes than the frame announced")
-            if stream is not None:
-                stream.drain(rx.array[slot, :n])
-            got += n
-            wire.send_frame(Frame(Kind.CREDIT, ids=(slot,)))
         if got != expected:
             raise TransferCorrupted(f"block stream ended after {got} of {expected} bytes")
         if len(f.payload) != DIGEST_NBYTES * len(frame.lengths):

@@ -49,6 +49,11 @@ class Wire:
         with self.lock:
             send_buffers(self.sock, [frame.encode()])
 
+    def send_frames(self, frames: Sequence[Frame]) -> None:
+        """Several frames in one write (one wake-up of the reader instead of several)."""
+        with self.lock:
+            send_buffers(self.sock, [b"".join(f.encode() for f in frames)])
+
     def shutdown(self) -> None:
         """Make every blocked send/recv on this socket return now (with an error)."""
         try:
