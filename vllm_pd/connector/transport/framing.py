@@ -47,7 +47,7 @@ class Kind(IntEnum):
     PUSH = 2  # blocks for the peer's sink; ids = positions
     FETCH = 3  # read request; ids = the server's block ids
     NOTIFY = 4  # control message; payload = message
-    ACK = 5  # status of a PUSH, or a refused FETCH; payload = error text
+    ACK = 5  # status of a PUSH, or a refused FETCH; payload = error text; shm: ids = slots credited
     DATA = 6  # blocks answering a FETCH
     REPLY = 7  # answer to a NOTIFY; payload = reply
     CREDIT = 8  # shm: ids = ring slots the receiver has emptied
