@@ -108,18 +108,19 @@ class ShmChannel:
         # wake-up of the receiver (per-batch overhead is what small per-layer pushes pay).
         pending: list[Frame] = [frame]
         while True:
-            filled: tuple[int, ...] = ()
+            ids: tuple[int, ...] = ()  # the slot just filled (none for a batch of no bytes)
+            lengths: tuple[int, ...] = ()
             if not stream.done:
                 self._take_credit()
                 n = stream.fill(tx.array[slot])
                 if self.fault_hook is not None:
                     self.fault_hook(tx.array[slot, :n])
-                filled, slot = (slot, n), (slot + 1) % tx.slots
+                ids, lengths, slot = (slot,), (n,), (slot + 1) % tx.slots
             if stream.done:
-                pending.append(Frame(Kind.READY, flags=FLAG_TRAILER, ids=filled[:1], lengths=filled[1:],
+                pending.append(Frame(Kind.READY, flags=FLAG_TRAILER, ids=ids, lengths=lengths,
                                      payload=stream.digests()))
                 break
-            pending.append(Frame(Kind.READY, ids=filled[:1], lengths=filled[1:]))
+            pending.append(Frame(Kind.READY, ids=ids, lengths=lengths))
             wire.send_frames(pending)
             pending = []
         self._next_slot = slot
