@@ -48,7 +48,7 @@ def test_data_nbytes_counts_blocks_and_trailer() -> None:
 
 
 def _header(**over) -> bytes:
-    fields = dict(magic=b"VPD1", kind=int(Kind.ACK), status=0, checksum=0, flags=0, req_id=1,
+    fields = dict(magic=b"VPD2", kind=int(Kind.ACK), status=0, checksum=0, flags=0, req_id=1,
                   layer=0, count=0, bnb=0, tid=0, payload=0)
     fields.update(over)
     return struct.pack("<4sBBBBQIIQII", *fields.values())

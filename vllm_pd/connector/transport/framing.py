@@ -4,7 +4,7 @@ Every message is a fixed 40-byte header, a variable part whose size the header
 gives, and - for messages that carry blocks (PUSH, DATA) - the block bytes
 followed by a trailer of one 8-byte digest per block::
 
-    header   magic "VPD1", kind, status, checksum kind, flags, request id, layer,
+    header   magic "VPD2", kind, status, checksum kind, flags, request id, layer,
              block count, block_nbytes, transfer-id length, payload length
     variable transfer id (utf-8) | ids (u32 x count) | lengths (u64 x count,
              data messages only) | payload
@@ -27,7 +27,9 @@ from enum import IntEnum
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, Checksum
 
-MAGIC = b"VPD1"
+# VPD2: crc32c checksum kind, shm trailer READY carrying the last slot, ACK carrying credits;
+# a VPD1 peer fails the handshake with "bad magic" instead of stalling on a lost credit.
+MAGIC = b"VPD2"
 MAX_COUNT = 1 << 20
 MAX_TRANSFER_ID = 1024
 MAX_PAYLOAD = 16 << 20
