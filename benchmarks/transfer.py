@@ -9,6 +9,11 @@ all futures. The limit is measured in the same processes on the same bytes:
 * tcp: a plain socket ``sendall`` / ``recv_into`` loop;
 * shm: a single-thread memcpy (torch ``copy_``) in one process.
 
+Both processes freeze their start-up heap (``gc.freeze()``) as vLLM's EngineCore does
+(``freeze_gc_heap``) before it serves: without it a full collection walks torch's ~170k
+objects (~50 ms) whenever the transfers' short-lived objects trigger one, stalling the core
+that copies.
+
 Usage: python3 benchmarks/transfer.py [--transports tcp shm] [--block-tokens 32 64 128]
            [--layers 4 32] [--mib 256] [--checksums blake3]
 """
@@ -16,6 +21,7 @@ Usage: python3 benchmarks/transfer.py [--transports tcp shm] [--block-tokens 32 
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import socket
@@ -87,9 +93,15 @@ class _LandingSink:
 # -- the two processes ---------------------------------------------------------------------
 
 
+def _freeze_heap() -> None:
+    gc.collect()
+    gc.freeze()
+
+
 def _receiver(conn, core: int) -> None:
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
+    _freeze_heap()
     while (case := conn.recv()) is not None:
         if case.transport == "raw_tcp":
             with socket.create_server(("127.0.0.1", 0)) as srv:
@@ -125,6 +137,7 @@ def _receiver(conn, core: int) -> None:
 def _sender(conn, core: int) -> None:
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
+    _freeze_heap()
     while (msg := conn.recv()) is not None:
         case, ep = msg
         conn.send(_measure(case, ep))

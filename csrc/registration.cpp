@@ -3,12 +3,15 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "checksum_bindings.h"
 #include "ops.h"
 
 extern "C" {
-// Importing vllm_pd._C loads this shared object, which runs the TORCH_LIBRARY blocks below.
+// Importing vllm_pd._C loads this shared object, which runs the TORCH_LIBRARY blocks below; the
+// module itself holds the plain Python functions (checksums for the transports).
 PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
+                                          vllm_pd_checksum_methods()};
   return PyModule_Create(&module_def);
 }
 }

@@ -48,7 +48,7 @@ def test_data_nbytes_counts_blocks_and_trailer() -> None:
 
 
 def _header(**over) -> bytes:
-    fields = dict(magic=b"VPD1", kind=int(Kind.ACK), status=0, checksum=0, flags=0, req_id=1,
+    fields = dict(magic=b"VPD2", kind=int(Kind.ACK), status=0, checksum=0, flags=0, req_id=1,
                   layer=0, count=0, bnb=0, tid=0, payload=0)
     fields.update(over)
     return struct.pack("<4sBBBBQIIQII", *fields.values())
@@ -103,7 +103,7 @@ def test_send_buffers_many_views_and_read_frame_over_a_socket() -> None:
 
 def test_checksums_detect_a_flipped_byte() -> None:
     data = bytearray(range(256)) * 64
-    for c in (Checksum.CRC32, Checksum.BLAKE3):
+    for c in (Checksum.CRC32, Checksum.BLAKE3, Checksum.CRC32C):
         d = c.digest(memoryview(data))
         data[1000] ^= 1
         assert c.digest(memoryview(data)) != d

@@ -43,11 +43,12 @@ def test_blocks_larger_than_a_slot_and_many_slot_wraps() -> None:
     assert not _segments(os.getpid())
 
 
-def test_flipped_byte_in_the_ring_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("checksum", ["crc32c", "blake3", "crc32"])
+def test_flipped_byte_in_the_ring_is_detected(monkeypatch: pytest.MonkeyPatch, checksum: str) -> None:
     src = make_regions(1, 8, seed=5)
     dst = make_regions(1, 8, seed=None)
-    a, _, a_ep = started("shm", src)
-    b, b_sink, b_ep = started("shm", dst)
+    a, _, a_ep = started("shm", src, checksum=checksum)
+    b, b_sink, b_ep = started("shm", dst, checksum=checksum)
     try:
         nbytes = src[0].block_nbytes
 

@@ -6,7 +6,7 @@
 * ``"shm"`` - :class:`~vllm_pd.connector.transport.shm.ShmTransport`, same host,
   bytes through POSIX shared memory.
 
-Options (both): ``checksum`` ("blake3" default, "crc32", "none"),
+Options (both): ``checksum`` ("crc32c" default, needs vllm_pd._C; "blake3", "crc32", "none"),
 ``connect_timeout`` (s), ``revoke_wait`` (s); shm also ``slot_nbytes``, ``slots``.
 
 Place for the next transports (same interface, base.Transport; add a branch in

@@ -99,7 +99,9 @@ class ServeSession:
             self._on_end(self)
 
     def _ack(self, frame: Frame, status: Status, text: str = "") -> None:
-        ack = Frame(Kind.ACK, req_id=frame.req_id, status=status, payload=text.encode())
+        # ids: ring slots of this PUSH returned with its answer (shm; none on tcp or a FETCH).
+        ack = Frame(Kind.ACK, req_id=frame.req_id, status=status, payload=text.encode(),
+                    ids=self._channel.take_owed_credits())
         self._jobs.put(lambda: self.wire.send_frame(ack))
 
     def _on_push(self, frame: Frame) -> None:

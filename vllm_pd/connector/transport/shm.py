@@ -4,9 +4,12 @@ Each connection has two rings in /dev/shm, one per direction, each created by
 the side that writes it and announced in the HELLO handshake. A ring is
 ``slots`` slots of ``slot_nbytes``; the TCP connection (the control channel)
 carries the frames plus two tiny flow-control frames: READY (sender filled slot
-k with n bytes) and CREDIT (receiver emptied slot k). The sender fills slot k+1
-while the receiver empties slot k, so the two copies run in parallel on two
-cores and throughput approaches one memcpy.
+k with n bytes) and CREDIT (receiver emptied slot k; a PUSH's last slot is
+credited on its ACK instead). The sender fills slot k+1 while the receiver
+empties slot k, so the two copies run in parallel on two cores and throughput
+approaches one memcpy. Each copy also computes the blocks' checksum on the way
+(crc32c: checksum.BlockStream, one native call per slot), and the receiver's copy
+writes the destination blocks with non-temporal stores.
 
 Each side unlinks the peer's ring name as soon as it has mapped it (and its own
 on close), so a killed process leaves nothing in /dev/shm: the memory goes when
@@ -25,13 +28,14 @@ from typing import Any
 import numpy as np
 
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
-from vllm_pd.connector.transport.framing import DIGEST_NBYTES, Checksum, Frame, Kind, read_frame
+from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
+from vllm_pd.connector.transport.framing import Frame, Kind, read_frame
 from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
 from vllm_pd.connector.transport.wire import Wire
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "vllmpd-"
-FLAG_TRAILER = 1  # READY: payload = the digests; no slot
+FLAG_TRAILER = 1  # READY: the batch's last; payload = the digests (ids: its last slot, if any)
 
 
 class ShmRing:
@@ -60,10 +64,6 @@ class ShmRing:
             pass
 
 
-def _np(view: memoryview) -> np.ndarray:
-    return np.frombuffer(view, dtype=np.uint8)
-
-
 class ShmChannel:
     """Block bytes of one connection through two shared-memory rings."""
 
@@ -79,6 +79,9 @@ class ShmChannel:
         # READY order, so holding a credit means the next slot is free.
         self._next_slot = 0
         self._closed = False
+        # The last slot of a received PUSH is credited on the PUSH's ACK, not by a CREDIT
+        # frame of its own: one message (and one wake-up of the sender) fewer per batch.
+        self._owed: tuple[int, ...] = ()
 
     def local_info(self) -> dict[str, Any]:
         return {"ring": self._tx.name, "slots": self._tx.slots, "slot_nbytes": self._tx.slot_nbytes}
@@ -96,34 +99,32 @@ class ShmChannel:
     # -- sending -------------------------------------------------------------------
 
     def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
-        tx, checksum = self._tx, frame.checksum
-        wire.send_frame(frame)
-        digests: list[bytes] = []
-        slot, fill = self._next_slot, 0  # slot being filled, bytes in it so far
-        self._take_credit()
-        for view in views:
-            digests.append(checksum.digest(view))
-            src, pos = _np(view), 0
-            while pos < len(src):
-                n = min(len(src) - pos, tx.slot_nbytes - fill)
-                np.copyto(tx.array[slot, fill : fill + n], src[pos : pos + n])
-                pos += n
-                fill += n
-                if fill == tx.slot_nbytes:
-                    if self.fault_hook is not None:
-                        self.fault_hook(tx.array[slot, :fill])
-                    wire.send_frame(Frame(Kind.READY, ids=(slot,), lengths=(fill,)))
-                    slot, fill = (slot + 1) % tx.slots, 0
-                    self._take_credit()
-        if fill:
-            if self.fault_hook is not None:
-                self.fault_hook(tx.array[slot, :fill])
-            wire.send_frame(Frame(Kind.READY, ids=(slot,), lengths=(fill,)))
-            slot = (slot + 1) % tx.slots
-        else:
-            self._credits.release()  # took one we did not use
+        tx = self._tx
+        # Each block is hashed by the copy that puts it in the ring: one read of it.
+        stream = BlockStream(frame.checksum, views)
+        slot = self._next_slot
+        # Control frames go out together where they can: the header with the first READY,
+        # the digests with the last one, so a batch that fits a slot is one write and one
+        # wake-up of the receiver (per-batch overhead is what small per-layer pushes pay).
+        pending: list[Frame] = [frame]
+        while True:
+            ids: tuple[int, ...] = ()  # the slot just filled (none for a batch of no bytes)
+            lengths: tuple[int, ...] = ()
+            if not stream.done:
+                self._take_credit()
+                n = stream.fill(tx.array[slot])
+                if self.fault_hook is not None:
+                    self.fault_hook(tx.array[slot, :n])
+                ids, lengths, slot = (slot,), (n,), (slot + 1) % tx.slots
+            if stream.done:
+                pending.append(Frame(Kind.READY, flags=FLAG_TRAILER, ids=ids, lengths=lengths,
+                                     payload=stream.digests()))
+                break
+            pending.append(Frame(Kind.READY, ids=ids, lengths=lengths))
+            wire.send_frames(pending)
+            pending = []
         self._next_slot = slot
-        wire.send_frame(Frame(Kind.READY, flags=FLAG_TRAILER, payload=b"".join(digests)))
+        wire.send_frames(pending)
 
     def _take_credit(self) -> None:
         self._credits.acquire()
@@ -134,6 +135,10 @@ class ShmChannel:
     def on_credit(self, frame: Frame) -> None:
         for _ in frame.ids:
             self._credits.release()
+
+    def take_owed_credits(self) -> tuple[int, ...]:
+        owed, self._owed = self._owed, ()
+        return owed
 
     # -- receiving -----------------------------------------------------------------
 
@@ -147,10 +152,10 @@ class ShmChannel:
         rx = self._rx
         if rx is None:
             raise PeerClosed("shm channel not attached")
-        checksum = frame.checksum
-        lengths = frame.lengths
-        digests: list[bytes] = []
-        block, pos = 0, 0  # block being filled, bytes of it so far
+        # The bytes are hashed as they leave the ring (the copy reads them once), so what is
+        # verified is exactly what landed in the destination.
+        stream = BlockStream(frame.checksum, views) if views is not None else None
+        expected, got = sum(frame.lengths), 0
         while True:
             f = read_frame(wire.sock)
             if f.kind is Kind.CREDIT:
@@ -158,32 +163,28 @@ class ShmChannel:
                 continue
             if f.kind is not Kind.READY:
                 raise TransferCorrupted(f"expected READY in a block stream, got {f.kind.name}")
+            if f.ids:  # a filled slot (the trailer may carry the last one)
+                slot, n = f.ids[0], f.lengths[0]
+                if not 0 <= slot < rx.slots or n > rx.slot_nbytes:
+                    raise TransferCorrupted(f"READY for slot {slot} of {n} bytes is out of the ring")
+                if got + n > expected:
+                    raise TransferCorrupted("more block bytes than the frame announced")
+                if stream is not None:
+                    stream.drain(rx.array[slot, :n])
+                got += n
+                if f.flags & FLAG_TRAILER and frame.kind is Kind.PUSH:
+                    self._owed = (slot,)  # the session's ACK carries it
+                else:
+                    wire.send_frame(Frame(Kind.CREDIT, ids=(slot,)))
             if f.flags & FLAG_TRAILER:
                 break
-            slot, n = f.ids[0], f.lengths[0]
-            if not 0 <= slot < rx.slots or n > rx.slot_nbytes:
-                raise TransferCorrupted(f"READY for slot {slot} of {n} bytes is out of the ring")
-            off = 0
-            while off < n:
-                if block >= len(lengths):
-                    raise TransferCorrupted("more block bytes than the frame announced")
-                take = min(n - off, lengths[block] - pos)
-                if views is not None:
-                    np.copyto(_np(views[block])[pos : pos + take], rx.array[slot, off : off + take])
-                off += take
-                pos += take
-                if pos == lengths[block]:
-                    if views is not None and checksum is not Checksum.NONE:
-                        digests.append(checksum.digest(views[block]))
-                    block, pos = block + 1, 0
-            wire.send_frame(Frame(Kind.CREDIT, ids=(slot,)))
-        if block != len(lengths) or pos:
-            raise TransferCorrupted(f"block stream ended after {block} of {len(lengths)} blocks")
-        if len(f.payload) != DIGEST_NBYTES * len(lengths):
+        if got != expected:
+            raise TransferCorrupted(f"block stream ended after {got} of {expected} bytes")
+        if len(f.payload) != DIGEST_NBYTES * len(frame.lengths):
             raise TransferCorrupted("trailer has the wrong number of digests")
-        if views is None or checksum is Checksum.NONE:
+        if stream is None or frame.checksum is Checksum.NONE:
             return True
-        return b"".join(digests) == f.payload
+        return stream.digests() == f.payload
 
     def close(self) -> None:
         self._closed = True

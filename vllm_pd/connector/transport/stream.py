@@ -76,7 +76,7 @@ class StreamTransport(Transport):
 
     def __init__(
         self,
-        checksum: str = "blake3",
+        checksum: str = "crc32c",
         connect_timeout: float = 5.0,
         revoke_wait: float = 5.0,
     ) -> None:

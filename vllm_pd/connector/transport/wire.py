@@ -49,6 +49,11 @@ class Wire:
         with self.lock:
             send_buffers(self.sock, [frame.encode()])
 
+    def send_frames(self, frames: Sequence[Frame]) -> None:
+        """Several frames in one write (one wake-up of the reader instead of several)."""
+        with self.lock:
+            send_buffers(self.sock, [b"".join(f.encode() for f in frames)])
+
     def shutdown(self) -> None:
         """Make every blocked send/recv on this socket return now (with an error)."""
         try:
@@ -83,7 +88,10 @@ class BlockChannel(Protocol):
         """Consume (and discard) the blocks announced by ``frame``."""
 
     def on_credit(self, frame: Frame) -> None:
-        """A CREDIT frame from the other end (shm flow control)."""
+        """A CREDIT frame (or an ACK carrying credits) from the other end (shm flow control)."""
+
+    def take_owed_credits(self) -> tuple[int, ...]:
+        """Credits of the last received PUSH not sent yet: they ride on its ACK (shm)."""
 
     def close(self) -> None:
         """Free the channel's resources (shm: unlink segments)."""
@@ -126,6 +134,9 @@ class SocketChannel:
 
     def on_credit(self, frame: Frame) -> None:
         raise ValueError("CREDIT frame on a socket channel")
+
+    def take_owed_credits(self) -> tuple[int, ...]:
+        return ()
 
     def close(self) -> None:
         pass
