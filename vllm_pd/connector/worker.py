@@ -62,7 +62,8 @@ class PDConnectorWorker:
         self.base_port = base_port
         self.is_producer = is_producer
         self.is_consumer = is_consumer
-        self.transport = create_transport(config.transport, checksum="blake3" if config.checksum else "none")
+        # the transport's default checksum (crc32c, fused with the copies) unless turned off
+        self.transport = create_transport(config.transport, **({} if config.checksum else {"checksum": "none"}))
         self.regions: list[MemoryRegion] = []
         self._layer_index: dict[str, int] = {}
         self.outgoing = OutgoingTransfers(config.lease_s)

@@ -151,7 +151,7 @@ class PoolExchange:
         self.directory = directory
         self.timeout_s = timeout_s
         self.grant_ttl_s = grant_ttl_s
-        self.transport: Transport = create_transport(transport, checksum="blake3", connect_timeout=timeout_s)
+        self.transport: Transport = create_transport(transport, connect_timeout=timeout_s)
         self.transport.register_regions([MemoryRegion("kv-store-pool", pool.data)])
         self.endpoint = ""
         self._lock = threading.Lock()
