@@ -19,6 +19,7 @@ from vllm_pd.router.admin import AdminApi
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.errors import ProxyError
 from vllm_pd.router.health import HealthChecker
+from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.instance_pool import InstancePool
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.pd_flow import PDFlow, ReleaseFn, default_release_remote_kv
@@ -42,7 +43,7 @@ class ProxyServer:
         self.count_tokens = count_tokens or _token_counter(config.tokenizer)
         self._release_kv = release_kv
         self._run_health_checks = run_health_checks
-        self.session: aiohttp.ClientSession | None = None
+        self.client: BackendClient | None = None
         self.flow: PDFlow | None = None
         self.health: HealthChecker | None = None
         self.supervisor: Supervisor | None = None
@@ -57,13 +58,11 @@ class ProxyServer:
         self.app.on_cleanup.append(self._stop)
 
     async def _start(self, app: web.Application) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                             timeout=aiohttp.ClientTimeout(total=None))
-        self.flow = PDFlow(self.config, self.pool, self.session, self.metrics,
+        self.client = BackendClient(self.config.connect_timeout)
+        self.flow = PDFlow(self.config, self.pool, self.client, self.metrics,
                            make_policy(self.config.prefill_policy), make_policy(self.config.decode_policy),
                            self._release_kv)
-        self.health = HealthChecker(self.pool, self.session, self.config.health_interval, self.config.health_timeout)
+        self.health = HealthChecker(self.pool, self.client, self.config.health_interval, self.config.health_timeout)
         if self._run_health_checks:
             self.health.start()
         if self.config.supervisor:
@@ -78,8 +77,8 @@ class ProxyServer:
             await self.health.stop()
         if self.flow:
             await self.flow.drain_background()
-        if self.session:
-            await self.session.close()
+        if self.client:
+            self.client.close()
 
     async def _on_instance_added(self) -> None:
         if self.health is not None:

@@ -13,11 +13,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
 
 from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.errors import upstream_error
+from vllm_pd.router.http_client import BackendError, BackendResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
@@ -58,11 +58,11 @@ class DecodeRelay:
         self.pool = pool
         self.prefill_timeout = prefill_timeout
 
-    async def json(self, resp: aiohttp.ClientResponse, decode: Instance, state: FlowState,
+    async def json(self, resp: BackendResponse, decode: Instance, state: FlowState,
                           t0: float) -> web.Response:
         try:
             raw = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (BackendError, TimeoutError) as e:
             raise DecodeFailed(repr(e), sent=True, kind="read") from None
         decode.breaker.record_success()
         elapsed = time.monotonic() - t0
@@ -82,7 +82,7 @@ class DecodeRelay:
         return web.Response(body=raw, status=resp.status, content_type="application/json",
                             headers={"X-Request-Id": state.request_id})
 
-    async def stream(self, resp: aiohttp.ClientResponse, decode: Instance, state: FlowState,
+    async def stream(self, resp: BackendResponse, decode: Instance, state: FlowState,
                             http_request: web.Request, t0: float) -> web.StreamResponse:
         events = SseSplitter(state.prefill_cached_tokens)
         # hold the client's response until decode produced its first event, so a
@@ -90,11 +90,11 @@ class DecodeRelay:
         first = b""
         try:
             while not first:
-                chunk = await resp.content.readany()
+                chunk = await resp.readany()
                 if not chunk:
                     raise DecodeFailed("stream ended before any event", sent=True, kind="empty")
                 first = events.feed(chunk)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (BackendError, TimeoutError) as e:
             raise DecodeFailed(repr(e), sent=True, kind="read") from None
         decode.breaker.record_success()
         t_first = time.monotonic()
@@ -111,8 +111,8 @@ class DecodeRelay:
             await out.write(first)
             while True:
                 try:
-                    chunk = await resp.content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    chunk = await resp.readany()
+                except (BackendError, TimeoutError) as e:
                     # bytes already reached the client: end the stream with an error event
                     await self._end_with_error(out, events, decode, e)
                     return out

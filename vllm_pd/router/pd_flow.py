@@ -31,7 +31,6 @@ import time
 import uuid
 from typing import Any, Callable
 
-import aiohttp
 from aiohttp import web
 
 from vllm_pd.connector.transfer_params import awaited_prefill_params
@@ -39,6 +38,7 @@ from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.decode_relay import DecodeFailed, DecodeRelay, FlowState
 from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
+from vllm_pd.router.http_client import BackendClient, BackendConnectError, BackendError, BackendResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
@@ -76,12 +76,12 @@ def remote_decode_params(decode: Instance, transfer_key: str | None, mode: str) 
 
 
 class PDFlow:
-    def __init__(self, config: ProxyConfig, pool: InstancePool, session: aiohttp.ClientSession,
+    def __init__(self, config: ProxyConfig, pool: InstancePool, client: BackendClient,
                  metrics: ProxyMetrics, prefill_policy: Policy, decode_policy: Policy,
                  release_kv: ReleaseFn = default_release_remote_kv) -> None:
         self.config = config
         self.pool = pool
-        self.session = session
+        self.client = client
         self.metrics = metrics
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
@@ -239,20 +239,23 @@ class PDFlow:
         lease = LegLease(prefill, "prefill", req.prompt_tokens)
         state.leases.append(lease)
         t0 = time.monotonic()
-        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, sock_connect=self.config.connect_timeout)
         try:
-            async with self.session.post(prefill.url + req.path, data=encode_json(body), headers=headers,
-                                         timeout=timeout) as r:
-                raw = await r.read()
-                if r.status >= 500 or r.status in (408, 429):
-                    raise _LegError(f"HTTP {r.status}: {raw[:200]!r}", "status")
-                if r.status >= 400:
-                    # the client's own mistake: decode would say the same, so say it now
-                    prefill.breaker.record_success()
-                    raise _passthrough_error(r.status, raw)
-                answer = BackendAnswer(raw)
-        except (aiohttp.ClientError, asyncio.TimeoutError, _LegError, ValueError) as e:
-            kind = e.kind if isinstance(e, _LegError) else ("timeout" if isinstance(e, asyncio.TimeoutError)
+            async with asyncio.timeout(self.config.prefill_timeout):
+                r = await self.client.request("POST", prefill.url, req.path, encode_json(body), headers.items(),
+                                              connect_timeout=self.config.connect_timeout)
+                try:
+                    raw = await r.read()
+                finally:
+                    r.close()
+            if r.status >= 500 or r.status in (408, 429):
+                raise _LegError(f"HTTP {r.status}: {raw[:200]!r}", "status")
+            if r.status >= 400:
+                # the client's own mistake: decode would say the same, so say it now
+                prefill.breaker.record_success()
+                raise _passthrough_error(r.status, raw)
+            answer = BackendAnswer(raw)
+        except (BackendError, TimeoutError, _LegError, ValueError) as e:
+            kind = e.kind if isinstance(e, _LegError) else ("timeout" if isinstance(e, TimeoutError)
                                                            else "connect")
             self.metrics.leg_errors.labels("prefill", kind).inc()
             prefill.breaker.record_failure()
@@ -285,21 +288,21 @@ class PDFlow:
         lease = LegLease(decode, "decode", req.prompt_tokens + req.max_tokens)
         state.leases.append(lease)
         state.stage = "decode"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
-                                        sock_read=self.config.decode_idle_timeout)
         t0 = time.monotonic()
         try:
             # from here decode owns the KV: closing this request aborts it and decode releases prefill's KV
             state.kv_pending = False
-            async with asyncio.timeout(self.config.decode_timeout):  # no extra task, unlike wait_for
-                resp = await self.session.post(decode.url + req.path, data=body, headers=headers, timeout=timeout)
-        except aiohttp.ClientConnectorError as e:
+            async with asyncio.timeout(self.config.decode_timeout):
+                resp = await self.client.request("POST", decode.url, req.path, body, headers.items(),
+                                                 read_timeout=self.config.decode_idle_timeout,
+                                                 connect_timeout=self.config.connect_timeout)
+        except BackendConnectError as e:
             state.kv_pending = state.kv_params is not None
             lease.release()
-            raise DecodeFailed(repr(e), sent=False, kind="connect") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise DecodeFailed(str(e), sent=False, kind="connect") from None
+        except (BackendError, TimeoutError) as e:
             lease.release()
-            raise DecodeFailed(repr(e), sent=True, kind="timeout" if isinstance(e, asyncio.TimeoutError)
+            raise DecodeFailed(repr(e), sent=True, kind="timeout" if isinstance(e, TimeoutError)
                                else "connection") from None
         try:
             if resp.status >= 500:
@@ -357,8 +360,8 @@ def _passthrough_error(status: int, raw: bytes) -> ProxyError:
     return ProxyError(status, message, etype, param, code)
 
 
-async def _read_some(resp: aiohttp.ClientResponse) -> bytes:
+async def _read_some(resp: BackendResponse) -> bytes:
     try:
-        return (await asyncio.wait_for(resp.content.read(500), 2.0))[:500]
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return (await asyncio.wait_for(resp.readany(), 2.0))[:500]
+    except (BackendError, TimeoutError):
         return b""
