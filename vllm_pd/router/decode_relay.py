@@ -13,11 +13,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from aiohttp import web
 
 from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.errors import upstream_error
 from vllm_pd.router.http_client import BackendError, BackendResponse
+from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
@@ -59,7 +59,7 @@ class DecodeRelay:
         self.prefill_timeout = prefill_timeout
 
     async def json(self, resp: BackendResponse, decode: Instance, state: FlowState,
-                          t0: float) -> web.Response:
+                          t0: float) -> HttpResponse:
         try:
             raw = await resp.read()
         except (BackendError, TimeoutError) as e:
@@ -79,11 +79,11 @@ class DecodeRelay:
                 self.pool.recent_tpot.add(elapsed / tokens)
         except ValueError:
             pass
-        return web.Response(body=raw, status=resp.status, content_type="application/json",
+        return HttpResponse(raw, resp.status,
                             headers={"X-Request-Id": state.request_id})
 
     async def stream(self, resp: BackendResponse, decode: Instance, state: FlowState,
-                            http_request: web.Request, t0: float) -> web.StreamResponse:
+                            http_request: HttpRequest, t0: float) -> StreamResponse:
         events = SseSplitter(state.prefill_cached_tokens)
         # hold the client's response until decode produced its first event, so a
         # failure before that can still be retried elsewhere
@@ -100,7 +100,7 @@ class DecodeRelay:
         t_first = time.monotonic()
         self.metrics.ttft_seconds.observe(t_first - state.started)
         self.pool.recent_ttft.add(t_first - state.started)
-        out = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
+        out = StreamResponse(200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
         n_events = first.count(b"data:")
         # TPOT is sampled while the stream runs (every TPOT_WINDOW events), not only at its end:
         # long outputs would otherwise tell the supervisor about decode pressure far too late
@@ -143,7 +143,7 @@ class DecodeRelay:
         decode.tpot.add(tpot)
         self.pool.recent_tpot.add(tpot)
 
-    async def _end_with_error(self, out: web.StreamResponse, events: SseSplitter, decode: Instance,
+    async def _end_with_error(self, out: StreamResponse, events: SseSplitter, decode: Instance,
                               e: BaseException) -> None:
         self.metrics.stream_errors.inc()
         decode.breaker.record_failure()

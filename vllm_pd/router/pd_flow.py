@@ -31,7 +31,6 @@ import time
 import uuid
 from typing import Any, Callable
 
-from aiohttp import web
 
 from vllm_pd.connector.transfer_params import awaited_prefill_params
 from vllm_pd.router.backend_answer import BackendAnswer
@@ -39,6 +38,7 @@ from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.decode_relay import DecodeFailed, DecodeRelay, FlowState
 from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
 from vllm_pd.router.http_client import BackendClient, BackendConnectError, BackendError, BackendResponse
+from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
@@ -90,9 +90,10 @@ class PDFlow:
         self._background: set[asyncio.Future] = set()
 
     # ------------------------------------------------------------------ entry
-    async def handle(self, req: ParsedRequest, http_request: web.Request) -> web.StreamResponse:
-        request_id = http_request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        headers = {k: v for k, v in http_request.headers.items() if k.lower() in FORWARDED_HEADERS}
+    async def handle(self, req: ParsedRequest, http_request: HttpRequest) -> HttpResponse | StreamResponse:
+        given = http_request.headers
+        request_id = given.get("x-request-id") or uuid.uuid4().hex
+        headers = {k: given[k] for k in FORWARDED_HEADERS if k in given}
         headers["X-Request-Id"] = request_id
         headers["Content-Type"] = "application/json"  # both legs send bytes this proxy encoded
         state = FlowState(request_id)
@@ -108,8 +109,8 @@ class PDFlow:
             if state.kv_pending and state.kv_params:
                 self._release_in_background(state.kv_params)
 
-    async def _run(self, req: ParsedRequest, http_request: web.Request, headers: dict[str, str],
-                   state: FlowState) -> web.StreamResponse:
+    async def _run(self, req: ParsedRequest, http_request: HttpRequest, headers: dict[str, str],
+                   state: FlowState) -> HttpResponse | StreamResponse:
         tried: set[str] = set()
         decode = self._pick("decode", req, tried)
         if decode is None:
@@ -178,7 +179,7 @@ class PDFlow:
         return True
 
     async def _decode_beside_prefill(self, req: ParsedRequest, decode: Instance, headers: dict[str, str],
-                                     state: FlowState, http_request: web.Request) -> web.StreamResponse:
+                                     state: FlowState, http_request: HttpRequest) -> HttpResponse | StreamResponse:
         """Both legs at once; decode waits for prefill to announce the KV under transfer_key."""
         transfer_key = uuid.uuid4().hex
         # auto = pull: with one core per instance, prefill's push threads cost its forward more than
@@ -283,7 +284,7 @@ class PDFlow:
 
     # ----------------------------------------------------------------- decode
     async def _decode(self, req: ParsedRequest, decode: Instance, headers: dict[str, str], state: FlowState,
-                      http_request: web.Request, kv_params: dict | None) -> web.StreamResponse:
+                      http_request: HttpRequest, kv_params: dict | None) -> HttpResponse | StreamResponse:
         body = decode_body(req, kv_params)
         lease = LegLease(decode, "decode", req.prompt_tokens + req.max_tokens)
         state.leases.append(lease)
