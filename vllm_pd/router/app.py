@@ -95,8 +95,7 @@ class ProxyServer:
             status = 499  # the client went away
             raise
         finally:
-            self.metrics.requests.labels(request.path, str(status)).inc()
-            self.metrics.request_seconds.labels(request.path).observe(time.monotonic() - t0)
+            self.metrics.count_request(request.path, status, time.monotonic() - t0)
 
     def _known_models(self) -> set[str]:
         names = set(self.config.model_names)

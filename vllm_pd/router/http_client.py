@@ -58,7 +58,7 @@ class BackendResponse:
     """
 
     __slots__ = ("status", "_conn", "_chunks", "_buffered", "_done", "_error", "_waiter", "_idle_timeout",
-                 "_closed")
+                 "_closed", "_timer")
 
     def __init__(self, conn: _Connection, idle_timeout: float | None) -> None:
         self.status = 0
@@ -70,6 +70,7 @@ class BackendResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._idle_timeout = idle_timeout
         self._closed = False
+        self._timer: asyncio.TimerHandle | None = None  # the whole exchange's (or the head's) deadline
 
     # ------------------------------------------------------- reader side
     async def readany(self) -> bytes:
@@ -99,6 +100,8 @@ class BackendResponse:
         if self._closed:
             return
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         self._conn.release(reuse=self._done and self._error is None)
 
     async def _wait(self) -> None:
@@ -139,6 +142,9 @@ class BackendResponse:
         if not self._done and self._error is None:
             self._error = exc
             self._wake()
+
+    def _time_out(self, seconds: float) -> None:
+        self._fail(TimeoutError(f"backend did not answer within {seconds} s"))
 
 
 def _expire(fut: asyncio.Future[None]) -> None:
@@ -251,13 +257,16 @@ class BackendClient:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
 
     async def request(self, method: str, url: str, path: str, body: bytes = b"",
-                      headers: Iterable[tuple[str, str]] = (), *, read_timeout: float | None = None,
+                      headers: Iterable[tuple[str, str]] = (), *, timeout: float | None = None,
+                      head_timeout: float | None = None, read_timeout: float | None = None,
                       connect_timeout: float | None = None) -> BackendResponse:
         """Send one request to the backend at ``url`` (``http://host:port``) and wait for the response head.
 
-        ``read_timeout``: the longest wait for the head and for each later piece of the body
-        (TimeoutError). Raises BackendConnectError when no connection could be made, BackendError
-        when the exchange broke after that. The caller closes the response.
+        Timeouts (TimeoutError), in seconds once connected: ``timeout`` for the whole exchange, body
+        included; ``head_timeout`` until the response head; ``read_timeout`` for each wait for the
+        head or a piece of the body. (One timer per request, not asyncio.timeout's task machinery.)
+        Raises BackendConnectError when no connection could be made, BackendError when the exchange
+        broke after that. The caller closes the response.
         """
         host, port, host_header = _origin(url)
         conn = await self._connection(host, port, connect_timeout)
@@ -265,12 +274,18 @@ class BackendClient:
                          b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n",
                          *[f"{k}: {v}\r\n".encode("latin-1") for k, v in headers], b"\r\n"])
         resp = BackendResponse(conn, read_timeout)
+        deadline = timeout if timeout is not None else head_timeout
+        if deadline is not None:
+            resp._timer = asyncio.get_running_loop().call_later(deadline, resp._time_out, deadline)
         try:
             conn.send(head, body, resp)
             await resp._head()
         except BaseException:
             resp.close()
             raise
+        if timeout is None and resp._timer is not None:
+            resp._timer.cancel()
+            resp._timer = None
         return resp
 
     async def _connection(self, host: str, port: int, connect_timeout: float | None) -> _Connection:

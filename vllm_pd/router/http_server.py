@@ -96,8 +96,11 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         key = name.decode("latin-1").lower()
-        old = self._headers.get(key)
-        self._headers[key] = value.decode("latin-1") if old is None else f"{old}, {value.decode('latin-1')}"
+        headers = self._headers
+        if key in headers:
+            headers[key] = f"{headers[key]}, {value.decode('latin-1')}"
+        else:
+            headers[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         length = self._headers.get("content-length")

@@ -28,7 +28,8 @@ import asyncio
 import json
 import logging
 import time
-import uuid
+import itertools
+import os
 from typing import Any, Callable
 
 
@@ -49,6 +50,23 @@ logger = logging.getLogger(__name__)
 FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "x-data-parallel-rank")
 
 ReleaseFn = Callable[[dict], bool]
+
+_id_prefix = os.urandom(8).hex()
+_id_counter = itertools.count()
+
+
+def _reseed_ids() -> None:
+    global _id_prefix
+    _id_prefix = os.urandom(8).hex()
+
+
+os.register_at_fork(after_in_child=_reseed_ids)  # forked workers must not repeat their parent's ids
+
+
+def new_id() -> str:
+    """32 hex digits, unique across proxy processes: a random per-process prefix and a counter
+    (uuid4 costs a getrandom call and a UUID object per id, twice per request)."""
+    return f"{_id_prefix}{next(_id_counter):016x}"
 
 
 def default_release_remote_kv(params: dict) -> bool:
@@ -92,7 +110,7 @@ class PDFlow:
     # ------------------------------------------------------------------ entry
     async def handle(self, req: ParsedRequest, http_request: HttpRequest) -> HttpResponse | StreamResponse:
         given = http_request.headers
-        request_id = given.get("x-request-id") or uuid.uuid4().hex
+        request_id = given.get("x-request-id") or new_id()
         headers = {k: given[k] for k in FORWARDED_HEADERS if k in given}
         headers["X-Request-Id"] = request_id
         headers["Content-Type"] = "application/json"  # both legs send bytes this proxy encoded
@@ -181,7 +199,7 @@ class PDFlow:
     async def _decode_beside_prefill(self, req: ParsedRequest, decode: Instance, headers: dict[str, str],
                                      state: FlowState, http_request: HttpRequest) -> HttpResponse | StreamResponse:
         """Both legs at once; decode waits for prefill to announce the KV under transfer_key."""
-        transfer_key = uuid.uuid4().hex
+        transfer_key = new_id()
         # auto = pull: with one core per instance, prefill's push threads cost its forward more than
         # the read after it (benchmarks/RESULTS.md, "PD latency")
         mode = "push" if self.config.kv_mode == "push" else "pull"
@@ -241,13 +259,13 @@ class PDFlow:
         state.leases.append(lease)
         t0 = time.monotonic()
         try:
-            async with asyncio.timeout(self.config.prefill_timeout):
-                r = await self.client.request("POST", prefill.url, req.path, encode_json(body), headers.items(),
-                                              connect_timeout=self.config.connect_timeout)
-                try:
-                    raw = await r.read()
-                finally:
-                    r.close()
+            r = await self.client.request("POST", prefill.url, req.path, encode_json(body), headers.items(),
+                                          timeout=self.config.prefill_timeout,
+                                          connect_timeout=self.config.connect_timeout)
+            try:
+                raw = await r.read()
+            finally:
+                r.close()
             if r.status >= 500 or r.status in (408, 429):
                 raise _LegError(f"HTTP {r.status}: {raw[:200]!r}", "status")
             if r.status >= 400:
@@ -293,10 +311,10 @@ class PDFlow:
         try:
             # from here decode owns the KV: closing this request aborts it and decode releases prefill's KV
             state.kv_pending = False
-            async with asyncio.timeout(self.config.decode_timeout):
-                resp = await self.client.request("POST", decode.url, req.path, body, headers.items(),
-                                                 read_timeout=self.config.decode_idle_timeout,
-                                                 connect_timeout=self.config.connect_timeout)
+            resp = await self.client.request("POST", decode.url, req.path, body, headers.items(),
+                                             head_timeout=self.config.decode_timeout,
+                                             read_timeout=self.config.decode_idle_timeout,
+                                             connect_timeout=self.config.connect_timeout)
         except BackendConnectError as e:
             state.kv_pending = state.kv_params is not None
             lease.release()
