@@ -37,6 +37,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from vllm_pd.router.http_client import BackendClient, BackendError  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402
 
 from cpu_meter import CpuMeter  # noqa: E402 - benchmarks/ is the script's own folder
@@ -99,7 +100,8 @@ def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
     p = subprocess.Popen(layout.prefix(layout.router_core) + [
         sys.executable, *prof, "-m", "vllm_pd.router.command_proxy", "--port", str(port),
         "--prefill", prefill, "--decode", decode, "--prefill-policy", "round_robin",
-        "--decode-policy", "round_robin", "--log-level", "WARNING"], env=env)
+        "--decode-policy", "round_robin", "--log-level", "WARNING"], env=env,
+        cwd=tree or None)  # `python -m` puts the working directory first on sys.path
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health")
     return p, url
@@ -139,27 +141,36 @@ class Sample:
     ttfb: float  # seconds, request sent -> first body byte (the first SSE event when streaming)
 
 
-async def _request(session: aiohttp.ClientSession, url: str | None, direct: tuple[str, str] | None,
+JSON_HEADERS = [("Content-Type", "application/json")]
+
+
+async def _request(client: BackendClient, url: str | None, direct: tuple[str, str] | None,
                    stream: bool, max_tokens: int) -> Sample:
     """One client request. direct=(prefill, decode) runs both legs here, as a zero-cost proxy would."""
     body = dict(BODY, max_tokens=max_tokens, stream=stream)
     t0 = time.perf_counter()
     if direct is not None:
         pbody = dict(body, max_tokens=1, stream=False, kv_transfer_params=KV)
-        async with session.post(direct[0] + "/v1/completions", json=pbody) as r:
-            kv = (await r.json())["kv_transfer_params"]
+        r = await client.request("POST", direct[0], "/v1/completions", json.dumps(pbody).encode(), JSON_HEADERS)
+        try:
+            kv = json.loads(await r.read())["kv_transfer_params"]
+        finally:
+            r.close()
         body["kv_transfer_params"] = kv
         target = direct[1]
     else:
         assert url is not None
         target = url
     ttfb = None
-    async with session.post(target + "/v1/completions", json=body) as r:
+    r = await client.request("POST", target, "/v1/completions", json.dumps(body).encode(), JSON_HEADERS)
+    try:
         if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
-        async for _ in r.content.iter_any():
+            raise RuntimeError(f"HTTP {r.status}: {await r.read()!r}")
+        while await r.readany():
             if ttfb is None:
                 ttfb = time.perf_counter() - t0
+    finally:
+        r.close()
     total = time.perf_counter() - t0
     return Sample(total, ttfb if ttfb is not None else total)
 
@@ -193,32 +204,32 @@ async def closed_loop(url: str | None, direct: tuple[str, str] | None, concurren
     in bursts of `concurrency` requests, which no real traffic does."""
     samples: list[Sample] = []
     errors = 0
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        stop_at = time.perf_counter() + seconds
-        warm = min(1.0, seconds / 4)
-        cpu0: dict[str, float] = {}
-        done_at_warm = 0
+    client = BackendClient()  # the proxy's own client: the cheapest load generator at hand
+    stop_at = time.perf_counter() + seconds
+    warm = min(1.0, seconds / 4)
+    cpu0: dict[str, float] = {}
+    done_at_warm = 0
 
-        async def mark_warm() -> None:
-            nonlocal done_at_warm
-            await asyncio.sleep(warm)
-            cpu0.update({k: m.seconds() for k, m in meters.items()})
-            done_at_warm = len(samples)
+    async def mark_warm() -> None:
+        nonlocal done_at_warm
+        await asyncio.sleep(warm)
+        cpu0.update({k: m.seconds() for k, m in meters.items()})
+        done_at_warm = len(samples)
 
-        async def worker() -> None:
-            nonlocal errors
-            await asyncio.sleep(random.uniform(0, stagger))
-            while time.perf_counter() < stop_at:
-                try:
-                    samples.append(await _request(session, url, direct, stream, max_tokens))
-                except (aiohttp.ClientError, RuntimeError):
-                    errors += 1
+    async def worker() -> None:
+        nonlocal errors
+        await asyncio.sleep(random.uniform(0, stagger))
+        while time.perf_counter() < stop_at:
+            try:
+                samples.append(await _request(client, url, direct, stream, max_tokens))
+            except (BackendError, TimeoutError, RuntimeError):
+                errors += 1
 
-        t_warm = time.perf_counter() + warm
-        await asyncio.gather(mark_warm(), *(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t_warm
-        cpu = {k: (m.seconds() - cpu0[k]) / wall for k, m in meters.items()}
+    t_warm = time.perf_counter() + warm
+    await asyncio.gather(mark_warm(), *(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t_warm
+    cpu = {k: (m.seconds() - cpu0[k]) / wall for k, m in meters.items()}
+    client.close()
     if errors:
         print(f"    ({errors} errors)")
     measured = samples[done_at_warm:]
@@ -371,6 +382,18 @@ async def _client_rate(kind: str, url: str, concurrency: int, seconds: float) ->
                         await r.read()
                     n += 1
             await asyncio.gather(*(w() for _ in range(concurrency)))
+    elif kind == "vllm-pd":
+        client = BackendClient()
+
+        async def w2() -> None:
+            nonlocal n
+            while time.perf_counter() < stop_at:
+                r = await client.request("POST", url, "/v1/completions", body, JSON_HEADERS)
+                await r.read()
+                r.close()
+                n += 1
+        await asyncio.gather(*(w2() for _ in range(concurrency)))
+        client.close()
     else:
         import httpx
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as c:
@@ -393,7 +416,7 @@ def run_stacks(args: argparse.Namespace) -> None:
         mp, murl = start_mock(Layout(None, layout.router_core), 0.0, 0.0, "m")
         procs.append(mp)
         print("[client library] requests/s one process sends to a zero-delay mock, concurrency 64")
-        for kind in ("aiohttp", "httpx"):
+        for kind in ("vllm-pd", "aiohttp", "httpx"):
             for loop in ("asyncio", "uvloop"):
                 import uvloop
                 # an explicit loop factory: main() installed uvloop's policy, which asyncio.run would follow

@@ -95,6 +95,10 @@ class StreamResponse:
         self._conn: _Connection | None = None
         self._head = b""
 
+    @property
+    def prepared(self) -> bool:
+        return self._conn is not None
+
     async def prepare(self, request: HttpRequest) -> None:
         """Bind to the request's connection; the head goes out with the first write."""
         if request.conn.closed:

@@ -145,8 +145,10 @@ class _Connection(asyncio.Protocol):
                 return
             if isinstance(resp, HttpResponse):
                 self.write(resp.encode(req.keep_alive))
-            elif not resp.finished:  # a stream the handler left open cannot be ended cleanly
-                req.keep_alive = False
+            elif not resp.finished:  # a stream the handler did not end: end it (as aiohttp does)
+                if not resp.prepared:
+                    await resp.prepare(req)
+                await resp.write_eof()
             self.last_active = self._loop.time()
             if not req.keep_alive:
                 self.close()
@@ -179,6 +181,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         if not self.closed and self.transport is not None:
+            self.closed = True  # nothing more is written; connection_lost still cancels the handler
             self.transport.close()
 
     def _too_large(self) -> None:
@@ -216,6 +219,12 @@ class HttpServer:
         self._server = await self.loop.create_server(lambda: _Connection(self), host, port, backlog=backlog,
                                                      reuse_address=True)
         self._sweeper = self.loop.create_task(self._sweep())
+
+    @property
+    def port(self) -> int:
+        """The port listened on (the one the kernel chose when started with port 0)."""
+        assert self._server is not None and self._server.sockets, "start() first"
+        return int(self._server.sockets[0].getsockname()[1])
 
     async def dispatch(self, req: HttpRequest) -> HttpResponse | StreamResponse:
         methods = self.routes.get(req.path)
