@@ -243,3 +243,20 @@ def test_refused_connection_is_a_connect_error() -> None:
         with pytest.raises(BackendConnectError):
             await BackendClient().request("GET", f"http://127.0.0.1:{free_port()}", "/")
     run(go())
+
+
+def test_read_timeout_is_per_wait_not_per_body() -> None:
+    async def answer(n: int, req: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(6):  # 0.36 s in all, never more than 0.06 s without data
+            await asyncio.sleep(0.06)
+            w.write(b"1\r\nx\r\n")
+        w.write(b"0\r\n\r\n")
+        return True
+
+    async def go() -> None:
+        async with ScriptedServer(answer) as srv:
+            r = await BackendClient().request("GET", srv.url, "/", read_timeout=0.15)
+            assert await r.read() == b"x" * 6
+            r.close()
+    run(go())

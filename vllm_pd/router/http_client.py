@@ -58,7 +58,7 @@ class BackendResponse:
     """
 
     __slots__ = ("status", "_conn", "_chunks", "_buffered", "_done", "_error", "_waiter", "_idle_timeout",
-                 "_closed", "_timer")
+                 "_closed", "_timer", "_idle_timer", "_active_at")
 
     def __init__(self, conn: _Connection, idle_timeout: float | None) -> None:
         self.status = 0
@@ -71,6 +71,10 @@ class BackendResponse:
         self._idle_timeout = idle_timeout
         self._closed = False
         self._timer: asyncio.TimerHandle | None = None  # the whole exchange's (or the head's) deadline
+        # read timeout, checked lazily: one timer per response that re-arms itself while data keeps
+        # coming, instead of a timer per wait (a stream of N events would create N)
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._active_at = 0.0  # when data last arrived or a wait began (time.monotonic, the loop's clock)
 
     # ------------------------------------------------------- reader side
     async def readany(self) -> bytes:
@@ -102,18 +106,32 @@ class BackendResponse:
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         self._conn.release(reuse=self._done and self._error is None)
 
     async def _wait(self) -> None:
         loop = asyncio.get_running_loop()
         fut = self._waiter = loop.create_future()
-        timer = loop.call_later(self._idle_timeout, _expire, fut) if self._idle_timeout is not None else None
+        if self._idle_timeout is not None:
+            self._active_at = time.monotonic()
+            if self._idle_timer is None:
+                self._idle_timer = loop.call_at(self._active_at + self._idle_timeout, self._check_idle)
         try:
             await fut
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _check_idle(self) -> None:
+        self._idle_timer = None
+        if self._closed or self._done or self._error is not None or self._idle_timeout is None:
+            return
+        due = self._active_at + self._idle_timeout
+        if self._waiter is not None and time.monotonic() >= due:
+            self._time_out(self._idle_timeout)
+        else:  # data came (or nobody waits): look again when the newest wait could expire
+            loop = asyncio.get_running_loop()
+            self._idle_timer = loop.call_at(max(due, loop.time() + 0.001), self._check_idle)
 
     async def _head(self) -> None:
         while not self.status:
@@ -128,6 +146,7 @@ class BackendResponse:
             fut.set_result(None)
 
     def _feed(self, data: bytes) -> None:
+        self._active_at = time.monotonic()
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER:
@@ -145,11 +164,6 @@ class BackendResponse:
 
     def _time_out(self, seconds: float) -> None:
         self._fail(TimeoutError(f"backend did not answer within {seconds} s"))
-
-
-def _expire(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError("backend sent nothing within the read timeout"))
 
 
 class _Connection(asyncio.Protocol):

@@ -119,7 +119,8 @@ class StreamResponse:
         if self._head:
             frame, self._head = self._head + frame, b""
         conn.write(frame)
-        await conn.drain()
+        if conn.write_paused:  # the client reads slower than we write
+            await conn.drain()
 
     async def write_eof(self) -> None:
         conn = self._conn

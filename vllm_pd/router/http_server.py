@@ -52,7 +52,7 @@ class _Connection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.closed = False
         self.last_active = self._loop.time()
-        self._write_paused = False
+        self.write_paused = False
         self._drain: asyncio.Future[None] | None = None
 
     # asyncio.Protocol
@@ -77,10 +77,10 @@ class _Connection(asyncio.Protocol):
         self._wake_writer()
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self.write_paused = True
 
     def resume_writing(self) -> None:
-        self._write_paused = False
+        self.write_paused = False
         self._wake_writer()
 
     # httptools callbacks
@@ -166,7 +166,7 @@ class _Connection(asyncio.Protocol):
 
     async def drain(self) -> None:
         """Wait while the client reads slower than we write (raises ConnectionResetError once it left)."""
-        while self._write_paused and not self.closed:
+        while self.write_paused and not self.closed:
             self._drain = self._loop.create_future()
             try:
                 await self._drain
