@@ -192,3 +192,31 @@ def test_stream_writes_wait_for_a_slow_client() -> None:
             assert app.written == stalled
             w.close()
     run(go())
+
+
+def test_http10_stream_is_not_chunked_and_ends_with_the_connection() -> None:
+    async def go() -> None:
+        async with server() as (app, port):
+            app.stream_gate.set()
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /stream HTTP/1.0\r\n\r\n")
+            raw = await r.read()  # until the server closes
+            head, body = raw.split(b"\r\n\r\n", 1)
+            assert b"chunked" not in head.lower() and body == b"data: 1\n\ndata: 2\n\n"
+            w.close()
+    run(go())
+
+
+def test_malformed_request_behind_a_running_one_closes_after_its_answer() -> None:
+    async def go() -> None:
+        async with server() as (app, port):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            await r.readuntil(b"data: 1")
+            w.write(b"GARBAGE\x00\r\n\r\n")
+            await asyncio.sleep(0.05)
+            app.stream_gate.set()
+            rest = await asyncio.wait_for(r.read(), 2)  # the stream ends, then the connection closes
+            assert rest.endswith(b"0\r\n\r\n")
+            w.close()
+    run(go())

@@ -37,10 +37,10 @@ def _header_lines(headers: dict[str, str] | None) -> bytes:
 class HttpRequest:
     """One parsed request; header names are lower-case."""
 
-    __slots__ = ("method", "path", "query_string", "headers", "body", "keep_alive", "conn")
+    __slots__ = ("method", "path", "query_string", "headers", "body", "keep_alive", "conn", "http10")
 
     def __init__(self, method: str, path: str, query_string: str, headers: dict[str, str], body: bytes,
-                 keep_alive: bool, conn: _Connection) -> None:
+                 keep_alive: bool, conn: _Connection, http10: bool = False) -> None:
         self.method = method
         self.path = path
         self.query_string = query_string
@@ -48,6 +48,7 @@ class HttpRequest:
         self.body = body
         self.keep_alive = keep_alive
         self.conn = conn
+        self.http10 = http10  # an HTTP/1.0 client: no chunked encoding, a stream ends with the connection
 
     @property
     def query(self) -> dict[str, str]:
@@ -86,7 +87,7 @@ class StreamResponse:
     reaches the client as soon as it is relayed. Writes wait while the client's socket buffer is full and
     raise ConnectionResetError once the client has gone."""
 
-    __slots__ = ("status", "headers", "finished", "_conn", "_head")
+    __slots__ = ("status", "headers", "finished", "_conn", "_head", "_chunked")
 
     def __init__(self, status: int = 200, headers: dict[str, str] | None = None) -> None:
         self.status = status
@@ -94,6 +95,7 @@ class StreamResponse:
         self.finished = False
         self._conn: _Connection | None = None
         self._head = b""
+        self._chunked = True
 
     @property
     def prepared(self) -> bool:
@@ -104,8 +106,11 @@ class StreamResponse:
         if request.conn.closed:
             raise ConnectionResetError("client disconnected")
         self._conn = request.conn
+        self._chunked = not request.http10
+        if not self._chunked:
+            request.keep_alive = False
         self._head = b"".join([status_line(self.status), _header_lines(self.headers),
-                               b"Transfer-Encoding: chunked\r\n",
+                               b"Transfer-Encoding: chunked\r\n" if self._chunked else b"",
                                b"" if request.keep_alive else b"Connection: close\r\n", b"\r\n"])
 
     async def write(self, data: bytes) -> None:
@@ -115,7 +120,7 @@ class StreamResponse:
             raise ConnectionResetError("client disconnected")
         if not data:
             return
-        frame = b"%x\r\n%b\r\n" % (len(data), data)
+        frame = b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
         if self._head:
             frame, self._head = self._head + frame, b""
         conn.write(frame)
@@ -127,6 +132,6 @@ class StreamResponse:
         assert conn is not None, "prepare() first"
         if self.finished:
             return
-        conn.write(self._head + b"0\r\n\r\n")
+        conn.write(self._head + b"0\r\n\r\n" if self._chunked else self._head)
         self._head = b""
         self.finished = True

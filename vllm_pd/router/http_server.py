@@ -124,9 +124,10 @@ class _Connection(asyncio.Protocol):
             return
         url = httptools.parse_url(self._url)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        req = HttpRequest(self._parser.get_method().decode("latin-1"), url.path.decode("latin-1"),
+        parser = self._parser
+        req = HttpRequest(parser.get_method().decode("latin-1"), url.path.decode("latin-1"),
                           url.query.decode("latin-1") if url.query else "", self._headers, body,
-                          self._parser.should_keep_alive(), self)
+                          parser.should_keep_alive(), self, parser.get_http_version() == "1.0")
         if self.task is None:
             self.task = self._loop.create_task(self._run(req))
         else:
@@ -139,7 +140,8 @@ class _Connection(asyncio.Protocol):
         while True:
             try:
                 resp = await self._server.dispatch(req)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, ConnectionResetError):  # the client went away
+                self.close()
                 return
             if self.closed:
                 return
@@ -150,7 +152,7 @@ class _Connection(asyncio.Protocol):
                     await resp.prepare(req)
                 await resp.write_eof()
             self.last_active = self._loop.time()
-            if not req.keep_alive:
+            if not req.keep_alive or self._rejected:  # (a later request was malformed: answered and done)
                 self.close()
                 return
             if not self._queue:
@@ -200,7 +202,8 @@ class _Connection(asyncio.Protocol):
             if close_now:
                 self.close()
         elif self.transport is not None:
-            self.transport.pause_reading()  # after the running request, nothing more is read
+            # behind a running request: nothing more is read, and the connection closes after its answer
+            self.transport.pause_reading()
             self._queue.clear()
 
 
