@@ -52,9 +52,15 @@ class Layout:
 
     router_core: int | None
     load_core: int | None
+    router_nice: int = 0  # < 0: the router under test outranks other users' processes on its core
 
     def prefix(self, core: int | None) -> list[str]:
         return ["taskset", "-c", str(core)] if core is not None else []
+
+    def router_prefix(self) -> list[str]:
+        # `nice` before exec, so every thread a router starts (vllm-router runs several) inherits it
+        nice = ["nice", "-n", str(self.router_nice)] if self.router_nice else []
+        return nice + self.prefix(self.router_core)
 
 
 def _env() -> dict[str, str]:
@@ -97,7 +103,7 @@ def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
         env["VLLM_PD_PROXY_LOOP"] = "asyncio"
     # cProfile writes its file when the proxy exits on SIGTERM (it stops cleanly)
     prof = ["-m", "cProfile", "-o", profile] if profile else []
-    p = subprocess.Popen(layout.prefix(layout.router_core) + [
+    p = subprocess.Popen(layout.router_prefix() + [
         sys.executable, *prof, "-m", "vllm_pd.router.command_proxy", "--port", str(port),
         "--prefill", prefill, "--decode", decode, "--prefill-policy", "round_robin",
         "--decode-policy", "round_robin", "--log-level", "WARNING"], env=env,
@@ -111,7 +117,7 @@ def start_vllm_router(layout: Layout, path: str, prefill: str, decode: str) -> t
     port = free_port()
     env = _env()
     env["PYTHONPATH"] = path + os.pathsep + env["PYTHONPATH"]
-    p = subprocess.Popen(layout.prefix(layout.router_core) + [
+    p = subprocess.Popen(layout.router_prefix() + [
         sys.executable, "-m", "vllm_router.launch_router", "--port", str(port),
         "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
         "--policy", "round_robin", "--log-level", "error", "--prometheus-port", str(free_port())],
@@ -306,7 +312,8 @@ class Routers:
 
 
 def _layout(args: argparse.Namespace) -> Layout:
-    layout = Layout(None, None) if args.no_pin else Layout(args.router_core, args.load_core)
+    layout = Layout(None, None, args.router_nice) if args.no_pin else Layout(args.router_core, args.load_core,
+                                                                              args.router_nice)
     if layout.load_core is not None:
         os.sched_setaffinity(0, {layout.load_core})
     return layout
@@ -316,7 +323,7 @@ def run_suite(args: argparse.Namespace) -> None:
     layout = _layout(args)
     print(f"backends: mock prefill+decode, ttft={args.ttft * 1e3:.0f} ms itl={args.itl * 1e3:.0f} ms, "
           f"{args.tokens} output tokens, prompt {len(BODY['prompt'])} chars; cores={os.cpu_count()}; "
-          f"router on core {layout.router_core}, load generator + mocks on core {layout.load_core}; "
+          f"router on core {layout.router_core} (nice {layout.router_nice}), load generator + mocks on core {layout.load_core}; "
           f"load average at start {os.getloadavg()[0]:.2f}")
     if not args.skip_latency:
         rs = Routers.start(layout, args.ttft, args.itl, args.vllm_router_path, args.profile, args.compare_tree)
@@ -457,6 +464,9 @@ def main() -> None:
     ap.add_argument("--router-core", type=int, default=1, help="core of the router under test")
     ap.add_argument("--load-core", type=int, default=0, help="core of the load generator and the mocks")
     ap.add_argument("--no-pin", action="store_true", help="let every process float over all cores")
+    ap.add_argument("--router-nice", type=int, default=0, help="nice value of the router under test (e.g. -10 "
+                    "on a shared machine: CFS shares a core per thread, so against other users' processes a "
+                    "router with more threads would get more of it)")
     ap.add_argument("--lockstep", action="store_true", help="start all latency clients at once (bursts)")
     ap.add_argument("--compare-tree", metavar="DIR", help="also run the proxy of another source tree (e.g. a "
                     "`git worktree` of the previous commit), interleaved with this one")
