@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -448,6 +449,50 @@ def run_stacks(args: argparse.Namespace) -> None:
         stop(procs)
 
 
+class _CpuFieldMeter:
+    """User or system CPU seconds of a process tree (CpuMeter sums both)."""
+
+    def __init__(self, pid: int, field_name: str) -> None:
+        self._root = psutil.Process(pid)
+        self._field = field_name
+
+    def seconds(self) -> float:
+        total = 0.0
+        for p in [self._root, *self._root.children(recursive=True)]:
+            try:
+                total += getattr(p.cpu_times(), self._field)
+            except psutil.Error:
+                pass
+        return total
+
+
+def run_cpu_split(args: argparse.Namespace) -> None:
+    """User and system CPU per request of each router at the same closed-loop load (64 clients, below
+    saturation), rounds interleaved: the per-core cost, whatever share of its core a router gets."""
+    layout = _layout(args)
+    rs = Routers.start(layout, 0.0, 0.0, args.vllm_router_path, None, args.compare_tree)
+    stream = args.split_tokens > 2
+    print(f"[cpu per request] {'streaming ' + str(args.split_tokens) + ' events' if stream else 'non-streaming'}, "
+          f"zero-delay backends, 64 clients, {args.rounds} rounds of {args.seconds:.0f} s")
+    out: dict[str, list[tuple[float, float, int]]] = {}
+    try:
+        for _ in range(args.rounds):
+            for name, url, pid in rs.entries:
+                if pid is None:
+                    continue
+                meters = {"user": _CpuFieldMeter(pid, "user"), "sys": _CpuFieldMeter(pid, "system")}
+                res = asyncio.run(closed_loop(url, None, 64, args.seconds, stream, args.split_tokens, meters, None))
+                out.setdefault(name, []).append((res.cpu["user"] * res.wall, res.cpu["sys"] * res.wall,
+                                                 len(res.samples)))
+    finally:
+        stop(rs.procs)
+    for name, rounds in out.items():
+        n = sum(r[2] for r in rounds)
+        user, sys_ = sum(r[0] for r in rounds) / n, sum(r[1] for r in rounds) / n
+        print(f"  {name:18s} user {user * 1e6:6.1f} us  sys {sys_ * 1e6:6.1f} us  total {(user + sys_) * 1e6:6.1f} us"
+              f" per request  ({n} requests)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=100)
@@ -472,6 +517,9 @@ def main() -> None:
                     "`git worktree` of the previous commit), interleaved with this one")
     ap.add_argument("--profile", metavar="FILE", help="run our proxy under cProfile, writing FILE")
     ap.add_argument("--stacks", action="store_true", help="compare client libraries and event loops instead")
+    ap.add_argument("--cpu-split", action="store_true", help="user/system CPU per request of each router "
+                    "at a fixed load below saturation instead")
+    ap.add_argument("--split-tokens", type=int, default=2, help="with --cpu-split: output tokens (> 2: stream)")
     args = ap.parse_args()
     BODY["prompt"] = ("benchmark prompt " * (args.prompt_chars // 17 + 1))[:args.prompt_chars]
     try:
@@ -481,6 +529,8 @@ def main() -> None:
         pass
     if args.stacks:
         run_stacks(args)
+    elif args.cpu_split:
+        run_cpu_split(args)
     else:
         run_suite(args)
 
