@@ -38,7 +38,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_pd.router.http_client import BackendClient, BackendError  # noqa: E402
+from vllm_pd.router.backend_response import BackendError  # noqa: E402
+from vllm_pd.router.http_client import BackendClient  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402
 
 from cpu_meter import CpuMeter  # noqa: E402 - benchmarks/ is the script's own folder

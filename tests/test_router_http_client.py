@@ -1,4 +1,4 @@
-"""The proxy's backend HTTP client (vllm_pd/router/http_client.py) against scripted servers on real sockets."""
+"""The proxy's backend HTTP client (vllm_pd/router/http_client.py, backend_response.py) against scripted servers on real sockets."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import Awaitable, Callable
 
 import pytest
 
-from vllm_pd.router import http_client
-from vllm_pd.router.http_client import BackendClient, BackendConnectError, BackendError
+from vllm_pd.router import backend_response, http_client
+from vllm_pd.router.backend_response import BackendConnectError, BackendError
+from vllm_pd.router.http_client import BackendClient
 from vllm_pd.vllm_server import free_port
 
 class ScriptedServer:
@@ -206,7 +207,7 @@ def test_reading_pauses_while_the_consumer_is_slow() -> None:
         async with ScriptedServer(answer) as srv:
             r = await BackendClient().request("GET", srv.url, "/")
             await asyncio.sleep(0.3)  # the consumer reads nothing
-            assert r._conn._paused and r._buffered <= http_client.HIGH_WATER + 65536 * 4
+            assert r._conn._paused and r._buffered <= backend_response.HIGH_WATER + 65536 * 4
             assert sent < total  # the server is held back by TCP, not buffered by the proxy
             got = 0
             while chunk := await r.readany():

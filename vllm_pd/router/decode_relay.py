@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.errors import upstream_error
-from vllm_pd.router.http_client import BackendError, BackendResponse
+from vllm_pd.router.backend_response import BackendError, BackendResponse
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics

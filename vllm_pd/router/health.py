@@ -8,7 +8,8 @@ import logging
 
 import msgspec
 
-from vllm_pd.router.http_client import BackendClient, BackendError
+from vllm_pd.router.backend_response import BackendError
+from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.instance_pool import Instance, InstancePool
 from vllm_pd.router.periodic_task import PeriodicTask
 

@@ -38,7 +38,8 @@ from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.decode_relay import DecodeFailed, DecodeRelay, FlowState
 from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
-from vllm_pd.router.http_client import BackendClient, BackendConnectError, BackendError, BackendResponse
+from vllm_pd.router.backend_response import BackendConnectError, BackendError, BackendResponse
+from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
