@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import AsyncIterator, Awaitable, Callable
-
-import contextlib
 
 from vllm_pd.router.errors import ProxyError
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response

@@ -13,10 +13,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-
 from vllm_pd.router.backend_answer import BackendAnswer
-from vllm_pd.router.errors import upstream_error
 from vllm_pd.router.backend_response import BackendError, BackendResponse
+from vllm_pd.router.errors import upstream_error
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
@@ -59,7 +58,7 @@ class DecodeRelay:
         self.prefill_timeout = prefill_timeout
 
     async def json(self, resp: BackendResponse, decode: Instance, state: FlowState,
-                          t0: float) -> HttpResponse:
+                   t0: float) -> HttpResponse:
         try:
             raw = await resp.read()
         except (BackendError, TimeoutError) as e:
@@ -79,11 +78,10 @@ class DecodeRelay:
                 self.pool.recent_tpot.add(elapsed / tokens)
         except ValueError:
             pass
-        return HttpResponse(raw, resp.status,
-                            headers={"X-Request-Id": state.request_id})
+        return HttpResponse(raw, resp.status, headers={"X-Request-Id": state.request_id})
 
     async def stream(self, resp: BackendResponse, decode: Instance, state: FlowState,
-                            http_request: HttpRequest, t0: float) -> StreamResponse:
+                     http_request: HttpRequest, t0: float) -> StreamResponse:
         events = SseSplitter(state.prefill_cached_tokens)
         # hold the client's response until decode produced its first event, so a
         # failure before that can still be retried elsewhere

@@ -25,20 +25,19 @@ will consume is released through ``release_remote_kv``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
-import time
-import itertools
 import os
+import time
 from typing import Any, Callable
-
 
 from vllm_pd.connector.transfer_params import awaited_prefill_params
 from vllm_pd.router.backend_answer import BackendAnswer
+from vllm_pd.router.backend_response import BackendConnectError, BackendError, BackendResponse
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.decode_relay import DecodeFailed, DecodeRelay, FlowState
 from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
-from vllm_pd.router.backend_response import BackendConnectError, BackendError, BackendResponse
 from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
