@@ -33,10 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from vllm_pd.router.backend_response import BackendError  # noqa: E402
+from vllm_pd.router.http_client import BackendClient  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402
 
 from cpu_meter import CpuMeter  # noqa: E402 - benchmarks/ is the script's own folder
@@ -51,9 +54,15 @@ class Layout:
 
     router_core: int | None
     load_core: int | None
+    router_nice: int = 0  # < 0: the router under test outranks other users' processes on its core
 
     def prefix(self, core: int | None) -> list[str]:
         return ["taskset", "-c", str(core)] if core is not None else []
+
+    def router_prefix(self) -> list[str]:
+        # `nice` before exec, so every thread a router starts (vllm-router runs several) inherits it
+        nice = ["nice", "-n", str(self.router_nice)] if self.router_nice else []
+        return nice + self.prefix(self.router_core)
 
 
 def _env() -> dict[str, str]:
@@ -96,10 +105,11 @@ def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
         env["VLLM_PD_PROXY_LOOP"] = "asyncio"
     # cProfile writes its file when the proxy exits on SIGTERM (it stops cleanly)
     prof = ["-m", "cProfile", "-o", profile] if profile else []
-    p = subprocess.Popen(layout.prefix(layout.router_core) + [
+    p = subprocess.Popen(layout.router_prefix() + [
         sys.executable, *prof, "-m", "vllm_pd.router.command_proxy", "--port", str(port),
         "--prefill", prefill, "--decode", decode, "--prefill-policy", "round_robin",
-        "--decode-policy", "round_robin", "--log-level", "WARNING"], env=env)
+        "--decode-policy", "round_robin", "--log-level", "WARNING"], env=env,
+        cwd=tree or None)  # `python -m` puts the working directory first on sys.path
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health")
     return p, url
@@ -109,7 +119,7 @@ def start_vllm_router(layout: Layout, path: str, prefill: str, decode: str) -> t
     port = free_port()
     env = _env()
     env["PYTHONPATH"] = path + os.pathsep + env["PYTHONPATH"]
-    p = subprocess.Popen(layout.prefix(layout.router_core) + [
+    p = subprocess.Popen(layout.router_prefix() + [
         sys.executable, "-m", "vllm_router.launch_router", "--port", str(port),
         "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
         "--policy", "round_robin", "--log-level", "error", "--prometheus-port", str(free_port())],
@@ -139,27 +149,36 @@ class Sample:
     ttfb: float  # seconds, request sent -> first body byte (the first SSE event when streaming)
 
 
-async def _request(session: aiohttp.ClientSession, url: str | None, direct: tuple[str, str] | None,
+JSON_HEADERS = [("Content-Type", "application/json")]
+
+
+async def _request(client: BackendClient, url: str | None, direct: tuple[str, str] | None,
                    stream: bool, max_tokens: int) -> Sample:
     """One client request. direct=(prefill, decode) runs both legs here, as a zero-cost proxy would."""
     body = dict(BODY, max_tokens=max_tokens, stream=stream)
     t0 = time.perf_counter()
     if direct is not None:
         pbody = dict(body, max_tokens=1, stream=False, kv_transfer_params=KV)
-        async with session.post(direct[0] + "/v1/completions", json=pbody) as r:
-            kv = (await r.json())["kv_transfer_params"]
+        r = await client.request("POST", direct[0], "/v1/completions", json.dumps(pbody).encode(), JSON_HEADERS)
+        try:
+            kv = json.loads(await r.read())["kv_transfer_params"]
+        finally:
+            r.close()
         body["kv_transfer_params"] = kv
         target = direct[1]
     else:
         assert url is not None
         target = url
     ttfb = None
-    async with session.post(target + "/v1/completions", json=body) as r:
+    r = await client.request("POST", target, "/v1/completions", json.dumps(body).encode(), JSON_HEADERS)
+    try:
         if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
-        async for _ in r.content.iter_any():
+            raise RuntimeError(f"HTTP {r.status}: {await r.read()!r}")
+        while await r.readany():
             if ttfb is None:
                 ttfb = time.perf_counter() - t0
+    finally:
+        r.close()
     total = time.perf_counter() - t0
     return Sample(total, ttfb if ttfb is not None else total)
 
@@ -193,32 +212,32 @@ async def closed_loop(url: str | None, direct: tuple[str, str] | None, concurren
     in bursts of `concurrency` requests, which no real traffic does."""
     samples: list[Sample] = []
     errors = 0
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        stop_at = time.perf_counter() + seconds
-        warm = min(1.0, seconds / 4)
-        cpu0: dict[str, float] = {}
-        done_at_warm = 0
+    client = BackendClient()  # the proxy's own client: the cheapest load generator at hand
+    stop_at = time.perf_counter() + seconds
+    warm = min(1.0, seconds / 4)
+    cpu0: dict[str, float] = {}
+    done_at_warm = 0
 
-        async def mark_warm() -> None:
-            nonlocal done_at_warm
-            await asyncio.sleep(warm)
-            cpu0.update({k: m.seconds() for k, m in meters.items()})
-            done_at_warm = len(samples)
+    async def mark_warm() -> None:
+        nonlocal done_at_warm
+        await asyncio.sleep(warm)
+        cpu0.update({k: m.seconds() for k, m in meters.items()})
+        done_at_warm = len(samples)
 
-        async def worker() -> None:
-            nonlocal errors
-            await asyncio.sleep(random.uniform(0, stagger))
-            while time.perf_counter() < stop_at:
-                try:
-                    samples.append(await _request(session, url, direct, stream, max_tokens))
-                except (aiohttp.ClientError, RuntimeError):
-                    errors += 1
+    async def worker() -> None:
+        nonlocal errors
+        await asyncio.sleep(random.uniform(0, stagger))
+        while time.perf_counter() < stop_at:
+            try:
+                samples.append(await _request(client, url, direct, stream, max_tokens))
+            except (BackendError, TimeoutError, RuntimeError):
+                errors += 1
 
-        t_warm = time.perf_counter() + warm
-        await asyncio.gather(mark_warm(), *(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t_warm
-        cpu = {k: (m.seconds() - cpu0[k]) / wall for k, m in meters.items()}
+    t_warm = time.perf_counter() + warm
+    await asyncio.gather(mark_warm(), *(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t_warm
+    cpu = {k: (m.seconds() - cpu0[k]) / wall for k, m in meters.items()}
+    client.close()
     if errors:
         print(f"    ({errors} errors)")
     measured = samples[done_at_warm:]
@@ -295,7 +314,8 @@ class Routers:
 
 
 def _layout(args: argparse.Namespace) -> Layout:
-    layout = Layout(None, None) if args.no_pin else Layout(args.router_core, args.load_core)
+    layout = Layout(None, None, args.router_nice) if args.no_pin else Layout(args.router_core, args.load_core,
+                                                                              args.router_nice)
     if layout.load_core is not None:
         os.sched_setaffinity(0, {layout.load_core})
     return layout
@@ -305,7 +325,7 @@ def run_suite(args: argparse.Namespace) -> None:
     layout = _layout(args)
     print(f"backends: mock prefill+decode, ttft={args.ttft * 1e3:.0f} ms itl={args.itl * 1e3:.0f} ms, "
           f"{args.tokens} output tokens, prompt {len(BODY['prompt'])} chars; cores={os.cpu_count()}; "
-          f"router on core {layout.router_core}, load generator + mocks on core {layout.load_core}; "
+          f"router on core {layout.router_core} (nice {layout.router_nice}), load generator + mocks on core {layout.load_core}; "
           f"load average at start {os.getloadavg()[0]:.2f}")
     if not args.skip_latency:
         rs = Routers.start(layout, args.ttft, args.itl, args.vllm_router_path, args.profile, args.compare_tree)
@@ -371,6 +391,18 @@ async def _client_rate(kind: str, url: str, concurrency: int, seconds: float) ->
                         await r.read()
                     n += 1
             await asyncio.gather(*(w() for _ in range(concurrency)))
+    elif kind == "vllm-pd":
+        client = BackendClient()
+
+        async def w2() -> None:
+            nonlocal n
+            while time.perf_counter() < stop_at:
+                r = await client.request("POST", url, "/v1/completions", body, JSON_HEADERS)
+                await r.read()
+                r.close()
+                n += 1
+        await asyncio.gather(*(w2() for _ in range(concurrency)))
+        client.close()
     else:
         import httpx
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as c:
@@ -393,7 +425,7 @@ def run_stacks(args: argparse.Namespace) -> None:
         mp, murl = start_mock(Layout(None, layout.router_core), 0.0, 0.0, "m")
         procs.append(mp)
         print("[client library] requests/s one process sends to a zero-delay mock, concurrency 64")
-        for kind in ("aiohttp", "httpx"):
+        for kind in ("vllm-pd", "aiohttp", "httpx"):
             for loop in ("asyncio", "uvloop"):
                 import uvloop
                 # an explicit loop factory: main() installed uvloop's policy, which asyncio.run would follow
@@ -418,6 +450,50 @@ def run_stacks(args: argparse.Namespace) -> None:
         stop(procs)
 
 
+class _CpuFieldMeter:
+    """User or system CPU seconds of a process tree (CpuMeter sums both)."""
+
+    def __init__(self, pid: int, field_name: str) -> None:
+        self._root = psutil.Process(pid)
+        self._field = field_name
+
+    def seconds(self) -> float:
+        total = 0.0
+        for p in [self._root, *self._root.children(recursive=True)]:
+            try:
+                total += getattr(p.cpu_times(), self._field)
+            except psutil.Error:
+                pass
+        return total
+
+
+def run_cpu_split(args: argparse.Namespace) -> None:
+    """User and system CPU per request of each router at the same closed-loop load (64 clients, below
+    saturation), rounds interleaved: the per-core cost, whatever share of its core a router gets."""
+    layout = _layout(args)
+    rs = Routers.start(layout, 0.0, 0.0, args.vllm_router_path, None, args.compare_tree)
+    stream = args.split_tokens > 2
+    print(f"[cpu per request] {'streaming ' + str(args.split_tokens) + ' events' if stream else 'non-streaming'}, "
+          f"zero-delay backends, 64 clients, {args.rounds} rounds of {args.seconds:.0f} s")
+    out: dict[str, list[tuple[float, float, int]]] = {}
+    try:
+        for _ in range(args.rounds):
+            for name, url, pid in rs.entries:
+                if pid is None:
+                    continue
+                meters = {"user": _CpuFieldMeter(pid, "user"), "sys": _CpuFieldMeter(pid, "system")}
+                res = asyncio.run(closed_loop(url, None, 64, args.seconds, stream, args.split_tokens, meters, None))
+                out.setdefault(name, []).append((res.cpu["user"] * res.wall, res.cpu["sys"] * res.wall,
+                                                 len(res.samples)))
+    finally:
+        stop(rs.procs)
+    for name, rounds in out.items():
+        n = sum(r[2] for r in rounds)
+        user, sys_ = sum(r[0] for r in rounds) / n, sum(r[1] for r in rounds) / n
+        print(f"  {name:18s} user {user * 1e6:6.1f} us  sys {sys_ * 1e6:6.1f} us  total {(user + sys_) * 1e6:6.1f} us"
+              f" per request  ({n} requests)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=100)
@@ -434,11 +510,17 @@ def main() -> None:
     ap.add_argument("--router-core", type=int, default=1, help="core of the router under test")
     ap.add_argument("--load-core", type=int, default=0, help="core of the load generator and the mocks")
     ap.add_argument("--no-pin", action="store_true", help="let every process float over all cores")
+    ap.add_argument("--router-nice", type=int, default=0, help="nice value of the router under test (e.g. -10 "
+                    "on a shared machine: CFS shares a core per thread, so against other users' processes a "
+                    "router with more threads would get more of it)")
     ap.add_argument("--lockstep", action="store_true", help="start all latency clients at once (bursts)")
     ap.add_argument("--compare-tree", metavar="DIR", help="also run the proxy of another source tree (e.g. a "
                     "`git worktree` of the previous commit), interleaved with this one")
     ap.add_argument("--profile", metavar="FILE", help="run our proxy under cProfile, writing FILE")
     ap.add_argument("--stacks", action="store_true", help="compare client libraries and event loops instead")
+    ap.add_argument("--cpu-split", action="store_true", help="user/system CPU per request of each router "
+                    "at a fixed load below saturation instead")
+    ap.add_argument("--split-tokens", type=int, default=2, help="with --cpu-split: output tokens (> 2: stream)")
     args = ap.parse_args()
     BODY["prompt"] = ("benchmark prompt " * (args.prompt_chars // 17 + 1))[:args.prompt_chars]
     try:
@@ -448,6 +530,8 @@ def main() -> None:
         pass
     if args.stacks:
         run_stacks(args)
+    elif args.cpu_split:
+        run_cpu_split(args)
     else:
         run_suite(args)
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import aiohttp
-from aiohttp import web
 
 from vllm_pd.router.app import ProxyServer, serve
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
+from vllm_pd.router.http_server import HttpServer
 from vllm_pd.router.mock_backend import MockBackend, start_backend
 from vllm_pd.vllm_server import free_port
 
@@ -23,7 +23,7 @@ class Harness:
     prefills: list[MockBackend]
     decodes: list[MockBackend]
     backend_urls: dict[str, str]
-    runners: dict[str, web.AppRunner]
+    runners: dict[str, HttpServer]
     session: aiohttp.ClientSession
     released: list[dict] = field(default_factory=list)
 
@@ -44,7 +44,7 @@ class Harness:
 async def harness(n_prefill: int = 1, n_decode: int = 1, release_ok: bool = True,
                   decode_kv: bool = False, backend_kw: dict | None = None,
                   **config_kw: Any) -> AsyncIterator[Harness]:
-    runners: dict[str, web.AppRunner] = {}
+    runners: dict[str, HttpServer] = {}
     urls: dict[str, str] = {}
     prefills = [MockBackend(name=f"p{i}", **(backend_kw or {})) for i in range(n_prefill)]
     decodes = [MockBackend(name=f"d{i}", **(backend_kw or {})) for i in range(n_decode)]

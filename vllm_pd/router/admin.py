@@ -10,10 +10,11 @@ import hmac
 import json
 from typing import Awaitable, Callable
 
-from aiohttp import web
 
 from vllm_pd.router.config import ConfigError, InstanceConfig
 from vllm_pd.router.errors import ProxyError, bad_request
+from vllm_pd.router.http_messages import HttpRequest, HttpResponse, json_response
+from vllm_pd.router.http_server import Handler
 from vllm_pd.router.instance_pool import InstancePool
 
 
@@ -24,26 +25,24 @@ class AdminApi:
         self._token = token
         self._on_added = on_added
 
-    def register(self, app: web.Application) -> None:
-        app.router.add_get("/admin/instances", self._list)
-        app.router.add_post("/admin/instances", self._add)
-        app.router.add_delete("/admin/instances", self._remove)
-        app.router.add_post("/admin/instances/drain", self._drain)
-        app.router.add_post("/admin/instances/undrain", self._undrain)
-        app.router.add_post("/admin/instances/role", self._role)
+    def register(self, routes: dict[str, dict[str, Handler]]) -> None:
+        routes["/admin/instances"] = {"GET": self._list, "POST": self._add, "DELETE": self._remove}
+        routes["/admin/instances/drain"] = {"POST": self._drain}
+        routes["/admin/instances/undrain"] = {"POST": self._undrain}
+        routes["/admin/instances/role"] = {"POST": self._role}
 
-    def _authorize(self, request: web.Request) -> None:
+    def _authorize(self, request: HttpRequest) -> None:
         if not self._token:
             raise ProxyError(403, "admin API disabled (start the proxy with --admin-token)", "permission_error",
                              code="admin_disabled")
-        header = request.headers.get("Authorization", "")
+        header = request.headers.get("authorization", "")
         given = header[7:] if header.startswith("Bearer ") else ""
         if not hmac.compare_digest(given.encode(), self._token.encode()):
             raise ProxyError(401, "missing or wrong admin token", "authentication_error", code="invalid_token")
 
-    async def _json(self, request: web.Request) -> dict:
+    async def _json(self, request: HttpRequest) -> dict:
         try:
-            data = json.loads(await request.read())
+            data = json.loads(request.body)
         except ValueError as e:
             raise bad_request(f"body is not valid JSON: {e}", code="invalid_json") from None
         if not isinstance(data, dict):
@@ -60,11 +59,11 @@ class AdminApi:
             raise ProxyError(404, f"no instance {url}", "NotFoundError", "url", "instance_not_found") from None
         return url
 
-    async def _list(self, request: web.Request) -> web.Response:
+    async def _list(self, request: HttpRequest) -> HttpResponse:
         self._authorize(request)
-        return web.json_response({"instances": [i.describe() for i in self._pool.all()]})
+        return json_response({"instances": [i.describe() for i in self._pool.all()]})
 
-    async def _add(self, request: web.Request) -> web.Response:
+    async def _add(self, request: HttpRequest) -> HttpResponse:
         self._authorize(request)
         data = await self._json(request)
         unknown = set(data) - {"url", "role", "kv_endpoint"}
@@ -77,26 +76,26 @@ class AdminApi:
             raise bad_request(str(e), str(e).split(":")[0], "invalid_value") from None
         if self._on_added is not None:
             await self._on_added()
-        return web.json_response(inst.describe(), status=201)
+        return json_response(inst.describe(), status=201)
 
-    async def _remove(self, request: web.Request) -> web.Response:
+    async def _remove(self, request: HttpRequest) -> HttpResponse:
         self._authorize(request)
         url = self._url({"url": request.query.get("url")} if "url" in request.query else await self._json(request))
-        return web.json_response(self._pool.remove(url).describe())
+        return json_response(self._pool.remove(url).describe())
 
-    async def _drain(self, request: web.Request) -> web.Response:
+    async def _drain(self, request: HttpRequest) -> HttpResponse:
         self._authorize(request)
         inst = self._pool.get(self._url(await self._json(request)))
         inst.draining = True
-        return web.json_response(inst.describe())
+        return json_response(inst.describe())
 
-    async def _undrain(self, request: web.Request) -> web.Response:
+    async def _undrain(self, request: HttpRequest) -> HttpResponse:
         self._authorize(request)
         inst = self._pool.get(self._url(await self._json(request)))
         inst.draining = False
-        return web.json_response(inst.describe())
+        return json_response(inst.describe())
 
-    async def _role(self, request: web.Request) -> web.Response:
+    async def _role(self, request: HttpRequest) -> HttpResponse:
         self._authorize(request)
         data = await self._json(request)
         url = self._url(data)
@@ -104,4 +103,4 @@ class AdminApi:
             inst = self._pool.set_role(url, data.get("role"))  # type: ignore[arg-type]
         except ConfigError as e:
             raise bad_request(str(e), "role", "invalid_value") from None
-        return web.json_response(inst.describe())
+        return json_response(inst.describe())

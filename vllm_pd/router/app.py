@@ -1,8 +1,9 @@
 """The proxy's HTTP server: OpenAI routes, /v1/models, /health, /metrics, admin.
 
-aiohttp serves and calls the backends (chosen by measurement, see
-benchmarks/RESULTS.md "Proxy"). Handler cancellation is on, so a client
-disconnect cancels the request's task, and with it whichever leg is running.
+Served by http_server.py and calling the backends through http_client.py,
+both lean asyncio Protocols with httptools parsers (chosen by measurement, see
+benchmarks/RESULTS.md "Proxy"). A client disconnect cancels the request's
+task, and with it whichever leg is running.
 """
 
 from __future__ import annotations
@@ -10,15 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
-
-import aiohttp
-from aiohttp import web
 
 from vllm_pd.router.admin import AdminApi
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.errors import ProxyError
 from vllm_pd.router.health import HealthChecker
+from vllm_pd.router.http_client import BackendClient
+from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
+from vllm_pd.router.http_server import Handler, HttpServer
 from vllm_pd.router.instance_pool import InstancePool
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.pd_flow import PDFlow, ReleaseFn, default_release_remote_kv
@@ -28,11 +28,8 @@ from vllm_pd.router.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
 class ProxyServer:
-    """Everything one proxy process holds; ``app`` is the aiohttp application."""
+    """Everything one proxy process holds; ``routes`` is what its HTTP server serves."""
 
     def __init__(self, config: ProxyConfig, release_kv: ReleaseFn = default_release_remote_kv,
                  count_tokens: TokenCounter | None = None, run_health_checks: bool = True) -> None:
@@ -42,28 +39,23 @@ class ProxyServer:
         self.count_tokens = count_tokens or _token_counter(config.tokenizer)
         self._release_kv = release_kv
         self._run_health_checks = run_health_checks
-        self.session: aiohttp.ClientSession | None = None
+        self.client: BackendClient | None = None
         self.flow: PDFlow | None = None
         self.health: HealthChecker | None = None
         self.supervisor: Supervisor | None = None
-        self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._errors])
-        self.app.router.add_post(COMPLETIONS, self._completion)
-        self.app.router.add_post(CHAT, self._completion)
-        self.app.router.add_get("/v1/models", self._models)
-        self.app.router.add_get("/health", self._health)
-        self.app.router.add_get("/metrics", self._metrics)
-        AdminApi(self.pool, config.admin_token, self._on_instance_added).register(self.app)
-        self.app.on_startup.append(self._start)
-        self.app.on_cleanup.append(self._stop)
+        self.routes: dict[str, dict[str, Handler]] = {
+            COMPLETIONS: {"POST": self._completion}, CHAT: {"POST": self._completion},
+            "/v1/models": {"GET": self._models}, "/health": {"GET": self._health},
+            "/metrics": {"GET": self._metrics},
+        }
+        AdminApi(self.pool, config.admin_token, self._on_instance_added).register(self.routes)
 
-    async def _start(self, app: web.Application) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                             timeout=aiohttp.ClientTimeout(total=None))
-        self.flow = PDFlow(self.config, self.pool, self.session, self.metrics,
+    async def start(self) -> None:
+        self.client = BackendClient(self.config.connect_timeout)
+        self.flow = PDFlow(self.config, self.pool, self.client, self.metrics,
                            make_policy(self.config.prefill_policy), make_policy(self.config.decode_policy),
                            self._release_kv)
-        self.health = HealthChecker(self.pool, self.session, self.config.health_interval, self.config.health_timeout)
+        self.health = HealthChecker(self.pool, self.client, self.config.health_interval, self.config.health_timeout)
         if self._run_health_checks:
             self.health.start()
         if self.config.supervisor:
@@ -71,46 +63,26 @@ class ProxyServer:
                                          self.config.supervisor_ttft_slo, self.config.supervisor_tpot_slo)
             self.supervisor.start()
 
-    async def _stop(self, app: web.Application) -> None:
+    async def stop(self) -> None:
         if self.supervisor:
             await self.supervisor.stop()
         if self.health:
             await self.health.stop()
         if self.flow:
             await self.flow.drain_background()
-        if self.session:
-            await self.session.close()
+        if self.client:
+            self.client.close()
 
     async def _on_instance_added(self) -> None:
         if self.health is not None:
             await self.health.check_all()
 
     # ----------------------------------------------------------------- routes
-    @web.middleware
-    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except ProxyError as e:
-            return _error_response(e)
-        except web.HTTPRequestEntityTooLarge:
-            return _error_response(ProxyError(413, f"request body larger than {self.config.max_body_bytes} bytes",
-                                              code="body_too_large"))
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            return _error_response(ProxyError(e.status, e.reason, "invalid_request_error", code=str(e.status)))
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            raise
-        except Exception:
-            logger.exception("unexpected error on %s %s", request.method, request.path)
-            return _error_response(ProxyError(500, "internal proxy error", "internal_error"))
-
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
+    async def _completion(self, request: HttpRequest) -> HttpResponse | StreamResponse:
         t0 = time.monotonic()
         status = 500
         try:
-            raw = await request.read()
-            parsed = parse_body(raw, request.path, self.count_tokens)
+            parsed = parse_body(request.body, request.path, self.count_tokens)
             self._check_model(parsed.model)
             assert self.flow is not None
             resp = await self.flow.handle(parsed, request)
@@ -123,8 +95,7 @@ class ProxyServer:
             status = 499  # the client went away
             raise
         finally:
-            self.metrics.requests.labels(request.path, str(status)).inc()
-            self.metrics.request_seconds.labels(request.path).observe(time.monotonic() - t0)
+            self.metrics.count_request(request.path, status, time.monotonic() - t0)
 
     def _known_models(self) -> set[str]:
         names = set(self.config.model_names)
@@ -138,22 +109,18 @@ class ProxyServer:
             raise ProxyError(404, f"The model `{model}` does not exist.", "NotFoundError", "model",
                              "model_not_found")
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, request: HttpRequest) -> HttpResponse:
         data = [{"id": m, "object": "model", "owned_by": "vllm-pd"} for m in sorted(self._known_models())]
-        return web.json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data})
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def _health(self, request: HttpRequest) -> HttpResponse:
         ok = bool(self.pool.eligible("decode"))
         body = {"status": "ok" if ok else "no healthy decode instance",
                 "prefill": len(self.pool.eligible("prefill")), "decode": len(self.pool.eligible("decode"))}
-        return web.json_response(body, status=200 if ok else 503)
+        return json_response(body, status=200 if ok else 503)
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
-
-
-def _error_response(e: ProxyError) -> web.Response:
-    return web.Response(body=e.json_bytes(), status=e.status, content_type="application/json")
+    async def _metrics(self, request: HttpRequest) -> HttpResponse:
+        return HttpResponse(self.metrics.render(), content_type="text/plain; charset=utf-8")
 
 
 def _token_counter(tokenizer_dir: str | None) -> TokenCounter:
@@ -165,11 +132,26 @@ def _token_counter(tokenizer_dir: str | None) -> TokenCounter:
     return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
 
 
-async def serve(server: ProxyServer) -> web.AppRunner:
-    """Start listening; the caller keeps the runner and calls ``cleanup()`` to stop."""
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, server.config.host, server.config.port, backlog=2048)
-    await site.start()
+class RunningProxy:
+    """A proxy that listens; ``cleanup()`` stops it."""
+
+    def __init__(self, proxy: ProxyServer, http: HttpServer) -> None:
+        self.proxy = proxy
+        self.http = http
+
+    async def cleanup(self) -> None:
+        await self.http.cleanup()
+        await self.proxy.stop()
+
+
+async def serve(server: ProxyServer) -> RunningProxy:
+    """Start listening; the caller keeps the result and calls ``cleanup()`` to stop."""
+    await server.start()
+    http = HttpServer(server.routes, server.config.max_body_bytes)
+    try:
+        await http.start(server.config.host, server.config.port, backlog=2048)
+    except BaseException:
+        await server.stop()
+        raise
     logger.info("vllm-pd proxy listening on http://%s:%d", server.config.host, server.config.port)
-    return runner
+    return RunningProxy(server, http)

@@ -13,11 +13,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
-from aiohttp import web
-
 from vllm_pd.router.backend_answer import BackendAnswer
+from vllm_pd.router.backend_response import BackendError, BackendResponse
 from vllm_pd.router.errors import upstream_error
+from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
@@ -58,11 +57,11 @@ class DecodeRelay:
         self.pool = pool
         self.prefill_timeout = prefill_timeout
 
-    async def json(self, resp: aiohttp.ClientResponse, decode: Instance, state: FlowState,
-                          t0: float) -> web.Response:
+    async def json(self, resp: BackendResponse, decode: Instance, state: FlowState,
+                   t0: float) -> HttpResponse:
         try:
             raw = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (BackendError, TimeoutError) as e:
             raise DecodeFailed(repr(e), sent=True, kind="read") from None
         decode.breaker.record_success()
         elapsed = time.monotonic() - t0
@@ -79,28 +78,27 @@ class DecodeRelay:
                 self.pool.recent_tpot.add(elapsed / tokens)
         except ValueError:
             pass
-        return web.Response(body=raw, status=resp.status, content_type="application/json",
-                            headers={"X-Request-Id": state.request_id})
+        return HttpResponse(raw, resp.status, headers={"X-Request-Id": state.request_id})
 
-    async def stream(self, resp: aiohttp.ClientResponse, decode: Instance, state: FlowState,
-                            http_request: web.Request, t0: float) -> web.StreamResponse:
+    async def stream(self, resp: BackendResponse, decode: Instance, state: FlowState,
+                     http_request: HttpRequest, t0: float) -> StreamResponse:
         events = SseSplitter(state.prefill_cached_tokens)
         # hold the client's response until decode produced its first event, so a
         # failure before that can still be retried elsewhere
         first = b""
         try:
             while not first:
-                chunk = await resp.content.readany()
+                chunk = await resp.readany()
                 if not chunk:
                     raise DecodeFailed("stream ended before any event", sent=True, kind="empty")
                 first = events.feed(chunk)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (BackendError, TimeoutError) as e:
             raise DecodeFailed(repr(e), sent=True, kind="read") from None
         decode.breaker.record_success()
         t_first = time.monotonic()
         self.metrics.ttft_seconds.observe(t_first - state.started)
         self.pool.recent_ttft.add(t_first - state.started)
-        out = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
+        out = StreamResponse(200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
         n_events = first.count(b"data:")
         # TPOT is sampled while the stream runs (every TPOT_WINDOW events), not only at its end:
         # long outputs would otherwise tell the supervisor about decode pressure far too late
@@ -111,8 +109,8 @@ class DecodeRelay:
             await out.write(first)
             while True:
                 try:
-                    chunk = await resp.content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    chunk = await resp.readany()
+                except (BackendError, TimeoutError) as e:
                     # bytes already reached the client: end the stream with an error event
                     await self._end_with_error(out, events, decode, e)
                     return out
@@ -143,7 +141,7 @@ class DecodeRelay:
         decode.tpot.add(tpot)
         self.pool.recent_tpot.add(tpot)
 
-    async def _end_with_error(self, out: web.StreamResponse, events: SseSplitter, decode: Instance,
+    async def _end_with_error(self, out: StreamResponse, events: SseSplitter, decode: Instance,
                               e: BaseException) -> None:
         self.metrics.stream_errors.inc()
         decode.breaker.record_failure()

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
+import msgspec
 
+from vllm_pd.router.backend_response import BackendError
+from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.instance_pool import Instance, InstancePool
 from vllm_pd.router.periodic_task import PeriodicTask
 
@@ -15,12 +17,12 @@ logger = logging.getLogger(__name__)
 
 
 class HealthChecker(PeriodicTask):
-    def __init__(self, pool: InstancePool, session: aiohttp.ClientSession, interval: float, timeout: float,
+    def __init__(self, pool: InstancePool, client: BackendClient, interval: float, timeout: float,
                  failures_to_down: int = 2) -> None:
         self._pool = pool
-        self._session = session
+        self._client = client
         self.interval = interval
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
         self._failures_to_down = failures_to_down
         self._failures: dict[str, int] = {}
 
@@ -33,14 +35,15 @@ class HealthChecker(PeriodicTask):
     async def check(self, inst: Instance) -> bool:
         ok = False
         try:
-            async with self._session.get(inst.url + "/health", timeout=self._timeout) as r:
-                ok = r.status == 200
-            if ok and not inst.models:
-                async with self._session.get(inst.url + "/v1/models", timeout=self._timeout) as r:
-                    if r.status == 200:
-                        data = await r.json(content_type=None)
+            async with asyncio.timeout(self._timeout):
+                status, _ = await self._get(inst.url, "/health")
+                ok = status == 200
+                if ok and not inst.models:
+                    status, raw = await self._get(inst.url, "/v1/models")
+                    if status == 200:
+                        data = msgspec.json.decode(raw)
                         inst.models = [m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError, KeyError) as e:
+        except (BackendError, TimeoutError, ValueError, TypeError, KeyError, AttributeError) as e:
             logger.debug("health check %s failed: %r", inst.url, e)
             ok = False
         if ok:
@@ -55,3 +58,10 @@ class HealthChecker(PeriodicTask):
                 logger.warning("instance %s failed %d health checks; no new requests go there", inst.url, n)
                 inst.healthy = False
         return ok
+
+    async def _get(self, url: str, path: str) -> tuple[int, bytes]:
+        r = await self._client.request("GET", url, path, connect_timeout=self._timeout)
+        try:
+            return r.status, await r.read()
+        finally:
+            r.close()

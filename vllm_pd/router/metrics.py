@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -57,6 +57,16 @@ class ProxyMetrics:
         self.disconnects = Counter("vllm_pd_proxy_client_disconnects", "client disconnects", ["stage"], registry=r)
         self.stream_errors = Counter("vllm_pd_proxy_stream_errors", "streams ended by an error event", registry=r)
         r.register(_PoolCollector(pool))
+        self._request_children: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def count_request(self, endpoint: str, status: int, seconds: float) -> None:
+        """One finished client request (the labelled children are looked up once per endpoint and status)."""
+        children = self._request_children.get((endpoint, status))
+        if children is None:
+            children = (self.requests.labels(endpoint, str(status)), self.request_seconds.labels(endpoint))
+            self._request_children[(endpoint, status)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

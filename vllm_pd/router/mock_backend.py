@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
+from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
+from vllm_pd.router.http_server import Handler, HttpServer
 
 
 @dataclass
@@ -44,23 +45,19 @@ class MockBackend:
         """Queue failures: "500", "400", "hang", "break:<k>" (cut the stream after k events), "empty"."""
         self.failures.extend(modes)
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", self._completion)
-        app.router.add_post("/v1/chat/completions", self._completion)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        return app
+    def routes(self) -> dict[str, dict[str, Handler]]:
+        return {"/v1/completions": {"POST": self._completion}, "/v1/chat/completions": {"POST": self._completion},
+                "/v1/models": {"GET": self._models}, "/health": {"GET": self._health}}
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
+    async def _health(self, request: HttpRequest) -> HttpResponse:
+        return HttpResponse(b"", content_type="text/plain")
 
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+    async def _models(self, request: HttpRequest) -> HttpResponse:
+        return json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        seen = SeenRequest(request.path, body, {k.lower(): v for k, v in request.headers.items()})
+    async def _completion(self, request: HttpRequest) -> HttpResponse | StreamResponse:
+        body = json.loads(request.body)
+        seen = SeenRequest(request.path, body, dict(request.headers))
         if self.record:
             self.seen.append(seen)
         failure = self.failures.pop(0) if self.failures else None
@@ -71,22 +68,22 @@ class MockBackend:
             raise
         except ConnectionResetError:
             seen.cancelled = True
-            return web.Response()
+            return HttpResponse(b"")
 
-    async def _answer(self, request: web.Request, body: dict, seen: SeenRequest,
-                      failure: str | None) -> web.StreamResponse:
+    async def _answer(self, request: HttpRequest, body: dict, seen: SeenRequest,
+                      failure: str | None) -> HttpResponse | StreamResponse:
         if failure == "500":
-            return web.json_response({"error": {"message": "injected", "type": "InternalServerError"}}, status=500)
+            return json_response({"error": {"message": "injected", "type": "InternalServerError"}}, status=500)
         if failure == "400":
-            return web.json_response({"error": {"message": "bad prompt", "type": "BadRequestError",
-                                                "param": "prompt", "code": 400}}, status=400)
+            return json_response({"error": {"message": "bad prompt", "type": "BadRequestError",
+                                            "param": "prompt", "code": 400}}, status=400)
         if failure == "hang":
             await asyncio.sleep(3600)
         chat = request.path.endswith("chat/completions")
         n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         prompt = body.get("prompt") if not chat else json.dumps(body.get("messages"))
         prompt_tokens = len(prompt) if isinstance(prompt, list) else max(1, len(str(prompt)) // 4)
-        rid = request.headers.get("X-Request-Id", "x")
+        rid = request.headers.get("x-request-id", "x")
         usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
                                  "total_tokens": prompt_tokens + n_tokens}
         if self.cached_tokens is not None:
@@ -110,8 +107,8 @@ class MockBackend:
                                              "remote_request_id": rid, "remote_host": "127.0.0.1",
                                              "remote_port": 5600}
             seen.finished = True
-            return web.json_response(out)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            return json_response(out)
+        resp = StreamResponse(200, {"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         break_after = int(failure.split(":")[1]) if failure and failure.startswith("break:") else None
         if failure == "empty":
@@ -121,8 +118,7 @@ class MockBackend:
                 await asyncio.sleep(self.itl)
             if break_after is not None and i == break_after:
                 # a dying server: cut the connection mid-stream
-                assert request.transport is not None
-                request.transport.close()
+                request.conn.close()
                 return resp
             delta = {"delta": {"content": f" t{i}"}} if chat else {"text": f" t{i}"}
             chunk = {"id": f"cmpl-{rid}", "model": self.model, "served_by": self.name,
@@ -136,13 +132,11 @@ class MockBackend:
         return resp
 
 
-async def start_backend(backend: MockBackend, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(backend.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096)
-    await site.start()
-    sock = site._server.sockets[0]  # type: ignore[union-attr]
-    return runner, f"http://{host}:{sock.getsockname()[1]}"
+async def start_backend(backend: MockBackend, host: str = "127.0.0.1", port: int = 0) -> tuple[HttpServer, str]:
+    """Serve ``backend``; the caller stops it with ``cleanup()`` of the returned server."""
+    server = HttpServer(backend.routes(), max_body=64 * 1024 * 1024)
+    await server.start(host, port, backlog=4096)
+    return server, f"http://{host}:{server.port}"
 
 
 def main() -> None:

@@ -25,20 +25,21 @@ will consume is released through ``release_remote_kv``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import os
 import time
-import uuid
 from typing import Any, Callable
-
-import aiohttp
-from aiohttp import web
 
 from vllm_pd.connector.transfer_params import awaited_prefill_params
 from vllm_pd.router.backend_answer import BackendAnswer
+from vllm_pd.router.backend_response import BackendConnectError, BackendError, BackendResponse
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.decode_relay import DecodeFailed, DecodeRelay, FlowState
 from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
+from vllm_pd.router.http_client import BackendClient
+from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
@@ -49,6 +50,23 @@ logger = logging.getLogger(__name__)
 FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "x-data-parallel-rank")
 
 ReleaseFn = Callable[[dict], bool]
+
+_id_prefix = os.urandom(8).hex()
+_id_counter = itertools.count()
+
+
+def _reseed_ids() -> None:
+    global _id_prefix
+    _id_prefix = os.urandom(8).hex()
+
+
+os.register_at_fork(after_in_child=_reseed_ids)  # forked workers must not repeat their parent's ids
+
+
+def new_id() -> str:
+    """32 hex digits, unique across proxy processes: a random per-process prefix and a counter
+    (uuid4 costs a getrandom call and a UUID object per id, twice per request)."""
+    return f"{_id_prefix}{next(_id_counter):016x}"
 
 
 def default_release_remote_kv(params: dict) -> bool:
@@ -76,12 +94,12 @@ def remote_decode_params(decode: Instance, transfer_key: str | None, mode: str) 
 
 
 class PDFlow:
-    def __init__(self, config: ProxyConfig, pool: InstancePool, session: aiohttp.ClientSession,
+    def __init__(self, config: ProxyConfig, pool: InstancePool, client: BackendClient,
                  metrics: ProxyMetrics, prefill_policy: Policy, decode_policy: Policy,
                  release_kv: ReleaseFn = default_release_remote_kv) -> None:
         self.config = config
         self.pool = pool
-        self.session = session
+        self.client = client
         self.metrics = metrics
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
@@ -90,9 +108,10 @@ class PDFlow:
         self._background: set[asyncio.Future] = set()
 
     # ------------------------------------------------------------------ entry
-    async def handle(self, req: ParsedRequest, http_request: web.Request) -> web.StreamResponse:
-        request_id = http_request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        headers = {k: v for k, v in http_request.headers.items() if k.lower() in FORWARDED_HEADERS}
+    async def handle(self, req: ParsedRequest, http_request: HttpRequest) -> HttpResponse | StreamResponse:
+        given = http_request.headers
+        request_id = given.get("x-request-id") or new_id()
+        headers = {k: given[k] for k in FORWARDED_HEADERS if k in given}
         headers["X-Request-Id"] = request_id
         headers["Content-Type"] = "application/json"  # both legs send bytes this proxy encoded
         state = FlowState(request_id)
@@ -108,8 +127,8 @@ class PDFlow:
             if state.kv_pending and state.kv_params:
                 self._release_in_background(state.kv_params)
 
-    async def _run(self, req: ParsedRequest, http_request: web.Request, headers: dict[str, str],
-                   state: FlowState) -> web.StreamResponse:
+    async def _run(self, req: ParsedRequest, http_request: HttpRequest, headers: dict[str, str],
+                   state: FlowState) -> HttpResponse | StreamResponse:
         tried: set[str] = set()
         decode = self._pick("decode", req, tried)
         if decode is None:
@@ -178,9 +197,9 @@ class PDFlow:
         return True
 
     async def _decode_beside_prefill(self, req: ParsedRequest, decode: Instance, headers: dict[str, str],
-                                     state: FlowState, http_request: web.Request) -> web.StreamResponse:
+                                     state: FlowState, http_request: HttpRequest) -> HttpResponse | StreamResponse:
         """Both legs at once; decode waits for prefill to announce the KV under transfer_key."""
-        transfer_key = uuid.uuid4().hex
+        transfer_key = new_id()
         # auto = pull: with one core per instance, prefill's push threads cost its forward more than
         # the read after it (benchmarks/RESULTS.md, "PD latency")
         mode = "push" if self.config.kv_mode == "push" else "pull"
@@ -239,20 +258,23 @@ class PDFlow:
         lease = LegLease(prefill, "prefill", req.prompt_tokens)
         state.leases.append(lease)
         t0 = time.monotonic()
-        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, sock_connect=self.config.connect_timeout)
         try:
-            async with self.session.post(prefill.url + req.path, data=encode_json(body), headers=headers,
-                                         timeout=timeout) as r:
+            r = await self.client.request("POST", prefill.url, req.path, encode_json(body), headers.items(),
+                                          timeout=self.config.prefill_timeout,
+                                          connect_timeout=self.config.connect_timeout)
+            try:
                 raw = await r.read()
-                if r.status >= 500 or r.status in (408, 429):
-                    raise _LegError(f"HTTP {r.status}: {raw[:200]!r}", "status")
-                if r.status >= 400:
-                    # the client's own mistake: decode would say the same, so say it now
-                    prefill.breaker.record_success()
-                    raise _passthrough_error(r.status, raw)
-                answer = BackendAnswer(raw)
-        except (aiohttp.ClientError, asyncio.TimeoutError, _LegError, ValueError) as e:
-            kind = e.kind if isinstance(e, _LegError) else ("timeout" if isinstance(e, asyncio.TimeoutError)
+            finally:
+                r.close()
+            if r.status >= 500 or r.status in (408, 429):
+                raise _LegError(f"HTTP {r.status}: {raw[:200]!r}", "status")
+            if r.status >= 400:
+                # the client's own mistake: decode would say the same, so say it now
+                prefill.breaker.record_success()
+                raise _passthrough_error(r.status, raw)
+            answer = BackendAnswer(raw)
+        except (BackendError, TimeoutError, _LegError, ValueError) as e:
+            kind = e.kind if isinstance(e, _LegError) else ("timeout" if isinstance(e, TimeoutError)
                                                            else "connect")
             self.metrics.leg_errors.labels("prefill", kind).inc()
             prefill.breaker.record_failure()
@@ -280,26 +302,26 @@ class PDFlow:
 
     # ----------------------------------------------------------------- decode
     async def _decode(self, req: ParsedRequest, decode: Instance, headers: dict[str, str], state: FlowState,
-                      http_request: web.Request, kv_params: dict | None) -> web.StreamResponse:
+                      http_request: HttpRequest, kv_params: dict | None) -> HttpResponse | StreamResponse:
         body = decode_body(req, kv_params)
         lease = LegLease(decode, "decode", req.prompt_tokens + req.max_tokens)
         state.leases.append(lease)
         state.stage = "decode"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
-                                        sock_read=self.config.decode_idle_timeout)
         t0 = time.monotonic()
         try:
             # from here decode owns the KV: closing this request aborts it and decode releases prefill's KV
             state.kv_pending = False
-            async with asyncio.timeout(self.config.decode_timeout):  # no extra task, unlike wait_for
-                resp = await self.session.post(decode.url + req.path, data=body, headers=headers, timeout=timeout)
-        except aiohttp.ClientConnectorError as e:
+            resp = await self.client.request("POST", decode.url, req.path, body, headers.items(),
+                                             head_timeout=self.config.decode_timeout,
+                                             read_timeout=self.config.decode_idle_timeout,
+                                             connect_timeout=self.config.connect_timeout)
+        except BackendConnectError as e:
             state.kv_pending = state.kv_params is not None
             lease.release()
-            raise DecodeFailed(repr(e), sent=False, kind="connect") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise DecodeFailed(str(e), sent=False, kind="connect") from None
+        except (BackendError, TimeoutError) as e:
             lease.release()
-            raise DecodeFailed(repr(e), sent=True, kind="timeout" if isinstance(e, asyncio.TimeoutError)
+            raise DecodeFailed(repr(e), sent=True, kind="timeout" if isinstance(e, TimeoutError)
                                else "connection") from None
         try:
             if resp.status >= 500:
@@ -357,8 +379,8 @@ def _passthrough_error(status: int, raw: bytes) -> ProxyError:
     return ProxyError(status, message, etype, param, code)
 
 
-async def _read_some(resp: aiohttp.ClientResponse) -> bytes:
+async def _read_some(resp: BackendResponse) -> bytes:
     try:
-        return (await asyncio.wait_for(resp.content.read(500), 2.0))[:500]
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return (await asyncio.wait_for(resp.readany(), 2.0))[:500]
+    except (BackendError, TimeoutError):
         return b""

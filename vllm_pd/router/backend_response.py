@@ -1,0 +1,143 @@
+"""A backend's response as the proxy reads it (see http_client.py), and the client's errors.
+
+The body arrives through the connection's parser callbacks into a deque; the
+reader takes whatever is there (``readany``) or all of it (``read``). Past
+``HIGH_WATER`` buffered bytes the socket is paused until the reader catches up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_pd.router.http_client import _Connection
+
+HIGH_WATER = 256 * 1024  # buffered response bytes at which reading pauses (it resumes once all is read)
+
+
+class BackendError(Exception):
+    """A backend exchange failed (connection refused, reset, closed early, bad HTTP)."""
+
+
+class BackendConnectError(BackendError):
+    """No connection could be made: the backend never saw the request."""
+
+
+class BackendResponse:
+    """One response: ``status`` once the head arrived, then its body through ``read``/``readany``.
+
+    ``close()`` must follow (it is idempotent): a complete response hands its
+    connection back to the pool, an unfinished one aborts it (which is how a
+    backend learns that the request was abandoned).
+    """
+
+    __slots__ = ("status", "_conn", "_chunks", "_buffered", "_done", "_error", "_waiter", "_idle_timeout",
+                 "_closed", "_timer", "_idle_timer", "_active_at")
+
+    def __init__(self, conn: _Connection, idle_timeout: float | None) -> None:
+        self.status = 0
+        self._conn = conn
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._idle_timeout = idle_timeout
+        self._closed = False
+        self._timer: asyncio.TimerHandle | None = None  # the whole exchange's (or the head's) deadline
+        # read timeout, checked lazily: one timer per response that re-arms itself while data keeps
+        # coming, instead of a timer per wait (a stream of N events would create N)
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._active_at = 0.0  # when data last arrived or a wait began (time.monotonic, the loop's clock)
+
+    # ------------------------------------------------------- reader side
+    async def readany(self) -> bytes:
+        """Whatever body bytes arrived (waiting for some), b"" at the end of the body."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return b""
+            await self._wait()
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join([chunks.popleft() for _ in range(len(chunks))])
+        self._buffered = 0
+        self._conn.resume()
+        return data
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while True:
+            chunk = await self.readany()
+            if not chunk:
+                return b"".join(parts) if len(parts) != 1 else parts[0]
+            parts.append(chunk)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._conn.release(reuse=self._done and self._error is None)
+
+    async def _wait(self) -> None:
+        loop = asyncio.get_running_loop()
+        fut = self._waiter = loop.create_future()
+        if self._idle_timeout is not None:
+            self._active_at = time.monotonic()
+            if self._idle_timer is None:
+                self._idle_timer = loop.call_at(self._active_at + self._idle_timeout, self._check_idle)
+        try:
+            await fut
+        finally:
+            self._waiter = None
+
+    def _check_idle(self) -> None:
+        self._idle_timer = None
+        if self._closed or self._done or self._error is not None or self._idle_timeout is None:
+            return
+        due = self._active_at + self._idle_timeout
+        if self._waiter is not None and time.monotonic() >= due:
+            self._time_out(self._idle_timeout)
+        else:  # data came (or nobody waits): look again when the newest wait could expire
+            loop = asyncio.get_running_loop()
+            self._idle_timer = loop.call_at(max(due, loop.time() + 0.001), self._check_idle)
+
+    async def _head(self) -> None:
+        while not self.status:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    # ------------------------------------------------------ protocol side
+    def _wake(self) -> None:
+        fut = self._waiter
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _feed(self, data: bytes) -> None:
+        self._active_at = time.monotonic()
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER:
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self) -> None:
+        self._done = True
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._done and self._error is None:
+            self._error = exc
+            self._wake()
+
+    def _time_out(self, seconds: float) -> None:
+        self._fail(TimeoutError(f"backend did not answer within {seconds} s"))
