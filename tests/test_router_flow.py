@@ -38,7 +38,7 @@ def test_two_leg_bodies_exactly() -> None:
 
 def test_legs_go_out_together_when_decode_kv_endpoint_is_known() -> None:
     async def go() -> None:
-        for kv_mode, mode in (("auto", "pull"), ("push", "push"), ("pull", "pull")):
+        for kv_mode, mode in (("auto", "push"), ("push", "push"), ("pull", "pull")):
             async with harness(decode_kv=True, kv_mode=kv_mode) as h:
                 await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})
                 kvp = h.prefills[0].seen[0].body["kv_transfer_params"]

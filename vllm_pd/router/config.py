@@ -43,7 +43,7 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     instances: list[InstanceConfig] = field(default_factory=list)
-    kv_mode: str = "auto"  # push | pull (auto = pull: measured faster on 1-core instances)
+    kv_mode: str = "auto"  # push | pull (auto = push: measured fastest, see benchmarks/RESULTS.md)
     prefill_policy: str = "prefix_aware"
     decode_policy: str = "least_outstanding"
     require_disagg: bool = False  # never fall back to decode-only when no prefill works

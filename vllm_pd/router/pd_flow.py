@@ -200,9 +200,9 @@ class PDFlow:
                                      state: FlowState, http_request: HttpRequest) -> HttpResponse | StreamResponse:
         """Both legs at once; decode waits for prefill to announce the KV under transfer_key."""
         transfer_key = new_id()
-        # auto = pull: with one core per instance, prefill's push threads cost its forward more than
-        # the read after it (benchmarks/RESULTS.md, "PD latency")
-        mode = "push" if self.config.kv_mode == "push" else "pull"
+        # auto = push: an idle decode then runs its first forward beside prefill's, taking each layer
+        # as it lands - the fastest on every prompt length measured (benchmarks/RESULTS.md, "PD latency")
+        mode = "pull" if self.config.kv_mode == "pull" else "push"
         state.pushed = mode == "push"
         prefill = asyncio.ensure_future(self._prefill(req, decode, transfer_key, headers, state, mode))
         state.prefill_leg = prefill
