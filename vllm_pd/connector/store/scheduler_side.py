@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from vllm_pd.connector.store.adaptive_cache import AdaptiveCache
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import SlotAllocator
 from vllm_pd.connector.store.disk_tier import scan
@@ -25,7 +26,6 @@ from vllm_pd.connector.store.keys import BlockKey, KeySalt, chain_keys
 from vllm_pd.connector.store.master_client import MasterClient, RemoteHit
 from vllm_pd.connector.store.plans import LoadOp, SaveOp, StorePlan, StoreReport
 from vllm_pd.connector.store.radix import Lease, RadixIndex
-from vllm_pd.connector.store.two_level_cache import TwoLevelCache
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class StoreScheduler:
         self.block_size = salt.block_size
         num_slots = config.num_slots(slot_nbytes)
         self.index = RadixIndex()
-        self.cache = TwoLevelCache(num_slots)
+        self.cache = AdaptiveCache(num_slots)
+        self._observed: set[str] = set()  # requests whose prompt the cache's shadows saw
         self.slots = SlotAllocator(num_slots)
         self.disk_enabled = config.disk_path is not None
         self._pending: dict[BlockKey, _Pending] = {}
@@ -116,6 +117,7 @@ class StoreScheduler:
     def forget(self, request_id: str) -> None:
         """Drop a request's cached keys (it finished or was aborted)."""
         self._keys.pop(request_id, None)
+        self._observed.discard(request_id)
 
     def match(self, token_ids: Sequence[int], request_id: str | None = None) -> int:
         """Leading tokens of ``token_ids`` whose KV is committed in the store
@@ -135,6 +137,9 @@ class StoreScheduler:
         another node holds. Only a hint: the fetch verifies, and what does not
         arrive is recomputed (plan_load reports it as missing)."""
         keys = self.block_keys(token_ids, request_id=request_id)
+        if request_id is not None and request_id not in self._observed:
+            self._observed.add(request_id)  # vLLM asks every step while a request waits: count it once
+            self.cache.observe_request(keys)
         local = self.index.longest_prefix(keys)
         if self.master is None or local >= len(keys):
             return local * self.block_size, None
@@ -173,8 +178,7 @@ class StoreScheduler:
         staged: dict[BlockKey, int] = {}
         if disk_only:
             guard = set(keys[: first + len(usable)])
-            admitted, evicted = self.cache.admit(disk_only, lambda k: k not in guard and self._evictable(k))
-            self._drop_memory(evicted)
+            admitted, _ = self.cache.admit(disk_only, lambda k: k not in guard and self._evictable(k), self._drop_one)
             staged = dict(zip(admitted, self.slots.alloc(len(admitted)) or []))
             for key, slot in staged.items():
                 loc = self.index.get(key).value  # type: ignore[union-attr]
@@ -228,8 +232,7 @@ class StoreScheduler:
         if not new:
             return [], []
         guard = set(keys[: start + len(new)])
-        admitted, evicted = self.cache.admit(new, lambda k: k not in guard and self._evictable(k))
-        self._drop_memory(evicted)
+        admitted, _ = self.cache.admit(new, lambda k: k not in guard and self._evictable(k), self._drop_one)
         slots = self.slots.alloc(len(admitted)) if admitted else None
         if not slots:
             for key in admitted:
@@ -249,6 +252,7 @@ class StoreScheduler:
         queued for the next plan; None when there is nothing to save or no room."""
         keys = self.block_keys(token_ids, max_blocks=len(block_ids), request_id=request_id)
         self.forget(request_id)
+        self.cache.observe_save(keys)
         m = self.index.longest_prefix(keys)
         new: list[BlockKey] = []
         for key in keys[m:]:
@@ -258,8 +262,7 @@ class StoreScheduler:
         if not new:
             return None
         guard = set(keys[: m + len(new)])
-        admitted, evicted = self.cache.admit(new, lambda k: k not in guard and self._evictable(k))
-        self._drop_memory(evicted)
+        admitted, _ = self.cache.admit(new, lambda k: k not in guard and self._evictable(k), self._drop_one)
         if not admitted:
             return None
         slots = self.slots.alloc(len(admitted))
@@ -390,21 +393,20 @@ class StoreScheduler:
                 out.append((key, parent))
         return out
 
-    def _drop_memory(self, keys: Sequence[BlockKey]) -> None:
-        """The cache evicted ``keys`` from the CPU tier."""
-        for key in keys:
-            node = self.index.get(key)
-            if node is None:
-                continue
-            loc: Location = node.value
-            if loc.slot is not None:
-                self.slots.free([loc.slot])
-                loc.slot = None
-            self.stats["evicted_blocks"] += 1
-            if self.master is not None:
-                self.master.removed(key)  # peers fetch from CPU slots only, also when it stays on disk here
-            if not loc.on_disk:
-                self.index.remove_leaf(key)
+    def _drop_one(self, key: BlockKey) -> None:
+        """The cache evicted ``key`` from the CPU tier (at once: its parent may be the next victim)."""
+        node = self.index.get(key)
+        if node is None:
+            return
+        loc: Location = node.value
+        if loc.slot is not None:
+            self.slots.free([loc.slot])
+            loc.slot = None
+        self.stats["evicted_blocks"] += 1
+        if self.master is not None:
+            self.master.removed(key)  # peers fetch from CPU slots only, also when it stays on disk here
+        if not loc.on_disk:
+            self.index.remove_leaf(key)
 
     def _remove_subtree(self, key: BlockKey) -> None:
         for node in self.index.remove_subtree(key):
