@@ -146,7 +146,7 @@ def test_per_request_keys_are_extended_not_recomputed():
     assert sched.block_keys(toks, request_id="r") == sched.block_keys(toks)
     assert sched.block_keys(toks, max_blocks=3, request_id="r") == sched.block_keys(toks)[:3]
     sched.forget("r")
-    assert "r" not in sched._keys
+    assert "r" not in sched.keys
 
 
 def test_config_is_validated():
