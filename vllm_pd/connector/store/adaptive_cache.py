@@ -8,9 +8,12 @@ system prompts survive the stream of new turns), and loses up to 25 % when it
 holds 5-20 % (conversations that ended linger). So the cache runs keys-only
 shadow copies of the policy for a few bases, base 1 (= LRU) among them, on the
 same requests, and the real cache uses the base whose shadow hit most over a
-recent window (exponential decay). When re-use weighting gives nothing, the LRU
-shadow leads and the real cache *is* LRU; another base takes over only when its
-shadow beats the current one by ``margin``, so noise does not flip it.
+recent window (exponential decay). Biased towards LRU: the real cache starts as
+LRU, leaves it only when another shadow beats the LRU shadow by ``margin``, and
+goes back to LRU (no margin) as soon as the LRU shadow does as well as the one
+followed *or* as well as the real cache itself did since it left (the real
+contents lag the shadow's after a switch). So when re-use weighting gives
+nothing the real cache *is* plain LRU.
 
 Shadows hold keys only (no bytes), track their own parent/child counts for
 leaf-first eviction, and cost one more dict walk of each chain per base.
@@ -83,6 +86,7 @@ class AdaptiveCache:
         self._decay = 0.5 ** (1.0 / half_life)  # per request
         self._margin = margin
         self.current = 0  # index into bases
+        self.real_score = 0.0  # the real cache's own hits, same decay
 
     @property
     def base(self) -> float:
@@ -98,8 +102,23 @@ class AdaptiveCache:
         """A request asks for ``prompt`` (its full-block keys); call once per request."""
         for i, shadow in enumerate(self.shadows):
             self.scores[i] = self.scores[i] * self._decay + shadow.lookup(prompt)
+        real = 0
+        for key in prompt:
+            if key not in self.real:
+                break
+            real += 1
+        self.real_score = self.real_score * self._decay + real
         best = max(range(len(self.bases)), key=lambda i: (self.scores[i], -i))
-        if self.scores[best] > self.scores[self.current] * (1.0 + self._margin):
+        if self.current:
+            if self.real_score < self.scores[0] or self.scores[0] >= self.scores[self.current]:
+                best = 0  # the real cache (or the shadow it follows) lost to LRU: back to LRU, no margin
+            elif self.scores[best] <= self.scores[self.current] * (1.0 + self._margin):
+                return
+        elif self.scores[best] <= self.scores[0] * (1.0 + self._margin):
+            return
+        if best != self.current:
+            if not self.current:
+                self.real_score = self.scores[0]  # judged against LRU from here on
             self.current = best
             self.real.set_base(self.bases[best])
 
