@@ -51,8 +51,10 @@ Salt: ``KeySalt(model, dtype, kv_layout, block_size, num_layers, tp_size, pp_siz
 
 Modules: keys (blake3 chained keys), radix (index, leases), reuse_cache
 (leaf-first LRU, reuse-weighted LRU), adaptive_cache (the CPU tier's policy: the
-weighting picked online by keys-only shadows, LRU among them), cpu_pool (pool + slot allocator), disk_tier, plans
-(wire structs), config, scheduler_side, worker_side, pool_exchange (node-to-node
+weighting picked online by keys-only shadows, LRU among them), cpu_pool (pool +
+slot allocator), disk_tier, plans
+(wire structs), config, scheduler_side (plans loads/saves) with block_placement (what is where)
+and request_keys, worker_side, pool_exchange (node-to-node
 fetch), master / master_client / master_command (``vllm-pd store-master``),
 trace (multi-turn trace generator).
 
