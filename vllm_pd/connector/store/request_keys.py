@@ -21,6 +21,7 @@ class RequestKeys:
         self.salt = salt
         self.block_size = salt.block_size
         self._keys: OrderedDict[str, list[BlockKey]] = OrderedDict()
+        self._seen: set[str] = set()  # requests already counted once (see first_ask)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._keys
@@ -42,10 +43,19 @@ class RequestKeys:
             )
             self._keys[request_id] = keys
             while len(self._keys) > MAX_REQUESTS:
-                self._keys.popitem(last=False)
+                self._seen.discard(self._keys.popitem(last=False)[0])
         if request_id in self._keys:
             self._keys.move_to_end(request_id)
         return keys[:n]
 
+    def first_ask(self, request_id: str) -> bool:
+        """True the first time a request is asked about (vLLM asks every step
+        while it waits), until it is forgotten."""
+        if request_id in self._seen:
+            return False
+        self._seen.add(request_id)
+        return True
+
     def forget(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
+        self._seen.discard(request_id)

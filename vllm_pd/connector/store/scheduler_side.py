@@ -46,7 +46,6 @@ class StoreScheduler:
         self.index, self.cache, self.slots, self.stats = (
             self.placement.index, self.placement.cache, self.placement.slots, self.placement.stats)
         self.keys = RequestKeys(salt)
-        self._observed: set[str] = set()  # requests whose prompt the cache's shadows saw
         self._loads: dict[str, _Load] = {}
         self._plan = StorePlan()
         self.master: MasterClient | None = None
@@ -76,7 +75,6 @@ class StoreScheduler:
     def forget(self, request_id: str) -> None:
         """Drop a request's cached keys (it finished or was aborted)."""
         self.keys.forget(request_id)
-        self._observed.discard(request_id)
 
     def match(self, token_ids: Sequence[int], request_id: str | None = None) -> int:
         """Leading tokens of ``token_ids`` whose KV is committed in the store
@@ -96,9 +94,8 @@ class StoreScheduler:
         another node holds. Only a hint: the fetch verifies, and what does not
         arrive is recomputed (plan_load reports it as missing)."""
         keys = self.block_keys(token_ids, request_id=request_id)
-        if request_id is not None and request_id not in self._observed:
-            self._observed.add(request_id)  # vLLM asks every step while a request waits: count it once
-            self.cache.observe_request(keys)
+        if request_id is not None and self.keys.first_ask(request_id):
+            self.cache.observe_request(keys)  # once per request, however often vLLM asks
         local = self.index.longest_prefix(keys)
         if self.master is None or local >= len(keys):
             return local * self.block_size, None
