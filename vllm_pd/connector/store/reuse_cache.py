@@ -118,10 +118,13 @@ class ReuseAgedCache:
 
     def hit(self, chain: Sequence[Key]) -> None:
         """``chain`` (a matched prefix) is being re-used, root last."""
+        where, reuses = self._where, self._reuses
+        placed: list[tuple[Key, int]] = []
         for key in reversed(chain):
-            if key in self._where:
-                reuses = self._reuses[key] = self._reuses[key] + 1
-                self._place(key, min(MAX_LEVEL, reuses))
+            if key in where:
+                n = reuses[key] = reuses[key] + 1
+                placed.append((key, n if n < MAX_LEVEL else MAX_LEVEL))
+        self._place(placed)
 
     def admit(self, chain: Sequence[Key], evictable: Evictable, on_evict: OnEvict = None) -> tuple[list[Key], list[Key]]:
         """As :meth:`LruCache.admit`; new keys enter level 0."""
@@ -140,13 +143,13 @@ class ReuseAgedCache:
                 if on_evict is not None:
                     on_evict(victim)
             admitted += 1
-        for key in reversed(new[:admitted]):
+        for key in new[:admitted]:
             self._reuses[key] = 0
-            self._place(key, 0)
+        self._place([(key, 0) for key in reversed(new[:admitted])])
         fresh = set(new)
-        for key in reversed(chain):  # the cached part: touched after the new keys (parents more recent)
-            if key in self._where and key not in fresh:
-                self._place(key, self._where[key])
+        where = self._where
+        # the cached part: touched after the new keys (parents more recent)
+        self._place([(key, where[key]) for key in reversed(chain) if key in where and key not in fresh])
         return new[:admitted], evicted
 
     def remove(self, key: Key) -> None:
@@ -156,14 +159,23 @@ class ReuseAgedCache:
             del self._levels[level][key]
             del self._reuses[key], self._stamp[key]
 
-    def _place(self, key: Key, level: int) -> None:
-        old = self._where.get(key)
-        if old is not None:
-            del self._levels[old][key]
-        self._levels[level][key] = None
-        self._where[key] = level
-        self._now = next(self._clock)
-        self._stamp[key] = self._now
+    def _place(self, placed: list[tuple[Key, int]]) -> None:
+        """Put each key at the recent end of its level, in order (the hot path: locals bound once)."""
+        if not placed:
+            return
+        levels, where, stamp, clock = self._levels, self._where, self._stamp, self._clock
+        now = self._now
+        for key, level in placed:
+            old = where.get(key)
+            if old == level:
+                levels[level].move_to_end(key)
+            else:
+                if old is not None:
+                    del levels[old][key]
+                levels[level][key] = None
+                where[key] = level
+            now = stamp[key] = next(clock)
+        self._now = now
 
     def _victim(self, evictable: Evictable) -> Key | None:
         best: Key | None = None
