@@ -1,42 +1,49 @@
-"""Prefix hit rate of the store's two-level cache vs plain LRU of the same size,
-on synthetic multi-turn chat (vllm_pd/connector/store/trace.py).
+"""Prefix hit rate of the store's CPU-tier policy (AdaptiveCache) vs plain
+leaf-first LRU of the same size, on synthetic multi-turn chat
+(vllm_pd/connector/store/trace.py), several seeds x capacities side by side.
 
-Both policies run over the real RadixIndex with leaf-first eviction; a request
-hits the longest cached prefix of its prompt blocks, then its prompt + reply
-blocks are stored. Hit rate = hit blocks / prompt blocks.
+Both policies run over the real RadixIndex with leaf-first eviction (victims
+leave the index at once); a request hits the longest cached prefix of its
+prompt blocks, then its prompt + reply blocks are stored. Hit rate = hit
+blocks / prompt blocks.
 
-    python3 benchmarks/store_hit_rate.py [--conversations 3000]
+    python3 benchmarks/store_hit_rate.py [--seeds 3] [--conversations 800]   # ~4 min
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from collections.abc import Callable
 
+from vllm_pd.connector.store.adaptive_cache import AdaptiveCache
 from vllm_pd.connector.store.radix import RadixIndex
-from vllm_pd.connector.store.trace import TraceConfig, generate
-from vllm_pd.connector.store.two_level_cache import LruCache, TwoLevelCache
+from vllm_pd.connector.store.reuse_cache import LruCache
+from vllm_pd.connector.store.trace import TraceConfig, TraceRequest, generate
 
 
-def serve(index: RadixIndex, cache, req, on_hit: Callable[[int], None] | None = None) -> int:
+def serve(index: RadixIndex, cache, req: TraceRequest, on_hit: Callable[[int], None] | None = None) -> int:  # noqa: ANN001
     """One request: hit the longest cached prefix of its prompt, then store prompt + reply.
     Returns the hit length; ``on_hit(n)`` sees the cache just before the hit is recorded."""
+    adaptive = isinstance(cache, AdaptiveCache)
+    if adaptive:
+        cache.observe_request(req.prompt)
     n = index.longest_prefix(req.prompt)
     if n:
         if on_hit is not None:
             on_hit(n)
         cache.hit(req.prompt[:n])
-    admitted, evicted = cache.admit(req.saved, index.evictable)
-    for key in evicted:
-        index.remove_leaf(key)
+    if adaptive:
+        cache.observe_save(req.saved)
+    admitted, _ = cache.admit(req.saved, index.evictable, index.remove_leaf)
     if admitted:
         start = req.saved.index(admitted[0])
         index.insert_chain(admitted, req.saved[start - 1] if start else None)
     return n
 
 
-def simulate(requests, cache) -> float:
+def simulate(requests: list[TraceRequest], cache) -> float:  # noqa: ANN001
     index = RadixIndex()
     hit = sum(serve(index, cache, req) for req in requests)
     return hit / sum(len(req.prompt) for req in requests)
@@ -44,26 +51,42 @@ def simulate(requests, cache) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--conversations", type=int, default=1500)
+    ap.add_argument("--conversations", type=int, default=800)
     ap.add_argument("--arrival-rate", type=float, default=1.0)
-    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--fractions", default="0.005,0.01,0.02,0.05,0.1,0.2,0.5")
     args = ap.parse_args()
-    print("| seed | capacity (blocks) | of unique | LRU | two-level | ratio |")
-    print("|---|---|---|---|---|---|")
+    fractions = [float(f) for f in args.fractions.split(",")]
+    t0 = time.perf_counter()
+    ratios: dict[float, list[float]] = {f: [] for f in fractions}
+    print("| seed | capacity (blocks) | of unique | LRU | ours | ours / LRU | base used most |")
+    print("|---|---|---|---|---|---|---|")
     for seed in range(args.seeds):
-        cfg = TraceConfig(conversations=args.conversations, arrival_rate=args.arrival_rate, seed=seed)
-        reqs = list(generate(cfg))
+        reqs = list(generate(TraceConfig(conversations=args.conversations, arrival_rate=args.arrival_rate, seed=seed)))
         unique = len({b for r in reqs for b in r.saved})
-        inf = simulate(reqs, LruCache(10 ** 9))
-        t0 = time.perf_counter()
-        for frac in (float(f) for f in args.fractions.split(",")):
+        for frac in fractions:
             cap = max(16, int(unique * frac))
             lru = simulate(reqs, LruCache(cap))
-            ours = simulate(reqs, TwoLevelCache(cap))
-            print(f"| {seed} | {cap} | {frac:.0%} | {lru:.1%} | {ours:.1%} | {ours / lru if lru else float('inf'):.2f}x |")
-        print(f"<!-- seed {seed}: {len(reqs)} requests, {unique} unique blocks, infinite-cache hit {inf:.1%}, "
-              f"{time.perf_counter() - t0:.1f}s -->")
+            cache = AdaptiveCache(cap)
+            used: Counter[float] = Counter()
+            index = RadixIndex()
+            hit = 0
+            for req in reqs:
+                hit += serve(index, cache, req)
+                used[cache.base] += 1
+            ours = hit / sum(len(r.prompt) for r in reqs)
+            ratio = ours / lru if lru else float("inf")
+            ratios[frac].append(ratio)
+            print(f"| {seed} | {cap} | {frac:.1%} | {lru:.1%} | {ours:.1%} | {ratio:.3f}x | {used.most_common(1)[0][0]} |",
+                  flush=True)
+        print(f"<!-- seed {seed}: {len(reqs)} requests, {unique} unique blocks, "
+              f"infinite-cache hit {simulate(reqs, LruCache(10 ** 9)):.1%} -->", flush=True)
+    print()
+    print("| capacity | worst ours / LRU | best | over seeds |")
+    print("|---|---|---|---|")
+    for frac, rs in ratios.items():
+        print(f"| {frac:.1%} | {min(rs):.3f}x | {max(rs):.3f}x | {len(rs)} |")
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

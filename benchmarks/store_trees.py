@@ -3,14 +3,14 @@
     python3 benchmarks/store_trees.py [--conversations 1500] [--fraction 0.05]
 
 The seed design keeps a hot tree (recently used prefixes) and a cold one (the
-rest). In the store, what is hot is decided by the replacement policy (the
-two-level cache: its active level = hot, history = cold); the index only says
+rest). In the store, what is hot is decided by the replacement policy
+(AdaptiveCache: re-used blocks, level >= 1 = hot, new ones = cold); the index only says
 where a key's bytes are. So two trees cannot change the hit rate - the same
 policy keeps the same keys - they can only change the index's cost. This
 replays the trace through the one-tree store index and counts what a two-tree
 index would have to do on top: a second lookup whenever the hot tree does not
 cover the whole hit, and a move (detach from cold + insert into hot) for every
-key the policy promotes from history to active. Moves and lookups are then
+key the policy promotes from level 0 (new) to a re-used level. Moves and lookups are then
 timed on the real RadixIndex, so the overhead is in measured microseconds.
 """
 
@@ -19,31 +19,27 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import OrderedDict
 
 from vllm_pd.connector.store.radix import RadixIndex
 from vllm_pd.connector.store.trace import TraceConfig, generate
-from vllm_pd.connector.store.two_level_cache import TwoLevelCache
+from vllm_pd.connector.store.adaptive_cache import AdaptiveCache
 
 from store_hit_rate import serve  # benchmarks/ is the script's own folder
 
 
-class CountingActive(OrderedDict):
-    """The active level; every new key in it came from history (a hot-tree insert)."""
-
-    moves = 0
-
-    def __setitem__(self, key, value) -> None:  # noqa: ANN001
-        if key not in self:
-            CountingActive.moves += 1
-        super().__setitem__(key, value)
-
-
 def replay(requests, capacity: int) -> dict[str, float]:
     index = RadixIndex()
-    cache = TwoLevelCache(capacity)
-    cache.active = CountingActive()
-    CountingActive.moves = 0
+    cache = AdaptiveCache(capacity)
+    moves = 0
+    real_hit = cache.real.hit
+
+    def counting_hit(chain) -> None:  # noqa: ANN001
+        # every key leaving level 0 is a hot-tree insert
+        nonlocal moves
+        moves += sum(1 for k in chain if cache.real.level(k) == 0)
+        real_hit(chain)
+
+    cache.real.hit = counting_hit  # type: ignore[method-assign]
     hit = total = second_lookups = 0
     lookup_s = 0.0
     for req in requests:
@@ -55,12 +51,12 @@ def replay(requests, capacity: int) -> dict[str, float]:
             # a two-tree lookup walks the hot tree first and continues in the cold one
             # unless the whole hit is hot
             nonlocal second_lookups
-            if any(k not in cache.active for k in prompt[:n]):
+            if any(not cache.real.level(k) for k in prompt[:n]):
                 second_lookups += 1
 
         hit += serve(index, cache, req, count_second_lookup)
         total += len(req.prompt)
-    return {"requests": len(requests), "hit_rate": hit / total, "moves": CountingActive.moves,
+    return {"requests": len(requests), "hit_rate": hit / total, "moves": moves,
             "second_lookups": second_lookups, "lookup_us": 1e6 * lookup_s / len(requests)}
 
 

@@ -1,7 +1,9 @@
 import pytest
 
+from vllm_pd.connector.store.adaptive_cache import AdaptiveCache
+from vllm_pd.connector.store.radix import RadixIndex
+from vllm_pd.connector.store.reuse_cache import LruCache, ReuseAgedCache
 from vllm_pd.connector.store.trace import TraceConfig, generate
-from vllm_pd.connector.store.two_level_cache import LruCache, TwoLevelCache
 
 
 def always(_):
@@ -15,40 +17,76 @@ def test_lru_baseline_evicts_least_recent_leaf_first():
     assert admitted == ["x"] and evicted == ["c"]  # the chain's leaf is the least recent
 
 
-def test_two_level_promotion_and_capacity():
-    c = TwoLevelCache(4)
-    c.admit(["a", "b"], always)
-    assert c.level("a") == "history"
-    c.hit(["a", "b"])
-    assert c.level("a") == c.level("b") == "active"
-    c.admit(["x", "y", "z"], always)
-    assert len(c) == 4 and "a" in c  # history paid for the new chain; the re-used prefix stayed
+def test_evicted_parent_becomes_victim_in_the_same_admission():
+    # a long old chain must give up several blocks for one admission: with the index
+    # updated at once (on_evict), the parent of an evicted leaf is the next victim
+    for cache in (LruCache(4), ReuseAgedCache(4, 0.5)):
+        index = RadixIndex()
+        for chain in (["a", "b", "c", "d"], ["x", "y", "z"]):
+            admitted, _ = cache.admit(chain, index.evictable, index.remove_leaf)
+            index.insert_chain(admitted)
+        assert sorted(index.keys()) == ["a", "x", "y", "z"] and len(cache) == 4
 
 
-def test_two_level_frequency_gate_and_ghost_adaptation():
-    c = TwoLevelCache(4, initial_history_fraction=0.5)
-    c.admit(["a", "b"], always)
-    c.hit(["a", "b"])
-    c.admit(["x"], always)
-    c.admit(["y"], always)
-    assert len(c) == 4
-    c.admit(["z"], always)  # history is at its target: x (used once) loses to active's b (used twice)
-    assert "x" not in c and {"a", "b", "y", "z"} <= {k for k in ("a", "b", "x", "y", "z") if k in c}
-    before = c.history_target
-    c.admit(["x"], always)  # x comes back soon after eviction: history was too small
-    assert c.history_target > before
+def test_reuse_weighting_keeps_a_shared_prefix_that_lru_drops():
+    # "s" was re-used once; then a stream of new 2-block chains arrives: LRU drops "s"
+    # (least recent), base 0.1 ages it ten times slower and drops the newcomers first
+    lru, aged = LruCache(4), ReuseAgedCache(4, base=0.1)
+    for cache in (lru, aged):
+        index = RadixIndex()
+        for chain in (["s"], ["n0", "m0"], ["n1", "m1"], ["n2", "m2"]):
+            admitted, _ = cache.admit(chain, index.evictable, index.remove_leaf)
+            index.insert_chain(admitted)
+            if chain == ["s"]:
+                cache.hit(["s"])
+    assert "s" not in lru and "s" in aged and aged.level("s") == 1
+
+
+def test_base_one_is_exactly_lru():
+    reqs = list(generate(TraceConfig(conversations=60, seed=2)))
+    for cap in (40, 200):
+        results = []
+        for cache in (LruCache(cap), ReuseAgedCache(cap, 1.0)):
+            index, hits = RadixIndex(), []
+            for r in reqs:
+                n = index.longest_prefix(r.prompt)
+                cache.hit(r.prompt[:n])
+                admitted, _ = cache.admit(r.saved, index.evictable, index.remove_leaf)
+                if admitted:
+                    start = r.saved.index(admitted[0])
+                    index.insert_chain(admitted, r.saved[start - 1] if start else None)
+                hits.append(n)
+            results.append(hits)
+        assert results[0] == results[1]
+
+
+def test_adaptive_follows_the_shadow_that_hits_most():
+    c = AdaptiveCache(4, bases=(1.0, 0.1), half_life=10, margin=0.0)
+    assert c.base == 1.0
+    c.observe_save(["s"])
+    c.observe_request(["s"])
+    for i in range(12):  # "s" asked every other request between new 2-block chains: LRU's shadow drops it
+        c.observe_request([f"q{i}"])
+        c.observe_save([f"n{i}", f"m{i}"])
+        if i % 2:
+            c.observe_request(["s"])
+    assert c.scores[1] > c.scores[0] and c.base == 0.1
 
 
 def test_pins_are_respected():
-    full = TwoLevelCache(2)
+    full = AdaptiveCache(2)
     full.admit(["p", "q"], always)
     assert full.admit(["r"], lambda k: False) == ([], [])  # everything pinned: nothing admitted, nothing lost
     assert "p" in full and "q" in full
 
 
-def test_bad_capacity():
+def test_bad_parameters():
     with pytest.raises(ValueError):
-        TwoLevelCache(0)
+        ReuseAgedCache(0)
+    with pytest.raises(ValueError):
+        ReuseAgedCache(4, base=0.0)
+    with pytest.raises(ValueError):
+        AdaptiveCache(4, bases=(0.5, 1.0))
 
 
 def test_trace_shape():

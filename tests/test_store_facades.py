@@ -146,7 +146,7 @@ def test_per_request_keys_are_extended_not_recomputed():
     assert sched.block_keys(toks, request_id="r") == sched.block_keys(toks)
     assert sched.block_keys(toks, max_blocks=3, request_id="r") == sched.block_keys(toks)[:3]
     sched.forget("r")
-    assert "r" not in sched._keys
+    assert "r" not in sched.keys
 
 
 def test_config_is_validated():
@@ -155,3 +155,18 @@ def test_config_is_validated():
     with pytest.raises(ConfigError, match="lease_s"):
         StoreConfig.from_dict({"lease_s": -1})
     assert StoreConfig.from_dict({"cpu_bytes": "512m"}).cpu_bytes == 512 << 20
+
+
+def test_cache_shadows_see_each_request_once_and_every_save():
+    node = Node(StoreConfig(cpu_bytes=32 * SLOT_NBYTES))
+    toks = tokens(12)
+    node.sched.plan_save("a", toks, [1, 2, 3])
+    node.step()
+    lru_shadow = node.sched.cache.shadows[0]
+    assert len(lru_shadow.policy) == 3  # the save reached the shadows
+    for _ in range(3):  # vLLM asks every step while the request waits: one observation
+        assert node.sched.match_with_remote(toks + [99], request_id="b")[0] == 12
+    assert node.sched.cache.scores[0] == 3.0
+    node.sched.forget("b")
+    node.sched.match_with_remote(toks + [99], request_id="b")  # asked again after it finished: a new request
+    assert node.sched.cache.scores[0] > 3.0

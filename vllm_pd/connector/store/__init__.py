@@ -1,4 +1,4 @@
-"""KV block store: keys, radix index, active/history CPU cache, disk tier, master.
+"""KV block store: keys, radix index, adaptive CPU cache, disk tier, master.
 
 Enable it in PDConnector with ``kv_connector_extra_config: {"store": {"cpu_bytes": "4g",
 "disk_path": "/var/cache/vllm-pd", "disk_bytes": "100g"}}`` (any kv_role, also
@@ -49,9 +49,12 @@ cpu_bytes, disk_path, disk_bytes, lease_s, disk_io_threads, master,
 master_timeout_s, node_id, fetch_timeout_s; an unknown key or bad value raises ConfigError.
 Salt: ``KeySalt(model, dtype, kv_layout, block_size, num_layers, tp_size, pp_size, extra)``.
 
-Modules: keys (blake3 chained keys), radix (index, leases), two_level_cache
-(active/history policy), cpu_pool (pool + slot allocator), disk_tier, plans
-(wire structs), config, scheduler_side, worker_side, pool_exchange (node-to-node
+Modules: keys (blake3 chained keys), radix (index, leases), reuse_cache
+(leaf-first LRU, reuse-weighted LRU), adaptive_cache (the CPU tier's policy: the
+weighting picked online by keys-only shadows, LRU among them), cpu_pool (pool +
+slot allocator), disk_tier, plans
+(wire structs), config, scheduler_side (plans loads/saves) with block_placement (what is where)
+and request_keys, worker_side, pool_exchange (node-to-node
 fetch), master / master_client / master_command (``vllm-pd store-master``),
 trace (multi-turn trace generator).
 
@@ -59,7 +62,7 @@ Design notes (why, measured in benchmarks/RESULTS.md "Store"):
 - One radix tree, not separate hot and cold trees: the tiers are a field of
   each node (CPU slot / on disk), so a lookup is one binary search whatever
   tier holds a block. Hot/cold separation is the replacement policy's job
-  (active vs history level, measured against LRU); two trees would hold the
+  (re-used vs new blocks, measured against LRU); two trees would hold the
   same keys the policy keeps (same hit rate) and only add index work: a
   second lookup for 26-50 % of requests and 1.4-6.3 moves between trees per
   request (benchmarks/store_trees.py).
