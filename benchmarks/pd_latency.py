@@ -168,9 +168,9 @@ def metric(client: httpx.Client, url: str, name: str) -> float:
     return total
 
 
-def ours_ktc(role: str, kv_port: int) -> dict[str, Any]:
+def ours_ktc(role: str, kv_port: int, transport: str) -> dict[str, Any]:
     return {"kv_connector": "PDConnector", "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"transport": "tcp", "host": "127.0.0.1"}}
+            "kv_connector_extra_config": {"transport": transport, "host": "127.0.0.1"}}
 
 
 # "beside": both legs at once, decode waiting for prefill's announcement (our proxy); otherwise
@@ -189,6 +189,7 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
     ap.add_argument("--requests", type=int, default=5, help="requests per length and configuration")
     ap.add_argument("--no-nixl", action="store_true")
+    ap.add_argument("--transport", choices=("tcp", "shm"), default="tcp", help="our connector's transport")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="configurations of ours to run")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-bench-logs"))
     args = ap.parse_args()
@@ -208,7 +209,8 @@ def main() -> int:
 
     print("phase 2: vllm-pd 1P1D (prefill core 0, decode core 1)", flush=True)
     pk, dk = free_port(), free_port()
-    p, d = start([spec(model, "0", ours_ktc("kv_producer", pk)), spec(model, "1", ours_ktc("kv_consumer", dk))],
+    p, d = start([spec(model, "0", ours_ktc("kv_producer", pk, args.transport)),
+                  spec(model, "1", ours_ktc("kv_consumer", dk, args.transport))],
                  args.log_dir)
     overlap = {}
     try:
@@ -217,10 +219,10 @@ def main() -> int:
             load_ask = {"load_mode": "async"} if mode.endswith("async") else {}
             params: dict[str, Any] = {"do_remote_decode": True, "transfer_mode": transfer_mode}
             if transfer_mode == "push":
-                params["decode_endpoint"] = f"tcp://127.0.0.1:{dk}"
+                params["decode_endpoint"] = f"{args.transport}://127.0.0.1:{dk}"
             before = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in ("transfers", "tail_seconds", "span_seconds")}
             if "beside" in mode:
-                fn = lambda pr: run_pd_beside(client, p, d, pr, f"tcp://127.0.0.1:{dk}", transfer_mode,  # noqa: E731
+                fn = lambda pr: run_pd_beside(client, p, d, pr, f"{args.transport}://127.0.0.1:{dk}", transfer_mode,  # noqa: E731
                                               load_ask)
             else:
                 fn = lambda pr: run_pd(client, p, d, pr, params, load_ask)  # noqa: E731
