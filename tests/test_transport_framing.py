@@ -12,6 +12,7 @@ from vllm_pd.connector.exceptions import ConfigError, PeerClosed, TransferCorrup
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.framing import (
     HEADER_NBYTES,
+    MAGIC,
     MAX_COUNT,
     Checksum,
     Frame,
@@ -48,7 +49,7 @@ def test_data_nbytes_counts_blocks_and_trailer() -> None:
 
 
 def _header(**over) -> bytes:
-    fields = dict(magic=b"VPD2", kind=int(Kind.ACK), status=0, checksum=0, flags=0, req_id=1,
+    fields = dict(magic=MAGIC, kind=int(Kind.ACK), status=0, checksum=0, flags=0, req_id=1,
                   layer=0, count=0, bnb=0, tid=0, payload=0)
     fields.update(over)
     return struct.pack("<4sBBBBQIIQII", *fields.values())

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tests.transport_harness import make_regions, started
 
-from vllm_pd.connector.exceptions import TransferRejected
+from vllm_pd.connector.exceptions import TransferRejected, TransferTimeout
 from vllm_pd.connector.transport.base import BlockBatch
 
 TRANSPORTS = ["tcp", "shm"]
@@ -124,3 +124,69 @@ def test_bad_arguments_raise_at_call(pair) -> None:
         a.push(b_ep, BlockBatch("t", 0, (0, 1), nbytes), [0], timeout=1)
     with pytest.raises(ValueError, match="endpoint"):
         a.push("nonsense", BlockBatch("t", 0, (0,), nbytes), [0], timeout=1)
+
+
+def test_quiet_pushes_settle_with_the_next_answer(pair) -> None:
+    """A forward step's layers but the last go unanswered (one wake-up of the sender per
+    step); the last's answer covers them, and every byte lands in order."""
+    _, (a, _, _, src), (_, b_sink, b_ep, dst) = pair
+    nbytes = src[0].block_nbytes
+    for step in range(3):
+        ids = [step * 8 + k for k in range(8)]
+        quiet = [a.push(b_ep, BlockBatch(f"s{step}", layer, tuple(ids), nbytes), ids, timeout=20, answer=False)
+                 for layer in range(3)]
+        last = a.push(b_ep, BlockBatch(f"s{step}", 3, tuple(ids), nbytes, last=True), ids, timeout=20)
+        assert last.result(20) is None
+        assert all(f.done() and f.result() is None for f in quiet)  # settled by the same answer
+    calls = b_sink.wait_landed(12)
+    assert [(c[0].transfer_id, c[0].layer) for c in calls] == [(f"s{s}", lay) for s in range(3) for lay in range(4)]
+    assert all(ok for _, ok in calls)
+    for layer in range(4):
+        assert torch.equal(dst[layer].tensor[:24], src[layer].tensor[:24])
+
+
+def test_quiet_push_failure_is_answered_at_once(pair) -> None:
+    _, (a, _, _, src), (_, b_sink, b_ep, _) = pair
+    nbytes = src[0].block_nbytes
+    b_sink.reject.add("refused")
+    bad = a.push(b_ep, BlockBatch("refused", 0, (1,), nbytes), [1], timeout=20, answer=False)
+    with pytest.raises(TransferRejected):
+        bad.result(20)  # no later push needed: a failure is always answered
+    good = a.push(b_ep, BlockBatch("fine", 0, (2,), nbytes), [2], timeout=20, answer=False)
+    a.push(b_ep, BlockBatch("fine", 1, (2,), nbytes, last=True), [2], timeout=20).result(20)
+    assert good.result(0) is None
+
+
+def test_quiet_push_without_a_later_answer_times_out(pair) -> None:
+    """The documented contract: a quiet push must be followed by an answered request."""
+    _, (a, _, _, src), (_, b_sink, b_ep, dst) = pair
+    nbytes = src[0].block_nbytes
+    fut = a.push(b_ep, BlockBatch("alone", 0, (3,), nbytes), [3], timeout=0.5, answer=False)
+    with pytest.raises(TransferTimeout):
+        fut.result(10)
+    (batch, ok), = b_sink.wait_landed(1)  # its bytes did land; only the answer never came
+    assert ok and torch.equal(dst[0].tensor[3], src[0].tensor[3])
+
+
+def test_small_push_behind_a_large_one_keeps_its_place(pair) -> None:
+    """While the receiver stalls, pushes stop fitting the connection and go to the writer
+    thread; a small push submitted after them must not overtake them by being sent from
+    the caller's thread once it fits again."""
+    _, (a, _, _, src), (_, b_sink, b_ep, dst) = pair
+    nbytes = src[0].block_nbytes
+    a.push(b_ep, BlockBatch("warm", 0, (0,), nbytes), [0], timeout=20).result(20)  # connected
+    ids = list(range(64))
+    b_sink.hold.clear()  # the receiver stops reading: socket buffers (or ring slots) fill up
+    futs, want = [], []
+    for rnd in range(16):  # 16 x 4 layers x 512 KiB: more than both kernels' buffers, or the ring
+        for layer in range(4):
+            futs.append(a.push(b_ep, BlockBatch(f"big{rnd}", layer, tuple(ids), nbytes), ids, timeout=60))
+            want.append((f"big{rnd}", layer))
+        futs.append(a.push(b_ep, BlockBatch(f"small{rnd}", 0, (5,), nbytes), [5], timeout=60))
+        want.append((f"small{rnd}", 0))
+    b_sink.hold.set()
+    for f in futs:
+        f.result(60)
+    calls = b_sink.wait_landed(1 + len(futs), timeout=60)[1:]
+    assert [(c[0].transfer_id, c[0].layer) for c in calls] == want
+    assert all(ok for _, ok in calls)

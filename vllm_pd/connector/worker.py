@@ -240,8 +240,12 @@ class PDConnectorWorker:
                                last=spec.prefill_done)
             block_ids = [spec.block_ids[p] for p in positions]
             try:
+                # Only the step's last layer is answered: that answer covers the earlier
+                # layers (a failure is answered at once), so decode's kernel wakes the
+                # prefill core once per step, not once per layer.
                 fut = self.transport.push(self._peer_for_rank(spec.push_endpoint), batch, block_ids,
-                                          timeout=self.config.transfer_timeout_s)
+                                          timeout=self.config.transfer_timeout_s,
+                                          answer=i == len(self.regions) - 1)
             except Exception as e:  # noqa: BLE001 - decode falls back to pulling
                 logger.warning("push of %s failed to start: %s", spec.transfer_id, e)
                 continue

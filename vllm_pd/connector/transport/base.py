@@ -105,12 +105,18 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def push(
-        self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float
+        self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float,
+        answer: bool = True,
     ) -> Future[None]:
         """Send local blocks ``block_ids`` of region ``batch.layer`` to ``peer``.
         The source blocks must stay untouched until the future resolves. Batches
         to one peer land in the order they were pushed. A push that times out
-        after its bytes left may still land at the peer: abort it with notify."""
+        after its bytes left may still land at the peer: abort it with notify.
+
+        ``answer=False``: the peer answers only a failure; the push succeeds when a
+        later answered request to the same peer succeeds (pushes of one forward step
+        but its last cost the sender no answer each). Its future stays pending until
+        then (or its timeout), so the caller must follow it with an answered push."""
 
     @abc.abstractmethod
     def fetch(

@@ -4,7 +4,7 @@ Every message is a fixed 40-byte header, a variable part whose size the header
 gives, and - for messages that carry blocks (PUSH, DATA) - the block bytes
 followed by a trailer of one 8-byte digest per block::
 
-    header   magic "VPD2", kind, status, checksum kind, flags, request id, layer,
+    header   magic "VPD3", kind, status, checksum kind, flags, request id, layer,
              block count, block_nbytes, transfer-id length, payload length
     variable transfer id (utf-8) | ids (u32 x count) | lengths (u64 x count,
              data messages only) | payload
@@ -27,9 +27,10 @@ from enum import IntEnum
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, Checksum
 
-# VPD2: crc32c checksum kind, shm trailer READY carrying the last slot, ACK carrying credits;
-# a VPD1 peer fails the handshake with "bad magic" instead of stalling on a lost credit.
-MAGIC = b"VPD2"
+# VPD3: quiet PUSHes (answered only on failure). VPD2: crc32c checksum kind, shm trailer
+# READY carrying the last slot, ACK carrying credits. An older peer fails the handshake with
+# "bad magic" instead of stalling on an answer it will never send.
+MAGIC = b"VPD3"
 MAX_COUNT = 1 << 20
 MAX_TRANSFER_ID = 1024
 MAX_PAYLOAD = 16 << 20
@@ -41,6 +42,7 @@ _HEADER = struct.Struct("<4sBBBBQIIQII")
 HEADER_NBYTES = _HEADER.size
 
 FLAG_LAST = 1  # PUSH: BlockBatch.last
+FLAG_QUIET = 2  # PUSH: answer only a failure; the next answer on the connection covers it
 FLAG_HAS_REPLY = 1  # REPLY: the sink returned bytes (not None)
 
 

@@ -1,16 +1,25 @@
 """The dialling side of a stream transport: one persistent connection to a peer.
 
-A :class:`PeerLink` owns a writer thread (connects lazily, sends requests in
-submission order, so pushes land in order) and, per connection, a reader thread
-that completes requests from the peer's ACK / DATA / REPLY frames. A lost
-connection fails every request of the link with PeerClosed; the next request
-reconnects.
+A :class:`PeerLink` sends requests in submission order (so pushes land in order)
+and, per connection, runs a reader thread that completes requests from the
+peer's ACK / DATA / REPLY frames. A lost connection fails every request of the
+link with PeerClosed; the next request reconnects.
+
+A request is sent by the submitting thread itself when nothing is queued before
+it and its bytes fit the connection now (the kernel's send buffer, or free shm
+ring slots), else by the link's writer thread (which also connects). On a 1-core
+prefill instance the submitting thread is the forward's: handing each layer's push
+to another thread cost two thread switches per layer on the core that computes.
+Quiet pushes (FLAG_QUIET) get no answer of their own: the answer to a later
+request on the same connection covers them, since the peer handles requests in
+order and answers a failure at once.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 import socket
 import threading
 import time
@@ -31,6 +40,7 @@ from vllm_pd.connector.exceptions import (
 )
 from vllm_pd.connector.transport.framing import (
     FLAG_HAS_REPLY,
+    FLAG_QUIET,
     Frame,
     Kind,
     Status,
@@ -52,10 +62,19 @@ class PendingOp:
     recv_views: list[memoryview] = field(default_factory=list)  # FETCH destinations
     state: str = "queued"  # queued -> sending -> sent -> receiving
     timed_out: bool = False
+    seq: int = 0  # position in the connection's send order (0: not sent yet)
 
     @property
     def req_id(self) -> int:
         return self.frame.req_id
+
+    @property
+    def quiet(self) -> bool:
+        return bool(self.frame.flags & FLAG_QUIET)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(v) for v in self.send_views)
 
 
 def settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
@@ -97,6 +116,10 @@ class PeerLink:
         self._lock = threading.Lock()
         self._pending: dict[int, PendingOp] = {}
         self._queue: queue.SimpleQueue[PendingOp | None] = queue.SimpleQueue()
+        self._queued = 0  # ops handed to the writer thread and not sent yet
+        self._send_lock = threading.Lock()  # one sender at a time; held across a whole op
+        self._seq = 0
+        self._quiet: deque[PendingOp] = deque()  # sent quiet ops, in send order
         self._wire: Wire | None = None
         self._channel: BlockChannel | None = None
         self._closed = False
@@ -113,7 +136,18 @@ class PeerLink:
                 settle(op.future, error=PeerClosed(f"transport closed ({self.endpoint})"))
                 return
             self._pending[op.req_id] = op
-        self._queue.put(op)
+            wire, channel = self._wire, self._channel
+            inline = (wire is not None and channel is not None and self._queued == 0
+                      and channel.fits_now(wire, op.nbytes))
+            if inline:
+                op.state = "sending"
+            else:
+                self._queued += 1
+        if inline:
+            assert wire is not None and channel is not None
+            self._send(op, wire, channel)
+        else:
+            self._queue.put(op)
 
     def expire(self, op: PendingOp) -> None:
         """The op's deadline passed (timer thread)."""
@@ -147,25 +181,49 @@ class PeerLink:
 
     def _write_loop(self) -> None:
         while (op := self._queue.get()) is not None:
+            try:
+                self._write_queued(op)
+            finally:
+                with self._lock:
+                    self._queued -= 1
+
+    def _write_queued(self, op: PendingOp) -> None:
+        with self._lock:
+            if self._pending.get(op.req_id) is not op:
+                return  # timed out while queued
+            op.state = "sending"
+            wire, channel = self._wire, self._channel
+        if wire is None or channel is None:
+            try:
+                # Bounded by the op's own deadline too: expire() cannot cut a connect.
+                wire, channel = self._connect(min(self._connect_timeout,
+                                                  max(op.deadline - time.monotonic(), 0.01)))
+            except (OSError, TransportError) as e:
+                self._pop_and_fail(op, TransferTimeout(
+                    f"{op.frame.kind.name} to {self.endpoint} timed out while connecting: {e}"
+                ) if op.timed_out or time.monotonic() >= op.deadline else PeerUnreachable(
+                    f"cannot connect to {self.endpoint}: {e}"))
+                return
+            if op.timed_out:
+                self._pop_and_fail(op, TransferTimeout(f"{op.frame.kind.name} to {self.endpoint} timed out"))
+                return
+        self._send(op, wire, channel)
+
+    def _send(self, op: PendingOp, wire: Wire, channel: BlockChannel) -> None:
+        with self._send_lock:
             with self._lock:
-                if self._pending.get(op.req_id) is not op:
-                    continue  # timed out while queued
-                op.state = "sending"
-                wire, channel = self._wire, self._channel
-            if wire is None or channel is None:
-                try:
-                    # Bounded by the op's own deadline too: expire() cannot cut a connect.
-                    wire, channel = self._connect(min(self._connect_timeout,
-                                                      max(op.deadline - time.monotonic(), 0.01)))
-                except (OSError, TransportError) as e:
-                    self._pop_and_fail(op, TransferTimeout(
-                        f"{op.frame.kind.name} to {self.endpoint} timed out while connecting: {e}"
-                    ) if op.timed_out or time.monotonic() >= op.deadline else PeerUnreachable(
-                        f"cannot connect to {self.endpoint}: {e}"))
-                    continue
-                if op.timed_out:
-                    self._pop_and_fail(op, TransferTimeout(f"{op.frame.kind.name} to {self.endpoint} timed out"))
-                    continue
+                if self._pending.get(op.req_id) is not op or self._wire is not wire:
+                    # timed out, or its connection died while it waited for the lock
+                    if self._pending.get(op.req_id) is op:
+                        del self._pending[op.req_id]
+                        settle(op.future, error=PeerClosed(f"connection to {self.endpoint} lost"))
+                    return
+                # numbered before the first byte leaves: the answer may come back before
+                # the send call returns
+                self._seq += 1
+                op.seq = self._seq
+                if op.quiet:
+                    self._quiet.append(op)
             try:
                 if op.send_views:
                     channel.send_blocks(wire, op.frame, op.send_views)
@@ -173,7 +231,7 @@ class PeerLink:
                     wire.send_frame(op.frame)
             except (OSError, TransportError) as e:
                 self._lost(wire, e)
-                continue
+                return
             with self._lock:
                 if op.state == "sending":
                     op.state = "sent"
@@ -236,6 +294,9 @@ class PeerLink:
     def _on_answer(self, frame: Frame) -> None:
         with self._lock:
             op = self._pending.pop(frame.req_id, None)
+            covered = self._covered_by(op) if op is not None else []
+        for q in covered:
+            settle(q.future, None)
         if op is None:
             return  # already timed out
         if frame.status is not Status.OK:
@@ -269,11 +330,26 @@ class PeerLink:
             f"fetch {frame.transfer_id!r} layer {frame.layer} from {self.endpoint}: checksum mismatch"
         ))
 
+    def _covered_by(self, answered: PendingOp) -> list[PendingOp]:
+        """Quiet ops sent before ``answered``: the peer handled them without failure
+        (a failure is answered at once, so it came before this answer). Under _lock."""
+        covered = []
+        while self._quiet and self._quiet[0].seq < answered.seq:
+            q = self._quiet.popleft()
+            if self._pending.get(q.req_id) is q:
+                del self._pending[q.req_id]
+                covered.append(q)
+        return covered
+
     # -- failure -------------------------------------------------------------------
 
     def _pop_and_fail(self, op: PendingOp, error: BaseException | None) -> None:
+        """Settle ``op`` (error None: success, which covers the quiet ops sent before it)."""
         with self._lock:
             self._pending.pop(op.req_id, None)
+            covered = self._covered_by(op) if error is None and op.seq else []
+        for q in covered:
+            settle(q.future, None)
         settle(op.future, error=error)
 
     def _lost(self, wire: Wire, error: BaseException) -> None:
@@ -289,6 +365,7 @@ class PeerLink:
         with self._lock:
             ops = list(self._pending.values())
             self._pending.clear()
+            self._quiet.clear()
         for op in ops:
             if op.timed_out:
                 settle(op.future, error=TransferTimeout(

@@ -18,6 +18,7 @@ from vllm_pd.connector.transport.base import BlockBatch, BlockSink
 from vllm_pd.connector.transport.framing import (
     FLAG_HAS_REPLY,
     FLAG_LAST,
+    FLAG_QUIET,
     Checksum,
     Frame,
     Kind,
@@ -139,7 +140,8 @@ class ServeSession:
             # Also on a dead peer mid-batch: the sink learns the batch failed.
             self._landed(batch, ok)
         if ok:
-            self._ack(frame, Status.OK)
+            if not frame.flags & FLAG_QUIET:  # a quiet push is covered by the next answer
+                self._ack(frame, Status.OK)
         else:
             self._ack(frame, Status.CORRUPTED, f"push {frame.transfer_id!r} layer {frame.layer}: "
                       "checksum mismatch")

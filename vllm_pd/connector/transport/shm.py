@@ -5,7 +5,8 @@ the side that writes it and announced in the HELLO handshake. A ring is
 ``slots`` slots of ``slot_nbytes``; the TCP connection (the control channel)
 carries the frames plus two tiny flow-control frames: READY (sender filled slot
 k with n bytes) and CREDIT (receiver emptied slot k; a PUSH's last slot is
-credited on its ACK instead). The sender fills slot k+1 while the receiver
+credited on its ACK instead, or - a quiet PUSH having no ACK - with the next
+answer, or by a CREDIT once half the ring is owed). The sender fills slot k+1 while the receiver
 empties slot k, so the two copies run in parallel on two cores and throughput
 approaches one memcpy. Each copy also computes the blocks' checksum on the way
 (crc32c: checksum.BlockStream, one native call per slot), and the receiver's copy
@@ -64,6 +65,28 @@ class ShmRing:
             pass
 
 
+class RingCredits:
+    """Free slots of the ring this side writes (a semaphore that can say how many)."""
+
+    def __init__(self, slots: int) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._free = slots
+
+    def available(self) -> int:
+        return self._free
+
+    def acquire(self) -> None:
+        with self._cond:
+            while self._free == 0:
+                self._cond.wait()
+            self._free -= 1
+
+    def release(self, n: int = 1) -> None:
+        with self._cond:
+            self._free += n
+            self._cond.notify(n)
+
+
 class ShmChannel:
     """Block bytes of one connection through two shared-memory rings."""
 
@@ -74,7 +97,7 @@ class ShmChannel:
         self._tx = ShmRing(f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", slots, slot_nbytes,
                            create=True)
         self._rx: ShmRing | None = None
-        self._credits = threading.Semaphore(slots)
+        self._credits = RingCredits(slots)
         # Slots are filled strictly round-robin across messages and emptied in
         # READY order, so holding a credit means the next slot is free.
         self._next_slot = 0
@@ -82,6 +105,9 @@ class ShmChannel:
         # The last slot of a received PUSH is credited on the PUSH's ACK, not by a CREDIT
         # frame of its own: one message (and one wake-up of the sender) fewer per batch.
         self._owed: tuple[int, ...] = ()
+
+    def fits_now(self, wire: Wire, nbytes: int) -> bool:
+        return -(-nbytes // self._tx.slot_nbytes) <= self._credits.available()
 
     def local_info(self) -> dict[str, Any]:
         return {"ring": self._tx.name, "slots": self._tx.slots, "slot_nbytes": self._tx.slot_nbytes}
@@ -133,8 +159,8 @@ class ShmChannel:
             raise PeerClosed("shm channel closed")
 
     def on_credit(self, frame: Frame) -> None:
-        for _ in frame.ids:
-            self._credits.release()
+        if frame.ids:
+            self._credits.release(len(frame.ids))
 
     def take_owed_credits(self) -> tuple[int, ...]:
         owed, self._owed = self._owed, ()
@@ -173,7 +199,9 @@ class ShmChannel:
                     stream.drain(rx.array[slot, :n])
                 got += n
                 if f.flags & FLAG_TRAILER and frame.kind is Kind.PUSH:
-                    self._owed = (slot,)  # the session's ACK carries it
+                    self._owed += (slot,)  # the session's next ACK carries it
+                    if len(self._owed) >= max(1, rx.slots // 2):  # quiet pushes: do not starve the sender
+                        wire.send_frame(Frame(Kind.CREDIT, ids=self.take_owed_credits()))
                 else:
                     wire.send_frame(Frame(Kind.CREDIT, ids=(slot,)))
             if f.flags & FLAG_TRAILER:
@@ -189,8 +217,7 @@ class ShmChannel:
     def close(self) -> None:
         self._closed = True
         self._tx.unlink()
-        for _ in range(self._tx.slots + 1):
-            self._credits.release()
+        self._credits.release(self._tx.slots + 1)
 
 
 class ShmTransport(TcpTransport):

@@ -22,13 +22,19 @@ import msgspec
 
 from vllm_pd.connector.exceptions import PeerClosed, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink, MemoryRegion, Transport
-from vllm_pd.connector.transport.framing import FLAG_LAST, Checksum, Frame, Kind, read_frame
+from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, read_frame
 from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.serve_session import ServeSession
 from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
 
 logger = logging.getLogger(__name__)
+
+
+# A deadline fires up to this late: ops answered long before their deadline still sit in
+# the heap, and a wake-up per op would land on the core that computes, so the timer wakes
+# once per window and expires everything due by then.
+TIMER_SLACK_S = 0.05
 
 
 class DeadlineTimer:
@@ -61,7 +67,8 @@ class DeadlineTimer:
                 while not self._stopped and (
                     not self._heap or self._heap[0][0] > time.monotonic()
                 ):
-                    self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                    self._cond.wait(self._heap[0][0] - time.monotonic() + TIMER_SLACK_S
+                                    if self._heap else None)
                 if self._stopped:
                     return
                 _, _, link, op = heapq.heappop(self._heap)
@@ -131,7 +138,8 @@ class StreamTransport(Transport):
         logger.info("%s transport serving at %s", self.name, self._endpoint)
         return self._endpoint
 
-    def push(self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float) -> Future[None]:
+    def push(self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float,
+             answer: bool = True) -> Future[None]:
         regions = self._require_regions()
         if len(block_ids) != len(batch.positions):
             raise ValueError(f"push: {len(block_ids)} block ids but {len(batch.positions)} positions")
@@ -141,7 +149,8 @@ class StreamTransport(Transport):
                              f"{regions.block_nbytes[batch.layer]}")
         frame = Frame(
             Kind.PUSH, req_id=next(self._req_ids), checksum=self._checksum,
-            flags=FLAG_LAST if batch.last else 0, layer=batch.layer, block_nbytes=batch.block_nbytes,
+            flags=(FLAG_LAST if batch.last else 0) | (0 if answer else FLAG_QUIET),
+            layer=batch.layer, block_nbytes=batch.block_nbytes,
             transfer_id=batch.transfer_id, ids=tuple(batch.positions),
             lengths=tuple(len(v) for v in views),
         )

@@ -8,7 +8,10 @@ block bytes: over the socket itself (tcp) or through shared memory (shm).
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
+import termios
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -37,6 +40,11 @@ def configure_socket(sock: socket.socket, buffer_nbytes: int = SOCKET_BUFFER_NBY
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_nbytes)
 
 
+def unsent_nbytes(sock: socket.socket) -> int:
+    """Bytes in the socket's send queue (not yet acknowledged by the peer's kernel)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+
+
 class Wire:
     """A connected socket; frames are sent whole under ``lock``."""
 
@@ -44,6 +52,7 @@ class Wire:
         self.sock = sock
         self.lock = threading.Lock()
         self._closed = False
+        self.send_buffer_nbytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
 
     def send_frame(self, frame: Frame) -> None:
         with self.lock:
@@ -77,6 +86,10 @@ class BlockChannel(Protocol):
     def attach(self, remote_info: dict[str, Any]) -> None:
         """Connect to what the other end announced in its HELLO."""
 
+    def fits_now(self, wire: Wire, nbytes: int) -> bool:
+        """Whether a message with ``nbytes`` of blocks can be sent now without waiting for
+        the peer (so the thread that submits it may send it itself)."""
+
     def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
         """Send ``frame`` followed by the bytes of ``views`` and their digests."""
 
@@ -105,6 +118,10 @@ class SocketChannel:
 
     def attach(self, remote_info: dict[str, Any]) -> None:
         pass
+
+    def fits_now(self, wire: Wire, nbytes: int) -> bool:
+        # Half the send buffer: the kernel counts its own overhead in it too.
+        return unsent_nbytes(wire.sock) + nbytes <= wire.send_buffer_nbytes // 2
 
     def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
         digests: list[bytes] = []
