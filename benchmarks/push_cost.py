@@ -1,0 +1,186 @@
+"""What a layer-wise push costs the core that computes the forward.
+
+On a 1-core prefill instance the transport's work runs on the core that computes
+the next layer, so every microsecond it spends (thread wake-ups, framing, the
+ack) lengthens the prompt step and so the TTFT. This measures it without vLLM:
+
+* the sender process (pinned to one core, one torch thread, heap frozen as vLLM's
+  EngineCore does) runs a synthetic forward: per layer a few dozen torch ops sized
+  so that a layer of ``--tokens`` tokens takes about what one layer of
+  pd_latency's model takes on a vLLM CPU server, then (like the connector's
+  ``save_kv_layer``) pushes that layer's KV blocks to the receiver;
+* the receiver (another process, another core) lands them as decode would.
+
+Printed: the forward's median wall time without pushes and with them, forwards of
+both kinds interleaved in one run, and the difference per push.
+
+Usage: python3 benchmarks/push_cost.py [--transports tcp shm] [--tokens 128 512] [--forwards 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import multiprocessing as mp
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from vllm_pd.connector.transport import create_transport
+from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+
+# pd_latency's model: 8 layers, hidden 512, 4 KV heads x 64, bf16: 1 KiB of KV per token and layer
+LAYERS, HIDDEN, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 8, 512, 4, 64, 128
+BLOCKS = 64
+
+
+@dataclass(frozen=True)
+class Case:
+    transport: str
+    tokens: int
+    forwards: int
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.tokens // BLOCK_TOKENS)
+
+
+def _regions() -> list[MemoryRegion]:
+    shape = (BLOCKS, KV_HEADS, BLOCK_TOKENS, 2 * HEAD_DIM)  # vLLM CPU layout
+    return [MemoryRegion(f"l{i}", torch.zeros(shape, dtype=torch.bfloat16)) for i in range(LAYERS)]
+
+
+class _Sink:
+    def __init__(self, regions: list[MemoryRegion]) -> None:
+        self._rows = [r.tensor.view(r.num_blocks, -1).view(torch.uint8).numpy() for r in regions]
+
+    def destinations(self, batch: BlockBatch):
+        return [memoryview(self._rows[batch.layer][p]) for p in batch.positions]
+
+    def landed(self, batch: BlockBatch, ok: bool) -> None:
+        if not ok:
+            raise RuntimeError(f"batch {batch.transfer_id} failed its check")
+
+    def on_notify(self, peer: str, message: bytes) -> bytes | None:
+        return None
+
+
+class _Layer:
+    """About what one decoder layer of the benchmark model costs, in many small ops."""
+
+    def __init__(self, tokens: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(tokens, HIDDEN, generator=g).bfloat16()
+        self.w_qkv = torch.randn(HIDDEN, HIDDEN + 2 * KV_HEADS * HEAD_DIM, generator=g).bfloat16()
+        self.w_o = torch.randn(HIDDEN, HIDDEN, generator=g).bfloat16()
+        self.w_up = torch.randn(HIDDEN, 2048, generator=g).bfloat16()
+        self.w_down = torch.randn(1024, HIDDEN, generator=g).bfloat16()
+
+    def __call__(self) -> torch.Tensor:
+        h = torch.nn.functional.rms_norm(self.x, (HIDDEN,))
+        qkv = h @ self.w_qkv
+        q = qkv[:, :HIDDEN].reshape(-1, 8, 64).transpose(0, 1)
+        k = qkv[:, HIDDEN:HIDDEN + 256].reshape(-1, 4, 64).transpose(0, 1).repeat_interleave(2, 0)
+        v = qkv[:, HIDDEN + 256:].reshape(-1, 4, 64).transpose(0, 1).repeat_interleave(2, 0)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = self.x + a.transpose(0, 1).reshape(-1, HIDDEN) @ self.w_o
+        u = torch.nn.functional.rms_norm(h, (HIDDEN,)) @ self.w_up
+        m = torch.nn.functional.silu(u[:, :1024]) * u[:, 1024:]
+        return h + m @ self.w_down
+
+
+def _freeze_heap() -> None:
+    gc.collect()
+    gc.freeze()
+
+
+def _receiver(conn, core: int) -> None:
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    _freeze_heap()
+    while (transport := conn.recv()) is not None:
+        regions = _regions()
+        t = create_transport(transport)
+        t.register_regions(regions)
+        conn.send(t.start(_Sink(regions), "127.0.0.1", 0))
+        conn.recv()
+        t.close()
+        conn.send(None)
+
+
+def _sender(conn, core: int) -> None:
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    _freeze_heap()
+    while (msg := conn.recv()) is not None:
+        case, ep = msg
+        conn.send(_forwards(case, ep))
+
+
+def _forwards(case: Case, ep: str) -> tuple[list[float], list[float]]:
+    """Forward times without and with pushes, interleaved (so machine noise hits both alike)."""
+    regions = _regions()
+    t = create_transport(case.transport)
+    t.register_regions(regions)
+    t.start(_Sink(regions), "127.0.0.1", 0)
+    layers = [_Layer(case.tokens) for _ in range(LAYERS)]
+    block_nbytes = regions[0].block_nbytes
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for n in range(2 * case.forwards + 4):  # 4 warm-up forwards (connect, page in)
+        push = n % 2 == 1
+        ids = [(n * case.blocks + b) % BLOCKS for b in range(case.blocks)]
+        futs = []
+        t0 = time.perf_counter()
+        for i, layer in enumerate(layers):
+            layer()
+            if push:
+                batch = BlockBatch(f"f{n}", i, tuple(range(case.blocks)), block_nbytes, last=i == LAYERS - 1)
+                futs.append(t.push(ep, batch, ids, timeout=30, answer=i == LAYERS - 1))  # as the connector
+        if n >= 4:
+            times[push].append(time.perf_counter() - t0)
+        for f in futs:
+            f.result()
+        time.sleep(0.02)  # requests arrive apart: each forward starts with idle transport threads
+    t.close()
+    return times[False], times[True]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--transports", nargs="+", default=["tcp", "shm"])
+    p.add_argument("--tokens", nargs="+", type=int, default=[128, 512])
+    p.add_argument("--forwards", type=int, default=40)
+    args = p.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    rx_a, rx_b = ctx.Pipe()
+    tx_a, tx_b = ctx.Pipe()
+    procs = [ctx.Process(target=_receiver, args=(rx_b, 1), daemon=True),
+             ctx.Process(target=_sender, args=(tx_b, 0), daemon=True)]
+    for pr in procs:
+        pr.start()
+    try:
+        for transport in args.transports:
+            for tokens in args.tokens:
+                rx_a.send(transport)
+                ep = rx_a.recv()
+                tx_a.send((Case(transport, tokens, args.forwards), ep))
+                without, with_pushes = tx_a.recv()
+                rx_a.send(None)
+                rx_a.recv()
+                plain, pushed = statistics.median(without) * 1e3, statistics.median(with_pushes) * 1e3
+                print(f"{transport} {tokens:5d} tokens: forward {pushed:6.2f} ms with {LAYERS} pushes vs "
+                      f"{plain:6.2f} ms without = +{pushed - plain:5.2f} ms "
+                      f"(+{(pushed - plain) / LAYERS * 1e3:4.0f} us per push)", flush=True)
+    finally:
+        rx_a.send(None)
+        tx_a.send(None)
+        for pr in procs:
+            pr.join(timeout=10)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
