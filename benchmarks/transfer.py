@@ -179,7 +179,9 @@ def _measure(case: Case, ep: str) -> tuple[float, float]:
 
     def one_round(r: int) -> list:
         if case.op == "push":
-            return [t.push(ep, BlockBatch(f"r{r}", layer, tuple(ids), case.block_nbytes), ids, timeout=120)
+            # as the connector: a round's last layer answered, the others covered by its answer
+            return [t.push(ep, BlockBatch(f"r{r}", layer, tuple(ids), case.block_nbytes), ids, timeout=120,
+                           answer=layer == case.layers - 1)
                     for layer in range(case.layers)]
         return [t.fetch(ep, "bench", layer, ids, ids, timeout=120) for layer in range(case.layers)]
 
