@@ -10,8 +10,10 @@ checksum checks. Two small control messages ride on the transport's
 
 1. ``LeaseBlocks(keys)`` -> the holder answers ``LeaseGranted`` with the slots
    and the commit-time checksums of the longest leading run of ``keys`` it
-   still has in CPU memory, and grants a fetch of exactly those slots under a
-   fresh transfer id (the grant expires after ``grant_ttl_s``).
+   still has, in CPU memory or on disk (a disk block is first read and
+   verified into a spare pool row, disk_staging.py), and grants a fetch of
+   exactly those slots under a fresh transfer id (the grant expires after
+   ``grant_ttl_s``).
 2. ``fetch`` of those slots into the asker's reserved slots (the transport
    checks each block's length and checksum in transit).
 3. ``ReleaseBlocks(transfer_id)`` -> ``Released(intact)``: the grant ends, and
@@ -39,6 +41,7 @@ import msgspec
 
 from vllm_pd.connector.exceptions import TransportError
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
+from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.transport import MemoryRegion, Transport, create_transport
 from vllm_pd.connector.transport.base import BlockBatch
@@ -110,27 +113,29 @@ class SlotDirectory:
                 if key is not None:
                     self._by_key.pop(key, None)
 
+    def get(self, key: BlockKey) -> tuple[int, bytes, int] | None:
+        """(slot, checksum, generation) of ``key``, or None if no slot holds it."""
+        with self._lock:
+            entry = self._by_key.get(key)
+            return None if entry is None else (entry[0], entry[1], self._generation.get(entry[0], 0))
+
     def leading(self, keys: Sequence[BlockKey]) -> list[tuple[int, bytes]]:
         """(slot, checksum) of the longest leading run of ``keys`` held."""
-        return [(slot, digest) for slot, digest, _ in self.lease(keys)]
-
-    def lease(self, keys: Sequence[BlockKey]) -> list[tuple[int, bytes, int]]:
-        """(slot, checksum, generation) of the longest leading run of ``keys`` held."""
         out = []
-        with self._lock:
-            for key in keys:
-                entry = self._by_key.get(key)
-                if entry is None:
-                    break
-                out.append((entry[0], entry[1], self._generation.get(entry[0], 0)))
+        for key in keys:
+            entry = self.get(key)
+            if entry is None:
+                break
+            out.append((entry[0], entry[1]))
         return out
 
-    def intact(self, leased: Sequence[tuple[int, int]]) -> int:
-        """How many leading (slot, generation) pairs were not dropped since."""
+    def intact(self, leased: Sequence[tuple[int, int | None]]) -> int:
+        """How many leading (slot, generation) pairs were not dropped since
+        (generation None: a staging row its grant owns, which nobody else writes)."""
         with self._lock:
             n = 0
             for slot, generation in leased:
-                if self._generation.get(slot, 0) != generation:
+                if generation is not None and self._generation.get(slot, 0) != generation:
                     break
                 n += 1
             return n
@@ -146,18 +151,20 @@ class PoolExchange:
         transport: str = "tcp",
         timeout_s: float = 2.0,
         grant_ttl_s: float = 30.0,
+        staging: DiskStaging | None = None,
     ) -> None:
         self.pool = pool
         self.directory = directory
+        self.staging = staging  # None: peers get blocks in CPU slots only
         self.timeout_s = timeout_s
         self.grant_ttl_s = grant_ttl_s
         self.transport: Transport = create_transport(transport, connect_timeout=timeout_s)
         self.transport.register_regions([MemoryRegion("kv-store-pool", pool.data)])
         self.endpoint = ""
         self._lock = threading.Lock()
-        # transfer id -> (expiry (monotonic), leased (slot, generation) pairs)
-        self._grants: dict[str, tuple[float, list[tuple[int, int]]]] = {}
-        self.stats = {"served_blocks": 0, "fetched_blocks": 0, "failed_fetches": 0}
+        # transfer id -> (expiry (monotonic), leased (slot, generation) pairs, staging rows it owns)
+        self._grants: dict[str, tuple[float, list[tuple[int, int | None]], list[int]]] = {}
+        self.stats = {"served_blocks": 0, "served_from_disk": 0, "fetched_blocks": 0, "failed_fetches": 0}
 
     def start(self, bind_host: str, advertised_host: str, port: int = 0) -> str:
         """Serve the pool; returns the endpoint peers fetch from (published via the master)."""
@@ -188,15 +195,45 @@ class PoolExchange:
 
     def _lease(self, keys: Sequence[BlockKey]) -> LeaseGranted:
         self._expire_grants()
-        held = self.directory.lease(keys)
+        held, staged = self._held(keys)
         tid = f"store-{uuid.uuid4().hex}"
         slots = [slot for slot, _, _ in held]
         if slots:
             with self._lock:
-                self._grants[tid] = (time.monotonic() + self.grant_ttl_s, [(s, g) for s, _, g in held])
+                self._grants[tid] = (time.monotonic() + self.grant_ttl_s, [(s, g) for s, _, g in held], staged)
             self.transport.allow_fetch(tid, slots)
             self.stats["served_blocks"] += len(slots)
+            self.stats["served_from_disk"] += len(staged)
         return LeaseGranted(tid, slots, [digest for _, digest, _ in held])
+
+    def _held(self, keys: Sequence[BlockKey]) -> tuple[list[tuple[int, bytes, int | None]], list[int]]:
+        """(slot, checksum, generation) of the longest leading run of ``keys`` held
+        in a pool slot or on disk (staged into a spare row: generation None), and
+        the staging rows used. Runs on the transport's reader thread: a disk read
+        delays only this peer's session, which waits for the answer anyway."""
+        held: list[tuple[int, bytes, int | None] | None] = []
+        on_disk: list[BlockKey] = []
+        for key in keys:
+            entry = self.directory.get(key)
+            if entry is None and (self.staging is None or not self.staging.holds(key)):
+                break
+            held.append(entry)
+            if entry is None:
+                on_disk.append(key)
+        if not on_disk:
+            return held, []  # type: ignore[return-value]
+        assert self.staging is not None
+        rows, sums = self.staging.stage(on_disk)
+        out: list[tuple[int, bytes, int | None]] = []
+        staged = iter(zip(rows, sums))
+        for entry in held:
+            if entry is None:
+                row = next(staged, None)
+                if row is None:
+                    break  # no spare row left, or the file failed verification: the run ends here
+                entry = (row[0], row[1], None)
+            out.append(entry)
+        return out, rows
 
     def _revoke(self, tid: str) -> int:
         """End a grant (once no read of it is sending); returns its intact leading slots."""
@@ -205,12 +242,14 @@ class PoolExchange:
         if grant is None:
             return 0  # unknown or expired: count nothing
         self.transport.allow_fetch(tid, None)
+        if self.staging is not None and grant[2]:
+            self.staging.give_back(grant[2])  # no byte of them is being sent any more
         return self.directory.intact(grant[1])
 
     def _expire_grants(self) -> None:
         now = time.monotonic()
         with self._lock:
-            old = [tid for tid, (until, _) in self._grants.items() if until <= now]
+            old = [tid for tid, (until, _, _) in self._grants.items() if until <= now]
         for tid in old:
             self._revoke(tid)
 

@@ -14,7 +14,8 @@ it is copied; a failure makes that block and every later block of the request
 a load error (vLLM recomputes them), never wrong KV.
 
 With a master configured, :meth:`serve_peers` puts the pool on the transport
-(pool_exchange.py): peers fetch committed slots directly, and loads marked
+(pool_exchange.py): peers fetch committed slots directly (and blocks this rank
+holds only on disk, staged into spare pool rows: disk_staging.py), and loads marked
 ``from_peer`` fetch theirs from another node before the layer copies start.
 """
 
@@ -29,6 +30,7 @@ import torch
 
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
+from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.disk_tier import DiskTier
 from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.plans import LoadOp, LoadResult, SaveOp, SaveResult, StorePlan, StoreReport
@@ -49,7 +51,9 @@ class StoreWorker:
         self.kv_caches = list(kv_caches)
         layer_nbytes = nbytes.pop()
         slot_nbytes = layer_nbytes * len(kv_caches)
-        self.pool = CpuBlockPool(config.num_slots(slot_nbytes), len(kv_caches), layer_nbytes)
+        # rows past the scheduler's slots stage disk blocks for peers (disk_staging.py)
+        self.num_slots = config.num_slots(slot_nbytes)
+        self.pool = CpuBlockPool(self.num_slots + config.disk_serve_slots(slot_nbytes), len(kv_caches), layer_nbytes)
         self.disk = (
             DiskTier(config.disk_path, salt.digest(), rank, config.disk_bytes, config.disk_io_threads)
             if config.disk_path else None
@@ -72,8 +76,10 @@ class StoreWorker:
     def serve_peers(self, bind_host: str, advertised_host: str) -> str:
         """Serve this rank's pool to other nodes; returns the endpoint to publish."""
         if self.exchange is None:
+            spare = range(self.num_slots, self.pool.num_slots)
+            staging = DiskStaging(self.pool, self.disk, spare) if self.disk is not None and spare else None
             self.exchange = PoolExchange(self.pool, self.directory, timeout_s=self.config.fetch_timeout_s,
-                                         grant_ttl_s=self.config.lease_s)
+                                         grant_ttl_s=self.config.lease_s, staging=staging)
             self.exchange.start(bind_host, advertised_host)
         return self.exchange.endpoint
 
@@ -195,8 +201,9 @@ class StoreWorker:
                     self.directory.drop_slots([slot])
                     reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot))))
             for i, fut in reads:  # wait for all: no read may still write a slot the scheduler frees
-                if fut.result():
-                    self.directory.put(op.keys[i], op.slots[i], self.pool.checksum(op.slots[i]))
+                digest = fut.result()
+                if digest is not None:
+                    self.directory.put(op.keys[i], op.slots[i], digest)
                 else:
                     usable = min(usable, i)
             if remote and usable >= remote[0]:
