@@ -159,7 +159,9 @@ class PoolExchange:
         self.timeout_s = timeout_s
         self.grant_ttl_s = grant_ttl_s
         self.transport: Transport = create_transport(transport, connect_timeout=timeout_s)
-        self.transport.register_regions([MemoryRegion("kv-store-pool", pool.data)])
+        # one transport block per (slot, layer): a fetch of layer 0 of every slot can land
+        # (and be copied into vLLM's layer 0) before the later layers arrive
+        self.transport.register_regions([MemoryRegion("kv-store-pool", pool.data.view(-1, pool.layer_block_nbytes))])
         self.endpoint = ""
         self._lock = threading.Lock()
         # transfer id -> (expiry (monotonic), leased (slot, generation) pairs, staging rows it owns)
@@ -201,7 +203,8 @@ class PoolExchange:
         if slots:
             with self._lock:
                 self._grants[tid] = (time.monotonic() + self.grant_ttl_s, [(s, g) for s, _, g in held], staged)
-            self.transport.allow_fetch(tid, slots)
+            self.transport.allow_fetch(tid, [row for layer in range(self.pool.num_layers)
+                                             for row in self._rows(slots, layer)])
             self.stats["served_blocks"] += len(slots)
             self.stats["served_from_disk"] += len(staged)
         return LeaseGranted(tid, slots, [digest for _, digest, _ in held])
@@ -266,33 +269,41 @@ class PoolExchange:
         of the *leading* keys that landed intact (verified in transit, not
         overwritten at the holder while sent), possibly none. Never raises for
         a peer's fault."""
+        return self.start_fetch(peer, keys, local_slots).finish()
+
+    def start_fetch(self, peer: str, keys: Sequence[BlockKey], local_slots: Sequence[int]) -> PeerFetch:
+        """Lease ``keys`` at ``peer`` and start fetching them layer by layer (one
+        transport fetch per layer, all queued at once: they land in order);
+        returns at once with the handle the loader waits on per layer."""
         if not keys:
-            return []
+            return PeerFetch(self, peer, 0, "", [], [])
         try:
             granted = self._ask(peer, LeaseBlocks(list(keys)))
             if not isinstance(granted, LeaseGranted) or len(granted.sums) != len(granted.slots):
                 raise TransportError(f"bad lease reply from {peer}")
-            n = min(len(granted.slots), len(keys))
+            n = min(len(granted.slots), len(keys), len(local_slots))
             if n == 0:
-                return self._count([], len(keys))
+                return PeerFetch(self, peer, len(keys), "", [], [])
+            layers: list[Future[None]] = []
             try:
-                done: Future[None] = self.transport.fetch(
-                    peer, granted.transfer_id, POOL_REGION, granted.slots[:n], list(local_slots[:n]), self.timeout_s
-                )
-                done.result(timeout=self.timeout_s + 1.0)
-            except BaseException:
-                self._release_quietly(peer, granted.transfer_id)
-                raise
-            released = self._ask(peer, ReleaseBlocks(granted.transfer_id))
-            if not isinstance(released, Released):
-                raise TransportError(f"bad release reply from {peer}")
+                for layer in range(self.pool.num_layers):
+                    layers.append(self.transport.fetch(
+                        peer, granted.transfer_id, POOL_REGION, self._rows(granted.slots[:n], layer),
+                        self._rows(local_slots[:n], layer), self.timeout_s))
+            except (TransportError, ValueError) as exc:
+                logger.warning("store: fetch of %d blocks from %s failed: %s; recomputing them", n, peer, exc)
+                failed = PeerFetch(self, peer, len(keys), granted.transfer_id, [], layers)
+                failed.finish()  # waits for the layers already asked for, ends the grant
+                return failed
         except (TransportError, msgspec.MsgspecError, TimeoutError, ValueError) as exc:
             logger.warning("store: fetch of %d blocks from %s failed: %s; recomputing them", len(keys), peer, exc)
-            return self._count([], len(keys))
-        if released.intact < n:
-            logger.warning("store: %d of %d blocks from %s were evicted there while being sent; recomputing them",
-                           n - released.intact, n, peer)
-        return self._count(list(granted.sums[: min(n, released.intact)]), len(keys))
+            return PeerFetch(self, peer, len(keys), "", [], [])
+        return PeerFetch(self, peer, len(keys), granted.transfer_id, list(granted.sums[:n]), layers)
+
+    def _rows(self, slots: Sequence[int], layer: int) -> list[int]:
+        """Transport block ids of ``layer`` of pool ``slots`` (the region is [slot, layer] rows)."""
+        layers = self.pool.num_layers
+        return [slot * layers + layer for slot in slots]
 
     def _release_quietly(self, peer: str, tid: str) -> None:
         try:
@@ -313,3 +324,68 @@ class PoolExchange:
     def close(self) -> None:
         self.transport.close()
 
+
+
+class PeerFetch:
+    """One node-to-node fetch in flight (:meth:`PoolExchange.start_fetch`).
+
+    ``granted`` blocks were leased; :meth:`layer_landed` blocks until one layer
+    of all of them is in our slots (verified in transit), so the loader copies
+    layer ``i`` into vLLM while later layers are still on the wire.
+    :meth:`finish` waits for every layer, ends the grant and returns the
+    checksums of the leading blocks that count (landed, and not overwritten at
+    the holder while sent). A block whose layers were already copied but that
+    does not count is reported as a load error by the caller: vLLM discards
+    that step's output for the request and recomputes the block."""
+
+    def __init__(self, exchange: PoolExchange, peer: str, asked: int, transfer_id: str, sums: list[bytes],
+                 layers: list[Future[None]]) -> None:
+        self._exchange = exchange
+        self._peer = peer
+        self._asked = asked
+        self._tid = transfer_id
+        self._sums = sums
+        self._layers = layers
+        self._failed = False
+        self._done: list[bytes] | None = None
+        self.granted = len(sums) if len(layers) == exchange.pool.num_layers else 0
+
+    def layer_landed(self, layer: int) -> bool:
+        """Whether ``layer`` of the granted blocks landed (False once any layer failed)."""
+        if not self.granted or self._failed:
+            return False
+        try:
+            self._layers[layer].result(timeout=self._exchange.timeout_s + 1.0)
+        except Exception as exc:  # noqa: BLE001 - a peer's fault: these blocks are recomputed
+            logger.warning("store: fetch of layer %d from %s failed: %s; recomputing", layer, self._peer, exc)
+            self._failed = True
+        return not self._failed
+
+    def finish(self) -> list[bytes]:
+        if self._done is None:
+            self._done = self._exchange._count(self._end(), self._asked)
+        return self._done
+
+    def _end(self) -> list[bytes]:
+        ex = self._exchange
+        for f in self._layers:  # every one: none may still write our slots once we return
+            try:
+                f.result(timeout=ex.timeout_s + 1.0)
+            except Exception:  # noqa: BLE001
+                self._failed = True
+        if not self._tid:
+            return []
+        if self._failed or not self.granted:
+            ex._release_quietly(self._peer, self._tid)
+            return []
+        try:
+            released = ex._ask(self._peer, ReleaseBlocks(self._tid))
+            if not isinstance(released, Released):
+                raise TransportError(f"bad release reply from {self._peer}")
+        except (TransportError, msgspec.MsgspecError, TimeoutError, ValueError) as exc:
+            logger.warning("store: release at %s failed: %s; recomputing %d blocks", self._peer, exc, self.granted)
+            return []
+        if released.intact < self.granted:
+            logger.warning("store: %d of %d blocks from %s were evicted there while being sent; recomputing them",
+                           self.granted - released.intact, self.granted, self._peer)
+        return self._sums[: released.intact]
