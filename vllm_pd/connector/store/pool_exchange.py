@@ -3,10 +3,10 @@
 The master only says *which* node holds a prefix; the bytes move directly
 between the two nodes' CPU pools over the connector's transport (tcp by
 default), never through the master. Each worker rank registers its pool as one
-transport region whose "block" is a pool slot (all layers of one KV block), so
-one ``fetch`` moves whole slots with the transport's per-block length and
-checksum checks. Two small control messages ride on the transport's
-``notify``:
+transport region whose "block" is one layer of a pool slot, so a fetch per
+layer moves that layer of all leased slots with the transport's per-block
+length and checksum checks. Two small control messages ride on the
+transport's ``notify``:
 
 1. ``LeaseBlocks(keys)`` -> the holder answers ``LeaseGranted`` with the slots
    and the commit-time checksums of the longest leading run of ``keys`` it
@@ -14,8 +14,10 @@ checksum checks. Two small control messages ride on the transport's
    verified into a spare pool row, disk_staging.py), and grants a fetch of
    exactly those slots under a fresh transfer id (the grant expires after
    ``grant_ttl_s``).
-2. ``fetch`` of those slots into the asker's reserved slots (the transport
-   checks each block's length and checksum in transit).
+2. ``fetch`` of those slots into the asker's reserved slots, one transport
+   fetch per layer, all queued at once (the region's blocks are (slot, layer)
+   rows; the transport checks each one's length and checksum in transit), so
+   the asker can copy layer 0 into vLLM while later layers are on the wire.
 3. ``ReleaseBlocks(transfer_id)`` -> ``Released(intact)``: the grant ends, and
    the holder says how many leading slots nobody started to overwrite since
    the lease (every writer of a pool slot first drops it from the
