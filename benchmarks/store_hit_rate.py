@@ -7,12 +7,20 @@ leave the index at once); a request hits the longest cached prefix of its
 prompt blocks, then its prompt + reply blocks are stored. Hit rate = hit
 blocks / prompt blocks.
 
-    python3 benchmarks/store_hit_rate.py [--seeds 3] [--conversations 800]   # ~4 min
+    python3 benchmarks/store_hit_rate.py [--seeds 3] [--conversations 800] [--sample-rate 1]   # ~4 min
+
+``--sample-rate r`` < 1 runs the policy's shadow caches on a hash-sampled
+fraction r of the keys (adaptive_cache.py); LRU is the same either way. It
+also prints what the shadows cost per request on the scheduler thread
+(observe_request + observe_save, blake3-like bytes keys, warm caches) at rate
+1 and at r, measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -49,13 +57,36 @@ def simulate(requests: list[TraceRequest], cache) -> float:  # noqa: ANN001
     return hit / sum(len(req.prompt) for req in requests)
 
 
+def shadow_cost_ms(blocks: int, rate: float, rounds: int = 30) -> float:
+    """Median ms of observe_request + observe_save of a ``blocks``-key request whose
+    first half repeats the previous request's (a turn growing a conversation)."""
+    cache = AdaptiveCache(4 * blocks, sample_rate=rate)
+    history = [os.urandom(16) for _ in range(blocks // 2)]
+    samples = []
+    for _ in range(rounds):
+        prompt = history + [os.urandom(16) for _ in range(blocks - len(history))]
+        t0 = time.perf_counter()
+        cache.observe_request(prompt)
+        cache.observe_save(prompt)
+        samples.append(time.perf_counter() - t0)
+        history = prompt[: blocks // 2]
+    return 1e3 * statistics.median(samples)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--conversations", type=int, default=800)
     ap.add_argument("--arrival-rate", type=float, default=1.0)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--fractions", default="0.005,0.01,0.02,0.05,0.1,0.2,0.5")
+    ap.add_argument("--sample-rate", type=float, default=1.0, help="fraction of keys the shadow caches see")
     args = ap.parse_args()
+    if args.sample_rate < 1.0:
+        for blocks in (128, 8192):
+            full, sampled = shadow_cost_ms(blocks, 1.0), shadow_cost_ms(blocks, args.sample_rate)
+            print(f"shadows, {blocks}-block request: {sampled:.3f} ms sampled at {args.sample_rate:g} "
+                  f"vs {full:.3f} ms unsampled = {sampled / full:.2f} x")
+        print()
     fractions = [float(f) for f in args.fractions.split(",")]
     t0 = time.perf_counter()
     ratios: dict[float, list[float]] = {f: [] for f in fractions}
@@ -67,7 +98,7 @@ def main() -> None:
         for frac in fractions:
             cap = max(16, int(unique * frac))
             lru = simulate(reqs, LruCache(cap))
-            cache = AdaptiveCache(cap)
+            cache = AdaptiveCache(cap, sample_rate=args.sample_rate)
             used: Counter[float] = Counter()
             index = RadixIndex()
             hit = 0

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from vllm_pd.connector.store.adaptive_cache import AdaptiveCache
+from vllm_pd.connector.store.adaptive_cache import AdaptiveCache, shadow_sample_rate
 from vllm_pd.connector.store.cpu_pool import SlotAllocator
 from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.store.master_client import MasterClient
@@ -46,7 +46,7 @@ class PendingPut:
 class BlockPlacement:
     def __init__(self, num_slots: int, world_size: int, disk_enabled: bool, disk_served: bool = False) -> None:
         self.index = RadixIndex()
-        self.cache = AdaptiveCache(num_slots)
+        self.cache = AdaptiveCache(num_slots, sample_rate=shadow_sample_rate(num_slots))
         self.slots = SlotAllocator(num_slots)
         self.world_size = world_size
         self.disk_enabled = disk_enabled
