@@ -7,13 +7,14 @@ leave the index at once); a request hits the longest cached prefix of its
 prompt blocks, then its prompt + reply blocks are stored. Hit rate = hit
 blocks / prompt blocks.
 
-    python3 benchmarks/store_hit_rate.py [--seeds 3] [--conversations 800] [--sample-rate 1]   # ~4 min
+    python3 benchmarks/store_hit_rate.py [--seeds 3] [--conversations 800] [--sample-rate R]   # ~1 min
 
-``--sample-rate r`` < 1 runs the policy's shadow caches on a hash-sampled
-fraction r of the keys (adaptive_cache.py); LRU is the same either way. It
-also prints what the shadows cost per request on the scheduler thread
-(observe_request + observe_save, blake3-like bytes keys, warm caches) at rate
-1 and at r, measured in the same run.
+The shadow caches see a hash-sampled fraction of the keys (adaptive_cache.py):
+by default the store's own choice for each capacity (``shadow_sample_rate``,
+1/8 here), ``--sample-rate 1`` for unsampled shadows (~4 min); LRU is the
+same either way. With a rate < 1 it also prints what the shadows cost per
+request on the scheduler thread (observe_request + observe_save, 16-byte keys
+like the store's, warm caches) unsampled and sampled, measured in the same run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from vllm_pd.connector.store.adaptive_cache import AdaptiveCache
+from vllm_pd.connector.store.adaptive_cache import SAMPLE_RATE, AdaptiveCache, shadow_sample_rate
 from vllm_pd.connector.store.radix import RadixIndex
 from vllm_pd.connector.store.reuse_cache import LruCache
 from vllm_pd.connector.store.trace import TraceConfig, TraceRequest, generate
@@ -79,12 +80,14 @@ def main() -> None:
     ap.add_argument("--arrival-rate", type=float, default=1.0)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--fractions", default="0.005,0.01,0.02,0.05,0.1,0.2,0.5")
-    ap.add_argument("--sample-rate", type=float, default=1.0, help="fraction of keys the shadow caches see")
+    ap.add_argument("--sample-rate", type=float, default=None,
+                    help="fraction of keys the shadow caches see (default: the store's choice per capacity)")
     args = ap.parse_args()
-    if args.sample_rate < 1.0:
+    rate = SAMPLE_RATE if args.sample_rate is None else args.sample_rate
+    if rate < 1.0:
         for blocks in (128, 8192):
-            full, sampled = shadow_cost_ms(blocks, 1.0), shadow_cost_ms(blocks, args.sample_rate)
-            print(f"shadows, {blocks}-block request: {sampled:.3f} ms sampled at {args.sample_rate:g} "
+            full, sampled = shadow_cost_ms(blocks, 1.0), shadow_cost_ms(blocks, rate)
+            print(f"shadows, {blocks}-block request: {sampled:.3f} ms sampled at {rate:g} "
                   f"vs {full:.3f} ms unsampled = {sampled / full:.2f} x")
         print()
     fractions = [float(f) for f in args.fractions.split(",")]
@@ -98,7 +101,8 @@ def main() -> None:
         for frac in fractions:
             cap = max(16, int(unique * frac))
             lru = simulate(reqs, LruCache(cap))
-            cache = AdaptiveCache(cap, sample_rate=args.sample_rate)
+            cache = AdaptiveCache(cap, sample_rate=shadow_sample_rate(cap) if args.sample_rate is None
+                                  else args.sample_rate)
             used: Counter[float] = Counter()
             index = RadixIndex()
             hit = 0
