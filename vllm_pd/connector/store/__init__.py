@@ -51,7 +51,7 @@ Salt: ``KeySalt(model, dtype, kv_layout, block_size, num_layers, tp_size, pp_siz
 
 Modules: keys (blake3 chained keys), radix (index, leases), reuse_cache
 (leaf-first LRU, reuse-weighted LRU), adaptive_cache (the CPU tier's policy: the
-weighting picked online by keys-only shadows, LRU among them), cpu_pool (pool +
+weighting picked online by keys-only shadows, LRU among them, hash-sampled 1/8), cpu_pool (pool +
 slot allocator), disk_tier, plans
 (wire structs), config, scheduler_side (plans loads/saves) with block_placement (what is where)
 and request_keys, worker_side, pool_exchange (node-to-node
