@@ -32,6 +32,7 @@ import pytest
 from tests.e2e_cluster import (
     completion_body,
     connector_config,
+    metric,
     output_tokens,
     post,
     server_spec,
@@ -102,6 +103,8 @@ def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.Te
             out["late"] = late_requests_while_the_master_dies(a, b, master)
             post(client, a, completion_body(OTHER))  # A's last blocks on disk, for the corruption phase
             time.sleep(THINK_TIME_S)
+            out["served_by_a"] = {tier: metric(client, a, "vllm:pd_store_served_blocks_total", tier=tier)
+                                  for tier in ("cpu", "disk")}
         finally:
             stop_all([node_a, node_b])
     finally:
@@ -178,6 +181,9 @@ def test_a_block_on_the_holders_disk_is_fetched_by_another_node(phases, referenc
     assert cached(phases["from_disk_on_b"]) >= (len(STORE_FROM_DISK) // BLOCK) * BLOCK
     assert output_tokens(phases["from_disk_on_b"]) == output_tokens(phases["from_disk_on_a"])
     assert output_tokens(phases["from_disk_on_b"]) == reference_outputs["store_from_disk"]
+    # A's counters: turn 1's blocks went from its CPU pool, this prompt's from its disk
+    assert phases["served_by_a"]["cpu"] >= len(TURN1) // BLOCK
+    assert phases["served_by_a"]["disk"] >= len(STORE_FROM_DISK) // BLOCK
 
 
 def test_killing_the_master_mid_run_keeps_requests_exact(phases, reference_outputs):

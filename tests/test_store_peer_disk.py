@@ -72,6 +72,18 @@ def test_blocks_on_the_holders_disk_are_fetched_after_its_cpu_blocks(exchanges):
     assert sums == [checksum(memoryview(expected[i].numpy()).cast("B")) for i in range(4)]
     assert eventually(lambda: a.live_grants == 0 and a.staging.free_count == SPARE)  # rows given back
     assert len(a.directory) == 2  # the holder's own slots are untouched: nothing promoted
+    assert a.take_served() == (2, 2) and a.take_served() == (0, 0)  # (from CPU, from disk), for /metrics
+
+
+def test_served_blocks_reach_the_connectors_counters():
+    from vllm_pd.connector.stats import PDConnectorStats
+
+    stats = PDConnectorStats()
+    stats.record_store_served(3, 2)
+    out = stats.take()
+    assert out is not None and out.reduce()["store_served_blocks_cpu"] == 3
+    assert out.reduce()["store_served_blocks_disk"] == 2
+    assert stats.take() is None  # counted once
 
 
 def test_corrupt_disk_block_ends_the_run_and_is_dropped(exchanges):

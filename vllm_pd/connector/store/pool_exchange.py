@@ -169,6 +169,7 @@ class PoolExchange:
         # transfer id -> (expiry (monotonic), leased (slot, generation) pairs, staging rows it owns)
         self._grants: dict[str, tuple[float, list[tuple[int, int | None]], list[int]]] = {}
         self.stats = {"served_blocks": 0, "served_from_disk": 0, "fetched_blocks": 0, "failed_fetches": 0}
+        self._served_reported = (0, 0)
 
     def start(self, bind_host: str, advertised_host: str, port: int = 0) -> str:
         """Serve the pool; returns the endpoint peers fetch from (published via the master)."""
@@ -207,8 +208,9 @@ class PoolExchange:
                 self._grants[tid] = (time.monotonic() + self.grant_ttl_s, [(s, g) for s, _, g in held], staged)
             self.transport.allow_fetch(tid, [row for layer in range(self.pool.num_layers)
                                              for row in self._rows(slots, layer)])
-            self.stats["served_blocks"] += len(slots)
-            self.stats["served_from_disk"] += len(staged)
+            with self._lock:  # read together by take_served
+                self.stats["served_blocks"] += len(slots)
+                self.stats["served_from_disk"] += len(staged)
         return LeaseGranted(tid, slots, [digest for _, digest, _ in held])
 
     def _held(self, keys: Sequence[BlockKey]) -> tuple[list[tuple[int, bytes, int | None]], list[int]]:
@@ -257,6 +259,14 @@ class PoolExchange:
             old = [tid for tid, (until, _, _) in self._grants.items() if until <= now]
         for tid in old:
             self._revoke(tid)
+
+    def take_served(self) -> tuple[int, int]:
+        """(blocks served from the CPU pool, from disk) since the last call (for vLLM's metrics)."""
+        with self._lock:
+            total, disk = self.stats["served_blocks"], self.stats["served_from_disk"]
+            last_total, last_disk = self._served_reported
+            self._served_reported = (total, disk)
+        return (total - disk) - (last_total - last_disk), disk - last_disk
 
     @property
     def live_grants(self) -> int:
