@@ -9,16 +9,16 @@ tier's own threads) and reports what landed through :meth:`StoreWorker.report`
 Loads are layer-wise: :meth:`start_loads` returns at once; a thread copies
 layer 0 of every op, then layer 1, ...; :meth:`wait_layer` blocks until layer
 ``i`` is in place, so the forward pass of layer ``i`` overlaps the copy of
-layer ``i+1``. Blocks fetched from a peer arrive layer by layer too (one
-transport fetch per layer, all queued at once), so layer 0's copy waits for
-layer 0's bytes only, not for the whole fetch. A block read from disk is checksum-verified before any layer of
-it is copied; a failure makes that block and every later block of the request
-a load error (vLLM recomputes them), never wrong KV.
+layer ``i+1``. A block read from disk is checksum-verified before any layer
+of it is copied; a failure makes that block and every later block of the
+request a load error (vLLM recomputes them), never wrong KV.
 
 With a master configured, :meth:`serve_peers` puts the pool on the transport
 (pool_exchange.py): peers fetch committed slots directly (and blocks this rank
-holds only on disk, staged into spare pool rows: disk_staging.py), and loads marked
-``from_peer`` fetch theirs from another node before the layer copies start.
+holds only on disk, staged into spare pool rows: disk_staging.py), and loads
+marked ``from_peer`` fetch theirs from another node layer by layer (one
+transport fetch per layer, all queued at once): layer ``i``'s copy waits for
+layer ``i``'s bytes only, not for the whole fetch.
 """
 
 from __future__ import annotations
