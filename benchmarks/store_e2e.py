@@ -120,12 +120,17 @@ def run_phase(model: Path, stores: list[dict[str, Any] | None], prompts: list[tu
         for server in servers:
             server.stop()
     ttfts = sorted(r[0] for r in rows)
+    # turns after the first: with 2 nodes, their history was computed on the other node
+    later = sorted(r[0] for r, (_, turn, _) in zip(rows, prompts) if turn > 0)
     prompt_tokens, cached_tokens = sum(r[1] for r in rows), sum(r[2] for r in rows)
     return {
         "requests": len(rows),
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "ttft_mean_ms": 1000 * statistics.fmean(ttfts),
+        "later_turns": len(later),
+        "later_turns_ttft_p50_ms": 1000 * statistics.median(later) if later else float("nan"),
+        "later_turns_ttft_mean_ms": 1000 * statistics.fmean(later) if later else float("nan"),
         "prompt_tokens": prompt_tokens,
         "not_recomputed": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
     }
@@ -191,6 +196,9 @@ def compare_nodes(model: Path, prompts: list[tuple[int, int, list[int]]], log_di
           f"{shared['ttft_p99_ms'] / alone['ttft_p99_ms']:.2f} x; prompt tokens not recomputed "
           f"{100 * shared['not_recomputed']:.1f} % vs {100 * alone['not_recomputed']:.1f} %; "
           f"{time.monotonic() - t0:.0f} s")
+    print(f"the {shared['later_turns']} later turns (history on the other node): TTFT p50 "
+          f"{shared['later_turns_ttft_p50_ms']:.1f} vs {alone['later_turns_ttft_p50_ms']:.1f} ms, mean "
+          f"{shared['later_turns_ttft_mean_ms']:.1f} vs {alone['later_turns_ttft_mean_ms']:.1f} ms")
     chart = BarChart(
         title="TTFT, turns alternating between 2 nodes: each node alone vs fetching through the master",
         y_label="TTFT (ms)",

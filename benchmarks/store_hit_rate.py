@@ -7,17 +7,26 @@ leave the index at once); a request hits the longest cached prefix of its
 prompt blocks, then its prompt + reply blocks are stored. Hit rate = hit
 blocks / prompt blocks.
 
-    python3 benchmarks/store_hit_rate.py [--seeds 3] [--conversations 800]   # ~4 min
+    python3 benchmarks/store_hit_rate.py [--seeds 3] [--conversations 800] [--sample-rate R]   # ~1 min
+
+The shadow caches see a hash-sampled fraction of the keys (adaptive_cache.py):
+by default the store's own choice for each capacity (``shadow_sample_rate``,
+1/8 here), ``--sample-rate 1`` for unsampled shadows (~4 min); LRU is the
+same either way. With a rate < 1 it also prints what the shadows cost per
+request on the scheduler thread (observe_request + observe_save, 16-byte keys
+like the store's, warm caches) unsampled and sampled, measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
 
-from vllm_pd.connector.store.adaptive_cache import AdaptiveCache
+from vllm_pd.connector.store.adaptive_cache import SAMPLE_RATE, AdaptiveCache, shadow_sample_rate
 from vllm_pd.connector.store.radix import RadixIndex
 from vllm_pd.connector.store.reuse_cache import LruCache
 from vllm_pd.connector.store.trace import TraceConfig, TraceRequest, generate
@@ -49,13 +58,38 @@ def simulate(requests: list[TraceRequest], cache) -> float:  # noqa: ANN001
     return hit / sum(len(req.prompt) for req in requests)
 
 
+def shadow_cost_ms(blocks: int, rate: float, rounds: int = 30) -> float:
+    """Median ms of observe_request + observe_save of a ``blocks``-key request whose
+    first half repeats the previous request's (a turn growing a conversation)."""
+    cache = AdaptiveCache(4 * blocks, sample_rate=rate)
+    history = [os.urandom(16) for _ in range(blocks // 2)]
+    samples = []
+    for _ in range(rounds):
+        prompt = history + [os.urandom(16) for _ in range(blocks - len(history))]
+        t0 = time.perf_counter()
+        cache.observe_request(prompt)
+        cache.observe_save(prompt)
+        samples.append(time.perf_counter() - t0)
+        history = prompt[: blocks // 2]
+    return 1e3 * statistics.median(samples)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--conversations", type=int, default=800)
     ap.add_argument("--arrival-rate", type=float, default=1.0)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--fractions", default="0.005,0.01,0.02,0.05,0.1,0.2,0.5")
+    ap.add_argument("--sample-rate", type=float, default=None,
+                    help="fraction of keys the shadow caches see (default: the store's choice per capacity)")
     args = ap.parse_args()
+    rate = SAMPLE_RATE if args.sample_rate is None else args.sample_rate
+    if rate < 1.0:
+        for blocks in (128, 8192):
+            full, sampled = shadow_cost_ms(blocks, 1.0), shadow_cost_ms(blocks, rate)
+            print(f"shadows, {blocks}-block request: {sampled:.3f} ms sampled at {rate:g} "
+                  f"vs {full:.3f} ms unsampled = {sampled / full:.2f} x")
+        print()
     fractions = [float(f) for f in args.fractions.split(",")]
     t0 = time.perf_counter()
     ratios: dict[float, list[float]] = {f: [] for f in fractions}
@@ -67,7 +101,8 @@ def main() -> None:
         for frac in fractions:
             cap = max(16, int(unique * frac))
             lru = simulate(reqs, LruCache(cap))
-            cache = AdaptiveCache(cap)
+            cache = AdaptiveCache(cap, sample_rate=shadow_sample_rate(cap) if args.sample_rate is None
+                                  else args.sample_rate)
             used: Counter[float] = Counter()
             index = RadixIndex()
             hit = 0

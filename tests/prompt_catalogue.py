@@ -58,12 +58,14 @@ STORE_OTHER = _store_ids(200)
 STORE_PRESSURE = [_store_ids(300) for _ in range(4)]
 STORE_LATE = [_store_ids(260) for _ in range(3)]
 STORE_LATE.append(STORE_LATE[0] + _store_ids(100))
+STORE_FROM_DISK = _store_ids(300)  # drawn last: the prompts above stay what they were
 STORE_CASES: dict[str, dict[str, Any]] = {
     "store_turn1": completion_body(STORE_TURN1),
     "store_turn2": completion_body(STORE_TURN2),
     "store_other": completion_body(STORE_OTHER),
     **{f"store_pressure{i}": completion_body(p) for i, p in enumerate(STORE_PRESSURE)},
     **{f"store_late{i}": completion_body(p) for i, p in enumerate(STORE_LATE)},
+    "store_from_disk": completion_body(STORE_FROM_DISK),
 }
 
 # Other areas add their own dicts here; the reference phase runs all of them.

@@ -1,6 +1,8 @@
+from collections import Counter
+
 import pytest
 
-from vllm_pd.connector.store.adaptive_cache import AdaptiveCache
+from vllm_pd.connector.store.adaptive_cache import SAMPLE_RATE, AdaptiveCache, sample_hash, shadow_sample_rate
 from vllm_pd.connector.store.radix import RadixIndex
 from vllm_pd.connector.store.reuse_cache import LruCache, ReuseAgedCache
 from vllm_pd.connector.store.trace import TraceConfig, generate
@@ -99,3 +101,63 @@ def test_trace_shape():
             assert r.prompt[: len(prev.saved)] == prev.saved and r.turn == prev.turn + 1
         by_conv[r.conversation] = r
     assert any(r.turn > 0 for r in reqs) and any(r.turn == 0 for r in reqs)
+
+
+# ---- sampled shadows ------------------------------------------------------------------------
+
+IN = [b"\x00\x00\x00\x00" + bytes([i]) * 12 for i in range(8)]  # hash 0: sampled at any rate
+OUT = [b"\xff\xff\xff\xff" + bytes([i]) * 12 for i in range(8)]  # hash 2**32 - 1: never sampled below 1
+
+
+def test_sampled_shadows_see_only_sampled_keys_in_scaled_caches():
+    c = AdaptiveCache(8, sample_rate=0.25)
+    assert all(s.policy.capacity == 2 for s in c.shadows)
+    c.observe_save([IN[0], OUT[0], IN[1], OUT[1]])
+    for shadow in c.shadows:
+        assert IN[0] in shadow.policy and IN[1] in shadow.policy
+        assert OUT[0] not in shadow.policy and OUT[1] not in shadow.policy
+    c.observe_request([IN[0], OUT[0], IN[1]])
+    assert c.scores == [8.0] * len(c.bases)  # 2 sampled hits, each standing for 1 / 0.25 blocks
+
+
+def test_sample_hash_is_process_independent_and_rejects_other_keys():
+    assert sample_hash(b"\x01\x00\x00\x00rest") == 1
+    assert sample_hash(3) == (3 * 0x9E3779B1) % 2**32
+    with pytest.raises(TypeError):
+        sample_hash("a str key")
+    with pytest.raises(ValueError):
+        AdaptiveCache(4, sample_rate=0.0)
+
+
+@pytest.mark.parametrize("rate", [1.0, SAMPLE_RATE])
+def test_sampled_policy_choice_on_the_trace(rate):
+    """On the multi-turn trace at a small capacity, where re-use weighting wins
+    (benchmarks/store_hit_rate.py), the sampled shadows leave LRU too; at a large
+    one, where it loses, they keep the cache on LRU."""
+    reqs = list(generate(TraceConfig(conversations=300, seed=0)))
+    unique = len({b for r in reqs for b in r.saved})
+    used = {}
+    for frac in (0.01, 0.2):
+        cache, index = AdaptiveCache(int(unique * frac), sample_rate=rate), RadixIndex()
+        bases = Counter()
+        for r in reqs:
+            cache.observe_request(r.prompt)
+            n = index.longest_prefix(r.prompt)
+            if n:
+                cache.hit(r.prompt[:n])
+            cache.observe_save(r.saved)
+            admitted, _ = cache.admit(r.saved, index.evictable, index.remove_leaf)
+            if admitted:
+                start = r.saved.index(admitted[0])
+                index.insert_chain(admitted, r.saved[start - 1] if start else None)
+            bases[cache.base] += 1
+        used[frac] = bases.most_common(1)[0][0]
+    assert used[0.01] < 1.0 and used[0.2] == 1.0
+
+
+def test_the_store_samples_large_tiers_only():
+    assert shadow_sample_rate(6) == 1.0 and shadow_sample_rate(32) == 1.0
+    assert shadow_sample_rate(128) == 0.25 and shadow_sample_rate(4096) == 0.125
+    from vllm_pd.connector.store.block_placement import BlockPlacement
+
+    assert BlockPlacement(4096, 1, False).cache.sample_rate == 0.125

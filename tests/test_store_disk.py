@@ -1,6 +1,6 @@
 import torch
 
-from vllm_pd.connector.store.cpu_pool import CpuBlockPool, SlotAllocator
+from vllm_pd.connector.store.cpu_pool import CpuBlockPool, SlotAllocator, checksum
 from vllm_pd.connector.store.disk_tier import HEADER_BYTES, DiskTier
 from vllm_pd.connector.store.keys import KeySalt, chain_keys
 
@@ -57,7 +57,8 @@ def test_disk_restart_rebuilds_and_drops_bad_files(tmp_path):
     assert committed == [(KEYS[0], None), (KEYS[1], KEYS[0])]
     assert not (disk.dir / "zz" / "garbage").exists() and not (disk.dir / "zz" / "half.tmp").exists()
     dst = bytearray(1000)
-    assert again.read_into(KEYS[1], memoryview(dst)).result() and bytes(dst) == b"x" * 1000
+    assert again.read_into(KEYS[1], memoryview(dst)).result() == checksum(b"x" * 1000)  # verified: its sum
+    assert bytes(dst) == b"x" * 1000
     # another model's salt never sees these files
     other = DiskTier(tmp_path, KeySalt("other", "bfloat16", "cpu", 4, 2).digest(), 0, capacity_bytes=1 << 20)
     assert other.drain() == ([], [])

@@ -8,8 +8,11 @@ comes from the store. A serves turn 1; B serves turn 2 with turn 1's prefix
 fetched from A through the master (cached_tokens on B, which never saw turn 1)
 and answers exactly like the reference. B has a CPU tier of a few blocks and
 no disk: under that memory pressure it evicts, never serves an evicted block,
-and answers exactly. Then the master is killed while requests run: they all
-succeed with exact output (local lookups / recompute).
+and answers exactly. A has a CPU tier of a few blocks too: a prompt A computed
+and then pushed to its disk (later traffic filled its CPU tier) is fetched by
+B from A's disk (A stages it for the fetch) with exact output. Then the master
+is killed while requests run: they all succeed with exact output (local
+lookups / recompute).
 Phase 2: A restarted on the same disk directory (empty CPU pool): the prefix
 comes back from disk; a corrupted block file is detected, recomputed, and the
 answer is still exact.
@@ -29,13 +32,21 @@ import pytest
 from tests.e2e_cluster import (
     completion_body,
     connector_config,
+    metric,
     output_tokens,
     post,
     server_spec,
     start_all,
     stop_all,
 )
-from tests.prompt_catalogue import STORE_LATE, STORE_OTHER, STORE_PRESSURE, STORE_TURN1, STORE_TURN2
+from tests.prompt_catalogue import (
+    STORE_FROM_DISK,
+    STORE_LATE,
+    STORE_OTHER,
+    STORE_PRESSURE,
+    STORE_TURN1,
+    STORE_TURN2,
+)
 from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.vllm_server import free_port
 
@@ -43,6 +54,7 @@ pytestmark = pytest.mark.e2e
 
 BLOCK = 128  # vLLM's CPU default (the reference instance uses it too)
 B_SLOTS = 6  # node B's CPU tier, in blocks: memory pressure
+A_SLOTS = 6  # node A's CPU tier: STORE_FROM_DISK's blocks leave it for A's disk
 THINK_TIME_S = 2.0
 TURN1, TURN2, OTHER = STORE_TURN1, STORE_TURN2, STORE_OTHER
 PRESSURE = STORE_PRESSURE  # 2 full blocks saved each: 8 > B_SLOTS
@@ -69,8 +81,8 @@ def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.Te
     client = httpx.Client()
     out: dict[str, object] = {}
     master, address = spawn_master(free_port())
-    store_a = {"cpu_bytes": "64m", "disk_path": str(disk), "disk_bytes": "256m", "master": address,
-               "node_id": "A"}
+    store_a = {"cpu_bytes": f"{A_SLOTS * 256}k", "disk_path": str(disk), "disk_bytes": "256m",
+               "master": address, "node_id": "A"}
     store_b = {"cpu_bytes": f"{B_SLOTS * 256}k", "master": address, "node_id": "B"}  # 256 KiB per block
     try:
         node_a, node_b = start_all([store_spec(small_model_dir, "0", store_a),
@@ -83,9 +95,16 @@ def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.Te
             out["pressure"] = [post(client, b, completion_body(p)) for p in PRESSURE]
             time.sleep(THINK_TIME_S)  # the last one's blocks commit after its answer
             out["pressure_again"] = [post(client, b, completion_body(p)) for p in reversed(PRESSURE)]
+            out["from_disk_on_a"] = post(client, a, completion_body(STORE_FROM_DISK))
+            for p in PRESSURE:  # 8 more blocks through A's 6-slot CPU tier: FROM_DISK's go to disk only
+                post(client, a, completion_body(p))
+            time.sleep(THINK_TIME_S)
+            out["from_disk_on_b"] = post(client, b, completion_body(STORE_FROM_DISK))
             out["late"] = late_requests_while_the_master_dies(a, b, master)
             post(client, a, completion_body(OTHER))  # A's last blocks on disk, for the corruption phase
             time.sleep(THINK_TIME_S)
+            out["served_by_a"] = {tier: metric(client, a, "vllm:pd_store_served_blocks_total", tier=tier)
+                                  for tier in ("cpu", "disk")}
         finally:
             stop_all([node_a, node_b])
     finally:
@@ -154,6 +173,17 @@ def test_memory_pressure_evicts_within_capacity_and_never_serves_evicted_blocks(
     hits = [cached(r) for r in again]
     assert max(hits) >= BLOCK  # the store still serves under pressure
     assert min(hits) < full  # and evicted: 8 blocks of these prompts never fit in 6 slots
+
+
+def test_a_block_on_the_holders_disk_is_fetched_by_another_node(phases, reference_outputs):
+    assert cached(phases["from_disk_on_a"]) == 0
+    # B never saw this prompt; A holds its blocks on disk only by now
+    assert cached(phases["from_disk_on_b"]) >= (len(STORE_FROM_DISK) // BLOCK) * BLOCK
+    assert output_tokens(phases["from_disk_on_b"]) == output_tokens(phases["from_disk_on_a"])
+    assert output_tokens(phases["from_disk_on_b"]) == reference_outputs["store_from_disk"]
+    # A's counters: turn 1's blocks went from its CPU pool, this prompt's from its disk
+    assert phases["served_by_a"]["cpu"] >= len(TURN1) // BLOCK
+    assert phases["served_by_a"]["disk"] >= len(STORE_FROM_DISK) // BLOCK
 
 
 def test_killing_the_master_mid_run_keeps_requests_exact(phases, reference_outputs):

@@ -77,7 +77,7 @@ def test_lease_covers_only_the_leading_blocks_still_held(pair):
 
 def test_block_overwritten_after_its_lease_is_rejected(pair):
     a, b = pair
-    lease = a.directory.lease
+    lease = a._held
 
     def lease_then_reuse_slot(keys):
         held = lease(keys)
@@ -85,7 +85,7 @@ def test_block_overwritten_after_its_lease_is_rejected(pair):
         a.pool.data[5].add_(1)  # ... and writes it while it is being sent
         return held
 
-    a.directory.lease = lease_then_reuse_slot
+    a._held = lease_then_reuse_slot
     sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3])
     assert len(sums) == 1  # KEYS[0] only: never a wrong block, not the ones after it either
     assert eventually(lambda: a.live_grants == 0)
@@ -264,9 +264,9 @@ def test_fetch_timeout_is_validated():
         StoreConfig.from_dict({"fetch_timeout_s": 0})
 
 
-def test_master_advertises_only_blocks_in_cpu_slots(master, tmp_path):
+def test_without_disk_serving_the_master_advertises_only_blocks_in_cpu_slots(master, tmp_path):
     _, address = master
-    a = Node("a", address, seed=1, slots=3, disk_path=str(tmp_path))
+    a = Node("a", address, seed=1, slots=3, disk_path=str(tmp_path), disk_serve_bytes=0)
     b = Node("b", address, seed=2)
     try:
         save_on(a)

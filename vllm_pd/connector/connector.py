@@ -141,7 +141,11 @@ class PDConnector(KVConnectorBase_V1):
         return PDWorkerMeta(announced, store) if announced or store is not None else None
 
     def get_kv_connector_stats(self) -> PDConnectorStats | None:
-        return self._worker.stats.take() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        if self._store_worker is not None:
+            self._worker.stats.record_store_served(*self._store_worker.take_served())
+        return self._worker.stats.take()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -5,6 +5,7 @@ Prometheus names (in vLLM's /metrics, labelled per engine):
 ``vllm:pd_loaded_blocks_total{source="push"|"fetch"}``, ``vllm:pd_loaded_bytes_total``,
 ``vllm:pd_loads_total{result="ok"|"failed"}``, ``vllm:pd_lease_expired_total``,
 ``vllm:pd_push_transfers_total``, ``vllm:pd_push_tail_seconds_total``, ``vllm:pd_push_span_seconds_total``,
+``vllm:pd_store_served_blocks_total{tier="cpu"|"disk"}`` (KV store blocks this node served to peers),
 and gauges ``vllm:pd_held_transfers`` (prefill KV held for decode),
 ``vllm:pd_loading_requests``, ``vllm:pd_staged_bytes``.
 """
@@ -28,6 +29,7 @@ COUNTERS = (
     # layer-wise overlap of pushes: time after the last layer computed until all KV landed
     # (tail) vs first push to all landed (span), summed over push transfers
     "push_transfers", "push_tail_seconds", "push_span_seconds",
+    "store_served_blocks_cpu", "store_served_blocks_disk",
 )
 GAUGES = ("held_transfers", "loading_requests", "staged_bytes")
 
@@ -53,6 +55,10 @@ class PDConnectorStats(KVConnectorStats):
         self.data["push_transfers"] += 1
         self.data["push_tail_seconds"] += tail_s
         self.data["push_span_seconds"] += span_s
+
+    def record_store_served(self, cpu: int, disk: int) -> None:
+        self.data["store_served_blocks_cpu"] += cpu
+        self.data["store_served_blocks_disk"] += disk
 
     def record_load(self, job: "LoadJob") -> None:
         self.data["loaded_blocks_push"] += job.blocks_from_push
@@ -111,6 +117,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
                                 labelnames=[*labelnames, "source"])
         self._loads = c(name="vllm:pd_loads", documentation="remote KV loads by result",
                         labelnames=[*labelnames, "result"])
+        self._store_served = c(name="vllm:pd_store_served_blocks", documentation="KV store blocks served to peers",
+                               labelnames=[*labelnames, "tier"])
         self._gauges = {name: g(name=f"vllm:pd_{name}", documentation=f"PD connector {name}",
                                 labelnames=labelnames, multiprocess_mode="mostrecent")
                         for name in GAUGES}
@@ -126,6 +134,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
         for result in ("ok", "failed"):
             if v := transfer_stats_data.get(f"loads_{result}", 0):
                 self._loads.labels(*labels, result).inc(v)
+        for tier in ("cpu", "disk"):
+            if v := transfer_stats_data.get(f"store_served_blocks_{tier}", 0):
+                self._store_served.labels(*labels, tier).inc(v)
         for name, metric in self._gauges.items():
             if name in transfer_stats_data:
                 metric.labels(*labels).set(transfer_stats_data[name])

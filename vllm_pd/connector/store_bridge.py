@@ -206,6 +206,12 @@ class StoreBridgeWorker:
             bad |= self.store.take_load_errors()
         return bad
 
+    def take_served(self) -> tuple[int, int]:
+        """(blocks this rank served to peers from its CPU pool, from its disk) since the last call."""
+        if self.store is None or self.store.exchange is None:
+            return 0, 0
+        return self.store.exchange.take_served()
+
     def worker_meta(self) -> StoreWorkerMeta | None:
         if self.store is None:
             return None

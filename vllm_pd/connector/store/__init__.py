@@ -46,16 +46,16 @@ Worker side (each worker) - ``StoreWorker(config, salt, kv_caches, rank=0)``
 
 Config (``kv_connector_extra_config["store"]``): ``StoreConfig.from_dict`` -
 cpu_bytes, disk_path, disk_bytes, lease_s, disk_io_threads, master,
-master_timeout_s, node_id, fetch_timeout_s; an unknown key or bad value raises ConfigError.
+master_timeout_s, node_id, fetch_timeout_s, disk_serve_bytes; an unknown key or bad value raises ConfigError.
 Salt: ``KeySalt(model, dtype, kv_layout, block_size, num_layers, tp_size, pp_size, extra)``.
 
 Modules: keys (blake3 chained keys), radix (index, leases), reuse_cache
 (leaf-first LRU, reuse-weighted LRU), adaptive_cache (the CPU tier's policy: the
-weighting picked online by keys-only shadows, LRU among them), cpu_pool (pool +
+weighting picked online by keys-only shadows, LRU among them, hash-sampled 1/8), cpu_pool (pool +
 slot allocator), disk_tier, plans
 (wire structs), config, scheduler_side (plans loads/saves) with block_placement (what is where)
 and request_keys, worker_side, pool_exchange (node-to-node
-fetch), master / master_client / master_command (``vllm-pd store-master``),
+fetch) with disk_staging (the holder's disk served to peers), master / master_client / master_command (``vllm-pd store-master``),
 trace (multi-turn trace generator).
 
 Design notes (why, measured in benchmarks/RESULTS.md "Store"):
@@ -69,22 +69,26 @@ Design notes (why, measured in benchmarks/RESULTS.md "Store"):
 - Write-through to disk: every block committed to the CPU pool is also written
   to disk asynchronously, so a CPU eviction never has to wait for a write.
 
-Node to node (with ``master`` set): each rank serves its CPU pool on its own
-TCP transport instance (pool_exchange.py; the endpoint rides in the connector's
+Node to node (with ``master`` set): each rank serves its CPU pool (and its
+disk tier) on its own TCP transport instance (pool_exchange.py; the endpoint rides in the connector's
 handshake and is published to the master). A node whose local prefix is
 shorter than what the master says another node holds reserves slots for the
 rest, its worker leases them from that node (``notify``), fetches the slots
-(transport ``fetch``, length + checksum per block), releases the lease (the
+layer by layer (one transport ``fetch`` per layer, all queued at once, length
++ checksum per block and layer; the loader copies layer i into vLLM as soon as
+layer i landed), releases the lease (the
 answer says which slots the holder started to overwrite meanwhile: those and
 the ones after them do not count), and reports them as saved: they commit like any put, and vLLM got them
 as a store hit in the same step. A stale entry (node gone, block evicted), a
 slow peer (``fetch_timeout_s``) or a dead master fall back to the local prefix;
-what did not arrive is reported as load errors and recomputed. Only blocks in
-the holder's CPU pool are served and advertised (not its disk tier; a block
-read back from disk is advertised again). A master that stays down is retried
-with a doubling back-off (up to 60 s): each failed call stalls the scheduler
-for ``master_timeout_s``. The fetch runs before
-the first layer's copy, so the step waits for it (no per-layer overlap yet).
+what did not arrive is reported as load errors and recomputed (also when
+earlier layers of it were already copied: vLLM discards that step's output
+for the request). Blocks the holder keeps only on disk stay advertised: a
+lease reads and verifies them into spare pool rows (``disk_serve_bytes``,
+owned by the grant until it ends; disk_staging.py) and serves them from
+there; with ``disk_serve_bytes`` 0 only CPU-pool blocks are advertised. A
+master that stays down is retried with a doubling back-off (up to 60 s): each
+failed call stalls the scheduler for ``master_timeout_s``.
 
 Composing with LMCache (not installed here; nothing of this was run): vLLM's
 MultiConnector takes a list of connectors; loads come from the first one that

@@ -16,7 +16,12 @@ contents lag the shadow's after a switch). So when re-use weighting gives
 nothing the real cache *is* plain LRU.
 
 Shadows hold keys only (no bytes), track their own parent/child counts for
-leaf-first eviction, and cost one more dict walk of each chain per base.
+leaf-first eviction, and cost one more dict walk of each chain per base. With
+``sample_rate`` < 1 they see only the keys whose hash falls in that fraction
+(SHARDS-style spatial sampling: a key is in or out for good, so its re-uses are
+all seen) in caches scaled by the same fraction, and their hits count
+1 / rate each; the sampled keys of a chain keep their order, so a shadow's
+chains stay chains (each sampled key's parent is the previous sampled one).
 """
 
 from __future__ import annotations
@@ -27,6 +32,28 @@ from collections.abc import Sequence
 from vllm_pd.connector.store.reuse_cache import Evictable, Key, OnEvict, ReuseAgedCache
 
 DEFAULT_BASES = (1.0, 0.5, 0.3, 0.1)
+_HASH_SPACE = 1 << 32
+# The store samples its shadows at 1/8 (same hit rates to ~1 %, never below LRU, 0.11x
+# the cost: benchmarks/RESULTS.md "Store"), but never below 32 sampled slots: a shadow
+# of a few slots would judge by noise.
+SAMPLE_RATE = 0.125
+MIN_SAMPLED_SLOTS = 32
+
+
+def shadow_sample_rate(capacity: int) -> float:
+    """The sample rate the store uses for a CPU tier of ``capacity`` blocks."""
+    return min(1.0, max(SAMPLE_RATE, MIN_SAMPLED_SLOTS / capacity))
+
+
+def sample_hash(key: Key) -> int:
+    """A 32-bit hash of a key that is the same in every process: the first bytes of
+    a block key (already a blake3 digest), or a multiplicative hash of an int id
+    (the trace's block ids). Never Python's salted ``hash()``."""
+    if isinstance(key, bytes):
+        return int.from_bytes(key[:4], "little")
+    if isinstance(key, int):
+        return (key * 0x9E3779B1) & (_HASH_SPACE - 1)
+    raise TypeError(f"cannot sample keys of type {type(key).__name__}")
 
 
 class ShadowCache:
@@ -72,16 +99,22 @@ class AdaptiveCache:
     policy; ``observe_request`` and ``observe_save`` feed the shadows."""
 
     def __init__(
-        self, capacity: int, bases: Sequence[float] = DEFAULT_BASES, half_life: float = 300.0, margin: float = 0.05
+        self, capacity: int, bases: Sequence[float] = DEFAULT_BASES, half_life: float = 300.0, margin: float = 0.05,
+        sample_rate: float = 1.0,
     ) -> None:
         if not bases or bases[0] != 1.0:
             raise ValueError(f"bases must start with 1.0 (plain LRU), got {list(bases)}")
         if half_life <= 0 or margin < 0:
             raise ValueError(f"half_life must be > 0 and margin >= 0, got {half_life}, {margin}")
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
         self.capacity = capacity
         self.bases = tuple(bases)
         self.real = ReuseAgedCache(capacity, 1.0)
-        self.shadows = [ShadowCache(capacity, b) for b in self.bases]
+        self.sample_rate = sample_rate
+        self._threshold = int(sample_rate * _HASH_SPACE)
+        shadow_capacity = max(1, round(capacity * sample_rate))
+        self.shadows = [ShadowCache(shadow_capacity, b) for b in self.bases]
         self.scores = [0.0] * len(self.bases)
         self._decay = 0.5 ** (1.0 / half_life)  # per request
         self._margin = margin
@@ -100,8 +133,9 @@ class AdaptiveCache:
 
     def observe_request(self, prompt: Sequence[Key]) -> None:
         """A request asks for ``prompt`` (its full-block keys); call once per request."""
+        sampled, weight = self._sampled(prompt), 1.0 / self.sample_rate
         for i, shadow in enumerate(self.shadows):
-            self.scores[i] = self.scores[i] * self._decay + shadow.lookup(prompt)
+            self.scores[i] = self.scores[i] * self._decay + shadow.lookup(sampled) * weight
         real = 0
         for key in prompt:
             if key not in self.real:
@@ -124,8 +158,15 @@ class AdaptiveCache:
 
     def observe_save(self, chain: Sequence[Key]) -> None:
         """A finished request's whole chain (prompt + output full blocks) is being saved."""
+        sampled = self._sampled(chain)
         for shadow in self.shadows:
-            shadow.save(chain)
+            shadow.save(sampled)
+
+    def _sampled(self, chain: Sequence[Key]) -> Sequence[Key]:
+        if self._threshold >= _HASH_SPACE:
+            return chain
+        threshold = self._threshold
+        return [key for key in chain if sample_hash(key) < threshold]
 
     def hit(self, chain: Sequence[Key]) -> None:
         self.real.hit(chain)

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from vllm_pd.connector.store.adaptive_cache import AdaptiveCache
+from vllm_pd.connector.store.adaptive_cache import AdaptiveCache, shadow_sample_rate
 from vllm_pd.connector.store.cpu_pool import SlotAllocator
 from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.store.master_client import MasterClient
@@ -44,12 +44,13 @@ class PendingPut:
 
 
 class BlockPlacement:
-    def __init__(self, num_slots: int, world_size: int, disk_enabled: bool) -> None:
+    def __init__(self, num_slots: int, world_size: int, disk_enabled: bool, disk_served: bool = False) -> None:
         self.index = RadixIndex()
-        self.cache = AdaptiveCache(num_slots)
+        self.cache = AdaptiveCache(num_slots, sample_rate=shadow_sample_rate(num_slots))
         self.slots = SlotAllocator(num_slots)
         self.world_size = world_size
         self.disk_enabled = disk_enabled
+        self.disk_served = disk_served  # the workers stage disk blocks for peers (config.disk_serve_bytes)
         self.master: MasterClient | None = None  # set by the owner once built (it needs servable_chains)
         self.pending: dict[BlockKey, PendingPut] = {}
         self.disk_acks: dict[BlockKey, int] = {}
@@ -115,7 +116,7 @@ class BlockPlacement:
         node = self.index.get(key)
         if node is not None:
             node.value.staging = False
-            if self.master is not None:  # back in a CPU slot: peers may fetch it again
+            if self.master is not None and not self.disk_served:  # back in a CPU slot: fetchable again
                 self.master.inserted(key, node.parent.key if node.parent is not None else None)
 
     def apply_disk(self, report: StoreReport) -> None:
@@ -182,14 +183,13 @@ class BlockPlacement:
         return loc.on_disk or not node.children
 
     def servable_chains(self) -> list[tuple[BlockKey, BlockKey | None]]:
-        """What the master may advertise of this node: blocks in CPU slots (peers
-        fetch from the pool, not from disk), parents first."""
-        out = []
-        for key, parent in self.index.chains():
-            loc: Location = self.index.get(key).value  # type: ignore[union-attr]
-            if loc.slot is not None and not loc.staging:
-                out.append((key, parent))
-        return out
+        """What the master may advertise of this node: every committed block,
+        parents first (peers fetch CPU slots, and disk blocks staged for them by
+        the holder's worker: disk_staging.py, unless disk_serve_bytes is 0)."""
+        if self.disk_served:
+            return self.index.chains()
+        return [(key, parent) for key, parent in self.index.chains()
+                if self.location(key).slot is not None and not self.location(key).staging]
 
     def drop_one(self, key: BlockKey) -> None:
         """The cache evicted ``key`` from the CPU tier (at once: its parent may be the next victim)."""
@@ -201,8 +201,8 @@ class BlockPlacement:
             self.slots.free([loc.slot])
             loc.slot = None
         self.stats["evicted_blocks"] += 1
-        if self.master is not None:
-            self.master.removed(key)  # peers fetch from CPU slots only, also when it stays on disk here
+        if self.master is not None and not (loc.on_disk and self.disk_served):
+            self.master.removed(key)  # served from disk, it stays advertised
         if not loc.on_disk:
             self.index.remove_leaf(key)
 
@@ -227,7 +227,9 @@ class BlockPlacement:
                     loc = self.index.get(key).value  # type: ignore[union-attr]
                     loc.on_disk, loc.disk_writing = True, False
                 elif parent is None or parent in self.index:
-                    self.index.insert_chain([key], parent, [Location(on_disk=True)])  # not servable to peers
+                    self.index.insert_chain([key], parent, [Location(on_disk=True)])
+                    if self.master is not None and self.disk_served:  # a restarted node serves its disk
+                        self.master.inserted(key, parent)
                 else:
                     continue
                 del self.disk_orphans[key]

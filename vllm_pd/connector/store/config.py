@@ -24,6 +24,9 @@ class StoreConfig:
     master_timeout_s: float = 0.2
     node_id: str | None = None  # name published to the master (default host:pid)
     fetch_timeout_s: float = 2.0  # node-to-node fetch (lease + bytes) must finish in this, else recompute
+    # CPU memory beyond cpu_bytes where a holder stages its disk blocks for peers' fetches
+    # (with a disk tier and a master only); 0 = peers get blocks in CPU slots only
+    disk_serve_bytes: int = 64 << 20
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> StoreConfig:
@@ -32,7 +35,7 @@ class StoreConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"store: unknown key(s) {unknown}; known: {sorted(known)}")
-        for name in ("cpu_bytes", "disk_bytes"):
+        for name in ("cpu_bytes", "disk_bytes", "disk_serve_bytes"):
             if name in raw:
                 raw[name] = parse_bytes(name, raw[name])
         for name in ("lease_s", "master_timeout_s", "fetch_timeout_s"):
@@ -52,3 +55,9 @@ class StoreConfig:
         if n <= 0:
             raise ConfigError(f"store.cpu_bytes={self.cpu_bytes} holds no block of {slot_nbytes} bytes")
         return n
+
+    def disk_serve_slots(self, slot_nbytes: int) -> int:
+        """Spare pool rows for staging disk blocks that peers fetch (0: not served)."""
+        if self.disk_path is None or self.master is None:
+            return 0
+        return self.disk_serve_bytes // slot_nbytes

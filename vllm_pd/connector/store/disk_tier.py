@@ -156,19 +156,22 @@ class DiskTier:
             self._committed.append((key, parent))
         return True
 
-    def read_into(self, key: BlockKey, dst: memoryview) -> Future[bool]:
-        """Read and verify ``key`` into ``dst``; False (and the file dropped) on any doubt."""
+    def read_into(self, key: BlockKey, dst: memoryview) -> Future[bytes | None]:
+        """Read and verify ``key`` into ``dst``: resolves to the payload's checksum
+        (the commit-time one, now matched by the bytes in ``dst``: callers need not
+        hash again), or None (and the file dropped) on any doubt."""
         with self._lock:
             if key not in self._entries:
-                f: Future[bool] = Future()
-                f.set_result(False)
+                f: Future[bytes | None] = Future()
+                f.set_result(None)
                 return f
             self._readers[key] = self._readers.get(key, 0) + 1
             self._entries.move_to_end(key)
         return self._pool.submit(self._read, key, dst)
 
-    def _read(self, key: BlockKey, dst: memoryview) -> bool:
+    def _read(self, key: BlockKey, dst: memoryview) -> bytes | None:
         ok = False
+        digest = b""
         try:
             with open(self._path(key), "rb") as f:
                 magic, salt, fkey, _, nbytes, digest = _HEADER.unpack(f.read(HEADER_BYTES))
@@ -183,7 +186,7 @@ class DiskTier:
             if not ok:
                 logger.warning("KV block %s on disk failed verification; dropped", key.hex())
                 self._drop(key)
-        return ok
+        return digest if ok else None
 
     # -- capacity --------------------------------------------------------------
 

@@ -3,17 +3,21 @@
 The master only says *which* node holds a prefix; the bytes move directly
 between the two nodes' CPU pools over the connector's transport (tcp by
 default), never through the master. Each worker rank registers its pool as one
-transport region whose "block" is a pool slot (all layers of one KV block), so
-one ``fetch`` moves whole slots with the transport's per-block length and
-checksum checks. Two small control messages ride on the transport's
-``notify``:
+transport region whose "block" is one layer of a pool slot, so a fetch per
+layer moves that layer of all leased slots with the transport's per-block
+length and checksum checks. Two small control messages ride on the
+transport's ``notify``:
 
 1. ``LeaseBlocks(keys)`` -> the holder answers ``LeaseGranted`` with the slots
    and the commit-time checksums of the longest leading run of ``keys`` it
-   still has in CPU memory, and grants a fetch of exactly those slots under a
-   fresh transfer id (the grant expires after ``grant_ttl_s``).
-2. ``fetch`` of those slots into the asker's reserved slots (the transport
-   checks each block's length and checksum in transit).
+   still has, in CPU memory or on disk (a disk block is first read and
+   verified into a spare pool row, disk_staging.py), and grants a fetch of
+   exactly those slots under a fresh transfer id (the grant expires after
+   ``grant_ttl_s``).
+2. ``fetch`` of those slots into the asker's reserved slots, one transport
+   fetch per layer, all queued at once (the region's blocks are (slot, layer)
+   rows; the transport checks each one's length and checksum in transit), so
+   the asker can copy layer 0 into vLLM while later layers are on the wire.
 3. ``ReleaseBlocks(transfer_id)`` -> ``Released(intact)``: the grant ends, and
    the holder says how many leading slots nobody started to overwrite since
    the lease (every writer of a pool slot first drops it from the
@@ -39,6 +43,7 @@ import msgspec
 
 from vllm_pd.connector.exceptions import TransportError
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
+from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.transport import MemoryRegion, Transport, create_transport
 from vllm_pd.connector.transport.base import BlockBatch
@@ -110,27 +115,29 @@ class SlotDirectory:
                 if key is not None:
                     self._by_key.pop(key, None)
 
+    def get(self, key: BlockKey) -> tuple[int, bytes, int] | None:
+        """(slot, checksum, generation) of ``key``, or None if no slot holds it."""
+        with self._lock:
+            entry = self._by_key.get(key)
+            return None if entry is None else (entry[0], entry[1], self._generation.get(entry[0], 0))
+
     def leading(self, keys: Sequence[BlockKey]) -> list[tuple[int, bytes]]:
         """(slot, checksum) of the longest leading run of ``keys`` held."""
-        return [(slot, digest) for slot, digest, _ in self.lease(keys)]
-
-    def lease(self, keys: Sequence[BlockKey]) -> list[tuple[int, bytes, int]]:
-        """(slot, checksum, generation) of the longest leading run of ``keys`` held."""
         out = []
-        with self._lock:
-            for key in keys:
-                entry = self._by_key.get(key)
-                if entry is None:
-                    break
-                out.append((entry[0], entry[1], self._generation.get(entry[0], 0)))
+        for key in keys:
+            entry = self.get(key)
+            if entry is None:
+                break
+            out.append((entry[0], entry[1]))
         return out
 
-    def intact(self, leased: Sequence[tuple[int, int]]) -> int:
-        """How many leading (slot, generation) pairs were not dropped since."""
+    def intact(self, leased: Sequence[tuple[int, int | None]]) -> int:
+        """How many leading (slot, generation) pairs were not dropped since
+        (generation None: a staging row its grant owns, which nobody else writes)."""
         with self._lock:
             n = 0
             for slot, generation in leased:
-                if self._generation.get(slot, 0) != generation:
+                if generation is not None and self._generation.get(slot, 0) != generation:
                     break
                 n += 1
             return n
@@ -146,18 +153,23 @@ class PoolExchange:
         transport: str = "tcp",
         timeout_s: float = 2.0,
         grant_ttl_s: float = 30.0,
+        staging: DiskStaging | None = None,
     ) -> None:
         self.pool = pool
         self.directory = directory
+        self.staging = staging  # None: peers get blocks in CPU slots only
         self.timeout_s = timeout_s
         self.grant_ttl_s = grant_ttl_s
         self.transport: Transport = create_transport(transport, connect_timeout=timeout_s)
-        self.transport.register_regions([MemoryRegion("kv-store-pool", pool.data)])
+        # one transport block per (slot, layer): a fetch of layer 0 of every slot can land
+        # (and be copied into vLLM's layer 0) before the later layers arrive
+        self.transport.register_regions([MemoryRegion("kv-store-pool", pool.data.view(-1, pool.layer_block_nbytes))])
         self.endpoint = ""
         self._lock = threading.Lock()
-        # transfer id -> (expiry (monotonic), leased (slot, generation) pairs)
-        self._grants: dict[str, tuple[float, list[tuple[int, int]]]] = {}
-        self.stats = {"served_blocks": 0, "fetched_blocks": 0, "failed_fetches": 0}
+        # transfer id -> (expiry (monotonic), leased (slot, generation) pairs, staging rows it owns)
+        self._grants: dict[str, tuple[float, list[tuple[int, int | None]], list[int]]] = {}
+        self.stats = {"served_blocks": 0, "served_from_disk": 0, "fetched_blocks": 0, "failed_fetches": 0}
+        self._served_reported = (0, 0)
 
     def start(self, bind_host: str, advertised_host: str, port: int = 0) -> str:
         """Serve the pool; returns the endpoint peers fetch from (published via the master)."""
@@ -188,15 +200,47 @@ class PoolExchange:
 
     def _lease(self, keys: Sequence[BlockKey]) -> LeaseGranted:
         self._expire_grants()
-        held = self.directory.lease(keys)
+        held, staged = self._held(keys)
         tid = f"store-{uuid.uuid4().hex}"
         slots = [slot for slot, _, _ in held]
         if slots:
             with self._lock:
-                self._grants[tid] = (time.monotonic() + self.grant_ttl_s, [(s, g) for s, _, g in held])
-            self.transport.allow_fetch(tid, slots)
-            self.stats["served_blocks"] += len(slots)
+                self._grants[tid] = (time.monotonic() + self.grant_ttl_s, [(s, g) for s, _, g in held], staged)
+            self.transport.allow_fetch(tid, [row for layer in range(self.pool.num_layers)
+                                             for row in self._rows(slots, layer)])
+            with self._lock:  # read together by take_served
+                self.stats["served_blocks"] += len(slots)
+                self.stats["served_from_disk"] += len(staged)
         return LeaseGranted(tid, slots, [digest for _, digest, _ in held])
+
+    def _held(self, keys: Sequence[BlockKey]) -> tuple[list[tuple[int, bytes, int | None]], list[int]]:
+        """(slot, checksum, generation) of the longest leading run of ``keys`` held
+        in a pool slot or on disk (staged into a spare row: generation None), and
+        the staging rows used. Runs on the transport's reader thread: a disk read
+        delays only this peer's session, which waits for the answer anyway."""
+        held: list[tuple[int, bytes, int | None] | None] = []
+        on_disk: list[BlockKey] = []
+        for key in keys:
+            entry = self.directory.get(key)
+            if entry is None and (self.staging is None or not self.staging.holds(key)):
+                break
+            held.append(entry)
+            if entry is None:
+                on_disk.append(key)
+        if not on_disk:
+            return held, []  # type: ignore[return-value]
+        assert self.staging is not None
+        rows, sums = self.staging.stage(on_disk)
+        out: list[tuple[int, bytes, int | None]] = []
+        staged = iter(zip(rows, sums))
+        for entry in held:
+            if entry is None:
+                row = next(staged, None)
+                if row is None:
+                    break  # no spare row left, or the file failed verification: the run ends here
+                entry = (row[0], row[1], None)
+            out.append(entry)
+        return out, rows
 
     def _revoke(self, tid: str) -> int:
         """End a grant (once no read of it is sending); returns its intact leading slots."""
@@ -205,14 +249,24 @@ class PoolExchange:
         if grant is None:
             return 0  # unknown or expired: count nothing
         self.transport.allow_fetch(tid, None)
+        if self.staging is not None and grant[2]:
+            self.staging.give_back(grant[2])  # no byte of them is being sent any more
         return self.directory.intact(grant[1])
 
     def _expire_grants(self) -> None:
         now = time.monotonic()
         with self._lock:
-            old = [tid for tid, (until, _) in self._grants.items() if until <= now]
+            old = [tid for tid, (until, _, _) in self._grants.items() if until <= now]
         for tid in old:
             self._revoke(tid)
+
+    def take_served(self) -> tuple[int, int]:
+        """(blocks served from the CPU pool, from disk) since the last call (for vLLM's metrics)."""
+        with self._lock:
+            total, disk = self.stats["served_blocks"], self.stats["served_from_disk"]
+            last_total, last_disk = self._served_reported
+            self._served_reported = (total, disk)
+        return (total - disk) - (last_total - last_disk), disk - last_disk
 
     @property
     def live_grants(self) -> int:
@@ -227,33 +281,41 @@ class PoolExchange:
         of the *leading* keys that landed intact (verified in transit, not
         overwritten at the holder while sent), possibly none. Never raises for
         a peer's fault."""
+        return self.start_fetch(peer, keys, local_slots).finish()
+
+    def start_fetch(self, peer: str, keys: Sequence[BlockKey], local_slots: Sequence[int]) -> PeerFetch:
+        """Lease ``keys`` at ``peer`` and start fetching them layer by layer (one
+        transport fetch per layer, all queued at once: they land in order);
+        returns at once with the handle the loader waits on per layer."""
         if not keys:
-            return []
+            return PeerFetch(self, peer, 0, "", [], [])
         try:
             granted = self._ask(peer, LeaseBlocks(list(keys)))
             if not isinstance(granted, LeaseGranted) or len(granted.sums) != len(granted.slots):
                 raise TransportError(f"bad lease reply from {peer}")
-            n = min(len(granted.slots), len(keys))
+            n = min(len(granted.slots), len(keys), len(local_slots))
             if n == 0:
-                return self._count([], len(keys))
+                return PeerFetch(self, peer, len(keys), "", [], [])
+            layers: list[Future[None]] = []
             try:
-                done: Future[None] = self.transport.fetch(
-                    peer, granted.transfer_id, POOL_REGION, granted.slots[:n], list(local_slots[:n]), self.timeout_s
-                )
-                done.result(timeout=self.timeout_s + 1.0)
-            except BaseException:
-                self._release_quietly(peer, granted.transfer_id)
-                raise
-            released = self._ask(peer, ReleaseBlocks(granted.transfer_id))
-            if not isinstance(released, Released):
-                raise TransportError(f"bad release reply from {peer}")
+                for layer in range(self.pool.num_layers):
+                    layers.append(self.transport.fetch(
+                        peer, granted.transfer_id, POOL_REGION, self._rows(granted.slots[:n], layer),
+                        self._rows(local_slots[:n], layer), self.timeout_s))
+            except (TransportError, ValueError) as exc:
+                logger.warning("store: fetch of %d blocks from %s failed: %s; recomputing them", n, peer, exc)
+                failed = PeerFetch(self, peer, len(keys), granted.transfer_id, [], layers)
+                failed.finish()  # waits for the layers already asked for, ends the grant
+                return failed
         except (TransportError, msgspec.MsgspecError, TimeoutError, ValueError) as exc:
             logger.warning("store: fetch of %d blocks from %s failed: %s; recomputing them", len(keys), peer, exc)
-            return self._count([], len(keys))
-        if released.intact < n:
-            logger.warning("store: %d of %d blocks from %s were evicted there while being sent; recomputing them",
-                           n - released.intact, n, peer)
-        return self._count(list(granted.sums[: min(n, released.intact)]), len(keys))
+            return PeerFetch(self, peer, len(keys), "", [], [])
+        return PeerFetch(self, peer, len(keys), granted.transfer_id, list(granted.sums[:n]), layers)
+
+    def _rows(self, slots: Sequence[int], layer: int) -> list[int]:
+        """Transport block ids of ``layer`` of pool ``slots`` (the region is [slot, layer] rows)."""
+        layers = self.pool.num_layers
+        return [slot * layers + layer for slot in slots]
 
     def _release_quietly(self, peer: str, tid: str) -> None:
         try:
@@ -274,3 +336,68 @@ class PoolExchange:
     def close(self) -> None:
         self.transport.close()
 
+
+
+class PeerFetch:
+    """One node-to-node fetch in flight (:meth:`PoolExchange.start_fetch`).
+
+    ``granted`` blocks were leased; :meth:`layer_landed` blocks until one layer
+    of all of them is in our slots (verified in transit), so the loader copies
+    layer ``i`` into vLLM while later layers are still on the wire.
+    :meth:`finish` waits for every layer, ends the grant and returns the
+    checksums of the leading blocks that count (landed, and not overwritten at
+    the holder while sent). A block whose layers were already copied but that
+    does not count is reported as a load error by the caller: vLLM discards
+    that step's output for the request and recomputes the block."""
+
+    def __init__(self, exchange: PoolExchange, peer: str, asked: int, transfer_id: str, sums: list[bytes],
+                 layers: list[Future[None]]) -> None:
+        self._exchange = exchange
+        self._peer = peer
+        self._asked = asked
+        self._tid = transfer_id
+        self._sums = sums
+        self._layers = layers
+        self._failed = False
+        self._done: list[bytes] | None = None
+        self.granted = len(sums) if len(layers) == exchange.pool.num_layers else 0
+
+    def layer_landed(self, layer: int) -> bool:
+        """Whether ``layer`` of the granted blocks landed (False once any layer failed)."""
+        if not self.granted or self._failed:
+            return False
+        try:
+            self._layers[layer].result(timeout=self._exchange.timeout_s + 1.0)
+        except Exception as exc:  # noqa: BLE001 - a peer's fault: these blocks are recomputed
+            logger.warning("store: fetch of layer %d from %s failed: %s; recomputing", layer, self._peer, exc)
+            self._failed = True
+        return not self._failed
+
+    def finish(self) -> list[bytes]:
+        if self._done is None:
+            self._done = self._exchange._count(self._end(), self._asked)
+        return self._done
+
+    def _end(self) -> list[bytes]:
+        ex = self._exchange
+        for f in self._layers:  # every one: none may still write our slots once we return
+            try:
+                f.result(timeout=ex.timeout_s + 1.0)
+            except Exception:  # noqa: BLE001
+                self._failed = True
+        if not self._tid:
+            return []
+        if self._failed or not self.granted:
+            ex._release_quietly(self._peer, self._tid)
+            return []
+        try:
+            released = ex._ask(self._peer, ReleaseBlocks(self._tid))
+            if not isinstance(released, Released):
+                raise TransportError(f"bad release reply from {self._peer}")
+        except (TransportError, msgspec.MsgspecError, TimeoutError, ValueError) as exc:
+            logger.warning("store: release at %s failed: %s; recomputing %d blocks", self._peer, exc, self.granted)
+            return []
+        if released.intact < self.granted:
+            logger.warning("store: %d of %d blocks from %s were evicted there while being sent; recomputing them",
+                           self.granted - released.intact, self.granted, self._peer)
+        return self._sums[: released.intact]

@@ -41,7 +41,8 @@ class StoreScheduler:
         self.salt = salt
         self.world_size = world_size
         self.block_size = salt.block_size
-        self.placement = BlockPlacement(config.num_slots(slot_nbytes), world_size, config.disk_path is not None)
+        self.placement = BlockPlacement(config.num_slots(slot_nbytes), world_size, config.disk_path is not None,
+                                        disk_served=config.disk_serve_slots(slot_nbytes) > 0)
         # the same objects, named for the bridge, the tests and the benchmarks
         self.index, self.cache, self.slots, self.stats = (
             self.placement.index, self.placement.cache, self.placement.slots, self.placement.stats)

@@ -9,13 +9,16 @@ tier's own threads) and reports what landed through :meth:`StoreWorker.report`
 Loads are layer-wise: :meth:`start_loads` returns at once; a thread copies
 layer 0 of every op, then layer 1, ...; :meth:`wait_layer` blocks until layer
 ``i`` is in place, so the forward pass of layer ``i`` overlaps the copy of
-layer ``i+1``. A block read from disk is checksum-verified before any layer of
-it is copied; a failure makes that block and every later block of the request
-a load error (vLLM recomputes them), never wrong KV.
+layer ``i+1``. A block read from disk is checksum-verified before any layer
+of it is copied; a failure makes that block and every later block of the
+request a load error (vLLM recomputes them), never wrong KV.
 
 With a master configured, :meth:`serve_peers` puts the pool on the transport
-(pool_exchange.py): peers fetch committed slots directly, and loads marked
-``from_peer`` fetch theirs from another node before the layer copies start.
+(pool_exchange.py): peers fetch committed slots directly (and blocks this rank
+holds only on disk, staged into spare pool rows: disk_staging.py), and loads
+marked ``from_peer`` fetch theirs from another node layer by layer (one
+transport fetch per layer, all queued at once): layer ``i``'s copy waits for
+layer ``i``'s bytes only, not for the whole fetch.
 """
 
 from __future__ import annotations
@@ -24,17 +27,29 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
+from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.disk_tier import DiskTier
 from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.plans import LoadOp, LoadResult, SaveOp, SaveResult, StorePlan, StoreReport
-from vllm_pd.connector.store.pool_exchange import PoolExchange, SlotDirectory
+from vllm_pd.connector.store.pool_exchange import PeerFetch, PoolExchange, SlotDirectory
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A load op after its local part is in the pool: the fetch of its peer part runs."""
+
+    local: int  # leading blocks usable from this node (pool, verified disk reads)
+    remote: list[int]  # indices of the op's blocks fetched from a peer (a suffix)
+    fetch: PeerFetch | None = None
+    settled: bool = False
 
 
 class StoreWorker:
@@ -49,7 +64,9 @@ class StoreWorker:
         self.kv_caches = list(kv_caches)
         layer_nbytes = nbytes.pop()
         slot_nbytes = layer_nbytes * len(kv_caches)
-        self.pool = CpuBlockPool(config.num_slots(slot_nbytes), len(kv_caches), layer_nbytes)
+        # rows past the scheduler's slots stage disk blocks for peers (disk_staging.py)
+        self.num_slots = config.num_slots(slot_nbytes)
+        self.pool = CpuBlockPool(self.num_slots + config.disk_serve_slots(slot_nbytes), len(kv_caches), layer_nbytes)
         self.disk = (
             DiskTier(config.disk_path, salt.digest(), rank, config.disk_bytes, config.disk_io_threads)
             if config.disk_path else None
@@ -72,8 +89,10 @@ class StoreWorker:
     def serve_peers(self, bind_host: str, advertised_host: str) -> str:
         """Serve this rank's pool to other nodes; returns the endpoint to publish."""
         if self.exchange is None:
+            spare = range(self.num_slots, self.pool.num_slots)
+            staging = DiskStaging(self.pool, self.disk, spare) if self.disk is not None and spare else None
             self.exchange = PoolExchange(self.pool, self.directory, timeout_s=self.config.fetch_timeout_s,
-                                         grant_ttl_s=self.config.lease_s)
+                                         grant_ttl_s=self.config.lease_s, staging=staging)
             self.exchange.start(bind_host, advertised_host)
         return self.exchange.endpoint
 
@@ -153,17 +172,26 @@ class StoreWorker:
 
     def _load(self, ops: list[LoadOp], layer_futures: list[Future[None]]) -> None:
         error: Exception | None = None
+        staged: list[_Staged] = []
         try:
-            usable = [self._stage(op) for op in ops]
+            for op in ops:
+                staged.append(self._stage(op))
             for layer, kv in enumerate(self.kv_caches):
-                for op, n in zip(ops, usable):
+                for op, st in zip(ops, staged):
+                    n = st.local
+                    if st.fetch is not None and st.fetch.layer_landed(layer):  # waits for this layer only
+                        n += st.fetch.granted
                     if n:
                         self.pool.load_layer(layer, op.slots[:n], kv, op.block_ids[:n])
                 if layer < len(layer_futures) - 1:
                     layer_futures[layer].set_result(None)
+            usable = [self._settle(op, st) for op, st in zip(ops, staged)]
         except Exception as exc:  # noqa: BLE001
             logger.exception("store: load failed")
             usable, error = [0] * len(ops), exc
+            for i, op in enumerate(ops):  # reserved slots must always be committed or given back
+                st = staged[i] if i < len(staged) else _Staged(0, [j for j, p in enumerate(op.from_peer) if p])
+                self._settle(op, st, failed=True)
         # recorded before the last layer is released: vLLM asks for load errors right
         # after its forward, which waits for every layer
         with self._lock:
@@ -179,43 +207,55 @@ class StoreWorker:
             else:
                 f.set_result(None)
 
-    def _stage(self, op: LoadOp) -> int:
-        """Read the op's disk blocks and fetch its peer blocks into their slots;
-        returns how many leading blocks are usable."""
+    def _stage(self, op: LoadOp) -> _Staged:
+        """Read the op's disk blocks into their slots and start fetching its peer
+        blocks (layer by layer, not waited for here)."""
         usable = len(op.keys)
         remote = [i for i, p in enumerate(op.from_peer) if p]
-        fetched: list[bytes] = []  # checksums of the peer blocks that landed
-        try:
-            reads = []
-            for i, (slot, from_disk) in enumerate(zip(op.slots, op.from_disk)):
-                if from_disk:
-                    if self.disk is None:
-                        usable = min(usable, i)
-                        break
-                    self.directory.drop_slots([slot])
-                    reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot))))
-            for i, fut in reads:  # wait for all: no read may still write a slot the scheduler frees
-                if fut.result():
-                    self.directory.put(op.keys[i], op.slots[i], self.pool.checksum(op.slots[i]))
-                else:
+        reads = []
+        for i, (slot, from_disk) in enumerate(zip(op.slots, op.from_disk)):
+            if from_disk:
+                if self.disk is None:
                     usable = min(usable, i)
-            if remote and usable >= remote[0]:
-                fetched = self._fetch(op, remote)
-        finally:
-            if remote:  # the reserved slots must always be committed or given back
-                self._fetched(op, remote, fetched)
-        return min(usable, remote[0] + len(fetched)) if remote else usable
+                    break
+                self.directory.drop_slots([slot])
+                reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot))))
+        for i, fut in reads:  # wait for all: no read may still write a slot the scheduler frees
+            digest = fut.result()
+            if digest is not None:
+                self.directory.put(op.keys[i], op.slots[i], digest)
+            else:
+                usable = min(usable, i)
+        if not remote:
+            return _Staged(usable, [])
+        staged = _Staged(min(usable, remote[0]), remote)
+        if usable >= remote[0]:
+            staged.fetch = self._start_fetch(op, remote)
+        return staged
 
-    def _fetch(self, op: LoadOp, remote: list[int]) -> list[bytes]:
-        """Fetch the op's peer blocks (a suffix of it) into their reserved slots;
-        returns the checksums of the leading ones that landed verified."""
+    def _start_fetch(self, op: LoadOp, remote: list[int]) -> PeerFetch | None:
+        """Start fetching the op's peer blocks (a suffix of it) into their reserved slots."""
         peers = op.peer.split(",")
         slots = [op.slots[i] for i in remote]
         self.directory.drop_slots(slots)
         if self.exchange is None or len(peers) <= self.rank:
             logger.warning("store: no peer endpoint for rank %d (%r); recomputing", self.rank, op.peer)
-            return []
-        return self.exchange.fetch(peers[self.rank], [op.keys[i] for i in remote], slots)
+            return None
+        return self.exchange.start_fetch(peers[self.rank], [op.keys[i] for i in remote], slots)
+
+    def _settle(self, op: LoadOp, st: _Staged, failed: bool = False) -> int:
+        """End the op's fetch (commit what landed intact, give back the rest);
+        returns how many leading blocks of the op are usable. Once per op."""
+        if st.settled:
+            return 0
+        st.settled = True
+        if not st.remote:
+            return st.local
+        sums = st.fetch.finish() if st.fetch is not None else []  # waits: nothing writes the slots after
+        if failed:
+            sums = []
+        self._fetched(op, st.remote, sums)
+        return st.local + len(sums)
 
     def _fetched(self, op: LoadOp, remote: list[int], sums: list[bytes]) -> None:
         """Report fetched blocks as saved here (the scheduler commits them), the rest as failed."""
