@@ -90,7 +90,11 @@ there; with ``disk_serve_bytes`` 0 only CPU-pool blocks are advertised. A
 master that stays down is retried with a doubling back-off (up to 60 s): each
 failed call stalls the scheduler for ``master_timeout_s``.
 
-Composing with LMCache (not installed here; nothing of this was run): vLLM's
+Composing with LMCache - not run here, and it cannot be on these CPU machines: the
+registry's lmcache 0.5.6 wheel (checked 2026-11-22, installed aside with --no-deps)
+loads its ``cuda_ops`` extension, linked against libc10_cuda.so, which the CPU torch
+build lacks (ImportError), and it requires cupy-cuda13x, nvtx and cufile-python. On a
+GPU machine with the regular vllm wheel: vLLM's
 MultiConnector takes a list of connectors; loads come from the first one that
 reports a hit, saves go to all. ``{"kv_connector": "MultiConnector",
 "kv_connector_extra_config": {"connectors": [{"kv_connector": "PDConnector",
