@@ -11,8 +11,10 @@ ack) lengthens the prompt step and so the TTFT. This measures it without vLLM:
   ``save_kv_layer``) pushes that layer's KV blocks to the receiver;
 * the receiver (another process, another core) lands them as decode would.
 
-Printed: the forward's median wall time without pushes and with them, forwards of
-both kinds interleaved in one run, and the difference per push.
+Printed: the forward's median wall time without pushes and with them, and - the
+limit - with a plain socket ``sendall`` of the same bytes per layer to the same
+receiver core instead of a push (what moving the bytes costs at least); forwards
+of the three kinds interleaved in one run.
 
 Usage: python3 benchmarks/push_cost.py [--transports tcp shm] [--tokens 128 512] [--forwards 40]
 """
@@ -23,7 +25,9 @@ import argparse
 import gc
 import multiprocessing as mp
 import os
+import socket
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 
@@ -97,6 +101,15 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+def _drain(server: socket.socket) -> None:
+    """The raw limit's receiving end: read and drop whatever one connection sends."""
+    c, _ = server.accept()
+    buf = memoryview(bytearray(1 << 20))
+    with c:
+        while c.recv_into(buf):
+            pass
+
+
 def _receiver(conn, core: int) -> None:
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
@@ -105,9 +118,13 @@ def _receiver(conn, core: int) -> None:
         regions = _regions()
         t = create_transport(transport)
         t.register_regions(regions)
-        conn.send(t.start(_Sink(regions), "127.0.0.1", 0))
+        raw = socket.create_server(("127.0.0.1", 0))
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        threading.Thread(target=_drain, args=(raw,), daemon=True).start()
+        conn.send((t.start(_Sink(regions), "127.0.0.1", 0), raw.getsockname()[1]))
         conn.recv()
         t.close()
+        raw.close()
         conn.send(None)
 
 
@@ -116,36 +133,46 @@ def _sender(conn, core: int) -> None:
     torch.set_num_threads(1)
     _freeze_heap()
     while (msg := conn.recv()) is not None:
-        case, ep = msg
-        conn.send(_forwards(case, ep))
+        case, ep, raw_port = msg
+        conn.send(_forwards(case, ep, raw_port))
 
 
-def _forwards(case: Case, ep: str) -> tuple[list[float], list[float]]:
-    """Forward times without and with pushes, interleaved (so machine noise hits both alike)."""
+KINDS = ("none", "push", "raw")
+
+
+def _forwards(case: Case, ep: str, raw_port: int) -> dict[str, list[float]]:
+    """Forward times per kind, interleaved (so machine noise hits all alike)."""
     regions = _regions()
     t = create_transport(case.transport)
     t.register_regions(regions)
     t.start(_Sink(regions), "127.0.0.1", 0)
+    raw = socket.create_connection(("127.0.0.1", raw_port))
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
     layers = [_Layer(case.tokens) for _ in range(LAYERS)]
     block_nbytes = regions[0].block_nbytes
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for n in range(2 * case.forwards + 4):  # 4 warm-up forwards (connect, page in)
-        push = n % 2 == 1
+    rows = [r.tensor.view(r.num_blocks, -1).view(torch.uint8).numpy() for r in regions]
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    for n in range(len(KINDS) * (case.forwards + 2)):  # 2 warm-up forwards of each kind
+        kind = KINDS[n % len(KINDS)]
         ids = [(n * case.blocks + b) % BLOCKS for b in range(case.blocks)]
         futs = []
         t0 = time.perf_counter()
         for i, layer in enumerate(layers):
             layer()
-            if push:
+            if kind == "push":
                 batch = BlockBatch(f"f{n}", i, tuple(range(case.blocks)), block_nbytes, last=i == LAYERS - 1)
                 futs.append(t.push(ep, batch, ids, timeout=30, answer=i == LAYERS - 1))  # as the connector
-        if n >= 4:
-            times[push].append(time.perf_counter() - t0)
+            elif kind == "raw":
+                raw.sendmsg([memoryview(rows[i][b]) for b in ids])
+        if n >= 2 * len(KINDS):
+            times[kind].append(time.perf_counter() - t0)
         for f in futs:
             f.result()
         time.sleep(0.02)  # requests arrive apart: each forward starts with idle transport threads
     t.close()
-    return times[False], times[True]
+    raw.close()
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,15 +192,16 @@ def main(argv: list[str] | None = None) -> int:
         for transport in args.transports:
             for tokens in args.tokens:
                 rx_a.send(transport)
-                ep = rx_a.recv()
-                tx_a.send((Case(transport, tokens, args.forwards), ep))
-                without, with_pushes = tx_a.recv()
+                ep, raw_port = rx_a.recv()
+                tx_a.send((Case(transport, tokens, args.forwards), ep, raw_port))
+                times = tx_a.recv()
                 rx_a.send(None)
                 rx_a.recv()
-                plain, pushed = statistics.median(without) * 1e3, statistics.median(with_pushes) * 1e3
+                plain, pushed, raw = (statistics.median(times[k]) * 1e3 for k in KINDS)
                 print(f"{transport} {tokens:5d} tokens: forward {pushed:6.2f} ms with {LAYERS} pushes vs "
                       f"{plain:6.2f} ms without = +{pushed - plain:5.2f} ms "
-                      f"(+{(pushed - plain) / LAYERS * 1e3:4.0f} us per push)", flush=True)
+                      f"(+{(pushed - plain) / LAYERS * 1e3:4.0f} us per push); limit: raw socket sends of the "
+                      f"same bytes +{raw - plain:5.2f} ms", flush=True)
     finally:
         rx_a.send(None)
         tx_a.send(None)
