@@ -4,7 +4,7 @@ Every message is a fixed 40-byte header, a variable part whose size the header
 gives, and - for messages that carry blocks (PUSH, DATA) - the block bytes
 followed by a trailer of one 8-byte digest per block::
 
-    header   magic "VPD3", kind, status, checksum kind, flags, request id, layer,
+    header   magic "VPD4", kind, status, checksum kind, flags, request id, layer,
              block count, block_nbytes, transfer-id length, payload length
     variable transfer id (utf-8) | ids (u32 x count) | lengths (u64 x count,
              data messages only) | payload
@@ -27,10 +27,11 @@ from enum import IntEnum
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, Checksum
 
-# VPD3: quiet PUSHes (answered only on failure). VPD2: crc32c checksum kind, shm trailer
+# VPD4: shm ring credits counted in shared memory (CREDIT = a bare wake-up, ACK carries no
+# slots). VPD3: quiet PUSHes (answered only on failure). VPD2: crc32c checksum kind, shm trailer
 # READY carrying the last slot, ACK carrying credits. An older peer fails the handshake with
 # "bad magic" instead of stalling on an answer it will never send.
-MAGIC = b"VPD3"
+MAGIC = b"VPD4"
 MAX_COUNT = 1 << 20
 MAX_TRANSFER_ID = 1024
 MAX_PAYLOAD = 16 << 20
@@ -51,10 +52,10 @@ class Kind(IntEnum):
     PUSH = 2  # blocks for the peer's sink; ids = positions
     FETCH = 3  # read request; ids = the server's block ids
     NOTIFY = 4  # control message; payload = message
-    ACK = 5  # status of a PUSH, or a refused FETCH; payload = error text; shm: ids = slots credited
+    ACK = 5  # status of a PUSH, or a refused FETCH; payload = error text
     DATA = 6  # blocks answering a FETCH
     REPLY = 7  # answer to a NOTIFY; payload = reply
-    CREDIT = 8  # shm: ids = ring slots the receiver has emptied
+    CREDIT = 8  # shm: wake-up of a sender waiting for ring slots (the count is in the ring)
     READY = 9  # shm: ids = ring slots the sender has filled (sizes in lengths)
 
 

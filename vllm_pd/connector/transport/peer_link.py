@@ -281,8 +281,6 @@ class PeerLink:
                 elif frame.kind is Kind.DATA:
                     self._on_data(wire, channel, frame)
                 elif frame.kind in (Kind.ACK, Kind.REPLY):
-                    if frame.ids:  # an ACK returning the PUSH's last ring slots (shm)
-                        channel.on_credit(frame)
                     self._on_answer(frame)
                 else:
                     raise TransferCorrupted(f"unexpected {frame.kind.name} frame from {self.endpoint}")

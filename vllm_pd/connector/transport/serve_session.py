@@ -100,9 +100,7 @@ class ServeSession:
             self._on_end(self)
 
     def _ack(self, frame: Frame, status: Status, text: str = "") -> None:
-        # ids: ring slots of this PUSH returned with its answer (shm; none on tcp or a FETCH).
-        ack = Frame(Kind.ACK, req_id=frame.req_id, status=status, payload=text.encode(),
-                    ids=self._channel.take_owed_credits())
+        ack = Frame(Kind.ACK, req_id=frame.req_id, status=status, payload=text.encode())
         self._jobs.put(lambda: self.wire.send_frame(ack))
 
     def _on_push(self, frame: Frame) -> None:

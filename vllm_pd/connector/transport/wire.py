@@ -2,7 +2,7 @@
 
 A :class:`Wire` is the control stream: frames (see framing.py) written under one
 lock so that the two threads that may write (the writer, and on shm the reader
-returning ring credits) never interleave bytes. A :class:`BlockChannel` moves
+waking a sender that waits for ring slots) never interleave bytes. A :class:`BlockChannel` moves
 block bytes: over the socket itself (tcp) or through shared memory (shm).
 """
 
@@ -101,10 +101,7 @@ class BlockChannel(Protocol):
         """Consume (and discard) the blocks announced by ``frame``."""
 
     def on_credit(self, frame: Frame) -> None:
-        """A CREDIT frame (or an ACK carrying credits) from the other end (shm flow control)."""
-
-    def take_owed_credits(self) -> tuple[int, ...]:
-        """Credits of the last received PUSH not sent yet: they ride on its ACK (shm)."""
+        """A CREDIT frame from the other end: it has emptied what we wait for (shm)."""
 
     def close(self) -> None:
         """Free the channel's resources (shm: unlink segments)."""
@@ -151,9 +148,6 @@ class SocketChannel:
 
     def on_credit(self, frame: Frame) -> None:
         raise ValueError("CREDIT frame on a socket channel")
-
-    def take_owed_credits(self) -> tuple[int, ...]:
-        return ()
 
     def close(self) -> None:
         pass
