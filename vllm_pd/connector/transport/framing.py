@@ -213,6 +213,70 @@ def read_frame(sock: socket.socket) -> Frame:
     return decode_rest(h, recv_exact(sock, h.rest_nbytes) if h.rest_nbytes else b"")
 
 
+# Enough for any usual frame (a PUSH of 1000 blocks is ~12 KiB) and several small ones.
+READ_BUFFER_NBYTES = 64 << 10
+
+
+class FrameReader:
+    """Frames and the bytes that follow them, read from one socket through a buffer.
+
+    One recv takes whatever has arrived - on shm usually a PUSH and its READY together -
+    where exact reads cost a syscall per header and per variable part (four per shm push).
+    Bytes after a frame may land in the buffer too (tcp: the start of the blocks), so every
+    read of this socket after the handshake goes through here: ``read_into`` and
+    ``discard`` hand out the buffered bytes first. One reading thread per socket.
+    """
+
+    def __init__(self, sock: socket.socket, buffer_nbytes: int = READ_BUFFER_NBYTES) -> None:
+        self.sock = sock
+        self._buf = bytearray(buffer_nbytes)
+        self._view = memoryview(self._buf)
+        self._start = 0  # buffered, not yet consumed: _buf[_start:_end]
+        self._end = 0
+
+    def read_frame(self) -> Frame:
+        h = decode_header(self._take(HEADER_NBYTES))
+        return decode_rest(h, self._take(h.rest_nbytes) if h.rest_nbytes else b"")
+
+    def read_into(self, view: memoryview) -> None:
+        """Fill ``view`` (buffered bytes first, then straight from the socket)."""
+        k = min(self._end - self._start, len(view))
+        if k:
+            view[:k] = self._view[self._start : self._start + k]
+            self._start += k
+            view = view[k:]
+        if len(view):
+            recv_exact_into(self.sock, view)
+
+    def discard(self, nbytes: int) -> None:
+        k = min(self._end - self._start, nbytes)
+        self._start += k
+        if nbytes > k:
+            discard(self.sock, nbytes - k)
+
+    def _take(self, n: int) -> memoryview | bytearray:
+        """The next ``n`` bytes; a view into the buffer, valid until the next call."""
+        if n > len(self._buf):  # a large variable part (a big NOTIFY): read it whole
+            out = bytearray(n)
+            self.read_into(memoryview(out))
+            return out
+        have = self._end - self._start
+        if have < n:
+            if len(self._buf) - self._start < n:  # not room behind: move the partial frame to the front
+                self._buf[:have] = bytes(self._view[self._start : self._end])
+                self._start, self._end = 0, have
+            while self._end - self._start < n:
+                got = self.sock.recv_into(self._view[self._end :])
+                if got == 0:
+                    raise PeerClosed("connection closed by peer (end of stream)")
+                self._end += got
+        out = self._view[self._start : self._start + n]
+        self._start += n
+        if self._start == self._end:
+            self._start = self._end = 0
+        return out
+
+
 def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
     """Send all buffers in order with as few sendmsg calls as possible (no copies)."""
     bufs = [memoryview(b).cast("B") if not isinstance(b, memoryview) else b for b in buffers]

@@ -275,7 +275,7 @@ class PeerLink:
     def _read_loop(self, wire: Wire, channel: BlockChannel) -> None:
         try:
             while True:
-                frame = read_frame(wire.sock)
+                frame = wire.reader.read_frame()
                 if frame.kind is Kind.CREDIT:
                     channel.on_credit(frame)
                 elif frame.kind is Kind.DATA:

@@ -23,7 +23,6 @@ from vllm_pd.connector.transport.framing import (
     Frame,
     Kind,
     Status,
-    read_frame,
 )
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.wire import BlockChannel, Wire
@@ -80,7 +79,7 @@ class ServeSession:
     def _read_loop(self) -> None:
         try:
             while not self._closed.is_set():
-                frame = read_frame(self.wire.sock)
+                frame = self.wire.reader.read_frame()
                 if frame.kind is Kind.PUSH:
                     self._on_push(frame)
                 elif frame.kind is Kind.FETCH:

@@ -39,7 +39,7 @@ import numpy as np
 
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
-from vllm_pd.connector.transport.framing import Frame, Kind, read_frame
+from vllm_pd.connector.transport.framing import Frame, Kind
 from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
 from vllm_pd.connector.transport.wire import Wire
 
@@ -190,7 +190,7 @@ class ShmChannel:
         stream = BlockStream(frame.checksum, views) if views is not None else None
         expected, got = sum(frame.lengths), 0
         while True:
-            f = read_frame(wire.sock)
+            f = wire.reader.read_frame()
             if f.kind is Kind.CREDIT:
                 self.on_credit(f)
                 continue

@@ -20,8 +20,7 @@ from vllm_pd.connector.transport.framing import (
     DIGEST_NBYTES,
     Checksum,
     Frame,
-    discard,
-    recv_exact_into,
+    FrameReader,
     send_buffers,
 )
 
@@ -50,6 +49,7 @@ class Wire:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.reader = FrameReader(sock)  # the reading thread's only way to this socket's bytes
         self.lock = threading.Lock()
         self._closed = False
         self.send_buffer_nbytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
@@ -136,15 +136,15 @@ class SocketChannel:
             send_buffers(wire.sock, group)
 
     def recv_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> bool:
-        digests = [_recv_and_digest(wire.sock, v, frame.checksum) for v in views]
+        digests = [_recv_and_digest(wire.reader, v, frame.checksum) for v in views]
         trailer = bytearray(DIGEST_NBYTES * len(views))
-        recv_exact_into(wire.sock, memoryview(trailer))
+        wire.reader.read_into(memoryview(trailer))
         if frame.checksum is Checksum.NONE:
             return True
         return b"".join(digests) == bytes(trailer)
 
     def drop_blocks(self, wire: Wire, frame: Frame) -> None:
-        discard(wire.sock, frame.data_nbytes)
+        wire.reader.discard(frame.data_nbytes)
 
     def on_credit(self, frame: Frame) -> None:
         raise ValueError("CREDIT frame on a socket channel")
@@ -153,6 +153,6 @@ class SocketChannel:
         pass
 
 
-def _recv_and_digest(sock: socket.socket, view: memoryview, checksum: Checksum) -> bytes:
-    recv_exact_into(sock, view)
+def _recv_and_digest(reader: FrameReader, view: memoryview, checksum: Checksum) -> bytes:
+    reader.read_into(view)
     return checksum.digest(view)
