@@ -242,8 +242,8 @@ class PeerLink:
             sock.settimeout(timeout)
             sock.connect(self._address)
             configure_socket(sock)
-            wire = Wire(sock)
             channel = self._make_channel()
+            wire = Wire(sock, channel.frame_spin_s)
             try:
                 wire.send_frame(Frame(Kind.HELLO, payload=self._hello_payload(channel)))
                 sock.settimeout(timeout)

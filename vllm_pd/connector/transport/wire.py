@@ -47,9 +47,10 @@ def unsent_nbytes(sock: socket.socket) -> int:
 class Wire:
     """A connected socket; frames are sent whole under ``lock``."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, spin_s: float = 0.0) -> None:
         self.sock = sock
-        self.reader = FrameReader(sock)  # the reading thread's only way to this socket's bytes
+        # the reading thread's only way to this socket's bytes
+        self.reader = FrameReader(sock, spin_s=spin_s)
         self.lock = threading.Lock()
         self._closed = False
         self.send_buffer_nbytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
@@ -80,6 +81,10 @@ class Wire:
 class BlockChannel(Protocol):
     """How the block bytes of PUSH/DATA frames travel between the two ends."""
 
+    # FrameReader.spin_s of the connection's reader: > 0 where a message is small and the
+    # sender's wake-up of a sleeping reader is a large part of its cost (shm).
+    frame_spin_s: float
+
     def local_info(self) -> dict[str, Any]:
         """Sent to the other end in HELLO (shm: the ring this side writes)."""
 
@@ -109,6 +114,8 @@ class BlockChannel(Protocol):
 
 class SocketChannel:
     """Block bytes on the socket itself: zero-copy sendmsg / recv_into."""
+
+    frame_spin_s = 0.0  # the reader is busy copying the blocks from the socket anyway
 
     def local_info(self) -> dict[str, Any]:
         return {}
