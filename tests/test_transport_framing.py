@@ -133,8 +133,9 @@ def _frames_then_bytes() -> tuple[list[Frame], bytes]:
     return frames, bytes(range(200)) * 50  # 10000 bytes after the frames (tcp: block bytes)
 
 
+@pytest.mark.parametrize("read_ahead", [True, False])
 @pytest.mark.parametrize("chunk", [1, 7, 1 << 20])
-def test_frame_reader_frames_and_following_bytes_in_any_split(chunk: int) -> None:
+def test_frame_reader_frames_and_following_bytes_in_any_split(chunk: int, read_ahead: bool) -> None:
     frames, tail = _frames_then_bytes()
     stream = b"".join(f.encode() for f in frames[:2]) + tail[:100] + b"".join(
         f.encode() for f in frames[2:]) + tail[100:]
@@ -147,7 +148,7 @@ def test_frame_reader_frames_and_following_bytes_in_any_split(chunk: int) -> Non
 
         writer = threading.Thread(target=write)
         writer.start()
-        reader = FrameReader(right, buffer_nbytes=4096)
+        reader = FrameReader(right, buffer_nbytes=4096, read_ahead=read_ahead, spin_s=0.001)
         assert [reader.read_frame(), reader.read_frame()] == frames[:2]
         head = bytearray(60)
         reader.read_into(memoryview(head))  # bytes already buffered behind the frames

@@ -221,11 +221,12 @@ READ_BUFFER_NBYTES = 64 << 10
 class FrameReader:
     """Frames and the bytes that follow them, read from one socket through a buffer.
 
-    One recv takes whatever has arrived - on shm usually a PUSH and its READY together -
-    where exact reads cost a syscall per header and per variable part (four per shm push).
-    Bytes after a frame may land in the buffer too (tcp: the start of the blocks), so every
-    read of this socket after the handshake goes through here: ``read_into`` and
-    ``discard`` hand out the buffered bytes first. One reading thread per socket.
+    ``read_ahead``: one recv takes whatever has arrived - on shm usually a PUSH and its READY
+    together - where exact reads cost a syscall per header and per variable part (four per
+    shm push). Without it (tcp, where block bytes follow the frames: reading ahead would
+    copy them once more) each read takes exactly the frame's bytes. Either way every read
+    of this socket after the handshake goes through here: ``read_into`` and ``discard``
+    hand out buffered bytes first. One reading thread per socket.
 
     ``spin_s`` > 0: while frames come in a burst (the last wait for one was shorter than
     ``spin_s``), wait for the next one by polling the socket for up to ``spin_s`` before
@@ -236,8 +237,9 @@ class FrameReader:
     """
 
     def __init__(self, sock: socket.socket, buffer_nbytes: int = READ_BUFFER_NBYTES,
-                 spin_s: float = 0.0) -> None:
+                 read_ahead: bool = False, spin_s: float = 0.0) -> None:
         self.sock = sock
+        self.read_ahead = read_ahead
         self.spin_s = spin_s
         self._bursting = False  # the last wait for bytes was shorter than spin_s
         self._buf = bytearray(buffer_nbytes)
@@ -277,7 +279,8 @@ class FrameReader:
                 self._buf[:have] = bytes(self._view[self._start : self._end])
                 self._start, self._end = 0, have
             while self._end - self._start < n:
-                got = self._recv_some(self._view[self._end :])
+                limit = len(self._buf) if self.read_ahead else self._start + n
+                got = self._recv_some(self._view[self._end : limit])
                 if got == 0:
                     raise PeerClosed("connection closed by peer (end of stream)")
                 self._end += got

@@ -243,7 +243,7 @@ class PeerLink:
             sock.connect(self._address)
             configure_socket(sock)
             channel = self._make_channel()
-            wire = Wire(sock, channel.frame_spin_s)
+            wire = Wire(sock, channel.frames_only)
             try:
                 wire.send_frame(Frame(Kind.HELLO, payload=self._hello_payload(channel)))
                 sock.settimeout(timeout)

@@ -90,9 +90,7 @@ class ShmRing:
 class ShmChannel:
     """Block bytes of one connection through two shared-memory rings."""
 
-    # About one 2 MiB slot's copy: a reader that drains faster than its sender fills stays
-    # awake between a burst's messages instead of costing the sender a wake-up each.
-    frame_spin_s = 0.0003
+    frames_only = True  # block bytes go through the rings
 
     # Test-only fault injection: called with each filled slot before READY.
     fault_hook: Any = None

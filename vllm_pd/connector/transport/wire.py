@@ -28,6 +28,9 @@ SOCKET_BUFFER_NBYTES = 8 << 20
 # Blocks hashed then handed to the kernel in one sendmsg: large enough to keep
 # syscalls few, small enough that the bytes are still in cache when sent.
 SEND_GROUP_NBYTES = 1 << 20
+# A frames-only connection's reader polls this long for the next frame of a burst: about one
+# 2 MiB ring slot's copy, so a reader that drains faster than its sender fills stays awake.
+FRAME_SPIN_S = 0.0003
 
 
 def configure_socket(sock: socket.socket, buffer_nbytes: int = SOCKET_BUFFER_NBYTES) -> None:
@@ -47,10 +50,10 @@ def unsent_nbytes(sock: socket.socket) -> int:
 class Wire:
     """A connected socket; frames are sent whole under ``lock``."""
 
-    def __init__(self, sock: socket.socket, spin_s: float = 0.0) -> None:
+    def __init__(self, sock: socket.socket, frames_only: bool = False) -> None:
         self.sock = sock
         # the reading thread's only way to this socket's bytes
-        self.reader = FrameReader(sock, spin_s=spin_s)
+        self.reader = FrameReader(sock, read_ahead=frames_only, spin_s=FRAME_SPIN_S if frames_only else 0.0)
         self.lock = threading.Lock()
         self._closed = False
         self.send_buffer_nbytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
@@ -81,9 +84,10 @@ class Wire:
 class BlockChannel(Protocol):
     """How the block bytes of PUSH/DATA frames travel between the two ends."""
 
-    # FrameReader.spin_s of the connection's reader: > 0 where a message is small and the
-    # sender's wake-up of a sleeping reader is a large part of its cost (shm).
-    frame_spin_s: float
+    # Only frames travel on the socket (shm): its reader may read ahead and, in a burst,
+    # poll for the next frame (a message is small there, and the sender's wake-up of a
+    # sleeping reader a large part of its cost).
+    frames_only: bool
 
     def local_info(self) -> dict[str, Any]:
         """Sent to the other end in HELLO (shm: the ring this side writes)."""
@@ -115,7 +119,7 @@ class BlockChannel(Protocol):
 class SocketChannel:
     """Block bytes on the socket itself: zero-copy sendmsg / recv_into."""
 
-    frame_spin_s = 0.0  # the reader is busy copying the blocks from the socket anyway
+    frames_only = False
 
     def local_info(self) -> dict[str, Any]:
         return {}
