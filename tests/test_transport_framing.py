@@ -16,6 +16,7 @@ from vllm_pd.connector.transport.framing import (
     MAX_COUNT,
     Checksum,
     Frame,
+    FrameReader,
     Kind,
     Status,
     decode_frame,
@@ -120,3 +121,47 @@ def test_create_transport_names_unknown_name_and_option() -> None:
         create_transport("tcp", checksum="md5")
     with pytest.raises(ConfigError, match="bogus"):
         create_transport("tcp", bogus=1)
+
+
+def _frames_then_bytes() -> tuple[list[Frame], bytes]:
+    frames = [
+        Frame(Kind.PUSH, req_id=1, block_nbytes=4, transfer_id="t", ids=(0, 1), lengths=(4, 4)),
+        Frame(Kind.READY, ids=(0,), lengths=(8,)),
+        Frame(Kind.NOTIFY, req_id=2, payload=bytes(range(256)) * 300),  # > the reader's buffer
+        Frame(Kind.ACK, req_id=3),
+    ]
+    return frames, bytes(range(200)) * 50  # 10000 bytes after the frames (tcp: block bytes)
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 20])
+def test_frame_reader_frames_and_following_bytes_in_any_split(chunk: int, read_ahead: bool) -> None:
+    frames, tail = _frames_then_bytes()
+    stream = b"".join(f.encode() for f in frames[:2]) + tail[:100] + b"".join(
+        f.encode() for f in frames[2:]) + tail[100:]
+    left, right = socket.socketpair()
+    try:
+        def write() -> None:
+            for i in range(0, len(stream), chunk):
+                left.sendall(stream[i : i + chunk])
+            left.close()
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        reader = FrameReader(right, buffer_nbytes=4096, read_ahead=read_ahead, spin_s=0.001)
+        assert [reader.read_frame(), reader.read_frame()] == frames[:2]
+        head = bytearray(60)
+        reader.read_into(memoryview(head))  # bytes already buffered behind the frames
+        assert bytes(head) == tail[:60]
+        reader.discard(40)
+        assert [reader.read_frame(), reader.read_frame()] == frames[2:]
+        reader.discard(5000)
+        rest = bytearray(len(tail) - 5100)
+        reader.read_into(memoryview(rest))
+        assert bytes(rest) == tail[5100:]
+        with pytest.raises(PeerClosed):
+            reader.read_frame()
+        writer.join(10)
+    finally:
+        left.close()
+        right.close()

@@ -242,8 +242,8 @@ class PeerLink:
             sock.settimeout(timeout)
             sock.connect(self._address)
             configure_socket(sock)
-            wire = Wire(sock)
             channel = self._make_channel()
+            wire = Wire(sock, channel.frames_only)
             try:
                 wire.send_frame(Frame(Kind.HELLO, payload=self._hello_payload(channel)))
                 sock.settimeout(timeout)
@@ -275,14 +275,12 @@ class PeerLink:
     def _read_loop(self, wire: Wire, channel: BlockChannel) -> None:
         try:
             while True:
-                frame = read_frame(wire.sock)
+                frame = wire.reader.read_frame()
                 if frame.kind is Kind.CREDIT:
                     channel.on_credit(frame)
                 elif frame.kind is Kind.DATA:
                     self._on_data(wire, channel, frame)
                 elif frame.kind in (Kind.ACK, Kind.REPLY):
-                    if frame.ids:  # an ACK returning the PUSH's last ring slots (shm)
-                        channel.on_credit(frame)
                     self._on_answer(frame)
                 else:
                     raise TransferCorrupted(f"unexpected {frame.kind.name} frame from {self.endpoint}")

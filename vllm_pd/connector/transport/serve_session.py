@@ -23,7 +23,6 @@ from vllm_pd.connector.transport.framing import (
     Frame,
     Kind,
     Status,
-    read_frame,
 )
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.wire import BlockChannel, Wire
@@ -80,7 +79,7 @@ class ServeSession:
     def _read_loop(self) -> None:
         try:
             while not self._closed.is_set():
-                frame = read_frame(self.wire.sock)
+                frame = self.wire.reader.read_frame()
                 if frame.kind is Kind.PUSH:
                     self._on_push(frame)
                 elif frame.kind is Kind.FETCH:
@@ -100,9 +99,7 @@ class ServeSession:
             self._on_end(self)
 
     def _ack(self, frame: Frame, status: Status, text: str = "") -> None:
-        # ids: ring slots of this PUSH returned with its answer (shm; none on tcp or a FETCH).
-        ack = Frame(Kind.ACK, req_id=frame.req_id, status=status, payload=text.encode(),
-                    ids=self._channel.take_owed_credits())
+        ack = Frame(Kind.ACK, req_id=frame.req_id, status=status, payload=text.encode())
         self._jobs.put(lambda: self.wire.send_frame(ack))
 
     def _on_push(self, frame: Frame) -> None:

@@ -2,15 +2,24 @@
 
 Each connection has two rings in /dev/shm, one per direction, each created by
 the side that writes it and announced in the HELLO handshake. A ring is
-``slots`` slots of ``slot_nbytes``; the TCP connection (the control channel)
-carries the frames plus two tiny flow-control frames: READY (sender filled slot
-k with n bytes) and CREDIT (receiver emptied slot k; a PUSH's last slot is
-credited on its ACK instead, or - a quiet PUSH having no ACK - with the next
-answer, or by a CREDIT once half the ring is owed). The sender fills slot k+1 while the receiver
-empties slot k, so the two copies run in parallel on two cores and throughput
-approaches one memcpy. Each copy also computes the blocks' checksum on the way
-(crc32c: checksum.BlockStream, one native call per slot), and the receiver's copy
-writes the destination blocks with non-temporal stores.
+``slots`` slots of ``slot_nbytes`` plus a small control area; the TCP connection
+(the control channel) carries the frames plus READY (sender filled slot k with n
+bytes). The sender fills slot k+1 while the receiver empties slot k, so the two
+copies run in parallel on two cores and throughput approaches one memcpy. Each
+copy also computes the blocks' checksum on the way (crc32c: checksum.BlockStream,
+one native call per slot), and the receiver's copy writes the destination blocks
+with non-temporal stores.
+
+Flow control lives in the ring's control area, not on the socket: the receiver
+counts the slots it has emptied (``consumed``), the sender reads that count before
+filling a slot. Only a sender that finds the ring full asks to be woken: it writes
+the count it waits for (``wanted``, half the ring free) and sleeps; the receiver
+sends a CREDIT frame (a bare wake-up) when its count reaches that value. Each
+control-frame write wakes a thread on the other core (~50-70 us here), so a
+credit frame per slot cost more than the bookkeeping it carried. The two stores
+and loads are unordered across cores (x86 may reorder a store with a later load),
+so a waiting sender also re-checks the count after a bounded wait: a lost wake-up
+costs at most that wait, never a stall.
 
 Each side unlinks the peer's ring name as soon as it has mapped it (and its own
 on close), so a killed process leaves nothing in /dev/shm: the memory goes when
@@ -30,33 +39,46 @@ import numpy as np
 
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
-from vllm_pd.connector.transport.framing import Frame, Kind, read_frame
+from vllm_pd.connector.transport.framing import Frame, Kind
 from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
 from vllm_pd.connector.transport.wire import Wire
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "vllmpd-"
 FLAG_TRAILER = 1  # READY: the batch's last; payload = the digests (ids: its last slot, if any)
+# Control area after the slots: two u64 counters on their own cache lines.
+CONTROL_NBYTES = 4096
+_CONSUMED = 0  # slots the receiver has emptied so far (written by the receiver only)
+_WANTED = 8  # the ``consumed`` value a waiting sender wants a CREDIT at (written by the sender only)
+# A waiting sender re-checks ``consumed`` after this long even without a CREDIT (a wake-up
+# lost to store/load reordering), doubling up to the cap: no stall, no polling when idle.
+RECHECK_FIRST_S = 0.001
+RECHECK_MAX_S = 0.05
 
 
 class ShmRing:
-    """``slots`` x ``slot_nbytes`` bytes of shared memory, mapped in this process."""
+    """``slots`` x ``slot_nbytes`` bytes of shared memory and the ring's control counters,
+    mapped in this process."""
 
     def __init__(self, name: str, slots: int, slot_nbytes: int, create: bool) -> None:
         self.name, self.slots, self.slot_nbytes = name, slots, slot_nbytes
         path = os.path.join(SHM_DIR, name)
+        data_nbytes = slots * slot_nbytes
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
-                os.ftruncate(fd, slots * slot_nbytes)
-            elif os.fstat(fd).st_size != slots * slot_nbytes:
+                os.ftruncate(fd, data_nbytes + CONTROL_NBYTES)  # zero-filled: counters start at 0
+            elif os.fstat(fd).st_size != data_nbytes + CONTROL_NBYTES:
                 raise TransferCorrupted(f"shm ring {name}: size differs from the announced one")
             # Never closed explicitly: memoryviews of it may still be in use by a
             # thread that is about to notice the connection died; GC unmaps it.
-            self._map = mmap.mmap(fd, slots * slot_nbytes)
+            self._map = mmap.mmap(fd, data_nbytes + CONTROL_NBYTES)
         finally:
             os.close(fd)
-        self.array = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, slot_nbytes)
+        self.array = np.frombuffer(self._map, dtype=np.uint8, count=data_nbytes).reshape(slots, slot_nbytes)
+        # Aligned 8-byte loads and stores: atomic on x86-64.
+        self.control = np.frombuffer(self._map, dtype=np.uint64, count=CONTROL_NBYTES // 8,
+                                     offset=data_nbytes)
 
     def unlink(self) -> None:
         try:
@@ -65,30 +87,10 @@ class ShmRing:
             pass
 
 
-class RingCredits:
-    """Free slots of the ring this side writes (a semaphore that can say how many)."""
-
-    def __init__(self, slots: int) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._free = slots
-
-    def available(self) -> int:
-        return self._free
-
-    def acquire(self) -> None:
-        with self._cond:
-            while self._free == 0:
-                self._cond.wait()
-            self._free -= 1
-
-    def release(self, n: int = 1) -> None:
-        with self._cond:
-            self._free += n
-            self._cond.notify(n)
-
-
 class ShmChannel:
     """Block bytes of one connection through two shared-memory rings."""
+
+    frames_only = True  # block bytes go through the rings
 
     # Test-only fault injection: called with each filled slot before READY.
     fault_hook: Any = None
@@ -97,17 +99,15 @@ class ShmChannel:
         self._tx = ShmRing(f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", slots, slot_nbytes,
                            create=True)
         self._rx: ShmRing | None = None
-        self._credits = RingCredits(slots)
-        # Slots are filled strictly round-robin across messages and emptied in
-        # READY order, so holding a credit means the next slot is free.
-        self._next_slot = 0
+        # Slots are filled strictly round-robin across messages and emptied in READY
+        # order, so ``produced - consumed < slots`` means slot ``produced % slots`` is free.
+        self._produced = 0  # slots of _tx filled (one sending thread at a time: PeerLink's send lock)
+        self._consumed = 0  # slots of _rx emptied (only the reading thread)
+        self._wake = threading.Condition(threading.Lock())
         self._closed = False
-        # The last slot of a received PUSH is credited on the PUSH's ACK, not by a CREDIT
-        # frame of its own: one message (and one wake-up of the sender) fewer per batch.
-        self._owed: tuple[int, ...] = ()
 
     def fits_now(self, wire: Wire, nbytes: int) -> bool:
-        return -(-nbytes // self._tx.slot_nbytes) <= self._credits.available()
+        return -(-nbytes // self._tx.slot_nbytes) <= self._free_slots()
 
     def local_info(self) -> dict[str, Any]:
         return {"ring": self._tx.name, "slots": self._tx.slots, "slot_nbytes": self._tx.slot_nbytes}
@@ -128,20 +128,21 @@ class ShmChannel:
         tx = self._tx
         # Each block is hashed by the copy that puts it in the ring: one read of it.
         stream = BlockStream(frame.checksum, views)
-        slot = self._next_slot
         # Control frames go out together where they can: the header with the first READY,
-        # the digests with the last one, so a batch that fits a slot is one write and one
+        # the digests with the last, so a batch that fits a slot is one write and one
         # wake-up of the receiver (per-batch overhead is what small per-layer pushes pay).
         pending: list[Frame] = [frame]
         while True:
             ids: tuple[int, ...] = ()  # the slot just filled (none for a batch of no bytes)
             lengths: tuple[int, ...] = ()
             if not stream.done:
-                self._take_credit()
+                self._wait_for_slot()
+                slot = self._produced % tx.slots
                 n = stream.fill(tx.array[slot])
                 if self.fault_hook is not None:
                     self.fault_hook(tx.array[slot, :n])
-                ids, lengths, slot = (slot,), (n,), (slot + 1) % tx.slots
+                self._produced += 1
+                ids, lengths = (slot,), (n,)
             if stream.done:
                 pending.append(Frame(Kind.READY, flags=FLAG_TRAILER, ids=ids, lengths=lengths,
                                      payload=stream.digests()))
@@ -149,22 +150,30 @@ class ShmChannel:
             pending.append(Frame(Kind.READY, ids=ids, lengths=lengths))
             wire.send_frames(pending)
             pending = []
-        self._next_slot = slot
         wire.send_frames(pending)
 
-    def _take_credit(self) -> None:
-        self._credits.acquire()
+    def _free_slots(self) -> int:
+        return self._tx.slots - (self._produced - int(self._tx.control[_CONSUMED]))
+
+    def _wait_for_slot(self) -> None:
         if self._closed:
-            self._credits.release()  # wake the next waiter too
             raise PeerClosed("shm channel closed")
+        if self._free_slots() > 0:
+            return
+        # Woken once half the ring is free, not per slot: one CREDIT per several slots.
+        ctl = self._tx.control
+        ctl[_WANTED] = self._produced - self._tx.slots + max(1, self._tx.slots // 2)
+        wait = RECHECK_FIRST_S
+        with self._wake:
+            while self._free_slots() <= 0:
+                if self._closed:
+                    raise PeerClosed("shm channel closed")
+                self._wake.wait(wait)
+                wait = min(2 * wait, RECHECK_MAX_S)
 
     def on_credit(self, frame: Frame) -> None:
-        if frame.ids:
-            self._credits.release(len(frame.ids))
-
-    def take_owed_credits(self) -> tuple[int, ...]:
-        owed, self._owed = self._owed, ()
-        return owed
+        with self._wake:
+            self._wake.notify_all()
 
     # -- receiving -----------------------------------------------------------------
 
@@ -183,7 +192,7 @@ class ShmChannel:
         stream = BlockStream(frame.checksum, views) if views is not None else None
         expected, got = sum(frame.lengths), 0
         while True:
-            f = read_frame(wire.sock)
+            f = wire.reader.read_frame()
             if f.kind is Kind.CREDIT:
                 self.on_credit(f)
                 continue
@@ -191,19 +200,15 @@ class ShmChannel:
                 raise TransferCorrupted(f"expected READY in a block stream, got {f.kind.name}")
             if f.ids:  # a filled slot (the trailer may carry the last one)
                 slot, n = f.ids[0], f.lengths[0]
-                if not 0 <= slot < rx.slots or n > rx.slot_nbytes:
-                    raise TransferCorrupted(f"READY for slot {slot} of {n} bytes is out of the ring")
+                if slot != self._consumed % rx.slots or n > rx.slot_nbytes:
+                    raise TransferCorrupted(f"READY for slot {slot} of {n} bytes: expected slot "
+                                            f"{self._consumed % rx.slots} of <= {rx.slot_nbytes}")
                 if got + n > expected:
                     raise TransferCorrupted("more block bytes than the frame announced")
                 if stream is not None:
                     stream.drain(rx.array[slot, :n])
                 got += n
-                if f.flags & FLAG_TRAILER and frame.kind is Kind.PUSH:
-                    self._owed += (slot,)  # the session's next ACK carries it
-                    if len(self._owed) >= max(1, rx.slots // 2):  # quiet pushes: do not starve the sender
-                        wire.send_frame(Frame(Kind.CREDIT, ids=self.take_owed_credits()))
-                else:
-                    wire.send_frame(Frame(Kind.CREDIT, ids=(slot,)))
+                self._slot_emptied(wire)
             if f.flags & FLAG_TRAILER:
                 break
         if got != expected:
@@ -214,10 +219,20 @@ class ShmChannel:
             return True
         return stream.digests() == f.payload
 
+    def _slot_emptied(self, wire: Wire) -> None:
+        """Count the slot free for the sender; wake it if it waits for this count."""
+        assert self._rx is not None
+        ctl = self._rx.control
+        self._consumed += 1
+        ctl[_CONSUMED] = self._consumed
+        if int(ctl[_WANTED]) == self._consumed:
+            wire.send_frame(Frame(Kind.CREDIT))
+
     def close(self) -> None:
         self._closed = True
         self._tx.unlink()
-        self._credits.release(self._tx.slots + 1)
+        with self._wake:
+            self._wake.notify_all()
 
 
 class ShmTransport(TcpTransport):

@@ -274,7 +274,7 @@ class StreamTransport(Transport):
             info = msgspec.json.decode(hello.payload)
             channel.attach(info.get("channel", {}))
             sock.settimeout(None)
-            wire = Wire(sock)
+            wire = Wire(sock, channel.frames_only)
             wire.send_frame(Frame(Kind.HELLO, payload=self._hello(channel)))
         except (OSError, TransportError, msgspec.DecodeError, ValueError) as e:
             logger.warning("handshake with %s failed: %s", addr, e)

@@ -2,7 +2,7 @@
 
 A :class:`Wire` is the control stream: frames (see framing.py) written under one
 lock so that the two threads that may write (the writer, and on shm the reader
-returning ring credits) never interleave bytes. A :class:`BlockChannel` moves
+waking a sender that waits for ring slots) never interleave bytes. A :class:`BlockChannel` moves
 block bytes: over the socket itself (tcp) or through shared memory (shm).
 """
 
@@ -20,8 +20,7 @@ from vllm_pd.connector.transport.framing import (
     DIGEST_NBYTES,
     Checksum,
     Frame,
-    discard,
-    recv_exact_into,
+    FrameReader,
     send_buffers,
 )
 
@@ -29,6 +28,9 @@ SOCKET_BUFFER_NBYTES = 8 << 20
 # Blocks hashed then handed to the kernel in one sendmsg: large enough to keep
 # syscalls few, small enough that the bytes are still in cache when sent.
 SEND_GROUP_NBYTES = 1 << 20
+# A frames-only connection's reader polls this long for the next frame of a burst: about one
+# 2 MiB ring slot's copy, so a reader that drains faster than its sender fills stays awake.
+FRAME_SPIN_S = 0.0003
 
 
 def configure_socket(sock: socket.socket, buffer_nbytes: int = SOCKET_BUFFER_NBYTES) -> None:
@@ -48,8 +50,10 @@ def unsent_nbytes(sock: socket.socket) -> int:
 class Wire:
     """A connected socket; frames are sent whole under ``lock``."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, frames_only: bool = False) -> None:
         self.sock = sock
+        # the reading thread's only way to this socket's bytes
+        self.reader = FrameReader(sock, read_ahead=frames_only, spin_s=FRAME_SPIN_S if frames_only else 0.0)
         self.lock = threading.Lock()
         self._closed = False
         self.send_buffer_nbytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
@@ -94,6 +98,11 @@ class Wire:
 class BlockChannel(Protocol):
     """How the block bytes of PUSH/DATA frames travel between the two ends."""
 
+    # Only frames travel on the socket (shm): its reader may read ahead and, in a burst,
+    # poll for the next frame (a message is small there, and the sender's wake-up of a
+    # sleeping reader a large part of its cost).
+    frames_only: bool
+
     def local_info(self) -> dict[str, Any]:
         """Sent to the other end in HELLO (shm: the ring this side writes)."""
 
@@ -115,10 +124,7 @@ class BlockChannel(Protocol):
         """Consume (and discard) the blocks announced by ``frame``."""
 
     def on_credit(self, frame: Frame) -> None:
-        """A CREDIT frame (or an ACK carrying credits) from the other end (shm flow control)."""
-
-    def take_owed_credits(self) -> tuple[int, ...]:
-        """Credits of the last received PUSH not sent yet: they ride on its ACK (shm)."""
+        """A CREDIT frame from the other end: it has emptied what we wait for (shm)."""
 
     def close(self) -> None:
         """Free the channel's resources (shm: unlink segments)."""
@@ -126,6 +132,8 @@ class BlockChannel(Protocol):
 
 class SocketChannel:
     """Block bytes on the socket itself: zero-copy sendmsg / recv_into."""
+
+    frames_only = False
 
     def local_info(self) -> dict[str, Any]:
         return {}
@@ -153,26 +161,23 @@ class SocketChannel:
             send_buffers(wire.sock, group)
 
     def recv_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> bool:
-        digests = [_recv_and_digest(wire.sock, v, frame.checksum) for v in views]
+        digests = [_recv_and_digest(wire.reader, v, frame.checksum) for v in views]
         trailer = bytearray(DIGEST_NBYTES * len(views))
-        recv_exact_into(wire.sock, memoryview(trailer))
+        wire.reader.read_into(memoryview(trailer))
         if frame.checksum is Checksum.NONE:
             return True
         return b"".join(digests) == bytes(trailer)
 
     def drop_blocks(self, wire: Wire, frame: Frame) -> None:
-        discard(wire.sock, frame.data_nbytes)
+        wire.reader.discard(frame.data_nbytes)
 
     def on_credit(self, frame: Frame) -> None:
         raise ValueError("CREDIT frame on a socket channel")
-
-    def take_owed_credits(self) -> tuple[int, ...]:
-        return ()
 
     def close(self) -> None:
         pass
 
 
-def _recv_and_digest(sock: socket.socket, view: memoryview, checksum: Checksum) -> bytes:
-    recv_exact_into(sock, view)
+def _recv_and_digest(reader: FrameReader, view: memoryview, checksum: Checksum) -> bytes:
+    reader.read_into(view)
     return checksum.digest(view)
