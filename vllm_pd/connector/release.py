@@ -19,16 +19,16 @@ from vllm_pd.connector.transport import Transport, create_transport
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_client: Transport | None = None
+_clients: dict[str, Transport] = {}
 
 
-def _transport() -> Transport:
-    """One client-only TCP transport per process (connections are reused)."""
-    global _client
+def _transport(endpoint: str) -> Transport:
+    """One client-only transport per process and endpoint scheme (connections are reused)."""
+    scheme = endpoint.split("://", 1)[0]
     with _lock:
-        if _client is None:
-            _client = create_transport("tcp")
-        return _client
+        if scheme not in _clients:
+            _clients[scheme] = create_transport(scheme)
+        return _clients[scheme]
 
 
 def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float = 2.0) -> bool:
@@ -41,7 +41,7 @@ def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float 
     if remote is None:
         return False
     try:
-        fut = _transport().notify(remote.endpoint, ReleaseMessage(remote.transfer_id).encode(), timeout=timeout)
+        fut = _transport(remote.endpoint).notify(remote.endpoint, ReleaseMessage(remote.transfer_id).encode(), timeout=timeout)
         fut.result(timeout=timeout + 1.0)
         return True
     except Exception as e:  # noqa: BLE001 - the lease is the backstop
