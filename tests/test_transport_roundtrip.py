@@ -12,16 +12,18 @@ from tests.transport_harness import make_regions, started
 from vllm_pd.connector.exceptions import TransferRejected, TransferTimeout
 from vllm_pd.connector.transport.base import BlockBatch
 
-TRANSPORTS = ["tcp", "shm"]
+# shm moves block bytes by reading the peer's memory where the kernel allows it (here it
+# does), else through its rings: both paths run every test.
+TRANSPORTS = {"tcp": ("tcp", {}), "shm": ("shm", {}), "shm-rings": ("shm", {"cross_memory": False})}
 
 
-@pytest.fixture(params=TRANSPORTS)
+@pytest.fixture(params=list(TRANSPORTS))
 def pair(request):
-    name = request.param
+    name, options = TRANSPORTS[request.param]
     src_regions = make_regions(4, 64, seed=1)
     dst_regions = make_regions(4, 64, seed=None)
-    a, a_sink, a_ep = started(name, src_regions)
-    b, b_sink, b_ep = started(name, dst_regions)
+    a, a_sink, a_ep = started(name, src_regions, **options)
+    b, b_sink, b_ep = started(name, dst_regions, **options)
     yield name, (a, a_sink, a_ep, src_regions), (b, b_sink, b_ep, dst_regions)
     a.close()
     b.close()

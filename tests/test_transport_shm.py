@@ -1,11 +1,15 @@
 """What is particular to the shm transport: corruption inside the ring, a
-sender killed mid-stream, and /dev/shm left clean."""
+sender killed mid-stream, and /dev/shm left clean; block bytes read from the
+peer's memory (cross-memory attach) where the kernel allows it, and the rings
+where it does not. Tests of the rings turn the reads off (``cross_memory=False``):
+on these machines the probe succeeds."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import struct
 import time
 
 import numpy as np
@@ -13,7 +17,7 @@ import pytest
 import torch
 from tests.transport_harness import make_regions, spawn_peer, started
 
-from vllm_pd.connector.exceptions import ConfigError, TransferCorrupted
+from vllm_pd.connector.exceptions import ConfigError, TransferCorrupted, TransportError
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.framing import Checksum, Frame, Kind
@@ -26,10 +30,12 @@ def _segments(pid: int | None = None) -> set[str]:
     return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)}
 
 
-def test_blocks_larger_than_a_slot_and_many_slot_wraps() -> None:
+@pytest.mark.parametrize("cross_memory", [False, True])
+def test_blocks_larger_than_a_slot_and_many_slot_wraps(cross_memory: bool) -> None:
     src = make_regions(2, 32, seed=4)
     dst = make_regions(2, 32, seed=None)
-    opts = dict(slots=2, slot_nbytes=4096 * 3)  # 16 KiB blocks over 12 KiB slots
+    # 16 KiB blocks over 12 KiB slots
+    opts = dict(slots=2, slot_nbytes=4096 * 3, cross_memory=cross_memory)
     a, _, a_ep = started("shm", src, **opts)
     b, _, b_ep = started("shm", dst, **opts)
     try:
@@ -51,8 +57,8 @@ def test_blocks_larger_than_a_slot_and_many_slot_wraps() -> None:
 def test_flipped_byte_in_the_ring_is_detected(monkeypatch: pytest.MonkeyPatch, checksum: str) -> None:
     src = make_regions(1, 8, seed=5)
     dst = make_regions(1, 8, seed=None)
-    a, _, a_ep = started("shm", src, checksum=checksum)
-    b, b_sink, b_ep = started("shm", dst, checksum=checksum)
+    a, _, a_ep = started("shm", src, checksum=checksum, cross_memory=False)
+    b, b_sink, b_ep = started("shm", dst, checksum=checksum, cross_memory=False)
     try:
         nbytes = src[0].block_nbytes
 
@@ -78,10 +84,10 @@ def test_sender_killed_mid_stream_fails_the_batch_and_leaves_no_segments() -> No
     # 512 blocks of 8 KiB = 4 MiB through a 4 x 256 KiB ring while our sink holds
     # the reader: the peer fills the ring and waits for credits; then it is killed.
     regions = make_regions(1, 512, seed=None)
-    t, sink, ep = started("shm", regions)
+    t, sink, ep = started("shm", regions, cross_memory=False)
     sink.hold.clear()
     peer, _ = spawn_peer("shm", num_layers=1, num_blocks=512, hold=False, push_to=ep,
-                         slots=4, slot_nbytes=256 << 10)
+                         slots=4, slot_nbytes=256 << 10, cross_memory=False)
     try:
         assert sink.entered.wait(30)
         time.sleep(0.3)
@@ -123,7 +129,7 @@ def test_ring_credits_wake_a_waiting_sender_only(monkeypatch: pytest.MonkeyPatch
     credits = _count_credit_frames(monkeypatch)
     src = make_regions(1, 24, seed=6)
     dst = make_regions(1, 24, seed=None)
-    opts = dict(slots=4, slot_nbytes=8192)  # one 8 KiB block per slot
+    opts = dict(slots=4, slot_nbytes=8192, cross_memory=False)  # one 8 KiB block per slot
     a, _, a_ep = started("shm", src, **opts)
     b, b_sink, b_ep = started("shm", dst, **opts)
     try:
@@ -155,7 +161,7 @@ def test_lost_credit_wake_up_is_recovered_by_the_bounded_wait(monkeypatch: pytes
                         lambda self, frame: None if frame.kind is Kind.CREDIT else real(self, frame))
     src = make_regions(1, 16, seed=7)
     dst = make_regions(1, 16, seed=None)
-    opts = dict(slots=2, slot_nbytes=8192)
+    opts = dict(slots=2, slot_nbytes=8192, cross_memory=False)
     a, _, a_ep = started("shm", src, **opts)
     b, _, b_ep = started("shm", dst, **opts)
     try:
@@ -187,3 +193,174 @@ def test_ready_for_a_slot_out_of_ring_order_is_corruption() -> None:
         right.close()
         sender.close()
         receiver.close()
+
+
+# -- layer plans: the peer reads each layer from our memory once it is ready ----------------
+
+
+def _connected(transport, peer: str, regions) -> None:
+    """A first push opens the connection (a plan is offered on a connected link only)."""
+    transport.push(peer, BlockBatch("hello", 0, (0,), regions[0].block_nbytes), [0], timeout=10).result(10)
+
+
+def _ring_slots_used(transport, peer: str) -> int:
+    return transport._links[peer].channel._produced
+
+
+def test_layer_plan_lands_each_layer_once_it_is_ready() -> None:
+    src = make_regions(3, 8, seed=8)
+    dst = make_regions(3, 8, seed=None)
+    a, _, _ = started("shm", src)
+    b, b_sink, b_ep = started("shm", dst)
+    try:
+        assert a.push_layers(b_ep, "p", [0, 1, 2], (0, 1), [5, 6], timeout=10) is None  # not connected
+        _connected(a, b_ep, src)
+        slots = _ring_slots_used(a, b_ep)
+        plan = a.push_layers(b_ep, "p", [0, 1, 2], (0, 1), [5, 6], timeout=10, last=True)
+        assert plan is not None and plan.future is not None
+        time.sleep(0.2)
+        assert [c for c in b_sink.landed_calls if c[0].transfer_id == "p"] == []  # nothing ready yet
+        for k in range(3):
+            plan.ready(k)
+            landed = b_sink.wait_landed(2 + k)[1:]
+            assert [(batch.layer, ok, batch.last) for batch, ok in landed] == [(i, True, True) for i in range(k + 1)]
+        plan.future.result(10)
+        for layer in range(3):
+            assert torch.equal(dst[layer].tensor[0], src[layer].tensor[5])
+            assert torch.equal(dst[layer].tensor[1], src[layer].tensor[6])
+        assert _ring_slots_used(a, b_ep) == slots, "the plan's blocks went through the ring"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_block_changed_after_ready_is_caught_by_its_checksum() -> None:
+    # A sender that reuses a block before the peer read it (the race reading its memory
+    # opens): the digest taken by ready() no longer matches, the layer and the rest fail.
+    src = make_regions(2, 4, seed=9)
+    dst = make_regions(2, 4, seed=None)
+    a, _, _ = started("shm", src)
+    b, b_sink, b_ep = started("shm", dst)
+    try:
+        _connected(a, b_ep, src)
+        b_sink.entered.clear()
+        b_sink.hold.clear()
+        plan = a.push_layers(b_ep, "raced", [0, 1], (0,), [2], timeout=10)
+        plan.ready(0)
+        assert b_sink.entered.wait(10)  # the receiver saw layer 0 ready and asks for destinations
+        src[0].tensor[2].view(-1).view(torch.uint8)[100] ^= 0x04
+        b_sink.hold.set()
+        with pytest.raises(TransferCorrupted, match="checksum"):
+            plan.future.result(10)
+        landed = [(batch.layer, ok) for batch, ok in b_sink.wait_landed(3)[1:]]
+        assert landed == [(0, False), (1, False)]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_layer_never_ready_fails_the_plan_at_its_timeout() -> None:
+    src = make_regions(2, 4, seed=12)
+    dst = make_regions(2, 4, seed=None)
+    a, _, _ = started("shm", src)
+    b, b_sink, b_ep = started("shm", dst)
+    try:
+        _connected(a, b_ep, src)
+        plan = a.push_layers(b_ep, "stuck", [0, 1], (0,), [1], timeout=0.5)
+        plan.ready(0)
+        with pytest.raises(TransportError):
+            plan.future.result(10)
+        landed = [(batch.layer, ok) for batch, ok in b_sink.wait_landed(3)[1:]]
+        assert landed == [(0, True), (1, False)]
+        # the connection is still good
+        a.push(b_ep, BlockBatch("after", 1, (0,), src[1].block_nbytes), [3], timeout=10).result(10)
+    finally:
+        a.close()
+        b.close()
+
+
+def _plan_peer(endpoint: str, conn) -> None:
+    regions = make_regions(2, 4, seed=13)
+    t, _, _ = started("shm", regions)
+    _connected(t, endpoint, regions)
+    plan = t.push_layers(endpoint, "from-peer", [0, 1], (0,), [1], timeout=60)
+    plan.ready(0)
+    conn.send(plan is not None)
+    time.sleep(60)
+
+
+def test_sender_killed_mid_plan_fails_the_layers_not_read() -> None:
+    import multiprocessing as mp
+
+    regions = make_regions(2, 4, seed=None)
+    t, sink, ep = started("shm", regions)
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    peer = ctx.Process(target=_plan_peer, args=(ep, child), daemon=True)
+    peer.start()
+    try:
+        assert parent.poll(60) and parent.recv() is True
+        assert sink.wait_landed(2)[1][1] is True  # layer 0 was ready and landed
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.join(10)
+        (batch, ok) = sink.wait_landed(3, timeout=10)[2]
+        assert (batch.transfer_id, batch.layer, ok) == ("from-peer", 1, False)
+    finally:
+        peer.kill()
+        t.close()
+    assert not _segments(os.getpid())
+
+
+def test_no_plan_where_memory_cannot_be_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What another host's boot id, a pid namespace, seccomp or Yama do to the probe
+    from vllm_pd.connector.transport import shm
+
+    monkeypatch.setattr(shm.PeerMemory, "probe", classmethod(lambda cls, info: None))
+    src = make_regions(1, 4, seed=10)
+    dst = make_regions(1, 4, seed=None)
+    a, _, _ = started("shm", src)
+    b, _, b_ep = started("shm", dst)
+    try:
+        _connected(a, b_ep, src)
+        assert torch.equal(dst[0].tensor[0], src[0].tensor[0])
+        assert a.push_layers(b_ep, "x", [0], (1,), [1], timeout=10) is None
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("name, options", [("shm", {"checksum": "none"}), ("shm", {"cross_memory": False}),
+                                           ("tcp", {})])
+def test_no_plan_without_checksum_cross_memory_or_on_tcp(name: str, options: dict) -> None:
+    src = make_regions(1, 4, seed=11)
+    dst = make_regions(1, 4, seed=None)
+    a, _, _ = started(name, src, **options)
+    b, _, b_ep = started(name, dst, **options)
+    try:
+        _connected(a, b_ep, src)
+        assert a.push_layers(b_ep, "n", [0], (1,), [1], timeout=10) is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_probe_rejects_another_boot_a_wrong_token_and_no_process() -> None:
+    from vllm_pd.connector.transport.cross_memory import PeerMemory, local_info
+
+    info = local_info()
+    assert PeerMemory.probe(info) is not None  # this process reads itself
+    assert PeerMemory.probe(dict(info, boot="another-host")) is None
+    assert PeerMemory.probe(dict(info, token="00" * 16)) is None
+    assert PeerMemory.probe(dict(info, pid=2 ** 22 + 12345)) is None  # no such process
+    assert PeerMemory.probe({"pid": "x"}) is None and PeerMemory.probe(None) is None
+
+
+def test_bad_plan_payload_is_refused_and_the_stream_stays_usable() -> None:
+    from vllm_pd.connector.transport.layer_plan import PlanFrame
+
+    with pytest.raises(TransferCorrupted):
+        PlanFrame.parse(b"\0" * 10, 1)
+    with pytest.raises(TransferCorrupted):
+        PlanFrame.parse(struct.pack("<QII", 1, 1000, 2) + struct.pack("<2I", 0, 1) + bytes(8), 1)
+    plan = PlanFrame.parse(struct.pack("<QII", 64, 1500, 1) + struct.pack("<I", 3) + struct.pack("<2Q", 7, 9), 2)
+    assert (plan.progress, plan.timeout_s, plan.layers, plan.addresses) == (64, 1.5, (3,), ((7, 9),))

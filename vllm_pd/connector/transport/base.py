@@ -67,6 +67,15 @@ class BlockBatch:
     last: bool = False  # the sender will push no more batches for this transfer
 
 
+class LayerPush(Protocol):
+    """What ``Transport.push_layers`` returns: mark layers ready in order, await the future."""
+
+    future: Future[None] | None  # resolves once the peer landed every layer (or failed)
+
+    def ready(self, k: int) -> None:
+        """The k-th of the push's layers is written and final: the peer may take it."""
+
+
 class BlockSink(Protocol):
     """Receiving side of ``push`` and ``notify``; implemented by the connector worker.
 
@@ -117,6 +126,17 @@ class Transport(abc.ABC):
         later answered request to the same peer succeeds (pushes of one forward step
         but its last cost the sender no answer each). Its future stays pending until
         then (or its timeout), so the caller must follow it with an answered push."""
+
+    def push_layers(
+        self, peer: str, transfer_id: str, layers: Sequence[int], positions: Sequence[int],
+        block_ids: Sequence[int], timeout: float, last: bool = False,
+    ) -> LayerPush | None:
+        """Announce, before a forward, a push of blocks ``block_ids`` (at ``positions``) of
+        every region in ``layers``, which the peer takes itself as each layer is marked
+        ready: one message per step instead of one per layer (the peer's sink sees one
+        ``landed`` per layer, as with ``push``). None where this transport cannot do it for
+        ``peer`` (then push layer by layer). Same contract for the source blocks as ``push``."""
+        return None
 
     @abc.abstractmethod
     def fetch(

@@ -4,7 +4,7 @@ Every message is a fixed 40-byte header, a variable part whose size the header
 gives, and - for messages that carry blocks (PUSH, DATA) - the block bytes
 followed by a trailer of one 8-byte digest per block::
 
-    header   magic "VPD4", kind, status, checksum kind, flags, request id, layer,
+    header   magic "VPD5", kind, status, checksum kind, flags, request id, layer,
              block count, block_nbytes, transfer-id length, payload length
     variable transfer id (utf-8) | ids (u32 x count) | lengths (u64 x count,
              data messages only) | payload
@@ -28,11 +28,12 @@ from enum import IntEnum
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, Checksum
 
-# VPD4: shm ring credits counted in shared memory (CREDIT = a bare wake-up, ACK carries no
+# VPD5: PLAN (a step's layers read from the sender's memory as each is ready). VPD4: shm ring
+# credits counted in shared memory (CREDIT = a bare wake-up, ACK carries no
 # slots). VPD3: quiet PUSHes (answered only on failure). VPD2: crc32c checksum kind, shm trailer
 # READY carrying the last slot, ACK carrying credits. An older peer fails the handshake with
 # "bad magic" instead of stalling on an answer it will never send.
-MAGIC = b"VPD4"
+MAGIC = b"VPD5"
 MAX_COUNT = 1 << 20
 MAX_TRANSFER_ID = 1024
 MAX_PAYLOAD = 16 << 20
@@ -58,6 +59,9 @@ class Kind(IntEnum):
     REPLY = 7  # answer to a NOTIFY; payload = reply
     CREDIT = 8  # shm: wake-up of a sender waiting for ring slots (the count is in the ring)
     READY = 9  # shm: ids = ring slots the sender has filled (sizes in lengths)
+    # blocks of several layers the peer reads from the sender's memory as each layer is
+    # ready (transport/layer_plan.py); ids = positions, layer = number of layers
+    PLAN = 10
 
 
 DATA_KINDS = frozenset({Kind.PUSH, Kind.DATA})

@@ -63,6 +63,7 @@ class PendingOp:
     state: str = "queued"  # queued -> sending -> sent -> receiving
     timed_out: bool = False
     seq: int = 0  # position in the connection's send order (0: not sent yet)
+    keep: Any = None  # memory the peer reads until the op settles (a layer plan's progress area)
 
     @property
     def req_id(self) -> int:
@@ -129,6 +130,11 @@ class PeerLink:
         self._writer.start()
 
     # -- called by the transport ---------------------------------------------------
+
+    @property
+    def channel(self) -> BlockChannel | None:
+        """The current connection's channel (None: not connected yet)."""
+        return self._channel
 
     def submit(self, op: PendingOp) -> None:
         with self._lock:

@@ -1,7 +1,8 @@
 """The listening side of a stream transport: one accepted connection.
 
 The reader thread lands PUSHed blocks straight into the sink's destinations
-(in arrival order, so pushes land in the order they were sent), answers NOTIFY
+(in arrival order, so pushes land in the order they were sent), reads the layers
+of a PLAN from the sender's memory as they become ready, answers NOTIFY
 through the sink and queues FETCH reads; a writer thread sends ACK / DATA /
 REPLY frames, so a long DATA send never stalls the next push.
 """
@@ -11,10 +12,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
-from vllm_pd.connector.exceptions import TransportError
+from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink
+from vllm_pd.connector.transport.checksum import DIGEST_NBYTES
+from vllm_pd.connector.transport.cross_memory import PeerMemory
+from vllm_pd.connector.transport.layer_plan import PlanFrame
 from vllm_pd.connector.transport.framing import (
     FLAG_HAS_REPLY,
     FLAG_LAST,
@@ -28,6 +33,10 @@ from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.wire import BlockChannel, Wire
 
 logger = logging.getLogger(__name__)
+
+# How often a layer plan's progress is read while the sender computes (~one cross-memory
+# read per 50-100 us of sleep on the receiver's core, only while a plan is open).
+PLAN_POLL_S = 50e-6
 
 Job = Callable[[], None]
 
@@ -82,6 +91,8 @@ class ServeSession:
                 frame = self.wire.reader.read_frame()
                 if frame.kind is Kind.PUSH:
                     self._on_push(frame)
+                elif frame.kind is Kind.PLAN:
+                    self._on_plan(frame)
                 elif frame.kind is Kind.FETCH:
                     self._on_fetch(frame)
                 elif frame.kind is Kind.NOTIFY:
@@ -112,23 +123,10 @@ class ServeSession:
             self._ack(frame, Status.CORRUPTED, f"block lengths {sorted(set(frame.lengths))} "
                       f"differ from block_nbytes {frame.block_nbytes}")
             return
-        try:
-            dests = self._sink.destinations(batch)
-        except Exception as e:
-            logger.exception("sink.destinations failed for %s", batch.transfer_id)
+        views = self._claim(batch)
+        if isinstance(views, tuple):
             self._channel.drop_blocks(self.wire, frame)
-            self._ack(frame, Status.ERROR, f"sink failed: {e}")
-            return
-        if dests is None:
-            self._channel.drop_blocks(self.wire, frame)
-            self._ack(frame, Status.REJECTED, f"sink rejected transfer {frame.transfer_id!r}")
-            return
-        views = [memoryview(d).cast("B") for d in dests]
-        if len(views) != frame.count or any(len(v) != frame.block_nbytes or v.readonly for v in views):
-            self._channel.drop_blocks(self.wire, frame)
-            self._ack(frame, Status.REJECTED, f"push of {frame.count} blocks of {frame.block_nbytes} "
-                      f"bytes does not fit the sink's {len(views)} destinations of "
-                      f"{sorted({len(v) for v in views})} bytes (or they are read-only)")
+            self._ack(frame, *views)
             return
         ok = False
         try:
@@ -142,6 +140,85 @@ class ServeSession:
         else:
             self._ack(frame, Status.CORRUPTED, f"push {frame.transfer_id!r} layer {frame.layer}: "
                       "checksum mismatch")
+
+    def _claim(self, batch: BlockBatch) -> list[memoryview] | tuple[Status, str]:
+        """The sink's destinations for ``batch``, or why there are none (status, text)."""
+        try:
+            dests = self._sink.destinations(batch)
+        except Exception as e:
+            logger.exception("sink.destinations failed for %s", batch.transfer_id)
+            return Status.ERROR, f"sink failed: {e}"
+        if dests is None:
+            return Status.REJECTED, f"sink rejected transfer {batch.transfer_id!r}"
+        views = [memoryview(d).cast("B") for d in dests]
+        n = len(batch.positions)
+        if len(views) != n or any(len(v) != batch.block_nbytes or v.readonly for v in views):
+            return Status.REJECTED, (f"push of {n} blocks of {batch.block_nbytes} bytes does not fit the "
+                                     f"sink's {len(views)} destinations of {sorted({len(v) for v in views})} "
+                                     "bytes (or they are read-only)")
+        return views
+
+    # -- layer plans: the blocks are read from the sender's memory (layer_plan.py) ---------
+
+    def _on_plan(self, frame: Frame) -> None:
+        memory = self._channel.peer_memory
+        try:
+            plan = PlanFrame.parse(frame.payload, frame.count)
+        except TransferCorrupted as e:
+            self._ack(frame, Status.CORRUPTED, str(e))
+            return
+        if memory is None:
+            self._ack(frame, Status.REJECTED, "layer plan from a peer whose memory we cannot read")
+            return
+        batches = [BlockBatch(frame.transfer_id, layer, tuple(frame.ids), frame.block_nbytes,
+                              last=bool(frame.flags & FLAG_LAST)) for layer in plan.layers]
+        deadline = time.monotonic() + plan.timeout_s
+        k = 0
+        try:
+            for k, batch in enumerate(batches):
+                status, text = self._land_plan_layer(memory, plan, k, batch, frame.checksum, deadline)
+                if status is not Status.OK:
+                    self._ack(frame, status, text)
+                    break
+            else:
+                self._ack(frame, Status.OK)
+                return
+        finally:
+            for later in batches[k + 1:]:
+                self._landed(later, False)  # the sink stops waiting for them
+
+    def _land_plan_layer(self, memory: PeerMemory, plan: PlanFrame, k: int, batch: BlockBatch,
+                         checksum: Checksum, deadline: float) -> tuple[Status, str]:
+        # Polled, not signalled: a wake-up per layer is what the plan saves the sender's core.
+        # A dead sender fails the read (PeerClosed) and ends the session.
+        try:
+            while memory.read_u64(plan.progress) <= k:
+                if self._closed.is_set():
+                    raise PeerClosed("session closed")
+                if time.monotonic() > deadline:
+                    self._landed(batch, False)
+                    return Status.ERROR, (f"layer {batch.layer} of {batch.transfer_id!r} not ready within "
+                                          f"{plan.timeout_s:.1f}s")
+                time.sleep(PLAN_POLL_S)
+        except BaseException:
+            self._landed(batch, False)
+            raise
+        views = self._claim(batch)
+        if isinstance(views, tuple):
+            self._landed(batch, False)
+            return views
+        ok = False
+        try:
+            memory.read_into(views, plan.addresses[k])
+            digests = memory.read(plan.digests_address(k), DIGEST_NBYTES * len(views))
+            ok = b"".join(checksum.digest(v) for v in views) == digests
+        except TransferCorrupted as e:
+            logger.warning("layer plan %r layer %d: %s", batch.transfer_id, batch.layer, e)
+        finally:
+            self._landed(batch, ok)
+        if not ok:
+            return Status.CORRUPTED, f"push {batch.transfer_id!r} layer {batch.layer}: checksum mismatch"
+        return Status.OK, ""
 
     def _landed(self, batch: BlockBatch, ok: bool) -> None:
         try:

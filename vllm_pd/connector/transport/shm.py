@@ -21,6 +21,14 @@ and loads are unordered across cores (x86 may reorder a store with a later load)
 so a waiting sender also re-checks the count after a bounded wait: a lost wake-up
 costs at most that wait, never a stall.
 
+Where the kernel lets a side read the other's memory (cross_memory.py, probed at
+the handshake), block bytes skip the rings altogether: the sender writes a frame
+with the blocks' addresses and digests, and the receiver copies them from the
+sender's memory with one ``process_vm_readv``: one copy instead of two, made by
+the receiving core (on a prefill instance the forward's core is spared the
+copy). The rings stay for the directions the probe refused, and for ``checksum
+none``: a read is only safe to use when a changed source block would be caught.
+
 Each side unlinks the peer's ring name as soon as it has mapped it (and its own
 on close), so a killed process leaves nothing in /dev/shm: the memory goes when
 the last mapping does. Endpoint: ``shm://127.0.0.1:port``.
@@ -39,6 +47,7 @@ import numpy as np
 
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
+from vllm_pd.connector.transport.cross_memory import PeerMemory, local_info
 from vllm_pd.connector.transport.framing import Frame, Kind
 from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
 from vllm_pd.connector.transport.wire import Wire
@@ -95,7 +104,10 @@ class ShmChannel:
     # Test-only fault injection: called with each filled slot before READY.
     fault_hook: Any = None
 
-    def __init__(self, slots: int, slot_nbytes: int) -> None:
+    def __init__(self, slots: int, slot_nbytes: int, cross_memory: bool = True) -> None:
+        self._cross_memory = cross_memory
+        self._peer_memory: PeerMemory | None = None  # reads of the peer's memory, if it can be read
+        self._peer_reads_us = False  # the peer's probe of our memory worked
         self._tx = ShmRing(f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", slots, slot_nbytes,
                            create=True)
         self._rx: ShmRing | None = None
@@ -109,8 +121,22 @@ class ShmChannel:
     def fits_now(self, wire: Wire, nbytes: int) -> bool:
         return -(-nbytes // self._tx.slot_nbytes) <= self._free_slots()
 
+    @property
+    def peer_memory(self) -> PeerMemory | None:
+        return self._peer_memory
+
+    @property
+    def peer_reads_us(self) -> bool:
+        return self._peer_reads_us
+
     def local_info(self) -> dict[str, Any]:
-        return {"ring": self._tx.name, "slots": self._tx.slots, "slot_nbytes": self._tx.slot_nbytes}
+        info: dict[str, Any] = {"ring": self._tx.name, "slots": self._tx.slots,
+                                "slot_nbytes": self._tx.slot_nbytes}
+        if self._cross_memory:
+            # the dialler's HELLO goes first: only the answer can say whether the probe worked
+            info["cross_memory"] = local_info()
+            info["reads_you"] = self._peer_memory is not None
+        return info
 
     def attach(self, remote_info: dict[str, Any]) -> None:
         try:
@@ -121,6 +147,9 @@ class ShmChannel:
             raise TransferCorrupted(f"shm handshake: bad ring name {name!r}")
         self._rx = ShmRing(str(name), int(slots), int(slot_nbytes), create=False)
         self._rx.unlink()  # both sides map it now; the name is no longer needed
+        if self._cross_memory:
+            self._peer_memory = PeerMemory.probe(remote_info.get("cross_memory"))
+            self._peer_reads_us = bool(remote_info.get("reads_you"))
 
     # -- sending -------------------------------------------------------------------
 
@@ -241,8 +270,11 @@ class ShmTransport(TcpTransport):
     name = "shm"
     scheme = "shm"
 
-    def __init__(self, slots: int = 4, slot_nbytes: int = 4 << 20, **options: Any) -> None:
+    def __init__(self, slots: int = 4, slot_nbytes: int = 4 << 20, cross_memory: bool = True,
+                 **options: Any) -> None:
         super().__init__(**options)
+        # reads of the peer's memory need a checksum: it is what catches a block that changed
+        self._cross_memory = bool(cross_memory) and self._checksum is not Checksum.NONE
         if slots < 2:
             raise ValueError(f"slots must be >= 2 (pipelining), got {slots}")
         if slot_nbytes < 4096:
@@ -259,7 +291,7 @@ class ShmTransport(TcpTransport):
         return super()._dial_address("tcp://" + endpoint.removeprefix("shm://"))
 
     def _new_channel(self) -> ShmChannel:
-        return ShmChannel(self._slots, self._slot_nbytes)
+        return ShmChannel(self._slots, self._slot_nbytes, self._cross_memory)
 
 
 __all__ = ["ShmChannel", "ShmRing", "ShmTransport", "parse_tcp_endpoint"]

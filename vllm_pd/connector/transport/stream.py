@@ -23,6 +23,7 @@ import msgspec
 from vllm_pd.connector.exceptions import PeerClosed, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink, MemoryRegion, Transport
 from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, read_frame
+from vllm_pd.connector.transport.layer_plan import ORDERED_STORES, LayerPlan
 from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.serve_session import ServeSession
@@ -156,6 +157,29 @@ class StreamTransport(Transport):
         )
         return self._submit(peer, frame, timeout, send_views=views)
 
+    def push_layers(self, peer: str, transfer_id: str, layers: Sequence[int], positions: Sequence[int],
+                    block_ids: Sequence[int], timeout: float, last: bool = False) -> LayerPlan | None:
+        regions = self._require_regions()
+        if not ORDERED_STORES or self._checksum is Checksum.NONE or not layers or not block_ids:
+            return None
+        if len(block_ids) != len(positions):
+            raise ValueError(f"push_layers: {len(block_ids)} block ids but {len(positions)} positions")
+        nbytes = regions.block_nbytes[layers[0]]
+        if any(regions.block_nbytes[layer] != nbytes for layer in layers):
+            return None
+        try:
+            channel = self._link(peer).channel
+        except TransportError:
+            return None  # push() reports it
+        if channel is None or not channel.peer_reads_us:
+            return None  # not connected yet (the first push connects), or the peer cannot read us
+        plan = LayerPlan(self._checksum, layers, [regions.views(layer, block_ids) for layer in layers])
+        frame = Frame(Kind.PLAN, req_id=next(self._req_ids), checksum=self._checksum,
+                      flags=FLAG_LAST if last else 0, block_nbytes=nbytes, transfer_id=transfer_id,
+                      ids=tuple(positions), payload=plan.payload(timeout))
+        plan.future = self._submit(peer, frame, timeout, keep=plan)
+        return plan
+
     def fetch(self, peer: str, transfer_id: str, layer: int, remote_block_ids: Sequence[int],
               local_block_ids: Sequence[int], timeout: float) -> Future[None]:
         regions = self._require_regions()
@@ -225,10 +249,10 @@ class StreamTransport(Transport):
         return self._regions
 
     def _submit(self, peer: str, frame: Frame, timeout: float, send_views: list[memoryview] | None = None,
-                recv_views: list[memoryview] | None = None) -> Future[Any]:
+                recv_views: list[memoryview] | None = None, keep: Any = None) -> Future[Any]:
         future: Future[Any] = Future()
         future.set_running_or_notify_cancel()  # not cancellable: bytes may be moving
-        op = PendingOp(frame, future, time.monotonic() + timeout, send_views or [], recv_views or [])
+        op = PendingOp(frame, future, time.monotonic() + timeout, send_views or [], recv_views or [], keep=keep)
         try:
             link = self._link(peer)
         except TransportError as e:

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from vllm_pd.connector.transport.cross_memory import PeerMemory
 from vllm_pd.connector.transport.framing import (
     DIGEST_NBYTES,
     Checksum,
@@ -113,6 +114,14 @@ class BlockChannel(Protocol):
         """Whether a message with ``nbytes`` of blocks can be sent now without waiting for
         the peer (so the thread that submits it may send it itself)."""
 
+    @property
+    def peer_memory(self) -> PeerMemory | None:
+        """Reads of the peer's memory, where the handshake's probe allowed them (shm)."""
+
+    @property
+    def peer_reads_us(self) -> bool:
+        """Whether the peer's probe of our memory worked: it may take layer plans."""
+
     def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
         """Send ``frame`` followed by the bytes of ``views`` and their digests."""
 
@@ -143,6 +152,9 @@ class SocketChannel:
 
     def fits_now(self, wire: Wire, nbytes: int) -> bool:
         return wire.has_room(nbytes + 4096)  # + frame and digests
+
+    peer_memory = None  # another host, as far as a socket knows
+    peer_reads_us = False
 
     def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
         digests: list[bytes] = []

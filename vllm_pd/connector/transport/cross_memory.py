@@ -1,0 +1,154 @@
+"""Single-copy reads of a same-host peer's memory: Linux cross-memory attach.
+
+``process_vm_readv`` copies from another process's address space in one kernel
+call, run by the *reader*. The shm transport uses it for layer plans
+(layer_plan.py) when the kernel allows it (same user, or CAP_SYS_PTRACE; Yama
+ptrace_scope <= 1): the receiver polls the sender's progress word and copies
+each layer's blocks straight from the sender's KV cache as soon as the sender's
+forward has written them - the one-sided READ of RDMA, on one host. Open MPI's
+vader/CMA path is the same idea.
+
+Whether it works is probed at the handshake, never assumed: the peer announces
+its pid, boot id and the address of a random token, and the reader must read
+that token back. Different hosts or boots, pid namespaces, seccomp or Yama
+refusals all fail the probe and the connection keeps the shared-memory rings.
+
+A read that races a change of the source (a sender that reused the blocks
+before the read) is caught by the blocks' checksums, taken by the sender when a
+layer is ready; so cross-memory reads are used only with a checksum.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
+
+logger = logging.getLogger(__name__)
+
+# process_vm_readv takes at most IOV_MAX (1024) iovecs per side and call.
+MAX_IOV = 1024
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.process_vm_readv
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
+                   ctypes.c_ulong, ctypes.c_ulong]
+    return libc
+
+
+_LIBC: Any = None
+_PROBE: ctypes.Array | None = None  # this process's token, read by peers at the handshake
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _allow_peer_reads() -> None:
+    """Under Yama ptrace_scope 1 only ancestors may read us; allow our peers (siblings),
+    as Open MPI does for its CMA transport. Scope 2/3: the probe fails, rings are used."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return
+    if scope == 1:
+        _LIBC.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
+
+
+def local_info() -> dict[str, Any]:
+    """What a peer needs to probe (and then read) this process's memory."""
+    global _LIBC, _PROBE
+    if _PROBE is None:
+        _LIBC = _libc()
+        _allow_peer_reads()
+        _PROBE = ctypes.create_string_buffer(secrets.token_bytes(16), 16)
+    return {"pid": os.getpid(), "boot": _boot_id(), "probe": ctypes.addressof(_PROBE),
+            "token": bytes(_PROBE).hex()}
+
+
+def address_of(view: memoryview) -> int:
+    """Start address of a C-contiguous buffer in this process."""
+    if not view.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class PeerMemory:
+    """Reads of one peer process's memory (made by :meth:`probe`)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    @classmethod
+    def probe(cls, info: Any) -> PeerMemory | None:
+        """A reader of the peer that announced ``info`` (see :func:`local_info`), or None
+        if its memory cannot be read from here."""
+        if not isinstance(info, dict):
+            return None
+        local = local_info()
+        try:
+            pid, address, token = int(info["pid"]), int(info["probe"]), bytes.fromhex(info["token"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if info.get("boot") != local["boot"] or not local["boot"]:
+            return None  # another host (or boot): its pid means nothing here
+        reader = cls(pid)
+        got = bytearray(len(token))
+        try:
+            reader.read_into([memoryview(got)], [address])
+        except (PeerClosed, TransferCorrupted, OSError) as e:
+            logger.debug("cross-memory reads of pid %d unavailable: %s", pid, e)
+            return None
+        if bytes(got) != token:
+            return None  # another pid namespace: the same number is another process
+        return reader
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        buf = bytearray(nbytes)
+        self.read_into([memoryview(buf)], [address])
+        return bytes(buf)
+
+    def read_u64(self, address: int) -> int:
+        return int.from_bytes(self.read(address, 8), "little")
+
+    def read_into(self, views: Sequence[memoryview], addresses: Sequence[int]) -> None:
+        """Copy ``len(views[i])`` bytes at the peer's ``addresses[i]`` into ``views[i]``.
+        PeerClosed if the peer is gone, TransferCorrupted on a bad address or short read."""
+        for start in range(0, len(views), MAX_IOV):
+            chunk = views[start:start + MAX_IOV]
+            n = len(chunk)
+            local = (_Iovec * n)(*(_Iovec(address_of(v), len(v)) for v in chunk))
+            remote = (_Iovec * n)(*(_Iovec(a, len(v)) for a, v in zip(addresses[start:start + n], chunk,
+                                                                         strict=True)))
+            want = sum(len(v) for v in chunk)
+            got = _LIBC.process_vm_readv(self.pid, local, n, remote, n, 0)
+            if got == want:
+                continue
+            if got < 0:
+                err = ctypes.get_errno()
+                if err == errno.ESRCH:
+                    raise PeerClosed(f"cross-memory read: process {self.pid} is gone")
+                raise TransferCorrupted(f"cross-memory read from pid {self.pid}: {os.strerror(err)}")
+            raise TransferCorrupted(f"cross-memory read from pid {self.pid}: {got} of {want} bytes")

@@ -1,0 +1,105 @@
+"""A step's layer-wise push as one message: the peer reads each layer itself.
+
+Pushing layer by layer costs the sending core a message per layer. On a 1-core
+prefill instance that is the core computing the forward, and on these VMs one
+small ``sendmsg`` right after a layer's compute costs ~100 us of cold caches and
+a wake-up of the peer's core, the framing and bookkeeping around it as much
+again: ~2.4 ms of an 8-layer forward of 128 tokens (benchmarks/RESULTS.md).
+
+A plan says once, as the step starts, which blocks of which layers will be pushed
+and where they are in the sender's memory; then per layer the sender only
+writes the layer's block digests and bumps a counter in its own memory
+(:meth:`LayerPlan.ready`: a checksum and two stores, no system call, no thread
+switch). The receiver polls that counter with cross-memory reads and, for each
+ready layer, copies the blocks from the sender's memory into the sink's
+destinations and checks them against the digests, on its own core. One ACK
+answers the whole plan.
+
+Only where the peer can read our memory (shm transport, probed at the handshake:
+cross_memory.py) and with a checksum; elsewhere ``Transport.push_layers`` returns
+None and the caller pushes layer by layer. Ordering: the sender's stores (the
+forward's KV writes, then the digests, then the counter) become visible to other
+cores in program order on x86-64 (TSO); a reader that saw the counter sees what
+came before it. Other architectures fall back to pushes.
+
+Payload of a PLAN frame (ids = the blocks' positions, block_nbytes, checksum):
+``progress address u64 | timeout ms u32 | layer count u32 | layer u32 x L |
+block address u64 x (L x count)``. The progress area: ``ready layers u64 |
+digest x (L x count)``.
+"""
+
+from __future__ import annotations
+
+import platform
+import struct
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from vllm_pd.connector.exceptions import TransferCorrupted
+from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, Checksum
+from vllm_pd.connector.transport.cross_memory import address_of
+
+_HEAD = struct.Struct("<QII")
+# x86-64 keeps stores in order for other cores (TSO): the counter never runs ahead of the
+# digests and KV it announces. Elsewhere plans are not offered.
+ORDERED_STORES = platform.machine() in ("x86_64", "AMD64")
+
+
+class LayerPlan:
+    """Sender side: the layers' blocks (views of our regions) and the progress area."""
+
+    def __init__(self, checksum: Checksum, layers: Sequence[int], views: Sequence[Sequence[memoryview]]) -> None:
+        self.checksum = checksum
+        self.layers = tuple(layers)
+        self._views = [list(v) for v in views]
+        self._count = len(self._views[0]) if self._views else 0
+        # never resized: the peer reads it at this address until our future settles
+        self._progress = bytearray(8 + DIGEST_NBYTES * len(self.layers) * self._count)
+        self._area = memoryview(self._progress)
+        self.future: Future[None] | None = None  # ACK of the whole plan (set by the transport)
+
+    def payload(self, timeout: float) -> bytes:
+        addresses = [address_of(v) for views in self._views for v in views]
+        return b"".join((
+            _HEAD.pack(address_of(self._area), max(1, int(timeout * 1000)), len(self.layers)),
+            struct.pack(f"<{len(self.layers)}I", *self.layers),
+            struct.pack(f"<{len(addresses)}Q", *addresses),
+        ))
+
+    def ready(self, k: int) -> None:
+        """The plan's k-th layer is computed: publish its digests, then the count."""
+        off = 8 + DIGEST_NBYTES * k * self._count
+        for view in self._views[k]:
+            self._area[off:off + DIGEST_NBYTES] = self.checksum.digest(view)
+            off += DIGEST_NBYTES
+        struct.pack_into("<Q", self._progress, 0, k + 1)
+
+
+@dataclass(frozen=True)
+class PlanFrame:
+    """Receiver side: a PLAN frame's payload, parsed and bounds-checked."""
+
+    progress: int
+    timeout_s: float
+    layers: tuple[int, ...]
+    addresses: tuple[tuple[int, ...], ...]  # per layer, per block
+
+    @classmethod
+    def parse(cls, payload: bytes, count: int) -> PlanFrame:
+        try:
+            progress, timeout_ms, n_layers = _HEAD.unpack_from(payload, 0)
+            off = _HEAD.size
+            layers = struct.unpack_from(f"<{n_layers}I", payload, off)
+            off += 4 * n_layers
+            flat = struct.unpack_from(f"<{n_layers * count}Q", payload, off)
+            off += 8 * n_layers * count
+        except struct.error as e:
+            raise TransferCorrupted(f"PLAN payload: {e}") from None
+        if off != len(payload) or not n_layers or not count:
+            raise TransferCorrupted(f"PLAN payload of {len(payload)} bytes for {n_layers} layers x {count} blocks")
+        addresses = tuple(flat[i * count:(i + 1) * count] for i in range(n_layers))
+        return cls(progress, timeout_ms / 1000, layers, addresses)
+
+    def digests_address(self, k: int) -> int:
+        return self.progress + 8 + DIGEST_NBYTES * k * len(self.addresses[0])
