@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 MAX_MODEL_LEN = 2048
 MAX_TOKENS = 12
+# Both instances of a test pair share this host: the same-host transport, whose pushes go as
+# layer plans read from prefill's memory (tcp pairs run in the router and store e2e tests).
+TRANSPORT = "shm"
 
 
 def connector_config(role: str, kv_port: int, **extra: Any) -> dict[str, Any]:
@@ -32,7 +35,7 @@ def connector_config(role: str, kv_port: int, **extra: Any) -> dict[str, Any]:
         "kv_role": role,
         "kv_port": kv_port,
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"transport": "tcp", "host": "127.0.0.1", **extra},
+        "kv_connector_extra_config": {"transport": TRANSPORT, "host": "127.0.0.1", **extra},
     }
 
 
@@ -47,7 +50,7 @@ class Instance:
 
     @property
     def kv_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.kv_port}"
+        return f"{TRANSPORT}://127.0.0.1:{self.kv_port}"
 
 
 def server_spec(model: Path, cores: str, ktc: dict[str, Any] | None) -> VllmServerSpec:

@@ -113,7 +113,7 @@ def test_dead_prefill_endpoint_is_recomputed(pd_pair, reference_outputs, client)
     p = ec.post(client, prefill.url, ec.prefill_leg(body, "pull", decode))
     params = dict(p["kv_transfer_params"])
     real = dict(params)
-    dead = f"tcp://127.0.0.1:{ec.free_port()}"
+    dead = f"{ec.TRANSPORT}://127.0.0.1:{ec.free_port()}"
     params.update(remote_endpoint=dead, remote_endpoints=[dead])
     d = ec.post(client, decode.url, dict(body, kv_transfer_params=params))
     assert ec.output_tokens(d) == reference_outputs[key]

@@ -30,7 +30,7 @@ from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.stats import PDConnectorStats
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport import create_transport
-from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from vllm_pd.connector.transport.base import BlockBatch, LayerPush, MemoryRegion
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class PDConnectorWorker:
         self._awaited_keys: list[str] = []  # decode legs the scheduler holds back until announced
         self._step_jobs: list[LoadJob] = []
         self._step_sends: list[SendSpec] = []
+        self._step_plans: dict[int, LayerPush] = {}  # id(spec) -> its layers' push, made as the step starts
         self._idle = False
         self.stats = PDConnectorStats()
         self.endpoint = ""
@@ -155,11 +156,13 @@ class PDConnectorWorker:
         for fs in meta.finished_sends:
             self.outgoing.finish(fs.transfer_id, fs.held)
         self._step_sends = [s for s in meta.sends if self.is_producer]
+        self._step_plans = {}
         for spec in self._step_sends:
             if spec.push_endpoint is not None:
                 # Pushed KV is announced as its last forward starts: decode may then run its own
                 # forward beside ours, taking each layer as it lands (a layer-wise load).
                 self._announce(spec)
+                self._plan_push(spec)
         self._step_jobs = [
             LoadJob(spec, self.transport, self.regions, self.staging, self.tp_rank,
                     self.config.transfer_timeout_s, self.config.push_wait_s)
@@ -225,6 +228,33 @@ class PDConnectorWorker:
             if job.spec.layerwise:
                 job.layer_done[i].wait(timeout=self.config.transfer_timeout_s + 5.0)
 
+    def _push_blocks(self, spec: SendSpec) -> tuple[tuple[int, ...], list[int]]:
+        """(positions, block ids) of what this step computes of ``spec``'s prompt."""
+        end_block = -(-spec.end_token // self.block_size)
+        positions = tuple(range(spec.first_block, end_block))
+        return positions, [spec.block_ids[p] for p in positions]
+
+    def _plan_push(self, spec: SendSpec) -> None:
+        """All of the step's layers pushed as one plan the peer reads from our memory, where
+        the transport can (same host): the forward then only marks each layer ready."""
+        positions, block_ids = self._push_blocks(spec)
+        if not positions:
+            return
+        try:
+            plan = self.transport.push_layers(
+                self._peer_for_rank(spec.push_endpoint), spec.transfer_key or spec.transfer_id,
+                range(len(self.regions)), positions, block_ids, timeout=self.config.transfer_timeout_s,
+                last=spec.prefill_done)
+        except Exception as e:  # noqa: BLE001 - pushed layer by layer instead
+            logger.warning("layer plan of %s failed to start: %s", spec.transfer_id, e)
+            return
+        if plan is None or plan.future is None:
+            return
+        self._step_plans[id(spec)] = plan
+        n = len(block_ids) * len(self.regions)
+        self.stats.record_push(n, n * self.regions[0].block_nbytes)
+        self.outgoing.add_push(spec.transfer_id, plan.future)
+
     def save_kv_layer(self, layer_name: str) -> None:
         i = self._layer_index.get(layer_name)
         if i is None:
@@ -232,13 +262,15 @@ class PDConnectorWorker:
         for spec in self._step_sends:
             if spec.push_endpoint is None:
                 continue
-            end_block = -(-spec.end_token // self.block_size)
-            positions = tuple(range(spec.first_block, end_block))
+            plan = self._step_plans.get(id(spec))
+            if plan is not None:
+                plan.ready(i)
+                continue
+            positions, block_ids = self._push_blocks(spec)
             if not positions:
                 continue
             batch = BlockBatch(spec.transfer_key or spec.transfer_id, i, positions, self.regions[i].block_nbytes,
                                last=spec.prefill_done)
-            block_ids = [spec.block_ids[p] for p in positions]
             try:
                 # Only the step's last layer is answered: that answer covers the earlier
                 # layers (a failure is answered at once), so decode's kernel wakes the
@@ -261,6 +293,7 @@ class PDConnectorWorker:
                 if spec.push_endpoint is None:
                     self._announce(spec)  # decode reads it now: reads were just granted
         self._step_sends = []
+        self._step_plans = {}
 
     def _announce(self, spec: SendSpec) -> None:
         """Tell the waiting decode where its KV is (or is being pushed to)."""
