@@ -72,6 +72,10 @@ def test_admin_add_drain_role_remove() -> None:
 def test_instance_flag_parsing() -> None:
     ic = parse_instance_flag("http://127.0.0.1:8200@tcp://127.0.0.1:14600", "decode")
     assert ic == InstanceConfig("http://127.0.0.1:8200", "decode", "tcp://127.0.0.1:14600")
+    assert parse_instance_flag("http://127.0.0.1:8200@shm://127.0.0.1:14600", "decode").kv_endpoint == \
+        "shm://127.0.0.1:14600"
+    with pytest.raises(ConfigError, match="kv_endpoint"):
+        parse_instance_flag("http://127.0.0.1:8200@udp://127.0.0.1:14600", "decode")
     with pytest.raises(ConfigError, match="kv_endpoint"):
         parse_instance_flag("http://127.0.0.1:8200@127.0.0.1:14600", "decode")
     with pytest.raises(ConfigError, match="url"):

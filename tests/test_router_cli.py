@@ -8,7 +8,8 @@ import pytest
 
 from vllm_pd.router import command_proxy, command_up
 from vllm_pd.router.config import ConfigError
-from vllm_pd.router.local_cluster import cpu_bindings
+from vllm_pd.router.local_cluster import LocalServer, cpu_bindings
+from vllm_pd.vllm_server import VllmServer, VllmServerSpec
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -51,3 +52,12 @@ def test_up_arguments_and_cpu_binding() -> None:
     assert cpu_bindings(3, [0, 1]) == ["0", "1", "0"]  # more servers than cores: share single cores
     assert cpu_bindings(2, list(range(8))) == ["0-3", "4-7"]
     assert command_up.run(p.parse_args(["--decode", "0"])) == 2
+    # every server of `up` is on this machine: the same-host transport, whose endpoints say so
+    assert a.transport == "shm" and p.parse_args(["--transport", "tcp"]).transport == "tcp"
+
+
+def test_local_servers_advertise_their_transport_s_endpoints() -> None:
+    spec = VllmServerSpec(model="m", port=8100, host="127.0.0.1")
+    server = VllmServer(spec)
+    assert LocalServer("d0", "decode", server, 14600, "shm").kv_endpoint == "shm://127.0.0.1:14600"
+    assert LocalServer("d0", "decode", server, 14600).kv_endpoint == "tcp://127.0.0.1:14600"

@@ -46,10 +46,11 @@ class LocalServer:
     role: str
     server: VllmServer
     kv_port: int
+    transport: str = "tcp"
 
     @property
     def kv_endpoint(self) -> str:
-        return f"tcp://{self.server.spec.host}:{self.kv_port}"
+        return f"{self.transport}://{self.server.spec.host}:{self.kv_port}"
 
     def instance_config(self) -> InstanceConfig:
         # prefill never receives pushed KV, so only decode-capable instances advertise an endpoint
@@ -94,7 +95,7 @@ class LocalCluster:
                                   cpu_cores=cores, pin_processes=pin, max_model_len=self.max_model_len,
                                   extra_args=self.extra_args)
             server = VllmServer(spec, log_path=self.log_dir / f"{name}.log").start()
-            self.servers.append(LocalServer(name, role, server, kv_port))
+            self.servers.append(LocalServer(name, role, server, kv_port, self.transport))
 
     def wait_healthy(self, timeout: float = 900.0,
                      progress: Callable[[dict[str, str]], None] | None = None) -> None:
