@@ -11,10 +11,12 @@ ack) lengthens the prompt step and so the TTFT. This measures it without vLLM:
   ``save_kv_layer``) pushes that layer's KV blocks to the receiver;
 * the receiver (another process, another core) lands them as decode would.
 
-Printed: the forward's median wall time without pushes and with them, and - the
+Printed: the forward's median wall time without pushes, with a push per layer, with
+the step's layers pushed as one layer plan (shm: the receiver reads each layer from
+the sender's memory once ``ready``; what the connector does where it can), and - the
 limit - with a plain socket ``sendall`` of the same bytes per layer to the same
 receiver core instead of a push (what moving the bytes costs at least); forwards
-of the three kinds interleaved in one run.
+of the four kinds interleaved in one run.
 
 Usage: python3 benchmarks/push_cost.py [--transports tcp shm] [--tokens 128 512] [--forwards 40]
 """
@@ -137,7 +139,7 @@ def _sender(conn, core: int) -> None:
         conn.send(_forwards(case, ep, raw_port))
 
 
-KINDS = ("none", "push", "raw")
+KINDS = ("none", "push", "plan", "raw")
 
 
 def _forwards(case: Case, ep: str, raw_port: int) -> dict[str, list[float]]:
@@ -158,14 +160,23 @@ def _forwards(case: Case, ep: str, raw_port: int) -> dict[str, list[float]]:
         ids = [(n * case.blocks + b) % BLOCKS for b in range(case.blocks)]
         futs = []
         t0 = time.perf_counter()
+        plan = None
+        if kind == "plan":  # as the connector: one layer plan per step where the transport offers it
+            plan = t.push_layers(ep, f"f{n}", range(LAYERS), range(case.blocks), ids, timeout=30, last=True)
+            if plan is not None:
+                futs.append(plan.future)
+            elif n >= 2 * len(KINDS):
+                kind = "no plan"
         for i, layer in enumerate(layers):
             layer()
-            if kind == "push":
+            if plan is not None:
+                plan.ready(i)
+            elif kind == "push" or kind == "plan":
                 batch = BlockBatch(f"f{n}", i, tuple(range(case.blocks)), block_nbytes, last=i == LAYERS - 1)
                 futs.append(t.push(ep, batch, ids, timeout=30, answer=i == LAYERS - 1))  # as the connector
             elif kind == "raw":
                 raw.sendmsg([memoryview(rows[i][b]) for b in ids])
-        if n >= 2 * len(KINDS):
+        if n >= 2 * len(KINDS) and kind in times:
             times[kind].append(time.perf_counter() - t0)
         for f in futs:
             f.result()
@@ -197,11 +208,13 @@ def main(argv: list[str] | None = None) -> int:
                 times = tx_a.recv()
                 rx_a.send(None)
                 rx_a.recv()
-                plain, pushed, raw = (statistics.median(times[k]) * 1e3 for k in KINDS)
+                plain, pushed, raw = (statistics.median(times[k]) * 1e3 for k in ("none", "push", "raw"))
+                planned = (f"+{statistics.median(times['plan']) * 1e3 - plain:5.2f} ms as one layer plan"
+                           if times["plan"] else "no layer plan (transport cannot)")
                 print(f"{transport} {tokens:5d} tokens: forward {pushed:6.2f} ms with {LAYERS} pushes vs "
                       f"{plain:6.2f} ms without = +{pushed - plain:5.2f} ms "
-                      f"(+{(pushed - plain) / LAYERS * 1e3:4.0f} us per push); limit: raw socket sends of the "
-                      f"same bytes +{raw - plain:5.2f} ms", flush=True)
+                      f"(+{(pushed - plain) / LAYERS * 1e3:4.0f} us per push), {planned}; limit: raw socket "
+                      f"sends of the same bytes +{raw - plain:5.2f} ms", flush=True)
     finally:
         rx_a.send(None)
         tx_a.send(None)
