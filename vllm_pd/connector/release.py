@@ -41,7 +41,8 @@ def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float 
     if remote is None:
         return False
     try:
-        fut = _transport(remote.endpoint).notify(remote.endpoint, ReleaseMessage(remote.transfer_id).encode(), timeout=timeout)
+        fut = _transport(remote.endpoint).notify(remote.endpoint, ReleaseMessage(remote.transfer_id).encode(),
+                                                 timeout=timeout)
         fut.result(timeout=timeout + 1.0)
         return True
     except Exception as e:  # noqa: BLE001 - the lease is the backstop

@@ -28,8 +28,6 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
 
 logger = logging.getLogger(__name__)
@@ -89,10 +87,8 @@ def local_info() -> dict[str, Any]:
 
 
 def address_of(view: memoryview) -> int:
-    """Start address of a C-contiguous buffer in this process."""
-    if not view.readonly:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    """Start address of a writable C-contiguous buffer in this process."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class PeerMemory:

@@ -60,7 +60,7 @@ class Kind(IntEnum):
     CREDIT = 8  # shm: wake-up of a sender waiting for ring slots (the count is in the ring)
     READY = 9  # shm: ids = ring slots the sender has filled (sizes in lengths)
     # blocks of several layers the peer reads from the sender's memory as each layer is
-    # ready (transport/layer_plan.py); ids = positions, layer = number of layers
+    # ready (transport/layer_plan.py); ids = positions, payload = where (layers, addresses)
     PLAN = 10
 
 

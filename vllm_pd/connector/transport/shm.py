@@ -21,13 +21,11 @@ and loads are unordered across cores (x86 may reorder a store with a later load)
 so a waiting sender also re-checks the count after a bounded wait: a lost wake-up
 costs at most that wait, never a stall.
 
-Where the kernel lets a side read the other's memory (cross_memory.py, probed at
-the handshake), block bytes skip the rings altogether: the sender writes a frame
-with the blocks' addresses and digests, and the receiver copies them from the
-sender's memory with one ``process_vm_readv``: one copy instead of two, made by
-the receiving core (on a prefill instance the forward's core is spared the
-copy). The rings stay for the directions the probe refused, and for ``checksum
-none``: a read is only safe to use when a changed source block would be caught.
+The handshake also probes whether each side can read the other's memory
+(cross_memory.py): where it can, a step's layer-wise push goes as one layer plan
+(layer_plan.py) that the receiver reads from the sender's memory; block bytes of
+PUSH / DATA always go through the rings. Plans need a checksum (it catches a
+block changed before its read) and x86-64's ordered stores.
 
 Each side unlinks the peer's ring name as soon as it has mapped it (and its own
 on close), so a killed process leaves nothing in /dev/shm: the memory goes when
@@ -49,6 +47,7 @@ from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
 from vllm_pd.connector.transport.cross_memory import PeerMemory, local_info
 from vllm_pd.connector.transport.framing import Frame, Kind
+from vllm_pd.connector.transport.layer_plan import ORDERED_STORES
 from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
 from vllm_pd.connector.transport.wire import Wire
 
@@ -273,8 +272,9 @@ class ShmTransport(TcpTransport):
     def __init__(self, slots: int = 4, slot_nbytes: int = 4 << 20, cross_memory: bool = True,
                  **options: Any) -> None:
         super().__init__(**options)
-        # reads of the peer's memory need a checksum: it is what catches a block that changed
-        self._cross_memory = bool(cross_memory) and self._checksum is not Checksum.NONE
+        # layer plans need a checksum (it catches a block that changed before its read) and
+        # stores that reach other cores in program order
+        self._cross_memory = bool(cross_memory) and self._checksum is not Checksum.NONE and ORDERED_STORES
         if slots < 2:
             raise ValueError(f"slots must be >= 2 (pipelining), got {slots}")
         if slot_nbytes < 4096:

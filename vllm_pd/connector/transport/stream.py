@@ -23,7 +23,7 @@ import msgspec
 from vllm_pd.connector.exceptions import PeerClosed, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink, MemoryRegion, Transport
 from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, read_frame
-from vllm_pd.connector.transport.layer_plan import ORDERED_STORES, LayerPlan
+from vllm_pd.connector.transport.layer_plan import LayerPlan
 from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.serve_session import ServeSession
@@ -160,7 +160,7 @@ class StreamTransport(Transport):
     def push_layers(self, peer: str, transfer_id: str, layers: Sequence[int], positions: Sequence[int],
                     block_ids: Sequence[int], timeout: float, last: bool = False) -> LayerPlan | None:
         regions = self._require_regions()
-        if not ORDERED_STORES or self._checksum is Checksum.NONE or not layers or not block_ids:
+        if not layers or not block_ids:
             return None
         if len(block_ids) != len(positions):
             raise ValueError(f"push_layers: {len(block_ids)} block ids but {len(positions)} positions")
@@ -172,7 +172,9 @@ class StreamTransport(Transport):
         except TransportError:
             return None  # push() reports it
         if channel is None or not channel.peer_reads_us:
-            return None  # not connected yet (the first push connects), or the peer cannot read us
+            # not connected yet (the first push connects), or the peer cannot read us (tcp; the
+            # probe failed; shm without a checksum or ordered stores)
+            return None
         plan = LayerPlan(self._checksum, layers, [regions.views(layer, block_ids) for layer in layers])
         frame = Frame(Kind.PLAN, req_id=next(self._req_ids), checksum=self._checksum,
                       flags=FLAG_LAST if last else 0, block_nbytes=nbytes, transfer_id=transfer_id,
