@@ -6,6 +6,7 @@ on these machines the probe succeeds."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -207,12 +208,22 @@ def _ring_slots_used(transport, peer: str) -> int:
     return transport._links[peer].channel._produced
 
 
-def test_layer_plan_lands_each_layer_once_it_is_ready() -> None:
-    src = make_regions(3, 8, seed=8)
-    dst = make_regions(3, 8, seed=None)
-    a, _, _ = started("shm", src)
-    b, b_sink, b_ep = started("shm", dst)
+@contextlib.contextmanager
+def _pair(layers: int, blocks: int, seed: int, name: str = "shm", **options):
+    """Sender ``a`` (random blocks ``src``) and receiver at ``b_ep`` (zeroed ``dst``), closed after."""
+    src = make_regions(layers, blocks, seed=seed)
+    dst = make_regions(layers, blocks, seed=None)
+    a, _, _ = started(name, src, **options)
+    b, b_sink, b_ep = started(name, dst, **options)
     try:
+        yield a, b_sink, b_ep, src, dst
+    finally:
+        a.close()
+        b.close()
+
+
+def test_layer_plan_lands_each_layer_once_it_is_ready() -> None:
+    with _pair(3, 8, 8) as (a, b_sink, b_ep, src, dst):
         assert a.push_layers(b_ep, "p", [0, 1, 2], (0, 1), [5, 6], timeout=10) is None  # not connected
         _connected(a, b_ep, src)
         slots = _ring_slots_used(a, b_ep)
@@ -229,19 +240,12 @@ def test_layer_plan_lands_each_layer_once_it_is_ready() -> None:
             assert torch.equal(dst[layer].tensor[0], src[layer].tensor[5])
             assert torch.equal(dst[layer].tensor[1], src[layer].tensor[6])
         assert _ring_slots_used(a, b_ep) == slots, "the plan's blocks went through the ring"
-    finally:
-        a.close()
-        b.close()
 
 
 def test_block_changed_after_ready_is_caught_by_its_checksum() -> None:
     # A sender that reuses a block before the peer read it (the race reading its memory
     # opens): the digest taken by ready() no longer matches, the layer and the rest fail.
-    src = make_regions(2, 4, seed=9)
-    dst = make_regions(2, 4, seed=None)
-    a, _, _ = started("shm", src)
-    b, b_sink, b_ep = started("shm", dst)
-    try:
+    with _pair(2, 4, 9) as (a, b_sink, b_ep, src, dst):
         _connected(a, b_ep, src)
         b_sink.entered.clear()
         b_sink.hold.clear()
@@ -254,17 +258,10 @@ def test_block_changed_after_ready_is_caught_by_its_checksum() -> None:
             plan.future.result(10)
         landed = [(batch.layer, ok) for batch, ok in b_sink.wait_landed(3)[1:]]
         assert landed == [(0, False), (1, False)]
-    finally:
-        a.close()
-        b.close()
 
 
 def test_layer_never_ready_fails_the_plan_at_its_timeout() -> None:
-    src = make_regions(2, 4, seed=12)
-    dst = make_regions(2, 4, seed=None)
-    a, _, _ = started("shm", src)
-    b, b_sink, b_ep = started("shm", dst)
-    try:
+    with _pair(2, 4, 12) as (a, b_sink, b_ep, src, dst):
         _connected(a, b_ep, src)
         plan = a.push_layers(b_ep, "stuck", [0, 1], (0,), [1], timeout=0.5)
         plan.ready(0)
@@ -274,9 +271,6 @@ def test_layer_never_ready_fails_the_plan_at_its_timeout() -> None:
         assert landed == [(0, True), (1, False)]
         # the connection is still good
         a.push(b_ep, BlockBatch("after", 1, (0,), src[1].block_nbytes), [3], timeout=10).result(10)
-    finally:
-        a.close()
-        b.close()
 
 
 def _plan_peer(endpoint: str, conn) -> None:
@@ -316,32 +310,18 @@ def test_no_plan_where_memory_cannot_be_read(monkeypatch: pytest.MonkeyPatch) ->
     from vllm_pd.connector.transport import shm
 
     monkeypatch.setattr(shm.PeerMemory, "probe", classmethod(lambda cls, info: None))
-    src = make_regions(1, 4, seed=10)
-    dst = make_regions(1, 4, seed=None)
-    a, _, _ = started("shm", src)
-    b, _, b_ep = started("shm", dst)
-    try:
+    with _pair(1, 4, 10) as (a, b_sink, b_ep, src, dst):
         _connected(a, b_ep, src)
         assert torch.equal(dst[0].tensor[0], src[0].tensor[0])
         assert a.push_layers(b_ep, "x", [0], (1,), [1], timeout=10) is None
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("name, options", [("shm", {"checksum": "none"}), ("shm", {"cross_memory": False}),
                                            ("tcp", {})])
 def test_no_plan_without_checksum_cross_memory_or_on_tcp(name: str, options: dict) -> None:
-    src = make_regions(1, 4, seed=11)
-    dst = make_regions(1, 4, seed=None)
-    a, _, _ = started(name, src, **options)
-    b, _, b_ep = started(name, dst, **options)
-    try:
+    with _pair(1, 4, 11, name, **options) as (a, b_sink, b_ep, src, dst):
         _connected(a, b_ep, src)
         assert a.push_layers(b_ep, "n", [0], (1,), [1], timeout=10) is None
-    finally:
-        a.close()
-        b.close()
 
 
 def test_probe_rejects_another_boot_a_wrong_token_and_no_process() -> None:
