@@ -1,16 +1,21 @@
 """End-to-end latency of 1P1D on real vLLM CPU servers, side by side in one run with
 a plain 1-core instance and with vLLM's own NixlConnector 1P1D.
 
-    python3 benchmarks/pd_latency.py [--lengths 128 512 1024 2048] [--requests 5] [--no-nixl]
+    python3 benchmarks/pd_latency.py [--lengths 128 512 1024 2048] [--requests 5] [--rounds 3] [--no-nixl]
 
 Prefill is pinned to core 0 and decode to core 1; the plain instance gets core 0
-alone. Pinning covers each instance's whole process tree (API server, engine
-core, worker: ``taskset``), not only vLLM's OpenMP threads. Every prompt is unique (no prefix-cache hits), 32 output tokens, greedy,
+alone, in its own phase. Pinning covers each instance's whole process tree (API
+server, engine core, worker: ``taskset``), not only vLLM's OpenMP threads. Phases
+alternate over ``--rounds`` (plain, ours, plain, ours, ...; NIXL once at the end):
+each round prints its own ratio and the summary pools every round's samples, so a
+host that drifts between two phases shows as spread instead of passing for a
+result. Every prompt is unique (no prefix-cache hits), 32 output tokens, greedy,
 requests one at a time. TTFT is measured as a client behind a proxy sees it: from
 sending the prefill leg to the first streamed token of the decode leg.
 
 Targets (issue 2): our TTFT <= 1.15 x plain 1-core and <= 0.5 x stock NIXL; an
-idle PD pair uses ~0 % CPU. Also printed: the layer-wise overlap of push mode
+idle PD pair uses ~0 % CPU (printed beside a plain instance's idle, which is
+vLLM's own floor). Also printed: the layer-wise overlap of push mode
 (time from prefill's last layer to "all KV landed" vs the whole transfer).
 """
 
@@ -120,7 +125,7 @@ def run_pd_beside(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: li
 
 # vLLM's own per-request histograms: where the time goes inside each server
 SERVER_TIMES = {"prefill": "vllm:request_prefill_time_seconds", "queue": "vllm:request_queue_time_seconds"}
-BREAKDOWN: dict[str, dict[int, dict[str, dict[str, float]]]] = {}  # config -> length -> server -> ms
+BREAKDOWN: dict[str, dict[int, list[dict[str, dict[str, float]]]]] = {}  # config -> length -> [server -> ms]
 
 
 def server_times(client: httpx.Client, servers: dict[str, VllmServer]) -> dict[str, dict[str, float]]:
@@ -138,17 +143,24 @@ def mean_ms(before: dict[str, dict[str, float]], after: dict[str, dict[str, floa
     return out
 
 
+Samples = dict[int, list[tuple[float, float]]]  # length -> [(ttft, total) in ms] of one configuration
+
+
 def measure(name: str, fn: Any, lengths: list[int], n: int, prompts: Prompts,
-            client: httpx.Client, servers: dict[str, VllmServer]) -> dict[int, tuple[float, float]]:
+            client: httpx.Client, servers: dict[str, VllmServer]) -> Samples:
     fn(prompts.make(64))  # warm-up (NIXL's handshake, first-request costs)
-    out = {}
+    out: Samples = {}
     for length in lengths:
         before = server_times(client, servers)
-        samples = [fn(prompts.make(length)) for _ in range(n)]
-        BREAKDOWN.setdefault(name, {})[length] = mean_ms(before, server_times(client, servers))
-        out[length] = (statistics.median(s[0] for s in samples) * 1e3, statistics.median(s[1] for s in samples) * 1e3)
-        print(f"  {name:<28} L={length:<5} TTFT {out[length][0]:7.1f} ms  total {out[length][1]:7.1f} ms", flush=True)
+        out[length] = [(ttft * 1e3, total * 1e3) for ttft, total in (fn(prompts.make(length)) for _ in range(n))]
+        BREAKDOWN.setdefault(name, {}).setdefault(length, []).append(mean_ms(before, server_times(client, servers)))
+        ttft, total = medians(out[length])
+        print(f"  {name:<28} L={length:<5} TTFT {ttft:7.1f} ms  total {total:7.1f} ms", flush=True)
     return out
+
+
+def medians(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
 
 
 def idle_cpu(servers: list[VllmServer], seconds: float = 5.0) -> float:
@@ -184,10 +196,79 @@ _pool = ThreadPoolExecutor(1)
 _decode_client = httpx.Client()
 
 
+def plain_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: httpx.Client) -> tuple[Samples, float]:
+    """The plain 1-core instance on core 0: its samples and its idle CPU (vLLM's own floor)."""
+    [plain] = start([spec(model, "0", None)], args.log_dir)
+    try:
+        samples = measure("plain 1-core", lambda pr: run_plain(client, plain, pr),
+                          args.lengths, args.requests, prompts, client, {"plain": plain})
+        return samples, idle_cpu([plain])
+    finally:
+        stop([plain])
+
+
+def ours_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: httpx.Client,
+               overlap: dict[str, float]) -> tuple[dict[str, Samples], float]:
+    """Our 1P1D pair (prefill core 0, decode core 1), each mode in turn; adds push beside's overlap counters."""
+    pk, dk = free_port(), free_port()
+    p, d = start([spec(model, "0", ours_ktc("kv_producer", pk, args.transport)),
+                  spec(model, "1", ours_ktc("kv_consumer", dk, args.transport))],
+                 args.log_dir)
+    endpoint = f"{args.transport}://127.0.0.1:{dk}"
+    out: dict[str, Samples] = {}
+    try:
+        for mode in args.modes:
+            transfer_mode = mode.split()[0]
+            load_ask = {"load_mode": "async"} if mode.endswith("async") else {}
+            params: dict[str, Any] = {"do_remote_decode": True, "transfer_mode": transfer_mode}
+            if transfer_mode == "push":
+                params["decode_endpoint"] = endpoint
+            counters = ("transfers", "tail_seconds", "span_seconds")
+            before = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in counters}
+            if "beside" in mode:
+                fn = lambda pr: run_pd_beside(client, p, d, pr, endpoint, transfer_mode, load_ask)  # noqa: E731
+            else:
+                fn = lambda pr: run_pd(client, p, d, pr, params, load_ask)  # noqa: E731
+            out[f"vllm-pd 1P1D {mode}"] = measure(f"vllm-pd 1P1D {mode}", fn, args.lengths, args.requests, prompts,
+                                                 client, {"prefill": p, "decode": d})
+            if mode == "push beside":
+                time.sleep(1.0)
+                for k in counters:
+                    overlap[k] = overlap.get(k, 0.0) + metric(client, p.url, f"vllm:pd_push_{k}_total") - before[k]
+        return out, idle_cpu([p, d])
+    finally:
+        stop([p, d])
+
+
+def nixl_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: httpx.Client
+               ) -> tuple[Samples, float] | None:
+    try:
+        import nixl  # noqa: F401
+    except ImportError:
+        print("NIXL phase skipped: the `nixl` package is not installed (pip install nixl)", flush=True)
+        return None
+    print("phase: vLLM NixlConnector 1P1D (prefill core 0, decode core 1)", flush=True)
+    ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    envs = [{"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            for _ in range(2)]
+    p, d = start([spec(model, "0", ktc, envs[0]), spec(model, "1", ktc, envs[1])], args.log_dir)
+    try:
+        params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        samples = measure("NIXL 1P1D", lambda pr: run_pd(client, p, d, pr, params, {}),
+                          args.lengths, args.requests, prompts, client, {"prefill": p, "decode": d})
+        return samples, idle_cpu([p, d])
+    finally:
+        stop([p, d])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
-    ap.add_argument("--requests", type=int, default=5, help="requests per length and configuration")
+    ap.add_argument("--requests", type=int, default=5, help="requests per length, configuration and round")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of (plain phase, our phase) one after the other: a ratio is only as good as the "
+                         "host is steady between the phases it compares, so each round gives its own ratio")
     ap.add_argument("--no-nixl", action="store_true")
     ap.add_argument("--transport", choices=("tcp", "shm"), default="tcp", help="our connector's transport")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="configurations of ours to run")
@@ -195,84 +276,50 @@ def main() -> int:
     args = ap.parse_args()
     model = ensure_model(BENCH_MODEL)
     prompts = Prompts(seed=1)
-    results: dict[str, dict[int, tuple[float, float]]] = {}
-    idle: dict[str, float] = {}
     client = httpx.Client()
+    rounds: list[dict[str, Samples]] = []  # per round: config -> its samples
+    idle: dict[str, list[float]] = {}
+    overlap: dict[str, float] = {}
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}, phase: plain instance on core 0", flush=True)
+        plain, plain_idle = plain_phase(args, model, prompts, client)
+        print(f"round {r + 1}/{args.rounds}, phase: vllm-pd 1P1D (prefill core 0, decode core 1)", flush=True)
+        ours, pair_idle = ours_phase(args, model, prompts, client, overlap)
+        rounds.append({"plain 1-core": plain, **ours})
+        idle.setdefault("plain 1-core", []).append(plain_idle)
+        idle.setdefault("vllm-pd 1P1D", []).append(pair_idle)
+    nixl = None if args.no_nixl else nixl_phase(args, model, prompts, client)
+    if nixl is not None:
+        idle["NIXL 1P1D"] = [nixl[1]]
 
-    print("phase 1: plain instance on core 0", flush=True)
-    [plain] = start([spec(model, "0", None)], args.log_dir)
-    try:
-        results["plain 1-core"] = measure("plain 1-core", lambda pr: run_plain(client, plain, pr),
-                                          args.lengths, args.requests, prompts, client, {"plain": plain})
-    finally:
-        stop([plain])
-
-    print("phase 2: vllm-pd 1P1D (prefill core 0, decode core 1)", flush=True)
-    pk, dk = free_port(), free_port()
-    p, d = start([spec(model, "0", ours_ktc("kv_producer", pk, args.transport)),
-                  spec(model, "1", ours_ktc("kv_consumer", dk, args.transport))],
-                 args.log_dir)
-    overlap = {}
-    try:
-        for mode in args.modes:
-            transfer_mode = mode.split()[0]
-            load_ask = {"load_mode": "async"} if mode.endswith("async") else {}
-            params: dict[str, Any] = {"do_remote_decode": True, "transfer_mode": transfer_mode}
-            if transfer_mode == "push":
-                params["decode_endpoint"] = f"{args.transport}://127.0.0.1:{dk}"
-            before = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in ("transfers", "tail_seconds", "span_seconds")}
-            if "beside" in mode:
-                fn = lambda pr: run_pd_beside(client, p, d, pr, f"{args.transport}://127.0.0.1:{dk}", transfer_mode,  # noqa: E731
-                                              load_ask)
-            else:
-                fn = lambda pr: run_pd(client, p, d, pr, params, load_ask)  # noqa: E731
-            results[f"vllm-pd 1P1D {mode}"] = measure(f"vllm-pd 1P1D {mode}", fn, args.lengths, args.requests, prompts,
-                                                     client, {"prefill": p, "decode": d})
-            if mode == "push beside":
-                time.sleep(1.0)
-                after = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in before}
-                n = after["transfers"] - before["transfers"]
-                if n:
-                    overlap = {"transfers": n, "tail_ms": (after["tail_seconds"] - before["tail_seconds"]) / n * 1e3,
-                               "span_ms": (after["span_seconds"] - before["span_seconds"]) / n * 1e3}
-        idle["vllm-pd 1P1D"] = idle_cpu([p, d])
-    finally:
-        stop([p, d])
-
-    if not args.no_nixl:
-        try:
-            import nixl  # noqa: F401
-        except ImportError:
-            print("phase 3 skipped: the `nixl` package is not installed (pip install nixl)", flush=True)
-        else:
-            print("phase 3: vLLM NixlConnector 1P1D (prefill core 0, decode core 1)", flush=True)
-            ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-            envs = [{"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-                    for _ in range(2)]
-            p, d = start([spec(model, "0", ktc, envs[0]), spec(model, "1", ktc, envs[1])], args.log_dir)
-            try:
-                params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                          "remote_block_ids": None, "remote_host": None, "remote_port": None}
-                results["NIXL 1P1D"] = measure("NIXL 1P1D", lambda pr: run_pd(client, p, d, pr, params, {}),
-                                               args.lengths, args.requests, prompts, client, {"prefill": p, "decode": d})
-                idle["NIXL 1P1D"] = idle_cpu([p, d])
-            finally:
-                stop([p, d])
+    # every round's samples pooled per configuration and length; NIXL from its one phase
+    pooled: dict[str, Samples] = {}
+    for rnd in rounds + ([{"NIXL 1P1D": nixl[0]}] if nixl is not None else []):
+        for name, samples in rnd.items():
+            for n_tok, rows in samples.items():
+                pooled.setdefault(name, {}).setdefault(n_tok, []).extend(rows)
+    results = {name: {n_tok: medians(rows) for n_tok, rows in by_len.items()} for name, by_len in pooled.items()}
 
     print()
-    print(f"| config | " + " | ".join(f"L={n} TTFT / total (ms)" for n in args.lengths) + " |")
+    print(f"medians over {args.rounds} round(s) x {args.requests} requests")
+    print("| config | " + " | ".join(f"L={n} TTFT / total (ms)" for n in args.lengths) + " |")
     print("|---|" + "---|" * len(args.lengths))
     for name, row in results.items():
         print(f"| {name} | " + " | ".join(f"{row[n][0]:.0f} / {row[n][1]:.0f}" for n in args.lengths) + " |")
     print()
     plain_row = results["plain 1-core"]
     for mode in args.modes:
-        ours = results[f"vllm-pd 1P1D {mode}"]
-        ratios = " ".join(f"L={n}: {ours[n][0] / plain_row[n][0]:.2f}x" for n in args.lengths)
-        print(f"TTFT vllm-pd {mode} / plain 1-core (target <= 1.15): {ratios}")
+        name = f"vllm-pd 1P1D {mode}"
+        ours_row = results[name]
+        cells = []
+        for n_tok in args.lengths:
+            each = " ".join(f"{medians(rnd[name][n_tok])[0] / medians(rnd['plain 1-core'][n_tok])[0]:.2f}"
+                            for rnd in rounds)
+            cells.append(f"L={n_tok}: {ours_row[n_tok][0] / plain_row[n_tok][0]:.2f}x (rounds {each})")
+        print(f"TTFT vllm-pd {mode} / plain 1-core (target <= 1.15): " + " ".join(cells))
         if "NIXL 1P1D" in results:
             nixl_row = results["NIXL 1P1D"]
-            ratios = " ".join(f"L={n}: {ours[n][0] / nixl_row[n][0]:.2f}x" for n in args.lengths)
+            ratios = " ".join(f"L={n}: {ours_row[n][0] / nixl_row[n][0]:.2f}x" for n in args.lengths)
             print(f"TTFT vllm-pd {mode} / NIXL 1P1D   (target <= 0.5):  {ratios}")
     print()
     print("inside the servers (vLLM's histograms, mean ms per request): prefill = the step(s) computing the prompt "
@@ -283,16 +330,24 @@ def main() -> int:
         cells = []
         for n_tok in args.lengths:
             parts = rows[n_tok]
-            cells.append(f"L={n_tok}: " + ", ".join(f"{role} prefill {t['prefill']:.1f} queue {t['queue']:.1f}"
-                                                   for role, t in parts.items()))
+            cells.append(f"L={n_tok}: " + ", ".join(
+                f"{role} prefill {statistics.mean(p[role]['prefill'] for p in parts):.1f} "
+                f"queue {statistics.mean(p[role]['queue'] for p in parts):.1f}" for role in parts[0]))
         print(f"  {name}: " + " | ".join(cells))
-    for name, pct in idle.items():
-        print(f"idle CPU of the {name} pair: {pct:.1f} % of one core (2 cores = 200 %)")
-    if overlap:
-        print(f"push overlap: after prefill's last layer, all KV landed in {overlap['tail_ms']:.2f} ms on average, "
-              f"of a {overlap['span_ms']:.2f} ms transfer (first push to last landed), over {overlap['transfers']:.0f} "
-              f"transfers: {100 * (1 - overlap['tail_ms'] / max(overlap['span_ms'], 1e-9)):.0f} % of the transfer hidden "
-              f"behind compute")
+    plain_idle = statistics.median(idle["plain 1-core"])
+    print(f"idle CPU of the plain 1-core instance (vLLM's own: API server, gloo's loops): {plain_idle:.1f} % "
+          "of one core")
+    for name, pcts in idle.items():
+        if name != "plain 1-core":
+            pct = statistics.median(pcts)
+            print(f"idle CPU of the {name} pair: {pct:.1f} % of one core (2 cores = 200 %) = "
+                  f"{pct / max(2 * plain_idle, 1e-9):.2f} x two plain instances' idle")
+    if overlap.get("transfers"):
+        n = overlap["transfers"]
+        tail_ms, span_ms = overlap["tail_seconds"] / n * 1e3, overlap["span_seconds"] / n * 1e3
+        print(f"push overlap: after prefill's last layer, all KV landed in {tail_ms:.2f} ms on average, "
+              f"of a {span_ms:.2f} ms transfer (first push to last landed), over {n:.0f} "
+              f"transfers: {100 * (1 - tail_ms / max(span_ms, 1e-9)):.0f} % of the transfer hidden behind compute")
     print(json.dumps({"results": results, "idle_cpu_pct": idle, "overlap": overlap}), file=sys.stderr)
     return 0
 
