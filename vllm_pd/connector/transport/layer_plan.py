@@ -76,6 +76,36 @@ class LayerPlan:
         struct.pack_into("<Q", self._progress, 0, k + 1)
 
 
+class ReadyPacer:
+    """Receiver side: when to start polling for a plan's next layer.
+
+    A poll is a system call on the receiver's core, every ~50-100 us for the whole forward;
+    on a decode instance that core runs the decode batch. The layers of one forward become
+    ready at a steady pace, so once two intervals are known the reader sleeps through the
+    first ``EARLY`` of the shorter of them and polls only the rest. Taking the shorter one
+    keeps a single slow layer (the sender preempted) from making the reader late for the
+    next; an early layer is only found as late as the fine polling would have found it.
+    """
+
+    EARLY = 0.75
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self._intervals: list[float] = []
+
+    def seen(self, now: float) -> None:
+        """A layer was found ready at ``now``."""
+        if self._last is not None:
+            self._intervals = [*self._intervals[-1:], now - self._last]
+        self._last = now
+
+    def quiet_until(self) -> float | None:
+        """No poll is worth making before this time (None: poll from now on)."""
+        if self._last is None or len(self._intervals) < 2:
+            return None
+        return self._last + self.EARLY * min(self._intervals)
+
+
 @dataclass(frozen=True)
 class PlanFrame:
     """Receiver side: a PLAN frame's payload, parsed and bounds-checked."""

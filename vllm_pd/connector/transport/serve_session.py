@@ -19,7 +19,7 @@ from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted, Transpor
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES
 from vllm_pd.connector.transport.cross_memory import PeerMemory
-from vllm_pd.connector.transport.layer_plan import PlanFrame
+from vllm_pd.connector.transport.layer_plan import PlanFrame, ReadyPacer
 from vllm_pd.connector.transport.framing import (
     FLAG_HAS_REPLY,
     FLAG_LAST,
@@ -34,9 +34,11 @@ from vllm_pd.connector.transport.wire import BlockChannel, Wire
 
 logger = logging.getLogger(__name__)
 
-# How often a layer plan's progress is read while the sender computes (~one cross-memory
-# read per 50-100 us of sleep on the receiver's core, only while a plan is open).
+# How often a layer plan's progress is read while a layer is due (~one cross-memory read per
+# 50-100 us of sleep on the receiver's core); between layers the pacer sleeps longer.
 PLAN_POLL_S = 50e-6
+# Longest single sleep before a layer is due: a closed session is noticed within it.
+PLAN_QUIET_SLICE_S = 0.005
 
 Job = Callable[[], None]
 
@@ -173,10 +175,11 @@ class ServeSession:
         batches = [BlockBatch(frame.transfer_id, layer, tuple(frame.ids), frame.block_nbytes,
                               last=bool(frame.flags & FLAG_LAST)) for layer in plan.layers]
         deadline = time.monotonic() + plan.timeout_s
+        pacer = ReadyPacer()
         k = 0
         try:
             for k, batch in enumerate(batches):
-                status, text = self._land_plan_layer(memory, plan, k, batch, frame.checksum, deadline)
+                status, text = self._land_plan_layer(memory, plan, k, batch, frame.checksum, deadline, pacer)
                 if status is not Status.OK:
                     self._ack(frame, status, text)
                     break
@@ -188,18 +191,24 @@ class ServeSession:
                 self._landed(later, False)  # the sink stops waiting for them
 
     def _land_plan_layer(self, memory: PeerMemory, plan: PlanFrame, k: int, batch: BlockBatch,
-                         checksum: Checksum, deadline: float) -> tuple[Status, str]:
+                         checksum: Checksum, deadline: float, pacer: ReadyPacer) -> tuple[Status, str]:
         # Polled, not signalled: a wake-up per layer is what the plan saves the sender's core.
         # A dead sender fails the read (PeerClosed) and ends the session.
         try:
+            quiet = pacer.quiet_until()
             while memory.read_u64(plan.progress) <= k:
                 if self._closed.is_set():
                     raise PeerClosed("session closed")
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     self._landed(batch, False)
                     return Status.ERROR, (f"layer {batch.layer} of {batch.transfer_id!r} not ready within "
                                           f"{plan.timeout_s:.1f}s")
-                time.sleep(PLAN_POLL_S)
+                if quiet is not None and now < quiet:
+                    time.sleep(min(quiet - now, PLAN_QUIET_SLICE_S))
+                else:
+                    time.sleep(PLAN_POLL_S)
+            pacer.seen(time.monotonic())
         except BaseException:
             self._landed(batch, False)
             raise
