@@ -34,9 +34,12 @@ from vllm_pd.connector.transport.wire import BlockChannel, Wire
 
 logger = logging.getLogger(__name__)
 
-# How often a layer plan's progress is read while a layer is due (~one cross-memory read per
-# 50-100 us of sleep on the receiver's core); between layers the pacer sleeps longer.
+# How often a layer plan's progress is read while a layer is due: every ~50-100 us for the
+# plan's last layer, the one decode's first token waits for; every ~0.5 ms for the others,
+# whose reads only have to keep up with the sender (a poll costs the receiver's core ~25 us).
+# Between layers the pacer sleeps longer still.
 PLAN_POLL_S = 50e-6
+PLAN_POLL_LAZY_S = 500e-6
 # Longest single sleep before a layer is due: a closed session is noticed within it.
 PLAN_QUIET_SLICE_S = 0.005
 
@@ -196,6 +199,7 @@ class ServeSession:
         # A dead sender fails the read (PeerClosed) and ends the session.
         try:
             quiet = pacer.quiet_until()
+            poll_s = PLAN_POLL_S if k == len(plan.layers) - 1 else PLAN_POLL_LAZY_S
             while memory.read_u64(plan.progress) <= k:
                 if self._closed.is_set():
                     raise PeerClosed("session closed")
@@ -207,7 +211,7 @@ class ServeSession:
                 if quiet is not None and now < quiet:
                     time.sleep(min(quiet - now, PLAN_QUIET_SLICE_S))
                 else:
-                    time.sleep(PLAN_POLL_S)
+                    time.sleep(poll_s)
             pacer.seen(time.monotonic())
         except BaseException:
             self._landed(batch, False)
