@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from push_cost import BLOCK_TOKENS, BLOCKS, LAYERS, _regions, _Sink  # benchmarks/ is the script's own folder
+from push_cost import BLOCK_TOKENS, BLOCKS, LAYERS, LandingSink, kv_regions  # benchmarks/ is the script's folder
 from vllm_pd.connector.transport import create_transport, serve_session
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.layer_plan import ReadyPacer
@@ -51,10 +51,10 @@ def _cpu_s() -> float:
 def _receiver(conn, core: int) -> None:
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
-    regions = _regions()
+    regions = kv_regions()
     t = create_transport("shm")
     t.register_regions(regions)
-    conn.send(t.start(_Sink(regions), "127.0.0.1", 0))
+    conn.send(t.start(LandingSink(regions), "127.0.0.1", 0))
     while (kind := conn.recv()) is not None:  # one plan: reset the counter, set the pacing
         ReadyPacer.EARLY = 0.0 if kind in ("unpaced", "fine") else PACER_EARLY
         serve_session.PLAN_POLL_LAZY_S = serve_session.PLAN_POLL_S if kind == "fine" else POLL_LAZY_S
@@ -67,10 +67,10 @@ def _receiver(conn, core: int) -> None:
 
 def _plans(conn, ep: str, tokens: int, layer_s: float, n: int) -> dict[str, tuple[list[float], list[float]]]:
     os.sched_setaffinity(0, {0})
-    regions = _regions()
+    regions = kv_regions()
     t = create_transport("shm")
     t.register_regions(regions)
-    t.start(_Sink(regions), "127.0.0.1", 0)
+    t.start(LandingSink(regions), "127.0.0.1", 0)
     blocks = -(-tokens // BLOCK_TOKENS)
     t.push(ep, BlockBatch("hello", 0, (0,), regions[0].block_nbytes), [0], timeout=30).result(30)  # connect
     out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in KINDS}

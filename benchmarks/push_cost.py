@@ -54,12 +54,15 @@ class Case:
         return -(-self.tokens // BLOCK_TOKENS)
 
 
-def _regions() -> list[MemoryRegion]:
+def kv_regions() -> list[MemoryRegion]:
+    """A KV cache of pd_latency's model in vLLM's CPU layout, one region per layer (zeroed)."""
     shape = (BLOCKS, KV_HEADS, BLOCK_TOKENS, 2 * HEAD_DIM)  # vLLM CPU layout
     return [MemoryRegion(f"l{i}", torch.zeros(shape, dtype=torch.bfloat16)) for i in range(LAYERS)]
 
 
-class _Sink:
+class LandingSink:
+    """The receiving end's sink: lands pushed blocks in its regions, as decode's connector does."""
+
     def __init__(self, regions: list[MemoryRegion]) -> None:
         self._rows = [r.tensor.view(r.num_blocks, -1).view(torch.uint8).numpy() for r in regions]
 
@@ -117,13 +120,13 @@ def _receiver(conn, core: int) -> None:
     torch.set_num_threads(1)
     _freeze_heap()
     while (transport := conn.recv()) is not None:
-        regions = _regions()
+        regions = kv_regions()
         t = create_transport(transport)
         t.register_regions(regions)
         raw = socket.create_server(("127.0.0.1", 0))
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         threading.Thread(target=_drain, args=(raw,), daemon=True).start()
-        conn.send((t.start(_Sink(regions), "127.0.0.1", 0), raw.getsockname()[1]))
+        conn.send((t.start(LandingSink(regions), "127.0.0.1", 0), raw.getsockname()[1]))
         conn.recv()
         t.close()
         raw.close()
@@ -144,10 +147,10 @@ KINDS = ("none", "push", "plan", "raw")
 
 def _forwards(case: Case, ep: str, raw_port: int) -> dict[str, list[float]]:
     """Forward times per kind, interleaved (so machine noise hits all alike)."""
-    regions = _regions()
+    regions = kv_regions()
     t = create_transport(case.transport)
     t.register_regions(regions)
-    t.start(_Sink(regions), "127.0.0.1", 0)
+    t.start(LandingSink(regions), "127.0.0.1", 0)
     raw = socket.create_connection(("127.0.0.1", raw_port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
