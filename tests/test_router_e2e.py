@@ -31,6 +31,7 @@ import pytest
 from vllm_pd.router.app import ProxyServer, serve
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
 from vllm_pd.router.local_cluster import LocalCluster
+from vllm_pd.shm_leftovers import group_members, used_shm
 from vllm_pd.vllm_server import free_port
 
 pytestmark = pytest.mark.e2e
@@ -277,7 +278,11 @@ def test_kill_only_decode_gives_clean_errors_no_hang(cluster: LocalCluster) -> N
     try:
         client = proxy.client(timeout=60)
         assert client.completions.create(model=cluster.model, prompt="hi", max_tokens=2).choices
-        next(s for s in cluster.servers if s.name == "d0").server.kill()
+        d0 = next(s for s in cluster.servers if s.name == "d0").server
+        queues = {p for p in used_shm(group_members(d0.pid)) if "/psm_" in p}  # vLLM's shm_broadcast
+        assert queues
+        d0.kill()
+        assert not [p for p in queues if os.path.exists(p)], "the dead server's queues stayed in /dev/shm"
         for stream in (False, True):
             t0 = time.monotonic()
             with pytest.raises((openai.APIStatusError, openai.APIConnectionError)) as e:

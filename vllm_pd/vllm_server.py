@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_pd.shm_leftovers import group_members, remove_orphans, used_shm
+
 logger = logging.getLogger(__name__)
 
 
@@ -186,29 +188,38 @@ class VllmServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the process group, then SIGKILL whatever is left."""
+        """SIGTERM the process group, then SIGKILL whatever is left (and remove what that leaves in /dev/shm)."""
         if self._proc is None:
             return
+        segments = used_shm(group_members(self._proc.pid))
         if self._proc.poll() is None:
             try:
                 os.killpg(self._proc.pid, signal.SIGTERM)
                 self._proc.wait(timeout=timeout)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._proc.wait()
+        self._kill_group(segments)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
 
     def kill(self) -> None:
-        """Hard kill (a machine dying), for fault tests."""
+        """Hard kill (a machine dying), for fault tests. The /dev/shm files only the server
+        used are removed afterwards: a dead machine's memory goes with it."""
         if self._proc is not None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._proc.wait()
+            self._kill_group(used_shm(group_members(self._proc.pid)))
+
+    def _kill_group(self, segments: set[str]) -> None:
+        assert self._proc is not None
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait()
+        deadline = time.monotonic() + 10
+        while group_members(self._proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the engine core and workers exit after the API server
+        removed = remove_orphans(segments)
+        if removed:
+            logger.info("removed %d shared-memory file(s) the killed server left: %s", len(removed),
+                        " ".join(removed))
