@@ -2,8 +2,9 @@
 
 A vLLM server killed with SIGKILL cannot unlink its own segments. That happens to the
 fault tests' "machine dies" kill and to a ``stop()`` that had to force the server down.
-What it leaves is vLLM's shm_broadcast queues (160-250 MB each, two per server) and our
-transport's rings. When a real machine dies its memory goes with it. On one host the files
+What it leaves is vLLM's shm_broadcast queues (160-250 MB each, two per server); our
+transport's rings are unlinked as soon as both ends map them, so they never stay. When a
+real machine dies its memory goes with it. On one host the files
 stay in RAM until reboot, and vLLM's start-up refuses to run once /dev/shm is full. So
 the launcher notes which files the group maps before it kills, and afterwards removes
 those that no live process maps or holds open.
@@ -21,19 +22,21 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm/"
 
 
+def _pids() -> list[int]:
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+
+
 def group_members(pgid: int) -> list[int]:
     """Pids of the live processes in process group ``pgid``."""
     pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in _pids():
         try:
             # the fields after the command's closing parenthesis: state, ppid, pgrp, ...
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
         if fields and fields[0] != "Z" and int(fields[2]) == pgid:
-            pids.append(int(entry.name))
+            pids.append(pid)
     return pids
 
 
@@ -78,7 +81,7 @@ def remove_orphans(paths: Iterable[str]) -> list[str]:
     candidates = {p for p in paths if os.path.exists(p)}
     if not candidates:
         return []
-    live = used_shm(int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
+    live = used_shm(_pids())
     removed = []
     for path in sorted(candidates - live):
         try:
