@@ -38,22 +38,61 @@ import torch
 
 @dataclass(frozen=True)
 class MemoryRegion:
-    """A registered span of local memory: one layer's paged KV cache."""
+    """A registered span of local memory: one layer's paged KV cache.
+
+    ``block_dim`` is the dimension of ``tensor`` that indexes blocks: 0 in vLLM's CPU
+    layout ``[num_blocks, kv_heads, block_size, 2*head_size]`` and MLA's
+    ``[num_blocks, block_size, 576]``, 1 in FlashAttention's ``[2, num_blocks, block_size,
+    kv_heads, head_size]``. A block's bytes on the wire are its elements in the order of
+    ``tensor.movedim(block_dim, 0)[block_id]``, the same on both sides (same model, same
+    backend); in memory they may lie in several spans (K and V apart).
+    """
 
     name: str
-    tensor: torch.Tensor  # [num_blocks, ...], each block contiguous
+    tensor: torch.Tensor
+    block_dim: int = 0
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The tensor as ``[num_blocks, ...]`` (a view; not contiguous when block_dim > 0)."""
+        return self.tensor.movedim(self.block_dim, 0) if self.block_dim else self.tensor
 
     @property
     def num_blocks(self) -> int:
-        return int(self.tensor.shape[0])
+        return int(self.tensor.shape[self.block_dim])
 
     @property
     def block_nbytes(self) -> int:
-        return int(self.tensor[0].numel() * self.tensor.element_size())
+        return int(self.blocks[0].numel() * self.tensor.element_size())
+
+    @property
+    def block_contiguous(self) -> bool:
+        """Each block is one contiguous page, blocks back to back (what stream transports need)."""
+        return self.block_dim == 0 and self.tensor.is_contiguous()
+
+    def block_spans(self, block_id: int) -> list[tuple[int, int]]:
+        """(address, nbytes) of the contiguous byte spans of one block, in wire order:
+        one span per block in block-contiguous layouts, K and V apart in FlashAttention's.
+        What RDMA-style transports (NIXL) turn into descriptors."""
+        return tensor_spans(self.blocks[block_id])
 
     def block_view(self, block_id: int) -> memoryview:
         """Zero-copy byte view of one block (CPU tensors)."""
         return memoryview(self.tensor[block_id].view(torch.uint8).numpy()).cast("B")
+
+
+def tensor_spans(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(address, nbytes) of the maximal contiguous runs of ``t``'s elements, in index order."""
+    size, stride = list(t.shape), list(t.stride())
+    inner, run = len(size), 1  # the longest suffix of dims laid out densely
+    while inner > 0 and (size[inner - 1] == 1 or stride[inner - 1] == run):
+        run *= size[inner - 1]
+        inner -= 1
+    offsets = [0]  # every index combination of the outer dims, in row-major order
+    for n, st in zip(size[:inner], stride[:inner]):
+        offsets = [o + i * st for o in offsets for i in range(n)]
+    elem = t.element_size()
+    return [(t.data_ptr() + o * elem, run * elem) for o in offsets]
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ class RegisteredRegions:
         for r in regions:
             t = r.tensor
             if t.device.type != "cpu":
-                raise ValueError(f"region {r.name!r}: stream transports need CPU tensors, got {t.device}")
-            if t.dim() < 1 or not t.is_contiguous():
+                # device KV reaches a stream transport through the connector's pinned staging
+                raise ValueError(f"region {r.name!r}: stream transports need host memory, got {t.device}")
+            if t.dim() < 1 or not r.block_contiguous:
                 raise ValueError(f"region {r.name!r}: tensor must be contiguous [num_blocks, ...]")
             rows = t.reshape(-1).view(torch.uint8).reshape(r.num_blocks, r.block_nbytes)
             self._rows.append(rows.numpy())
