@@ -140,6 +140,8 @@ class Transport(abc.ABC):
     """One implementation per file: tcp.py, shm.py; later cuda_ipc, nixl, deepep."""
 
     name: str = ""
+    #: registers device (GPU) memory itself; else device KV reaches it through pinned host staging
+    device_memory: bool = False
 
     @abc.abstractmethod
     def register_regions(self, regions: Sequence[MemoryRegion]) -> None:
@@ -197,12 +199,17 @@ class Transport(abc.ABC):
         """Deliver a small control message; resolves to the peer's reply."""
 
     @abc.abstractmethod
-    def allow_fetch(self, transfer_id: str, block_ids: Sequence[int] | None) -> None:
+    def allow_fetch(self, transfer_id: str, block_ids: Sequence[int] | None,
+                    served_from: Sequence[int] | None = None) -> None:
         """Grant (a list) or revoke (None) peers' reads of our blocks for
         ``transfer_id``; reads of anything else are rejected, so a late reader of
         freed (reused) blocks gets an error, never another request's KV. A revoke
         returns once no read of ``transfer_id`` is still sending (a stalled reader
-        is disconnected after the transport's ``revoke_wait``)."""
+        is disconnected after the transport's ``revoke_wait``).
+
+        ``served_from``: where the granted blocks' bytes are, when not in the registered
+        blocks of the same ids (device KV staged in pinned host rows): peers still ask
+        for ``block_ids``, the ids they know, and are served ``served_from[i]``."""
 
     @abc.abstractmethod
     def close(self) -> None:

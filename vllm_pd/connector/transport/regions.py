@@ -63,23 +63,30 @@ class FetchGrants:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._grants: dict[str, frozenset[int]] = {}
+        # transfer id -> {block id peers ask for: registered block id that holds its bytes}
+        self._grants: dict[str, dict[int, int]] = {}
         self._serving: dict[str, int] = {}
 
-    def grant(self, transfer_id: str, block_ids: Sequence[int]) -> None:
+    def grant(self, transfer_id: str, block_ids: Sequence[int],
+              served_from: Sequence[int] | None = None) -> None:
         with self._cond:
-            self._grants[transfer_id] = frozenset(block_ids)
+            self._grants[transfer_id] = dict(zip(block_ids, served_from if served_from is not None else block_ids))
 
     def check(self, transfer_id: str, block_ids: Sequence[int]) -> str | None:
         """None if the read is allowed, else why not."""
+        return self.lookup(transfer_id, block_ids)[1]
+
+    def lookup(self, transfer_id: str, block_ids: Sequence[int]) -> tuple[list[int], str | None]:
+        """(the registered ids holding ``block_ids``' bytes, None) if the read is allowed,
+        else ([], why not)."""
         with self._cond:
             granted = self._grants.get(transfer_id)
         if granted is None:
-            return f"transfer {transfer_id!r} is not granted for fetch (unknown or released)"
-        extra = set(block_ids) - granted
+            return [], f"transfer {transfer_id!r} is not granted for fetch (unknown or released)"
+        extra = set(block_ids) - granted.keys()
         if extra:
-            return f"transfer {transfer_id!r}: blocks {sorted(extra)[:8]} are not granted"
-        return None
+            return [], f"transfer {transfer_id!r}: blocks {sorted(extra)[:8]} are not granted"
+        return [granted[b] for b in block_ids], None
 
     def begin_serve(self, transfer_id: str, block_ids: Sequence[int]) -> str | None:
         """Check again and mark the read in flight (None = go ahead)."""

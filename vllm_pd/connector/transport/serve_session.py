@@ -241,17 +241,17 @@ class ServeSession:
 
     def _on_fetch(self, frame: Frame) -> None:
         layer, ids = frame.layer, frame.ids
+        local_ids, why = self._grants.lookup(frame.transfer_id, ids)
+        if why is not None:
+            self._ack(frame, Status.REJECTED, why)
+            return
         try:
-            views = self._regions.views(layer, ids)
+            views = self._regions.views(layer, local_ids)
             if frame.block_nbytes != self._regions.block_nbytes[layer]:
                 raise ValueError(f"block_nbytes {frame.block_nbytes} != local "
                                  f"{self._regions.block_nbytes[layer]} for layer {layer}")
         except ValueError as e:
             self._ack(frame, Status.REJECTED, str(e))
-            return
-        why = self._grants.check(frame.transfer_id, ids)
-        if why is not None:
-            self._ack(frame, Status.REJECTED, why)
             return
         self._jobs.put(lambda: self._serve_fetch(frame, views))
 

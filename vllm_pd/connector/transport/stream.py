@@ -197,9 +197,10 @@ class StreamTransport(Transport):
         frame = Frame(Kind.NOTIFY, req_id=next(self._req_ids), payload=bytes(message))
         return self._submit(peer, frame, timeout)
 
-    def allow_fetch(self, transfer_id: str, block_ids: Sequence[int] | None) -> None:
+    def allow_fetch(self, transfer_id: str, block_ids: Sequence[int] | None,
+                    served_from: Sequence[int] | None = None) -> None:
         if block_ids is not None:
-            self._grants.grant(transfer_id, block_ids)
+            self._grants.grant(transfer_id, block_ids, served_from)
             return
         if not self._grants.revoke(transfer_id, self._revoke_wait):
             # A reader stalls mid-read: cut its connection so no byte of these
