@@ -1,0 +1,95 @@
+"""What the scheduler side tells a worker each step, as plain data (no vLLM import).
+
+The worker's data path (sender, loader, transports) reads only these, so it runs
+where vLLM does not (the GPU harness); ``metadata.PDConnectorMetadata`` is the
+same step as vLLM's connector metadata type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_pd.connector.transfer_params import LocalPrompt, RemotePrefill
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """Prefill side: a request whose KV a decode instance will take, this step."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]  # all the request's blocks so far
+    first_block: int  # first position to send this step (earlier ones went already)
+    end_token: int  # tokens with KV once this step's forward is done
+    num_prompt_tokens: int
+    push_endpoint: str | None  # push each layer here; None: decode pulls
+    transfer_key: str = ""  # the blocks' name on decode ("" = transfer_id)
+    # on the step that completes the prompt: RemotePrefill.to_params(), announced at
+    # announce_endpoint once the forward is done (a decode leg sent beside the prefill leg waits for it)
+    announcement: dict[str, Any] | None = None
+    announce_endpoint: str | None = None
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.end_token >= self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class FinishedSend:
+    """Prefill side: the scheduler saw the request finish."""
+
+    transfer_id: str
+    held: bool  # blocks kept for decode (normal finish); False: aborted, release at once
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Decode side: land a remote prefill's KV into our blocks."""
+
+    request_id: str
+    # None: the decode leg came before prefill finished (AwaitedPrefill); prefill announces it
+    remote: RemotePrefill | None
+    first_position: int  # the request's block index of local_block_ids[0]
+    local_block_ids: tuple[int, ...]
+    # True: vLLM runs the request's forward now and waits per layer (sync load);
+    # False: the request waits off-batch until the whole load is reported
+    layerwise: bool = False
+    transfer_key: str = ""  # awaited prefill: its name, and the prompt its announcement must match
+    prompt: LocalPrompt | None = None
+
+    def remote_block_ids(self, remote: RemotePrefill) -> tuple[int, ...]:
+        return remote.block_ids[self.first_position:self.first_position + len(self.local_block_ids)]
+
+    @property
+    def positions(self) -> range:
+        return range(self.first_position, self.first_position + len(self.local_block_ids))
+
+
+@dataclass(frozen=True)
+class RemoteRelease:
+    """Decode side: tell prefill its held KV is not needed (abort, local hit)."""
+
+    endpoint: str
+    transfer_id: str
+
+
+@dataclass
+class WorkerStep:
+    sends: list[SendSpec] = field(default_factory=list)
+    finished_sends: list[FinishedSend] = field(default_factory=list)
+    preempted_transfers: list[str] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    remote_releases: list[RemoteRelease] = field(default_factory=list)
+    # push keys of awaited pushes no request will claim (abort, local prefix hit):
+    # released at prefill as soon as it announces them
+    abandoned_pushes: list[str] = field(default_factory=list)
+    # requests aborted while their load waited for prefill's announcement: end those loads now
+    cancelled_loads: list[str] = field(default_factory=list)
+    # decode legs waiting (unscheduled) for prefill's announcement: an idle step may wait for them
+    awaited_keys: list[str] = field(default_factory=list)
+    # nothing scheduled this step: the worker may wait briefly for transfer events
+    idle: bool = False
+    # the KV block store's work for this step (store_bridge.StoreStepMeta), None = no store
+    store: Any = None
+
+
