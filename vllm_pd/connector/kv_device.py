@@ -1,0 +1,156 @@
+"""Where the KV cache lives, and how work on it is ordered: streams and events.
+
+The connector's data path is written once against :class:`KVDevice` and runs on
+CPU, CUDA and ROCm alike:
+
+* :class:`HostDevice` - vLLM's CPU backend: the host owns the memory, every
+  "stream" is the calling thread, so work runs at once and events are complete
+  when made. The CPU data path is exactly the synchronous one it always was.
+* :class:`TorchDevice` - an accelerator through torch's device-agnostic
+  ``torch.Stream`` / ``torch.Event`` / ``torch.accelerator`` API (CUDA, ROCm).
+
+Rules the data path follows (the GPU's, which the CPU satisfies trivially):
+
+* KV memory is touched only by work launched on a stream (``launch``), never by
+  the host directly unless ``host_accessible``.
+* Work that reads what the forward wrote first makes its stream wait on an event
+  recorded on the compute stream after that write (``record`` / ``wait``): a
+  stream wait, never a host synchronisation on the forward's thread.
+* The host learns that launched work is done only through an event
+  (``query`` / ``synchronize``), on a thread that may block.
+
+Tests also run the data path on an asynchronous stand-in device (tests/async_device.py)
+whose work runs later on other threads, so a missing wait shows as wrong bytes.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class DeviceEvent(Protocol):
+    """A point in a stream's work; complete once everything before it has run."""
+
+    def query(self) -> bool:
+        """True once complete (never blocks)."""
+
+    def synchronize(self) -> None:
+        """Block the calling thread until complete."""
+
+
+class CompletedEvent:
+    """An event with nothing to wait for (host work, nothing launched)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+COMPLETED = CompletedEvent()
+
+
+class KVDevice(abc.ABC):
+    """The device KV tensors live on, and its streams."""
+
+    #: may the host read and write KV memory directly (CPU), or only through launched copies
+    host_accessible: bool = False
+
+    @abc.abstractmethod
+    def compute_stream(self) -> Any:
+        """The stream the forward is running on now (the caller's current stream)."""
+
+    @abc.abstractmethod
+    def new_stream(self) -> Any:
+        """A stream of our own, for copies that must not queue behind the forward."""
+
+    @abc.abstractmethod
+    def record(self, stream: Any) -> DeviceEvent:
+        """An event marking all work launched on ``stream`` so far."""
+
+    @abc.abstractmethod
+    def wait(self, stream: Any, event: DeviceEvent) -> None:
+        """Work launched on ``stream`` from now on runs after ``event`` (no host sync)."""
+
+    @abc.abstractmethod
+    def launch(self, stream: Any, work: Callable[[], None]) -> None:
+        """Run ``work``'s tensor operations on ``stream`` (``work`` only launches them)."""
+
+    @abc.abstractmethod
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        """A host byte buffer the device copies to and from at full speed (pinned on GPUs)."""
+
+
+class HostDevice(KVDevice):
+    """The CPU: one synchronous "stream", events complete at once."""
+
+    host_accessible = True
+
+    def compute_stream(self) -> None:
+        return None
+
+    def new_stream(self) -> None:
+        return None
+
+    def record(self, stream: Any) -> DeviceEvent:
+        return COMPLETED
+
+    def wait(self, stream: Any, event: DeviceEvent) -> None:
+        event.synchronize()  # only ever a completed event here, or a stand-in's
+
+    def launch(self, stream: Any, work: Callable[[], None]) -> None:
+        work()
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class TorchDevice(KVDevice):
+    """An accelerator (CUDA, ROCm) through torch's device-agnostic stream API."""
+
+    host_accessible = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def compute_stream(self) -> torch.Stream:
+        return torch.accelerator.current_stream(self.device)
+
+    def new_stream(self) -> torch.Stream:
+        return torch.Stream(device=self.device)
+
+    def record(self, stream: torch.Stream) -> DeviceEvent:
+        event = torch.Event(device=self.device)
+        event.record(stream)
+        return event
+
+    def wait(self, stream: torch.Stream, event: DeviceEvent) -> None:
+        if isinstance(event, torch.Event):
+            stream.wait_event(event)
+        else:
+            event.synchronize()
+
+    def launch(self, stream: torch.Stream, work: Callable[[], None]) -> None:
+        previous = torch.accelerator.current_stream(self.device)
+        torch.accelerator.set_stream(stream)
+        try:
+            work()
+        finally:
+            torch.accelerator.set_stream(previous)
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def kv_device_for(tensors: Sequence[torch.Tensor]) -> KVDevice:
+    """The device of a KV cache; ValueError if its layers are on different devices."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"KV cache layers on several devices: {sorted(map(str, devices))}")
+    device = devices.pop()
+    return HostDevice() if device.type == "cpu" else TorchDevice(device)
