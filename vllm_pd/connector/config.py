@@ -61,6 +61,8 @@ class PDConnectorConfig:
     push_wait_s: float = 10.0
     # decode: memory for KV pushed before decode has admitted the request
     staging_bytes: int = 1 << 30
+    # device KV (GPU) over a host transport (tcp, shm): pinned host memory its blocks pass through
+    host_staging_bytes: int = 1 << 30
     # verify a checksum of every block (length is always verified)
     checksum: bool = True
     # settings of the KV block store (validated by vllm_pd.connector.store); None = no store
@@ -97,7 +99,7 @@ def _coerce(key: str, type_name: Any, value: object) -> Any:
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"kv_connector_extra_config.{key}: expected an object, got {value!r}")
         return value
-    if key == "staging_bytes":
+    if key in ("staging_bytes", "host_staging_bytes"):
         return parse_size(f"kv_connector_extra_config.{key}", value)
     if type_name == "bool":
         if not isinstance(value, bool):

@@ -42,6 +42,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def block_dim(kv_layer: torch.Tensor, num_blocks: int | None) -> int:
+    """The dimension of a layer's KV tensor that indexes blocks, read from vLLM's layout:
+    the one of size ``num_blocks`` (vLLM's CPU and MLA layouts: 0; FlashAttention's
+    ``[2, num_blocks, ...]``: 1, which also settles the tie when num_blocks == 2)."""
+    shape = tuple(kv_layer.shape)
+    dims = [d for d, n in enumerate(shape) if n == num_blocks] if num_blocks else [0]
+    if not dims:
+        raise ValueError(f"KV cache layer of shape {shape} has no dimension of {num_blocks} blocks")
+    if len(dims) > 1 and shape[0] == 2 and 1 in dims:
+        return 1
+    return dims[0]
+
+
 class PDConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -74,6 +87,7 @@ class PDConnector(KVConnectorBase_V1):
                 base_port=int(ktc.kv_port),
                 is_producer=self.is_producer,
                 is_consumer=self.is_consumer,
+                stats=PDConnectorStats(),
             )
             if store_config is not None:
                 self._store_worker = StoreBridgeWorker(store_config, vllm_config, get_tensor_model_parallel_rank())
@@ -85,12 +99,15 @@ class PDConnector(KVConnectorBase_V1):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
+        self.worker.register_kv_caches(kv_caches, {name: block_dim(t, num_blocks) for name, t in kv_caches.items()})
         if self._store_worker is not None:
             self._store_worker.register_kv_caches(kv_caches, self.config.bind_host, self.worker.host)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        handshake = self.worker.handshake()
+        w = self.worker
+        handshake = PDHandshake(endpoint=w.endpoint, host=w.host, port=w.port,
+                                num_layers=len(w.regions), block_nbytes=w.regions[0].block_nbytes)
         if self._store_worker is not None:
             handshake.store_endpoint = self._store_worker.endpoint
         return handshake
@@ -145,7 +162,9 @@ class PDConnector(KVConnectorBase_V1):
             return None
         if self._store_worker is not None:
             self._worker.stats.record_store_served(*self._store_worker.take_served())
-        return self._worker.stats.take()
+        stats = self._worker.stats.take()
+        assert stats is None or isinstance(stats, PDConnectorStats)
+        return stats
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -216,6 +235,13 @@ class PDConnector(KVConnectorBase_V1):
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
     # ---- class-level hooks ----------------------------------------------------------------------
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Our ``save_kv_layer`` (prefill's per-layer send) and ``wait_for_layer_load`` (decode's
+        layer-wise load) do real work between layers; replayed FULL CUDA graphs would skip them
+        and attention would read KV that has not landed. PIECEWISE graphs run them."""
+        return True
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PDConnectorStats | None:
         return PDConnectorStats(data=dict(data)) if data is not None else PDConnectorStats()

@@ -17,10 +17,11 @@ import threading
 import time
 from concurrent.futures import Future
 
-import torch
 
 from vllm_pd.connector.control import ReleaseMessage
-from vllm_pd.connector.metadata import LoadSpec
+from vllm_pd.connector.kv_access import KVAccess
+from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
+from vllm_pd.connector.step_specs import LoadSpec
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport.base import MemoryRegion, Transport
@@ -35,6 +36,7 @@ class LoadJob:
         transport: Transport,
         regions: list[MemoryRegion],
         staging: PushStaging,
+        access: KVAccess,
         rank: int,
         timeout_s: float,
         push_wait_s: float,
@@ -44,10 +46,13 @@ class LoadJob:
         self._transport = transport
         self._regions = regions
         self._staging = staging
+        self._access = access
         self._rank = rank
         self._timeout_s = timeout_s
         self._push_wait_s = push_wait_s
         self.layer_done = [threading.Event() for _ in regions]
+        # set before layer_done: the device copy that placed the layer in our blocks
+        self.layer_events: list[DeviceEvent] = [COMPLETED] * len(regions)
         self.layer_ok = [False] * len(regions)
         self.done = threading.Event()
         self.ok = False
@@ -72,6 +77,11 @@ class LoadJob:
             self.ok = self.error is None and all(self.layer_ok)
             for ev in self.layer_done:
                 ev.set()
+            # done means in our blocks (async loads are reported on it), and the staging
+            # the copies read from is free once they are
+            for event in self.layer_events:
+                event.synchronize()
+            self._access.release_landing(self.spec.request_id)
             self.finished_at = time.monotonic()
             self.done.set()
             if self.remote is None:
@@ -107,9 +117,13 @@ class LoadJob:
             missing = {layer: list(range(len(spec.positions))) for layer in range(len(self._regions))}
         futures: list[tuple[int, list[int], Future[None]]] = []
         remote_ids = spec.remote_block_ids(remote)
+        landing = self._access.landing_ids(spec.request_id, spec.local_block_ids) if missing else []
+        if landing is None:
+            self.error = "no host staging room to land the KV read from prefill"
+            return
         for layer, idxs in missing.items():
             fut = self._transport.fetch(self._peer(remote), remote.transfer_id, layer,
-                                        [remote_ids[i] for i in idxs], [spec.local_block_ids[i] for i in idxs],
+                                        [remote_ids[i] for i in idxs], [landing[i] for i in idxs],
                                         timeout=max(0.1, deadline - time.monotonic()))
             futures.append((layer, idxs, fut))
         for layer, idxs, fut in futures:
@@ -121,7 +135,8 @@ class LoadJob:
                 continue
             self.blocks_fetched += len(idxs)
             self.bytes_landed += len(idxs) * self._regions[layer].block_nbytes
-            self._layer_landed(layer, True)
+            self._layer_landed(layer, True, self._access.land_read(
+                spec.request_id, layer, [spec.local_block_ids[i] for i in idxs]))
 
     def _await_announcement(self, deadline: float) -> RemotePrefill | None:
         """The decode leg came first: wait for prefill to say what it pushed (None: error set)."""
@@ -145,18 +160,23 @@ class LoadJob:
         return remote
 
     def _copy_staged(self, tid: str, layer: int, region: MemoryRegion) -> list[int]:
-        missing = []
+        missing, block_ids, buffers = [], [], []
         for i, (pos, block_id) in enumerate(zip(self.spec.positions, self.spec.local_block_ids)):
             buf = self._staging.landed_block(tid, layer, pos)
             if buf is None or buf.numel() != region.block_nbytes:
                 missing.append(i)
                 continue
-            region.tensor[block_id].view(-1).view(torch.uint8).copy_(buf)
-            self.blocks_from_push += 1
-            self.bytes_landed += region.block_nbytes
+            block_ids.append(block_id)
+            buffers.append(buf)
+        if buffers:
+            self.layer_events[layer] = self._access.land_buffers(layer, block_ids, buffers)
+            self.blocks_from_push += len(buffers)
+            self.bytes_landed += len(buffers) * region.block_nbytes
         return missing
 
-    def _layer_landed(self, layer: int, ok: bool) -> None:
+    def _layer_landed(self, layer: int, ok: bool, placed: DeviceEvent | None = None) -> None:
+        if placed is not None:
+            self.layer_events[layer] = placed
         self.layer_ok[layer] = ok
         self.layer_done[layer].set()
 

@@ -48,6 +48,8 @@ class PushStaging:
         self.rejected_total = 0
         self._cond = threading.Condition()
         self._transfers: dict[str, _StagedTransfer] = {}
+        # host buffers for pushed blocks: pinned where the KV cache is on a GPU (set at registration)
+        self.alloc: Callable[[int], torch.Tensor] = lambda n: torch.empty(n, dtype=torch.uint8)
 
     # ---- BlockSink half (transport threads) ----------------------------------------------------
     def destinations(self, batch: BlockBatch) -> list[memoryview] | None:
@@ -72,7 +74,7 @@ class PushStaging:
                 if buf is None or buf.numel() != batch.block_nbytes:
                     if buf is not None:
                         self.used_bytes -= buf.numel()
-                    buf = st.blocks[key] = torch.empty(batch.block_nbytes, dtype=torch.uint8)
+                    buf = st.blocks[key] = self.alloc(batch.block_nbytes)
                     self.used_bytes += batch.block_nbytes
                 st.landed[key] = False
                 views.append(memoryview(buf.numpy()))

@@ -1,12 +1,10 @@
-"""Worker side of the PD connector (runs in each vLLM worker process).
+"""Worker side of the PD connector (runs in each vLLM worker process): a thin facade.
 
-Prefill: ``save_kv_layer`` pushes layer i's blocks while layer i+1 computes;
-after the step, finished prompts are granted to decode's reads (pull mode, and
-the fallback of push mode) until decode releases them or the lease ends.
-
-Decode: each load runs as a :class:`LoadJob` off the model's thread; in async
-mode the request waits off-batch until it is reported finished, in layer-wise
-mode the forward waits per layer in ``wait_for_layer_load``.
+It owns what both sides share - the transport, the KV cache as regions on its
+device, and how the transport reaches them (:mod:`kv_access`) - and routes the
+rest: prefill's sends to :class:`~vllm_pd.connector.kv_sender.KVSender`, decode's
+loads to :class:`~vllm_pd.connector.kv_loader.KVLoader`. The transport's
+``BlockSink`` calls land here and go to the side they belong to. vLLM-free.
 """
 
 from __future__ import annotations
@@ -14,23 +12,23 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import torch
 
+from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.control import PrefillDoneMessage, ReleaseMessage, decode_control
-from vllm_pd.connector.load_job import LoadJob
-from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, SendSpec
-from vllm_pd.connector.outgoing import OutgoingTransfers
+from vllm_pd.connector.control import ReleaseMessage, decode_control
+from vllm_pd.connector.host_staging import StagingArena
+from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
+from vllm_pd.connector.kv_device import KVDevice, kv_device_for
+from vllm_pd.connector.kv_loader import KVLoader
+from vllm_pd.connector.kv_sender import KVSender, rank_endpoint
 from vllm_pd.connector.push_staging import PushStaging
-from vllm_pd.connector.stats import PDConnectorStats
-from vllm_pd.connector.transfer_params import RemotePrefill
+from vllm_pd.connector.step_specs import WorkerStep
+from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transport import create_transport
-from vllm_pd.connector.transport.base import BlockBatch, LayerPush, MemoryRegion
+from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +53,7 @@ def advertised_host(config: PDConnectorConfig) -> str:
 
 class PDConnectorWorker:
     def __init__(self, config: PDConnectorConfig, block_size: int, tp_rank: int, base_port: int,
-                 is_producer: bool, is_consumer: bool) -> None:
+                 is_producer: bool, is_consumer: bool, stats: TransferCounters | None = None) -> None:
         self.config = config
         self.block_size = block_size
         self.tp_rank = tp_rank
@@ -64,32 +62,29 @@ class PDConnectorWorker:
         self.is_consumer = is_consumer
         # the transport's default checksum (crc32c, fused with the copies) unless turned off
         self.transport = create_transport(config.transport, **({} if config.checksum else {"checksum": "none"}))
+        self.stats = stats if stats is not None else TransferCounters()
         self.regions: list[MemoryRegion] = []
         self._layer_index: dict[str, int] = {}
-        self.outgoing = OutgoingTransfers(config.lease_s)
-        self.staging = PushStaging(config.staging_bytes, ttl_s=config.lease_s)
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pd-load")
-        self._jobs: dict[str, LoadJob] = {}
-        # jobs of decode legs sent beside their prefill leg, parked (no thread) until prefill
-        # announces the push: a thread each would let slow prefills block every other load
-        self._awaiting: dict[str, LoadJob] = {}
-        self._awaiting_lock = threading.Lock()
-        self._announced: set[str] = set()  # announcements not yet reported to the scheduler (under the lock)
-        self._awaited_keys: list[str] = []  # decode legs the scheduler holds back until announced
-        self._step_jobs: list[LoadJob] = []
-        self._step_sends: list[SendSpec] = []
-        self._step_plans: dict[int, LayerPush] = {}  # id(spec) -> its layers' push, made as the step starts
         self._idle = False
-        self.stats = PDConnectorStats()
         self.endpoint = ""
         self.host = ""
         self.port = 0
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.regions = [MemoryRegion(name, t) for name, t in kv_caches.items()]
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_dims: dict[str, int] | None = None,
+                           device: KVDevice | None = None) -> None:
+        """``block_dims``: each layer's block dimension in vLLM's layout (default 0);
+        ``device``: where the tensors live (default: read from them)."""
+        dims = block_dims or {}
+        self.regions = [MemoryRegion(name, t, dims.get(name, 0)) for name, t in kv_caches.items()]
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        self.transport.register_regions(self.regions)
+        self.device = device or kv_device_for([r.tensor for r in self.regions])
+        self.access = self._access(BlockCopies(self.regions, self.device))
+        self.sender = KVSender(self.config, self.transport, self.access, len(self.regions), self.block_size,
+                               self.tp_rank, self.stats)
+        self.loader = KVLoader(self.config, self.transport, self.access, self.device, self.regions, self.tp_rank,
+                               self.stats, self._notify_release, self.sender.outgoing.changed)
+        self.transport.register_regions(self.access.transport_regions)
         port = self.base_port + self.tp_rank if self.base_port else 0
         self.endpoint = self.transport.start(self, self.config.bind_host, port)
         self.host = advertised_host(self.config)
@@ -97,12 +92,21 @@ class PDConnectorWorker:
         # peers reach us by the advertised host, not the bind address
         self.endpoint = f"{self.endpoint.split('://', 1)[0]}://{self.host}:{self.port}"
         r0 = self.regions[0]
-        logger.info("PD connector worker %d: %d layers of %d blocks x %d bytes, KV endpoint %s",
-                    self.tp_rank, len(self.regions), r0.num_blocks, r0.block_nbytes, self.endpoint)
+        logger.info("PD connector worker %d: %d layers of %d blocks x %d bytes on %s (%s), KV endpoint %s",
+                    self.tp_rank, len(self.regions), r0.num_blocks, r0.block_nbytes, r0.tensor.device,
+                    type(self.access).__name__, self.endpoint)
 
-    def handshake(self) -> PDHandshake:
-        return PDHandshake(endpoint=self.endpoint, host=self.host, port=self.port,
-                           num_layers=len(self.regions), block_nbytes=self.regions[0].block_nbytes)
+    def _access(self, copies: BlockCopies) -> KVAccess:
+        """Direct where the transport can read the KV itself, else through pinned host staging."""
+        if self.transport.device_memory or (self.device.host_accessible
+                                            and all(r.block_contiguous for r in self.regions)):
+            return DirectAccess(copies)
+        arena = StagingArena(self.device, [r.block_nbytes for r in self.regions], self.config.host_staging_bytes)
+        return StagedAccess(copies, arena)
+
+    @property
+    def staging(self) -> PushStaging:
+        return self.loader.staging
 
     # ---- BlockSink (transport threads) ----------------------------------------------------------
     def destinations(self, batch: BlockBatch):  # noqa: ANN201 - see BlockSink
@@ -112,10 +116,10 @@ class PDConnectorWorker:
             logger.warning("push of transfer %s has %d-byte blocks, ours are %d: rejected",
                            batch.transfer_id, batch.block_nbytes, self.regions[batch.layer].block_nbytes)
             return None
-        return self.staging.destinations(batch)
+        return self.loader.staging.destinations(batch)
 
     def landed(self, batch: BlockBatch, ok: bool) -> None:
-        self.staging.landed(batch, ok)
+        self.loader.staging.landed(batch, ok)
 
     def on_notify(self, peer: str, message: bytes) -> bytes | None:
         try:
@@ -124,250 +128,68 @@ class PDConnectorWorker:
             logger.warning("unknown control message from %s ignored", peer)
             return b"unknown"
         if isinstance(msg, ReleaseMessage):
-            self.outgoing.release(msg.transfer_id)
+            self.sender.release(msg.transfer_id)
         elif self.is_consumer:
-            with self._awaiting_lock:
-                abandoned = self.staging.announce(msg.transfer_key, msg.params)
-                job = self._awaiting.pop(msg.transfer_key, None)
-                if not abandoned:
-                    self._announced.add(msg.transfer_key)
-            if abandoned:
-                self._release_announced(msg.params)
-            if job is not None:
-                self._pool.submit(self._run_job, job)
-            self.outgoing.changed.set()  # an idle step reports it to the scheduler at once
+            self.loader.announce(msg.transfer_key, msg.params)
         return b"ok"
 
-    def _release_announced(self, params: dict) -> None:
-        remote = RemotePrefill.from_params(params)
-        if remote is not None:
-            self._notify_release(remote.endpoint, remote.transfer_id)
-
-    # ---- each step ------------------------------------------------------------------------------
-    def begin_step(self, meta: PDConnectorMetadata) -> None:
-        """Bookkeeping of a step's metadata, before its forward writes any block."""
-        self._idle = meta.idle
-        self._awaited_keys = meta.awaited_keys
-        for tid in meta.preempted_transfers:
-            # the blocks are about to be reused: pushes and reads of them must end first
-            # (the grant comes back when the request's prompt is computed again)
-            self.outgoing.wait_pushes(tid, timeout=self.config.transfer_timeout_s)
-            self.transport.allow_fetch(tid, None)
-        for fs in meta.finished_sends:
-            self.outgoing.finish(fs.transfer_id, fs.held)
-        self._step_sends = [s for s in meta.sends if self.is_producer]
-        self._step_plans = {}
-        for spec in self._step_sends:
-            if spec.push_endpoint is not None:
-                # Pushed KV is announced as its last forward starts: decode may then run its own
-                # forward beside ours, taking each layer as it lands (a layer-wise load).
-                self._announce(spec)
-                self._plan_push(spec)
-        self._step_jobs = [
-            LoadJob(spec, self.transport, self.regions, self.staging, self.tp_rank,
-                    self.config.transfer_timeout_s, self.config.push_wait_s)
-            for spec in meta.loads
-        ]
-        for rel in meta.remote_releases:
-            self._notify_release(rel.endpoint, rel.transfer_id)
-        for key in meta.abandoned_pushes:
-            announced = self.staging.abandon(key)
-            if announced is not None:
-                self._release_announced(announced)
-        for req_id in meta.cancelled_loads:
-            job = self._jobs.get(req_id)
-            if job is not None:
-                self._unpark(job, cancel=True)
-
-    def start_loads(self) -> None:
-        """Called by vLLM after it zeroed this step's new blocks, so nothing overwrites what lands."""
-        for job in self._step_jobs:
-            if job.spec.request_id in self._jobs:
-                continue
-            self._jobs[job.spec.request_id] = job
-            if job.remote is None and not job.spec.layerwise:
-                with self._awaiting_lock:
-                    if not self.staging.is_announced(job.spec.transfer_key):
-                        self._awaiting[job.spec.transfer_key] = job
-                        continue
-            self._pool.submit(self._run_job, job)
-
-    def _unpark(self, job: LoadJob, cancel: bool) -> None:
-        """Run a parked job now: it fails at once (cancelled, or past its deadline) unless announced."""
-        with self._awaiting_lock:
-            if self._awaiting.pop(job.spec.transfer_key, None) is None:
-                return  # announced meanwhile: already running
-            job.cancelled = cancel
-        self._pool.submit(self._run_job, job)
-
-    def _run_job(self, job: LoadJob) -> None:
-        job.run()
-        self.outgoing.changed.set()  # wakes an idle step waiting in get_finished
-
     def _notify_release(self, endpoint: str, transfer_id: str) -> None:
-        peer = self._peer_for_rank(endpoint)
+        peer = rank_endpoint(endpoint, self.tp_rank)
         try:
             self.transport.notify(peer, ReleaseMessage(transfer_id).encode(), timeout=5.0)
         except Exception as e:  # noqa: BLE001 - the lease frees it anyway
             logger.warning("release of %s at %s failed: %s", transfer_id, peer, e)
 
-    def _peer_for_rank(self, endpoint: str) -> str:
-        """Peers of TP rank r listen on base port + r."""
-        if self.tp_rank == 0:
-            return endpoint
-        head, port = endpoint.rsplit(":", 1)
-        return f"{head}:{int(port) + self.tp_rank}"
+    # ---- each step ------------------------------------------------------------------------------
+    def begin_step(self, meta: WorkerStep) -> None:
+        """Bookkeeping of a step's metadata, before its forward writes any block."""
+        self._idle = meta.idle
+        if self.is_producer:
+            self.sender.begin_step(meta)
+        else:
+            self.sender.begin_step(WorkerStep(finished_sends=meta.finished_sends,
+                                              preempted_transfers=meta.preempted_transfers))
+        self.loader.begin_step(meta)
+
+    def start_loads(self) -> None:
+        self.loader.start_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if not self._step_jobs:
-            return
         i = self._layer_index.get(layer_name)
-        if i is None:
-            return
-        for job in self._step_jobs:
-            if job.spec.layerwise:
-                job.layer_done[i].wait(timeout=self.config.transfer_timeout_s + 5.0)
-
-    def _push_blocks(self, spec: SendSpec) -> tuple[tuple[int, ...], list[int]]:
-        """(positions, block ids) of what this step computes of ``spec``'s prompt."""
-        end_block = -(-spec.end_token // self.block_size)
-        positions = tuple(range(spec.first_block, end_block))
-        return positions, [spec.block_ids[p] for p in positions]
-
-    def _plan_push(self, spec: SendSpec) -> None:
-        """All of the step's layers pushed as one plan the peer reads from our memory, where
-        the transport can (same host): the forward then only marks each layer ready."""
-        positions, block_ids = self._push_blocks(spec)
-        if not positions:
-            return
-        try:
-            plan = self.transport.push_layers(
-                self._peer_for_rank(spec.push_endpoint), spec.transfer_key or spec.transfer_id,
-                range(len(self.regions)), positions, block_ids, timeout=self.config.transfer_timeout_s,
-                last=spec.prefill_done)
-        except Exception as e:  # noqa: BLE001 - pushed layer by layer instead
-            logger.warning("layer plan of %s failed to start: %s", spec.transfer_id, e)
-            return
-        if plan is None or plan.future is None:
-            return
-        self._step_plans[id(spec)] = plan
-        n = len(block_ids) * len(self.regions)
-        self.stats.record_push(n, n * self.regions[0].block_nbytes)
-        self.outgoing.add_push(spec.transfer_id, plan.future)
+        if i is not None:
+            self.loader.wait_for_layer(i)
 
     def save_kv_layer(self, layer_name: str) -> None:
         i = self._layer_index.get(layer_name)
-        if i is None:
-            return
-        for spec in self._step_sends:
-            if spec.push_endpoint is None:
-                continue
-            plan = self._step_plans.get(id(spec))
-            if plan is not None:
-                plan.ready(i)
-                continue
-            positions, block_ids = self._push_blocks(spec)
-            if not positions:
-                continue
-            batch = BlockBatch(spec.transfer_key or spec.transfer_id, i, positions, self.regions[i].block_nbytes,
-                               last=spec.prefill_done)
-            try:
-                # Only the step's last layer is answered: that answer covers the earlier
-                # layers (a failure is answered at once), so decode's kernel wakes the
-                # prefill core once per step, not once per layer.
-                fut = self.transport.push(self._peer_for_rank(spec.push_endpoint), batch, block_ids,
-                                          timeout=self.config.transfer_timeout_s,
-                                          answer=i == len(self.regions) - 1)
-            except Exception as e:  # noqa: BLE001 - decode falls back to pulling
-                logger.warning("push of %s failed to start: %s", spec.transfer_id, e)
-                continue
-            self.stats.record_push(len(block_ids), len(block_ids) * batch.block_nbytes)
-            self.outgoing.add_push(spec.transfer_id, fut)
+        if i is not None:
+            self.sender.save_kv_layer(i)
 
     def wait_for_save(self) -> None:
-        for spec in self._step_sends:
-            if spec.prefill_done:
-                n = -(-spec.num_prompt_tokens // self.block_size)
-                self.transport.allow_fetch(spec.transfer_id, list(spec.block_ids[:n]))
-                self.outgoing.mark_computed(spec.transfer_id)
-                if spec.push_endpoint is None:
-                    self._announce(spec)  # decode reads it now: reads were just granted
-        self._step_sends = []
-        self._step_plans = {}
-
-    def _announce(self, spec: SendSpec) -> None:
-        """Tell the waiting decode where its KV is (or is being pushed to)."""
-        if spec.announcement is None or spec.announce_endpoint is None:
-            return
-        message = PrefillDoneMessage(spec.transfer_key or spec.transfer_id, spec.announcement).encode()
-        try:
-            self.transport.notify(self._peer_for_rank(spec.announce_endpoint), message,
-                                  timeout=self.config.transfer_timeout_s)
-        except Exception as e:  # noqa: BLE001 - decode times out and recomputes; our lease frees the KV
-            logger.warning("announcing the KV of %s failed: %s", spec.transfer_id, e)
+        self.sender.wait_for_save()
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving)."""
         sent, recvd, failed = self._collect()
-        if self._idle and not (sent or recvd) and (self.outgoing.pending() or self._jobs or self._awaited_keys):
-            self.outgoing.changed.wait(IDLE_WAIT_S)
+        if self._idle and not (sent or recvd) and (self.sender.outgoing.pending() or self.loader.busy):
+            self.sender.outgoing.changed.wait(IDLE_WAIT_S)
             sent, recvd, failed = self._collect()
-        self.stats.set_gauges(held=self.outgoing.held(), loading=len(self._jobs),
-                              staged_bytes=self.staging.used_bytes)
+        self.stats.set_gauges(held=self.sender.outgoing.held(), loading=self.loader.loading,
+                              staged_bytes=self.loader.staging.used_bytes)
         return sent, recvd, failed
 
     def _collect(self) -> tuple[set[str], set[str], set[str]]:
-        self.outgoing.changed.clear()
-        sent: set[str] = set()
-        for t in self.outgoing.take_reportable():
-            if t.granted:
-                self.transport.allow_fetch(t.transfer_id, None)  # waits for reads in flight
-            sent.add(t.transfer_id)
-            if t.first_push_at is not None and t.computed_at is not None and t.last_push_done_at is not None:
-                self.stats.record_push_overlap(tail_s=max(0.0, t.last_push_done_at - t.computed_at),
-                                               span_s=t.last_push_done_at - t.first_push_at)
-        self.stats.expired = self.outgoing.expired_total
-        if self._awaiting:
-            now = time.monotonic()
-            for job in [j for j in list(self._awaiting.values()) if now - j.started > self.config.transfer_timeout_s]:
-                self._unpark(job, cancel=False)
-        recvd: set[str] = set()
-        failed: set[str] = set()
-        for req_id, job in list(self._jobs.items()):
-            if not job.done.is_set() or job.spec.layerwise:
-                continue  # layer-wise loads are synchronous: errors go by block id
-            del self._jobs[req_id]
-            recvd.add(req_id)
-            self.stats.record_load(job)
-            if not job.ok:
-                failed.add(req_id)
-                logger.warning("KV load for request %s failed (%s): decode recomputes the prompt",
-                               req_id, job.error)
-        self.staging.expire()
-        return sent, recvd, failed
+        self.sender.outgoing.changed.clear()  # before looking: what happens after wakes the next wait
+        recvd, failed = self.loader.collect()
+        return self.sender.collect(), recvd, failed
 
     def take_announced(self) -> frozenset[str]:
-        """Transfer keys announced since the last call, for the scheduler's layer-wise choice."""
-        with self._awaiting_lock:
-            keys = frozenset(self._announced)
-            self._announced.clear()
-        return keys
+        return self.loader.take_announced()
 
     def block_ids_with_load_errors(self) -> set[int]:
-        """Layer-wise loads that failed: vLLM recomputes these blocks."""
-        bad: set[int] = set()
-        for job in self._step_jobs:
-            if not job.spec.layerwise:
-                continue
-            job.done.wait(timeout=self.config.transfer_timeout_s + 5.0)
-            self._jobs.pop(job.spec.request_id, None)
-            self.stats.record_load(job)
-            if not job.ok:
-                logger.warning("layer-wise KV load for %s failed (%s): its blocks are recomputed",
-                               job.spec.request_id, job.error)
-                bad.update(job.spec.local_block_ids)
-        return bad
+        return self.loader.block_ids_with_load_errors()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.regions:
+            self.sender.close()
+            self.loader.close()
         self.transport.close()
