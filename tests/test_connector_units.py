@@ -13,6 +13,9 @@ from vllm_pd.connector.control import PrefillDoneMessage, ReleaseMessage, decode
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.connector.outgoing import OutgoingTransfers
 from vllm_pd.connector.push_staging import PushStaging
+from vllm_pd.connector.block_copies import BlockCopies
+from vllm_pd.connector.kv_access import DirectAccess
+from vllm_pd.connector.kv_device import HostDevice
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.metadata import LoadSpec
 from vllm_pd.connector.transfer_params import (
@@ -282,7 +285,9 @@ def _awaited_job(st: PushStaging, prompt: list[int], timeout_s: float = 2.0):
     spec = LoadSpec(request_id="d-1", remote=None, first_position=0, local_block_ids=(3, 1), transfer_key="k",
                     prompt=LocalPrompt(prompt_hash(prompt), len(prompt), block_size=2, tp_size=1))
     transport = _RecordingTransport()
-    return LoadJob(spec, transport, regions, st, rank=0, timeout_s=timeout_s, push_wait_s=1.0), regions, transport
+    access = DirectAccess(BlockCopies(regions, HostDevice()))
+    return LoadJob(spec, transport, regions, st, access, rank=0, timeout_s=timeout_s, push_wait_s=1.0), \
+        regions, transport
 
 
 def test_load_job_of_awaited_push_checks_the_announcement_then_copies_and_releases() -> None:

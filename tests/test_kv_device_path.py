@@ -1,0 +1,273 @@
+"""The connector's device data path on an asynchronous stand-in GPU (tests/async_device.py).
+
+No GPU runs here, so the device is a stand-in whose "kernels" and copies run later
+on their streams' threads: a send that does not wait for the layer's write, or an
+attention that does not wait for the layer's landing, reads stale bytes and fails
+byte for byte. The KV is in vLLM's CUDA FlashAttention layout
+``[2, num_blocks, block_size, kv_heads, head_size]`` (K and V apart), staged through
+pinned-host-style rows for the host transports, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.async_device import AsyncStandInDevice
+from tests.transport_harness import RecordingSink, make_regions, started
+from vllm_pd.connector.block_copies import BlockCopies
+from vllm_pd.connector.config import PDConnectorConfig
+from vllm_pd.connector.host_staging import StagingArena
+from vllm_pd.connector.kv_access import StagedAccess
+from vllm_pd.connector.kv_device import COMPLETED
+from vllm_pd.connector.kv_loader import KVLoader
+from vllm_pd.connector.load_job import LoadJob
+from vllm_pd.connector.push_staging import PushStaging
+from vllm_pd.connector.step_specs import LoadSpec, SendSpec, WorkerStep
+from vllm_pd.connector.transfer_counters import TransferCounters
+from vllm_pd.connector.transfer_params import RemotePrefill
+from vllm_pd.connector.transport import create_transport
+from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from vllm_pd.connector.worker import PDConnectorWorker
+
+LAYERS, NUM_BLOCKS, BS, HEADS, HEAD = 3, 8, 16, 2, 32
+BLOCK_NBYTES = 2 * BS * HEADS * HEAD * 2  # bf16 K and V of one block
+
+
+def fa_cache() -> dict[str, torch.Tensor]:
+    return {f"l{i}": torch.zeros(2, NUM_BLOCKS, BS, HEADS, HEAD, dtype=torch.bfloat16) for i in range(LAYERS)}
+
+
+def block_bytes(values: torch.Tensor, j: int) -> torch.Tensor:
+    """Wire bytes of the j-th block of ``values`` [2, n, BS, HEADS, HEAD]: K then V."""
+    return values[:, j].contiguous().view(torch.uint8).flatten()
+
+
+def random_kv(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, n, BS, HEADS, HEAD, generator=g).to(torch.bfloat16)
+
+
+def write_layer(kv: torch.Tensor, block_ids: list[int], values: torch.Tensor):  # noqa: ANN201
+    """The forward's KV write of one layer, as a kernel on the compute stream."""
+    def kernel() -> None:
+        kv[:, block_ids] = values
+    return kernel
+
+
+def test_stand_in_catches_a_copy_that_does_not_wait_for_the_write() -> None:
+    """The negative control: without the event, the copy reads the blocks before the write."""
+    dev = AsyncStandInDevice(compute_delay_s=0.05, copy_delay_s=0.0)
+    kv = fa_cache()["l0"]
+    copies = BlockCopies([MemoryRegion("l0", kv, block_dim=1)], dev)
+    values = random_kv(2, seed=1)
+    rows_early, rows_ordered = torch.zeros(2, BLOCK_NBYTES, dtype=torch.uint8), torch.zeros(2, BLOCK_NBYTES,
+                                                                                            dtype=torch.uint8)
+    dev.launch(dev.compute, write_layer(kv, [3, 5], values))
+    copies.to_rows(0, [3, 5], rows_early, after=COMPLETED).synchronize()
+    copies.to_rows(0, [3, 5], rows_ordered, after=copies.record_compute()).synchronize()
+    dev.finish()
+    assert not torch.equal(rows_early[0], block_bytes(values, 0))
+    assert torch.equal(rows_ordered[0], block_bytes(values, 0)) and torch.equal(rows_ordered[1], block_bytes(values, 1))
+
+
+def _prefill_worker(transport: str, dev: AsyncStandInDevice) -> tuple[PDConnectorWorker, dict[str, torch.Tensor]]:
+    config = PDConnectorConfig.from_extra_config({"transport": transport, "host": "127.0.0.1",
+                                                  "host_staging_bytes": 64 * BLOCK_NBYTES * LAYERS})
+    worker = PDConnectorWorker(config, block_size=BS, tp_rank=0, base_port=0, is_producer=True, is_consumer=False)
+    kv = fa_cache()
+    worker.register_kv_caches(kv, {name: 1 for name in kv}, device=dev)
+    assert isinstance(worker.access, StagedAccess)
+    return worker, kv
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_prefill_pushes_each_layer_only_after_its_write_and_holds_it_for_reads(transport: str) -> None:
+    dev = AsyncStandInDevice()
+    prefill, kv = _prefill_worker(transport, dev)
+    decode_regions = make_regions(LAYERS, NUM_BLOCKS, seed=None, block_shape=(2, BS, HEADS * HEAD))
+    decode, sink, decode_endpoint = started(transport, decode_regions)
+    reader_regions = make_regions(LAYERS, NUM_BLOCKS, seed=None, block_shape=(2, BS, HEADS * HEAD))
+    reader, _, _ = started(transport, reader_regions)
+    block_ids = [5, 2, 7]
+    spec = SendSpec(transfer_id="t1", block_ids=tuple(block_ids), first_block=0, end_token=3 * BS,
+                    num_prompt_tokens=3 * BS, push_endpoint=decode_endpoint)
+    try:
+        prefill.begin_step(WorkerStep(sends=[spec]))
+        written = []
+        for i in range(LAYERS):
+            values = random_kv(3, seed=10 + i)
+            written.append(values)
+            dev.launch(dev.compute, write_layer(kv[f"l{i}"], block_ids, values))
+            prefill.save_kv_layer(f"l{i}")
+        prefill.wait_for_save()
+        landed = sink.wait_landed(LAYERS, timeout=20)
+        assert all(ok for _, ok in landed)
+        for i in range(LAYERS):  # RecordingSink lands position p at its block p
+            for p in range(3):
+                got = decode_regions[i].tensor[p].view(torch.uint8).flatten()
+                assert torch.equal(got, block_bytes(written[i], p)), f"layer {i} block {p}"
+        assert prefill.sender.sends.drain(20)  # the grant follows the copy of every layer
+        for i in range(LAYERS):
+            reader.fetch(prefill.endpoint, "t1", i, block_ids, [4, 0, 6], timeout=10).result(timeout=15)
+            for p, local in enumerate([4, 0, 6]):
+                assert torch.equal(reader_regions[i].tensor[local].view(torch.uint8).flatten(),
+                                   block_bytes(written[i], p))
+    finally:
+        prefill.shutdown()
+        decode.close()
+        reader.close()
+        dev.finish()
+
+
+class _AnnouncedSink(RecordingSink):
+    def __init__(self, regions: list[MemoryRegion]) -> None:
+        super().__init__(regions)
+        self.announced = threading.Event()
+
+    def on_notify(self, peer: str, message: bytes) -> bytes:
+        self.announced.set()
+        return b"ok"
+
+
+def test_prefill_announces_pulled_kv_only_once_it_is_staged_for_reads() -> None:
+    dev = AsyncStandInDevice(compute_delay_s=0.03)
+    prefill, kv = _prefill_worker("tcp", dev)
+    reader_regions = make_regions(LAYERS, NUM_BLOCKS, seed=None, block_shape=(2, BS, HEADS * HEAD))
+    reader = create_transport("tcp")
+    reader.register_regions(reader_regions)
+    sink = _AnnouncedSink(reader_regions)
+    reader_endpoint = reader.start(sink, "127.0.0.1", 0)
+    block_ids = [1, 6]
+    spec = SendSpec(transfer_id="t2", block_ids=tuple(block_ids), first_block=0, end_token=2 * BS,
+                    num_prompt_tokens=2 * BS, push_endpoint=None, announcement={"do_remote_prefill": True},
+                    announce_endpoint=reader_endpoint)
+    try:
+        prefill.begin_step(WorkerStep(sends=[spec]))
+        written = [random_kv(2, seed=30 + i) for i in range(LAYERS)]
+        for i in range(LAYERS):
+            dev.launch(dev.compute, write_layer(kv[f"l{i}"], block_ids, written[i]))
+            prefill.save_kv_layer(f"l{i}")
+        prefill.wait_for_save()
+        assert sink.announced.wait(20)
+        for i in range(LAYERS):  # decode reads as soon as it hears: the bytes must be final by then
+            reader.fetch(prefill.endpoint, "t2", i, block_ids, [0, 1], timeout=10).result(timeout=15)
+            for p in range(2):
+                assert torch.equal(reader_regions[i].tensor[p].view(torch.uint8).flatten(), block_bytes(written[i], p))
+    finally:
+        prefill.shutdown()
+        reader.close()
+        dev.finish()
+
+
+def _staged_decode(dev: AsyncStandInDevice) -> tuple[list[MemoryRegion], StagedAccess]:
+    regions = [MemoryRegion(name, t, block_dim=1) for name, t in fa_cache().items()]
+    arena = StagingArena(dev, [r.block_nbytes for r in regions], 16 * BLOCK_NBYTES * LAYERS)
+    return regions, StagedAccess(BlockCopies(regions, dev), arena)
+
+
+def _attend_layer_by_layer(loader: KVLoader, job: LoadJob, dev: AsyncStandInDevice, regions: list[MemoryRegion],
+                           block_ids: list[int], stream_wait: bool) -> list[torch.Tensor]:
+    """The decode forward: per layer, wait_for_layer_load, then attention reads the blocks.
+    ``stream_wait=False`` is the bug to catch: only the host waits for the layer."""
+    seen: list[torch.Tensor] = []
+    for i, region in enumerate(regions):
+        if stream_wait:
+            loader.wait_for_layer(i)
+        else:
+            assert job.layer_done[i].wait(20)
+        out = torch.empty(2, len(block_ids), BS, HEADS, HEAD, dtype=torch.bfloat16)
+        seen.append(out)
+        dev.launch(dev.compute, lambda out=out, t=region.tensor: out.copy_(t[:, block_ids]))
+    return seen
+
+
+def _remote(mode: str, endpoint: str, block_ids: list[int]) -> RemotePrefill:
+    host, port = endpoint.split("://", 1)[1].rsplit(":", 1)
+    return RemotePrefill(transfer_id="p-1", engine_id="e", endpoint=endpoint, host=host, port=int(port),
+                         block_ids=tuple(block_ids), num_tokens=len(block_ids) * BS, block_size=BS, mode=mode)
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["stream-waits", "host-waits-only"])
+def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool) -> None:
+    dev = AsyncStandInDevice(compute_delay_s=0.0, copy_delay_s=0.03)
+    regions, access = _staged_decode(dev)
+    transport = create_transport("tcp")
+    config = PDConnectorConfig.from_extra_config({"transfer_timeout_s": 5, "push_wait_s": 1})
+    loader = KVLoader(config, transport, access, dev, regions, rank=0, stats=TransferCounters(),
+                      release=lambda endpoint, tid: None, changed=threading.Event())
+    pushed = [random_kv(2, seed=20 + i) for i in range(LAYERS)]
+    for i in range(LAYERS):  # prefill's pushes, landed in decode's push staging
+        batch = BlockBatch("p-1", i, (0, 1), BLOCK_NBYTES, last=True)
+        for p, view in enumerate(loader.staging.destinations(batch) or []):
+            view[:] = block_bytes(pushed[i], p).numpy().tobytes()
+        loader.staging.landed(batch, True)
+    spec = LoadSpec(request_id="d-1", remote=_remote("push", "tcp://127.0.0.1:1", [9, 9]), first_position=0,
+                    local_block_ids=(6, 1), layerwise=True)
+    loader.begin_step(WorkerStep(loads=[spec]))
+    loader.start_loads()
+    job = loader.job("d-1")
+    assert job is not None
+    seen = _attend_layer_by_layer(loader, job, dev, regions, [6, 1], stream_wait=wait)
+    assert loader.block_ids_with_load_errors() == set()
+    dev.finish()
+    loader.close()
+    transport.close()
+    exact = all(torch.equal(seen[i][:, p].contiguous().view(torch.uint8).flatten(), block_bytes(pushed[i], p))
+                for i in range(LAYERS) for p in range(2))
+    assert job.ok and job.blocks_from_push == 2 * LAYERS
+    assert exact is wait  # forgetting the wait must show as wrong bytes
+
+
+def test_decode_pull_lands_through_staging_rows_into_device_blocks() -> None:
+    dev = AsyncStandInDevice(compute_delay_s=0.0, copy_delay_s=0.01)
+    regions, access = _staged_decode(dev)
+    prefill_regions = make_regions(LAYERS, NUM_BLOCKS, seed=3, block_shape=(2, BS, HEADS * HEAD))
+    prefill, _, prefill_endpoint = started("tcp", prefill_regions)
+    prefill.allow_fetch("p-1", [4, 2])
+    decode = create_transport("tcp")
+    decode.register_regions(access.transport_regions)
+    decode.start(_NoSink(), "127.0.0.1", 0)
+    spec = LoadSpec(request_id="d-1", remote=_remote("pull", prefill_endpoint, [4, 2]), first_position=0,
+                    local_block_ids=(7, 3), layerwise=False)
+    job = LoadJob(spec, decode, regions, PushStaging(1 << 20, ttl_s=60), access, rank=0, timeout_s=5, push_wait_s=1)
+    started_at = time.monotonic()
+    job.run()
+    try:
+        assert job.ok, job.error
+        assert job.blocks_fetched == 2 * LAYERS and time.monotonic() - started_at < 10
+        # an async load is reported done only with the bytes in the device blocks: read them at once
+        for i in range(LAYERS):
+            for remote, local in ((4, 7), (2, 3)):
+                got = regions[i].tensor[:, local].contiguous().view(torch.uint8).flatten()
+                assert torch.equal(got, prefill_regions[i].tensor[remote].view(torch.uint8).flatten())
+        assert access.arena.free_rows == access.arena.rows  # the landing rows came back
+    finally:
+        prefill.close()
+        decode.close()
+        dev.finish()
+
+
+class _NoSink:
+    def destinations(self, batch: BlockBatch) -> None:
+        return None
+
+    def landed(self, batch: BlockBatch, ok: bool) -> None:
+        return None
+
+    def on_notify(self, peer: str, message: bytes) -> bytes:
+        return b"ok"
+
+
+def test_staging_arena_takes_runs_first_fit_and_merges_them_back() -> None:
+    arena = StagingArena(AsyncStandInDevice(), [8, 8], capacity_bytes=16 * 10)
+    assert arena.rows == 10
+    a, b, c = arena.take(4), arena.take(4), arena.take(2)
+    assert (a, b, c) == (0, 4, 8) and arena.take(1) is None
+    arena.give_back(4, 4)
+    assert arena.take(5) is None
+    arena.give_back(0, 4)
+    assert arena.take(8) == 0 and arena.free_rows == 0
