@@ -1,0 +1,296 @@
+"""The connector's data path between two processes, without vLLM: the GPU harness.
+
+A prefill process and a decode process each run the connector's worker
+(``PDConnectorWorker``: sender, loader, transport) on a KV cache in one of vLLM's
+layouts, driven as vLLM drives it: per step ``begin_step``, per layer a synthetic
+forward (a matmul the size of a layer's, then the layer's KV write) on the compute
+stream followed by ``save_kv_layer``; decode's forward calls ``wait_for_layer_load``
+before reading each layer. Decode's blocks are then compared byte for byte with
+what prefill wrote (deterministic contents, regenerated on decode's side).
+
+Devices: ``cuda`` (a GPU machine, which has CUDA torch but no vLLM), ``cpu`` (vLLM's
+CPU case: direct access, events complete at once) and ``standin`` (tests/async_device.py:
+KV staged through host rows and every device operation run later on stream threads,
+so CI covers the GPU ordering on a CPU). Used by tests/test_gpu_harness.py and
+benchmarks/gpu_transfer.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+LAYOUTS = ("flash", "mla", "cpu")
+
+
+@dataclass(frozen=True)
+class HarnessSpec:
+    device: str = "cpu"  # cuda | cpu | standin
+    transport: str = "tcp"
+    layout: str = "flash"  # flash [2, nb, bs, h, d] | mla [nb, bs, 576] | cpu [nb, h, bs, 2d]
+    layers: int = 4
+    num_blocks: int = 64
+    block_size: int = 16
+    kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "bfloat16"
+    blocks_per_request: int = 8
+    modes: tuple[str, ...] = ("push", "pull")  # one request each, in turn
+    rounds: int = 1
+    hidden: int = 1024  # the synthetic forward: [tokens, hidden] @ [hidden, hidden] per layer
+    host_staging_bytes: int = 256 << 20
+    timeout_s: float = 60.0
+
+
+@dataclass
+class RequestResult:
+    mode: str
+    exact: bool
+    load_ok: bool
+    from_push: int
+    fetched: int
+    nbytes: int
+    forward_s: float  # prefill's step: forward launched and finished, sends queued
+    baseline_forward_s: float  # the same step with nothing to send, just before
+    first_save_at: float  # prefill, monotonic: first layer handed to the sender
+    forward_end_at: float  # prefill: the step's forward complete on the device
+    landed_at: float  # decode: every layer in its blocks
+
+
+@dataclass
+class HarnessResult:
+    spec: HarnessSpec
+    requests: list[RequestResult] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def kv_shape(spec: HarnessSpec) -> tuple[tuple[int, ...], int]:
+    """(per-layer KV shape, block dimension) of ``spec.layout``."""
+    nb, bs, h, d = spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_size
+    if spec.layout == "flash":
+        return (2, nb, bs, h, d), 1
+    if spec.layout == "mla":
+        return (nb, bs, 576), 0
+    if spec.layout == "cpu":
+        return (nb, h, bs, 2 * d), 0
+    raise ValueError(f"layout: {spec.layout!r} is not one of {LAYOUTS}")
+
+
+def _device(spec: HarnessSpec) -> tuple[torch.device, Any]:
+    """(where the tensors live, the KVDevice to run them on)."""
+    if spec.device == "standin":
+        from tests.async_device import AsyncStandInDevice
+        return torch.device("cpu"), AsyncStandInDevice(compute_delay_s=0.002, copy_delay_s=0.001)
+    from vllm_pd.connector.kv_device import kv_device_for
+    device = torch.device(spec.device)
+    return device, kv_device_for([torch.empty(0, device=device)])
+
+
+def block_contents(spec: HarnessSpec, layer: int, request: int, n: int, block_nbytes: int,
+                   device: torch.device) -> torch.Tensor:
+    """What prefill writes into a request's ``n`` blocks of ``layer``: [n, block_nbytes] bytes."""
+    g = torch.Generator().manual_seed(1_000_003 * request + layer)
+    return torch.randint(0, 256, (n, block_nbytes), generator=g, dtype=torch.uint8).to(device)
+
+
+def _block_ids(spec: HarnessSpec, request: int, side: int) -> list[int]:
+    g = torch.Generator().manual_seed(7919 * request + side)
+    return torch.randperm(spec.num_blocks, generator=g)[:spec.blocks_per_request].tolist()
+
+
+class _Forward:
+    """A layer's compute, launched on the device's compute stream."""
+
+    def __init__(self, spec: HarnessSpec, device: torch.device, kv_device: Any) -> None:
+        tokens = spec.blocks_per_request * spec.block_size
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        self.hidden = spec.hidden  # 0: no compute, the KV write alone (to measure the transfer by itself)
+        self.x = torch.randn(tokens, spec.hidden, dtype=dtype, device=device)
+        self.w = torch.randn(spec.hidden, spec.hidden, dtype=dtype, device=device) / max(1, spec.hidden) ** 0.5
+        self.kv_device = kv_device
+
+    def layer(self, then: Any = None) -> None:
+        def work() -> None:
+            if self.hidden:
+                self.x = torch.tanh(self.x @ self.w)
+            if then is not None:
+                then()
+        self.kv_device.launch(self.kv_device.compute_stream(), work)
+
+    def finish(self) -> None:
+        self.kv_device.record(self.kv_device.compute_stream()).synchronize()
+
+
+def _worker(spec: HarnessSpec, producer: bool):  # noqa: ANN202 - (worker, kv, byte views, device, kv_device)
+    from vllm_pd.connector.block_copies import byte_blocks
+    from vllm_pd.connector.config import PDConnectorConfig
+    from vllm_pd.connector.transport.base import MemoryRegion
+    from vllm_pd.connector.worker import PDConnectorWorker
+
+    device, kv_device = _device(spec)
+    shape, block_dim = kv_shape(spec)
+    dtype = getattr(torch, spec.dtype)
+    kv = {f"layer.{i}": torch.zeros(shape, dtype=dtype, device=device) for i in range(spec.layers)}
+    config = PDConnectorConfig.from_extra_config({
+        "transport": spec.transport, "host": "127.0.0.1", "bind_host": "127.0.0.1",
+        "transfer_timeout_s": spec.timeout_s, "host_staging_bytes": spec.host_staging_bytes,
+        "load_mode": "layerwise"})
+    worker = PDConnectorWorker(config, block_size=spec.block_size, tp_rank=0, base_port=0,
+                               is_producer=producer, is_consumer=not producer)
+    worker.register_kv_caches(kv, {name: block_dim for name in kv}, device=kv_device)
+    views = [byte_blocks(MemoryRegion(name, t, block_dim)) for name, t in kv.items()]
+    return worker, kv, views, device, kv_device
+
+
+def _prefill_main(spec: HarnessSpec, conn: Any) -> None:
+    from vllm_pd.connector.step_specs import FinishedSend, SendSpec, WorkerStep
+    from vllm_pd.connector.transfer_params import RemotePrefill
+
+    worker, kv, views, device, kv_device = _worker(spec, producer=True)
+    forward = _Forward(spec, device, kv_device)
+    conn.send(worker.endpoint)
+    decode_endpoint = conn.recv()
+    names = list(kv)
+    n, nbytes = spec.blocks_per_request, views[0][0].numel()
+    timings = []
+    for r, mode in enumerate(_requests(spec)):
+        block_ids = _block_ids(spec, r, side=0)
+        contents = [block_contents(spec, i, r, n, nbytes, device) for i in range(spec.layers)]
+        idx = torch.tensor(block_ids, device=device)
+        baseline = _step(worker, forward, names, None, views, idx, contents)
+        tid = f"t{r}"
+        host, port = worker.endpoint.split("://", 1)[1].rsplit(":", 1)
+        announcement = RemotePrefill(tid, "harness", worker.endpoint, host, int(port), tuple(block_ids), n * spec.block_size,
+                                     spec.block_size, mode, transfer_key=tid).to_params()
+        send = SendSpec(tid, tuple(block_ids), 0, n * spec.block_size, n * spec.block_size,
+                        decode_endpoint if mode == "push" else None, transfer_key=tid,
+                        announcement=announcement, announce_endpoint=decode_endpoint)
+        first_save, forward_s, forward_end = _step(worker, forward, names, send, views, idx, contents)
+        worker.begin_step(WorkerStep(finished_sends=[FinishedSend(tid, held=True)]))
+        deadline = time.monotonic() + spec.timeout_s
+        while tid not in worker.get_finished()[0] and time.monotonic() < deadline:
+            time.sleep(0.001)  # until decode released it (the lease is longer than the timeout)
+        timings.append((baseline[1], first_save, forward_s, forward_end))
+    conn.send(timings)
+    conn.recv()  # decode is done with us
+    worker.shutdown()
+
+
+def _step(worker: Any, forward: _Forward, names: list[str], send: Any, views: list[torch.Tensor],
+          idx: torch.Tensor, contents: list[torch.Tensor]) -> tuple[float, float, float]:
+    """One prefill step; (first save_kv_layer at, forward seconds, forward complete at)."""
+    from vllm_pd.connector.step_specs import WorkerStep
+
+    forward.finish()
+    started = time.monotonic()
+    worker.begin_step(WorkerStep(sends=[send] if send is not None else []))
+    first_save = 0.0
+    for i, name in enumerate(names):
+        forward.layer(then=lambda v=views[i], c=contents[i]: v.index_copy_(0, idx, c.view(c.shape[0], *v.shape[1:])))
+        if send is not None:
+            worker.save_kv_layer(name)
+            first_save = first_save or time.monotonic()
+    worker.wait_for_save()
+    forward.finish()
+    ended = time.monotonic()
+    return first_save, ended - started, ended
+
+
+def _decode_main(spec: HarnessSpec, conn: Any) -> None:
+    from vllm_pd.connector.step_specs import LoadSpec, WorkerStep
+    from vllm_pd.connector.transfer_params import RemotePrefill
+
+    worker, kv, views, device, kv_device = _worker(spec, producer=False)
+    forward = _Forward(spec, device, kv_device)
+    conn.send(worker.endpoint)
+    names = list(kv)
+    n, nbytes = spec.blocks_per_request, views[0][0].numel()
+    results = []
+    for r, mode in enumerate(_requests(spec)):
+        tid = f"t{r}"
+        params = worker.staging.wait_announced(tid, time.monotonic() + spec.timeout_s)
+        remote = RemotePrefill.from_params(params)
+        assert remote is not None, f"no usable announcement for {tid}: {params}"
+        local_ids = _block_ids(spec, r, side=1)
+        load = LoadSpec(f"d{r}", remote, 0, tuple(local_ids), layerwise=True)
+        worker.begin_step(WorkerStep(loads=[load]))
+        worker.start_loads()
+        job = worker.loader.job(f"d{r}")
+        assert job is not None
+        for name in names:
+            worker.wait_for_layer_load(name)
+            forward.layer()
+        bad = worker.block_ids_with_load_errors()
+        forward.finish()
+        idx = torch.tensor(local_ids, device=device)
+        exact = all(torch.equal(v.index_select(0, idx).reshape(n, -1),
+                                block_contents(spec, i, r, n, nbytes, device)) for i, v in enumerate(views))
+        results.append(dict(mode=mode, exact=exact, load_ok=not bad and job.ok, from_push=job.blocks_from_push,
+                            fetched=job.blocks_fetched, nbytes=job.bytes_landed,
+                            landed_at=job.finished_at or time.monotonic()))
+        worker.get_finished()
+    conn.send(results)
+    conn.recv()
+    worker.shutdown()
+
+
+def _requests(spec: HarnessSpec) -> list[str]:
+    return [mode for _ in range(spec.rounds) for mode in spec.modes]
+
+
+def _run_side(main: Any, spec_dict: dict[str, Any], conn: Any) -> None:
+    spec = HarnessSpec(**{**spec_dict, "modes": tuple(spec_dict["modes"])})
+    try:
+        main(spec, conn)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        import traceback
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise
+
+
+def run(spec: HarnessSpec) -> HarnessResult:
+    """Run prefill and decode in two fresh processes; their results side by side."""
+    ctx = mp.get_context("spawn")  # CUDA cannot be forked
+    p_conn, p_child = ctx.Pipe()
+    d_conn, d_child = ctx.Pipe()
+    procs = [ctx.Process(target=_run_side, args=(_prefill_main, asdict(spec), p_child), daemon=True),
+             ctx.Process(target=_run_side, args=(_decode_main, asdict(spec), d_child), daemon=True)]
+    for p in procs:
+        p.start()
+    result = HarnessResult(spec)
+    try:
+        prefill_endpoint, decode_endpoint = _recv(p_conn, spec), _recv(d_conn, spec)
+        del prefill_endpoint  # decode learns it from the announcement, as with vLLM
+        p_conn.send(decode_endpoint)
+        timings, loads = _recv(p_conn, spec), _recv(d_conn, spec)
+        p_conn.send("done")
+        d_conn.send("done")
+        for (baseline_s, first_save, forward_s, forward_end), load in zip(timings, loads):
+            result.requests.append(RequestResult(
+                baseline_forward_s=baseline_s, first_save_at=first_save, forward_s=forward_s,
+                forward_end_at=forward_end, **load))
+    except _SideFailed as e:
+        result.errors.append(str(e))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return result
+
+
+class _SideFailed(Exception):
+    pass
+
+
+def _recv(conn: Any, spec: HarnessSpec) -> Any:
+    if not conn.poll(spec.timeout_s + 120):
+        raise _SideFailed("a harness process did not answer in time")
+    msg = conn.recv()
+    if isinstance(msg, tuple) and msg and msg[0] == "error":
+        raise _SideFailed(msg[1])
+    return msg
