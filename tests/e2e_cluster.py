@@ -8,6 +8,7 @@ stopped before the disaggregated instances start.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -53,9 +54,14 @@ class Instance:
         return f"{TRANSPORT}://127.0.0.1:{self.kv_port}"
 
 
+# VLLM_PD_TEST_COMPILE=1: servers without --enforce-eager (vLLM CPU compiles the model with
+# torch.compile; slower start-up), to check the connector's per-layer hooks under compilation
+COMPILE = os.environ.get("VLLM_PD_TEST_COMPILE") == "1"
+
+
 def server_spec(model: Path, cores: str, ktc: dict[str, Any] | None) -> VllmServerSpec:
     return VllmServerSpec(
-        model=str(model), port=free_port(), kv_transfer_config=ktc, cpu_cores=cores,
+        model=str(model), port=free_port(), kv_transfer_config=ktc, cpu_cores=cores, enforce_eager=not COMPILE,
         max_model_len=MAX_MODEL_LEN, served_model_name="small",
         extra_args=["--enable-prompt-tokens-details", "--seed", "0"],
     )
