@@ -208,6 +208,9 @@ def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool
     spec = LoadSpec(request_id="d-1", remote=_remote("push", "tcp://127.0.0.1:1", [9, 9]), first_position=0,
                     local_block_ids=(6, 1), layerwise=True)
     loader.begin_step(WorkerStep(loads=[spec]))
+    # vLLM zeroes the step's new blocks on the compute stream just before start_load_kv; the
+    # stand-in runs it late, so a landing that does not wait for it would be zeroed over
+    dev.launch(dev.compute, lambda: [r.tensor[:, [6, 1]].zero_() for r in regions] and None)
     loader.start_loads()
     job = loader.job("d-1")
     assert job is not None

@@ -54,9 +54,11 @@ class BlockCopies:
 
         return self._launch(after, work)
 
-    def from_rows(self, layer: int, block_ids: Sequence[int], rows: torch.Tensor) -> DeviceEvent:
-        """Copy host ``rows`` ``[len(block_ids), block_nbytes]`` into blocks ``block_ids`` of ``layer``.
-        ``rows`` must stay untouched until the returned event is complete."""
+    def from_rows(self, layer: int, block_ids: Sequence[int], rows: torch.Tensor,
+                  after: DeviceEvent = COMPLETED) -> DeviceEvent:
+        """Copy host ``rows`` ``[len(block_ids), block_nbytes]`` into blocks ``block_ids`` of ``layer``
+        once ``after`` is complete (vLLM zeroing the blocks on the compute stream, say). ``rows``
+        must stay untouched until the returned event is complete."""
         dst = self._bytes[layer]
 
         def work() -> None:
@@ -64,9 +66,10 @@ class BlockCopies:
             staged = rows.to(dst.device, non_blocking=True).view(len(block_ids), *dst.shape[1:])
             dst.index_copy_(0, idx, staged)
 
-        return self._launch(COMPLETED, work)
+        return self._launch(after, work)
 
-    def from_buffers(self, layer: int, block_ids: Sequence[int], buffers: Sequence[torch.Tensor]) -> DeviceEvent:
+    def from_buffers(self, layer: int, block_ids: Sequence[int], buffers: Sequence[torch.Tensor],
+                     after: DeviceEvent = COMPLETED) -> DeviceEvent:
         """Copy one host buffer per block into blocks ``block_ids`` of ``layer`` (same contract)."""
         dst = self._bytes[layer]
 
@@ -74,7 +77,7 @@ class BlockCopies:
             for block_id, buf in zip(block_ids, buffers):
                 dst[block_id].copy_(buf.view(dst.shape[1:]), non_blocking=True)
 
-        return self._launch(COMPLETED, work)
+        return self._launch(after, work)
 
     def fence(self) -> DeviceEvent:
         """An event after every copy launched so far."""

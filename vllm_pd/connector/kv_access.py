@@ -61,13 +61,14 @@ class KVAccess(abc.ABC):
         """Transport ids a read of ``block_ids`` (every layer) lands at; None: no room."""
 
     @abc.abstractmethod
-    def land_read(self, key: str, layer: int, block_ids: Sequence[int]) -> DeviceEvent:
+    def land_read(self, key: str, layer: int, block_ids: Sequence[int], after: DeviceEvent) -> DeviceEvent:
         """A read into ``landing_ids(key, ...)`` of ``layer`` is complete: place it in
-        ``block_ids``; the event marks the blocks final."""
+        ``block_ids`` once ``after`` is (vLLM's zeroing of new blocks); the event marks them final."""
 
-    def land_buffers(self, layer: int, block_ids: Sequence[int], buffers: Sequence[torch.Tensor]) -> DeviceEvent:
-        """Place host buffers (pushed KV) into ``block_ids`` of ``layer``."""
-        return self.copies.from_buffers(layer, block_ids, buffers)
+    def land_buffers(self, layer: int, block_ids: Sequence[int], buffers: Sequence[torch.Tensor],
+                     after: DeviceEvent) -> DeviceEvent:
+        """Place host buffers (pushed KV) into ``block_ids`` of ``layer`` once ``after`` is complete."""
+        return self.copies.from_buffers(layer, block_ids, buffers, after)
 
     def release_landing(self, key: str) -> None:
         """The load ``key`` is over and its events complete."""
@@ -92,8 +93,8 @@ class DirectAccess(KVAccess):
     def landing_ids(self, key: str, block_ids: Sequence[int]) -> list[int] | None:
         return list(block_ids)
 
-    def land_read(self, key: str, layer: int, block_ids: Sequence[int]) -> DeviceEvent:
-        return COMPLETED
+    def land_read(self, key: str, layer: int, block_ids: Sequence[int], after: DeviceEvent) -> DeviceEvent:
+        return after  # the transport wrote the blocks themselves, after start_load_kv
 
 
 @dataclass
@@ -167,12 +168,12 @@ class StagedAccess(KVAccess):
                 return None
             return [st.rows[b] for b in block_ids]
 
-    def land_read(self, key: str, layer: int, block_ids: Sequence[int]) -> DeviceEvent:
+    def land_read(self, key: str, layer: int, block_ids: Sequence[int], after: DeviceEvent) -> DeviceEvent:
         with self._lock:
             st = self._landings[key]
             event: DeviceEvent = COMPLETED
             for first, ids in _runs(block_ids, st.rows):
-                event = self.copies.from_rows(layer, ids, self.arena.tensors[layer][first:first + len(ids)])
+                event = self.copies.from_rows(layer, ids, self.arena.tensors[layer][first:first + len(ids)], after)
             return event  # one copy stream: the last copy's event covers the earlier ones
 
     def release_landing(self, key: str) -> None:

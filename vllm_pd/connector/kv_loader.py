@@ -95,10 +95,14 @@ class KVLoader:
                 self._unpark(job, cancel=True)
 
     def start_loads(self) -> None:
-        """Called by vLLM after it zeroed this step's new blocks, so nothing overwrites what lands."""
+        """Called by vLLM after it launched the zeroing of this step's new blocks: what lands is
+        copied in after that (an event on the compute stream), so nothing overwrites it."""
+        zeroed = self.access.copies.record_compute() if self._step_jobs else None
         for job in self._step_jobs:
             if job.spec.request_id in self._jobs:
                 continue
+            assert zeroed is not None
+            job.blocks_ready = zeroed
             self._jobs[job.spec.request_id] = job
             if job.remote is None and not job.spec.layerwise:
                 with self._awaiting_lock:

@@ -63,6 +63,9 @@ class LoadJob:
         self.started = time.monotonic()
         self.finished_at: float | None = None
         self.cancelled = False  # set before run(): the request is gone, do not wait for prefill
+        # set before run(): vLLM zeroed the request's new blocks on the compute stream up to
+        # here; our copies into them wait for it
+        self.blocks_ready: DeviceEvent = COMPLETED
 
     def _peer(self, remote: RemotePrefill) -> str:
         return remote.endpoint_for_rank(self._rank)
@@ -121,6 +124,8 @@ class LoadJob:
         if landing is None:
             self.error = "no host staging room to land the KV read from prefill"
             return
+        if missing:
+            self.blocks_ready.synchronize()  # a transport writing our blocks itself must come after the zeroing
         for layer, idxs in missing.items():
             fut = self._transport.fetch(self._peer(remote), remote.transfer_id, layer,
                                         [remote_ids[i] for i in idxs], [landing[i] for i in idxs],
@@ -136,7 +141,7 @@ class LoadJob:
             self.blocks_fetched += len(idxs)
             self.bytes_landed += len(idxs) * self._regions[layer].block_nbytes
             self._layer_landed(layer, True, self._access.land_read(
-                spec.request_id, layer, [spec.local_block_ids[i] for i in idxs]))
+                spec.request_id, layer, [spec.local_block_ids[i] for i in idxs], self.blocks_ready))
 
     def _await_announcement(self, deadline: float) -> RemotePrefill | None:
         """The decode leg came first: wait for prefill to say what it pushed (None: error set)."""
@@ -169,7 +174,7 @@ class LoadJob:
             block_ids.append(block_id)
             buffers.append(buf)
         if buffers:
-            self.layer_events[layer] = self._access.land_buffers(layer, block_ids, buffers)
+            self.layer_events[layer] = self._access.land_buffers(layer, block_ids, buffers, self.blocks_ready)
             self.blocks_from_push += len(buffers)
             self.bytes_landed += len(buffers) * region.block_nbytes
         return missing
