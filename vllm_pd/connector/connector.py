@@ -10,7 +10,6 @@ serves decode legs (``do_remote_prefill``), ``kv_both`` either, per request.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +28,7 @@ from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store_bridge import StoreBridgeScheduler, StoreBridgeWorker
 from vllm_pd.connector.worker import PDConnectorWorker
+from vllm_pd.vllm_logging import vllm_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 class PDConnector(KVConnectorBase_V1):

@@ -12,7 +12,6 @@ prefill to release its copy, so neither side leaks blocks.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -24,8 +23,9 @@ from vllm_pd.connector.metadata import LoadSpec
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport.base import MemoryRegion, Transport
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 class LoadJob:

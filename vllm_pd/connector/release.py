@@ -8,15 +8,15 @@ when the lease ends.
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any
 
 from vllm_pd.connector.control import ReleaseMessage
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport import Transport, create_transport
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 _lock = threading.Lock()
 _clients: dict[str, Transport] = {}

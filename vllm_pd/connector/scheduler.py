@@ -16,7 +16,6 @@ It decides, per request and per step, what the worker side moves:
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +36,7 @@ from vllm_pd.connector.transfer_params import (
     RemotePrefill,
     prompt_hash,
 )
+from vllm_pd.vllm_logging import vllm_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 @dataclass

@@ -20,7 +20,6 @@ reads the KV then).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +27,9 @@ import blake3
 import numpy as np
 
 from vllm_pd.connector.config import TransferMode
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 PROTOCOL_KEY = "vllm_pd"  # marks params produced by this connector
 PROTOCOL_VERSION = 1

@@ -11,7 +11,6 @@ mode the forward waits per layer in ``wait_for_layer_load``.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import threading
@@ -31,8 +30,9 @@ from vllm_pd.connector.stats import PDConnectorStats
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, LayerPush, MemoryRegion
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 # An idle engine keeps stepping while transfers are pending; waiting this long for
 # a transfer event in such an empty step keeps the idle CPU near zero.
