@@ -38,6 +38,7 @@ class LoadJob:
         rank: int,
         timeout_s: float,
         push_wait_s: float,
+        tp_size: int = 1,
     ) -> None:
         self.spec = spec
         self.remote: RemotePrefill | None = spec.remote
@@ -45,6 +46,7 @@ class LoadJob:
         self._regions = regions
         self._staging = staging
         self._rank = rank
+        self._tp_size = tp_size
         self._timeout_s = timeout_s
         self._push_wait_s = push_wait_s
         self.layer_done = [threading.Event() for _ in regions]
@@ -161,13 +163,15 @@ class LoadJob:
         self.layer_done[layer].set()
 
     def _release_remote(self, remote: RemotePrefill) -> None:
-        try:
-            fut = self._transport.notify(self._peer(remote), ReleaseMessage(remote.transfer_id).encode(),
-                                         timeout=5.0)
-            fut.add_done_callback(_log_release_failure)
-        except Exception as e:  # noqa: BLE001 - prefill's lease frees it anyway
-            logger.warning("could not ask %s to release transfer %s: %s", self._peer(remote),
-                           remote.transfer_id, e)
+        # with equal TP sizes our rank's share is the prefill rank we loaded from, released after the load;
+        # with other sizes nothing was loaded (refused) and the shares together cover every prefill rank
+        message = ReleaseMessage(remote.transfer_id).encode()
+        for peer in remote.release_endpoints(self._rank, self._tp_size):
+            try:
+                fut = self._transport.notify(peer, message, timeout=5.0)
+                fut.add_done_callback(_log_release_failure)
+            except Exception as e:  # noqa: BLE001 - prefill's lease frees it anyway
+                logger.warning("could not ask %s to release transfer %s: %s", peer, remote.transfer_id, e)
 
 
 def _log_release_failure(fut: Future[bytes | None]) -> None:

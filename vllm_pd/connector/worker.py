@@ -55,10 +55,11 @@ def advertised_host(config: PDConnectorConfig) -> str:
 
 class PDConnectorWorker:
     def __init__(self, config: PDConnectorConfig, block_size: int, tp_rank: int, base_port: int,
-                 is_producer: bool, is_consumer: bool) -> None:
+                 is_producer: bool, is_consumer: bool, tp_size: int = 1) -> None:
         self.config = config
         self.block_size = block_size
         self.tp_rank = tp_rank
+        self.tp_size = tp_size
         self.base_port = base_port
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -141,7 +142,7 @@ class PDConnectorWorker:
     def _release_announced(self, params: dict) -> None:
         remote = RemotePrefill.from_params(params)
         if remote is not None:
-            self._notify_release(remote.endpoint, remote.transfer_id)
+            self._release(remote)
 
     # ---- each step ------------------------------------------------------------------------------
     def begin_step(self, meta: PDConnectorMetadata) -> None:
@@ -165,11 +166,11 @@ class PDConnectorWorker:
                 self._plan_push(spec)
         self._step_jobs = [
             LoadJob(spec, self.transport, self.regions, self.staging, self.tp_rank,
-                    self.config.transfer_timeout_s, self.config.push_wait_s)
+                    self.config.transfer_timeout_s, self.config.push_wait_s, tp_size=self.tp_size)
             for spec in meta.loads
         ]
         for rel in meta.remote_releases:
-            self._notify_release(rel.endpoint, rel.transfer_id)
+            self._release(rel.remote)
         for key in meta.abandoned_pushes:
             announced = self.staging.abandon(key)
             if announced is not None:
@@ -204,12 +205,14 @@ class PDConnectorWorker:
         job.run()
         self.outgoing.changed.set()  # wakes an idle step waiting in get_finished
 
-    def _notify_release(self, endpoint: str, transfer_id: str) -> None:
-        peer = self._peer_for_rank(endpoint)
-        try:
-            self.transport.notify(peer, ReleaseMessage(transfer_id).encode(), timeout=5.0)
-        except Exception as e:  # noqa: BLE001 - the lease frees it anyway
-            logger.warning("release of %s at %s failed: %s", transfer_id, peer, e)
+    def _release(self, remote: RemotePrefill) -> None:
+        """Tell this rank's share of prefill's ranks that ``remote``'s KV is not needed."""
+        message = ReleaseMessage(remote.transfer_id).encode()
+        for peer in remote.release_endpoints(self.tp_rank, self.tp_size):
+            try:
+                self.transport.notify(peer, message, timeout=5.0)
+            except Exception as e:  # noqa: BLE001 - the lease frees it anyway
+                logger.warning("release of %s at %s failed: %s", remote.transfer_id, peer, e)
 
     def _peer_for_rank(self, endpoint: str) -> str:
         """Peers of TP rank r listen on base port + r."""
