@@ -307,3 +307,22 @@ def test_proxy_side_release_reaches_every_prefill_rank_over_tcp() -> None:
         for t in transports:
             t.close()
 
+
+def test_gauges_are_kept_per_tp_rank_through_the_engines_aggregation() -> None:
+    """vLLM aggregates the workers' stats into one object per step: a rank still holding KV must not
+    be hidden by another rank's 0 (nor by a rank that reported nothing new this interval)."""
+    from vllm_pd.connector.stats import PDConnectorStats
+
+    ranks = [PDConnectorStats(rank=r) for r in range(2)]
+    ranks[0].set_gauges(held=0, loading=0, staged_bytes=0)
+    ranks[1].set_gauges(held=1, loading=0, staged_bytes=64)
+    step1 = ranks[0].take().aggregate(ranks[1].take())
+    assert step1.data["gauges"] == {"0": {"held_transfers": 0, "loading_requests": 0, "staged_bytes": 0},
+                                    "1": {"held_transfers": 1, "loading_requests": 0, "staged_bytes": 64}}
+    assert step1.reduce()["held_transfers"] == 1 and step1.reduce()["staged_bytes"] == 64
+    ranks[1].set_gauges(held=0, loading=0, staged_bytes=0)  # released; rank 0 has nothing new
+    assert ranks[0].take() is None
+    step2 = ranks[1].take()
+    assert step2 is not None and step2.data["gauges"] == {"1": {"held_transfers": 0, "loading_requests": 0,
+                                                                "staged_bytes": 0}}
+    assert step1.aggregate(step2).reduce()["held_transfers"] == 0  # the engine's running view: all ranks 0

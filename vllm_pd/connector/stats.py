@@ -7,7 +7,9 @@ Prometheus names (in vLLM's /metrics, labelled per engine):
 ``vllm:pd_push_transfers_total``, ``vllm:pd_push_tail_seconds_total``, ``vllm:pd_push_span_seconds_total``,
 ``vllm:pd_store_served_blocks_total{tier="cpu"|"disk"}`` (KV store blocks this node served to peers),
 and gauges ``vllm:pd_held_transfers`` (prefill KV held for decode),
-``vllm:pd_loading_requests``, ``vllm:pd_staged_bytes``.
+``vllm:pd_loading_requests``, ``vllm:pd_staged_bytes``, one sample per TP rank
+(label ``tp_rank``): with TP > 1 every rank holds its own shard of a transfer's KV,
+so a rank that was never released shows on its own.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ COUNTERS = (
     "store_served_blocks_cpu", "store_served_blocks_disk",
 )
 GAUGES = ("held_transfers", "loading_requests", "staged_bytes")
+RANK_GAUGES = "gauges"  # data key: {tp rank (a str: the data crosses msgpack): {gauge: value}}, latest
 
 
 @dataclass
 class PDConnectorStats(KVConnectorStats):
     data: dict[str, Any] = field(default_factory=dict)
     expired: int = 0  # cumulative, turned into a per-interval delta
+    rank: int = 0  # the TP rank whose gauges this worker's stats set
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -67,9 +71,10 @@ class PDConnectorStats(KVConnectorStats):
         self.data["loads_ok" if job.ok else "loads_failed"] += 1
 
     def set_gauges(self, held: int, loading: int, staged_bytes: int) -> None:
-        changed = (self.data.get("held_transfers"), self.data.get("loading_requests"),
-                   self.data.get("staged_bytes")) != (held, loading, staged_bytes)
-        self.data.update(held_transfers=held, loading_requests=loading, staged_bytes=staged_bytes)
+        values = dict(zip(GAUGES, (held, loading, staged_bytes)))
+        changed = self.data.get(RANK_GAUGES, {}).get(str(self.rank)) != values
+        # a new dict each time: a taken interval may still be on its way to the engine
+        self.data[RANK_GAUGES] = {str(self.rank): values}
         if self.expired != self._expired_reported:
             self.data["lease_expired"] += self.expired - self._expired_reported
             self._expired_reported = self.expired
@@ -81,26 +86,27 @@ class PDConnectorStats(KVConnectorStats):
         if not dirty and not any(self.data.get(k) for k in COUNTERS):
             return None
         out = PDConnectorStats(data=dict(self.data))
-        gauges = {k: self.data[k] for k in GAUGES if k in self.data}
+        gauges = self.data.get(RANK_GAUGES)
         self.reset()
-        self.data.update(gauges)
+        if gauges is not None:
+            self.data[RANK_GAUGES] = gauges
         return out
 
     # ---- KVConnectorStats -----------------------------------------------------------------------
     def aggregate(self, other: KVConnectorStats) -> "PDConnectorStats":
         for k in COUNTERS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
-        for k in GAUGES:
-            if k in other.data:
-                self.data[k] = other.data[k]
+        if RANK_GAUGES in other.data:  # the ranks' latest values; a later interval's win
+            self.data[RANK_GAUGES] = {**self.data.get(RANK_GAUGES, {}), **other.data[RANK_GAUGES]}
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: self.data.get(k, 0) for k in (*COUNTERS, *GAUGES)}
+        """Counters, and gauges summed over the TP ranks (vLLM's log line)."""
+        by_rank = self.data.get(RANK_GAUGES, {}).values()
+        return {**{k: self.data.get(k, 0) for k in COUNTERS}, **{k: sum(g[k] for g in by_rank) for k in GAUGES}}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in COUNTERS) and not any(
-            k in self.data for k in GAUGES)
+        return not any(self.data.get(k) for k in COUNTERS) and RANK_GAUGES not in self.data
 
 
 class PDPromMetrics(KVConnectorPromMetrics):
@@ -119,8 +125,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
                         labelnames=[*labelnames, "result"])
         self._store_served = c(name="vllm:pd_store_served_blocks", documentation="KV store blocks served to peers",
                                labelnames=[*labelnames, "tier"])
-        self._gauges = {name: g(name=f"vllm:pd_{name}", documentation=f"PD connector {name}",
-                                labelnames=labelnames, multiprocess_mode="mostrecent")
+        self._gauges = {name: g(name=f"vllm:pd_{name}", documentation=f"PD connector {name}, per TP rank",
+                                labelnames=[*labelnames, "tp_rank"], multiprocess_mode="mostrecent")
                         for name in GAUGES}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -137,6 +143,6 @@ class PDPromMetrics(KVConnectorPromMetrics):
         for tier in ("cpu", "disk"):
             if v := transfer_stats_data.get(f"store_served_blocks_{tier}", 0):
                 self._store_served.labels(*labels, tier).inc(v)
-        for name, metric in self._gauges.items():
-            if name in transfer_stats_data:
-                metric.labels(*labels).set(transfer_stats_data[name])
+        for rank, values in transfer_stats_data.get(RANK_GAUGES, {}).items():
+            for name, metric in self._gauges.items():
+                metric.labels(*labels, rank).set(values[name])

@@ -81,7 +81,7 @@ class PDConnectorWorker:
         self._step_sends: list[SendSpec] = []
         self._step_plans: dict[int, LayerPush] = {}  # id(spec) -> its layers' push, made as the step starts
         self._idle = False
-        self.stats = PDConnectorStats()
+        self.stats = PDConnectorStats(rank=tp_rank)
         self.endpoint = ""
         self.host = ""
         self.port = 0
