@@ -194,9 +194,21 @@ def test_prompt_hash_is_stable_and_sensitive() -> None:
 
 
 # ---- the proxy's process never loads torch or vLLM -------------------------------------------------
+_PROXY_PROCESS = """
+import sys
+import vllm_pd.router.app, vllm_pd.router.pd_flow, vllm_pd.router.command_proxy
+from vllm_pd.connector.transfer_params import RemotePrefill
+from vllm_pd.router.pd_flow import default_release_remote_kv
+# a whole release, down to the transport's connect (nothing listens on these ports: refused at once)
+eps = ("tcp://127.0.0.1:1", "shm://127.0.0.1:1")
+answer = RemotePrefill(transfer_id="t", engine_id="e", endpoint=eps[0], host="127.0.0.1", port=1, block_ids=(0,),
+                       num_tokens=1, block_size=16, mode="pull", tp_size=2, endpoints=eps)
+assert default_release_remote_kv(answer.to_params()) is False
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "vllm")))
+"""
+
+
 def test_proxy_and_its_release_path_import_neither_torch_nor_vllm() -> None:
-    code = ("import sys; import vllm_pd.router.app, vllm_pd.router.pd_flow, vllm_pd.router.command_proxy, "
-            "vllm_pd.connector.release, vllm_pd.connector.transfer_params; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", _PROXY_PROCESS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout

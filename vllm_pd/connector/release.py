@@ -31,7 +31,8 @@ def _transport(endpoint: str) -> Transport:
     scheme = endpoint.split("://", 1)[0]
     with _lock:
         if scheme not in _clients:
-            _clients[scheme] = create_transport(scheme)
+            # only control messages go out, no block bytes: no checksum, so no vllm_pd._C (and torch) loaded
+            _clients[scheme] = create_transport(scheme, checksum="none")
         return _clients[scheme]
 
 
