@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from cpu_meter import CpuMeter  # benchmarks/ is the script's own folder
-from vllm_pd.connector.transfer_params import awaited_prefill_params
+from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest
 from vllm_pd.small_model import ModelSpec, ensure_model
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
@@ -113,10 +113,10 @@ def run_pd_beside(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: li
     """Our proxy's flow: the decode leg goes out with the prefill leg, waiting for prefill's announcement."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
     key = uuid.uuid4().hex
-    params = {"do_remote_decode": True, "transfer_mode": mode, "decode_endpoint": decode_endpoint, "transfer_key": key}
+    params = RemoteDecodeRequest(mode, decode_endpoint, key).to_params()
     t0 = time.perf_counter()
     decode_leg = _pool.submit(stream_ttft, _decode_client, d.url,
-                              dict(body, kv_transfer_params={**awaited_prefill_params(key, mode), **load_ask}), t0)
+                              dict(body, kv_transfer_params={**AwaitedPrefill(key, mode).to_params(), **load_ask}), t0)
     r = client.post(p.url + "/v1/completions", json=dict(body, max_tokens=1, stream=False, kv_transfer_params=params),
                     timeout=600)
     r.raise_for_status()
@@ -220,9 +220,7 @@ def ours_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: 
         for mode in args.modes:
             transfer_mode = mode.split()[0]
             load_ask = {"load_mode": "async"} if mode.endswith("async") else {}
-            params: dict[str, Any] = {"do_remote_decode": True, "transfer_mode": transfer_mode}
-            if transfer_mode == "push":
-                params["decode_endpoint"] = endpoint
+            params = RemoteDecodeRequest(transfer_mode, endpoint if transfer_mode == "push" else None).to_params()
             counters = ("transfers", "tail_seconds", "span_seconds")
             before = {k: metric(client, p.url, f"vllm:pd_push_{k}_total") for k in counters}
             if "beside" in mode:
@@ -253,8 +251,7 @@ def nixl_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: 
             for _ in range(2)]
     p, d = start([spec(model, "0", ktc, envs[0]), spec(model, "1", ktc, envs[1])], args.log_dir)
     try:
-        params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        params = RemoteDecodeRequest().to_params()  # vLLM's standard prefill leg, as NixlConnector's proxies send it
         samples = measure("NIXL 1P1D", lambda pr: run_pd(client, p, d, pr, params, {}),
                           args.lengths, args.requests, prompts, client, {"prefill": p, "decode": d})
         return samples, idle_cpu([p, d])

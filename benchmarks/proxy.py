@@ -38,14 +38,14 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from vllm_pd.connector.transfer_params import RemoteDecodeRequest  # noqa: E402
 from vllm_pd.router.backend_response import BackendError  # noqa: E402
 from vllm_pd.router.http_client import BackendClient  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402
 
 from cpu_meter import CpuMeter  # noqa: E402 - benchmarks/ is the script's own folder
 
-KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-      "remote_host": None, "remote_port": None}
+KV = RemoteDecodeRequest().to_params()
 
 
 @dataclass

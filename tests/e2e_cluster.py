@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from vllm_pd.connector.transfer_params import awaited_prefill_params
+from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -115,14 +115,11 @@ def output_tokens(resp: dict[str, Any]) -> list[int]:
 
 
 def prefill_leg(body: dict[str, Any], mode: str, decode: Instance | None, transfer_key: str = "") -> dict[str, Any]:
-    params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    ask = RemoteDecodeRequest()
     if mode == "push" or transfer_key:
         assert decode is not None
-        params.update(transfer_mode=mode, decode_endpoint=decode.kv_endpoint)
-        if transfer_key:
-            params["transfer_key"] = transfer_key
-    leg = dict(body, max_tokens=1, stream=False, kv_transfer_params=params)
+        ask = RemoteDecodeRequest(mode, decode.kv_endpoint, transfer_key)  # type: ignore[arg-type]
+    leg = dict(body, max_tokens=1, stream=False, kv_transfer_params=ask.to_params())
     leg.pop("stream_options", None)
     return leg
 
@@ -143,7 +140,7 @@ def disagg(client: httpx.Client, prefill: Instance, decode: Instance, body: dict
     if mode.endswith("-beside"):
         key, transfer_mode = uuid.uuid4().hex, mode.split("-")[0]
         leg = _beside_pool.submit(post, _beside_client, decode.url,
-                                  dict(body, kv_transfer_params={**awaited_prefill_params(key, transfer_mode), **ask}))
+                                  dict(body, kv_transfer_params={**AwaitedPrefill(key, transfer_mode).to_params(), **ask}))
         p = post(client, prefill.url, prefill_leg(body, transfer_mode, decode, transfer_key=key))
         return p, leg.result()
     p = post(client, prefill.url, prefill_leg(body, mode, decode))

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests import e2e_cluster as ec
-from vllm_pd.connector.transfer_params import awaited_prefill_params
+from vllm_pd.connector.transfer_params import AwaitedPrefill
 from tests.prompt_catalogue import CONNECTOR_CASES
 
 pytestmark = pytest.mark.e2e
@@ -182,7 +182,7 @@ def test_aborts_on_either_side_leak_nothing(pd_pair, client) -> None:
     body = ec.completion_body([rng.randrange(5, 4000) for _ in range(1800)], max_tokens=200)
     with pytest.raises(httpx.TimeoutException):
         client.post(decode.url + "/v1/completions", timeout=0.05,
-                    json=dict(body, kv_transfer_params=awaited_prefill_params("abandoned-1", "push")))
+                    json=dict(body, kv_transfer_params=AwaitedPrefill("abandoned-1", "push").to_params()))
     ec.post(client, prefill.url, ec.prefill_leg(body, "push", decode, transfer_key="abandoned-1"))
     assert_nothing_held(client, pd_pair)
 

@@ -14,20 +14,21 @@ from vllm.v1.request import RequestStatus
 
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.scheduler import PDConnectorScheduler
-from vllm_pd.connector.transfer_params import awaited_prefill_params
+from vllm_pd.connector.metadata import RemoteRelease
+from vllm_pd.connector.transfer_params import AwaitedPrefill, RemotePrefill, prompt_hash
 
 BLOCK = 16
 
 
-def make_scheduler(**extra: object) -> PDConnectorScheduler:
+def make_scheduler(tp_size: int = 1, **extra: object) -> PDConnectorScheduler:
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK),
-                                  parallel_config=SimpleNamespace(tensor_parallel_size=1))
+                                  parallel_config=SimpleNamespace(tensor_parallel_size=tp_size))
     return PDConnectorScheduler(vllm_config, PDConnectorConfig.from_extra_config(extra), "engine-0")
 
 
 def make_request(req_id: str, key: str, n: int = 40, **ask: object) -> SimpleNamespace:
     return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(n)), num_prompt_tokens=n,
-                           kv_transfer_params={**awaited_prefill_params(key, "push"), **ask},
+                           kv_transfer_params={**AwaitedPrefill(key, "push").to_params(), **ask},
                            status=RequestStatus.WAITING)
 
 
@@ -127,3 +128,37 @@ def test_only_the_last_token_missing_loads_nothing() -> None:
     alloc(sched, req, 0)
     meta = step(sched)
     assert meta.abandoned_pushes == ["k1"] and not meta.loads
+
+
+def _prefills_answer(n: int, tp_size: int) -> RemotePrefill:
+    return RemotePrefill(transfer_id="p-1", engine_id="p", endpoint="tcp://p:5000", host="p", port=5000,
+                         block_ids=tuple(range(-(-n // BLOCK))), num_tokens=n, block_size=BLOCK, mode="pull",
+                         tp_size=tp_size, endpoints=tuple(f"tcp://p:{5000 + r}" for r in range(tp_size)),
+                         prompt_hash=prompt_hash(list(range(n))))
+
+
+def test_prefill_of_another_tp_size_is_refused_and_every_rank_released() -> None:
+    """Each TP rank holds its own shard of the heads: KV of another TP size would be wrong KV."""
+    for prefill_tp, decode_tp in ((2, 1), (1, 2), (2, 2)):
+        sched = make_scheduler(tp_size=decode_tp)
+        remote = _prefills_answer(40, prefill_tp)
+        req = SimpleNamespace(request_id="r1", prompt_token_ids=list(range(40)), num_prompt_tokens=40,
+                              kv_transfer_params=remote.to_params(), status=RequestStatus.WAITING)
+        if prefill_tp == decode_tp:
+            assert ask(sched, req) == (39, False)  # loaded (layer-wise: decode is idle)
+            continue
+        assert ask(sched, req) == (0, False)  # decode computes the prompt
+        alloc(sched, req, 0)
+        meta = step(sched)
+        # each decode worker tells its share (RemotePrefill.release_endpoints): together all prefill ranks
+        assert meta.remote_releases == [RemoteRelease(remote)] and not meta.loads
+
+
+def test_a_malformed_prefill_leg_is_computed_but_not_held() -> None:
+    sched = make_scheduler()
+    # a transfer_key but nowhere to announce it: refused (TransferParamsError), logged
+    req = SimpleNamespace(request_id="p1", prompt_token_ids=list(range(40)), num_prompt_tokens=40,
+                          kv_transfer_params={"do_remote_decode": True, "transfer_key": "k"},
+                          status=RequestStatus.FINISHED_STOPPED, num_computed_tokens=40)
+    alloc(sched, req, 0)
+    assert sched.request_finished(req, [100, 101, 102]) == (False, None)  # freed now, nothing announced

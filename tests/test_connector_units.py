@@ -18,15 +18,11 @@ from vllm_pd.connector.kv_access import DirectAccess
 from vllm_pd.connector.kv_device import HostDevice
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.metadata import LoadSpec
-from vllm_pd.connector.transfer_params import (
-    AwaitedPrefill,
-    LocalPrompt,
-    RemoteDecodeRequest,
-    RemotePrefill,
-    awaited_prefill_params,
-    prompt_hash,
-)
+from vllm_pd.connector.transfer_params import LocalPrompt, prompt_hash
+from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from tests.test_transfer_params import remote_prefill as _remote
+from tests.transport_harness import RecordingSink, make_regions
 
 
 # ---- config ---------------------------------------------------------------------------------------
@@ -58,56 +54,6 @@ def test_parse_size() -> None:
     assert parse_size("k", 1000) == 1000
     with pytest.raises(ConfigError):
         parse_size("k", -1)
-
-
-# ---- kv_transfer_params ----------------------------------------------------------------------------
-def _remote(**kw) -> RemotePrefill:
-    base = dict(transfer_id="cmpl-1-0-abc", engine_id="e", endpoint="tcp://10.0.0.1:5000", host="10.0.0.1",
-                port=5000, block_ids=(4, 9, 2), num_tokens=300, block_size=128, mode="pull",
-                prompt_hash=prompt_hash([1, 2, 3]))
-    base.update(kw)
-    return RemotePrefill(**base)
-
-
-def test_remote_prefill_round_trip() -> None:
-    rp = _remote()
-    params = rp.to_params()
-    # vLLM's standard keys are there, so standard proxies pass them on unchanged
-    for key in ("do_remote_prefill", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
-                "remote_block_ids"):
-        assert key in params
-    assert RemotePrefill.from_params(params) == rp
-    assert RemotePrefill.from_params({**params, "do_remote_prefill": False}) is None
-
-
-@pytest.mark.parametrize("mutate", [
-    lambda p: p.pop("remote_endpoint"),
-    lambda p: p.update(remote_port="x"),
-    lambda p: p.update(remote_block_ids=[1]),  # too few blocks for 300 tokens
-    lambda p: p.update(transfer_mode="teleport"),
-    lambda p: p.pop("vllm_pd"),  # another connector's params
-])
-def test_malformed_remote_prefill_params_are_ignored(mutate) -> None:
-    params = _remote().to_params()
-    mutate(params)
-    assert RemotePrefill.from_params(params) is None
-
-
-def test_remote_decode_request_modes() -> None:
-    assert RemoteDecodeRequest.from_params({"do_remote_decode": True}, "pull").mode == "pull"
-    push = RemoteDecodeRequest.from_params(
-        {"do_remote_decode": True, "transfer_mode": "push", "decode_endpoint": "tcp://h:1"}, "pull")
-    assert (push.mode, push.decode_endpoint) == ("push", "tcp://h:1")
-    # push without a decode endpoint degrades to pull
-    assert RemoteDecodeRequest.from_params({"do_remote_decode": True, "transfer_mode": "push"}, "pull").mode == "pull"
-    assert RemoteDecodeRequest.from_params({"do_remote_prefill": True}, "pull") is None
-
-
-def test_prompt_hash_is_stable_and_sensitive() -> None:
-    assert prompt_hash([1, 2, 3]) == prompt_hash((1, 2, 3))
-    assert prompt_hash([1, 2, 3]) != prompt_hash([1, 2, 4])
-    # fixed value: the same on every machine and process (no Python hash())
-    assert prompt_hash([1, 2, 3]) == "001a4cc3a7c5c739df759df2c0563c82"
 
 
 def test_control_messages() -> None:
@@ -214,34 +160,6 @@ def test_staging_views_write_into_its_buffers() -> None:
 
 
 # ---- decode leg sent beside the prefill leg (awaited push) -----------------------------------------
-def test_awaited_prefill_params_are_told_apart_from_a_remote_prefill() -> None:
-    params = awaited_prefill_params("k1", "push")
-    assert AwaitedPrefill.from_params(params) == AwaitedPrefill("k1")
-    assert AwaitedPrefill.from_params(awaited_prefill_params("k1", "pull")) == AwaitedPrefill("k1")
-    assert AwaitedPrefill.from_params(_remote().to_params()) is None  # prefill's answer: the other flow
-    assert AwaitedPrefill.from_params({**params, "transfer_key": ""}) is None
-    assert AwaitedPrefill.from_params({**params, "transfer_mode": "teleport"}) is None
-    assert AwaitedPrefill.from_params({k: v for k, v in params.items() if k != "vllm_pd"}) is None
-    ask = RemoteDecodeRequest.from_params({"do_remote_decode": True, "transfer_mode": "push",
-                                           "decode_endpoint": "tcp://h:1", "transfer_key": "k1"}, "pull")
-    assert (ask.transfer_key, ask.decode_endpoint, ask.announce_endpoint) == ("k1", "tcp://h:1", "tcp://h:1")
-    # pull beside a decode leg: nothing pushed, the KV is announced to decode, which reads it
-    ask = RemoteDecodeRequest.from_params({"do_remote_decode": True, "transfer_mode": "pull",
-                                           "decode_endpoint": "tcp://h:1", "transfer_key": "k1"}, "pull")
-    assert (ask.mode, ask.decode_endpoint, ask.announce_endpoint) == ("pull", None, "tcp://h:1")
-    rp = _remote(mode="push", transfer_key="k1")
-    assert RemotePrefill.from_params(rp.to_params()) == rp and rp.staging_key == "k1"
-    assert _remote().staging_key == "cmpl-1-0-abc"
-
-
-def test_local_prompt_mismatch_names_the_reason() -> None:
-    mine = LocalPrompt(prompt_hash([1, 2, 3]), 3, block_size=128, tp_size=1)
-    assert mine.mismatch(_remote()) is None
-    assert "prompt differs" in mine.mismatch(_remote(prompt_hash=prompt_hash([1, 2, 4])))
-    assert "block size" in mine.mismatch(_remote(block_size=16))
-    assert "TP" in mine.mismatch(_remote(tp_size=2))
-
-
 def test_push_done_message_round_trip() -> None:
     msg = PrefillDoneMessage("k1", _remote(transfer_key="k1").to_params())
     assert decode_control(msg.encode()) == msg
@@ -280,14 +198,15 @@ class _RecordingTransport:
         raise AssertionError("everything was pushed: nothing to fetch")
 
 
-def _awaited_job(st: PushStaging, prompt: list[int], timeout_s: float = 2.0):
+def _awaited_job(st: PushStaging, prompt: list[int], timeout_s: float = 2.0, rank: int = 0, tp_size: int = 1):
     regions = [MemoryRegion(f"l{i}", torch.zeros(4, 8, dtype=torch.uint8)) for i in range(2)]
     spec = LoadSpec(request_id="d-1", remote=None, first_position=0, local_block_ids=(3, 1), transfer_key="k",
-                    prompt=LocalPrompt(prompt_hash(prompt), len(prompt), block_size=2, tp_size=1))
+                    prompt=LocalPrompt(prompt_hash(prompt), len(prompt), block_size=2, tp_size=tp_size))
     transport = _RecordingTransport()
     access = DirectAccess(BlockCopies(regions, HostDevice()))
-    return LoadJob(spec, transport, regions, st, access, rank=0, timeout_s=timeout_s, push_wait_s=1.0), \
-        regions, transport
+    job = LoadJob(spec, transport, regions, st, access, rank=rank, timeout_s=timeout_s, push_wait_s=1.0,
+                  tp_size=tp_size)
+    return job, regions, transport
 
 
 def test_load_job_of_awaited_push_checks_the_announcement_then_copies_and_releases() -> None:
@@ -323,3 +242,92 @@ def test_load_job_of_awaited_push_never_announced_fails_and_abandons() -> None:
     job.run()
     assert not job.ok and "never announced" in job.error and transport.notified == []
     assert st.announce("k", {"late": True}) is True  # the late announcement gets released by the worker
+
+
+# ---- releases reach every prefill TP rank -----------------------------------------------------------
+PREFILL_TP2 = dict(tp_size=2, endpoints=("tcp://10.0.0.1:5000", "tcp://10.0.0.1:5001"))
+
+
+def _announce_tp(st: PushStaging, **tp) -> None:
+    for layer in range(2):
+        _land(st, "k", layer, (0, 1), fill=10 + layer, last=True)
+    st.announce("k", _remote(mode="push", transfer_key="k", block_ids=(8, 9), num_tokens=3, block_size=2,
+                             prompt_hash=prompt_hash([5, 6, 7]), **tp).to_params())
+
+
+def test_load_job_of_equal_tp_releases_only_the_rank_it_loaded_from() -> None:
+    """Decode rank 1 of 2 took prefill rank 1's shard (pushed to it): it releases rank 1 only."""
+    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    job, _, transport = _awaited_job(st, [5, 6, 7], rank=1, tp_size=2)
+    _announce_tp(st, **PREFILL_TP2)
+    job.run()
+    assert job.ok
+    assert transport.notified == [("tcp://10.0.0.1:5001", ReleaseMessage("cmpl-1-0-abc").encode())]
+
+
+def test_load_job_of_another_prefill_tp_refuses_the_kv_and_releases_every_prefill_rank() -> None:
+    """Prefill TP 2, decode TP 1: rank r of one holds another shard of the heads than rank r of the
+    other, so nothing is loaded (decode recomputes) and decode's one rank frees both prefill ranks."""
+    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    job, regions, transport = _awaited_job(st, [5, 6, 7], rank=0, tp_size=1)
+    _announce_tp(st, **PREFILL_TP2)
+    job.run()
+    assert not job.ok and "prefill TP 2 != ours 1" in job.error
+    assert not regions[0].tensor.any()
+    assert [peer for peer, _ in transport.notified] == ["tcp://10.0.0.1:5000", "tcp://10.0.0.1:5001"]
+
+
+class _ReleaseSink(RecordingSink):
+    """A prefill rank's KV endpoint: records the release messages it gets."""
+
+    def __init__(self) -> None:
+        super().__init__(make_regions(1, 4))
+        self.releases: list[str] = []
+
+    def on_notify(self, peer: str, message: bytes) -> bytes | None:
+        msg = decode_control(message)
+        assert isinstance(msg, ReleaseMessage)
+        self.releases.append(msg.transfer_id)
+        return b"ok"
+
+
+def test_proxy_side_release_reaches_every_prefill_rank_over_tcp() -> None:
+    from vllm_pd.connector.release import release_remote_kv
+
+    ranks = [_ReleaseSink() for _ in range(2)]
+    transports = [create_transport("tcp") for _ in ranks]
+    try:
+        endpoints = []
+        for t, sink in zip(transports, ranks):
+            t.register_regions(sink.regions)
+            endpoints.append(t.start(sink, "127.0.0.1", 0))
+        params = _remote(tp_size=2, endpoints=tuple(endpoints), endpoint=endpoints[0]).to_params()
+        assert release_remote_kv(params)
+        assert [sink.releases for sink in ranks] == [["cmpl-1-0-abc"], ["cmpl-1-0-abc"]]
+        # a rank that is gone: the others are still told; False says the lease frees the rest
+        transports[1].close()
+        assert not release_remote_kv(params, timeout=0.5)
+        assert ranks[0].releases == ["cmpl-1-0-abc"] * 2
+    finally:
+        for t in transports:
+            t.close()
+
+
+def test_gauges_are_kept_per_tp_rank_through_the_engines_aggregation() -> None:
+    """vLLM aggregates the workers' stats into one object per step: a rank still holding KV must not
+    be hidden by another rank's 0 (nor by a rank that reported nothing new this interval)."""
+    from vllm_pd.connector.stats import PDConnectorStats
+
+    ranks = [PDConnectorStats(rank=r) for r in range(2)]
+    ranks[0].set_gauges(held=0, loading=0, staged_bytes=0)
+    ranks[1].set_gauges(held=1, loading=0, staged_bytes=64)
+    step1 = ranks[0].take().aggregate(ranks[1].take())
+    assert step1.data["gauges"] == {"0": {"held_transfers": 0, "loading_requests": 0, "staged_bytes": 0},
+                                    "1": {"held_transfers": 1, "loading_requests": 0, "staged_bytes": 64}}
+    assert step1.reduce()["held_transfers"] == 1 and step1.reduce()["staged_bytes"] == 64
+    ranks[1].set_gauges(held=0, loading=0, staged_bytes=0)  # released; rank 0 has nothing new
+    assert ranks[0].take() is None
+    step2 = ranks[1].take()
+    assert step2 is not None and step2.data["gauges"] == {"1": {"held_transfers": 0, "loading_requests": 0,
+                                                                "staged_bytes": 0}}
+    assert step1.aggregate(step2).reduce()["held_transfers"] == 0  # the engine's running view: all ranks 0

@@ -197,8 +197,8 @@ def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool
     regions, access = _staged_decode(dev)
     transport = create_transport("tcp")
     config = PDConnectorConfig.from_extra_config({"transfer_timeout_s": 5, "push_wait_s": 1})
-    loader = KVLoader(config, transport, access, dev, regions, rank=0, stats=TransferCounters(),
-                      release=lambda endpoint, tid: None, changed=threading.Event())
+    loader = KVLoader(config, transport, access, dev, regions, rank=0, tp_size=1, stats=TransferCounters(),
+                      release=lambda remote: None, changed=threading.Event())
     pushed = [random_kv(2, seed=20 + i) for i in range(LAYERS)]
     for i in range(LAYERS):  # prefill's pushes, landed in decode's push staging
         batch = BlockBatch("p-1", i, (0, 1), BLOCK_NBYTES, last=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 
-from vllm_pd.connector.transfer_params import awaited_prefill_params
+from vllm_pd.connector.transfer_params import AwaitedPrefill
 from tests.router_harness import harness, run
 
 NIXL_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -47,7 +47,7 @@ def test_legs_go_out_together_when_decode_kv_endpoint_is_known() -> None:
                 assert kvp == dict(NIXL_REQUEST, transfer_mode=mode, decode_endpoint="tcp://127.0.0.1:14601",
                                    transfer_key=key)
                 # the decode leg went out beside the prefill leg, waiting for prefill's announcement
-                assert h.decodes[0].seen[0].body["kv_transfer_params"] == awaited_prefill_params(key, mode)
+                assert h.decodes[0].seen[0].body["kv_transfer_params"] == AwaitedPrefill(key, mode).to_params()
         # no KV endpoint for decode: vLLM's standard flow, prefill's answer carried to decode
         async with harness(decode_kv=False, kv_mode="auto") as h:
             await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})

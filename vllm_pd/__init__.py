@@ -7,13 +7,13 @@ cheap and idempotent.
 
 from __future__ import annotations
 
-import logging
+from vllm_pd.vllm_logging import vllm_logger
 
 __version__ = "0.1.0"
 
 CONNECTOR_NAME = "PDConnector"
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 def register() -> None:

@@ -10,9 +10,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
 from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.connector.transfer_params import LoadMode, TransferMode
 
-TransferMode = Literal["push", "pull"]
-LoadMode = Literal["auto", "async", "layerwise"]
 TransportName = Literal["tcp", "shm"]
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

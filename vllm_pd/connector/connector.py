@@ -10,7 +10,6 @@ serves decode legs (``do_remote_prefill``), ``kv_both`` either, per request.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,9 +25,11 @@ from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, PDWorkerMeta
 from vllm_pd.connector.scheduler import PDConnectorScheduler
 from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
+from vllm_pd.connector.transfer_params import asks_remote_decode, asks_remote_prefill
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store_bridge import StoreBridgeScheduler, StoreBridgeWorker
 from vllm_pd.connector.worker import PDConnectorWorker
+from vllm_pd.vllm_logging import vllm_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 def block_dim(kv_layer: torch.Tensor, num_blocks: int | None) -> int:
@@ -87,7 +88,8 @@ class PDConnector(KVConnectorBase_V1):
                 base_port=int(ktc.kv_port),
                 is_producer=self.is_producer,
                 is_consumer=self.is_consumer,
-                stats=PDConnectorStats(),
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                stats=PDConnectorStats(rank=get_tensor_model_parallel_rank()),
             )
             if store_config is not None:
                 self._store_worker = StoreBridgeWorker(store_config, vllm_config, get_tensor_model_parallel_rank())
@@ -193,8 +195,7 @@ class PDConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self.scheduler.note_request(request.request_id)
-        params = request.kv_transfer_params or {}
-        if self._store_scheduler is not None and not params.get("do_remote_prefill"):
+        if self._store_scheduler is not None and not asks_remote_prefill(request.kv_transfer_params):
             hit = self._store_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
             if hit:
                 return hit, False  # sync load: the worker lands it layer by layer before each layer
@@ -205,8 +206,7 @@ class PDConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self._store_scheduler is not None:
             self._store_scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_decode") and not self.is_producer:
+        if asks_remote_decode(request.kv_transfer_params) and not self.is_producer:
             return
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

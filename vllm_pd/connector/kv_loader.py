@@ -11,7 +11,6 @@ announces its KV. vLLM-free: the GPU harness drives it.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,22 +26,24 @@ from vllm_pd.connector.step_specs import WorkerStep
 from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport.base import MemoryRegion, Transport
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 class KVLoader:
     def __init__(self, config: PDConnectorConfig, transport: Transport, access: KVAccess, device: KVDevice,
-                 regions: list[MemoryRegion], rank: int, stats: TransferCounters,
-                 release: Callable[[str, str], None], changed: threading.Event) -> None:
+                 regions: list[MemoryRegion], rank: int, tp_size: int, stats: TransferCounters,
+                 release: Callable[[RemotePrefill], None], changed: threading.Event) -> None:
         self.config = config
         self.transport = transport
         self.access = access
         self.device = device
         self.regions = regions
         self.rank = rank
+        self.tp_size = tp_size
         self.stats = stats
-        self._release = release  # (prefill endpoint, transfer id): free prefill's copy
+        self._release = release  # free prefill's copy on this rank's share of its ranks
         self._changed = changed  # wakes an idle step waiting for transfer events
         self.staging = PushStaging(config.staging_bytes, ttl_s=config.lease_s)
         self.staging.alloc = device.host_empty
@@ -73,18 +74,18 @@ class KVLoader:
     def _release_announced(self, params: dict[str, Any]) -> None:
         remote = RemotePrefill.from_params(params)
         if remote is not None:
-            self._release(remote.endpoint, remote.transfer_id)
+            self._release(remote)
 
     # ---- each step ----------------------------------------------------------------------------
     def begin_step(self, meta: WorkerStep) -> None:
         self.awaited_keys = meta.awaited_keys
         self._step_jobs = [
             LoadJob(spec, self.transport, self.regions, self.staging, self.access, self.rank,
-                    self.config.transfer_timeout_s, self.config.push_wait_s)
+                    self.config.transfer_timeout_s, self.config.push_wait_s, tp_size=self.tp_size)
             for spec in meta.loads
         ]
         for rel in meta.remote_releases:
-            self._release(rel.endpoint, rel.transfer_id)
+            self._release(rel.remote)
         for key in meta.abandoned_pushes:
             announced = self.staging.abandon(key)
             if announced is not None:

@@ -11,7 +11,6 @@ or its lease ends (``OutgoingTransfers``). vLLM-free: the GPU harness drives it.
 
 from __future__ import annotations
 
-import logging
 
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.control import PrefillDoneMessage
@@ -22,8 +21,9 @@ from vllm_pd.connector.send_queue import SendQueue
 from vllm_pd.connector.step_specs import SendSpec, WorkerStep
 from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transport.base import BlockBatch, LayerPush, Transport
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:

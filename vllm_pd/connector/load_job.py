@@ -12,7 +12,6 @@ prefill to release its copy, so neither side leaks blocks.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -25,8 +24,9 @@ from vllm_pd.connector.step_specs import LoadSpec
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport.base import MemoryRegion, Transport
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 class LoadJob:
@@ -40,6 +40,7 @@ class LoadJob:
         rank: int,
         timeout_s: float,
         push_wait_s: float,
+        tp_size: int = 1,
     ) -> None:
         self.spec = spec
         self.remote: RemotePrefill | None = spec.remote
@@ -48,6 +49,7 @@ class LoadJob:
         self._staging = staging
         self._access = access
         self._rank = rank
+        self._tp_size = tp_size
         self._timeout_s = timeout_s
         self._push_wait_s = push_wait_s
         self.layer_done = [threading.Event() for _ in regions]
@@ -186,13 +188,15 @@ class LoadJob:
         self.layer_done[layer].set()
 
     def _release_remote(self, remote: RemotePrefill) -> None:
-        try:
-            fut = self._transport.notify(self._peer(remote), ReleaseMessage(remote.transfer_id).encode(),
-                                         timeout=5.0)
-            fut.add_done_callback(_log_release_failure)
-        except Exception as e:  # noqa: BLE001 - prefill's lease frees it anyway
-            logger.warning("could not ask %s to release transfer %s: %s", self._peer(remote),
-                           remote.transfer_id, e)
+        # with equal TP sizes our rank's share is the prefill rank we loaded from, released after the load;
+        # with other sizes nothing was loaded (refused) and the shares together cover every prefill rank
+        message = ReleaseMessage(remote.transfer_id).encode()
+        for peer in remote.release_endpoints(self._rank, self._tp_size):
+            try:
+                fut = self._transport.notify(peer, message, timeout=5.0)
+                fut.add_done_callback(_log_release_failure)
+            except Exception as e:  # noqa: BLE001 - prefill's lease frees it anyway
+                logger.warning("could not ask %s to release transfer %s: %s", peer, remote.transfer_id, e)
 
 
 def _log_release_failure(fut: Future[bytes | None]) -> None:

@@ -13,13 +13,14 @@ never another request's KV.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-logger = logging.getLogger(__name__)
+from vllm_pd.vllm_logging import vllm_logger
+
+logger = vllm_logger(__name__)
 
 
 @dataclass

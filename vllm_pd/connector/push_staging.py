@@ -16,7 +16,6 @@ bytes are dropped and, once it is announced, prefill is told to release.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -26,8 +25,9 @@ from typing import Any
 import torch
 
 from vllm_pd.connector.transport.base import BlockBatch
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 @dataclass

@@ -3,20 +3,24 @@
 When the decode leg will never run - the client went away between the legs,
 or a retry re-runs prefill elsewhere - the proxy calls this with the
 ``kv_transfer_params`` prefill returned, so the blocks are freed now instead of
-when the lease ends.
+when the lease ends. Every TP rank of prefill holds its own shard of the KV, so
+every rank is told.
+
+Imports no torch (the proxy's process never loads it).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 from vllm_pd.connector.control import ReleaseMessage
-from vllm_pd.connector.transfer_params import RemotePrefill
+from vllm_pd.connector.transfer_params import RemotePrefill, TransferParamsError
 from vllm_pd.connector.transport import Transport, create_transport
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 _lock = threading.Lock()
 _clients: dict[str, Transport] = {}
@@ -27,24 +31,38 @@ def _transport(endpoint: str) -> Transport:
     scheme = endpoint.split("://", 1)[0]
     with _lock:
         if scheme not in _clients:
-            _clients[scheme] = create_transport(scheme)
+            # only control messages go out, no block bytes: no checksum, so no vllm_pd._C (and torch) loaded
+            _clients[scheme] = create_transport(scheme, checksum="none")
         return _clients[scheme]
 
 
 def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float = 2.0) -> bool:
-    """Tell the prefill instance named in ``kv_transfer_params`` to free that request's KV.
+    """Tell every TP rank of the prefill instance named in ``kv_transfer_params`` to free that
+    request's KV.
 
-    Blocking (call it from a thread in async code). True if prefill acknowledged;
-    False if the params are not ours or prefill could not be reached (its lease
-    frees the blocks anyway)."""
-    remote = RemotePrefill.from_params(kv_transfer_params)
+    Blocking (call it from a thread in async code); the ranks are told at once. True if every
+    rank acknowledged; False if the params are not ours or a rank could not be reached (its
+    lease frees the blocks anyway)."""
+    try:
+        remote = RemotePrefill.parse(kv_transfer_params)
+    except TransferParamsError as e:  # another connector's answer, or a broken one: nothing of ours to free
+        logger.warning("no KV released: %s", e)
+        return False
     if remote is None:
         return False
-    try:
-        fut = _transport(remote.endpoint).notify(remote.endpoint, ReleaseMessage(remote.transfer_id).encode(),
-                                                 timeout=timeout)
-        fut.result(timeout=timeout + 1.0)
-        return True
-    except Exception as e:  # noqa: BLE001 - the lease is the backstop
-        logger.warning("could not release KV of %s at %s: %s", remote.transfer_id, remote.endpoint, e)
-        return False
+    message = ReleaseMessage(remote.transfer_id).encode()
+    sent: list[tuple[str, Future[bytes | None]]] = []
+    ok = True
+    for endpoint in remote.release_endpoints():
+        try:
+            sent.append((endpoint, _transport(endpoint).notify(endpoint, message, timeout=timeout)))
+        except Exception as e:  # noqa: BLE001 - the lease is the backstop
+            logger.warning("could not release KV of %s at %s: %s", remote.transfer_id, endpoint, e)
+            ok = False
+    for endpoint, fut in sent:
+        try:
+            fut.result(timeout=timeout + 1.0)
+        except Exception as e:  # noqa: BLE001 - the lease is the backstop
+            logger.warning("could not release KV of %s at %s: %s", remote.transfer_id, endpoint, e)
+            ok = False
+    return ok

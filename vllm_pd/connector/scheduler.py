@@ -16,7 +16,6 @@ It decides, per request and per step, what the worker side moves:
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,8 +34,15 @@ from vllm_pd.connector.transfer_params import (
     LocalPrompt,
     RemoteDecodeRequest,
     RemotePrefill,
+    TransferParamsError,
+    asks_remote_decode,
+    asks_remote_prefill,
+    mark_remote_prefill_taken,
+    parse_decode_leg,
     prompt_hash,
+    requested_load_mode,
 )
+from vllm_pd.vllm_logging import vllm_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,13 +50,13 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 @dataclass
 class _OutgoingRequest:
     request: "Request"
-    ask: RemoteDecodeRequest
+    ask: RemoteDecodeRequest  # resolved: its mode is the one used
     next_block: int = 0  # first block position not yet handed to the worker
     seen_by_worker: bool = False
     prompt_hash: str = ""  # hashed once: the announcement and the final params both carry it
@@ -108,10 +114,9 @@ class PDConnectorScheduler:
             del self._announced[key]  # its decode leg never came (prefill's lease frees the KV)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        awaited = AwaitedPrefill.from_params(request.kv_transfer_params)
-        if awaited is not None:
-            return self._match_awaited(request, awaited, num_computed_tokens)
-        remote = RemotePrefill.from_params(request.kv_transfer_params)
+        remote = self._decode_leg(request)
+        if isinstance(remote, AwaitedPrefill):
+            return self._match_awaited(request, remote, num_computed_tokens)
         if remote is None:
             return 0, False
         prompt = request.prompt_token_ids or []
@@ -125,6 +130,14 @@ class PDConnectorScheduler:
             return 0, False
         self._matched[request.request_id] = (remote, num_computed_tokens, layerwise)
         return count, not layerwise
+
+    def _decode_leg(self, request: "Request") -> RemotePrefill | AwaitedPrefill | None:
+        """Where this decode leg's prompt KV comes from; None (logged) if its params are malformed."""
+        try:
+            return parse_decode_leg(request.kv_transfer_params)
+        except TransferParamsError as e:
+            logger.warning("request %s: %s; decode recomputes the prompt", request.request_id, e)
+            return None
 
     def _match_awaited(self, request: "Request", awaited: AwaitedPrefill,
                        num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -161,8 +174,7 @@ class PDConnectorScheduler:
 
     def _load_mode(self, request: "Request") -> str:
         """The instance's load_mode, unless the request's kv_transfer_params ask for another."""
-        mode = (request.kv_transfer_params or {}).get("load_mode", self.config.load_mode)
-        return mode if mode in ("auto", "async", "layerwise") else self.config.load_mode
+        return requested_load_mode(request.kv_transfer_params, self.config.load_mode)
 
     def _local_prompt(self, prompt: list[int]) -> LocalPrompt:
         return LocalPrompt(prompt_hash(prompt), len(prompt), self.block_size, self.tp_size)
@@ -176,26 +188,23 @@ class PDConnectorScheduler:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        if not params:
-            return
-        if params.get("do_remote_decode"):
+        if asks_remote_decode(params):
             self._track_outgoing(request)
             return
-        if not params.get("do_remote_prefill"):
+        if not asks_remote_prefill(params):
             return
-        awaited = AwaitedPrefill.from_params(params)
+        remote = self._decode_leg(request)
         # Only one load per request: the second call (after the load) must not start another.
-        params["do_remote_prefill"] = False
-        if awaited is not None:
-            self._load_awaited(request, awaited, blocks, num_external_tokens)
+        mark_remote_prefill_taken(params)
+        if isinstance(remote, AwaitedPrefill):
+            self._load_awaited(request, remote, blocks, num_external_tokens)
             return
-        remote = RemotePrefill.from_params({**params, "do_remote_prefill": True})
         matched = self._matched.pop(request.request_id, None)
         if remote is None:
             return
         if num_external_tokens == 0 or matched is None:
             # Prompt already in our prefix cache (or unusable): prefill's copy is not needed.
-            self._releases.append(RemoteRelease(remote.endpoint, remote.transfer_id))
+            self._releases.append(RemoteRelease(remote))
             return
         _, num_local, layerwise = matched
         first = num_local // self.block_size
@@ -236,9 +245,14 @@ class PDConnectorScheduler:
     def _track_outgoing(self, request: "Request") -> None:
         if request.request_id in self._outgoing:
             return
-        ask = RemoteDecodeRequest.from_params(request.kv_transfer_params, self.config.default_mode)
+        try:
+            ask = RemoteDecodeRequest.from_params(request.kv_transfer_params)
+        except TransferParamsError as e:
+            # computed like any request and freed at its end: the proxy's decode leg recomputes
+            logger.warning("request %s: %s; its KV is not kept for a remote decode", request.request_id, e)
+            return
         if ask is not None:
-            self._outgoing[request.request_id] = _OutgoingRequest(request, ask)
+            self._outgoing[request.request_id] = _OutgoingRequest(request, ask.resolve(self.config.default_mode))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PDConnectorMetadata:
         meta = PDConnectorMetadata(
@@ -276,7 +290,7 @@ class PDConnectorScheduler:
                 first_block=out.next_block,
                 end_token=min(end, prompt_len),
                 num_prompt_tokens=prompt_len,
-                push_endpoint=out.ask.decode_endpoint,
+                push_endpoint=out.ask.push_endpoint,
                 transfer_key=out.ask.transfer_key,
                 announcement=self._remote_prefill(out, block_ids).to_params() if announce else None,
                 announce_endpoint=out.ask.announce_endpoint,
@@ -300,16 +314,15 @@ class PDConnectorScheduler:
             if request.status == RequestStatus.FINISHED_ABORTED:
                 # vLLM keeps its blocks until the load reports: do not wait for a prefill that may never come
                 self._cancelled_loads.append(req_id)
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill"):
+        params = request.kv_transfer_params
+        if asks_remote_prefill(params):
             # Finished (aborted) before any load was set up: prefill still holds the KV.
-            awaited = AwaitedPrefill.from_params(params)
-            params["do_remote_prefill"] = False
-            remote = RemotePrefill.from_params({**params, "do_remote_prefill": True})
-            if awaited is not None:
-                self._abandoned.append(awaited.transfer_key)
+            remote = self._decode_leg(request)
+            mark_remote_prefill_taken(params)
+            if isinstance(remote, AwaitedPrefill):
+                self._abandoned.append(remote.transfer_key)
             elif remote is not None:
-                self._releases.append(RemoteRelease(remote.endpoint, remote.transfer_id))
+                self._releases.append(RemoteRelease(remote))
             return False, None
         out = self._outgoing.pop(req_id, None)
         if out is None:

@@ -10,7 +10,6 @@ made - it runs at once on the caller's thread, so the CPU path pays no thread ho
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -18,8 +17,9 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from vllm_pd.connector.kv_device import DeviceEvent
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 T = TypeVar("T")
 

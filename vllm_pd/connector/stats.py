@@ -7,20 +7,23 @@ Prometheus names (in vLLM's /metrics, labelled per engine):
 ``vllm:pd_push_transfers_total``, ``vllm:pd_push_tail_seconds_total``, ``vllm:pd_push_span_seconds_total``,
 ``vllm:pd_store_served_blocks_total{tier="cpu"|"disk"}`` (KV store blocks this node served to peers),
 and gauges ``vllm:pd_held_transfers`` (prefill KV held for decode),
-``vllm:pd_loading_requests``, ``vllm:pd_staged_bytes``.
+``vllm:pd_loading_requests``, ``vllm:pd_staged_bytes``, one sample per TP rank
+(label ``tp_rank``): with TP > 1 every rank holds its own shard of a transfer's KV,
+so a rank that was never released shows on its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 
-from vllm_pd.connector.transfer_counters import COUNTERS, GAUGES, TransferCounters
+from vllm_pd.connector.transfer_counters import COUNTERS, GAUGES, RANK_GAUGES, TransferCounters
+
 
 @dataclass
 class PDConnectorStats(TransferCounters, KVConnectorStats):
@@ -30,17 +33,17 @@ class PDConnectorStats(TransferCounters, KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> "PDConnectorStats":
         for k in COUNTERS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
-        for k in GAUGES:
-            if k in other.data:
-                self.data[k] = other.data[k]
+        if RANK_GAUGES in other.data:  # the ranks' latest values; a later interval's win
+            self.data[RANK_GAUGES] = {**self.data.get(RANK_GAUGES, {}), **other.data[RANK_GAUGES]}
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: self.data.get(k, 0) for k in (*COUNTERS, *GAUGES)}
+        """Counters, and gauges summed over the TP ranks (vLLM's log line)."""
+        by_rank = self.data.get(RANK_GAUGES, {}).values()
+        return {**{k: self.data.get(k, 0) for k in COUNTERS}, **{k: sum(g[k] for g in by_rank) for k in GAUGES}}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in COUNTERS) and not any(
-            k in self.data for k in GAUGES)
+        return not any(self.data.get(k) for k in COUNTERS) and RANK_GAUGES not in self.data
 
 
 class PDPromMetrics(KVConnectorPromMetrics):
@@ -59,8 +62,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
                         labelnames=[*labelnames, "result"])
         self._store_served = c(name="vllm:pd_store_served_blocks", documentation="KV store blocks served to peers",
                                labelnames=[*labelnames, "tier"])
-        self._gauges = {name: g(name=f"vllm:pd_{name}", documentation=f"PD connector {name}",
-                                labelnames=labelnames, multiprocess_mode="mostrecent")
+        self._gauges = {name: g(name=f"vllm:pd_{name}", documentation=f"PD connector {name}, per TP rank",
+                                labelnames=[*labelnames, "tp_rank"], multiprocess_mode="mostrecent")
                         for name in GAUGES}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -77,6 +80,6 @@ class PDPromMetrics(KVConnectorPromMetrics):
         for tier in ("cpu", "disk"):
             if v := transfer_stats_data.get(f"store_served_blocks_{tier}", 0):
                 self._store_served.labels(*labels, tier).inc(v)
-        for name, metric in self._gauges.items():
-            if name in transfer_stats_data:
-                metric.labels(*labels).set(transfer_stats_data[name])
+        for rank, values in transfer_stats_data.get(RANK_GAUGES, {}).items():
+            for name, metric in self._gauges.items():
+                metric.labels(*labels, rank).set(values[name])

@@ -67,10 +67,10 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class RemoteRelease:
-    """Decode side: tell prefill its held KV is not needed (abort, local hit)."""
+    """Decode side: tell prefill its held KV is not needed (abort, local hit, unusable);
+    each worker tells its share of prefill's ranks (:meth:`RemotePrefill.release_endpoints`)."""
 
-    endpoint: str
-    transfer_id: str
+    remote: RemotePrefill
 
 
 @dataclass

@@ -12,7 +12,6 @@ blocks for decode.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,12 +24,13 @@ from vllm_pd.connector.store.master_client import RemoteHit
 from vllm_pd.connector.store.plans import StorePlan, StoreReport
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
+from vllm_pd.vllm_logging import vllm_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 def make_salt(vllm_config: "VllmConfig", num_layers: int, block_nbytes: int) -> KeySalt:

@@ -17,6 +17,7 @@ COUNTERS = (
     "store_served_blocks_cpu", "store_served_blocks_disk",
 )
 GAUGES = ("held_transfers", "loading_requests", "staged_bytes")
+RANK_GAUGES = "gauges"  # data key: {tp rank (a str: the data crosses msgpack): {gauge: value}}, latest
 
 
 @dataclass
@@ -25,6 +26,7 @@ class TransferCounters:
 
     data: dict[str, Any] = field(default_factory=dict)
     expired: int = 0  # cumulative, turned into a per-interval delta
+    rank: int = 0  # the TP rank whose gauges this worker's stats set
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -54,9 +56,10 @@ class TransferCounters:
         self.data["loads_ok" if job.ok else "loads_failed"] += 1
 
     def set_gauges(self, held: int, loading: int, staged_bytes: int) -> None:
-        changed = (self.data.get("held_transfers"), self.data.get("loading_requests"),
-                   self.data.get("staged_bytes")) != (held, loading, staged_bytes)
-        self.data.update(held_transfers=held, loading_requests=loading, staged_bytes=staged_bytes)
+        values = dict(zip(GAUGES, (held, loading, staged_bytes)))
+        changed = self.data.get(RANK_GAUGES, {}).get(str(self.rank)) != values
+        # a new dict each time: a taken interval may still be on its way to the engine
+        self.data[RANK_GAUGES] = {str(self.rank): values}
         if self.expired != self._expired_reported:
             self.data["lease_expired"] += self.expired - self._expired_reported
             self._expired_reported = self.expired
@@ -68,7 +71,8 @@ class TransferCounters:
         if not dirty and not any(self.data.get(k) for k in COUNTERS):
             return None
         out = type(self)(data=dict(self.data))
-        gauges = {k: self.data[k] for k in GAUGES if k in self.data}
+        gauges = self.data.get(RANK_GAUGES)
         self.reset()
-        self.data.update(gauges)
+        if gauges is not None:
+            self.data[RANK_GAUGES] = gauges
         return out

@@ -1,158 +1,256 @@
-"""The ``kv_transfer_params`` protocol between proxy, prefill and decode.
+"""The ``kv_transfer_params`` protocol between proxy, prefill and decode: every key, one place.
 
 It is vLLM's standard PD flow (the one NixlConnector and vLLM's example proxies
 speak), so those proxies work with this connector unchanged:
 
-* proxy -> prefill: ``{"do_remote_decode": true, ...}``; optionally
-  ``"transfer_mode": "push"`` and ``"decode_endpoint": "tcp://host:port"`` (ours:
-  prefill then writes each layer's KV to decode while it computes the next one).
-* prefill -> proxy (response), passed verbatim to decode by the proxy:
-  :meth:`RemotePrefill.to_params`.
+* proxy -> prefill (:class:`RemoteDecodeRequest`): ``{"do_remote_decode": true, ...}``;
+  optionally ``"transfer_mode": "push"`` and ``"decode_endpoint": "tcp://host:port"``
+  (ours: prefill then writes each layer's KV to decode while it computes the next one).
+* prefill -> proxy (:class:`RemotePrefill`), passed verbatim to decode by the proxy.
+* proxy -> decode, sent beside the prefill leg (:class:`AwaitedPrefill`): our proxy
+  sends both legs at once, so decode's API work and scheduling overlap prefill's
+  compute. It names the transfer with a ``transfer_key`` in both legs; prefill pushes
+  under that key (push mode) and, once its forward is done, announces its
+  :class:`RemotePrefill` to decode, which checks it is the same prompt
+  (:class:`LocalPrompt`) before using a byte (and, in pull mode, reads the KV then).
+* release: whoever drops prefill's KV (decode when done, the proxy when no decode will
+  run) tells every TP rank of prefill (:meth:`RemotePrefill.release_endpoints`).
 
-Our proxy sends both legs at once, so decode's API work and scheduling
-overlap prefill's compute: it names the transfer with a ``transfer_key`` in both
-legs (:func:`awaited_prefill_params` on the decode leg) and gives prefill decode's
-endpoint; prefill pushes under that key (push mode) and, once its forward is
-done, announces its :class:`RemotePrefill` to decode (``PrefillDoneMessage``),
-which checks it is the same prompt before using a byte (and, in pull mode,
-reads the KV then).
+Parsing is strict: params that ask for something but are malformed raise
+:class:`TransferParamsError` naming the key; the ``from_params`` helpers of the
+connector's side log that and fall back (decode recomputes, which is always correct).
+
+This module imports neither torch nor vLLM: the proxy imports it.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from typing import Any
+import array
+import sys
+from typing import Annotated, Any, Literal, get_args
 
 import blake3
-import numpy as np
+import msgspec
 
-from vllm_pd.connector.config import TransferMode
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
-PROTOCOL_KEY = "vllm_pd"  # marks params produced by this connector
+TransferMode = Literal["push", "pull"]
+LoadMode = Literal["auto", "async", "layerwise"]
+
+# vLLM's standard keys (NixlConnector's)
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+# ours: marks params produced by this connector, and which version of them
+PROTOCOL_KEY = "vllm_pd"
 PROTOCOL_VERSION = 1
+# ours, on a decode leg: the load mode this request asks for instead of the instance's
+LOAD_MODE = "load_mode"
+
+# what NixlConnector's proxies send on the prefill leg besides do_remote_decode
+_NIXL_PREFILL_LEG = {DO_REMOTE_PREFILL: False, "remote_engine_id": None, "remote_block_ids": None,
+                     "remote_host": None, "remote_port": None}
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Positive = Annotated[int, msgspec.Meta(gt=0)]
+_Name = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-@dataclass(frozen=True)
-class RemoteDecodeRequest:
-    """What the proxy asked of a prefill instance."""
+class TransferParamsError(ValueError):
+    """``kv_transfer_params`` that ask for a transfer but cannot be used; the message names the key."""
 
-    mode: TransferMode
-    decode_endpoint: str | None  # where to push (push mode)
-    transfer_key: str = ""  # names the transfer on decode (proxy-chosen); "" = prefill's request id
-    # a decode leg waits there for prefill's announcement (sent beside this leg)
-    announce_endpoint: str | None = None
+
+def _convert(params: dict[str, Any], cls: type[msgspec.Struct], what: str) -> Any:
+    try:
+        return msgspec.convert(params, cls)
+    except msgspec.ValidationError as e:
+        # msgspec names the key: "Expected `int`, got `str` - at `$.remote_port`"
+        raise TransferParamsError(f"kv_transfer_params ({what}): {e}") from None
+
+
+def _require_ours(params: dict[str, Any], what: str) -> None:
+    if params.get(PROTOCOL_KEY) != PROTOCOL_VERSION:
+        raise TransferParamsError(f"kv_transfer_params ({what}): {PROTOCOL_KEY}={params.get(PROTOCOL_KEY)!r}, "
+                                  f"expected {PROTOCOL_VERSION} (made by another connector or version?)")
+
+
+class RemoteDecodeRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The prefill leg's ask (proxy -> prefill): keep the prompt's KV for a remote decode."""
+
+    # None: the prefill instance's default_mode; push needs decode_endpoint (else it is pull)
+    mode: TransferMode | None = msgspec.field(default=None, name="transfer_mode")
+    decode_endpoint: _Name | None = None  # decode's KV endpoint of TP rank 0: push and announce there
+    # names the transfer on decode (proxy-chosen), where a decode leg waits for prefill's announcement
+    transfer_key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.transfer_key and self.decode_endpoint is None:
+            raise ValueError("transfer_key needs decode_endpoint (where to announce the KV)")
+
+    @property
+    def push_endpoint(self) -> str | None:
+        """Where prefill pushes each layer (None: decode pulls). Of a :meth:`resolve`\\d ask."""
+        return self.decode_endpoint if self.mode == "push" else None
+
+    @property
+    def announce_endpoint(self) -> str | None:
+        """Where prefill announces the KV once computed (None: no decode leg waits for it)."""
+        return self.decode_endpoint if self.transfer_key else None
+
+    def resolve(self, default_mode: TransferMode) -> "RemoteDecodeRequest":
+        """This ask with the mode prefill will use: ``default_mode`` where the proxy did not say,
+        and pull where there is no decode endpoint to push to."""
+        mode = self.mode or default_mode
+        if mode == "push" and self.decode_endpoint is None:
+            mode = "pull"
+        return msgspec.structs.replace(self, mode=mode)
+
+    def to_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = {DO_REMOTE_DECODE: True, **_NIXL_PREFILL_LEG}
+        params.update(msgspec.to_builtins(self))
+        return params
 
     @classmethod
-    def from_params(cls, params: dict[str, Any] | None, default_mode: TransferMode) -> "RemoteDecodeRequest | None":
-        if not params or not params.get("do_remote_decode"):
+    def from_params(cls, params: dict[str, Any] | None) -> "RemoteDecodeRequest | None":
+        """None unless the params ask for a remote decode; TransferParamsError if malformed."""
+        if not params or not params.get(DO_REMOTE_DECODE):
             return None
-        endpoint = params.get("decode_endpoint")
-        mode = params.get("transfer_mode") or default_mode
-        if mode not in ("push", "pull"):
-            logger.warning("kv_transfer_params.transfer_mode %r unknown; using pull", mode)
-            mode = "pull"
-        if mode == "push" and not isinstance(endpoint, str):
-            # no decode endpoint to push to: decode pulls instead
-            mode = "pull"
-        key = params.get("transfer_key")
-        key = key if isinstance(key, str) and isinstance(endpoint, str) else ""
-        return cls(mode=mode, decode_endpoint=endpoint if mode == "push" else None,
-                   transfer_key=key, announce_endpoint=endpoint if key else None)
+        return _convert(params, cls, "prefill leg")
 
 
-@dataclass(frozen=True)
-class RemotePrefill:
-    """Where a decode instance finds a prompt's KV, as prefill reported it."""
+class RemotePrefill(msgspec.Struct, frozen=True):
+    """Prefill's answer (prefill -> proxy -> decode): where a decode instance finds a prompt's KV."""
 
-    transfer_id: str  # the prefill instance's request id
-    engine_id: str
-    endpoint: str  # prefill's KV endpoint of TP rank 0 (fetch from here, send release here)
-    host: str
-    port: int
-    block_ids: tuple[int, ...]  # prefill's blocks holding the prompt, in order
-    num_tokens: int  # prompt tokens whose KV prefill computed
-    block_size: int
-    mode: TransferMode  # push: the KV was (being) written to our staging memory
-    tp_size: int = 1
-    endpoints: tuple[str, ...] = ()  # per TP rank; () = (endpoint,)
+    transfer_id: _Name = msgspec.field(name="remote_request_id")  # the prefill instance's request id
+    engine_id: str = msgspec.field(name="remote_engine_id")
+    endpoint: _Name = msgspec.field(name="remote_endpoint")  # prefill's KV endpoint of TP rank 0
+    host: str = msgspec.field(name="remote_host")
+    port: int = msgspec.field(name="remote_port")
+    block_ids: tuple[_Count, ...] = msgspec.field(name="remote_block_ids")  # the prompt's blocks, in order
+    num_tokens: _Count = msgspec.field(name="remote_num_tokens")  # prompt tokens whose KV prefill computed
+    block_size: _Positive
+    mode: TransferMode = msgspec.field(name="transfer_mode")  # push: the KV was (being) written to decode
+    tp_size: _Positive = 1  # prefill's tensor-parallel size: each rank holds its own shard of the KV
+    endpoints: tuple[_Name, ...] = msgspec.field(default=(), name="remote_endpoints")  # per TP rank
     prompt_hash: str = ""  # of the prompt token ids: decode checks it is the same prompt
     transfer_key: str = ""  # the pushed blocks' name on decode; "" = transfer_id
+
+    def __post_init__(self) -> None:
+        if len(self.block_ids) < -(-self.num_tokens // self.block_size):
+            raise ValueError(f"remote_block_ids: {len(self.block_ids)} blocks cannot hold "
+                             f"{self.num_tokens} tokens of {self.block_size}")
+        if self.endpoints and len(self.endpoints) != self.tp_size:
+            raise ValueError(f"remote_endpoints: {len(self.endpoints)} endpoints for tp_size {self.tp_size}")
+        if not self.endpoints and self.tp_size != 1:
+            raise ValueError(f"remote_endpoints: missing, needed for tp_size {self.tp_size}")
 
     @property
     def staging_key(self) -> str:
         return self.transfer_key or self.transfer_id
 
+    @property
+    def rank_endpoints(self) -> tuple[str, ...]:
+        """Prefill's KV endpoint of each TP rank, rank order."""
+        return self.endpoints or (self.endpoint,)
+
     def endpoint_for_rank(self, rank: int) -> str:
-        eps = self.endpoints or (self.endpoint,)
-        return eps[rank]
+        return self.rank_endpoints[rank]
+
+    def release_endpoints(self, rank: int = 0, tp_size: int = 1) -> tuple[str, ...]:
+        """The prefill ranks a releaser's TP rank ``rank`` of ``tp_size`` tells to free this KV.
+
+        The ranks of one releaser together reach every prefill rank exactly once: rank r
+        releases prefill ranks r, r + tp_size, ... So the proxy (one process) releases all;
+        a decode instance of prefill's TP size releases rank by rank, each after its own load."""
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank {rank} is not one of tp_size {tp_size}")
+        return self.rank_endpoints[rank::tp_size]
 
     def to_params(self) -> dict[str, Any]:
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": self.transfer_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_block_ids": list(self.block_ids),
-            "remote_num_tokens": self.num_tokens,
-            "tp_size": self.tp_size,
-            "transfer_mode": self.mode,
-            "remote_endpoint": self.endpoint,
-            "block_size": self.block_size,
-            "remote_endpoints": list(self.endpoints),
-            "prompt_hash": self.prompt_hash,
-            "transfer_key": self.transfer_key,
-            PROTOCOL_KEY: PROTOCOL_VERSION,
-        }
+        params = msgspec.to_builtins(self)
+        # lists, as JSON gives them back (to_builtins keeps tuples)
+        params.update({"remote_block_ids": list(self.block_ids), "remote_endpoints": list(self.endpoints),
+                       DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, PROTOCOL_KEY: PROTOCOL_VERSION})
+        return params
+
+    @classmethod
+    def parse(cls, params: dict[str, Any] | None) -> "RemotePrefill | None":
+        """None unless the params name a remote prefill; TransferParamsError if malformed or not ours."""
+        if not params or not params.get(DO_REMOTE_PREFILL):
+            return None
+        _require_ours(params, "prefill's answer")
+        return _convert(params, cls, "prefill's answer")
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> "RemotePrefill | None":
-        """Parse decode-side params; None if they are not a remote prefill of ours.
-
-        Malformed params are logged and ignored: decode then computes the prompt
-        itself, which is slower but always correct.
-        """
-        if not params or not params.get("do_remote_prefill"):
-            return None
-        if params.get(PROTOCOL_KEY) != PROTOCOL_VERSION:
-            logger.warning("kv_transfer_params without %s=%d (from another connector?): ignored",
-                           PROTOCOL_KEY, PROTOCOL_VERSION)
-            return None
+        """:meth:`parse`, logging malformed params and returning None for them: decode then
+        computes the prompt itself, which is slower but always correct."""
         try:
-            block_ids = tuple(int(b) for b in params["remote_block_ids"])
-            rp = cls(
-                transfer_id=str(params["remote_request_id"]),
-                engine_id=str(params["remote_engine_id"]),
-                endpoint=str(params["remote_endpoint"]),
-                host=str(params["remote_host"]),
-                port=int(params["remote_port"]),
-                block_ids=block_ids,
-                num_tokens=int(params["remote_num_tokens"]),
-                block_size=int(params["block_size"]),
-                mode=params.get("transfer_mode", "pull"),
-                tp_size=int(params.get("tp_size", 1)),
-                endpoints=tuple(str(e) for e in params.get("remote_endpoints") or ()),
-                prompt_hash=str(params.get("prompt_hash", "")),
-                transfer_key=str(params.get("transfer_key") or ""),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            logger.warning("malformed kv_transfer_params %r (%s): decode recomputes the prompt", params, e)
+            return cls.parse(params)
+        except TransferParamsError as e:
+            logger.warning("%s: the prompt is recomputed", e)
             return None
-        if rp.mode not in ("push", "pull") or rp.num_tokens < 0 or rp.block_size <= 0:
-            logger.warning("invalid kv_transfer_params %r: decode recomputes the prompt", params)
-            return None
-        if len(rp.block_ids) < -(-rp.num_tokens // rp.block_size):
-            logger.warning("kv_transfer_params name too few blocks for %d tokens: recompute", rp.num_tokens)
-            return None
-        return rp
 
 
-@dataclass(frozen=True)
-class LocalPrompt:
+class AwaitedPrefill(msgspec.Struct, frozen=True):
+    """The decode leg sent beside the prefill leg (proxy -> decode): prefill announces its
+    :class:`RemotePrefill` under ``transfer_key`` once computed."""
+
+    transfer_key: _Name
+    mode: TransferMode = msgspec.field(name="transfer_mode")
+
+    def to_params(self) -> dict[str, Any]:
+        params = msgspec.to_builtins(self)
+        params.update({DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, PROTOCOL_KEY: PROTOCOL_VERSION})
+        return params
+
+    @classmethod
+    def parse(cls, params: dict[str, Any] | None) -> "AwaitedPrefill | None":
+        """None unless these are awaited-prefill params (ours, naming no prefill request yet);
+        TransferParamsError if malformed."""
+        if (not params or not params.get(DO_REMOTE_PREFILL) or PROTOCOL_KEY not in params
+                or "remote_request_id" in params):
+            return None
+        _require_ours(params, "awaited prefill")
+        return _convert(params, cls, "awaited prefill")
+
+
+
+def parse_decode_leg(params: dict[str, Any] | None) -> RemotePrefill | AwaitedPrefill | None:
+    """Where a decode leg's prompt KV comes from: prefill's answer, a prefill still computing
+    (announced later), or nowhere (None: decode computes it). TransferParamsError if malformed."""
+    awaited = AwaitedPrefill.parse(params)
+    return awaited if awaited is not None else RemotePrefill.parse(params)
+
+
+def requested_load_mode(params: dict[str, Any] | None, default: LoadMode) -> LoadMode:
+    """The load mode a decode leg asks for (``load_mode``), else ``default``."""
+    mode = (params or {}).get(LOAD_MODE, default)
+    if mode not in get_args(LoadMode):
+        logger.warning("kv_transfer_params.%s=%r is not one of %s: using %s", LOAD_MODE, mode,
+                       list(get_args(LoadMode)), default)
+        return default
+    return mode  # type: ignore[no-any-return]
+
+
+def asks_remote_decode(params: dict[str, Any] | None) -> bool:
+    """The request is a prefill leg: its KV is for a decode elsewhere."""
+    return bool(params and params.get(DO_REMOTE_DECODE))
+
+
+def asks_remote_prefill(params: dict[str, Any] | None) -> bool:
+    """The request is a decode leg whose prompt KV comes from a prefill elsewhere (not yet loaded)."""
+    return bool(params and params.get(DO_REMOTE_PREFILL))
+
+
+def mark_remote_prefill_taken(params: dict[str, Any]) -> None:
+    """vLLM asks the connector about a request again (after its load, on preemption): a
+    decode leg's params are marked so the remote prefill is taken only once."""
+    params[DO_REMOTE_PREFILL] = False
+
+
+class LocalPrompt(msgspec.Struct, frozen=True):
     """What decode knows of a request's prompt, to check remote KV is really for it."""
 
     prompt_hash: str
@@ -165,36 +263,16 @@ class LocalPrompt:
         if remote.block_size != self.block_size:
             return f"block size {remote.block_size} != ours {self.block_size}"
         if remote.tp_size != self.tp_size:
-            return f"prefill TP {remote.tp_size} != ours {self.tp_size}"
+            # rank r of each side holds the r-th shard of the heads: other TP sizes shard differently
+            return f"prefill TP {remote.tp_size} != ours {self.tp_size} (PD needs equal tensor-parallel sizes)"
         if remote.prompt_hash and remote.prompt_hash != self.prompt_hash:
             return "prompt differs from the one prefill computed"
         return None
 
 
-@dataclass(frozen=True)
-class AwaitedPrefill:
-    """Decode leg sent while prefill still computes: prefill announces its KV under ``transfer_key``."""
-
-    transfer_key: str
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any] | None) -> "AwaitedPrefill | None":
-        if (not params or not params.get("do_remote_prefill") or params.get(PROTOCOL_KEY) != PROTOCOL_VERSION
-                or "remote_request_id" in params):
-            return None
-        key = params.get("transfer_key")
-        if params.get("transfer_mode") not in ("push", "pull") or not isinstance(key, str) or not key:
-            logger.warning("kv_transfer_params %r name no prefill and no transfer_key: decode recomputes", params)
-            return None
-        return cls(key)
-
-
-def awaited_prefill_params(transfer_key: str, mode: TransferMode) -> dict[str, Any]:
-    """The decode leg's ``kv_transfer_params`` when it is sent beside the prefill leg."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": mode,
-            "transfer_key": transfer_key, PROTOCOL_KEY: PROTOCOL_VERSION}
-
-
 def prompt_hash(token_ids: "list[int] | tuple[int, ...]") -> str:
-    """Deterministic digest of a prompt's token ids (same on every machine)."""
-    return blake3.blake3(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:32]
+    """Deterministic digest of a prompt's token ids (same on every machine and process)."""
+    ids = array.array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()  # the digest is of little-endian int64s everywhere
+    return blake3.blake3(ids.tobytes()).hexdigest()[:32]

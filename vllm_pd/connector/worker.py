@@ -9,7 +9,6 @@ loads to :class:`~vllm_pd.connector.kv_loader.KVLoader`. The transport's
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 
@@ -26,11 +25,13 @@ from vllm_pd.connector.kv_loader import KVLoader
 from vllm_pd.connector.kv_sender import KVSender, rank_endpoint
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.step_specs import WorkerStep
+from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 # An idle engine keeps stepping while transfers are pending; waiting this long for
 # a transfer event in such an empty step keeps the idle CPU near zero.
@@ -53,10 +54,12 @@ def advertised_host(config: PDConnectorConfig) -> str:
 
 class PDConnectorWorker:
     def __init__(self, config: PDConnectorConfig, block_size: int, tp_rank: int, base_port: int,
-                 is_producer: bool, is_consumer: bool, stats: TransferCounters | None = None) -> None:
+                 is_producer: bool, is_consumer: bool, tp_size: int = 1,
+                 stats: TransferCounters | None = None) -> None:
         self.config = config
         self.block_size = block_size
         self.tp_rank = tp_rank
+        self.tp_size = tp_size
         self.base_port = base_port
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -83,7 +86,7 @@ class PDConnectorWorker:
         self.sender = KVSender(self.config, self.transport, self.access, len(self.regions), self.block_size,
                                self.tp_rank, self.stats)
         self.loader = KVLoader(self.config, self.transport, self.access, self.device, self.regions, self.tp_rank,
-                               self.stats, self._notify_release, self.sender.outgoing.changed)
+                               self.tp_size, self.stats, self._release, self.sender.outgoing.changed)
         self.transport.register_regions(self.access.transport_regions)
         port = self.base_port + self.tp_rank if self.base_port else 0
         self.endpoint = self.transport.start(self, self.config.bind_host, port)
@@ -133,12 +136,14 @@ class PDConnectorWorker:
             self.loader.announce(msg.transfer_key, msg.params)
         return b"ok"
 
-    def _notify_release(self, endpoint: str, transfer_id: str) -> None:
-        peer = rank_endpoint(endpoint, self.tp_rank)
-        try:
-            self.transport.notify(peer, ReleaseMessage(transfer_id).encode(), timeout=5.0)
-        except Exception as e:  # noqa: BLE001 - the lease frees it anyway
-            logger.warning("release of %s at %s failed: %s", transfer_id, peer, e)
+    def _release(self, remote: RemotePrefill) -> None:
+        """Tell this rank's share of prefill's ranks that ``remote``'s KV is not needed."""
+        message = ReleaseMessage(remote.transfer_id).encode()
+        for peer in remote.release_endpoints(self.tp_rank, self.tp_size):
+            try:
+                self.transport.notify(peer, message, timeout=5.0)
+            except Exception as e:  # noqa: BLE001 - the lease frees it anyway
+                logger.warning("release of %s at %s failed: %s", remote.transfer_id, peer, e)
 
     # ---- each step ------------------------------------------------------------------------------
     def begin_step(self, meta: WorkerStep) -> None:

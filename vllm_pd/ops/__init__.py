@@ -7,10 +7,11 @@ deep_gemm_api; backend choice in backends (VLLM_PD_OPS_BACKEND=vendor|native|tri
 
 from __future__ import annotations
 
-import logging
 import os
 
-logger = logging.getLogger(__name__)
+from vllm_pd.vllm_logging import vllm_logger
+
+logger = vllm_logger(__name__)
 
 ENV_VLLM_INTEGRATION = "VLLM_PD_VLLM_OPS"  # "0" leaves vLLM's own MLA backend and DeepGEMM path
 _registered = False

@@ -23,13 +23,14 @@ the 2-D calls (Llama-style models) and non-CPU tensors on the kernel's own path 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from vllm_pd.vllm_logging import vllm_logger
+
+logger = vllm_logger(__name__)
 
 _installed = False
 

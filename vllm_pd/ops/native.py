@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 
 import torch
 
-logger = logging.getLogger(__name__)
+from vllm_pd.vllm_logging import vllm_logger
+
+logger = vllm_logger(__name__)
 
 
 @functools.cache

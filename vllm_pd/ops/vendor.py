@@ -16,14 +16,15 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import logging
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
 
 import torch
 
-logger = logging.getLogger(__name__)
+from vllm_pd.vllm_logging import vllm_logger
+
+logger = vllm_logger(__name__)
 
 FLASH_MLA_MODULES = ("flash_mla", "vllm.third_party.flashmla.flash_mla_interface")
 

@@ -7,10 +7,11 @@ VLLM_PD_DEEP_GEMM=1.
 
 from __future__ import annotations
 
-import logging
 import os
 
-logger = logging.getLogger(__name__)
+from vllm_pd.vllm_logging import vllm_logger
+
+logger = vllm_logger(__name__)
 
 ENV_DEEP_GEMM = "VLLM_PD_DEEP_GEMM"
 CPU_MLA_PATH = "vllm_pd.ops.vllm_mla_backend.PDCpuMLABackend"

@@ -10,7 +10,6 @@ torch.ops.vllm_pd.mla_decode; prefill, KV-cache writes and metadata stay vLLM's.
 
 from __future__ import annotations
 
-import logging
 
 import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
@@ -20,10 +19,9 @@ from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonML
 
 import vllm_pd.ops.library  # noqa: F401  (defines torch.ops.vllm_pd)
 from vllm_pd.ops import backends
+from vllm_pd.vllm_logging import vllm_logger
 
-# A child of vLLM's "vllm" logger, so the line shows in the server log next to vLLM's own
-# backend choice (vLLM only installs handlers on "vllm").
-logger = logging.getLogger("vllm.plugins.vllm_pd.mla")
+logger = vllm_logger(__name__)  # shows in the server log next to vLLM's own backend choice
 
 
 def _announce(impl: object, device: str) -> None:

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_pd.connector.transfer_params import asks_remote_decode
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
 from vllm_pd.router.http_server import Handler, HttpServer
 
@@ -101,7 +102,8 @@ class MockBackend:
             out: dict[str, Any] = {"id": f"cmpl-{rid}", "object": "chat.completion" if chat else "text_completion",
                                    "model": self.model, "choices": [choice], "usage": usage,
                                    "served_by": self.name}
-            if kvp.get("do_remote_decode") and self.kv_params:
+            if asks_remote_decode(kvp) and self.kv_params:
+                # a NixlConnector-style answer: the proxy passes any connector's params on verbatim
                 out["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
                                              "remote_engine_id": self.name, "remote_block_ids": [1, 2, 3],
                                              "remote_request_id": rid, "remote_host": "127.0.0.1",

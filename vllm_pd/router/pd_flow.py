@@ -32,7 +32,7 @@ import os
 import time
 from typing import Any, Callable
 
-from vllm_pd.connector.transfer_params import awaited_prefill_params
+from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest, TransferMode
 from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.backend_response import BackendConnectError, BackendError, BackendResponse
 from vllm_pd.router.config import ProxyConfig
@@ -70,27 +70,18 @@ def new_id() -> str:
 
 
 def default_release_remote_kv(params: dict) -> bool:
-    """The connector's release call, imported lazily (it lands on main separately)."""
-    try:
-        from vllm_pd.connector.release import release_remote_kv
-    except ImportError:
-        logger.warning("vllm_pd.connector.release is not available; prefill KV stays held until its lease ends")
-        return False
-    return bool(release_remote_kv(params, timeout=2.0))
+    """The connector's release call (every prefill rank), imported on first use: most proxies never need it."""
+    from vllm_pd.connector.release import release_remote_kv
+
+    return release_remote_kv(params, timeout=2.0)
 
 
-def remote_decode_params(decode: Instance, transfer_key: str | None, mode: str) -> dict[str, Any]:
+def remote_decode_params(decode: Instance, transfer_key: str | None, mode: TransferMode) -> dict[str, Any]:
     """The prefill leg's kv_transfer_params; transfer_key: announce the KV to decode under that
-    name (and push it there in push mode)."""
-    params: dict[str, Any] = {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None,
-    }
-    if transfer_key is not None:
-        params["transfer_mode"] = mode
-        params["decode_endpoint"] = decode.kv_endpoint
-        params["transfer_key"] = transfer_key
-    return params
+    name (and push it there in push mode). Without one, prefill's answer goes to decode verbatim."""
+    if transfer_key is None:
+        return RemoteDecodeRequest().to_params()
+    return RemoteDecodeRequest(mode, decode.kv_endpoint, transfer_key).to_params()
 
 
 class PDFlow:
@@ -202,12 +193,12 @@ class PDFlow:
         transfer_key = new_id()
         # auto = push: an idle decode then runs its first forward beside prefill's, taking each layer
         # as it lands - the fastest on every prompt length measured (benchmarks/RESULTS.md, "PD latency")
-        mode = "pull" if self.config.kv_mode == "pull" else "push"
+        mode: TransferMode = "pull" if self.config.kv_mode == "pull" else "push"
         state.pushed = mode == "push"
         prefill = asyncio.ensure_future(self._prefill(req, decode, transfer_key, headers, state, mode))
         state.prefill_leg = prefill
         decode_leg = asyncio.ensure_future(
-            self._decode(req, decode, headers, state, http_request, awaited_prefill_params(transfer_key, mode)))
+            self._decode(req, decode, headers, state, http_request, AwaitedPrefill(transfer_key, mode).to_params()))
         try:
             await asyncio.wait({prefill, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and not decode_leg.done() and state.stage != "stream":
@@ -231,7 +222,7 @@ class PDFlow:
                     prefill.add_done_callback(self._background.discard)
 
     async def _prefill(self, req: ParsedRequest, decode: Instance, transfer_key: str | None,
-                       headers: dict[str, str], state: FlowState, mode: str = "pull") -> bool:
+                       headers: dict[str, str], state: FlowState, mode: TransferMode = "pull") -> bool:
         """Run the prefill leg with retries, leaving ``state.kv_params`` set. False: none succeeded,
         decode computes the prompt (raises instead under require_disagg)."""
         tried: set[str] = {decode.url}
@@ -253,7 +244,7 @@ class PDFlow:
 
     async def _prefill_once(self, req: ParsedRequest, prefill: Instance, decode: Instance,
                             transfer_key: str | None, headers: dict[str, str], state: FlowState,
-                            mode: str) -> bool:
+                            mode: TransferMode) -> bool:
         body = prefill_body(req.body, remote_decode_params(decode, transfer_key, mode))
         lease = LegLease(prefill, "prefill", req.prompt_tokens)
         state.leases.append(lease)

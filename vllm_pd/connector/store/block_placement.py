@@ -11,7 +11,6 @@ every TP rank committed it; a pending key is never a victim (not indexed).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -21,8 +20,9 @@ from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.store.master_client import MasterClient
 from vllm_pd.connector.store.plans import SaveResult, StoreReport
 from vllm_pd.connector.store.radix import RadixIndex
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 @dataclass(slots=True)

@@ -18,15 +18,15 @@ still being sent), so nothing overwrites it while a peer reads it.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_tier import DiskTier
 from vllm_pd.connector.store.keys import BlockKey
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 class DiskStaging:

@@ -16,7 +16,6 @@ reported so the scheduler side drops them from its index.
 
 from __future__ import annotations
 
-import logging
 import os
 import struct
 import threading
@@ -28,8 +27,9 @@ from pathlib import Path
 
 from vllm_pd.connector.store.cpu_pool import CHECKSUM_BYTES, checksum
 from vllm_pd.connector.store.keys import KEY_BYTES, BlockKey
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 MAGIC = b"VPDKVB01"
 _HEADER = struct.Struct(f"<8s{KEY_BYTES}s{KEY_BYTES}s{KEY_BYTES}sQ{CHECKSUM_BYTES}s")  # magic salt key parent len sum

@@ -16,7 +16,6 @@ master without its keys (restart) republishes a snapshot.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -24,8 +23,9 @@ import msgspec
 import zmq
 
 from vllm_pd.connector.store.keys import BlockKey
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 class Publish(msgspec.Struct, tag="publish"):

@@ -11,7 +11,6 @@ checksum-verified by the transport before they count.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,8 +20,9 @@ import zmq
 
 from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.store.master import Lookup, Publish, Reply, Request
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 BATCH = 256  # keys per publish: ~30x the rate of single inserts, flat beyond (kv-stores.md §6.4)
 MAX_BACKOFF_S = 60.0  # a master that stays down is retried at most this rarely

@@ -32,7 +32,6 @@ fewer (or zero) blocks; the caller recomputes the rest.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import uuid
@@ -47,8 +46,9 @@ from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.transport import MemoryRegion, Transport, create_transport
 from vllm_pd.connector.transport.base import BlockBatch
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 POOL_REGION = 0  # the pool is the transport's only region
 

@@ -23,7 +23,6 @@ layer ``i``'s bytes only, not for the whole fetch.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,8 +37,9 @@ from vllm_pd.connector.store.disk_tier import DiskTier
 from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.plans import LoadOp, LoadResult, SaveOp, SaveResult, StorePlan, StoreReport
 from vllm_pd.connector.store.pool_exchange import PeerFetch, PoolExchange, SlotDirectory
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 @dataclass(slots=True)

@@ -31,9 +31,10 @@ import abc
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are used: the proxy sends releases without it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ class MemoryRegion:
 
     def block_view(self, block_id: int) -> memoryview:
         """Zero-copy byte view of one block (CPU tensors)."""
+        import torch
+
         return memoryview(self.tensor[block_id].view(torch.uint8).numpy()).cast("B")
 
 

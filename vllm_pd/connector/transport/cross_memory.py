@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import logging
 import os
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 # process_vm_readv takes at most IOV_MAX (1024) iovecs per side and call.
 MAX_IOV = 1024

@@ -17,7 +17,6 @@ order and answers a failure at once.
 
 from __future__ import annotations
 
-import logging
 import queue
 from collections import deque
 import socket
@@ -47,8 +46,9 @@ from vllm_pd.connector.transport.framing import (
     read_frame,
 )
 from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 @dataclass(eq=False)

@@ -7,7 +7,6 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from vllm_pd.connector.transport.base import MemoryRegion
 
@@ -16,6 +15,8 @@ class RegisteredRegions:
     """The layers' paged caches as byte rows, for zero-copy block views."""
 
     def __init__(self, regions: Sequence[MemoryRegion]) -> None:
+        import torch  # here, not at import: the proxy's release path loads this module without torch
+
         self._rows: list[np.ndarray] = []
         self.block_nbytes: list[int] = []
         self.num_blocks: list[int] = []

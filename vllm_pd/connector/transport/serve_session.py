@@ -9,7 +9,6 @@ REPLY frames, so a long DATA send never stalls the next push.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -31,8 +30,9 @@ from vllm_pd.connector.transport.framing import (
 )
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.wire import BlockChannel, Wire
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 # How often a layer plan's progress is read while a layer is due: every ~50-100 us for the
 # plan's last layer, the one decode's first token waits for; every ~0.5 ms for the others,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import heapq
 import itertools
-import logging
 import socket
 import threading
 import time
@@ -28,8 +27,9 @@ from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.serve_session import ServeSession
 from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
+from vllm_pd.vllm_logging import vllm_logger
 
-logger = logging.getLogger(__name__)
+logger = vllm_logger(__name__)
 
 
 # A deadline fires up to this late: ops answered long before their deadline still sit in
