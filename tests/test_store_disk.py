@@ -20,10 +20,10 @@ def test_pool_layer_copies_round_trip():
     pool = CpuBlockPool(4, 2, 2 * 4 * 8 * 2)
     kv = [torch.randn(8, 2, 4, 8).to(torch.bfloat16) for _ in range(2)]
     for layer in range(2):
-        pool.save_layer(layer, [3, 0], kv[layer], [5, 6])
+        pool.save_layer(layer, [3, 0], kv[layer].view(torch.uint8), [5, 6])
     out = [torch.zeros_like(t) for t in kv]
     for layer in range(2):
-        pool.load_layer(layer, [0, 3], out[layer], [1, 2])
+        pool.load_layer(layer, [0, 3], out[layer].view(torch.uint8), [1, 2])
     assert torch.equal(out[0][1], kv[0][6]) and torch.equal(out[1][2], kv[1][5])
 
 

@@ -102,9 +102,11 @@ class PDConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
-        self.worker.register_kv_caches(kv_caches, {name: block_dim(t, num_blocks) for name, t in kv_caches.items()})
+        dims = {name: block_dim(t, num_blocks) for name, t in kv_caches.items()}
+        self.worker.register_kv_caches(kv_caches, dims)
         if self._store_worker is not None:
-            self._store_worker.register_kv_caches(kv_caches, self.config.bind_host, self.worker.host)
+            self._store_worker.register_kv_caches(kv_caches, self.config.bind_host, self.worker.host,
+                                                  block_dims=dims, device=self.worker.device)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         w = self.worker

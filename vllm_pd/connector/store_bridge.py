@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from vllm_pd.connector.kv_device import KVDevice
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.master_client import RemoteHit
 from vllm_pd.connector.store.plans import StorePlan, StoreReport
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
+from vllm_pd.connector.transport.base import MemoryRegion
 from vllm_pd.vllm_logging import vllm_logger
 
 if TYPE_CHECKING:
@@ -148,12 +150,16 @@ class StoreBridgeWorker:
         self._pd_done_early: set[str] = set()
         self._missing: set[int] = set()
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], bind_host: str, advertised_host: str) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], bind_host: str, advertised_host: str,
+                           block_dims: dict[str, int] | None = None, device: KVDevice | None = None) -> None:
+        """``block_dims`` / ``device``: as the connector worker read them from vLLM's layout
+        (default: blocks along dim 0, the device of the tensors)."""
         tensors = list(kv_caches.values())
+        dims = [(block_dims or {}).get(name, 0) for name in kv_caches]
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        block_nbytes = int(tensors[0][0].numel() * tensors[0].element_size())
+        block_nbytes = MemoryRegion("layer0", tensors[0], dims[0]).block_nbytes
         salt = make_salt(self.vllm_config, len(tensors), block_nbytes)
-        self.store = StoreWorker(self.config, salt, tensors, rank=self.tp_rank)
+        self.store = StoreWorker(self.config, salt, tensors, rank=self.tp_rank, block_dims=dims, device=device)
         if self.config.master:  # other nodes learn of our blocks: let them fetch them
             self.endpoint = self.store.serve_peers(bind_host, advertised_host)
 

@@ -30,10 +30,12 @@ Scheduler side (EngineCore process) - ``StoreScheduler(config, salt, slot_nbytes
         to ``plan_load(..., remote=hit)``: the part beyond the local prefix is fetched
         from that node). ``remote_match`` returns only the hit.
 
-Worker side (each worker) - ``StoreWorker(config, salt, kv_caches, rank=0)``
-    ``kv_caches``: one tensor per layer, ``[num_blocks, ...]``, blocks moved as bytes.
+Worker side (each worker) - ``StoreWorker(config, salt, kv_caches, rank=0, block_dims=None, device=None)``
+    ``kv_caches``: one tensor per layer, blocks along ``block_dims[layer]`` (default 0; 1 in
+    FlashAttention's ``[2, num_blocks, ...]``), moved as bytes; on CPU or a GPU (``device``,
+    a ``KVDevice``; pool_copies.py: copy streams and a pinned bounce, stream waits).
     ``execute(plan)``            -> ``start_load_kv`` (starts loads and saves, returns at once)
-    ``wait_layer(layer)``        -> ``wait_for_layer_load`` (``load_layer(layer)`` is the Future form)
+    ``wait_layer(layer)``        -> ``wait_for_layer_load`` (on the forward's thread: a stream wait on GPUs)
     ``wait_saves()``             -> ``wait_for_save`` only if blocks are freed right away
     ``take_finished() -> (saved_req_ids, loaded_req_ids)`` -> ``get_finished`` (finished_sending, -)
     ``take_load_errors() -> set[int]`` -> ``get_block_ids_with_load_errors``
@@ -46,13 +48,15 @@ Worker side (each worker) - ``StoreWorker(config, salt, kv_caches, rank=0)``
 
 Config (``kv_connector_extra_config["store"]``): ``StoreConfig.from_dict`` -
 cpu_bytes, disk_path, disk_bytes, lease_s, disk_io_threads, master,
-master_timeout_s, node_id, fetch_timeout_s, disk_serve_bytes; an unknown key or bad value raises ConfigError.
+master_timeout_s, node_id, fetch_timeout_s, disk_serve_bytes, host_bounce_bytes (GPU KV only:
+pinned rows between the device and the pool); an unknown key or bad value raises ConfigError,
+also a setting that cannot work with the KV's device.
 Salt: ``KeySalt(model, dtype, kv_layout, block_size, num_layers, tp_size, pp_size, extra)``.
 
 Modules: keys (blake3 chained keys), radix (index, leases), reuse_cache
 (leaf-first LRU, reuse-weighted LRU), adaptive_cache (the CPU tier's policy: the
 weighting picked online by keys-only shadows, LRU among them, hash-sampled 1/8), cpu_pool (pool +
-slot allocator), disk_tier, plans
+slot allocator), pool_copies (KV cache <-> pool on the KV's device), disk_tier, plans
 (wire structs), config, scheduler_side (plans loads/saves) with block_placement (what is where)
 and request_keys, worker_side, pool_exchange (node-to-node
 fetch) with disk_staging (the holder's disk served to peers), master / master_client / master_command (``vllm-pd store-master``),

@@ -27,6 +27,9 @@ class StoreConfig:
     # CPU memory beyond cpu_bytes where a holder stages its disk blocks for peers' fetches
     # (with a disk tier and a master only); 0 = peers get blocks in CPU slots only
     disk_serve_bytes: int = 64 << 20
+    # pinned host memory per direction (saves, loads) that device (GPU) KV passes through on
+    # its way to and from the pool's slots, whose per-layer rows are not contiguous; unused on CPU
+    host_bounce_bytes: int = 64 << 20
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> StoreConfig:
@@ -35,7 +38,7 @@ class StoreConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"store: unknown key(s) {unknown}; known: {sorted(known)}")
-        for name in ("cpu_bytes", "disk_bytes", "disk_serve_bytes"):
+        for name in ("cpu_bytes", "disk_bytes", "disk_serve_bytes", "host_bounce_bytes"):
             if name in raw:
                 raw[name] = parse_bytes(name, raw[name])
         for name in ("lease_s", "master_timeout_s", "fetch_timeout_s"):
@@ -61,3 +64,11 @@ class StoreConfig:
         if self.disk_path is None or self.master is None:
             return 0
         return self.disk_serve_bytes // slot_nbytes
+
+    def bounce_rows(self, slot_nbytes: int) -> int:
+        """Blocks (all layers) one pass through the host bounce moves, for device KV."""
+        n = self.host_bounce_bytes // slot_nbytes
+        if n <= 0:
+            raise ConfigError(f"store.host_bounce_bytes={self.host_bounce_bytes} holds no block of {slot_nbytes} "
+                              "bytes (all layers): KV on a GPU reaches the pool through it")
+        return n

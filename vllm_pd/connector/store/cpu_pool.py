@@ -7,6 +7,8 @@ the hot path never allocates. A slot holds one block key's KV for every layer,
 contiguous, so a disk write or a checksum is one buffer; ``pool[:, layer]`` is
 a per-layer view for layer-wise copies. Copies use ``index_select`` /
 ``index_copy_`` (12 GB/s measured, vs 1.8 GB/s for numpy fancy indexing).
+The pool is host memory whatever the KV's device: KV on a GPU reaches it
+through pool_copies.py (pinned bounce rows on a copy stream).
 
 ``SlotAllocator`` (scheduler side) hands out slot numbers; it never touches
 bytes, so the scheduler decides placement and the worker only executes.
@@ -63,20 +65,27 @@ class CpuBlockPool:
     def slot_nbytes(self) -> int:
         return self.num_layers * self.layer_block_nbytes
 
-    @staticmethod
-    def as_block_bytes(kv_layer: torch.Tensor) -> torch.Tensor:
-        """A layer's paged KV cache viewed as ``[num_blocks, block_nbytes]`` uint8."""
-        return kv_layer.view(kv_layer.shape[0], -1).view(torch.uint8)
+    def save_layer(self, layer: int, slots: Sequence[int], blocks: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Host KV to slots: ``blocks`` is the layer's cache as ``[num_blocks, ...]`` bytes
+        (``block_copies.byte_blocks``, any block dimension)."""
+        rows = torch.index_select(blocks, 0, torch.tensor(block_ids, dtype=torch.long))
+        self.write_rows(layer, slots, rows.view(len(block_ids), -1))
 
-    def save_layer(self, layer: int, slots: Sequence[int], kv_layer: torch.Tensor, block_ids: Sequence[int]) -> None:
-        src = self.as_block_bytes(kv_layer)
-        rows = torch.index_select(src, 0, torch.tensor(block_ids, dtype=torch.long))
+    def load_layer(self, layer: int, slots: Sequence[int], blocks: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Slots to host KV (``blocks`` as in :meth:`save_layer`)."""
+        rows = self.read_rows(layer, slots)
+        blocks.index_copy_(0, torch.tensor(block_ids, dtype=torch.long), rows.view(len(block_ids), *blocks.shape[1:]))
+
+    def write_rows(self, layer: int, slots: Sequence[int], rows: torch.Tensor) -> None:
+        """``rows`` ``[len(slots), layer_block_nbytes]`` into ``layer`` of ``slots``."""
         self.data[:, layer].index_copy_(0, torch.tensor(slots, dtype=torch.long), rows)
 
-    def load_layer(self, layer: int, slots: Sequence[int], kv_layer: torch.Tensor, block_ids: Sequence[int]) -> None:
-        dst = self.as_block_bytes(kv_layer)
-        rows = torch.index_select(self.data[:, layer], 0, torch.tensor(slots, dtype=torch.long))
-        dst.index_copy_(0, torch.tensor(block_ids, dtype=torch.long), rows)
+    def read_rows(self, layer: int, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """``layer`` of ``slots`` as ``[len(slots), layer_block_nbytes]`` (into ``out`` if given)."""
+        idx = torch.tensor(slots, dtype=torch.long)
+        if out is None:
+            return torch.index_select(self.data[:, layer], 0, idx)
+        return torch.index_select(self.data[:, layer], 0, idx, out=out)
 
     def slot_view(self, slot: int) -> memoryview:
         """Zero-copy bytes of one slot (all layers)."""

@@ -7,11 +7,14 @@ tier's own threads) and reports what landed through :meth:`StoreWorker.report`
 (send it to the scheduler side in KVConnectorWorkerMetadata).
 
 Loads are layer-wise: :meth:`start_loads` returns at once; a thread copies
-layer 0 of every op, then layer 1, ...; :meth:`wait_layer` blocks until layer
-``i`` is in place, so the forward pass of layer ``i`` overlaps the copy of
-layer ``i+1``. A block read from disk is checksum-verified before any layer
-of it is copied; a failure makes that block and every later block of the
-request a load error (vLLM recomputes them), never wrong KV.
+layer 0 of every op, then layer 1, ...; :meth:`wait_layer` orders the forward
+after layer ``i``'s copy, so the forward pass of layer ``i`` overlaps the copy
+of layer ``i+1``. The copies run where the KV lives (pool_copies.py): at once
+on CPU; on a GPU on copy streams, the forward waiting with a stream wait, and
+a save committing its blocks only once their device-to-host copy completed.
+A block read from disk is checksum-verified before any layer of it is copied;
+a failure makes that block and every later block of the request a load error
+(vLLM recomputes them), never wrong KV.
 
 With a master configured, :meth:`serve_peers` puts the pool on the transport
 (pool_exchange.py): peers fetch committed slots directly (and blocks this rank
@@ -30,13 +33,16 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_pd.connector.kv_device import DeviceEvent, KVDevice, kv_device_for
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.disk_tier import DiskTier
 from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.plans import LoadOp, LoadResult, SaveOp, SaveResult, StorePlan, StoreReport
+from vllm_pd.connector.store.pool_copies import PoolCopies, pool_copies
 from vllm_pd.connector.store.pool_exchange import PeerFetch, PoolExchange, SlotDirectory
+from vllm_pd.connector.transport.base import MemoryRegion
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -53,20 +59,33 @@ class _Staged:
 
 
 class StoreWorker:
-    def __init__(self, config: StoreConfig, salt: KeySalt, kv_caches: Sequence[torch.Tensor], rank: int = 0) -> None:
+    def __init__(self, config: StoreConfig, salt: KeySalt, kv_caches: Sequence[torch.Tensor], rank: int = 0,
+                 block_dims: Sequence[int] | None = None, device: KVDevice | None = None) -> None:
+        """``block_dims``: each layer's block dimension in vLLM's layout (default 0; see
+        ``MemoryRegion``); ``device``: where the KV lives (default: read from the tensors)."""
         self.config = config
         self.rank = rank
         if len(kv_caches) != salt.num_layers:
             raise ValueError(f"salt says {salt.num_layers} layers, got {len(kv_caches)} KV caches")
-        nbytes = {int(t[0].numel() * t.element_size()) for t in kv_caches}
+        dims = list(block_dims) if block_dims is not None else [0] * len(kv_caches)
+        if len(dims) != len(kv_caches):
+            raise ValueError(f"{len(dims)} block dimensions for {len(kv_caches)} KV cache layers")
+        self.regions = [MemoryRegion(f"store-kv-{i}", t, d) for i, (t, d) in enumerate(zip(kv_caches, dims))]
+        nbytes = {r.block_nbytes for r in self.regions}
         if len(nbytes) != 1:
             raise ValueError(f"layers have different block sizes in bytes: {sorted(nbytes)}")
-        self.kv_caches = list(kv_caches)
+        self.device = device or kv_device_for(kv_caches)
+        on_host = all(t.device.type == "cpu" for t in kv_caches)
+        if self.device.host_accessible and not on_host:
+            raise ValueError(f"store: KV cache on {kv_caches[0].device} but given the host device "
+                             f"{type(self.device).__name__}")
         layer_nbytes = nbytes.pop()
         slot_nbytes = layer_nbytes * len(kv_caches)
         # rows past the scheduler's slots stage disk blocks for peers (disk_staging.py)
         self.num_slots = config.num_slots(slot_nbytes)
+        bounce_rows = 0 if self.device.host_accessible else config.bounce_rows(slot_nbytes)
         self.pool = CpuBlockPool(self.num_slots + config.disk_serve_slots(slot_nbytes), len(kv_caches), layer_nbytes)
+        self.copies: PoolCopies = pool_copies(self.pool, self.regions, self.device, bounce_rows)
         self.disk = (
             DiskTier(config.disk_path, salt.digest(), rank, config.disk_bytes, config.disk_io_threads)
             if config.disk_path else None
@@ -82,7 +101,8 @@ class StoreWorker:
         self._load_errors: set[int] = set()
         self._save_futures: list[Future[None]] = []
         self._disk_futures: list[Future[bool]] = []
-        self._layer_futures: list[list[Future[None]]] = [[] for _ in kv_caches]
+        # per layer: futures of the loads started so far, each the event of the layer's copy
+        self._layer_futures: list[list[Future[DeviceEvent]]] = [[] for _ in kv_caches]
         self.directory = SlotDirectory()  # what each pool slot holds, for peers' fetches
         self.exchange: PoolExchange | None = None
 
@@ -111,15 +131,17 @@ class StoreWorker:
 
     def start_saves(self, ops: Sequence[SaveOp]) -> None:
         """Copy out in the background. vLLM must not reuse the source blocks until
-        the request shows up in :meth:`take_finished` (or :meth:`wait_saves` returned)."""
+        the request shows up in :meth:`take_finished` (or :meth:`wait_saves` returned).
+        Call on the forward's thread: the copies follow what it launched so far."""
+        written = self.copies.mark_forward()
         for op in ops:
-            self._save_futures.append(self._saver.submit(self._save, op))
+            self._save_futures.append(self._saver.submit(self._save, op, written))
 
-    def _save(self, op: SaveOp) -> None:
+    def _save(self, op: SaveOp, written: DeviceEvent) -> None:
         self.directory.drop_slots(op.slots)  # before a byte changes: peers stop getting them
         try:
-            for layer, kv in enumerate(self.kv_caches):
-                self.pool.save_layer(layer, op.slots, kv, op.block_ids)
+            # returns once the bytes are in the pool: nothing below may publish them earlier
+            self.copies.save(op.slots, op.block_ids, after=written)
             sums = [self.pool.checksum(s) for s in op.slots]
             for key, slot, digest in zip(op.keys, op.slots, sums):
                 self.directory.put(key, slot, digest)
@@ -165,30 +187,34 @@ class StoreWorker:
     # -- loads -----------------------------------------------------------------------
 
     def start_loads(self, ops: Sequence[LoadOp]) -> None:
-        futures = [Future() for _ in self.kv_caches]
+        """Call on the forward's thread after vLLM prepared the step's blocks (``start_load_kv``)."""
+        futures: list[Future[DeviceEvent]] = [Future() for _ in self.regions]
         for layer, f in enumerate(futures):
             self._layer_futures[layer].append(f)
-        self._loader.submit(self._load, list(ops), futures)
+        self._loader.submit(self._load, list(ops), futures, self.copies.mark_forward())
 
-    def _load(self, ops: list[LoadOp], layer_futures: list[Future[None]]) -> None:
-        error: Exception | None = None
+    def _load(self, ops: list[LoadOp], layer_futures: list[Future[DeviceEvent]], prepared: DeviceEvent) -> None:
         staged: list[_Staged] = []
         try:
+            self.copies.begin_loads(after=prepared)
             for op in ops:
                 staged.append(self._stage(op))
-            for layer, kv in enumerate(self.kv_caches):
+            for layer in range(len(self.regions)):
+                slots: list[int] = []
+                block_ids: list[int] = []
                 for op, st in zip(ops, staged):
                     n = st.local
                     if st.fetch is not None and st.fetch.layer_landed(layer):  # waits for this layer only
                         n += st.fetch.granted
-                    if n:
-                        self.pool.load_layer(layer, op.slots[:n], kv, op.block_ids[:n])
+                    slots += op.slots[:n]
+                    block_ids += op.block_ids[:n]
+                placed = self.copies.load_layer(layer, slots, block_ids) if slots else self.copies.fence()
                 if layer < len(layer_futures) - 1:
-                    layer_futures[layer].set_result(None)
+                    layer_futures[layer].set_result(placed)
             usable = [self._settle(op, st) for op, st in zip(ops, staged)]
-        except Exception as exc:  # noqa: BLE001
+        except Exception:  # noqa: BLE001
             logger.exception("store: load failed")
-            usable, error = [0] * len(ops), exc
+            usable = [0] * len(ops)
             for i, op in enumerate(ops):  # reserved slots must always be committed or given back
                 st = staged[i] if i < len(staged) else _Staged(0, [j for j, p in enumerate(op.from_peer) if p])
                 self._settle(op, st, failed=True)
@@ -199,13 +225,12 @@ class StoreWorker:
                 self._loads.append(LoadResult(op.request_id, op.keys[:n], op.keys[n:], op.block_ids[n:]))
                 self._load_errors.update(op.block_ids[n:])
                 self._loaded_requests.add(op.request_id)
+        # a failed load still orders the forward after every copy it launched: a late copy
+        # must not overwrite what vLLM recomputes in those blocks
+        placed = self.copies.fence()
         for f in layer_futures:
-            if f.done():
-                continue
-            if error is not None:
-                f.set_exception(error)
-            else:
-                f.set_result(None)
+            if not f.done():
+                f.set_result(placed)
 
     def _stage(self, op: LoadOp) -> _Staged:
         """Read the op's disk blocks into their slots and start fetching its peer
@@ -271,34 +296,11 @@ class StoreWorker:
             self._write_through(parent, keys[:got], slots[:got], sums)
 
     def wait_layer(self, layer: int) -> None:
-        """Block until every load started so far has put ``layer`` in place."""
+        """Order the forward's reads of ``layer`` after every load started so far: on the host
+        until the layer's copies are launched, then with a stream wait for the copies."""
         futures, self._layer_futures[layer] = self._layer_futures[layer], []
         for f in futures:
-            try:
-                f.result()
-            except Exception:  # noqa: BLE001 - reported as load errors; vLLM recomputes
-                pass
-
-    def load_layer(self, layer: int) -> Future[None]:
-        """A future for ``layer`` of the loads started so far (non-blocking form)."""
-        pending = list(self._layer_futures[layer])
-        done: Future[None] = Future()
-        if not pending:
-            done.set_result(None)
-            return done
-        remaining = [len(pending)]
-        lock = threading.Lock()
-
-        def one(_: Future[None]) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                done.set_result(None)
-
-        for f in pending:
-            f.add_done_callback(one)
-        return done
+            self.copies.wait(f.result())
 
     # -- reporting ---------------------------------------------------------------------
 
