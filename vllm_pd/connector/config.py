@@ -13,7 +13,7 @@ from vllm_pd.connector.exceptions import ConfigError
 
 TransferMode = Literal["push", "pull"]
 LoadMode = Literal["auto", "async", "layerwise"]
-TransportName = Literal["tcp", "shm"]
+TransportName = Literal["tcp", "shm", "nixl"]
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
