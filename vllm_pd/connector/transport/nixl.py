@@ -114,7 +114,7 @@ class NixlSide:
 class NixlChannel:
     """The data path of one control connection: NIXL transfers instead of bytes on the socket."""
 
-    frames_only = True  # no block byte travels on the socket
+    frames_only = False  # (no block byte travels on the socket, but its readers need not spin for the next frame)
     peer_memory = None
     peer_reads_us = False  # no layer plans
 
@@ -321,7 +321,9 @@ class NixlServeSession(ServeSession):
             except TransferRejected as e:
                 self._answer(frame, Status.REJECTED, str(e))
                 return
-            except (TransferTimeout, TransferCorrupted) as e:
+            except PeerClosed:
+                raise  # the requester is gone: so is this session
+            except TransportError as e:
                 self._answer(frame, Status.ERROR, str(e))
                 return
             self.wire.send_frame(Frame(

@@ -186,6 +186,8 @@ class LocalAgent:
         Waits by polling with a growing sleep (that poll is the agent's progress). Past
         ``deadline`` the transfer is cancelled and TransferTimeout raised; a peer that is
         gone gives PeerClosed, spans outside registered memory TransferRejected."""
+        if not len(local):
+            return
         what = f"NIXL {op} with {peer}"
         agent = self._agent
 
