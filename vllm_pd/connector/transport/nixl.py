@@ -17,7 +17,9 @@ target:
   the blocks from the sender's registered regions into them, then verifies and answers.
   One message and one READ: the alternative (the receiver registers the destinations and
   sends their keys back, the sender WRITEs and says done) costs one more round trip plus a
-  metadata export and import (benchmarks/RESULTS.md, "NIXL transport (CPU)").
+  metadata export and import (benchmarks/RESULTS.md, "NIXL transport (CPU)"). Not yet
+  measured on GPUs: a GPU sender's blocks are then READ into the sink's host buffers, and
+  on one host UCX's cuda_ipc is slow to READ (vLLM issue #52607).
 * fetch - the FETCH message names the requester's destination blocks; the owner checks its
   grant, WRITEs its blocks into the requester's regions (WRITE: the fast direction of
   cuda_ipc on one host) and answers once the WRITE completed, with the checksums. The owner
@@ -331,6 +333,8 @@ class NixlServeSession(ServeSession):
                 layer=frame.layer, block_nbytes=frame.block_nbytes, transfer_id=frame.transfer_id, ids=frame.ids,
                 lengths=(frame.block_nbytes,) * len(frame.ids), payload=digests))
         finally:
+            with self._cancel_lock:
+                self._cancelled.discard(frame.req_id)  # a cancel that came while we served it
             self.serving.discard(frame.transfer_id)
             self._grants.end_serve(frame.transfer_id)
 
