@@ -20,5 +20,5 @@ else
 fi
 # No build isolation: the C++ ops build against the torch installed above.
 pip_install setuptools wheel
-pip_install --no-build-isolation -e ".[test]"
+pip_install --no-build-isolation -e ".[test,nixl]"
 "$PY" -c "import vllm_pd, vllm; print('vllm-pd', vllm_pd.__version__, 'on vllm', vllm.__version__)"

@@ -7,14 +7,15 @@ pushes (or fetches) every layer's blocks concurrently, repeatedly, and waits for
 all futures. The limit is measured in the same processes on the same bytes:
 
 * tcp: a plain socket ``sendall`` / ``recv_into`` loop;
-* shm: a single-thread memcpy (torch ``copy_``) in one process.
+* shm, nixl: a single-thread memcpy (torch ``copy_``) in one process (nixl on one host
+  moves bytes with one ``process_vm_readv``/``writev`` copy: UCX's cma).
 
 Both processes freeze their start-up heap (``gc.freeze()``) as vLLM's EngineCore does
 (``freeze_gc_heap``) before it serves: without it a full collection walks torch's ~170k
 objects (~50 ms) whenever the transfers' short-lived objects trigger one, stalling the core
 that copies.
 
-Usage: python3 benchmarks/transfer.py [--transports tcp shm] [--block-tokens 32 64 128]
+Usage: python3 benchmarks/transfer.py [--transports tcp shm nixl] [--block-tokens 32 64 128]
            [--layers 4 32] [--mib 256] [--checksums blake3]
 """
 
@@ -40,7 +41,7 @@ REGION_MIB = 64  # per process, all layers together
 
 @dataclass(frozen=True)
 class Case:
-    transport: str  # tcp | shm | raw_tcp | raw_memcpy
+    transport: str  # tcp | shm | nixl | raw_tcp | raw_memcpy
     op: str  # push | fetch
     block_tokens: int
     layers: int

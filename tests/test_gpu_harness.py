@@ -22,9 +22,11 @@ CASES = [
     ("standin", "tcp", "flash"),
     ("standin", "shm", "flash"),
     ("standin", "tcp", "mla"),
+    ("cpu", "nixl", "cpu"),
+    ("standin", "nixl", "flash"),  # NIXL registers the "device" KV itself: no staging, sends gated by events
 ]
 if torch.cuda.is_available():
-    CASES += [("cuda", t, layout) for t in ("tcp", "shm") for layout in ("flash", "mla")]
+    CASES += [("cuda", t, layout) for t in ("tcp", "shm", "nixl") for layout in ("flash", "mla")]
 
 
 @pytest.mark.parametrize(("device", "transport", "layout"), CASES)

@@ -113,10 +113,11 @@ def test_corrupt_and_truncated_fetch_fail() -> None:
         t.close()
 
 
-@pytest.mark.parametrize("name", ["tcp", "shm"])
+@pytest.mark.parametrize("name", ["tcp", "shm", "nixl"])
 def test_peer_killed_mid_transfer_fails_with_peer_closed(name: str) -> None:
     # The peer's sink never hands out destinations, so a 32 MiB push fills both
-    # socket buffers and blocks mid-send; then the peer is SIGKILLed.
+    # socket buffers and blocks mid-send (nixl: waits for the peer's READ); then the
+    # peer is SIGKILLed.
     peer, peer_ep = spawn_peer(name, num_layers=1, num_blocks=256, hold=True)
     regions = make_regions(1, 256, seed=2)
     t, _, _ = started(name, regions)
@@ -142,10 +143,11 @@ def test_peer_killed_mid_transfer_fails_with_peer_closed(name: str) -> None:
         t.close()
 
 
-def test_fetch_from_peer_process_then_kill() -> None:
-    peer, peer_ep = spawn_peer("tcp", num_layers=2, num_blocks=8, hold=False)
+@pytest.mark.parametrize("name", ["tcp", "nixl"])
+def test_fetch_from_peer_process_then_kill(name: str) -> None:
+    peer, peer_ep = spawn_peer(name, num_layers=2, num_blocks=8, hold=False)
     regions = make_regions(2, 8, seed=None)
-    t, _, _ = started("tcp", regions)
+    t, _, _ = started(name, regions)
     try:
         t.fetch(peer_ep, "granted", 1, [0, 1], [0, 1], timeout=10).result(10)
         assert torch.equal(regions[1].tensor[:2], make_regions(2, 8, seed=1)[1].tensor[:2])

@@ -1,5 +1,5 @@
 """push / fetch / notify between two real transports on 127.0.0.1, for every
-stream transport: bytes arrive intact, in order, for many layers at once."""
+transport: bytes arrive intact, in order, for many layers at once."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from vllm_pd.connector.exceptions import TransferRejected, TransferTimeout
 from vllm_pd.connector.transport.base import BlockBatch
 
 # shm moves block bytes by reading the peer's memory where the kernel allows it (here it
-# does), else through its rings: both paths run every test.
-TRANSPORTS = {"tcp": ("tcp", {}), "shm": ("shm", {}), "shm-rings": ("shm", {"cross_memory": False})}
+# does), else through its rings: both paths run every test. nixl: UCX over tcp + cma on this host.
+TRANSPORTS = {"tcp": ("tcp", {}), "shm": ("shm", {}), "shm-rings": ("shm", {"cross_memory": False}),
+              "nixl": ("nixl", {})}
 
 
 @pytest.fixture(params=list(TRANSPORTS))

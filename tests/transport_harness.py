@@ -111,8 +111,13 @@ def spawn_peer(name: str, num_layers: int, num_blocks: int, hold: bool,
                push_to: str | None = None, **options) -> tuple[mp.Process, str]:
     # fork, not spawn: re-importing torch in a child takes ~1 min on the loaded CI
     # box. The child builds its own transport and never touches the parent's
-    # threads' objects, so forking a threaded parent is safe here.
-    ctx = mp.get_context("fork")
+    # threads' objects, so forking a threaded parent is safe here. Not for nixl: UCX
+    # does not survive a fork once the parent has started it (the child's agent never
+    # answers a connection), so nixl peers fork from a fresh forkserver (torch imported
+    # there once).
+    ctx = mp.get_context("forkserver" if name == "nixl" else "fork")
+    if name == "nixl":
+        ctx.set_forkserver_preload(["torch", "tests.transport_harness"])
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_peer_main, args=(name, num_layers, num_blocks, hold, push_to, options, child),
                     daemon=True)

@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.connector.transfer_params import LoadMode, TransferMode
 
-TransportName = Literal["tcp", "shm"]
+TransportName = Literal["tcp", "shm", "nixl"]
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 

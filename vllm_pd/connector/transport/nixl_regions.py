@@ -1,0 +1,184 @@
+"""Where a region's blocks lie, as the descriptors NIXL moves.
+
+A region's blocks are equally spaced: block ``b``'s byte spans are block 0's spans
+shifted by ``b * stride`` (the tensor's stride along its block dimension), so one
+:class:`RegionLayout` - block 0's spans and the stride - says where every block is,
+on this side and, sent in the handshake, for the peer. A transfer pairs each local
+span with the peer's span holding the same bytes of the same block, then merges
+pairs that continue each other on both sides into one descriptor: a run of
+consecutive blocks becomes one descriptor per span of a block (one in block-contiguous
+layouts, K and V in FlashAttention's), since every descriptor costs the NIC (or
+NVLink) a work request.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from vllm_pd.connector.transport.base import MemoryRegion
+from vllm_pd.connector.transport.checksum import Checksum
+
+DRAM, VRAM = "DRAM", "VRAM"  # NIXL's names of host and GPU memory
+
+
+class RegionLayout(msgspec.Struct, frozen=True, array_like=True):
+    """Block 0's spans and the distance between blocks, of one registered region."""
+
+    mem: str  # DRAM | VRAM
+    device: int  # GPU index (0 for DRAM)
+    base: int  # address of block 0's first byte
+    stride: int  # bytes from block b to block b + 1
+    num_blocks: int
+    offsets: tuple[int, ...]  # block 0's spans, relative to base, in wire order
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, region: MemoryRegion) -> RegionLayout:
+        """The layout of ``region``; ValueError for memory NIXL cannot register."""
+        t = region.tensor
+        if t.device.type == "cpu":
+            mem, device = DRAM, 0
+        elif t.device.type == "cuda":
+            mem, device = VRAM, t.get_device()
+        else:
+            raise ValueError(f"region {region.name!r}: NIXL registers cpu or cuda tensors, got {t.device}")
+        if t.numel() == 0 or any(s < 0 for s in t.stride()):
+            raise ValueError(f"region {region.name!r}: needs a non-empty tensor with non-negative strides")
+        base = t.data_ptr()
+        spans = region.block_spans(0)
+        return cls(mem, device, base, t.stride(region.block_dim) * t.element_size(), region.num_blocks,
+                   tuple(a - base for a, _ in spans), tuple(n for _, n in spans))
+
+    @property
+    def block_nbytes(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def extent(self) -> tuple[int, int]:
+        """(address, nbytes) of the memory every block lies in: what gets registered."""
+        end = max(o + n for o, n in zip(self.offsets, self.lengths, strict=True))
+        return self.base, (self.num_blocks - 1) * self.stride + end
+
+    def check_ids(self, block_ids: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+        """``block_ids`` as an int64 array; ValueError naming ``what`` on an id out of range."""
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
+            raise ValueError(f"block id {bad} out of range for {what} ({self.num_blocks} blocks)")
+        return ids
+
+    def spans(self, ids: np.ndarray) -> np.ndarray:
+        """Addresses of the blocks' spans, shape (spans per block, len(ids)): row j holds
+        every block's j-th span (j-major, so consecutive blocks sit side by side)."""
+        offsets = np.asarray(self.offsets, dtype=np.int64)
+        return self.base + ids[None, :] * self.stride + offsets[:, None]
+
+    def wire_offsets(self) -> np.ndarray:
+        """Where each span of a block starts in the block's wire bytes."""
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        return np.concatenate([[0], np.cumsum(lengths)[:-1]])
+
+
+def merge_pairs(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray,
+                segment: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge pairs of spans (``local[k]`` <-> ``remote[k]``, ``lengths[k]`` bytes) that continue
+    the previous pair on both sides and lie in the same local ``segment`` (a registration:
+    NIXL refuses a descriptor that crosses two). Returns (local, remote, lengths) merged."""
+    local, remote, lengths = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (local, remote, lengths))
+    if len(local) == 0:
+        return local, remote, lengths
+    starts = np.ones(len(local), dtype=bool)
+    starts[1:] = (local[1:] != local[:-1] + lengths[:-1]) | (remote[1:] != remote[:-1] + lengths[:-1])
+    if segment is not None:
+        starts[1:] |= segment[1:] != segment[:-1]
+    first = np.flatnonzero(starts)
+    return local[first], remote[first], np.add.reduceat(lengths, first)
+
+
+class BlockRef:
+    """One block of a local region, where a byte view cannot say it (several spans, GPU
+    memory): ``len()`` is its byte count, as the stream machinery asks of a block."""
+
+    __slots__ = ("layer", "block_id", "nbytes")
+
+    def __init__(self, layer: int, block_id: int, nbytes: int) -> None:
+        self.layer, self.block_id, self.nbytes = layer, block_id, nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+class NixlRegions:
+    """This side's regions as NIXL sees them: layouts, block checks, host digests."""
+
+    def __init__(self, regions: Sequence[MemoryRegion]) -> None:
+        self.layouts = [RegionLayout.of(r) for r in regions]
+        self.block_nbytes = [lay.block_nbytes for lay in self.layouts]
+        self.num_blocks = [lay.num_blocks for lay in self.layouts]
+        self._tensors = [r.tensor for r in regions]  # the registered memory stays alive with us
+        # Host bytes of each DRAM region's extent, for checksums (None: GPU memory).
+        self._host: list[np.ndarray | None] = [
+            np.frombuffer((ctypes.c_char * lay.extent[1]).from_address(lay.base), dtype=np.uint8)
+            if lay.mem == DRAM else None for lay in self.layouts]
+        host = sorted((lay.extent[0], lay.extent[0] + lay.extent[1], i)
+                      for i, lay in enumerate(self.layouts) if lay.mem == DRAM)
+        self._host_starts = np.array([s for s, _, _ in host], dtype=np.int64)
+        self._host_ends = np.array([e for _, e, _ in host], dtype=np.int64)
+        self._host_index = np.array([i for _, _, i in host], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.layouts)
+
+    @property
+    def has_vram(self) -> bool:
+        return any(lay.mem == VRAM for lay in self.layouts)
+
+    def layout(self, layer: int) -> RegionLayout:
+        if not 0 <= layer < len(self.layouts):
+            raise ValueError(f"layer {layer} not registered ({len(self.layouts)} regions)")
+        return self.layouts[layer]
+
+    def check_ids(self, layer: int, block_ids: Sequence[int]) -> np.ndarray:
+        return self.layout(layer).check_ids(block_ids, f"layer {layer}")
+
+    def views(self, layer: int, block_ids: Sequence[int]) -> list[BlockRef]:
+        """The blocks, checked (ValueError on a bad layer or id); what a served fetch reads."""
+        ids = self.check_ids(layer, block_ids)
+        nbytes = self.block_nbytes[layer]
+        return [BlockRef(layer, int(b), nbytes) for b in ids]
+
+    def digests(self, layer: int, ids: np.ndarray, checksum: Checksum) -> bytes:
+        """One digest per block, taken over its bytes in wire order (b"" without a checksum)."""
+        host = self._host[layer]
+        if checksum is Checksum.NONE or host is None:
+            return b""
+        lay = self.layouts[layer]
+        spans = self.spans_relative(layer, ids)
+        if len(lay.lengths) == 1:
+            n = lay.lengths[0]
+            return b"".join(checksum.digest(host[s:s + n]) for s in spans[0].tolist())
+        out = []
+        for i in range(len(ids)):
+            d = checksum.running()
+            for j, n in enumerate(lay.lengths):
+                start = int(spans[j, i])
+                d.update(host[start:start + n])
+            out.append(d.digest())
+        return b"".join(out)
+
+    def spans_relative(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        lay = self.layouts[layer]
+        return lay.spans(ids) - lay.base
+
+    def host_segments(self, addresses: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
+        """For each buffer at ``addresses`` (``nbytes`` long, one length or one each): the
+        DRAM region holding it whole (so already registered), or -1."""
+        if not len(self._host_starts):
+            return np.full(len(addresses), -1, dtype=np.int64)
+        k = np.maximum(np.searchsorted(self._host_starts, addresses, side="right") - 1, 0)
+        inside = (addresses >= self._host_starts[k]) & (addresses + nbytes <= self._host_ends[k])
+        return np.where(inside, self._host_index[k], -1)
