@@ -207,14 +207,18 @@ def plain_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client:
         stop([plain])
 
 
+def ours_name(args: argparse.Namespace, mode: str, transport: str) -> str:
+    return f"vllm-pd 1P1D {mode}" + (f" [{transport}]" if len(args.transports) > 1 else "")
+
+
 def ours_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: httpx.Client,
-               overlap: dict[str, float]) -> tuple[dict[str, Samples], float]:
+               overlap: dict[str, float], transport: str) -> tuple[dict[str, Samples], float]:
     """Our 1P1D pair (prefill core 0, decode core 1), each mode in turn; adds push beside's overlap counters."""
     pk, dk = free_port(), free_port()
-    p, d = start([spec(model, "0", ours_ktc("kv_producer", pk, args.transport)),
-                  spec(model, "1", ours_ktc("kv_consumer", dk, args.transport))],
+    p, d = start([spec(model, "0", ours_ktc("kv_producer", pk, transport)),
+                  spec(model, "1", ours_ktc("kv_consumer", dk, transport))],
                  args.log_dir)
-    endpoint = f"{args.transport}://127.0.0.1:{dk}"
+    endpoint = f"{transport}://127.0.0.1:{dk}"
     out: dict[str, Samples] = {}
     try:
         for mode in args.modes:
@@ -227,8 +231,8 @@ def ours_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: 
                 fn = lambda pr: run_pd_beside(client, p, d, pr, endpoint, transfer_mode, load_ask)  # noqa: E731
             else:
                 fn = lambda pr: run_pd(client, p, d, pr, params, load_ask)  # noqa: E731
-            out[f"vllm-pd 1P1D {mode}"] = measure(f"vllm-pd 1P1D {mode}", fn, args.lengths, args.requests, prompts,
-                                                 client, {"prefill": p, "decode": d})
+            name = ours_name(args, mode, transport)
+            out[name] = measure(name, fn, args.lengths, args.requests, prompts, client, {"prefill": p, "decode": d})
             if mode == "push beside":
                 time.sleep(1.0)
                 for k in counters:
@@ -267,7 +271,8 @@ def main() -> int:
                     help="rounds of (plain phase, our phase) one after the other: a ratio is only as good as the "
                          "host is steady between the phases it compares, so each round gives its own ratio")
     ap.add_argument("--no-nixl", action="store_true")
-    ap.add_argument("--transport", choices=("tcp", "shm"), default="tcp", help="our connector's transport")
+    ap.add_argument("--transport", "--transports", dest="transports", nargs="+", choices=("tcp", "shm", "nixl"),
+                    default=["tcp"], help="our connector's transport(s): one pair per transport and round")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="configurations of ours to run")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-bench-logs"))
     args = ap.parse_args()
@@ -280,11 +285,14 @@ def main() -> int:
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}, phase: plain instance on core 0", flush=True)
         plain, plain_idle = plain_phase(args, model, prompts, client)
-        print(f"round {r + 1}/{args.rounds}, phase: vllm-pd 1P1D (prefill core 0, decode core 1)", flush=True)
-        ours, pair_idle = ours_phase(args, model, prompts, client, overlap)
-        rounds.append({"plain 1-core": plain, **ours})
+        rounds.append({"plain 1-core": plain})
         idle.setdefault("plain 1-core", []).append(plain_idle)
-        idle.setdefault("vllm-pd 1P1D", []).append(pair_idle)
+        for transport in args.transports:
+            print(f"round {r + 1}/{args.rounds}, phase: vllm-pd 1P1D over {transport} (prefill core 0, decode core 1)",
+                  flush=True)
+            ours, pair_idle = ours_phase(args, model, prompts, client, overlap, transport)
+            rounds[-1].update(ours)
+            idle.setdefault(f"vllm-pd 1P1D [{transport}]", []).append(pair_idle)
     nixl = None if args.no_nixl else nixl_phase(args, model, prompts, client)
     if nixl is not None:
         idle["NIXL 1P1D"] = [nixl[1]]
@@ -305,8 +313,8 @@ def main() -> int:
         print(f"| {name} | " + " | ".join(f"{row[n][0]:.0f} / {row[n][1]:.0f}" for n in args.lengths) + " |")
     print()
     plain_row = results["plain 1-core"]
-    for mode in args.modes:
-        name = f"vllm-pd 1P1D {mode}"
+    for name in [ours_name(args, m, t) for t in args.transports for m in args.modes]:
+        mode = name.removeprefix("vllm-pd 1P1D ")
         ours_row = results[name]
         cells = []
         for n_tok in args.lengths:

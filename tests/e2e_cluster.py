@@ -27,7 +27,8 @@ MAX_MODEL_LEN = 2048
 MAX_TOKENS = 12
 # Both instances of a test pair share this host: the same-host transport, whose pushes go as
 # layer plans read from prefill's memory (tcp pairs run in the router and store e2e tests).
-TRANSPORT = "shm"
+# VLLM_PD_TEST_TRANSPORT=nixl (or tcp) runs the connector's e2e tests over another transport.
+TRANSPORT = os.environ.get("VLLM_PD_TEST_TRANSPORT", "shm")
 
 
 def connector_config(role: str, kv_port: int, **extra: Any) -> dict[str, Any]:

@@ -35,6 +35,11 @@ KEYS = ("ids17", "ids129", "ids640", "ids1500", "text3", "chat2")
 def tp_spec(model: Path, ktc: dict | None) -> ec.VllmServerSpec:
     spec = ec.server_spec(model, CORES, ktc)
     spec.extra_args += ["--tensor-parallel-size", str(TP)]
+    # With TP > 1 vLLM torch.compiles its vocab-parallel embedding mask (inductor, a C++ build)
+    # in each worker on the first forward, even with --enforce-eager. On two cores, with the
+    # other instance's workers spinning beside it, a cold build took over vLLM's 5-minute step
+    # timeout and killed the engine; eager gives the same integer mask.
+    spec.env["TORCHDYNAMO_DISABLE"] = "1"
     return spec
 
 

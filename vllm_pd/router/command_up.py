@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address of the proxy and servers (default 127.0.0.1)")
     p.add_argument("--kv-mode", choices=("push", "pull", "auto"), default="auto")
-    p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
+    p.add_argument("--transport", choices=("shm", "tcp", "nixl"), default="shm",
                    help="KV transport of the connector (default shm: every server runs on this machine)")
     p.add_argument("--connector", default="PDConnector",
                    help="KV connector of the servers (default PDConnector; 'none' = plain vLLM, decode recomputes)")

@@ -19,7 +19,7 @@ DECODE_POLICIES = ("round_robin", "least_outstanding", "power_of_two")
 
 
 # the connector's transports (vllm_pd.connector.transport): shm only between instances on one host
-KV_SCHEMES = ("tcp", "shm")
+KV_SCHEMES = ("tcp", "shm", "nixl")
 
 
 class ConfigError(ValueError):
@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 class InstanceConfig:
     url: str
     role: str
-    kv_endpoint: str | None = None  # "tcp://host:port" (or shm://, same host) of its KV endpoint (push mode)
+    kv_endpoint: str | None = None  # "tcp://host:port" (or shm:// on one host, nixl://) of its KV endpoint (push mode)
 
     def __post_init__(self) -> None:
         self.url = _check_url(self.url, "url")
@@ -39,7 +39,8 @@ class InstanceConfig:
         if self.kv_endpoint is not None:
             parsed = urlparse(self.kv_endpoint)
             if parsed.scheme not in KV_SCHEMES or not parsed.hostname or not parsed.port:
-                raise ConfigError(f"kv_endpoint: {self.kv_endpoint!r} is not tcp://host:port (or shm://host:port)")
+                raise ConfigError(f"kv_endpoint: {self.kv_endpoint!r} is not tcp://host:port "
+                                  "(or shm://host:port, nixl://host:port)")
 
 
 @dataclass
@@ -113,7 +114,7 @@ def _check_url(url: Any, key: str) -> str:
 
 
 def parse_instance_flag(value: str, role: str) -> InstanceConfig:
-    """``http://h:p`` or ``http://h:p@tcp://h:kvport`` (the KV endpoint after '@'; or shm://)."""
+    """``http://h:p`` or ``http://h:p@tcp://h:kvport`` (the KV endpoint after "@"; or shm://, nixl://)."""
     url, sep, kv = value.partition("@")
     return InstanceConfig(url=url, role=role, kv_endpoint=kv if sep else None)
 
