@@ -112,5 +112,7 @@ def test_tp2_proxy_side_release_frees_every_prefill_rank(tp_pair, client) -> Non
     prefill, decode = tp_pair
     p = ec.post(client, prefill.url, ec.prefill_leg(CONNECTOR_CASES["ids1000"], "pull", decode))
     assert ec.wait_until(lambda: held(client, prefill) == {r: 1.0 for r in RANKS}, timeout=10), held(client, prefill)
-    assert release_remote_kv(p["kv_transfer_params"])
+    # the proxy's first release dials every prefill rank; with four TP workers spinning on two
+    # cores that handshake alone took over the default 2 s here once
+    assert release_remote_kv(p["kv_transfer_params"], timeout=10.0)
     assert_every_rank_released(client, prefill)

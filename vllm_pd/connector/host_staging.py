@@ -16,7 +16,6 @@ import bisect
 import threading
 from collections.abc import Sequence
 
-import torch
 
 from vllm_pd.connector.kv_device import KVDevice
 from vllm_pd.connector.transport.base import MemoryRegion

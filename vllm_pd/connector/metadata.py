@@ -6,7 +6,7 @@ dataclasses of builtins keep that cheap and safe.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -15,13 +15,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from vllm_pd.connector.step_specs import (  # noqa: F401 - the step's parts, re-exported
+from vllm_pd.connector.step_specs import (
     FinishedSend,
     LoadSpec,
     RemoteRelease,
     SendSpec,
     WorkerStep,
 )
+
+__all__ = ["FinishedSend", "LoadSpec", "PDConnectorMetadata", "PDHandshake", "PDWorkerMeta", "RemoteRelease",
+           "SendSpec", "WorkerStep"]
 
 
 @dataclass

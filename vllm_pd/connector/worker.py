@@ -22,7 +22,7 @@ from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
 from vllm_pd.connector.kv_device import KVDevice, kv_device_for
 from vllm_pd.connector.kv_loader import KVLoader
-from vllm_pd.connector.kv_sender import KVSender, rank_endpoint
+from vllm_pd.connector.kv_sender import KVSender
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.step_specs import WorkerStep
 from vllm_pd.connector.transfer_params import RemotePrefill

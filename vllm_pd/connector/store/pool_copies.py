@@ -27,8 +27,6 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-import torch
-
 from vllm_pd.connector.block_copies import BlockCopies, byte_blocks
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent, KVDevice
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool

@@ -68,14 +68,14 @@ from vllm_pd.connector.exceptions import (
 )
 from vllm_pd.connector.transport import cross_memory
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
-from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, Status, read_frame
+from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, Status
 from vllm_pd.connector.transport.nixl_agent import LocalAgent, ProgressPump
 from vllm_pd.connector.transport.nixl_regions import DRAM, BlockRef, NixlRegions, RegionLayout, merge_pairs
 from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
 from vllm_pd.connector.transport.serve_session import ServeSession
 from vllm_pd.connector.transport.stream import DeadlineTimer
 from vllm_pd.connector.transport.tcp import TcpTransport
-from vllm_pd.connector.transport.wire import Wire, configure_socket
+from vllm_pd.connector.transport.wire import Wire
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -509,47 +509,14 @@ class NixlTransport(TcpTransport):
                 future.add_done_callback(lambda _: pump.release())
         return future
 
-    def _link(self, peer: str) -> PeerLink:
-        with self._lock:
-            if self._closed:
-                raise PeerClosed("transport is closed")
-            link = self._links.get(peer)
-            if link is None:
-                family, address = self._dial_address(peer)
-                link = NixlPeerLink(peer, address, family, lambda: NixlChannel(self._side, dialler=True),
-                                    self._hello, self._connect_timeout, timer=self._timer,
-                                    cancel_wait=self._revoke_wait)
-                self._links[peer] = link
-            return link
+    def _new_link(self, peer: str, address: Any, family: int) -> PeerLink:
+        return NixlPeerLink(peer, address, family, lambda: NixlChannel(self._side, dialler=True), self._hello,
+                            self._connect_timeout, timer=self._timer, cancel_wait=self._revoke_wait)
 
-    def _open_session(self, sock: socket.socket, addr: Any) -> None:
-        channel = self._new_channel()
-        try:
-            configure_socket(sock)
-            sock.settimeout(self._connect_timeout)
-            hello = read_frame(sock)
-            if hello.kind is not Kind.HELLO:
-                raise TransportError(f"expected HELLO, got {hello.kind.name}")
-            info = msgspec.json.decode(hello.payload)
-            channel.attach(info.get("channel", {}))
-            sock.settimeout(None)
-            wire = Wire(sock, channel.frames_only)
-            wire.send_frame(Frame(Kind.HELLO, payload=self._hello(channel)))
-        except (OSError, TransportError, msgspec.DecodeError, ValueError) as e:
-            logger.warning("nixl handshake with %s failed: %s", addr, e)
-            channel.close()
-            sock.close()
-            return
+    def _new_session(self, wire: Wire, channel: Any, peer: str) -> ServeSession:
         assert self._sink is not None and self._regions is not None
-        session = NixlServeSession(wire, channel, info.get("endpoint") or f"{self.scheme}://{addr}", self._sink,
-                                   self._regions, self._grants, self._checksum, self._session_ended)
-        with self._lock:
-            if self._closed:
-                session.close()
-                channel.close()
-                return
-            self._sessions.add(session)
-        session.start()
+        return NixlServeSession(wire, channel, peer, self._sink, self._regions, self._grants, self._checksum,
+                                self._session_ended)
 
     def _after_close(self) -> None:
         if self._side.pump is not None:

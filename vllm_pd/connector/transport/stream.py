@@ -272,10 +272,19 @@ class StreamTransport(Transport):
             link = self._links.get(peer)
             if link is None:
                 family, address = self._dial_address(peer)
-                link = PeerLink(peer, address, family, self._new_channel, self._hello,
-                                self._connect_timeout)
+                link = self._new_link(peer, address, family)
                 self._links[peer] = link
             return link
+
+    def _new_link(self, peer: str, address: Any, family: int) -> PeerLink:
+        """The dialling side of a connection to ``peer`` (a subclass's own kind of link)."""
+        return PeerLink(peer, address, family, self._new_channel, self._hello, self._connect_timeout)
+
+    def _new_session(self, wire: Wire, channel: BlockChannel, peer: str) -> ServeSession:
+        """The serving side of an accepted connection (a subclass's own kind of session)."""
+        assert self._sink is not None and self._regions is not None
+        return ServeSession(wire, channel, peer, self._sink, self._regions, self._grants, self._checksum,
+                            self._session_ended)
 
     def _hello(self, channel: BlockChannel) -> bytes:
         return msgspec.json.encode({"endpoint": self._endpoint, "channel": channel.local_info()})
@@ -304,14 +313,11 @@ class StreamTransport(Transport):
             wire = Wire(sock, channel.frames_only)
             wire.send_frame(Frame(Kind.HELLO, payload=self._hello(channel)))
         except (OSError, TransportError, msgspec.DecodeError, ValueError) as e:
-            logger.warning("handshake with %s failed: %s", addr, e)
+            logger.warning("%s handshake with %s failed: %s", self.scheme, addr, e)
             channel.close()
             sock.close()
             return
-        assert self._sink is not None and self._regions is not None
-        session = ServeSession(wire, channel, info.get("endpoint") or f"{self.scheme}://{addr}",
-                               self._sink, self._regions, self._grants, self._checksum,
-                               self._session_ended)
+        session = self._new_session(wire, channel, info.get("endpoint") or f"{self.scheme}://{addr}")
         with self._lock:
             if self._closed:
                 session.close()
