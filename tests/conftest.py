@@ -21,6 +21,23 @@ import httpx  # noqa: E402
 from tests import e2e_cluster as ec  # noqa: E402
 from tests.prompt_catalogue import CATALOGUE  # noqa: E402
 
+# run before the session's connector pair starts: the TP=2 tests start four model workers, and
+# on two cores they should not share them with two more idle servers that live all session
+FIRST_MODULES = ("tests.test_connector_tp_e2e",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: getattr(item.module, "__name__", "") not in FIRST_MODULES)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa: ANN201 - pluggy wrapper
+    """A failing end-to-end test's report carries what the servers' logs said (CI keeps nothing else)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and item.get_closest_marker("e2e") is not None and ec.LIVE:
+        report.sections.append(("vLLM servers' logs", ec.live_log_digest()))
+
 
 def _running_cluster() -> list[dict] | None:
     """Developer loop: VLLM_PD_TEST_CLUSTER=file.json names already running servers

@@ -68,11 +68,20 @@ def server_spec(model: Path, cores: str, ktc: dict[str, Any] | None) -> VllmServ
     )
 
 
+# servers started and not yet stopped: a failing e2e test's report shows what their logs say
+LIVE: list[Instance] = []
+# what a failure report keeps of a server's log: our connector's lines and vLLM's complaints
+NOTEWORTHY = ("WARNING", "ERROR", "Traceback", "vllm_pd", "Error:", "KV Transfer metrics")
+NOISE = ("LD_PRELOAD", "Triton is not installed", "ulimit", "Enforce eager", "Inductor compilation",
+         "Model Runner V2", "SSM cache", "KVConnectorBase_V1", "DeprecationWarning", "FutureWarning")
+
+
 def start_all(specs: list[tuple[VllmServerSpec, int | None]], log_dir: Path) -> list[Instance]:
     instances = [
         Instance(VllmServer(spec, log_dir / f"vllm-{spec.port}.log").start(), kv_port)
         for spec, kv_port in specs
     ]
+    LIVE.extend(instances)
     try:
         for inst in instances:
             inst.server.wait_healthy(timeout=900)
@@ -85,6 +94,20 @@ def start_all(specs: list[tuple[VllmServerSpec, int | None]], log_dir: Path) -> 
 def stop_all(instances: list[Instance]) -> None:
     for inst in instances:
         inst.server.stop()
+        if inst in LIVE:
+            LIVE.remove(inst)
+
+
+def live_log_digest(lines_per_server: int = 60) -> str:
+    """The noteworthy tail of every live server's log: CI keeps only pytest's output."""
+    parts = []
+    for inst in LIVE:
+        path = inst.server.log_path
+        text = path.read_text(errors="replace").splitlines() if path is not None and path.exists() else []
+        kept = [ln[:400] for ln in text if any(w in ln for w in NOTEWORTHY) and not any(w in ln for w in NOISE)]
+        parts.append(f"--- {inst.url} ({path}): last {lines_per_server} noteworthy of {len(text)} lines\n"
+                     + "\n".join(kept[-lines_per_server:]))
+    return "\n".join(parts)
 
 
 # ---- requests ---------------------------------------------------------------------------------

@@ -331,3 +331,42 @@ def test_gauges_are_kept_per_tp_rank_through_the_engines_aggregation() -> None:
     assert step2 is not None and step2.data["gauges"] == {"1": {"held_transfers": 0, "loading_requests": 0,
                                                                 "staged_bytes": 0}}
     assert step1.aggregate(step2).reduce()["held_transfers"] == 0  # the engine's running view: all ranks 0
+
+
+def test_decode_release_is_retried_until_the_prefill_rank_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill rank that does not answer (here: not listening yet) still gets decode's release."""
+    from vllm_pd.connector import release
+    from vllm_pd.vllm_server import free_port
+
+    monkeypatch.setattr(release, "RELEASE_BACKOFF_S", 0.2)
+    port = free_port()
+    sink, prefill, decode = _ReleaseSink(), create_transport("tcp"), create_transport("tcp")
+    try:
+        release.send_release(decode, f"tcp://127.0.0.1:{port}", "cmpl-late-0")  # refused: retried
+        prefill.register_regions(sink.regions)
+        prefill.start(sink, "127.0.0.1", port)
+        deadline = time.monotonic() + 10
+        while not sink.releases and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sink.releases == ["cmpl-late-0"]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_decode_release_gives_up_after_its_attempts(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    from vllm_pd.connector import release
+    from vllm_pd.vllm_server import free_port
+
+    monkeypatch.setattr(release, "RELEASE_BACKOFF_S", 0.05)
+    decode = create_transport("tcp")
+    try:
+        with caplog.at_level("WARNING"):
+            release.send_release(decode, f"tcp://127.0.0.1:{free_port()}", "cmpl-gone-0")
+            deadline = time.monotonic() + 10
+            while "failed 4 times" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert "release of cmpl-gone-0" in caplog.text and f"failed {release.RELEASE_ATTEMPTS} times" in caplog.text
+    finally:
+        decode.close()

@@ -1,4 +1,4 @@
-"""Release a prefill instance's held KV from outside vLLM (the proxy).
+"""Release a prefill instance's held KV: from decode's workers, and from outside vLLM (the proxy).
 
 When the decode leg will never run - the client went away between the legs,
 or a retry re-runs prefill elsewhere - the proxy calls this with the
@@ -34,6 +34,38 @@ def _transport(endpoint: str) -> Transport:
             # only control messages go out, no block bytes: no checksum, so no vllm_pd._C (and torch) loaded
             _clients[scheme] = create_transport(scheme, checksum="none")
         return _clients[scheme]
+
+
+# decode's releases are sent off the model's thread and retried: a release lost to one slow
+# answer (a prefill rank busy computing) would hold that rank's blocks for the whole lease
+RELEASE_ATTEMPTS = 4
+RELEASE_TIMEOUT_S = 5.0
+RELEASE_BACKOFF_S = 1.0
+
+
+def send_release(transport: Transport, peer: str, transfer_id: str, attempt: int = 1) -> None:
+    """Tell ``peer`` (one prefill rank) to free ``transfer_id``; never blocks, retries with backoff.
+
+    A release is idempotent (one the peer already applied, or one for a transfer it never held,
+    changes nothing), so a retry after an unanswered attempt is safe."""
+    def retry_or_give_up(fut: Future[bytes | None] | None, error: BaseException | None) -> None:
+        error = error if fut is None else fut.exception()
+        if error is None:
+            return
+        if attempt >= RELEASE_ATTEMPTS:
+            logger.warning("release of %s at %s failed %d times (%s): its lease frees it", transfer_id, peer,
+                           attempt, error)
+            return
+        timer = threading.Timer(RELEASE_BACKOFF_S * attempt, send_release, (transport, peer, transfer_id, attempt + 1))
+        timer.daemon = True
+        timer.start()
+
+    try:
+        fut = transport.notify(peer, ReleaseMessage(transfer_id).encode(), timeout=RELEASE_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - retried like a failed answer
+        retry_or_give_up(None, e)
+        return
+    fut.add_done_callback(lambda f: retry_or_give_up(f, None))
 
 
 def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float = 2.0) -> bool:

@@ -18,6 +18,7 @@ import torch
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.control import ReleaseMessage, decode_control
+from vllm_pd.connector.release import send_release
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
 from vllm_pd.connector.kv_device import KVDevice, kv_device_for
@@ -138,12 +139,8 @@ class PDConnectorWorker:
 
     def _release(self, remote: RemotePrefill) -> None:
         """Tell this rank's share of prefill's ranks that ``remote``'s KV is not needed."""
-        message = ReleaseMessage(remote.transfer_id).encode()
         for peer in remote.release_endpoints(self.tp_rank, self.tp_size):
-            try:
-                self.transport.notify(peer, message, timeout=5.0)
-            except Exception as e:  # noqa: BLE001 - the lease frees it anyway
-                logger.warning("release of %s at %s failed: %s", remote.transfer_id, peer, e)
+            send_release(self.transport, peer, remote.transfer_id)
 
     # ---- each step ------------------------------------------------------------------------------
     def begin_step(self, meta: WorkerStep) -> None:
