@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import aiohttp
-import pytest
 
 from tests.k8s_api_standin import StandInApiServer, make_pod
 from vllm_pd.router.app import ProxyServer, serve
 from vllm_pd.router.config import K8sDiscoveryConfig, ProxyConfig
 from vllm_pd.router.http_server import HttpServer
 from vllm_pd.router.instance_pool import Instance
-from vllm_pd.router.k8s_api import KubeApi
 from vllm_pd.router.mock_backend import MockBackend, start_backend
 from vllm_pd.vllm_server import free_port
 
@@ -54,6 +50,12 @@ class Cluster:
         body = {"model": "mock-model", "prompt": "hello there", "max_tokens": max_tokens, "stream": stream}
         async with self.session.post(self.url + "/v1/completions", json=body) as r:
             return r.status, (await r.read()).decode()
+
+    async def one_prefill_one_decode(self) -> None:
+        """Pods p0 (prefill) and d0 (decode), Ready, and wait until the proxy routes to both."""
+        self.api.put(self.pod("p0", PREFILL))
+        self.api.put(self.pod("d0", DECODE))
+        await eventually(lambda: self.instance("p0") and self.instance("d0"), what="p0 and d0 routed")
 
     def served_by(self, name: str) -> int:
         return len(self.backends[name].seen)
@@ -133,9 +135,7 @@ def test_ready_pods_of_each_selector_become_instances_and_serve_requests() -> No
 def test_deleted_pod_is_drained_its_stream_finishes_and_new_requests_avoid_it() -> None:
     async def go() -> None:
         async with cluster(["p0", "d0", "d1"], itl=0.05) as c:
-            c.api.put(c.pod("p0", PREFILL))
-            c.api.put(c.pod("d0", DECODE))
-            await eventually(lambda: c.instance("p0") and c.instance("d0"))
+            await c.one_prefill_one_decode()
             in_flight = asyncio.create_task(c.complete(stream=True, max_tokens=30))  # ~1.5 s of stream
             await eventually(lambda: c.served_by("d0") == 1, what="the stream reached d0")
             c.api.put(c.pod("d1", DECODE))
@@ -157,9 +157,7 @@ def test_deleted_pod_is_drained_its_stream_finishes_and_new_requests_avoid_it() 
 def test_expired_watch_lists_again_and_catches_up() -> None:
     async def go() -> None:
         async with cluster(["p0", "d0", "d1"]) as c:
-            c.api.put(c.pod("p0", PREFILL))
-            c.api.put(c.pod("d0", DECODE))
-            await eventually(lambda: c.instance("p0") and c.instance("d0"))
+            await c.one_prefill_one_decode()
             lists, seen = c.proxy.discovery.lists, len(c.api.requests)
             # in one step, as the loop cannot run in between: the watches end, the pods change, history is
             # compacted; the proxy's next WATCH is from a version that is gone -> 410 -> LIST again
@@ -180,9 +178,7 @@ def test_expired_watch_lists_again_and_catches_up() -> None:
 def test_api_server_restart_reconnects_and_applies_what_changed_meanwhile() -> None:
     async def go() -> None:
         async with cluster(["p0", "d0", "d1"]) as c:
-            c.api.put(c.pod("p0", PREFILL))
-            c.api.put(c.pod("d0", DECODE))
-            await eventually(lambda: c.instance("p0") and c.instance("d0"))
+            await c.one_prefill_one_decode()
             await c.api.stop()
             c.api.delete("d0")  # while the API server is down: no watch sees these
             c.api.put(c.pod("d1", DECODE))

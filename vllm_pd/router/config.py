@@ -185,7 +185,8 @@ def config_from_mapping(data: Any, where: str = "config") -> dict[str, Any]:
             out["kubernetes"] = _kubernetes_from_mapping(value)
             continue
         if key not in _FIELD_TYPES:
-            raise ConfigError(f"{key}: unknown key in {where} (known: instances, kubernetes, {', '.join(sorted(_FIELD_TYPES))})")
+            raise ConfigError(f"{key}: unknown key in {where} "
+                              f"(known: instances, kubernetes, {', '.join(sorted(_FIELD_TYPES))})")
         want = _FIELD_TYPES[key]
         # bool is an int subclass; reject it where a number is wanted
         if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
@@ -221,7 +222,8 @@ def _kubernetes_from_mapping(value: Any) -> K8sDiscoveryConfig:
     for key, item in value.items():
         if key not in known:
             raise ConfigError(f"kubernetes.{key}: unknown key (known: {', '.join(known)})")
-        want: type | tuple[type, ...] = {"int": int, "float": (int, float)}.get(str(known[key]), str)
+        numbers: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float)}
+        want = numbers.get(str(known[key]), str)
         if not isinstance(item, want) or isinstance(item, bool):
             raise ConfigError(f"kubernetes.{key}: expected {_type_name(want)}, got {item!r}")
     return K8sDiscoveryConfig(**value)

@@ -74,9 +74,12 @@ class KubernetesDiscovery:
                     version = await self._watch(role, selector, version)
             except ResourceExpired as e:
                 logger.info("%s pods: %s; listing again", role, e)
-            except ApiError as e:
+            except Exception as e:  # noqa: BLE001 - the API unreachable or erring, or a bug here: never stop
                 self.failures += 1
-                logger.warning("%s pods: %s; retrying in %.1f s", role, e, backoff)
+                if isinstance(e, ApiError):
+                    logger.warning("%s pods: %s; retrying in %.1f s", role, e, backoff)
+                else:
+                    logger.exception("%s pods: discovery failed; retrying in %.1f s", role, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._config.backoff_max)
 
