@@ -85,14 +85,12 @@ class AdminApi:
 
     async def _drain(self, request: HttpRequest) -> HttpResponse:
         self._authorize(request)
-        inst = self._pool.get(self._url(await self._json(request)))
-        inst.draining = True
+        inst = self._pool.drain(self._url(await self._json(request)))
         return json_response(inst.describe())
 
     async def _undrain(self, request: HttpRequest) -> HttpResponse:
         self._authorize(request)
-        inst = self._pool.get(self._url(await self._json(request)))
-        inst.draining = False
+        inst = self._pool.undrain(self._url(await self._json(request)))
         return json_response(inst.describe())
 
     async def _role(self, request: HttpRequest) -> HttpResponse:

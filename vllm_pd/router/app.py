@@ -20,6 +20,7 @@ from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
 from vllm_pd.router.http_server import Handler, HttpServer
 from vllm_pd.router.instance_pool import InstancePool
+from vllm_pd.router.k8s_discovery import KubernetesDiscovery
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.pd_flow import PDFlow, ReleaseFn, default_release_remote_kv
 from vllm_pd.router.policies import make_policy
@@ -43,6 +44,7 @@ class ProxyServer:
         self.flow: PDFlow | None = None
         self.health: HealthChecker | None = None
         self.supervisor: Supervisor | None = None
+        self.discovery: KubernetesDiscovery | None = None
         self.routes: dict[str, dict[str, Handler]] = {
             COMPLETIONS: {"POST": self._completion}, CHAT: {"POST": self._completion},
             "/v1/models": {"GET": self._models}, "/health": {"GET": self._health},
@@ -62,8 +64,14 @@ class ProxyServer:
             self.supervisor = Supervisor(self.pool, self.config.supervisor_interval,
                                          self.config.supervisor_ttft_slo, self.config.supervisor_tpot_slo)
             self.supervisor.start()
+        if self.config.kubernetes is not None:
+            self.discovery = KubernetesDiscovery(self.pool, self.config.kubernetes,
+                                                 on_added=self._on_instance_added)
+            self.discovery.start()
 
     async def stop(self) -> None:
+        if self.discovery:
+            await self.discovery.stop()
         if self.supervisor:
             await self.supervisor.stop()
         if self.health:

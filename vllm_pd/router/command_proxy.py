@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -11,8 +12,9 @@ import signal
 import sys
 from typing import Any
 
-from vllm_pd.router.config import (DECODE_POLICIES, KV_MODES, PREFILL_POLICIES, ConfigError, ProxyConfig,
-                                   load_yaml, parse_instance_flag)
+from vllm_pd.router.config import (DECODE_POLICIES, KV_MODES, PREFILL_POLICIES, ConfigError,
+                                   K8sDiscoveryConfig, ProxyConfig, load_yaml, parse_instance_flag)
+from vllm_pd.router.k8s_api import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "against (default 2)")
     p.add_argument("--supervisor-tpot-slo", type=float, help="TPOT target in seconds (default 0.1)")
     p.add_argument("--tokenizer", help="HF model dir whose tokenizer.json counts prompt tokens exactly")
+    k8s = p.add_argument_group("Kubernetes service discovery (the YAML file's 'kubernetes' mapping)")
+    k8s.add_argument("--service-discovery", choices=("static", "k8s"),
+                     help="k8s: also route to the Ready pods of the selectors below, watched (default: k8s when "
+                     "the YAML file has a 'kubernetes' mapping, else static)")
+    k8s.add_argument("--k8s-namespace", help="namespace of the pods (default: the proxy's own)")
+    k8s.add_argument("--k8s-api-url", help="the API server's URL (default: in the cluster, with the pod's "
+                     "service account)")
+    k8s.add_argument("--k8s-port", type=int, help="HTTP port of pods without a vllm-pd/http-port annotation "
+                     "or a container port named http (default 8000)")
+    for role in ("prefill", "decode", "both"):
+        k8s.add_argument(f"--{role}-selector", metavar="LABELS",
+                         help=f"label selector of the {role} pods, e.g. app=vllm,role={role}")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -81,12 +95,32 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             ic = parse_instance_flag(f"{ic.url}@{args.decode_kv[i]}", "decode")
         instances.append(ic)
     instances += [parse_instance_flag(u, "both") for u in args.both]
+    discovery = getattr(args, "service_discovery", None)
+    if discovery == "static":
+        kw.pop("kubernetes", None)
+    elif discovery == "k8s" or "kubernetes" in kw:
+        kw["kubernetes"] = _kubernetes_from_args(args, kw.get("kubernetes"))
+    else:
+        given = [f for f in ("k8s_namespace", "k8s_api_url", "k8s_port", "prefill_selector", "decode_selector",
+                             "both_selector") if getattr(args, f, None) is not None]
+        if given:
+            raise ConfigError(f"{given[0]}: only with --service-discovery k8s")
     cfg = ProxyConfig(instances=instances, **kw)
     if cfg.kv_mode == "push":
         for ic in cfg.instances:
             if ic.role != "prefill" and ic.kv_endpoint is None:
                 logger.warning("kv_mode push: %s has no kv_endpoint, it is served in pull mode", ic.url)
     return cfg
+
+
+def _kubernetes_from_args(args: argparse.Namespace, from_file: K8sDiscoveryConfig | None) -> K8sDiscoveryConfig:
+    """The YAML file's ``kubernetes`` settings, overridden by the flags given."""
+    kw = dataclasses.asdict(from_file) if from_file is not None else {}
+    flags = {"namespace": args.k8s_namespace, "api_url": args.k8s_api_url, "http_port": args.k8s_port,
+             "prefill_selector": args.prefill_selector, "decode_selector": args.decode_selector,
+             "both_selector": args.both_selector}
+    kw.update({k: v for k, v in flags.items() if v is not None})
+    return K8sDiscoveryConfig(**kw)
 
 
 def install_uvloop() -> None:
@@ -124,10 +158,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"vllm-pd proxy: configuration error: {e}", file=sys.stderr)
         return 2
-    if not cfg.instances:
+    if not cfg.instances and cfg.kubernetes is None:
         logger.warning("no instances configured; add them with the admin API")
     install_uvloop()
-    asyncio.run(serve_until_signal(cfg))
+    try:
+        asyncio.run(serve_until_signal(cfg))
+    except ApiError as e:  # no way to reach the Kubernetes API at start-up
+        print(f"vllm-pd proxy: service discovery: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -44,6 +44,45 @@ class InstanceConfig:
 
 
 @dataclass
+class K8sDiscoveryConfig:
+    """Instances found in Kubernetes (``--service-discovery k8s``): the pods of one label selector per role,
+    watched (router/k8s_discovery.py)."""
+
+    prefill_selector: str | None = None
+    decode_selector: str | None = None
+    both_selector: str | None = None
+    namespace: str | None = None  # None: the service account's own namespace
+    api_url: str | None = None  # None: in the cluster (KUBERNETES_SERVICE_HOST, service account token and CA)
+    http_port: int = 8000  # for pods with neither a vllm-pd/http-port annotation nor a container port "http"
+    watch_timeout: float = 300.0  # seconds the API server keeps one watch open before we renew it
+    backoff_max: float = 30.0  # seconds at most between reconnects to an unreachable API server
+    reap_interval: float = 1.0  # seconds between checks whether a drained instance's requests have finished
+
+    def __post_init__(self) -> None:
+        from vllm_pd.router.k8s_selector import parse_selector
+
+        if not self.selectors():
+            raise ConfigError("kubernetes: no prefill_selector, decode_selector or both_selector")
+        for role, selector in self.selectors().items():
+            try:
+                parse_selector(selector)
+            except ValueError as e:
+                raise ConfigError(f"kubernetes.{role}_selector: {e}") from None
+        if self.api_url is not None:
+            self.api_url = _check_url(self.api_url, "kubernetes.api_url")
+        if not 0 < self.http_port < 65536:
+            raise ConfigError(f"kubernetes.http_port: {self.http_port} is out of range")
+        for name in ("watch_timeout", "backoff_max", "reap_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"kubernetes.{name}: must be > 0, got {getattr(self, name)}")
+
+    def selectors(self) -> dict[str, str]:
+        """role -> label selector, for the roles that have one."""
+        given = {"prefill": self.prefill_selector, "decode": self.decode_selector, "both": self.both_selector}
+        return {role: sel for role, sel in given.items() if sel is not None}
+
+
+@dataclass
 class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -71,6 +110,7 @@ class ProxyConfig:
     supervisor_tpot_slo: float = 0.1  # seconds per output token
     tokenizer: str | None = None  # HF tokenizer dir for exact prompt lengths (else ~4 bytes/token)
     model_names: list[str] = field(default_factory=list)  # extra accepted model names
+    kubernetes: K8sDiscoveryConfig | None = None  # instances also come from Kubernetes pods
 
     def __post_init__(self) -> None:
         self.validate()
@@ -129,7 +169,7 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "supervisor_interval": (int, float), "supervisor_ttft_slo": (int, float),
     "supervisor_tpot_slo": (int, float), "tokenizer": str, "model_names": list,
 }
-assert set(_FIELD_TYPES) | {"instances"} == {f.name for f in dataclasses.fields(ProxyConfig)}
+assert set(_FIELD_TYPES) | {"instances", "kubernetes"} == {f.name for f in dataclasses.fields(ProxyConfig)}
 
 
 def config_from_mapping(data: Any, where: str = "config") -> dict[str, Any]:
@@ -141,8 +181,12 @@ def config_from_mapping(data: Any, where: str = "config") -> dict[str, Any]:
         if key == "instances":
             out["instances"] = _instances_from_list(value)
             continue
+        if key == "kubernetes":
+            out["kubernetes"] = _kubernetes_from_mapping(value)
+            continue
         if key not in _FIELD_TYPES:
-            raise ConfigError(f"{key}: unknown key in {where} (known: instances, {', '.join(sorted(_FIELD_TYPES))})")
+            raise ConfigError(f"{key}: unknown key in {where} "
+                              f"(known: instances, kubernetes, {', '.join(sorted(_FIELD_TYPES))})")
         want = _FIELD_TYPES[key]
         # bool is an int subclass; reject it where a number is wanted
         if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
@@ -169,6 +213,20 @@ def _instances_from_list(value: Any) -> list[InstanceConfig]:
         except ConfigError as e:
             raise ConfigError(f"instances[{i}].{e}") from None
     return result
+
+
+def _kubernetes_from_mapping(value: Any) -> K8sDiscoveryConfig:
+    if not isinstance(value, dict):
+        raise ConfigError("kubernetes: expected a mapping (prefill_selector, decode_selector, namespace, ...)")
+    known = {f.name: f.type for f in dataclasses.fields(K8sDiscoveryConfig)}
+    for key, item in value.items():
+        if key not in known:
+            raise ConfigError(f"kubernetes.{key}: unknown key (known: {', '.join(known)})")
+        numbers: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float)}
+        want = numbers.get(str(known[key]), str)
+        if not isinstance(item, want) or isinstance(item, bool):
+            raise ConfigError(f"kubernetes.{key}: expected {_type_name(want)}, got {item!r}")
+    return K8sDiscoveryConfig(**value)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

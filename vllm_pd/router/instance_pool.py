@@ -110,6 +110,21 @@ class InstancePool:
         logger.info("instance removed: %s", url)
         return inst
 
+    def drain(self, url: str) -> Instance:
+        """No new requests go to ``url``; those in flight finish (``remove`` it once its load is 0)."""
+        inst = self.get(url)
+        if not inst.draining:
+            inst.draining = True
+            logger.info("instance draining: %s (%d in flight)", inst.url, inst.load)
+        return inst
+
+    def undrain(self, url: str) -> Instance:
+        inst = self.get(url)
+        if inst.draining:
+            inst.draining = False
+            logger.info("instance undrained: %s", inst.url)
+        return inst
+
     def get(self, url: str) -> Instance:
         inst = self._instances.get(url.rstrip("/"))
         if inst is None:
