@@ -107,9 +107,9 @@ def test_outgoing_failed_push_is_counted_not_fatal() -> None:
 
 
 # ---- decode: push staging --------------------------------------------------------------------------
-def _land(st: PushStaging, tid: str, layer: int, positions: tuple[int, ...], fill: int, last: bool,
+def _land(st: PushStaging, transfer_id: str, layer: int, positions: tuple[int, ...], fill: int, last: bool,
           ok: bool = True) -> BlockBatch:
-    batch = BlockBatch(tid, layer, positions, 8, last=last)
+    batch = BlockBatch(transfer_id, layer, positions, 8, last=last)
     views = st.destinations(batch)
     assert views is not None
     for v in views:

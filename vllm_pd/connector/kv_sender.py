@@ -50,13 +50,13 @@ class KVSender:
         self._step_plans: dict[int, LayerPush] = {}  # id(spec) -> its layers' push, made as the step starts
 
     def begin_step(self, meta: WorkerStep) -> None:
-        for tid in meta.preempted_transfers:
+        for transfer_id in meta.preempted_transfers:
             # the blocks are about to be reused: pushes and reads of them must end first
             # (the grant comes back when the request's prompt is computed again)
             self.sends.drain(self.config.transfer_timeout_s)
-            self.outgoing.wait_pushes(tid, timeout=self.config.transfer_timeout_s)
-            self.transport.allow_fetch(tid, None)
-            self.access.release(tid)
+            self.outgoing.wait_pushes(transfer_id, timeout=self.config.transfer_timeout_s)
+            self.transport.allow_fetch(transfer_id, None)
+            self.access.release(transfer_id)
         for fs in meta.finished_sends:
             self.outgoing.finish(fs.transfer_id, fs.held)
         self._step_sends = list(meta.sends)

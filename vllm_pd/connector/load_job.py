@@ -166,10 +166,10 @@ class LoadJob:
             return None
         return remote
 
-    def _copy_staged(self, tid: str, layer: int, region: MemoryRegion) -> list[int]:
+    def _copy_staged(self, transfer_id: str, layer: int, region: MemoryRegion) -> list[int]:
         missing, block_ids, buffers = [], [], []
         for i, (pos, block_id) in enumerate(zip(self.spec.positions, self.spec.local_block_ids)):
-            buf = self._staging.landed_block(tid, layer, pos)
+            buf = self._staging.landed_block(transfer_id, layer, pos)
             if buf is None or buf.numel() != region.block_nbytes:
                 missing.append(i)
                 continue

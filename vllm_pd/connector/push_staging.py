@@ -164,13 +164,13 @@ class PushStaging:
 
     def _expire_locked(self) -> None:
         now = time.monotonic()
-        for tid in [t for t, st in self._transfers.items() if now - st.touched > self.ttl_s]:
-            abandoned = self._transfers[tid].abandoned
-            self._drop_locked(tid)
+        for transfer_id in [t for t, st in self._transfers.items() if now - st.touched > self.ttl_s]:
+            abandoned = self._transfers[transfer_id].abandoned
+            self._drop_locked(transfer_id)
             if abandoned:
                 continue  # never announced: prefill's lease frees its copy
             logger.warning("pushed KV of transfer %s never claimed by a request within %.0fs: dropped",
-                           tid, self.ttl_s)
+                           transfer_id, self.ttl_s)
 
     def expire(self) -> None:
         with self._cond:

@@ -201,17 +201,17 @@ class PoolExchange:
     def _lease(self, keys: Sequence[BlockKey]) -> LeaseGranted:
         self._expire_grants()
         held, staged = self._held(keys)
-        tid = f"store-{uuid.uuid4().hex}"
+        transfer_id = f"store-{uuid.uuid4().hex}"
         slots = [slot for slot, _, _ in held]
         if slots:
             with self._lock:
-                self._grants[tid] = (time.monotonic() + self.grant_ttl_s, [(s, g) for s, _, g in held], staged)
-            self.transport.allow_fetch(tid, [row for layer in range(self.pool.num_layers)
+                self._grants[transfer_id] = (time.monotonic() + self.grant_ttl_s, [(s, g) for s, _, g in held], staged)
+            self.transport.allow_fetch(transfer_id, [row for layer in range(self.pool.num_layers)
                                              for row in self._rows(slots, layer)])
             with self._lock:  # read together by take_served
                 self.stats["served_blocks"] += len(slots)
                 self.stats["served_from_disk"] += len(staged)
-        return LeaseGranted(tid, slots, [digest for _, digest, _ in held])
+        return LeaseGranted(transfer_id, slots, [digest for _, digest, _ in held])
 
     def _held(self, keys: Sequence[BlockKey]) -> tuple[list[tuple[int, bytes, int | None]], list[int]]:
         """(slot, checksum, generation) of the longest leading run of ``keys`` held
@@ -242,13 +242,13 @@ class PoolExchange:
             out.append(entry)
         return out, rows
 
-    def _revoke(self, tid: str) -> int:
+    def _revoke(self, transfer_id: str) -> int:
         """End a grant (once no read of it is sending); returns its intact leading slots."""
         with self._lock:
-            grant = self._grants.pop(tid, None)
+            grant = self._grants.pop(transfer_id, None)
         if grant is None:
             return 0  # unknown or expired: count nothing
-        self.transport.allow_fetch(tid, None)
+        self.transport.allow_fetch(transfer_id, None)
         if self.staging is not None and grant[2]:
             self.staging.give_back(grant[2])  # no byte of them is being sent any more
         return self.directory.intact(grant[1])
@@ -256,9 +256,9 @@ class PoolExchange:
     def _expire_grants(self) -> None:
         now = time.monotonic()
         with self._lock:
-            old = [tid for tid, (until, _, _) in self._grants.items() if until <= now]
-        for tid in old:
-            self._revoke(tid)
+            old = [transfer_id for transfer_id, (until, _, _) in self._grants.items() if until <= now]
+        for transfer_id in old:
+            self._revoke(transfer_id)
 
     def take_served(self) -> tuple[int, int]:
         """(blocks served from the CPU pool, from disk) since the last call (for vLLM's metrics)."""
@@ -317,9 +317,9 @@ class PoolExchange:
         layers = self.pool.num_layers
         return [slot * layers + layer for slot in slots]
 
-    def _release_quietly(self, peer: str, tid: str) -> None:
+    def _release_quietly(self, peer: str, transfer_id: str) -> None:
         try:
-            self.transport.notify(peer, _encoder.encode(ReleaseBlocks(tid)), self.timeout_s)
+            self.transport.notify(peer, _encoder.encode(ReleaseBlocks(transfer_id)), self.timeout_s)
         except (TransportError, ValueError):  # the grant expires anyway
             pass
 
