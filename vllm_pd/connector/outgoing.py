@@ -26,6 +26,7 @@ logger = vllm_logger(__name__)
 @dataclass
 class OutgoingTransfer:
     transfer_id: str
+    request_id: str = ""  # vLLM's, known once the scheduler saw the request finish
     pushes: list[Future[None]] = field(default_factory=list)
     push_failures: int = 0
     granted: bool = False
@@ -91,10 +92,10 @@ class OutgoingTransfers:
             t.granted = True
             t.computed_at = time.monotonic()
 
-    def finish(self, transfer_id: str, held: bool) -> None:
+    def finish(self, transfer_id: str, request_id: str, held: bool) -> None:
         with self._lock:
             t = self._get(transfer_id)
-            t.finished, t.held = True, held
+            t.finished, t.held, t.request_id = True, held, request_id
             if held:
                 t.expiry = time.monotonic() + self.lease_s
             else:
