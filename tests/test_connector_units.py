@@ -224,30 +224,23 @@ def test_load_job_of_awaited_push_checks_the_announcement_then_copies_and_releas
     assert len(st) == 0
 
 
-def test_load_job_of_awaited_push_refuses_another_prompts_kv() -> None:
+@pytest.mark.parametrize("transfer_id, prompt, problem", [
+    ("k", [5, 6, 8], "not for this request: prompt differs"),
+    ("other", [5, 6, 7], "not for this request: prefill's answer names transfer other"),
+])
+def test_load_job_of_awaited_push_refuses_kv_of_another_prompt_or_transfer(transfer_id: str, prompt: list[int],
+                                                                           problem: str) -> None:
     st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
     job, regions, transport = _awaited_job(st, [5, 6, 7])
     for layer in range(2):
         _land(st, "k", layer, (0, 1), fill=1, last=True)
-    st.announce("k", _remote(mode="push", transfer_id="k", block_ids=(8, 9), num_tokens=3, block_size=2,
-                             prompt_hash=prompt_hash([5, 6, 8])).to_params())
+    st.announce("k", _remote(mode="push", transfer_id=transfer_id, block_ids=(8, 9), num_tokens=3, block_size=2,
+                             prompt_hash=prompt_hash(prompt)).to_params())
     job.run()
-    assert not job.ok and "not for this request" in job.error
+    assert not job.ok and problem in job.error
     assert not regions[0].tensor.any()  # not one byte of it used
-    assert len(transport.notified) == 1  # prefill still told to release
-
-
-def test_load_job_of_awaited_push_refuses_an_announcement_naming_another_transfer() -> None:
-    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
-    job, regions, transport = _awaited_job(st, [5, 6, 7])
-    for layer in range(2):
-        _land(st, "k", layer, (0, 1), fill=1, last=True)
-    st.announce("k", _remote(mode="push", transfer_id="other", block_ids=(8, 9), num_tokens=3, block_size=2,
-                             prompt_hash=prompt_hash([5, 6, 7])).to_params())
-    job.run()
-    assert not job.ok and "names transfer other" in job.error
-    assert not regions[0].tensor.any()
-    assert transport.notified == [("tcp://10.0.0.1:5000", ReleaseMessage("other").encode())]
+    # prefill still told to release, under the name its answer gave
+    assert transport.notified == [("tcp://10.0.0.1:5000", ReleaseMessage(transfer_id).encode())]
 
 
 def test_load_job_of_awaited_push_never_announced_fails_and_abandons() -> None:
