@@ -25,9 +25,9 @@ TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 def thread_ticks() -> Counter[str]:
     """utime + stime clock ticks of this process's threads, by thread name."""
     out: Counter[str] = Counter()
-    for tid in os.listdir("/proc/self/task"):
+    for thread_id in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
+            with open(f"/proc/self/task/{thread_id}/stat") as f:
                 stat = f.read()
         except OSError:
             continue

@@ -112,11 +112,11 @@ def run_pd_beside(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: li
                   decode_endpoint: str, mode: str, load_ask: dict[str, str]) -> tuple[float, float]:
     """Our proxy's flow: the decode leg goes out with the prefill leg, waiting for prefill's announcement."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
-    key = uuid.uuid4().hex
-    params = RemoteDecodeRequest(mode, decode_endpoint, key).to_params()
+    transfer_id = uuid.uuid4().hex  # the transfer's name in both legs, as our proxy gives it
+    params = RemoteDecodeRequest(mode, decode_endpoint, transfer_id).to_params()
     t0 = time.perf_counter()
-    decode_leg = _pool.submit(stream_ttft, _decode_client, d.url,
-                              dict(body, kv_transfer_params={**AwaitedPrefill(key, mode).to_params(), **load_ask}), t0)
+    awaited = AwaitedPrefill(transfer_id, mode).to_params()
+    decode_leg = _pool.submit(stream_ttft, _decode_client, d.url, dict(body, kv_transfer_params={**awaited, **load_ask}), t0)
     r = client.post(p.url + "/v1/completions", json=dict(body, max_tokens=1, stream=False, kv_transfer_params=params),
                     timeout=600)
     r.raise_for_status()

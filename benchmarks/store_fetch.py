@@ -3,7 +3,7 @@
     python3 benchmarks/store_fetch.py [--slots 32] [--slot-mib 1] [--rounds 20]
 
 Two store pools (PoolExchange, TCP transport on loopback) in one process. The
-store's fetch = lease round trip (notify) + one transport fetch per layer, all
+store's fetch = grant round trip (notify) + one transport fetch per layer, all
 queued at once (per-block length and checksum) + release round trip (answers
 whether a slot was overwritten meanwhile). Its peer, measured in the same run
 on the same pools, rounds alternating with it (a loaded machine slows both
@@ -191,7 +191,7 @@ def main() -> None:
         tmp.cleanup()
     print(f"{n} slots x {holder.pool.slot_nbytes / (1 << 20):.2f} MiB = {nbytes / (1 << 20):.0f} MiB per fetch, "
           f"median of {args.rounds}")
-    print(f"store fetch (lease + fetch + release/intact check): {nbytes / store / 1e9:.2f} GB/s "
+    print(f"store fetch (grant + fetch + release/intact check): {nbytes / store / 1e9:.2f} GB/s "
           f"= {bare / store:.2f} x bare transport fetch ({nbytes / bare / 1e9:.2f} GB/s)")
     layer0 = statistics.median(first_layer)
     print(f"first layer landed after {layer0 * 1e3:.2f} ms = {layer0 / store:.2f} x the whole store fetch "

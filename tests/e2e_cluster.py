@@ -138,11 +138,11 @@ def output_tokens(resp: dict[str, Any]) -> list[int]:
     return list(ids)
 
 
-def prefill_leg(body: dict[str, Any], mode: str, decode: Instance | None, transfer_key: str = "") -> dict[str, Any]:
+def prefill_leg(body: dict[str, Any], mode: str, decode: Instance | None, transfer_id: str = "") -> dict[str, Any]:
     ask = RemoteDecodeRequest()
-    if mode == "push" or transfer_key:
+    if mode == "push" or transfer_id:
         assert decode is not None
-        ask = RemoteDecodeRequest(mode, decode.kv_endpoint, transfer_key)  # type: ignore[arg-type]
+        ask = RemoteDecodeRequest(mode, decode.kv_endpoint, transfer_id)  # type: ignore[arg-type]
     leg = dict(body, max_tokens=1, stream=False, kv_transfer_params=ask.to_params())
     leg.pop("stream_options", None)
     return leg
@@ -162,10 +162,10 @@ def disagg(client: httpx.Client, prefill: Instance, decode: Instance, body: dict
     ``load_mode``: the decode leg asks for this load mode instead of decode's configured one."""
     ask = {} if load_mode is None else {"load_mode": load_mode}
     if mode.endswith("-beside"):
-        key, transfer_mode = uuid.uuid4().hex, mode.split("-")[0]
-        leg = _beside_pool.submit(post, _beside_client, decode.url,
-                                  dict(body, kv_transfer_params={**AwaitedPrefill(key, transfer_mode).to_params(), **ask}))
-        p = post(client, prefill.url, prefill_leg(body, transfer_mode, decode, transfer_key=key))
+        transfer_id, transfer_mode = uuid.uuid4().hex, mode.split("-")[0]
+        awaited = AwaitedPrefill(transfer_id, transfer_mode).to_params()  # type: ignore[arg-type]
+        leg = _beside_pool.submit(post, _beside_client, decode.url, dict(body, kv_transfer_params={**awaited, **ask}))
+        p = post(client, prefill.url, prefill_leg(body, transfer_mode, decode, transfer_id=transfer_id))
         return p, leg.result()
     p = post(client, prefill.url, prefill_leg(body, mode, decode))
     assert p.get("kv_transfer_params"), f"prefill returned no kv_transfer_params: {p}"

@@ -162,17 +162,17 @@ def _prefill_main(spec: HarnessSpec, conn: Any) -> None:
         contents = [block_contents(spec, i, r, n, nbytes, device) for i in range(spec.layers)]
         idx = torch.tensor(block_ids, device=device)
         baseline = _step(worker, forward, names, None, views, idx, contents)
-        tid = f"t{r}"
+        transfer_id, request_id = f"t{r}", f"p{r}"
         host, port = worker.endpoint.split("://", 1)[1].rsplit(":", 1)
-        announcement = RemotePrefill(tid, "harness", worker.endpoint, host, int(port), tuple(block_ids), n * spec.block_size,
-                                     spec.block_size, mode, transfer_key=tid).to_params()
-        send = SendSpec(tid, tuple(block_ids), 0, n * spec.block_size, n * spec.block_size,
-                        decode_endpoint if mode == "push" else None, transfer_key=tid,
+        announcement = RemotePrefill(transfer_id, "harness", worker.endpoint, host, int(port), tuple(block_ids),
+                                     n * spec.block_size, spec.block_size, mode).to_params()
+        send = SendSpec(transfer_id, tuple(block_ids), 0, n * spec.block_size, n * spec.block_size,
+                        decode_endpoint if mode == "push" else None,
                         announcement=announcement, announce_endpoint=decode_endpoint)
         first_save, forward_s, forward_end = _step(worker, forward, names, send, views, idx, contents)
-        worker.begin_step(WorkerStep(finished_sends=[FinishedSend(tid, held=True)]))
+        worker.begin_step(WorkerStep(finished_sends=[FinishedSend(transfer_id, request_id, held=True)]))
         deadline = time.monotonic() + spec.timeout_s
-        while tid not in worker.get_finished()[0] and time.monotonic() < deadline:
+        while request_id not in worker.get_finished()[0] and time.monotonic() < deadline:
             time.sleep(0.001)  # until decode released it (the lease is longer than the timeout)
         timings.append((baseline[1], first_save, forward_s, forward_end))
     conn.send(timings)
@@ -211,12 +211,12 @@ def _decode_main(spec: HarnessSpec, conn: Any) -> None:
     n, nbytes = spec.blocks_per_request, views[0][0].numel()
     results = []
     for r, mode in enumerate(_requests(spec)):
-        tid = f"t{r}"
-        params = worker.staging.wait_announced(tid, time.monotonic() + spec.timeout_s)
+        transfer_id = f"t{r}"
+        params = worker.staging.wait_announced(transfer_id, time.monotonic() + spec.timeout_s)
         remote = RemotePrefill.from_params(params)
-        assert remote is not None, f"no usable announcement for {tid}: {params}"
+        assert remote is not None, f"no usable announcement for {transfer_id}: {params}"
         local_ids = _block_ids(spec, r, side=1)
-        load = LoadSpec(f"d{r}", remote, 0, tuple(local_ids), layerwise=True)
+        load = LoadSpec(f"d{r}", transfer_id, remote, 0, tuple(local_ids), layerwise=True)
         worker.begin_step(WorkerStep(loads=[load]))
         worker.start_loads()
         job = worker.loader.job(f"d{r}")

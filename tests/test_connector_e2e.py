@@ -183,7 +183,7 @@ def test_aborts_on_either_side_leak_nothing(pd_pair, client) -> None:
     with pytest.raises(httpx.TimeoutException):
         client.post(decode.url + "/v1/completions", timeout=0.05,
                     json=dict(body, kv_transfer_params=AwaitedPrefill("abandoned-1", "push").to_params()))
-    ec.post(client, prefill.url, ec.prefill_leg(body, "push", decode, transfer_key="abandoned-1"))
+    ec.post(client, prefill.url, ec.prefill_leg(body, "push", decode, transfer_id="abandoned-1"))
     assert_nothing_held(client, pd_pair)
 
 

@@ -14,8 +14,8 @@ from vllm.v1.request import RequestStatus
 
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.scheduler import PDConnectorScheduler
-from vllm_pd.connector.metadata import RemoteRelease
-from vllm_pd.connector.transfer_params import AwaitedPrefill, RemotePrefill, prompt_hash
+from vllm_pd.connector.metadata import FinishedSend, PDHandshake, RemoteRelease
+from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest, RemotePrefill, prompt_hash
 
 BLOCK = 16
 
@@ -26,9 +26,9 @@ def make_scheduler(tp_size: int = 1, **extra: object) -> PDConnectorScheduler:
     return PDConnectorScheduler(vllm_config, PDConnectorConfig.from_extra_config(extra), "engine-0")
 
 
-def make_request(req_id: str, key: str, n: int = 40, **ask: object) -> SimpleNamespace:
+def make_request(req_id: str, transfer_id: str, n: int = 40, **ask: object) -> SimpleNamespace:
     return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(n)), num_prompt_tokens=n,
-                           kv_transfer_params={**AwaitedPrefill(key, "push").to_params(), **ask},
+                           kv_transfer_params={**AwaitedPrefill(transfer_id, "push").to_params(), **ask},
                            status=RequestStatus.WAITING)
 
 
@@ -52,14 +52,14 @@ def test_alone_it_waits_for_the_announcement_then_loads_layer_wise() -> None:
     sched = make_scheduler()
     req = make_request("r1", "k1")
     assert ask(sched, req) == (None, False)  # unscheduled until prefill announces
-    assert step(sched).awaited_keys == ["k1"]  # an idle worker step waits for it
+    assert step(sched).awaited_transfers == ["k1"]  # an idle worker step waits for it
     sched.note_announced(frozenset({"k1"}))
     assert ask(sched, req) == (39, False)  # all but the last token, landed during this step's forward
     alloc(sched, req, 39)
     meta = step(sched)
     [load] = meta.loads
-    assert load.layerwise and load.transfer_key == "k1" and load.remote is None
-    assert load.local_block_ids == (100, 101, 102) and meta.awaited_keys == []
+    assert load.layerwise and load.transfer_id == "k1" and load.remote is None
+    assert load.local_block_ids == (100, 101, 102) and meta.awaited_transfers == []
 
 
 def test_with_another_request_live_it_loads_async() -> None:
@@ -97,7 +97,7 @@ def test_never_announced_recomputes_and_abandons_the_push() -> None:
     assert ask(sched, req) == (0, False)  # decode computes the prompt itself
     alloc(sched, req, 0)
     meta = step(sched)
-    assert meta.abandoned_pushes == ["k1"] and not meta.loads and meta.awaited_keys == []
+    assert meta.abandoned_pushes == ["k1"] and not meta.loads and meta.awaited_transfers == []
 
 
 def test_aborted_while_waiting_abandons_the_push() -> None:
@@ -107,7 +107,7 @@ def test_aborted_while_waiting_abandons_the_push() -> None:
     req.status = RequestStatus.FINISHED_ABORTED
     assert sched.request_finished(req, []) == (False, None)
     meta = step(sched)
-    assert meta.abandoned_pushes == ["k1"] and meta.awaited_keys == []
+    assert meta.abandoned_pushes == ["k1"] and meta.awaited_transfers == []
 
 
 def test_announcements_nobody_claims_are_forgotten_after_the_lease() -> None:
@@ -156,9 +156,67 @@ def test_prefill_of_another_tp_size_is_refused_and_every_rank_released() -> None
 
 def test_a_malformed_prefill_leg_is_computed_but_not_held() -> None:
     sched = make_scheduler()
-    # a transfer_key but nowhere to announce it: refused (TransferParamsError), logged
+    # a transfer_id but nowhere to announce it: refused (TransferParamsError), logged
     req = SimpleNamespace(request_id="p1", prompt_token_ids=list(range(40)), num_prompt_tokens=40,
-                          kv_transfer_params={"do_remote_decode": True, "transfer_key": "k"},
+                          kv_transfer_params={"do_remote_decode": True, "transfer_id": "k"},
                           status=RequestStatus.FINISHED_STOPPED, num_computed_tokens=40)
     alloc(sched, req, 0)
     assert sched.request_finished(req, [100, 101, 102]) == (False, None)  # freed now, nothing announced
+
+
+# ---- prefill side: the transfer's one name ---------------------------------------------------------
+def make_prefill_scheduler() -> PDConnectorScheduler:
+    sched = make_scheduler()
+    sched.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: ([7, 8, 9],)))
+    sched.set_handshake({0: PDHandshake("tcp://p:5000", "p", 5000, num_layers=2, block_nbytes=64)})
+    return sched
+
+
+def prefill_leg(req_id: str, transfer_id: str = "", n: int = 40) -> SimpleNamespace:
+    ask = RemoteDecodeRequest("push", "tcp://d:6000", transfer_id) if transfer_id else RemoteDecodeRequest()
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(n)), num_prompt_tokens=n,
+                           kv_transfer_params=ask.to_params(), status=RequestStatus.RUNNING, num_computed_tokens=0)
+
+
+def compute_prompt(sched: PDConnectorScheduler, req: SimpleNamespace):  # noqa: ANN201 - PDConnectorMetadata
+    alloc(sched, req, 0)
+    meta = sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=req.num_prompt_tokens,
+                                                      preempted_req_ids=(),
+                                                      num_scheduled_tokens={req.request_id: req.num_prompt_tokens}))
+    req.num_computed_tokens = req.num_prompt_tokens
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    return meta
+
+
+def test_the_proxys_transfer_id_is_prefills_name_of_the_transfer_everywhere() -> None:
+    sched = make_prefill_scheduler()
+    req = prefill_leg("cmpl-1", transfer_id="t-proxy")
+    [send] = compute_prompt(sched, req).sends
+    assert send.transfer_id == "t-proxy" and send.announce_endpoint == "tcp://d:6000"
+    assert RemotePrefill.parse(send.announcement).transfer_id == "t-proxy"  # decode's announcement
+    held, params = sched.request_finished(req, [7, 8, 9])
+    assert held and RemotePrefill.parse(params).transfer_id == "t-proxy"  # decode releases it by that name
+    assert step(sched).finished_sends == [FinishedSend("t-proxy", "cmpl-1", held=True)]
+
+
+def test_without_a_proxy_name_the_transfer_is_named_by_prefills_request_id() -> None:
+    sched = make_prefill_scheduler()
+    req = prefill_leg("cmpl-2")
+    [send] = compute_prompt(sched, req).sends
+    assert send.transfer_id == "cmpl-2" and send.announcement is None
+    assert RemotePrefill.parse(sched.request_finished(req, [7, 8, 9])[1]).transfer_id == "cmpl-2"
+
+
+def test_a_transfer_id_in_use_is_refused_until_vllm_freed_its_blocks() -> None:
+    sched = make_prefill_scheduler()
+    first = prefill_leg("cmpl-1", transfer_id="t-1")
+    compute_prompt(sched, first)
+    assert sched.request_finished(first, [7, 8, 9])[0]  # held: its worker still pushes, grants, awaits release
+    second = prefill_leg("cmpl-2", transfer_id="t-1")
+    meta = compute_prompt(sched, second)
+    assert meta.sends == []  # computed, but nothing sent under another request's transfer
+    assert sched.request_finished(second, [7, 8, 9]) == (False, None)
+    sched.note_sent({"cmpl-1"})  # the workers reported t-1 finished: vLLM freed cmpl-1's blocks
+    third = prefill_leg("cmpl-3", transfer_id="t-1")
+    [send] = compute_prompt(sched, third).sends
+    assert send.transfer_id == "t-1"

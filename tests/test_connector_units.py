@@ -69,12 +69,13 @@ def test_outgoing_held_until_released_and_pushes_done() -> None:
     out.add_push("t", fut)
     out.mark_computed("t")
     assert out.take_reportable() == []
-    out.finish("t", held=True)
+    out.finish("t", "req-t", held=True)
     out.release("t")
     assert out.take_reportable() == []  # a push still reads the blocks
     fut.set_result(None)
     [t] = out.take_reportable()
     assert t.transfer_id == "t" and t.granted
+    assert t.request_id == "req-t"  # what the worker reports to vLLM, which knows requests, not transfers
     assert out.pending() == 0
 
 
@@ -82,14 +83,14 @@ def test_outgoing_release_before_finish_waits_for_the_scheduler() -> None:
     out = OutgoingTransfers(lease_s=60)
     out.release("t")  # decode was fast: its release beat the scheduler's finish
     assert out.take_reportable() == []
-    out.finish("t", held=True)
+    out.finish("t", "req-t", held=True)
     assert [t.transfer_id for t in out.take_reportable()] == ["t"]
 
 
 def test_outgoing_lease_expiry_and_abort() -> None:
     out = OutgoingTransfers(lease_s=0.05)
-    out.finish("held", held=True)
-    out.finish("aborted", held=False)
+    out.finish("held", "req-held", held=True)
+    out.finish("aborted", "req-aborted", held=False)
     assert [t.transfer_id for t in out.take_reportable()] == ["aborted"]
     time.sleep(0.06)
     assert [t.transfer_id for t in out.take_reportable()] == ["held"]
@@ -102,14 +103,14 @@ def test_outgoing_failed_push_is_counted_not_fatal() -> None:
     out.add_push("t", fut)
     fut.set_exception(RuntimeError("peer gone"))
     assert out.push_failures_total == 1
-    out.finish("t", held=False)
+    out.finish("t", "req-t", held=False)
     assert [t.transfer_id for t in out.take_reportable()] == ["t"]
 
 
 # ---- decode: push staging --------------------------------------------------------------------------
-def _land(st: PushStaging, tid: str, layer: int, positions: tuple[int, ...], fill: int, last: bool,
+def _land(st: PushStaging, transfer_id: str, layer: int, positions: tuple[int, ...], fill: int, last: bool,
           ok: bool = True) -> BlockBatch:
-    batch = BlockBatch(tid, layer, positions, 8, last=last)
+    batch = BlockBatch(transfer_id, layer, positions, 8, last=last)
     views = st.destinations(batch)
     assert views is not None
     for v in views:
@@ -161,7 +162,7 @@ def test_staging_views_write_into_its_buffers() -> None:
 
 # ---- decode leg sent beside the prefill leg (awaited push) -----------------------------------------
 def test_push_done_message_round_trip() -> None:
-    msg = PrefillDoneMessage("k1", _remote(transfer_key="k1").to_params())
+    msg = PrefillDoneMessage("k1", _remote(transfer_id="k1").to_params())
     assert decode_control(msg.encode()) == msg
 
 
@@ -200,7 +201,7 @@ class _RecordingTransport:
 
 def _awaited_job(st: PushStaging, prompt: list[int], timeout_s: float = 2.0, rank: int = 0, tp_size: int = 1):
     regions = [MemoryRegion(f"l{i}", torch.zeros(4, 8, dtype=torch.uint8)) for i in range(2)]
-    spec = LoadSpec(request_id="d-1", remote=None, first_position=0, local_block_ids=(3, 1), transfer_key="k",
+    spec = LoadSpec(request_id="d-1", transfer_id="k", remote=None, first_position=0, local_block_ids=(3, 1),
                     prompt=LocalPrompt(prompt_hash(prompt), len(prompt), block_size=2, tp_size=tp_size))
     transport = _RecordingTransport()
     access = DirectAccess(BlockCopies(regions, HostDevice()))
@@ -214,26 +215,32 @@ def test_load_job_of_awaited_push_checks_the_announcement_then_copies_and_releas
     job, regions, transport = _awaited_job(st, [5, 6, 7])
     for layer in range(2):
         _land(st, "k", layer, (0, 1), fill=10 + layer, last=True)
-    st.announce("k", _remote(mode="push", transfer_key="k", block_ids=(8, 9), num_tokens=3, block_size=2,
+    st.announce("k", _remote(mode="push", transfer_id="k", block_ids=(8, 9), num_tokens=3, block_size=2,
                              prompt_hash=prompt_hash([5, 6, 7])).to_params())
     job.run()
     assert job.ok and job.blocks_from_push == 4
     assert bytes(regions[1].tensor[3].numpy()) == b"\x0b" * 8 and bytes(regions[0].tensor[1].numpy()) == b"\x0a" * 8
-    assert transport.notified == [("tcp://10.0.0.1:5000", ReleaseMessage("cmpl-1-0-abc").encode())]
+    assert transport.notified == [("tcp://10.0.0.1:5000", ReleaseMessage("k").encode())]
     assert len(st) == 0
 
 
-def test_load_job_of_awaited_push_refuses_another_prompts_kv() -> None:
+@pytest.mark.parametrize("transfer_id, prompt, problem", [
+    ("k", [5, 6, 8], "not for this request: prompt differs"),
+    ("other", [5, 6, 7], "not for this request: prefill's answer names transfer other"),
+])
+def test_load_job_of_awaited_push_refuses_kv_of_another_prompt_or_transfer(transfer_id: str, prompt: list[int],
+                                                                           problem: str) -> None:
     st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
     job, regions, transport = _awaited_job(st, [5, 6, 7])
     for layer in range(2):
         _land(st, "k", layer, (0, 1), fill=1, last=True)
-    st.announce("k", _remote(mode="push", transfer_key="k", block_ids=(8, 9), num_tokens=3, block_size=2,
-                             prompt_hash=prompt_hash([5, 6, 8])).to_params())
+    st.announce("k", _remote(mode="push", transfer_id=transfer_id, block_ids=(8, 9), num_tokens=3, block_size=2,
+                             prompt_hash=prompt_hash(prompt)).to_params())
     job.run()
-    assert not job.ok and "not for this request" in job.error
+    assert not job.ok and problem in job.error
     assert not regions[0].tensor.any()  # not one byte of it used
-    assert len(transport.notified) == 1  # prefill still told to release
+    # prefill still told to release, under the name its answer gave
+    assert transport.notified == [("tcp://10.0.0.1:5000", ReleaseMessage(transfer_id).encode())]
 
 
 def test_load_job_of_awaited_push_never_announced_fails_and_abandons() -> None:
@@ -251,7 +258,7 @@ PREFILL_TP2 = dict(tp_size=2, endpoints=("tcp://10.0.0.1:5000", "tcp://10.0.0.1:
 def _announce_tp(st: PushStaging, **tp) -> None:
     for layer in range(2):
         _land(st, "k", layer, (0, 1), fill=10 + layer, last=True)
-    st.announce("k", _remote(mode="push", transfer_key="k", block_ids=(8, 9), num_tokens=3, block_size=2,
+    st.announce("k", _remote(mode="push", transfer_id="k", block_ids=(8, 9), num_tokens=3, block_size=2,
                              prompt_hash=prompt_hash([5, 6, 7]), **tp).to_params())
 
 
@@ -262,7 +269,7 @@ def test_load_job_of_equal_tp_releases_only_the_rank_it_loaded_from() -> None:
     _announce_tp(st, **PREFILL_TP2)
     job.run()
     assert job.ok
-    assert transport.notified == [("tcp://10.0.0.1:5001", ReleaseMessage("cmpl-1-0-abc").encode())]
+    assert transport.notified == [("tcp://10.0.0.1:5001", ReleaseMessage("k").encode())]
 
 
 def test_load_job_of_another_prefill_tp_refuses_the_kv_and_releases_every_prefill_rank() -> None:

@@ -205,8 +205,8 @@ def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool
         for p, view in enumerate(loader.staging.destinations(batch) or []):
             view[:] = block_bytes(pushed[i], p).numpy().tobytes()
         loader.staging.landed(batch, True)
-    spec = LoadSpec(request_id="d-1", remote=_remote("push", "tcp://127.0.0.1:1", [9, 9]), first_position=0,
-                    local_block_ids=(6, 1), layerwise=True)
+    spec = LoadSpec(request_id="d-1", transfer_id="p-1", remote=_remote("push", "tcp://127.0.0.1:1", [9, 9]),
+                    first_position=0, local_block_ids=(6, 1), layerwise=True)
     loader.begin_step(WorkerStep(loads=[spec]))
     # vLLM zeroes the step's new blocks on the compute stream just before start_load_kv; the
     # stand-in runs it late, so a landing that does not wait for it would be zeroed over
@@ -234,8 +234,8 @@ def test_decode_pull_lands_through_staging_rows_into_device_blocks() -> None:
     decode = create_transport("tcp")
     decode.register_regions(access.transport_regions)
     decode.start(_NoSink(), "127.0.0.1", 0)
-    spec = LoadSpec(request_id="d-1", remote=_remote("pull", prefill_endpoint, [4, 2]), first_position=0,
-                    local_block_ids=(7, 3), layerwise=False)
+    spec = LoadSpec(request_id="d-1", transfer_id="p-1", remote=_remote("pull", prefill_endpoint, [4, 2]),
+                    first_position=0, local_block_ids=(7, 3), layerwise=False)
     job = LoadJob(spec, decode, regions, PushStaging(1 << 20, ttl_s=60), access, rank=0, timeout_s=5, push_wait_s=1)
     started_at = time.monotonic()
     job.run()

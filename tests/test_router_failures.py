@@ -110,8 +110,8 @@ def test_decode_connect_error_beside_prefill_reruns_prefill_for_new_target(kv_mo
             targets = [s.body["kv_transfer_params"]["decode_endpoint"] for s in seen]
             assert targets == ["tcp://127.0.0.1:14601", "tcp://127.0.0.1:14602"]
             # both legs go out at once; d1 waits for the announcement of the second prefill leg
-            key = seen[1].body["kv_transfer_params"]["transfer_key"]
-            assert h.decodes[1].seen[0].body["kv_transfer_params"]["transfer_key"] == key
+            transfer_id = seen[1].body["kv_transfer_params"]["transfer_id"]
+            assert h.decodes[1].seen[0].body["kv_transfer_params"]["transfer_id"] == transfer_id
             assert "remote_request_id" not in h.decodes[1].seen[0].body["kv_transfer_params"]
             # the first prefill leg lost its decode: it is aborted (vLLM frees its KV), not held
             await wait_for(lambda: seen[0].cancelled)
@@ -317,7 +317,7 @@ def test_push_mode_prefill_failure_cancels_the_waiting_decode_leg_and_runs_decod
             assert status == 200 and out["served_by"] == "d0"
             legs = h.decodes[0].seen
             assert len(legs) == 2
-            assert legs[0].body["kv_transfer_params"]["transfer_key"]  # sent beside the prefill leg
+            assert legs[0].body["kv_transfer_params"]["transfer_id"]  # sent beside the prefill leg
             await wait_for(lambda: legs[0].cancelled)  # no push will come: not left waiting
             assert "kv_transfer_params" not in legs[1].body  # decode computes the prompt
     run(go)

@@ -42,12 +42,13 @@ def test_legs_go_out_together_when_decode_kv_endpoint_is_known() -> None:
             async with harness(decode_kv=True, kv_mode=kv_mode) as h:
                 await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})
                 kvp = h.prefills[0].seen[0].body["kv_transfer_params"]
-                key = kvp.get("transfer_key")
-                assert isinstance(key, str) and len(key) == 32
+                transfer_id = kvp.get("transfer_id")
+                assert isinstance(transfer_id, str) and len(transfer_id) == 32
                 assert kvp == dict(NIXL_REQUEST, transfer_mode=mode, decode_endpoint="tcp://127.0.0.1:14601",
-                                   transfer_key=key)
-                # the decode leg went out beside the prefill leg, waiting for prefill's announcement
-                assert h.decodes[0].seen[0].body["kv_transfer_params"] == AwaitedPrefill(key, mode).to_params()
+                                   transfer_id=transfer_id)
+                # the decode leg went out beside the prefill leg, waiting for prefill's announcement of it
+                assert h.decodes[0].seen[0].body["kv_transfer_params"] == AwaitedPrefill(transfer_id,
+                                                                                         mode).to_params()
         # no KV endpoint for decode: vLLM's standard flow, prefill's answer carried to decode
         async with harness(decode_kv=False, kv_mode="auto") as h:
             await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})

@@ -1,5 +1,6 @@
 """Scheduler + worker facades together, on real tensors shaped like vLLM's CPU KV cache."""
 
+import logging
 import os
 
 import pytest
@@ -152,9 +153,19 @@ def test_per_request_keys_are_extended_not_recomputed():
 def test_config_is_validated():
     with pytest.raises(ConfigError, match="cpu_byts"):
         StoreConfig.from_dict({"cpu_byts": "1g"})
-    with pytest.raises(ConfigError, match="lease_s"):
-        StoreConfig.from_dict({"lease_s": -1})
+    with pytest.raises(ConfigError, match="pin_ttl_s"):
+        StoreConfig.from_dict({"pin_ttl_s": -1})
     assert StoreConfig.from_dict({"cpu_bytes": "512m"}).cpu_bytes == 512 << 20
+
+
+def test_the_old_name_of_pin_ttl_s_still_works_with_a_warning_naming_both(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert StoreConfig.from_dict({"lease_s": 7}).pin_ttl_s == 7
+    assert "store.lease_s is deprecated" in caplog.text and "store.pin_ttl_s" in caplog.text
+    with pytest.raises(ConfigError, match="pin_ttl_s"):
+        StoreConfig.from_dict({"lease_s": -1})  # validated under its new name
+    with pytest.raises(ConfigError, match="store.lease_s and store.pin_ttl_s are both set"):
+        StoreConfig.from_dict({"lease_s": 7, "pin_ttl_s": 8})
 
 
 def test_cache_shadows_see_each_request_once_and_every_save():

@@ -59,13 +59,13 @@ def test_fetch_lands_verified_blocks_and_releases_the_grant(pair):
     assert sums == [a.pool.checksum(s) for s in range(4, 8)]
     assert a.stats["served_blocks"] == 4 and b.stats["fetched_blocks"] == 4
     assert eventually(lambda: a.live_grants == 0)  # released right after the fetch
-    # a grant covers exactly the leased slots: a read of anything else is refused
+    # a grant covers exactly the granted slots: a read of anything else is refused
     from vllm_pd.connector.exceptions import TransferRejected
     with pytest.raises(TransferRejected):
         b.transport.fetch(a.endpoint, "store-made-up", 0, [4], [5], 1.0).result(timeout=5)
 
 
-def test_lease_covers_only_the_leading_blocks_still_held(pair):
+def test_grant_covers_only_the_leading_blocks_still_held(pair):
     a, b = pair
     a.directory.drop_slots([6])  # KEYS[2] evicted on a (stale master entry)
     before = b.pool.data.clone()
@@ -75,17 +75,17 @@ def test_lease_covers_only_the_leading_blocks_still_held(pair):
     assert torch.equal(b.pool.data[2:], before[2:])  # nothing else written
 
 
-def test_block_overwritten_after_its_lease_is_rejected(pair):
+def test_block_overwritten_after_its_grant_is_rejected(pair):
     a, b = pair
-    lease = a._held
+    held_of = a._held
 
-    def lease_then_reuse_slot(keys):
-        held = lease(keys)
-        a.directory.drop_slots([5])  # a save reuses KEYS[1]'s slot right after the lease ...
+    def grant_then_reuse_slot(keys):
+        held = held_of(keys)
+        a.directory.drop_slots([5])  # a save reuses KEYS[1]'s slot right after the grant ...
         a.pool.data[5].add_(1)  # ... and writes it while it is being sent
         return held
 
-    a._held = lease_then_reuse_slot
+    a._held = grant_then_reuse_slot
     sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3])
     assert len(sums) == 1  # KEYS[0] only: never a wrong block, not the ones after it either
     assert eventually(lambda: a.live_grants == 0)

@@ -13,7 +13,7 @@ from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.disk_tier import DiskTier
 from vllm_pd.connector.store.keys import chain_keys
 from vllm_pd.connector.store.pool_exchange import (
-    LeaseBlocks,
+    GrantBlocks,
     PoolExchange,
     ReleaseBlocks,
     SlotDirectory,
@@ -108,13 +108,13 @@ def test_staging_rows_bound_what_is_served_from_disk(exchanges):
 
 def test_a_granted_row_stays_owned_until_release_or_expiry(exchanges):
     a, _ = exchanges(spare=2, ttl=0.3)
-    grant = _decoder.decode(a.on_notify("x", _encoder.encode(LeaseBlocks(KEYS))))
+    grant = _decoder.decode(a.on_notify("x", _encoder.encode(GrantBlocks(KEYS))))
     assert len(grant.slots) == 4 and a.staging.free_count == 0
-    again = _decoder.decode(a.on_notify("x", _encoder.encode(LeaseBlocks(KEYS))))
+    again = _decoder.decode(a.on_notify("x", _encoder.encode(GrantBlocks(KEYS))))
     assert len(again.slots) == 2  # the rows are taken: only the CPU part
     assert _decoder.decode(a.on_notify("x", _encoder.encode(ReleaseBlocks(grant.transfer_id)))).intact == 4
     assert a.staging.free_count == 2
-    _decoder.decode(a.on_notify("x", _encoder.encode(LeaseBlocks(KEYS))))  # never released ...
+    _decoder.decode(a.on_notify("x", _encoder.encode(GrantBlocks(KEYS))))  # never released ...
     assert a.staging.free_count == 0
     assert eventually(lambda: (a._expire_grants(), a.staging.free_count)[1] == 2)  # ... rows back after the ttl
 

@@ -23,8 +23,8 @@ def gate_later_layers(node: Node, fail: bool = False) -> threading.Event:
     fetch = exchange.transport.fetch
     gate = threading.Event()
 
-    def gated(peer, tid, region, remote, local, timeout):  # noqa: ANN001
-        done = fetch(peer, tid, region, remote, local, timeout)
+    def gated(peer, transfer_id, region, remote, local, timeout):  # noqa: ANN001
+        done = fetch(peer, transfer_id, region, remote, local, timeout)
         if remote[0] % LAYERS == 0:
             return done
         out: Future[None] = Future()

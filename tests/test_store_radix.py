@@ -41,16 +41,16 @@ def test_leaf_first_removal_keeps_prefixes_reachable():
     assert [n.key for n in removed] == ["b", "a"] and len(idx) == 0
 
 
-def test_pins_and_lease_expiry():
+def test_pins_and_pin_expiry():
     clock = Clock()
     idx = RadixIndex(clock=clock)
     idx.insert_chain(["a", "b"])
-    lease = idx.pin(["a", "b", "nope"], ttl_s=10)
-    assert lease.keys == ("a", "b") and not idx.evictable("b")
-    assert idx.release(lease) and idx.evictable("b")
-    assert not idx.release(lease)  # twice is a no-op
+    pin = idx.pin(["a", "b", "nope"], ttl_s=10)
+    assert pin.keys == ("a", "b") and not idx.evictable("b")
+    assert idx.unpin(pin) and idx.evictable("b")
+    assert not idx.unpin(pin)  # twice is a no-op
     idx.pin(["b"], ttl_s=10)
     clock.t = 5
     assert not idx.evictable("b")
-    clock.t = 11  # the reader died: its lease runs out
-    assert idx.evictable("b") and idx.live_leases == 0
+    clock.t = 11  # the reader died: its pin runs out
+    assert idx.evictable("b") and idx.live_pins == 0

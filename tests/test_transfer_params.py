@@ -47,7 +47,7 @@ def test_prefill_leg_round_trip_and_nixl_compatible_keys() -> None:
     ask = RemoteDecodeRequest("push", "shm://127.0.0.1:7000", "k1")
     params = json.loads(json.dumps(ask.to_params()))  # through JSON, as on the wire
     assert params == {**plain, "transfer_mode": "push", "decode_endpoint": "shm://127.0.0.1:7000",
-                      "transfer_key": "k1"}
+                      "transfer_id": "k1"}
     assert RemoteDecodeRequest.from_params(params) == ask
     assert RemoteDecodeRequest.from_params(plain) == RemoteDecodeRequest()
     assert RemoteDecodeRequest.from_params({"do_remote_prefill": True}) is None
@@ -69,7 +69,9 @@ def test_prefill_leg_resolves_the_mode_prefill_uses() -> None:
     ({"transfer_mode": "teleport"}, "transfer_mode"),
     ({"decode_endpoint": 7}, "decode_endpoint"),
     ({"decode_endpoint": ""}, "decode_endpoint"),
-    ({"transfer_key": "k1"}, "transfer_key needs decode_endpoint"),
+    ({"transfer_id": "k1"}, "transfer_id needs decode_endpoint"),
+    # version 1's name of a proxy-chosen transfer: refused by name, never silently ignored
+    ({"transfer_key": "k1", "decode_endpoint": "tcp://h:1"}, "`transfer_key` is not accepted any more"),
 ])
 def test_prefill_leg_bad_values_rejected_naming_the_key(extra: dict, key: str) -> None:
     with pytest.raises(TransferParamsError, match=key):
@@ -78,7 +80,7 @@ def test_prefill_leg_bad_values_rejected_naming_the_key(extra: dict, key: str) -
 
 # ---- prefill's answer (prefill -> proxy -> decode) ------------------------------------------------
 def test_remote_prefill_round_trip_through_json() -> None:
-    for rp in (remote_prefill(), remote_prefill(mode="push", transfer_key="k1", **TP2)):
+    for rp in (remote_prefill(), remote_prefill(mode="push", transfer_id="k1", **TP2)):
         params = json.loads(json.dumps(rp.to_params()))
         # vLLM's standard keys are there, so standard proxies pass them on unchanged
         for key in ("do_remote_prefill", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
@@ -86,8 +88,7 @@ def test_remote_prefill_round_trip_through_json() -> None:
             assert key in params
         assert RemotePrefill.parse(params) == rp
         assert parse_decode_leg(params) == rp
-    assert remote_prefill(transfer_key="k1").staging_key == "k1"
-    assert remote_prefill().staging_key == "cmpl-1-0-abc"
+        assert params["remote_request_id"] == rp.transfer_id  # the transfer's one name, under vLLM's key
 
 
 def test_remote_prefill_of_another_request_kind_is_none() -> None:
@@ -110,6 +111,8 @@ _BAD_ANSWERS: list[tuple[Callable[[dict], Any], str]] = [
     (lambda p: p.update(tp_size=0), "tp_size"),
     (lambda p: p.update(remote_request_id=""), "remote_request_id"),
     (lambda p: p.pop("vllm_pd"), "vllm_pd"),  # another connector's params
+    (lambda p: p.update(vllm_pd=1), "vllm_pd=1, expected 2"),  # version 1 named a transfer twice
+    (lambda p: p.update(transfer_key="k1"), "transfer_key"),
 ]
 
 
@@ -162,9 +165,11 @@ def test_awaited_prefill_round_trip_and_told_apart_from_prefills_answer() -> Non
 
 
 @pytest.mark.parametrize("extra, key", [
-    ({"transfer_key": ""}, "transfer_key"),
+    ({"transfer_id": ""}, "transfer_id"),
+    ({"transfer_id": 7}, "transfer_id"),
+    ({"transfer_key": "k1"}, "transfer_key"),  # version 1's name of the transfer
     ({"transfer_mode": "teleport"}, "transfer_mode"),
-    ({"vllm_pd": 2}, "vllm_pd"),
+    ({"vllm_pd": 1}, "vllm_pd=1, expected 2"),  # version 1 named a transfer twice
 ])
 def test_awaited_prefill_bad_values_rejected_naming_the_key(extra: dict, key: str) -> None:
     with pytest.raises(TransferParamsError, match=key):

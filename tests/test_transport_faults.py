@@ -33,9 +33,9 @@ def receiver():
     t.close()
 
 
-def _raw_push(sock, nbytes: int, blocks: list[bytes], digests_of: list[bytes], tid: str = "raw") -> Frame:
+def _raw_push(sock, nbytes: int, blocks: list[bytes], digests_of: list[bytes], transfer_id: str = "raw") -> Frame:
     frame = Frame(Kind.PUSH, req_id=7, checksum=Checksum.BLAKE3, layer=1, block_nbytes=nbytes,
-                  transfer_id=tid, ids=tuple(range(len(blocks))), lengths=tuple(len(b) for b in blocks))
+                  transfer_id=transfer_id, ids=tuple(range(len(blocks))), lengths=tuple(len(b) for b in blocks))
     trailer = b"".join(Checksum.BLAKE3.digest(memoryview(d)) for d in digests_of)
     send_buffers(sock, [frame.encode(), *blocks, trailer])
     return frame
@@ -54,7 +54,7 @@ def test_flipped_byte_in_push_is_detected(receiver) -> None:
         (batch, ok), = sink.wait_landed(1)
         assert not ok and batch.transfer_id == "raw"
         # the stream stays in sync: a correct push on the same connection lands
-        _raw_push(s, nbytes, good, good, tid="raw2")
+        _raw_push(s, nbytes, good, good, transfer_id="raw2")
         assert read_frame(s).status is Status.OK
     assert sink.wait_landed(2)[1][1] is True
     assert bytes(regions[1].tensor[1].view(-1).view(torch.uint8).numpy()) == good[1]

@@ -51,7 +51,7 @@ def test_data_nbytes_counts_blocks_and_trailer() -> None:
 
 def _header(**over) -> bytes:
     fields = dict(magic=MAGIC, kind=int(Kind.ACK), status=0, checksum=0, flags=0, req_id=1,
-                  layer=0, count=0, bnb=0, tid=0, payload=0)
+                  layer=0, count=0, bnb=0, transfer_id_len=0, payload=0)
     fields.update(over)
     return struct.pack("<4sBBBBQIIQII", *fields.values())
 
@@ -64,7 +64,7 @@ def _header(**over) -> bytes:
         (dict(status=42), "bad header field"),
         (dict(checksum=7), "bad header field"),
         (dict(count=MAX_COUNT + 1), "out of bounds"),
-        (dict(tid=5000), "out of bounds"),
+        (dict(transfer_id_len=5000), "out of bounds"),
         (dict(bnb=1 << 40), "out of bounds"),
     ],
 )

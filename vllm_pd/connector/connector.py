@@ -219,6 +219,7 @@ class PDConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self.scheduler.note_sent(connector_output.finished_sending or set())
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, PDWorkerMeta):
             return

@@ -18,10 +18,10 @@ class ReleaseMessage(msgspec.Struct, tag="release", frozen=True):
 
 class PrefillDoneMessage(msgspec.Struct, tag="prefill_done", frozen=True):
     """Prefill -> decode, after the forward that computed the prompt's last layer:
-    what was pushed under ``transfer_key`` (``RemotePrefill.to_params()``), so a decode
+    what was pushed under ``transfer_id`` (``RemotePrefill.to_params()``), so a decode
     request that was sent before prefill finished can check and claim it."""
 
-    transfer_key: str
+    transfer_id: str
     params: dict[str, Any]
 
     def encode(self) -> bytes:

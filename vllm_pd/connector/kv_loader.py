@@ -54,17 +54,17 @@ class KVLoader:
         self._awaiting: dict[str, LoadJob] = {}
         self._awaiting_lock = threading.Lock()
         self._announced: set[str] = set()  # announcements not yet reported to the scheduler (under the lock)
-        self.awaited_keys: list[str] = []  # decode legs the scheduler holds back until announced
+        self.awaited_transfers: list[str] = []  # of decode legs the scheduler holds back until announced
         self._step_jobs: list[LoadJob] = []
 
     # ---- transport threads --------------------------------------------------------------------
-    def announce(self, transfer_key: str, params: dict[str, Any]) -> None:
-        """Prefill announced the KV of ``transfer_key``: start the load parked for it."""
+    def announce(self, transfer_id: str, params: dict[str, Any]) -> None:
+        """Prefill announced the KV of ``transfer_id``: start the load parked for it."""
         with self._awaiting_lock:
-            abandoned = self.staging.announce(transfer_key, params)
-            job = self._awaiting.pop(transfer_key, None)
+            abandoned = self.staging.announce(transfer_id, params)
+            job = self._awaiting.pop(transfer_id, None)
             if not abandoned:
-                self._announced.add(transfer_key)
+                self._announced.add(transfer_id)
         if abandoned:
             self._release_announced(params)
         if job is not None:
@@ -78,7 +78,7 @@ class KVLoader:
 
     # ---- each step ----------------------------------------------------------------------------
     def begin_step(self, meta: WorkerStep) -> None:
-        self.awaited_keys = meta.awaited_keys
+        self.awaited_transfers = meta.awaited_transfers
         self._step_jobs = [
             LoadJob(spec, self.transport, self.regions, self.staging, self.access, self.rank,
                     self.config.transfer_timeout_s, self.config.push_wait_s, tp_size=self.tp_size)
@@ -86,8 +86,8 @@ class KVLoader:
         ]
         for rel in meta.remote_releases:
             self._release(rel.remote)
-        for key in meta.abandoned_pushes:
-            announced = self.staging.abandon(key)
+        for transfer_id in meta.abandoned_pushes:
+            announced = self.staging.abandon(transfer_id)
             if announced is not None:
                 self._release_announced(announced)
         for req_id in meta.cancelled_loads:
@@ -107,15 +107,15 @@ class KVLoader:
             self._jobs[job.spec.request_id] = job
             if job.remote is None and not job.spec.layerwise:
                 with self._awaiting_lock:
-                    if not self.staging.is_announced(job.spec.transfer_key):
-                        self._awaiting[job.spec.transfer_key] = job
+                    if not self.staging.is_announced(job.spec.transfer_id):
+                        self._awaiting[job.spec.transfer_id] = job
                         continue
             self._pool.submit(self._run_job, job)
 
     def _unpark(self, job: LoadJob, cancel: bool) -> None:
         """Run a parked job now: it fails at once (cancelled, or past its deadline) unless announced."""
         with self._awaiting_lock:
-            if self._awaiting.pop(job.spec.transfer_key, None) is None:
+            if self._awaiting.pop(job.spec.transfer_id, None) is None:
                 return  # announced meanwhile: already running
             job.cancelled = cancel
         self._pool.submit(self._run_job, job)
@@ -142,7 +142,7 @@ class KVLoader:
 
     @property
     def busy(self) -> bool:
-        return bool(self._jobs or self.awaited_keys)
+        return bool(self._jobs or self.awaited_transfers)
 
     @property
     def loading(self) -> int:
@@ -170,11 +170,11 @@ class KVLoader:
         return recvd, failed
 
     def take_announced(self) -> frozenset[str]:
-        """Transfer keys announced since the last call, for the scheduler's layer-wise choice."""
+        """Transfer ids announced since the last call, for the scheduler's layer-wise choice."""
         with self._awaiting_lock:
-            keys = frozenset(self._announced)
+            transfer_ids = frozenset(self._announced)
             self._announced.clear()
-        return keys
+        return transfer_ids
 
     def block_ids_with_load_errors(self) -> set[int]:
         """Layer-wise loads that failed: vLLM recomputes these blocks."""

@@ -50,15 +50,15 @@ class KVSender:
         self._step_plans: dict[int, LayerPush] = {}  # id(spec) -> its layers' push, made as the step starts
 
     def begin_step(self, meta: WorkerStep) -> None:
-        for tid in meta.preempted_transfers:
+        for transfer_id in meta.preempted_transfers:
             # the blocks are about to be reused: pushes and reads of them must end first
             # (the grant comes back when the request's prompt is computed again)
             self.sends.drain(self.config.transfer_timeout_s)
-            self.outgoing.wait_pushes(tid, timeout=self.config.transfer_timeout_s)
-            self.transport.allow_fetch(tid, None)
-            self.access.release(tid)
+            self.outgoing.wait_pushes(transfer_id, timeout=self.config.transfer_timeout_s)
+            self.transport.allow_fetch(transfer_id, None)
+            self.access.release(transfer_id)
         for fs in meta.finished_sends:
-            self.outgoing.finish(fs.transfer_id, fs.held)
+            self.outgoing.finish(fs.transfer_id, fs.request_id, fs.held)
         self._step_sends = list(meta.sends)
         self._step_plans = {}
         for spec in self._step_sends:
@@ -85,7 +85,7 @@ class KVSender:
             return  # no staging room: each layer finds none either, and decode reads what we hold
         try:
             plan = self.transport.push_layers(
-                rank_endpoint(spec.push_endpoint or "", self.rank), spec.transfer_key or spec.transfer_id,
+                rank_endpoint(spec.push_endpoint or "", self.rank), spec.transfer_id,
                 range(self.num_layers), positions, send_ids, timeout=self.config.transfer_timeout_s,
                 last=spec.prefill_done)
         except Exception as e:  # noqa: BLE001 - pushed layer by layer instead
@@ -120,7 +120,7 @@ class KVSender:
             self.sends.after(ready, lambda: plan.ready(layer))
             return
         block_nbytes = self.access.copies.regions[layer].block_nbytes
-        batch = BlockBatch(spec.transfer_key or spec.transfer_id, layer, positions, block_nbytes,
+        batch = BlockBatch(spec.transfer_id, layer, positions, block_nbytes,
                            last=spec.prefill_done)
         peer = rank_endpoint(spec.push_endpoint or "", self.rank)
         # Only the step's last layer is answered: that answer covers the earlier layers (a
@@ -160,7 +160,7 @@ class KVSender:
         """Tell the waiting decode where its KV is (or is being pushed to)."""
         if spec.announcement is None or spec.announce_endpoint is None:
             return
-        message = PrefillDoneMessage(spec.transfer_key or spec.transfer_id, spec.announcement).encode()
+        message = PrefillDoneMessage(spec.transfer_id, spec.announcement).encode()
         try:
             self.transport.notify(rank_endpoint(spec.announce_endpoint, self.rank), message,
                                   timeout=self.config.transfer_timeout_s)
@@ -172,7 +172,7 @@ class KVSender:
         self.outgoing.release(transfer_id)
 
     def collect(self) -> set[str]:
-        """Transfers whose blocks vLLM may free now (reads revoked, staging given back)."""
+        """Requests whose blocks vLLM may free now (their transfers' reads revoked, staging given back)."""
         reportable = self.outgoing.take_reportable()
         if reportable:
             self.sends.drain(self.config.transfer_timeout_s)  # no grant is still queued behind its copy
@@ -181,7 +181,7 @@ class KVSender:
             if t.granted:
                 self.transport.allow_fetch(t.transfer_id, None)  # waits for reads in flight
             self.access.release(t.transfer_id)
-            sent.add(t.transfer_id)
+            sent.add(t.request_id)
             if t.first_push_at is not None and t.computed_at is not None and t.last_push_done_at is not None:
                 self.stats.record_push_overlap(tail_s=max(0.0, t.last_push_done_at - t.computed_at),
                                                span_s=t.last_push_done_at - t.first_push_at)

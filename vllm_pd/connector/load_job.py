@@ -91,10 +91,10 @@ class LoadJob:
             self.done.set()
             if self.remote is None:
                 # never announced: whenever prefill announces it, it is released
-                announced = self._staging.abandon(self.spec.transfer_key)
+                announced = self._staging.abandon(self.spec.transfer_id)
                 self.remote = RemotePrefill.from_params(announced) if announced else None
             else:
-                self._staging.drop(self.remote.staging_key)
+                self._staging.drop(self.spec.transfer_id)
             if self.remote is not None:
                 self._release_remote(self.remote)
 
@@ -109,8 +109,8 @@ class LoadJob:
             # layer by layer: announced as prefill's forward starts, the pushes land while we copy
             push_deadline = min(deadline, time.monotonic() + self._push_wait_s)
             for layer, region in enumerate(self._regions):
-                self._staging.wait_layer(remote.staging_key, layer, push_deadline)
-                miss = self._copy_staged(remote.staging_key, layer, region)
+                self._staging.wait_layer(spec.transfer_id, layer, push_deadline)
+                miss = self._copy_staged(spec.transfer_id, layer, region)
                 if miss:
                     missing[layer] = miss
                 else:
@@ -148,28 +148,30 @@ class LoadJob:
     def _await_announcement(self, deadline: float) -> RemotePrefill | None:
         """The decode leg came first: wait for prefill to say what it pushed (None: error set)."""
         spec = self.spec
-        params = self._staging.wait_announced(spec.transfer_key, time.monotonic() if self.cancelled else deadline)
+        params = self._staging.wait_announced(spec.transfer_id, time.monotonic() if self.cancelled else deadline)
         if params is None:
-            self.error = ("request aborted before prefill announced push " + spec.transfer_key if self.cancelled
-                          else f"prefill never announced push {spec.transfer_key} within {self._timeout_s:.0f}s")
+            self.error = ("request aborted before prefill announced transfer " + spec.transfer_id if self.cancelled
+                          else f"prefill never announced transfer {spec.transfer_id} within {self._timeout_s:.0f}s")
             return None
         remote = RemotePrefill.from_params(params)
         if remote is None:
-            self.error = f"prefill announced push {spec.transfer_key} with unusable params"
+            self.error = f"prefill announced transfer {spec.transfer_id} with unusable params"
             return None
         self.remote = remote  # from here on it is released whatever happens
         problem = spec.prompt.mismatch(remote) if spec.prompt is not None else "no local prompt to check"
+        if problem is None and remote.transfer_id != spec.transfer_id:
+            problem = f"prefill's answer names transfer {remote.transfer_id}"
         if problem is None and len(remote.block_ids) < spec.first_position + len(spec.local_block_ids):
             problem = f"prefill computed {remote.num_tokens} tokens, fewer than this prompt's"
         if problem is not None:
-            self.error = f"pushed KV {spec.transfer_key} is not for this request: {problem}"
+            self.error = f"announced KV of transfer {spec.transfer_id} is not for this request: {problem}"
             return None
         return remote
 
-    def _copy_staged(self, tid: str, layer: int, region: MemoryRegion) -> list[int]:
+    def _copy_staged(self, transfer_id: str, layer: int, region: MemoryRegion) -> list[int]:
         missing, block_ids, buffers = [], [], []
         for i, (pos, block_id) in enumerate(zip(self.spec.positions, self.spec.local_block_ids)):
-            buf = self._staging.landed_block(tid, layer, pos)
+            buf = self._staging.landed_block(transfer_id, layer, pos)
             if buf is None or buf.numel() != region.block_nbytes:
                 missing.append(i)
                 continue

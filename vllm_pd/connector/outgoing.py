@@ -26,6 +26,7 @@ logger = vllm_logger(__name__)
 @dataclass
 class OutgoingTransfer:
     transfer_id: str
+    request_id: str = ""  # vLLM's, known once the scheduler saw the request finish
     pushes: list[Future[None]] = field(default_factory=list)
     push_failures: int = 0
     granted: bool = False
@@ -67,7 +68,7 @@ class OutgoingTransfers:
             t.pushes.append(fut)
             if t.first_push_at is None:
                 t.first_push_at = time.monotonic()
-        fut.add_done_callback(lambda f, tid=transfer_id: self._push_done(tid, f))
+        fut.add_done_callback(lambda f, transfer_id=transfer_id: self._push_done(transfer_id, f))
 
     def _push_done(self, transfer_id: str, fut: Future[None]) -> None:
         exc = fut.exception()
@@ -91,10 +92,10 @@ class OutgoingTransfers:
             t.granted = True
             t.computed_at = time.monotonic()
 
-    def finish(self, transfer_id: str, held: bool) -> None:
+    def finish(self, transfer_id: str, request_id: str, held: bool) -> None:
         with self._lock:
             t = self._get(transfer_id)
-            t.finished, t.held = True, held
+            t.finished, t.held, t.request_id = True, held, request_id
             if held:
                 t.expiry = time.monotonic() + self.lease_s
             else:
@@ -127,11 +128,11 @@ class OutgoingTransfers:
         now = time.monotonic()
         out: list[OutgoingTransfer] = []
         with self._lock:
-            for tid, t in list(self._transfers.items()):
+            for transfer_id, t in list(self._transfers.items()):
                 if not t.finished:
                     # a release for a transfer we never saw finish: forget it after a lease
                     if not t.pushes and not t.granted and now - t.created > self.lease_s:
-                        del self._transfers[tid]
+                        del self._transfers[transfer_id]
                     continue
                 expired = t.expiry is not None and now >= t.expiry
                 if not (t.released or expired) or not t.pushes_done():
@@ -139,9 +140,9 @@ class OutgoingTransfers:
                 if expired and not t.released:
                     self.expired_total += 1
                     logger.warning("lease of transfer %s expired after %.0fs: releasing its KV blocks",
-                                   tid, self.lease_s)
+                                   transfer_id, self.lease_s)
                 out.append(t)
-                del self._transfers[tid]
+                del self._transfers[transfer_id]
         return out
 
     def pending(self) -> int:

@@ -93,52 +93,52 @@ class PushStaging:
             st.touched = time.monotonic()
             self._cond.notify_all()
 
-    def announce(self, key: str, params: dict[str, Any]) -> bool:
+    def announce(self, transfer_id: str, params: dict[str, Any]) -> bool:
         """Record prefill's announcement; True if the push was abandoned (release it)."""
         with self._cond:
-            st = self._transfers.get(key)
+            st = self._transfers.get(transfer_id)
             if st is None:
-                st = self._transfers[key] = _StagedTransfer()
+                st = self._transfers[transfer_id] = _StagedTransfer()
             if st.abandoned:
-                self._drop_locked(key)
+                self._drop_locked(transfer_id)
                 return True
             st.announcement = params
             st.touched = time.monotonic()
             self._cond.notify_all()
             return False
 
-    def abandon(self, key: str) -> dict[str, Any] | None:
+    def abandon(self, transfer_id: str) -> dict[str, Any] | None:
         """No request will claim this push: drop its bytes. Returns the announcement
         if it came already (release it now); else it is released when it comes."""
         with self._cond:
-            st = self._transfers.get(key)
+            st = self._transfers.get(transfer_id)
             if st is not None and st.announcement is not None:
-                self._drop_locked(key)
+                self._drop_locked(transfer_id)
                 return st.announcement
-            self._drop_locked(key)
-            self._transfers[key] = _StagedTransfer(abandoned=True)
+            self._drop_locked(transfer_id)
+            self._transfers[transfer_id] = _StagedTransfer(abandoned=True)
             return None
 
-    def is_announced(self, key: str) -> bool:
+    def is_announced(self, transfer_id: str) -> bool:
         with self._cond:
-            st = self._transfers.get(key)
+            st = self._transfers.get(transfer_id)
             return st is not None and st.announcement is not None
 
     # ---- decode's load ------------------------------------------------------------------------
-    def wait_announced(self, key: str, deadline: float) -> dict[str, Any] | None:
+    def wait_announced(self, transfer_id: str, deadline: float) -> dict[str, Any] | None:
         """Prefill's announcement of this push, or None if the deadline passed first."""
-        st = self._wait_for(key, lambda st: st.announcement is not None, deadline)
+        st = self._wait_for(transfer_id, lambda st: st.announcement is not None, deadline)
         return st.announcement if st is not None else None
 
     def wait_layer(self, transfer_id: str, layer: int, deadline: float) -> bool:
         """Wait until the layer's final batch has landed (True) or the deadline passed."""
         return self._wait_for(transfer_id, lambda st: layer in st.last_landed, deadline) is not None
 
-    def _wait_for(self, key: str, ready: Callable[[_StagedTransfer], bool],
+    def _wait_for(self, transfer_id: str, ready: Callable[[_StagedTransfer], bool],
                   deadline: float) -> _StagedTransfer | None:
         with self._cond:
             while True:
-                st = self._transfers.get(key)
+                st = self._transfers.get(transfer_id)
                 if st is not None and ready(st):
                     return st
                 remaining = deadline - time.monotonic()
@@ -157,20 +157,20 @@ class PushStaging:
         with self._cond:
             self._drop_locked(transfer_id)
 
-    def _drop_locked(self, key: str) -> None:
-        st = self._transfers.pop(key, None)
+    def _drop_locked(self, transfer_id: str) -> None:
+        st = self._transfers.pop(transfer_id, None)
         if st is not None:
             self.used_bytes -= sum(b.numel() for b in st.blocks.values())
 
     def _expire_locked(self) -> None:
         now = time.monotonic()
-        for tid in [t for t, st in self._transfers.items() if now - st.touched > self.ttl_s]:
-            abandoned = self._transfers[tid].abandoned
-            self._drop_locked(tid)
+        for transfer_id in [t for t, st in self._transfers.items() if now - st.touched > self.ttl_s]:
+            abandoned = self._transfers[transfer_id].abandoned
+            self._drop_locked(transfer_id)
             if abandoned:
                 continue  # never announced: prefill's lease frees its copy
             logger.warning("pushed KV of transfer %s never claimed by a request within %.0fs: dropped",
-                           tid, self.ttl_s)
+                           transfer_id, self.ttl_s)
 
     def expire(self) -> None:
         with self._cond:

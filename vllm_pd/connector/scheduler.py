@@ -61,6 +61,12 @@ class _OutgoingRequest:
     seen_by_worker: bool = False
     prompt_hash: str = ""  # hashed once: the announcement and the final params both carry it
 
+    @property
+    def transfer_id(self) -> str:
+        """The transfer's one name: the proxy's where it named it (the decode leg beside this
+        one waits for it), else this request's id."""
+        return self.ask.transfer_id or self.request.request_id
+
 
 class PDConnectorScheduler:
     def __init__(self, vllm_config: "VllmConfig", config: PDConnectorConfig, engine_id: str) -> None:
@@ -73,7 +79,9 @@ class PDConnectorScheduler:
         self._host = ""
         self._port = 0
         # prefill side
-        self._outgoing: dict[str, _OutgoingRequest] = {}
+        self._outgoing: dict[str, _OutgoingRequest] = {}  # by request id
+        # transfer id -> request id, until vLLM frees the request's blocks (the worker's state of it is gone)
+        self._transfer_owners: dict[str, str] = {}
         self._finished_sends: list[FinishedSend] = []
         self._preempted: list[str] = []
         # decode side
@@ -85,8 +93,8 @@ class PDConnectorScheduler:
         self._awaiting: set[str] = set()  # requests whose load waits for prefill's announcement
         self._cancelled_loads: list[str] = []
         self._live: set[str] = set()  # requests of any role not finished yet
-        self._announced: dict[str, float] = {}  # transfer key -> when its announcement reached us
-        # unscheduled decode legs waiting for prefill's announcement: request -> (since, transfer key)
+        self._announced: dict[str, float] = {}  # transfer id -> when its announcement reached us
+        # unscheduled decode legs waiting for prefill's announcement: request -> (since, transfer id)
         self._awaited_since: dict[str, tuple[float, str]] = {}
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -106,12 +114,12 @@ class PDConnectorScheduler:
         load would stall it for as long as the load's forward waits."""
         self._live.add(request_id)
 
-    def note_announced(self, keys: frozenset[str]) -> None:
+    def note_announced(self, transfer_ids: frozenset[str]) -> None:
         now = time.monotonic()
-        for key in keys:
-            self._announced[key] = now
-        for key in [k for k, t in self._announced.items() if now - t > self.config.lease_s]:
-            del self._announced[key]  # its decode leg never came (prefill's lease frees the KV)
+        for transfer_id in transfer_ids:
+            self._announced[transfer_id] = now
+        for transfer_id in [t for t, at in self._announced.items() if now - at > self.config.lease_s]:
+            del self._announced[transfer_id]  # its decode leg never came (prefill's lease frees the KV)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         remote = self._decode_leg(request)
@@ -152,12 +160,12 @@ class PDConnectorScheduler:
             return 0, False
         layerwise = False
         if self._load_mode(request) != "async":
-            if awaited.transfer_key not in self._announced:
-                since, _ = self._awaited_since.setdefault(req_id, (time.monotonic(), awaited.transfer_key))
+            if awaited.transfer_id not in self._announced:
+                since, _ = self._awaited_since.setdefault(req_id, (time.monotonic(), awaited.transfer_id))
                 if time.monotonic() - since < self.config.transfer_timeout_s:
                     return None, False
                 logger.warning("request %s: prefill never announced %s within %.0fs; decode recomputes the prompt",
-                               req_id, awaited.transfer_key, self.config.transfer_timeout_s)
+                               req_id, awaited.transfer_id, self.config.transfer_timeout_s)
                 del self._awaited_since[req_id]
                 return 0, False  # update_state_after_alloc abandons the push
             layerwise = self._layerwise(request)
@@ -212,6 +220,7 @@ class PDConnectorScheduler:
         block_ids = blocks.get_block_ids()[0]
         self._loads.append(LoadSpec(
             request_id=request.request_id,
+            transfer_id=remote.transfer_id,
             remote=remote,
             first_position=first,
             local_block_ids=tuple(block_ids[first:last]),
@@ -222,9 +231,9 @@ class PDConnectorScheduler:
                       num_external_tokens: int) -> None:
         matched = self._matched.pop(request.request_id, None)
         self._awaited_since.pop(request.request_id, None)
-        self._announced.pop(awaited.transfer_key, None)
+        self._announced.pop(awaited.transfer_id, None)
         if num_external_tokens == 0 or matched is None:
-            self._abandoned.append(awaited.transfer_key)
+            self._abandoned.append(awaited.transfer_id)
             return
         _, num_local, layerwise = matched
         first = num_local // self.block_size
@@ -233,11 +242,11 @@ class PDConnectorScheduler:
             self._awaiting.add(request.request_id)
         self._loads.append(LoadSpec(
             request_id=request.request_id,
+            transfer_id=awaited.transfer_id,
             remote=None,
             first_position=first,
             local_block_ids=tuple(blocks.get_block_ids()[0][first:last]),
             layerwise=layerwise,
-            transfer_key=awaited.transfer_key,
             prompt=self._local_prompt(request.prompt_token_ids or []),
         ))
 
@@ -251,8 +260,24 @@ class PDConnectorScheduler:
             # computed like any request and freed at its end: the proxy's decode leg recomputes
             logger.warning("request %s: %s; its KV is not kept for a remote decode", request.request_id, e)
             return
-        if ask is not None:
-            self._outgoing[request.request_id] = _OutgoingRequest(request, ask.resolve(self.config.default_mode))
+        if ask is None:
+            return
+        out = _OutgoingRequest(request, ask.resolve(self.config.default_mode))
+        if out.transfer_id in self._transfer_owners:
+            # a second transfer of that id would take the first one's pushes, grants and release
+            logger.warning("request %s: transfer_id %s is already in use here (request %s); its KV is not "
+                           "kept for a remote decode", request.request_id, out.transfer_id,
+                           self._transfer_owners[out.transfer_id])
+            return
+        self._outgoing[request.request_id] = out
+        self._transfer_owners[out.transfer_id] = request.request_id
+
+    def note_sent(self, request_ids: "set[str] | frozenset[str]") -> None:
+        """vLLM frees these requests' blocks: the workers are done with their transfers, whose ids
+        may name new ones."""
+        if request_ids:
+            for transfer_id in [t for t, r in self._transfer_owners.items() if r in request_ids]:
+                del self._transfer_owners[transfer_id]
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PDConnectorMetadata:
         meta = PDConnectorMetadata(
@@ -262,7 +287,7 @@ class PDConnectorScheduler:
             abandoned_pushes=self._abandoned,
             cancelled_loads=self._cancelled_loads,
             preempted_transfers=[],
-            awaited_keys=[key for _, key in self._awaited_since.values()],
+            awaited_transfers=[transfer_id for _, transfer_id in self._awaited_since.values()],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._finished_sends, self._loads, self._releases, self._abandoned = [], [], [], []
@@ -272,7 +297,7 @@ class PDConnectorScheduler:
             if out is not None:
                 # Its blocks are freed: sends restart from the first block when it is rescheduled.
                 out.next_block = 0
-                meta.preempted_transfers.append(req_id)
+                meta.preempted_transfers.append(out.transfer_id)
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             out = self._outgoing.get(req_id)
             if out is None:
@@ -285,13 +310,12 @@ class PDConnectorScheduler:
             block_ids = tuple(self._kv_cache_manager.get_block_ids(req_id)[0])
             announce = out.ask.announce_endpoint is not None and end >= prompt_len
             meta.sends.append(SendSpec(
-                transfer_id=req_id,
+                transfer_id=out.transfer_id,
                 block_ids=block_ids,
                 first_block=out.next_block,
                 end_token=min(end, prompt_len),
                 num_prompt_tokens=prompt_len,
                 push_endpoint=out.ask.push_endpoint,
-                transfer_key=out.ask.transfer_key,
                 announcement=self._remote_prefill(out, block_ids).to_params() if announce else None,
                 announce_endpoint=out.ask.announce_endpoint,
             ))
@@ -320,7 +344,7 @@ class PDConnectorScheduler:
             remote = self._decode_leg(request)
             mark_remote_prefill_taken(params)
             if isinstance(remote, AwaitedPrefill):
-                self._abandoned.append(remote.transfer_key)
+                self._abandoned.append(remote.transfer_id)
             elif remote is not None:
                 self._releases.append(RemoteRelease(remote))
             return False, None
@@ -331,10 +355,11 @@ class PDConnectorScheduler:
         prefill_done = request.num_computed_tokens >= request.num_prompt_tokens
         held = normal and prefill_done and bool(block_ids)
         if not out.seen_by_worker:
+            del self._transfer_owners[out.transfer_id]  # no worker knows of it
             return False, None
         # The worker may have pushes in flight or reads granted on these blocks: they stay
         # ours until it reports the transfer finished (released, expired or revoked).
-        self._finished_sends.append(FinishedSend(req_id, held=held))
+        self._finished_sends.append(FinishedSend(out.transfer_id, req_id, held=held))
         if not held:
             return True, None
         return True, self._remote_prefill(out, tuple(block_ids)).to_params()
@@ -346,7 +371,7 @@ class PDConnectorScheduler:
         if not out.prompt_hash:
             out.prompt_hash = prompt_hash(request.prompt_token_ids or [])
         return RemotePrefill(
-            transfer_id=request.request_id,
+            transfer_id=out.transfer_id,
             engine_id=self.engine_id,
             endpoint=self._endpoints[0],
             host=self._host,
@@ -358,7 +383,6 @@ class PDConnectorScheduler:
             tp_size=self.tp_size,
             endpoints=self._endpoints,
             prompt_hash=out.prompt_hash,
-            transfer_key=out.ask.transfer_key,
         )
 
     def has_pending_work(self) -> bool:

@@ -9,15 +9,20 @@ speak), so those proxies work with this connector unchanged:
 * prefill -> proxy (:class:`RemotePrefill`), passed verbatim to decode by the proxy.
 * proxy -> decode, sent beside the prefill leg (:class:`AwaitedPrefill`): our proxy
   sends both legs at once, so decode's API work and scheduling overlap prefill's
-  compute. It names the transfer with a ``transfer_key`` in both legs; prefill pushes
-  under that key (push mode) and, once its forward is done, announces its
-  :class:`RemotePrefill` to decode, which checks it is the same prompt
-  (:class:`LocalPrompt`) before using a byte (and, in pull mode, reads the KV then).
+  compute. It names the transfer itself: the same ``transfer_id`` in both legs is the
+  transfer's id on prefill and decode alike. Prefill pushes under it (push mode) and,
+  once its forward is done, announces its :class:`RemotePrefill` to decode, which
+  checks it is the same prompt (:class:`LocalPrompt`) before using a byte (and, in pull
+  mode, reads the KV then).
 * release: whoever drops prefill's KV (decode when done, the proxy when no decode will
   run) tells every TP rank of prefill (:meth:`RemotePrefill.release_endpoints`).
 
+A transfer has one name, its ``transfer_id``: the proxy's where the proxy names it,
+else prefill's request id. It travels as vLLM's ``remote_request_id`` in prefill's answer.
+
 Parsing is strict: params that ask for something but are malformed raise
-:class:`TransferParamsError` naming the key; the ``from_params`` helpers of the
+:class:`TransferParamsError` naming the key (also ``transfer_key``, version 1's second
+name of a transfer, which is refused rather than ignored); the ``from_params`` helpers of the
 connector's side log that and fall back (decode recomputes, which is always correct).
 
 This module imports neither torch nor vLLM: the proxy imports it.
@@ -44,9 +49,12 @@ DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
 # ours: marks params produced by this connector, and which version of them
 PROTOCOL_KEY = "vllm_pd"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: one transfer_id, no transfer_key
 # ours, on a decode leg: the load mode this request asks for instead of the instance's
 LOAD_MODE = "load_mode"
+
+# the key version 1 named a proxy-chosen transfer by: refused by name, never silently ignored
+_RETIRED_TRANSFER_KEY = "transfer_key"
 
 # what NixlConnector's proxies send on the prefill leg besides do_remote_decode
 _NIXL_PREFILL_LEG = {DO_REMOTE_PREFILL: False, "remote_engine_id": None, "remote_block_ids": None,
@@ -62,6 +70,9 @@ class TransferParamsError(ValueError):
 
 
 def _convert(params: dict[str, Any], cls: type[msgspec.Struct], what: str) -> Any:
+    if _RETIRED_TRANSFER_KEY in params:
+        raise TransferParamsError(f"kv_transfer_params ({what}): `{_RETIRED_TRANSFER_KEY}` is not accepted any more; "
+                                  f"the proxy names the transfer with `transfer_id` (protocol {PROTOCOL_VERSION})")
     try:
         return msgspec.convert(params, cls)
     except msgspec.ValidationError as e:
@@ -81,12 +92,13 @@ class RemoteDecodeRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     # None: the prefill instance's default_mode; push needs decode_endpoint (else it is pull)
     mode: TransferMode | None = msgspec.field(default=None, name="transfer_mode")
     decode_endpoint: _Name | None = None  # decode's KV endpoint of TP rank 0: push and announce there
-    # names the transfer on decode (proxy-chosen), where a decode leg waits for prefill's announcement
-    transfer_key: str = ""
+    # the transfer's id, chosen by the proxy: a decode leg waits for prefill's announcement of it.
+    # "": prefill names the transfer by its request id, and no decode leg waits
+    transfer_id: str = ""
 
     def __post_init__(self) -> None:
-        if self.transfer_key and self.decode_endpoint is None:
-            raise ValueError("transfer_key needs decode_endpoint (where to announce the KV)")
+        if self.transfer_id and self.decode_endpoint is None:
+            raise ValueError("transfer_id needs decode_endpoint (where to announce the KV)")
 
     @property
     def push_endpoint(self) -> str | None:
@@ -96,7 +108,7 @@ class RemoteDecodeRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     @property
     def announce_endpoint(self) -> str | None:
         """Where prefill announces the KV once computed (None: no decode leg waits for it)."""
-        return self.decode_endpoint if self.transfer_key else None
+        return self.decode_endpoint if self.transfer_id else None
 
     def resolve(self, default_mode: TransferMode) -> "RemoteDecodeRequest":
         """This ask with the mode prefill will use: ``default_mode`` where the proxy did not say,
@@ -122,7 +134,8 @@ class RemoteDecodeRequest(msgspec.Struct, frozen=True, omit_defaults=True):
 class RemotePrefill(msgspec.Struct, frozen=True):
     """Prefill's answer (prefill -> proxy -> decode): where a decode instance finds a prompt's KV."""
 
-    transfer_id: _Name = msgspec.field(name="remote_request_id")  # the prefill instance's request id
+    # the transfer's id: the proxy's (RemoteDecodeRequest.transfer_id), else prefill's request id
+    transfer_id: _Name = msgspec.field(name="remote_request_id")
     engine_id: str = msgspec.field(name="remote_engine_id")
     endpoint: _Name = msgspec.field(name="remote_endpoint")  # prefill's KV endpoint of TP rank 0
     host: str = msgspec.field(name="remote_host")
@@ -134,7 +147,6 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     tp_size: _Positive = 1  # prefill's tensor-parallel size: each rank holds its own shard of the KV
     endpoints: tuple[_Name, ...] = msgspec.field(default=(), name="remote_endpoints")  # per TP rank
     prompt_hash: str = ""  # of the prompt token ids: decode checks it is the same prompt
-    transfer_key: str = ""  # the pushed blocks' name on decode; "" = transfer_id
 
     def __post_init__(self) -> None:
         if len(self.block_ids) < -(-self.num_tokens // self.block_size):
@@ -144,10 +156,6 @@ class RemotePrefill(msgspec.Struct, frozen=True):
             raise ValueError(f"remote_endpoints: {len(self.endpoints)} endpoints for tp_size {self.tp_size}")
         if not self.endpoints and self.tp_size != 1:
             raise ValueError(f"remote_endpoints: missing, needed for tp_size {self.tp_size}")
-
-    @property
-    def staging_key(self) -> str:
-        return self.transfer_key or self.transfer_id
 
     @property
     def rank_endpoints(self) -> tuple[str, ...]:
@@ -195,9 +203,9 @@ class RemotePrefill(msgspec.Struct, frozen=True):
 
 class AwaitedPrefill(msgspec.Struct, frozen=True):
     """The decode leg sent beside the prefill leg (proxy -> decode): prefill announces its
-    :class:`RemotePrefill` under ``transfer_key`` once computed."""
+    :class:`RemotePrefill` of ``transfer_id`` once computed."""
 
-    transfer_key: _Name
+    transfer_id: _Name
     mode: TransferMode = msgspec.field(name="transfer_mode")
 
     def to_params(self) -> dict[str, Any]:

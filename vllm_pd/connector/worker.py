@@ -134,7 +134,7 @@ class PDConnectorWorker:
         if isinstance(msg, ReleaseMessage):
             self.sender.release(msg.transfer_id)
         elif self.is_consumer:
-            self.loader.announce(msg.transfer_key, msg.params)
+            self.loader.announce(msg.transfer_id, msg.params)
         return b"ok"
 
     def _release(self, remote: RemotePrefill) -> None:

@@ -7,7 +7,7 @@ push mode also where to write it). Decode leg: the original request plus the
 the client event by event.
 
 When decode's KV endpoint is known both legs go out at once: the decode leg
-names the transfer (``transfer_key``) prefill will announce to it instead of
+names the transfer (``transfer_id``) prefill will announce to it instead of
 carrying prefill's answer, so decode's tokenising, scheduling and block
 allocation happen while prefill computes; prefill pushes the KV while it
 computes (push) or decode reads it once announced (pull). If no prefill
@@ -76,12 +76,13 @@ def default_release_remote_kv(params: dict) -> bool:
     return release_remote_kv(params, timeout=2.0)
 
 
-def remote_decode_params(decode: Instance, transfer_key: str | None, mode: TransferMode) -> dict[str, Any]:
-    """The prefill leg's kv_transfer_params; transfer_key: announce the KV to decode under that
-    name (and push it there in push mode). Without one, prefill's answer goes to decode verbatim."""
-    if transfer_key is None:
+def remote_decode_params(decode: Instance, transfer_id: str | None, mode: TransferMode) -> dict[str, Any]:
+    """The prefill leg's kv_transfer_params; transfer_id: the transfer's id, under which prefill
+    announces the KV to decode (and pushes it there in push mode). Without one, prefill names the
+    transfer itself and its answer goes to decode verbatim."""
+    if transfer_id is None:
         return RemoteDecodeRequest().to_params()
-    return RemoteDecodeRequest(mode, decode.kv_endpoint, transfer_key).to_params()
+    return RemoteDecodeRequest(mode, decode.kv_endpoint, transfer_id).to_params()
 
 
 class PDFlow:
@@ -189,16 +190,16 @@ class PDFlow:
 
     async def _decode_beside_prefill(self, req: ParsedRequest, decode: Instance, headers: dict[str, str],
                                      state: FlowState, http_request: HttpRequest) -> HttpResponse | StreamResponse:
-        """Both legs at once; decode waits for prefill to announce the KV under transfer_key."""
-        transfer_key = new_id()
+        """Both legs at once; decode waits for prefill to announce the KV of transfer_id."""
+        transfer_id = new_id()
         # auto = push: an idle decode then runs its first forward beside prefill's, taking each layer
         # as it lands - the fastest on every prompt length measured (benchmarks/RESULTS.md, "PD latency")
         mode: TransferMode = "pull" if self.config.kv_mode == "pull" else "push"
         state.pushed = mode == "push"
-        prefill = asyncio.ensure_future(self._prefill(req, decode, transfer_key, headers, state, mode))
+        prefill = asyncio.ensure_future(self._prefill(req, decode, transfer_id, headers, state, mode))
         state.prefill_leg = prefill
         decode_leg = asyncio.ensure_future(
-            self._decode(req, decode, headers, state, http_request, AwaitedPrefill(transfer_key, mode).to_params()))
+            self._decode(req, decode, headers, state, http_request, AwaitedPrefill(transfer_id, mode).to_params()))
         try:
             await asyncio.wait({prefill, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and not decode_leg.done() and state.stage != "stream":
@@ -221,7 +222,7 @@ class PDFlow:
                     self._background.add(prefill)
                     prefill.add_done_callback(self._background.discard)
 
-    async def _prefill(self, req: ParsedRequest, decode: Instance, transfer_key: str | None,
+    async def _prefill(self, req: ParsedRequest, decode: Instance, transfer_id: str | None,
                        headers: dict[str, str], state: FlowState, mode: TransferMode = "pull") -> bool:
         """Run the prefill leg with retries, leaving ``state.kv_params`` set. False: none succeeded,
         decode computes the prompt (raises instead under require_disagg)."""
@@ -233,7 +234,7 @@ class PDFlow:
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
             tried.add(prefill.url)
-            if await self._prefill_once(req, prefill, decode, transfer_key, headers, state, mode):
+            if await self._prefill_once(req, prefill, decode, transfer_id, headers, state, mode):
                 return True
         if self.config.require_disagg:
             raise unavailable("no prefill instance could run the prompt and --require-disagg is set",
@@ -243,9 +244,9 @@ class PDFlow:
         return False
 
     async def _prefill_once(self, req: ParsedRequest, prefill: Instance, decode: Instance,
-                            transfer_key: str | None, headers: dict[str, str], state: FlowState,
+                            transfer_id: str | None, headers: dict[str, str], state: FlowState,
                             mode: TransferMode) -> bool:
-        body = prefill_body(req.body, remote_decode_params(decode, transfer_key, mode))
+        body = prefill_body(req.body, remote_decode_params(decode, transfer_id, mode))
         lease = LegLease(prefill, "prefill", req.prompt_tokens)
         state.leases.append(lease)
         t0 = time.monotonic()
@@ -285,8 +286,8 @@ class PDFlow:
             return True
         state.kv_params = params
         # beside a running decode leg the KV is decode's already (it releases it); else it waits for one
-        state.kv_pending = transfer_key is None
-        state.pushed = transfer_key is not None and mode == "push"
+        state.kv_pending = transfer_id is None
+        state.pushed = transfer_id is not None and mode == "push"
         if answer.cached_tokens is not None:
             state.prefill_cached_tokens = answer.cached_tokens
         return True

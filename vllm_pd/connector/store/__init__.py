@@ -12,7 +12,7 @@ Scheduler side (EngineCore process) - ``StoreScheduler(config, salt, slot_nbytes
         free; pass the prompt minus its last token, vLLM must compute >= 1).
         -> ``get_num_new_matched_tokens``: ``(max(0, match - num_computed), False)``
     ``plan_load(req_id, token_ids, start_token, num_tokens, block_ids) -> (LoadOp | None, missing_block_ids)``
-        pins the blocks (lease ``config.lease_s``) and queues the load.
+        pins the blocks (for ``config.pin_ttl_s`` at most) and queues the load.
         -> ``update_state_after_alloc`` (start_token = num_computed_tokens,
         block_ids = the request's blocks for that range). ``missing`` are blocks
         that vanished since ``match``: report them as load errors.
@@ -47,13 +47,13 @@ Worker side (each worker) - ``StoreWorker(config, salt, kv_caches, rank=0, block
     block for all layers of one rank: num_layers * block_nbytes).
 
 Config (``kv_connector_extra_config["store"]``): ``StoreConfig.from_dict`` -
-cpu_bytes, disk_path, disk_bytes, lease_s, disk_io_threads, master,
+cpu_bytes, disk_path, disk_bytes, pin_ttl_s (formerly lease_s, still accepted), disk_io_threads, master,
 master_timeout_s, node_id, fetch_timeout_s, disk_serve_bytes, host_bounce_bytes (GPU KV only:
 pinned rows between the device and the pool); an unknown key or bad value raises ConfigError,
 also a setting that cannot work with the KV's device.
 Salt: ``KeySalt(model, dtype, kv_layout, block_size, num_layers, tp_size, pp_size, extra)``.
 
-Modules: keys (blake3 chained keys), radix (index, leases), reuse_cache
+Modules: keys (blake3 chained keys), radix (index, pins), reuse_cache
 (leaf-first LRU, reuse-weighted LRU), adaptive_cache (the CPU tier's policy: the
 weighting picked online by keys-only shadows, LRU among them, hash-sampled 1/8), cpu_pool (pool +
 slot allocator), pool_copies (KV cache <-> pool on the KV's device), disk_tier, plans
@@ -77,10 +77,10 @@ Node to node (with ``master`` set): each rank serves its CPU pool (and its
 disk tier) on its own TCP transport instance (pool_exchange.py; the endpoint rides in the connector's
 handshake and is published to the master). A node whose local prefix is
 shorter than what the master says another node holds reserves slots for the
-rest, its worker leases them from that node (``notify``), fetches the slots
+rest, its worker asks that node for a grant of them (``notify``), fetches the slots
 layer by layer (one transport ``fetch`` per layer, all queued at once, length
 + checksum per block and layer; the loader copies layer i into vLLM as soon as
-layer i landed), releases the lease (the
+layer i landed), releases the grant (the
 answer says which slots the holder started to overwrite meanwhile: those and
 the ones after them do not count), and reports them as saved: they commit like any put, and vLLM got them
 as a store hit in the same step. A stale entry (node gone, block evicted), a
@@ -88,7 +88,7 @@ slow peer (``fetch_timeout_s``) or a dead master fall back to the local prefix;
 what did not arrive is reported as load errors and recomputed (also when
 earlier layers of it were already copied: vLLM discards that step's output
 for the request). Blocks the holder keeps only on disk stay advertised: a
-lease reads and verifies them into spare pool rows (``disk_serve_bytes``,
+grant reads and verifies them into spare pool rows (``disk_serve_bytes``,
 owned by the grant until it ends; disk_staging.py) and serves them from
 there; with ``disk_serve_bytes`` 0 only CPU-pool blocks are advertised. A
 master that stays down is retried with a doubling back-off (up to 60 s): each

@@ -177,7 +177,7 @@ class BlockPlacement:
         if loc.disk_writing or loc.staging:
             return False
         if node.pins:
-            self.index.expire_leases()
+            self.index.expire_pins()
             if node.pins:
                 return False
         return loc.on_disk or not node.children

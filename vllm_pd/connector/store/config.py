@@ -7,10 +7,30 @@ from typing import Any
 
 from vllm_pd.connector.config import parse_size
 from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.vllm_logging import vllm_logger
+
+logger = vllm_logger(__name__)
+
+# keys renamed since a release: old -> new (the old one still works, with a warning naming both)
+_RENAMED = {"lease_s": "pin_ttl_s"}  # "lease" is prefill's hold of KV for decode, not the store's pin
+
 
 def parse_bytes(name: str, value: Any) -> int:
     """``1073741824``, ``"512m"``, ``"4g"`` -> bytes."""
     return parse_size(f"store.{name}", value)
+
+
+def _renamed_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """Old key names under their new ones (a deprecation warning each); both given: an error."""
+    for old, new in _RENAMED.items():
+        if old not in raw:
+            continue
+        if new in raw:
+            raise ConfigError(f"store.{old} and store.{new} are both set: {old} is the old name of {new}; "
+                              f"keep only {new}")
+        logger.warning("store.%s is deprecated: it was renamed store.%s; please use that", old, new)
+        raw[new] = raw.pop(old)
+    return raw
 
 
 @dataclass(frozen=True)
@@ -18,12 +38,13 @@ class StoreConfig:
     cpu_bytes: int = 1 << 30  # CPU pool size per worker (rank)
     disk_path: str | None = None  # None = no disk tier
     disk_bytes: int = 16 << 30
-    lease_s: float = 60.0  # pins of blocks being loaded expire after this
+    # pins of blocks being loaded (and a peer's grant to read pinned blocks) expire after this
+    pin_ttl_s: float = 60.0
     disk_io_threads: int = 2
     master: str | None = None  # "tcp://host:port" of `vllm-pd store-master`; None = local only
     master_timeout_s: float = 0.2
     node_id: str | None = None  # name published to the master (default host:pid)
-    fetch_timeout_s: float = 2.0  # node-to-node fetch (lease + bytes) must finish in this, else recompute
+    fetch_timeout_s: float = 2.0  # node-to-node fetch (grant + bytes) must finish in this, else recompute
     # CPU memory beyond cpu_bytes where a holder stages its disk blocks for peers' fetches
     # (with a disk tier and a master only); 0 = peers get blocks in CPU slots only
     disk_serve_bytes: int = 64 << 20
@@ -33,7 +54,7 @@ class StoreConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> StoreConfig:
-        raw = dict(raw or {})
+        raw = _renamed_keys(dict(raw or {}))
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -41,7 +62,7 @@ class StoreConfig:
         for name in ("cpu_bytes", "disk_bytes", "disk_serve_bytes", "host_bounce_bytes"):
             if name in raw:
                 raw[name] = parse_bytes(name, raw[name])
-        for name in ("lease_s", "master_timeout_s", "fetch_timeout_s"):
+        for name in ("pin_ttl_s", "master_timeout_s", "fetch_timeout_s"):
             if name in raw and (not isinstance(raw[name], (int, float)) or isinstance(raw[name], bool) or raw[name] <= 0):
                 raise ConfigError(f"store.{name}: expected a number > 0, got {raw[name]!r}")
         if "disk_io_threads" in raw and (not isinstance(raw["disk_io_threads"], int) or raw["disk_io_threads"] <= 0):

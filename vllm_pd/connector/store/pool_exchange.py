@@ -4,11 +4,11 @@ The master only says *which* node holds a prefix; the bytes move directly
 between the two nodes' CPU pools over the connector's transport (tcp by
 default), never through the master. Each worker rank registers its pool as one
 transport region whose "block" is one layer of a pool slot, so a fetch per
-layer moves that layer of all leased slots with the transport's per-block
+layer moves that layer of all granted slots with the transport's per-block
 length and checksum checks. Two small control messages ride on the
 transport's ``notify``:
 
-1. ``LeaseBlocks(keys)`` -> the holder answers ``LeaseGranted`` with the slots
+1. ``GrantBlocks(keys)`` -> the holder answers ``BlocksGranted`` with the slots
    and the commit-time checksums of the longest leading run of ``keys`` it
    still has, in CPU memory or on disk (a disk block is first read and
    verified into a spare pool row, disk_staging.py), and grants a fetch of
@@ -20,7 +20,7 @@ transport's ``notify``:
    the asker can copy layer 0 into vLLM while later layers are on the wire.
 3. ``ReleaseBlocks(transfer_id)`` -> ``Released(intact)``: the grant ends, and
    the holder says how many leading slots nobody started to overwrite since
-   the lease (every writer of a pool slot first drops it from the
+   the grant (every writer of a pool slot first drops it from the
    SlotDirectory, which bumps the slot's generation). A slot evicted and
    reused while it was being sent is therefore never counted as fetched; the
    blocks before it still are. This replaces re-hashing every landed slot on
@@ -53,11 +53,13 @@ logger = vllm_logger(__name__)
 POOL_REGION = 0  # the pool is the transport's only region
 
 
-class LeaseBlocks(msgspec.Struct, tag="lease"):
+class GrantBlocks(msgspec.Struct, tag="grant"):
+    """Asker -> holder: grant me a fetch of the longest leading run of ``keys`` you hold."""
+
     keys: list[BlockKey]
 
 
-class LeaseGranted(msgspec.Struct, tag="granted"):
+class BlocksGranted(msgspec.Struct, tag="granted"):
     transfer_id: str
     slots: list[int]  # of the leading keys held, in order (may be empty)
     sums: list[bytes]  # commit-time checksums of those slots' bytes
@@ -68,10 +70,10 @@ class ReleaseBlocks(msgspec.Struct, tag="release"):
 
 
 class Released(msgspec.Struct, tag="released"):
-    intact: int  # leading leased slots not overwritten (not even started) since the lease
+    intact: int  # leading granted slots not overwritten (not even started) since the grant
 
 
-_Message = LeaseBlocks | LeaseGranted | ReleaseBlocks | Released
+_Message = GrantBlocks | BlocksGranted | ReleaseBlocks | Released
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_Message)
 
@@ -81,7 +83,7 @@ class SlotDirectory:
 
     Kept by the worker side (it owns the bytes): a slot enters once its copy is
     complete and checksummed, and leaves *before* anything overwrites it
-    (``drop_slots``, which also bumps the slot's generation: a lease compares
+    (``drop_slots``, which also bumps the slot's generation: a grant compares
     generations to learn whether a slot was touched while it was sent). Thread
     safe (the transport's threads read it while the store's threads write)."""
 
@@ -131,12 +133,12 @@ class SlotDirectory:
             out.append((entry[0], entry[1]))
         return out
 
-    def intact(self, leased: Sequence[tuple[int, int | None]]) -> int:
+    def intact(self, granted: Sequence[tuple[int, int | None]]) -> int:
         """How many leading (slot, generation) pairs were not dropped since
         (generation None: a staging row its grant owns, which nobody else writes)."""
         with self._lock:
             n = 0
-            for slot, generation in leased:
+            for slot, generation in granted:
                 if generation is not None and self._generation.get(slot, 0) != generation:
                     break
                 n += 1
@@ -144,7 +146,7 @@ class SlotDirectory:
 
 
 class PoolExchange:
-    """One rank's pool on the transport: a BlockSink that serves leases, and the fetching side."""
+    """One rank's pool on the transport: a BlockSink that serves grants, and the fetching side."""
 
     def __init__(
         self,
@@ -166,7 +168,7 @@ class PoolExchange:
         self.transport.register_regions([MemoryRegion("kv-store-pool", pool.data.view(-1, pool.layer_block_nbytes))])
         self.endpoint = ""
         self._lock = threading.Lock()
-        # transfer id -> (expiry (monotonic), leased (slot, generation) pairs, staging rows it owns)
+        # transfer id -> (expiry (monotonic), granted (slot, generation) pairs, staging rows it owns)
         self._grants: dict[str, tuple[float, list[tuple[int, int | None]], list[int]]] = {}
         self.stats = {"served_blocks": 0, "served_from_disk": 0, "fetched_blocks": 0, "failed_fetches": 0}
         self._served_reported = (0, 0)
@@ -192,26 +194,26 @@ class PoolExchange:
         except msgspec.MsgspecError:
             logger.warning("store: undecodable message from %s ignored", peer)
             return None
-        if isinstance(msg, LeaseBlocks):
-            return _encoder.encode(self._lease(msg.keys))
+        if isinstance(msg, GrantBlocks):
+            return _encoder.encode(self._grant(msg.keys))
         if isinstance(msg, ReleaseBlocks):
             return _encoder.encode(Released(self._revoke(msg.transfer_id)))
         return None
 
-    def _lease(self, keys: Sequence[BlockKey]) -> LeaseGranted:
+    def _grant(self, keys: Sequence[BlockKey]) -> BlocksGranted:
         self._expire_grants()
         held, staged = self._held(keys)
-        tid = f"store-{uuid.uuid4().hex}"
+        transfer_id = f"store-{uuid.uuid4().hex}"
         slots = [slot for slot, _, _ in held]
         if slots:
             with self._lock:
-                self._grants[tid] = (time.monotonic() + self.grant_ttl_s, [(s, g) for s, _, g in held], staged)
-            self.transport.allow_fetch(tid, [row for layer in range(self.pool.num_layers)
+                self._grants[transfer_id] = (time.monotonic() + self.grant_ttl_s, [(s, g) for s, _, g in held], staged)
+            self.transport.allow_fetch(transfer_id, [row for layer in range(self.pool.num_layers)
                                              for row in self._rows(slots, layer)])
             with self._lock:  # read together by take_served
                 self.stats["served_blocks"] += len(slots)
                 self.stats["served_from_disk"] += len(staged)
-        return LeaseGranted(tid, slots, [digest for _, digest, _ in held])
+        return BlocksGranted(transfer_id, slots, [digest for _, digest, _ in held])
 
     def _held(self, keys: Sequence[BlockKey]) -> tuple[list[tuple[int, bytes, int | None]], list[int]]:
         """(slot, checksum, generation) of the longest leading run of ``keys`` held
@@ -242,13 +244,13 @@ class PoolExchange:
             out.append(entry)
         return out, rows
 
-    def _revoke(self, tid: str) -> int:
+    def _revoke(self, transfer_id: str) -> int:
         """End a grant (once no read of it is sending); returns its intact leading slots."""
         with self._lock:
-            grant = self._grants.pop(tid, None)
+            grant = self._grants.pop(transfer_id, None)
         if grant is None:
             return 0  # unknown or expired: count nothing
-        self.transport.allow_fetch(tid, None)
+        self.transport.allow_fetch(transfer_id, None)
         if self.staging is not None and grant[2]:
             self.staging.give_back(grant[2])  # no byte of them is being sent any more
         return self.directory.intact(grant[1])
@@ -256,9 +258,9 @@ class PoolExchange:
     def _expire_grants(self) -> None:
         now = time.monotonic()
         with self._lock:
-            old = [tid for tid, (until, _, _) in self._grants.items() if until <= now]
-        for tid in old:
-            self._revoke(tid)
+            old = [transfer_id for transfer_id, (until, _, _) in self._grants.items() if until <= now]
+        for transfer_id in old:
+            self._revoke(transfer_id)
 
     def take_served(self) -> tuple[int, int]:
         """(blocks served from the CPU pool, from disk) since the last call (for vLLM's metrics)."""
@@ -284,15 +286,15 @@ class PoolExchange:
         return self.start_fetch(peer, keys, local_slots).finish()
 
     def start_fetch(self, peer: str, keys: Sequence[BlockKey], local_slots: Sequence[int]) -> PeerFetch:
-        """Lease ``keys`` at ``peer`` and start fetching them layer by layer (one
+        """Ask ``peer`` for a grant of ``keys`` and start fetching them layer by layer (one
         transport fetch per layer, all queued at once: they land in order);
         returns at once with the handle the loader waits on per layer."""
         if not keys:
             return PeerFetch(self, peer, 0, "", [], [])
         try:
-            granted = self._ask(peer, LeaseBlocks(list(keys)))
-            if not isinstance(granted, LeaseGranted) or len(granted.sums) != len(granted.slots):
-                raise TransportError(f"bad lease reply from {peer}")
+            granted = self._ask(peer, GrantBlocks(list(keys)))
+            if not isinstance(granted, BlocksGranted) or len(granted.sums) != len(granted.slots):
+                raise TransportError(f"bad grant reply from {peer}")
             n = min(len(granted.slots), len(keys), len(local_slots))
             if n == 0:
                 return PeerFetch(self, peer, len(keys), "", [], [])
@@ -317,13 +319,13 @@ class PoolExchange:
         layers = self.pool.num_layers
         return [slot * layers + layer for slot in slots]
 
-    def _release_quietly(self, peer: str, tid: str) -> None:
+    def _release_quietly(self, peer: str, transfer_id: str) -> None:
         try:
-            self.transport.notify(peer, _encoder.encode(ReleaseBlocks(tid)), self.timeout_s)
+            self.transport.notify(peer, _encoder.encode(ReleaseBlocks(transfer_id)), self.timeout_s)
         except (TransportError, ValueError):  # the grant expires anyway
             pass
 
-    def _ask(self, peer: str, message: LeaseBlocks | ReleaseBlocks) -> _Message:
+    def _ask(self, peer: str, message: GrantBlocks | ReleaseBlocks) -> _Message:
         reply = self.transport.notify(peer, _encoder.encode(message), self.timeout_s)
         return _decoder.decode(reply.result(timeout=self.timeout_s + 1.0) or b"")
 
@@ -341,7 +343,7 @@ class PoolExchange:
 class PeerFetch:
     """One node-to-node fetch in flight (:meth:`PoolExchange.start_fetch`).
 
-    ``granted`` blocks were leased; :meth:`layer_landed` blocks until one layer
+    ``granted`` blocks were granted; :meth:`layer_landed` blocks until one layer
     of all of them is in our slots (verified in transit), so the loader copies
     layer ``i`` into vLLM while later layers are still on the wire.
     :meth:`finish` waits for every layer, ends the grant and returns the
@@ -355,7 +357,7 @@ class PeerFetch:
         self._exchange = exchange
         self._peer = peer
         self._asked = asked
-        self._tid = transfer_id
+        self._transfer_id = transfer_id
         self._sums = sums
         self._layers = layers
         self._failed = False
@@ -385,13 +387,13 @@ class PeerFetch:
                 f.result(timeout=ex.timeout_s + 1.0)
             except Exception:  # noqa: BLE001
                 self._failed = True
-        if not self._tid:
+        if not self._transfer_id:
             return []
         if self._failed or not self.granted:
-            ex._release_quietly(self._peer, self._tid)
+            ex._release_quietly(self._peer, self._transfer_id)
             return []
         try:
-            released = ex._ask(self._peer, ReleaseBlocks(self._tid))
+            released = ex._ask(self._peer, ReleaseBlocks(self._transfer_id))
             if not isinstance(released, Released):
                 raise TransportError(f"bad release reply from {self._peer}")
         except (TransportError, msgspec.MsgspecError, TimeoutError, ValueError) as exc:

@@ -1,5 +1,5 @@
 """Radix index over block keys: longest cached prefix, batched inserts,
-leaf-first removal, pins with leases.
+leaf-first removal, pins with deadlines.
 
 Because a block key hashes its parent key (keys.py), the tree over keys is
 already prefix-compressed by content: a key has exactly one possible parent.
@@ -10,9 +10,9 @@ chain is found by *binary search* over the chain's keys: O(log n) dict probes
 instead of the O(n) walk of a dict-of-hash-chains index.
 
 Pins keep a node (and so its ancestors, which are not leaves) from removal
-while it is being read or written. Each pin belongs to a lease with a deadline,
-so a reader that dies cannot pin a block forever (Mooncake/LMCache lesson);
-an expired lease is dropped the next time pins are consulted.
+while it is being read or written. Each pin has a deadline, so a reader that
+dies cannot pin a block forever (Mooncake/LMCache lesson); an expired pin is
+dropped the next time pins are consulted.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ class RadixNode:
 
 
 @dataclass(frozen=True)
-class Lease:
-    lease_id: int
+class Pin:
+    """Keys kept from removal together, until :meth:`RadixIndex.unpin` or the deadline."""
+
+    pin_id: int
     keys: tuple[BlockKey, ...]
     deadline: float  # time.monotonic()
 
@@ -53,9 +55,9 @@ class RadixIndex:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._root = RadixNode(key=None, parent=None)
         self._nodes: dict[BlockKey, RadixNode] = {}
-        self._leases: dict[int, Lease] = {}
-        self._lease_nodes: dict[int, list[RadixNode]] = {}  # the very nodes pinned
-        self._lease_ids = itertools.count(1)
+        self._pins: dict[int, Pin] = {}
+        self._pin_nodes: dict[int, list[RadixNode]] = {}  # the very nodes pinned
+        self._pin_ids = itertools.count(1)
         self._clock = clock
 
     def __len__(self) -> int:
@@ -140,7 +142,7 @@ class RadixIndex:
         if node is None or node.children:
             return False
         if node.pins:
-            self.expire_leases()
+            self.expire_pins()
         return node.pins == 0
 
     def remove_leaf(self, key: BlockKey) -> RadixNode:
@@ -154,8 +156,8 @@ class RadixIndex:
     def remove_subtree(self, key: BlockKey) -> list[RadixNode]:
         """Drop ``key`` and everything below it (its bytes are gone, so nothing
         below is reachable by a prefix match any more). Returns removed nodes,
-        deepest first. Pinned nodes are removed too: their readers hold leases on
-        bytes, not on the index entry, and must handle their own completion."""
+        deepest first. Pinned nodes are removed too: their readers' pins hold the
+        bytes, not the index entry, and they must handle their own completion."""
         node = self._nodes.get(key)
         if node is None:
             return []
@@ -177,34 +179,34 @@ class RadixIndex:
         del self._nodes[node.key]
         return node
 
-    # -- pins and leases ------------------------------------------------------
+    # -- pins ------------------------------------------------------------------
 
-    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> Lease:
-        """Pin present ``keys`` until :meth:`release` or ``ttl_s`` passes."""
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> Pin:
+        """Pin present ``keys`` until :meth:`unpin` or ``ttl_s`` passes."""
         nodes = [self._nodes[k] for k in keys if k in self._nodes]
         for node in nodes:
             node.pins += 1
-        lease = Lease(next(self._lease_ids), tuple(n.key for n in nodes), self._clock() + ttl_s)  # type: ignore[misc]
-        self._leases[lease.lease_id] = lease
-        self._lease_nodes[lease.lease_id] = nodes
-        return lease
+        pin = Pin(next(self._pin_ids), tuple(n.key for n in nodes), self._clock() + ttl_s)  # type: ignore[misc]
+        self._pins[pin.pin_id] = pin
+        self._pin_nodes[pin.pin_id] = nodes
+        return pin
 
-    def release(self, lease: Lease | int) -> bool:
-        """Unpin a lease's keys; False if it already expired or was released."""
-        lease_id = lease if isinstance(lease, int) else lease.lease_id
-        if self._leases.pop(lease_id, None) is None:
+    def unpin(self, pin: Pin | int) -> bool:
+        """Unpin a pin's keys; False if it already expired or was unpinned."""
+        pin_id = pin if isinstance(pin, int) else pin.pin_id
+        if self._pins.pop(pin_id, None) is None:
             return False
-        for node in self._lease_nodes.pop(lease_id):
+        for node in self._pin_nodes.pop(pin_id):
             node.pins -= 1  # a node removed meanwhile is unreachable; harmless
         return True
 
-    def expire_leases(self) -> list[Lease]:
+    def expire_pins(self) -> list[Pin]:
         now = self._clock()
-        expired = [lease for lease in self._leases.values() if lease.deadline <= now]
-        for lease in expired:
-            self.release(lease.lease_id)
+        expired = [pin for pin in self._pins.values() if pin.deadline <= now]
+        for pin in expired:
+            self.unpin(pin.pin_id)
         return expired
 
     @property
-    def live_leases(self) -> int:
-        return len(self._leases)
+    def live_pins(self) -> int:
+        return len(self._pins)

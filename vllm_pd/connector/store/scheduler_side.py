@@ -23,13 +23,13 @@ from vllm_pd.connector.store.disk_tier import scan
 from vllm_pd.connector.store.keys import BlockKey, KeySalt
 from vllm_pd.connector.store.master_client import MasterClient, RemoteHit
 from vllm_pd.connector.store.plans import LoadOp, SaveOp, StorePlan, StoreReport
-from vllm_pd.connector.store.radix import Lease
+from vllm_pd.connector.store.radix import Pin
 from vllm_pd.connector.store.request_keys import RequestKeys
 
 
 @dataclass(slots=True)
 class _Load:
-    lease: Lease
+    pin: Pin
     staging: dict[BlockKey, int] = field(default_factory=dict)
 
 
@@ -128,8 +128,8 @@ class StoreScheduler:
         keys = self.block_keys(token_ids, max_blocks=first + n, request_id=request_id)
         local_end = max(first, self.index.longest_prefix(keys))
         usable = keys[first:local_end]
-        lease = self.index.pin(usable, self.config.lease_s)
-        load = _Load(lease)
+        pin = self.index.pin(usable, self.config.pin_ttl_s)
+        load = _Load(pin)
         # blocks only on disk need a pool slot to land in (they are promoted)
         disk_only = [k for k in usable if self.placement.location(k).slot is None]
         staged: dict[BlockKey, int] = {}
@@ -155,7 +155,7 @@ class StoreScheduler:
         count = len(usable) + len(fetched)
         missing = list(block_ids[count:])
         if not count:
-            self.index.release(lease)
+            self.index.unpin(pin)
             return None, missing
         self._loads[request_id] = load
         self.cache.hit(usable)
@@ -226,7 +226,7 @@ class StoreScheduler:
             load = self._loads.pop(result.request_id, None)
             if load is None:
                 continue
-            self.index.release(load.lease)
+            self.index.unpin(load.pin)
             for key in result.loaded:
                 if key in load.staging:
                     self.placement.landed_from_disk(key)

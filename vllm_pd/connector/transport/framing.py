@@ -103,16 +103,16 @@ class Frame:
         return sum(self.lengths) + DIGEST_NBYTES * self.count
 
     def encode(self) -> bytes:
-        tid = self.transfer_id.encode()
+        encoded_id = self.transfer_id.encode()
         if self.kind in LENGTH_KINDS and len(self.lengths) != len(self.ids):
             raise ValueError("lengths must give one length per id")
         n = len(self.ids)
         parts = [
             _HEADER.pack(
                 MAGIC, int(self.kind), int(self.status), int(self.checksum), self.flags,
-                self.req_id, self.layer, n, self.block_nbytes, len(tid), len(self.payload),
+                self.req_id, self.layer, n, self.block_nbytes, len(encoded_id), len(self.payload),
             ),
-            tid,
+            encoded_id,
             struct.pack(f"<{n}I", *self.ids),
         ]
         if self.kind in LENGTH_KINDS:
@@ -131,20 +131,20 @@ class _HeaderFields:
     layer: int
     count: int
     block_nbytes: int
-    tid_len: int
+    transfer_id_len: int
     payload_len: int
 
     @property
     def rest_nbytes(self) -> int:
         per_id = 12 if self.kind in LENGTH_KINDS else 4
-        return self.tid_len + per_id * self.count + self.payload_len
+        return self.transfer_id_len + per_id * self.count + self.payload_len
 
 
 def decode_header(buf: bytes | bytearray | memoryview) -> _HeaderFields:
     """Parse and validate the fixed header; TransferCorrupted on anything odd."""
     if len(buf) != HEADER_NBYTES:
         raise TransferCorrupted(f"header is {len(buf)} bytes, expected {HEADER_NBYTES}")
-    magic, kind, status, checksum, flags, req_id, layer, count, bnb, tid_len, plen = (
+    magic, kind, status, checksum, flags, req_id, layer, count, bnb, transfer_id_len, plen = (
         _HEADER.unpack(buf)
     )
     if magic != MAGIC:
@@ -152,13 +152,13 @@ def decode_header(buf: bytes | bytearray | memoryview) -> _HeaderFields:
     try:
         fields = _HeaderFields(
             Kind(kind), Status(status), Checksum(checksum), flags, req_id, layer,
-            count, bnb, tid_len, plen,
+            count, bnb, transfer_id_len, plen,
         )
     except ValueError as e:
         raise TransferCorrupted(f"bad header field: {e}") from None
-    if count > MAX_COUNT or tid_len > MAX_TRANSFER_ID or plen > MAX_PAYLOAD:
+    if count > MAX_COUNT or transfer_id_len > MAX_TRANSFER_ID or plen > MAX_PAYLOAD:
         raise TransferCorrupted(
-            f"header out of bounds: count={count} transfer_id_len={tid_len} payload={plen}"
+            f"header out of bounds: count={count} transfer_id_len={transfer_id_len} payload={plen}"
         )
     if bnb > MAX_BLOCK_NBYTES:
         raise TransferCorrupted(f"header out of bounds: block_nbytes={bnb}")
@@ -170,9 +170,9 @@ def decode_rest(h: _HeaderFields, rest: bytes | bytearray | memoryview) -> Frame
     rest = memoryview(rest)
     if len(rest) != h.rest_nbytes:
         raise TransferCorrupted(f"variable part is {len(rest)} bytes, expected {h.rest_nbytes}")
-    off = h.tid_len
+    off = h.transfer_id_len
     try:
-        tid = bytes(rest[:off]).decode()
+        transfer_id = bytes(rest[:off]).decode()
     except UnicodeDecodeError:
         raise TransferCorrupted("transfer id is not utf-8") from None
     ids = struct.unpack_from(f"<{h.count}I", rest, off)
@@ -183,7 +183,7 @@ def decode_rest(h: _HeaderFields, rest: bytes | bytearray | memoryview) -> Frame
         off += 8 * h.count
     return Frame(
         kind=h.kind, req_id=h.req_id, status=h.status, checksum=h.checksum, flags=h.flags,
-        layer=h.layer, block_nbytes=h.block_nbytes, transfer_id=tid, ids=ids,
+        layer=h.layer, block_nbytes=h.block_nbytes, transfer_id=transfer_id, ids=ids,
         lengths=lengths, payload=bytes(rest[off:]),
     )
 

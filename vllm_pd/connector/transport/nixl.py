@@ -23,7 +23,7 @@ target:
 * fetch - the FETCH message names the requester's destination blocks; the owner checks its
   grant, WRITEs its blocks into the requester's regions (WRITE: the fast direction of
   cuda_ipc on one host) and answers once the WRITE completed, with the checksums. The owner
-  controls when its bytes leave, so a revoke (``allow_fetch(tid, None)``) waits for the
+  controls when its bytes leave, so a revoke (``allow_fetch(transfer_id, None)``) waits for the
   WRITEs in flight and nothing is read from its blocks after it returns. A fetch whose
   deadline passes while the owner has it is cancelled, not dropped: the requester sends a
   cancel and waits up to ``revoke_wait`` more for the owner's answer (so no WRITE lands in
