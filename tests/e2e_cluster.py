@@ -141,7 +141,8 @@ def disagg(client: httpx.Client, prefill: Instance, decode: Instance, body: dict
     if mode.endswith("-beside"):
         key, transfer_mode = uuid.uuid4().hex, mode.split("-")[0]
         leg = _beside_pool.submit(post, _beside_client, decode.url,
-                                  dict(body, kv_transfer_params={**AwaitedPrefill(key, transfer_mode).to_params(), **ask}))
+                                  dict(body, kv_transfer_params={**AwaitedPrefill(key, transfer_mode).to_params(),
+                                                                 **ask}))
         p = post(client, prefill.url, prefill_leg(body, transfer_mode, decode, transfer_key=key))
         return p, leg.result()
     p = post(client, prefill.url, prefill_leg(body, mode, decode))

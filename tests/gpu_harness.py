@@ -164,8 +164,8 @@ def _prefill_main(spec: HarnessSpec, conn: Any) -> None:
         baseline = _step(worker, forward, names, None, views, idx, contents)
         tid = f"t{r}"
         host, port = worker.endpoint.split("://", 1)[1].rsplit(":", 1)
-        announcement = RemotePrefill(tid, "harness", worker.endpoint, host, int(port), tuple(block_ids), n * spec.block_size,
-                                     spec.block_size, mode, transfer_key=tid).to_params()
+        announcement = RemotePrefill(tid, "harness", worker.endpoint, host, int(port), tuple(block_ids),
+                                     n * spec.block_size, spec.block_size, mode, transfer_key=tid).to_params()
         send = SendSpec(tid, tuple(block_ids), 0, n * spec.block_size, n * spec.block_size,
                         decode_endpoint if mode == "push" else None, transfer_key=tid,
                         announcement=announcement, announce_endpoint=decode_endpoint)

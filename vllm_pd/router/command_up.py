@@ -80,7 +80,7 @@ def _default_model() -> str:
     try:
         from vllm_pd.small_model import ensure_default_model
     except ImportError as e:
-        raise SystemExit(f"vllm-pd up: no --model given and the built-in small model is unavailable ({e})")
+        raise SystemExit(f"vllm-pd up: no --model given and the built-in small model is unavailable ({e})") from e
     return str(ensure_default_model())
 
 
