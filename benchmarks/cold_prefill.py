@@ -37,7 +37,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=30, help="requests per kind (turns)")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--gap", type=float, default=0.35, help="idle seconds before each 'after idle' and 'push beside' request")
+    ap.add_argument("--gap", type=float, default=0.35,
+                    help="idle seconds before each 'after idle' and 'push beside' request")
     ap.add_argument("--transport", choices=("tcp", "shm"), default="shm")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-bench-logs"))
     args = ap.parse_args()

@@ -9,8 +9,8 @@ mode, beside the limits measured in the same run on the same device:
   decode's blocks), beside pinned host<->device copy bandwidth (cudaMemcpy D2H and H2D)
   and a device-to-device copy (on the CPU: a memcpy). Targets (GPU): host-staged >= 0.8 x pinned
   D2H/H2D; NIXL VRAM->VRAM on one host >= 0.8 x device-to-device.
-* hidden (from the run with the synthetic forward): 1 - (decode's last layer landed - prefill's forward complete) / (that landed -
-  first layer sent), the share of the transfer behind the forward. Target >= 90 %.
+* hidden (from the run with the synthetic forward): 1 - (decode's last layer landed - prefill's forward
+  complete) / (that landed - first layer sent), the share of the transfer behind the forward. Target >= 90 %.
 * slowdown: prefill's step with the sends / the same step without, alternated per
   request so the host's drift cancels. Target <= 3 %.
 

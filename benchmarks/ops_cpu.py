@@ -94,7 +94,8 @@ def mla_case(batch: int, seq_len: int, h_q: int, block_size: int, memcpy: float,
     gbps = kv_bytes / t_native / 1e9
     print(f"mla_decode b={batch} L={seq_len} h_q={h_q} block={block_size} ({kv_bytes / 1e6:.0f} MB KV): "
           f"native ({kernel}) {t_native * 1e3:.2f} ms = {gbps:.1f} GB/s = {gbps / memcpy:.2f} x memcpy "
-          f"(target >= 0.6) = {gbps / read:.2f} x read, {4 * batch * seq_len * h_q * (dim + dim_v) / t_native / 1e9:.0f} GFLOP/s")
+          f"(target >= 0.6) = {gbps / read:.2f} x read, "
+          f"{4 * batch * seq_len * h_q * (dim + dim_v) / t_native / 1e9:.0f} GFLOP/s")
     if not peers:
         return
     if kernel != "portable":
@@ -135,15 +136,18 @@ def grouped_cases() -> None:
     _, _, b, sfb = fp8_operands(n, n, k, groups=groups)
     d = torch.empty(groups * m_per, n, dtype=torch.bfloat16)
     t_native = bench(lambda: torch.ops.vllm_pd.m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, d, layout, "native"))
-    t_ref = bench(lambda: reference.m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, d, layout), min_time=0.2, max_iters=5)
+    t_ref = bench(lambda: reference.m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, d, layout),
+                  min_time=0.2, max_iters=5)
     print(f"m_grouped contiguous G={groups} m={m_per}/group n={n} k={k}: native {t_native * 1e3:.2f} ms, "
           f"reference {t_ref * 1e3:.2f} ms = native is {t_ref / t_native:.2f}x the reference's speed")
     a, sfa, b, sfb = fp8_operands(64, n, k, groups=groups)
     masked = torch.tensor([64, 3, 17, 40], dtype=torch.int32)
     d = torch.empty(groups, 64, n, dtype=torch.bfloat16)
     t_native = bench(lambda: torch.ops.vllm_pd.m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, d, masked, 32, "native"))
-    t_ref = bench(lambda: reference.m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, d, masked), min_time=0.2, max_iters=5)
-    print(f"m_grouped masked G={groups} m_max=64 masked_m={masked.tolist()} n={n} k={k}: native {t_native * 1e3:.2f} ms, "
+    t_ref = bench(lambda: reference.m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, d, masked),
+                  min_time=0.2, max_iters=5)
+    print(f"m_grouped masked G={groups} m_max=64 masked_m={masked.tolist()} n={n} k={k}: "
+          f"native {t_native * 1e3:.2f} ms, "
           f"reference {t_ref * 1e3:.2f} ms = native is {t_ref / t_native:.2f}x the reference's speed")
 
 

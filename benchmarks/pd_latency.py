@@ -116,7 +116,8 @@ def run_pd_beside(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: li
     params = RemoteDecodeRequest(mode, decode_endpoint, transfer_id).to_params()
     t0 = time.perf_counter()
     awaited = AwaitedPrefill(transfer_id, mode).to_params()
-    decode_leg = _pool.submit(stream_ttft, _decode_client, d.url, dict(body, kv_transfer_params={**awaited, **load_ask}), t0)
+    decode_leg = _pool.submit(stream_ttft, _decode_client, d.url,
+                              dict(body, kv_transfer_params={**awaited, **load_ask}), t0)
     r = client.post(p.url + "/v1/completions", json=dict(body, max_tokens=1, stream=False, kv_transfer_params=params),
                     timeout=600)
     r.raise_for_status()

@@ -325,7 +325,8 @@ def run_suite(args: argparse.Namespace) -> None:
     layout = _layout(args)
     print(f"backends: mock prefill+decode, ttft={args.ttft * 1e3:.0f} ms itl={args.itl * 1e3:.0f} ms, "
           f"{args.tokens} output tokens, prompt {len(BODY['prompt'])} chars; cores={os.cpu_count()}; "
-          f"router on core {layout.router_core} (nice {layout.router_nice}), load generator + mocks on core {layout.load_core}; "
+          f"router on core {layout.router_core} (nice {layout.router_nice}), "
+          f"load generator + mocks on core {layout.load_core}; "
           f"load average at start {os.getloadavg()[0]:.2f}")
     if not args.skip_latency:
         rs = Routers.start(layout, args.ttft, args.itl, args.vllm_router_path, args.profile, args.compare_tree)

@@ -112,7 +112,8 @@ def main() -> None:
             ours = hit / sum(len(r.prompt) for r in reqs)
             ratio = ours / lru if lru else float("inf")
             ratios[frac].append(ratio)
-            print(f"| {seed} | {cap} | {frac:.1%} | {lru:.1%} | {ours:.1%} | {ratio:.3f}x | {used.most_common(1)[0][0]} |",
+            print(f"| {seed} | {cap} | {frac:.1%} | {lru:.1%} | {ours:.1%} | {ratio:.3f}x "
+                  f"| {used.most_common(1)[0][0]} |",
                   flush=True)
         print(f"<!-- seed {seed}: {len(reqs)} requests, {unique} unique blocks, "
               f"infinite-cache hit {simulate(reqs, LruCache(10 ** 9)):.1%} -->", flush=True)

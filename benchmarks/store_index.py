@@ -78,10 +78,12 @@ def main() -> None:
     n = sum(len(c) for c in fresh)
     r, _ = best(radix_batch, 5)
     d, _ = best(dict_batch, 5)
-    print(f"| batched, 1000 chains x 64 keys | {n / r / 1e6:.2f} M keys/s | {n / d / 1e6:.2f} M keys/s | {d / r:.2f}x |")
+    print(f"| batched, 1000 chains x 64 keys | {n / r / 1e6:.2f} M keys/s | {n / d / 1e6:.2f} M keys/s "
+          f"| {d / r:.2f}x |")
     r, _ = best(lambda: RadixIndex().insert_chain(chain), 5)
     d, _ = best(lambda: dict.fromkeys(chain), 5)
-    print(f"| one 128K-token chain (8192 keys) | {len(chain) / r / 1e6:.2f} M keys/s | {len(chain) / d / 1e6:.2f} M keys/s | {d / r:.2f}x |")
+    print(f"| one 128K-token chain (8192 keys) | {len(chain) / r / 1e6:.2f} M keys/s "
+          f"| {len(chain) / d / 1e6:.2f} M keys/s | {d / r:.2f}x |")
 
 
 if __name__ == "__main__":

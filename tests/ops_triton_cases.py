@@ -28,7 +28,8 @@ def test_mla_decode(seqlens, s_q, h_q, block_size, causal, dtype):
     ref_out, ref_lse = reference.mla_decode(*args)
     assert flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL) is None, \
         flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL)
-    assert flash_mla_mismatch("lse", lse, ref_lse, **LSE_TOL) is None, flash_mla_mismatch("lse", lse, ref_lse, **LSE_TOL)
+    lse_mismatch = flash_mla_mismatch("lse", lse, ref_lse, **LSE_TOL)
+    assert lse_mismatch is None, lse_mismatch
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+import msgspec
 import pytest
 import torch
 
@@ -58,7 +59,7 @@ def test_parse_size() -> None:
 
 def test_control_messages() -> None:
     assert decode_control(ReleaseMessage("t1").encode()) == ReleaseMessage("t1")
-    with pytest.raises(Exception):
+    with pytest.raises(msgspec.DecodeError):
         decode_control(b"\x00garbage")
 
 

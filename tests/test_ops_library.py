@@ -28,7 +28,8 @@ def _gemm_args():
 def _contiguous_args():
     a, sfa, _, _ = fp8_operands(8, 128, 128)
     _, _, b, sfb = fp8_operands(128, 128, 128, groups=2)
-    return a, sfa, b, sfb, torch.empty(8, 128, dtype=torch.bfloat16), torch.tensor([0] * 4 + [1] * 3 + [-1], dtype=torch.int32)
+    layout = torch.tensor([0] * 4 + [1] * 3 + [-1], dtype=torch.int32)
+    return a, sfa, b, sfb, torch.empty(8, 128, dtype=torch.bfloat16), layout
 
 
 def _masked_args():

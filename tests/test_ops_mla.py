@@ -23,7 +23,8 @@ def _check(out, lse, ref_out, ref_lse):
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
     assert flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL) is None, \
         flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL)
-    assert flash_mla_mismatch("lse", lse, ref_lse, **LSE_TOL) is None, flash_mla_mismatch("lse", lse, ref_lse, **LSE_TOL)
+    lse_mismatch = flash_mla_mismatch("lse", lse, ref_lse, **LSE_TOL)
+    assert lse_mismatch is None, lse_mismatch
 
 
 CASES = [
@@ -150,7 +151,8 @@ def test_strided_cache_rows(kernel):
     view = wide[..., :576]
     assert view.stride(1) == 640
     args = (q, view, table, lens, 512, SCALE, True)
-    _check(*torch.ops.vllm_pd.mla_decode(*args, "native"), *reference.mla_decode(q, cache, table, lens, 512, SCALE, True))
+    _check(*torch.ops.vllm_pd.mla_decode(*args, "native"),
+           *reference.mla_decode(q, cache, table, lens, 512, SCALE, True))
 
 
 def test_kernel_choice_is_validated(monkeypatch):

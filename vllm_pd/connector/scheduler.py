@@ -379,7 +379,7 @@ class PDConnectorScheduler:
             block_ids=tuple(block_ids[:n]),
             num_tokens=request.num_prompt_tokens,
             block_size=self.block_size,
-            mode=out.ask.mode,
+            mode=out.ask.mode or self.config.default_mode,  # resolved at admission: never None here
             tp_size=self.tp_size,
             endpoints=self._endpoints,
             prompt_hash=out.prompt_hash,

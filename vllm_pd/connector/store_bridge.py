@@ -169,7 +169,7 @@ class StoreBridgeWorker:
         for req_id, owners in meta.held.items():
             self._owners[req_id] = set(owners)
         self._missing.update(meta.missing_block_ids)
-        self._plan = meta.plan
+        self._plan: StorePlan | None = meta.plan
 
     def start(self) -> None:
         plan = getattr(self, "_plan", None)

@@ -123,7 +123,8 @@ def check_fp8_gemm_nt(
 
 
 def check_grouped_contiguous(
-    a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor, grouped_layout: torch.Tensor
+    a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
+    grouped_layout: torch.Tensor,
 ) -> None:
     op = "m_grouped_fp8_gemm_nt_contiguous"
     _check_fp8_operand(op, "a", a, 2)

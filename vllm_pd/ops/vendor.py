@@ -61,7 +61,8 @@ def probe_flash_mla(module: ModuleType) -> FlashMLA | None:
         return None
     try:
         params = inspect.signature(get_meta).parameters.values()
-        required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        required = [p for p in params if p.default is p.empty and p.kind in positional]
         lazy = len(required) == 0
     except (TypeError, ValueError):  # a compiled function: the 2025 API was the compiled one
         lazy = False

@@ -70,7 +70,7 @@ class BackendResponse:
 
     async def read(self) -> bytes:
         """The whole body."""
-        parts = []
+        parts: list[bytes] = []
         while True:
             chunk = await self.readany()
             if not chunk:

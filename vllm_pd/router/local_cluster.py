@@ -1,9 +1,9 @@
 """N prefill + M decode vLLM servers on this machine, configured for the PD connector.
 
 Used by ``vllm-pd up`` and the proxy's end-to-end tests. Every server gets a
-free HTTP port, a distinct free KV port, and its own CPU cores where the
+free HTTP port, a distinct free KV port, its own CPU cores where the
 machine has enough (VLLM_CPU_OMP_THREADS_BIND), so servers do not fight over
-the same core's OpenMP threads.
+the same core's OpenMP threads, and its own GPUs where asked (CUDA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations
@@ -40,6 +40,32 @@ def cpu_bindings(n_servers: int, cores: list[int] | None = None) -> list[str]:
     return [str(cores[i % len(cores)]) for i in range(n_servers)]
 
 
+def visible_gpus() -> list[str]:
+    """Ids of the GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (none without torch.cuda)."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    count = torch.cuda.device_count()
+    # a child's CUDA_VISIBLE_DEVICES names devices as the machine does, not as our own restricted view
+    inherited = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return inherited[:count] if inherited else [str(i) for i in range(count)]
+
+
+def gpu_bindings(n_servers: int, per_instance: int, gpus: list[str]) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES of each server: ``per_instance`` GPUs of its own, in order; None when 0."""
+    if per_instance < 0:
+        raise ValueError(f"gpus_per_instance must be >= 0, not {per_instance}")
+    if per_instance == 0:
+        return [None] * n_servers
+    if n_servers * per_instance > len(gpus):
+        raise ValueError(f"gpus_per_instance={per_instance} for {n_servers} servers needs "
+                         f"{n_servers * per_instance} GPUs, {len(gpus)} visible ({','.join(gpus) or 'none'})")
+    return [",".join(gpus[i * per_instance:(i + 1) * per_instance]) for i in range(n_servers)]
+
+
 @dataclass
 class LocalServer:
     name: str
@@ -71,17 +97,23 @@ class LocalCluster:
     transport: str = "tcp"
     connector_extra: dict = field(default_factory=dict)  # more kv_connector_extra_config keys
     max_model_len: int = 2048
+    served_model_name: str | None = None
+    # GPUs of each server; 0 = none assigned (CPU, or every server sees every GPU)
+    gpus_per_instance: int = 0
+    gpus: list[str] = field(default_factory=list)  # the GPUs to hand out (visible_gpus())
+    serve_cli: bool = False  # start servers with `vllm serve` (see VllmServerSpec)
     servers: list[LocalServer] = field(default_factory=list)
 
     def start(self) -> None:
         roles = ["prefill"] * self.n_prefill + ["decode"] * self.n_decode + ["both"] * self.n_both
         binds = cpu_bindings(len(roles))
+        gpu_sets = gpu_bindings(len(roles), self.gpus_per_instance, self.gpus)
         # each server has cores of its own: confine its whole process tree (API server, engine core,
         # worker) to them, not only vLLM's OpenMP threads, so servers never steal each other's cores
         pin = len(set(binds)) == len(binds) and shutil.which("taskset") is not None
         used: set[int] = set()
         counters = {"prefill": 0, "decode": 0, "both": 0}
-        for role, cores in zip(roles, binds):
+        for role, cores, gpus in zip(roles, binds, gpu_sets):
             name = f"{role[0]}{counters[role]}"
             counters[role] += 1
             port, kv_port = _distinct_port(used), _distinct_port(used)
@@ -93,7 +125,8 @@ class LocalCluster:
                                               **self.connector_extra}}
             spec = VllmServerSpec(model=self.model, port=port, host=self.host, kv_transfer_config=kv_cfg,
                                   cpu_cores=cores, pin_processes=pin, max_model_len=self.max_model_len,
-                                  extra_args=self.extra_args)
+                                  served_model_name=self.served_model_name, extra_args=self.extra_args,
+                                  gpus=gpus, serve_cli=self.serve_cli)
             server = VllmServer(spec, log_path=self.log_dir / f"{name}.log").start()
             self.servers.append(LocalServer(name, role, server, kv_port, self.transport))
 

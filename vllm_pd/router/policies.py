@@ -109,5 +109,6 @@ class PrefixAware:
 
 
 def make_policy(name: str) -> Policy:
-    return {"round_robin": RoundRobin, "least_outstanding": LeastOutstanding,
-            "power_of_two": PowerOfTwo, "prefix_aware": PrefixAware}[name]()
+    policies: dict[str, type[Policy]] = {"round_robin": RoundRobin, "least_outstanding": LeastOutstanding,
+                                         "power_of_two": PowerOfTwo, "prefix_aware": PrefixAware}
+    return policies[name]()

@@ -32,7 +32,8 @@ class ModelSpec:
     max_positions: int = 4096
     seed: int = 0
     # DeepSeek-V2 (MLA) only
-    kv_lora_rank: int = 512  # CPU MLA rejected 128+32 ("Head dimension 160 is not supported by MLA"); 512+64 is DeepSeek's own
+    # CPU MLA rejected 128+32 ("Head dimension 160 is not supported by MLA"); 512+64 is DeepSeek's own
+    kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
     qk_nope_head_dim: int = 64
     v_head_dim: int = 64
@@ -57,7 +58,8 @@ class ModelSpec:
             if self.heads % self.kv_heads:
                 raise ModelSpecError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})")
             if self.head_dim not in CPU_HEAD_SIZES:
-                raise ModelSpecError(f"--head-dim must be one of {CPU_HEAD_SIZES} (vLLM CPU attention), got {self.head_dim}")
+                raise ModelSpecError(f"--head-dim must be one of {CPU_HEAD_SIZES} (vLLM CPU attention), "
+                                     f"got {self.head_dim}")
 
     def key(self) -> str:
         """Short stable hash of every field: names a cached copy of this model."""

@@ -31,7 +31,9 @@ def _orthonormal_rows(gen: torch.Generator, rows: int, dim: int) -> torch.Tensor
     return q.T.contiguous()  # (rows, dim), orthonormal rows
 
 
-def _attention_llama(spec: ModelSpec, gen: torch.Generator, p: str, proj: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def _attention_llama(
+    spec: ModelSpec, gen: torch.Generator, p: str, proj: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """Attention of one layer; ``proj`` (head_dim x hidden) makes it the copy layer."""
     q_out, kv_out = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     v = _linear(gen, kv_out, spec.hidden, gain=NOISE_GAIN)

@@ -6,6 +6,8 @@ import json
 import logging
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from vllm_pd.small_model.spec import ModelSpec
 from vllm_pd.small_model.tokenizer import EOS, IM_END, SPECIAL_TOKENS, train_tokenizer, write_tokenizer
 
@@ -33,7 +35,7 @@ def write_model(spec: ModelSpec, model_dir: Path) -> Path:
     tok = train_tokenizer(spec.vocab)
     if tok.get_vocab_size() > spec.vocab:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, more than --vocab {spec.vocab}")
-    bos_id, eos_id, im_end_id = (tok.token_to_id(t) for t in ("<s>", EOS, IM_END))
+    bos_id, eos_id, im_end_id = (_token_id(tok, t) for t in ("<s>", EOS, IM_END))
     write_tokenizer(tok, model_dir, spec.max_positions)
 
     _write_json(model_dir / "config.json", spec.hf_config(bos_id, eos_id))
@@ -42,8 +44,15 @@ def write_model(spec: ModelSpec, model_dir: Path) -> Path:
     })
     # one metadata key only: safetensors writes metadata from a hash map, so several keys come out
     # in random order and the file bytes would differ between runs
-    special_ids = tuple(tok.token_to_id(t) for t in SPECIAL_TOKENS)
+    special_ids = tuple(_token_id(tok, t) for t in SPECIAL_TOKENS)
     save_file(make_weights(spec, special_ids), str(model_dir / "model.safetensors"),
               metadata={"format": "pt"})
     logger.info("wrote %s model to %s (key %s)", spec.arch, model_dir, spec.key())
     return model_dir
+
+
+def _token_id(tok: Tokenizer, token: str) -> int:
+    token_id = tok.token_to_id(token)
+    if token_id is None:  # the trainer was given every special token: a tokenizers change broke that
+        raise RuntimeError(f"the trained tokenizer lacks the special token {token!r}")
+    return int(token_id)

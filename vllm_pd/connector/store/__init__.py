@@ -59,7 +59,8 @@ weighting picked online by keys-only shadows, LRU among them, hash-sampled 1/8),
 slot allocator), pool_copies (KV cache <-> pool on the KV's device), disk_tier, plans
 (wire structs), config, scheduler_side (plans loads/saves) with block_placement (what is where)
 and request_keys, worker_side, pool_exchange (node-to-node
-fetch) with disk_staging (the holder's disk served to peers), master / master_client / master_command (``vllm-pd store-master``),
+fetch) with disk_staging (the holder's disk served to peers), master / master_client / master_command
+(``vllm-pd store-master``),
 trace (multi-turn trace generator).
 
 Design notes (why, measured in benchmarks/RESULTS.md "Store"):

@@ -171,7 +171,9 @@ class AdaptiveCache:
     def hit(self, chain: Sequence[Key]) -> None:
         self.real.hit(chain)
 
-    def admit(self, chain: Sequence[Key], evictable: Evictable, on_evict: OnEvict = None) -> tuple[list[Key], list[Key]]:
+    def admit(
+        self, chain: Sequence[Key], evictable: Evictable, on_evict: OnEvict = None
+    ) -> tuple[list[Key], list[Key]]:
         return self.real.admit(chain, evictable, on_evict)
 
     def remove(self, key: Key) -> None:

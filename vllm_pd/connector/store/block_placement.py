@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from vllm_pd.connector.store.adaptive_cache import AdaptiveCache, shadow_sample_rate
 from vllm_pd.connector.store.cpu_pool import SlotAllocator
@@ -70,7 +71,7 @@ class BlockPlacement:
         """Phase one of a put: room in the CPU tier and a slot for each of ``new``
         (a chain below ``parent``), as long a prefix of it as fits; invisible to
         lookups until committed. ``guard``: keys that must not be evicted for it."""
-        admitted, _ = self.cache.admit(new, lambda k: k not in guard and self.evictable(k), self.drop_one)
+        admitted = self._admit(new, guard)
         if not admitted:
             return [], []
         slots = self.slots.alloc(len(admitted))
@@ -105,7 +106,7 @@ class BlockPlacement:
     def stage_from_disk(self, keys: Sequence[BlockKey], guard: set[BlockKey]) -> dict[BlockKey, int]:
         """Pool slots for disk-only ``keys`` about to be loaded (they are promoted
         to the CPU tier); as long a prefix as fits."""
-        admitted, _ = self.cache.admit(keys, lambda k: k not in guard and self.evictable(k), self.drop_one)
+        admitted = self._admit(keys, guard)
         staged = dict(zip(admitted, self.slots.alloc(len(admitted)) or []))
         for key, slot in staged.items():
             loc = self.location(key)
@@ -168,6 +169,13 @@ class BlockPlacement:
             node.value.slot, node.value.staging = None, False
         self.cache.remove(key)
         self.slots.free([slot])
+
+    def _admit(self, chain: Sequence[BlockKey], guard: set[BlockKey]) -> list[BlockKey]:
+        """Room in the CPU tier for as long a prefix of ``chain`` as fits, evicting unguarded keys."""
+        # the cache holds any Hashable; every key in it came from here, a BlockKey
+        admitted, _ = self.cache.admit(chain, lambda k: k not in guard and self.evictable(cast(BlockKey, k)),
+                                       lambda k: self.drop_one(cast(BlockKey, k)))
+        return cast("list[BlockKey]", admitted)
 
     def evictable(self, key: BlockKey) -> bool:
         node = self.index.get(key)

@@ -63,7 +63,8 @@ class StoreConfig:
             if name in raw:
                 raw[name] = parse_bytes(name, raw[name])
         for name in ("pin_ttl_s", "master_timeout_s", "fetch_timeout_s"):
-            if name in raw and (not isinstance(raw[name], (int, float)) or isinstance(raw[name], bool) or raw[name] <= 0):
+            value = raw.get(name)
+            if name in raw and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"store.{name}: expected a number > 0, got {raw[name]!r}")
         if "disk_io_threads" in raw and (not isinstance(raw["disk_io_threads"], int) or raw["disk_io_threads"] <= 0):
             raise ConfigError(f"store.disk_io_threads: expected an integer > 0, got {raw['disk_io_threads']!r}")

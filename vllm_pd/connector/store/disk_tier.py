@@ -78,7 +78,9 @@ def scan(root: str | Path, salt_digest: BlockKey, rank: int) -> list[tuple[Block
 
 
 class DiskTier:
-    def __init__(self, root: str | Path, salt_digest: BlockKey, rank: int, capacity_bytes: int, io_threads: int = 2) -> None:
+    def __init__(
+        self, root: str | Path, salt_digest: BlockKey, rank: int, capacity_bytes: int, io_threads: int = 2
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"disk capacity must be > 0, got {capacity_bytes}")
         self.dir = rank_dir(root, salt_digest, rank)
@@ -123,7 +125,9 @@ class DiskTier:
 
     # -- I/O -----------------------------------------------------------------
 
-    def write(self, key: BlockKey, parent: BlockKey | None, payload: memoryview, payload_sum: bytes | None = None) -> Future[bool]:
+    def write(
+        self, key: BlockKey, parent: BlockKey | None, payload: memoryview, payload_sum: bytes | None = None
+    ) -> Future[bool]:
         """Store ``payload`` (kept alive and unchanged by the caller until done)."""
         return self._pool.submit(self._write, key, parent, payload, payload_sum)
 

@@ -129,7 +129,7 @@ class MasterIndex:
 def serve(bind: str, node_ttl_s: float = 30.0, stop_after_s: float | None = None) -> None:
     """Answer requests on ``bind`` (e.g. ``tcp://0.0.0.0:7700``) until interrupted."""
     index = MasterIndex(node_ttl_s)
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(bind)

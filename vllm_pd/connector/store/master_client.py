@@ -51,7 +51,7 @@ class MasterClient:
         self._last_contact = float("-inf")
         self._snapshot = snapshot
         self._seq = itertools.count(1)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._down_until = 0.0
         # each failed call blocks the engine's scheduler for timeout_s: retry a dead master

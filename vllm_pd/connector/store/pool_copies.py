@@ -109,7 +109,7 @@ class StreamPoolCopies(PoolCopies):
     def save(self, slots: Sequence[int], block_ids: Sequence[int], after: DeviceEvent) -> None:
         for start in range(0, len(slots), self.bounce_rows):
             ids, run = block_ids[start:start + self.bounce_rows], slots[start:start + self.bounce_rows]
-            copied = COMPLETED
+            copied: DeviceEvent = COMPLETED
             for layer in range(len(self.regions)):
                 copied = self._save_copies.to_rows(layer, ids, self._save_rows[layer, :len(ids)], after=after)
             copied.synchronize()  # one stream: the last layer's event follows every layer's copy
@@ -120,7 +120,7 @@ class StreamPoolCopies(PoolCopies):
         self.device.wait(self._load_copies.stream, after)
 
     def load_layer(self, layer: int, slots: Sequence[int], block_ids: Sequence[int]) -> DeviceEvent:
-        placed = COMPLETED
+        placed: DeviceEvent = COMPLETED
         for start in range(0, len(slots), self.bounce_rows):
             ids, run = block_ids[start:start + self.bounce_rows], slots[start:start + self.bounce_rows]
             rows = self._load_rows[layer, :len(ids)]

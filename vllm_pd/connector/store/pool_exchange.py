@@ -235,13 +235,13 @@ class PoolExchange:
         rows, sums = self.staging.stage(on_disk)
         out: list[tuple[int, bytes, int | None]] = []
         staged = iter(zip(rows, sums))
-        for entry in held:
-            if entry is None:
+        for found in held:
+            if found is None:
                 row = next(staged, None)
                 if row is None:
                     break  # no spare row left, or the file failed verification: the run ends here
-                entry = (row[0], row[1], None)
-            out.append(entry)
+                found = (row[0], row[1], None)
+            out.append(found)
         return out, rows
 
     def _revoke(self, transfer_id: str) -> int:

@@ -48,7 +48,9 @@ class LruCache:
             if key in self._order:
                 self._order.move_to_end(key)
 
-    def admit(self, chain: Sequence[Key], evictable: Evictable, on_evict: OnEvict = None) -> tuple[list[Key], list[Key]]:
+    def admit(
+        self, chain: Sequence[Key], evictable: Evictable, on_evict: OnEvict = None
+    ) -> tuple[list[Key], list[Key]]:
         """Store the keys of ``chain`` not cached yet; returns (admitted, evicted).
         Admitted keys are a prefix of the uncached part: admission stops early
         only when every candidate victim is pinned. Keys of ``chain`` are never victims."""
@@ -126,7 +128,9 @@ class ReuseAgedCache:
                 placed.append((key, n if n < MAX_LEVEL else MAX_LEVEL))
         self._place(placed)
 
-    def admit(self, chain: Sequence[Key], evictable: Evictable, on_evict: OnEvict = None) -> tuple[list[Key], list[Key]]:
+    def admit(
+        self, chain: Sequence[Key], evictable: Evictable, on_evict: OnEvict = None
+    ) -> tuple[list[Key], list[Key]]:
         """As :meth:`LruCache.admit`; new keys enter level 0."""
         new = [k for k in chain if k not in self._where]
         in_chain = set(chain)

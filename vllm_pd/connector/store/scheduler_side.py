@@ -183,7 +183,8 @@ class StoreScheduler:
             new.append(key)
         if not new:
             return [], []
-        return self.placement.reserve(request_id, new, keys[start - 1] if start else None, set(keys[: start + len(new)]))
+        parent = keys[start - 1] if start else None
+        return self.placement.reserve(request_id, new, parent, set(keys[: start + len(new)]))
 
     # -- saves -----------------------------------------------------------------------
 

@@ -62,7 +62,8 @@ def generate(cfg: TraceConfig) -> Iterator[TraceRequest]:
     rng = random.Random(cfg.seed)
     ids = itertools.count(1)
     weights = [1.0 / (i + 1) ** cfg.system_prompt_zipf for i in range(cfg.system_prompts)]
-    prompts = [tuple(next(ids) for _ in range(rng.randint(*cfg.system_prompt_blocks))) for _ in range(cfg.system_prompts)]
+    prompts = [tuple(next(ids) for _ in range(rng.randint(*cfg.system_prompt_blocks)))
+               for _ in range(cfg.system_prompts)]
     # heap of (time, conversation, turn, history)
     pending: list[tuple[float, int, int, tuple[int, ...], int]] = []
     t = 0.0
@@ -77,7 +78,8 @@ def generate(cfg: TraceConfig) -> Iterator[TraceRequest]:
         heapq.heappush(pending, (t, conv, 0, system, turns))
     while pending:
         time_s, conv, turn, history, turns = heapq.heappop(pending)
-        prompt = history + tuple(next(ids) for _ in range(_lognormal_int(rng, cfg.user_blocks_median, cfg.length_sigma)))
+        user_blocks = _lognormal_int(rng, cfg.user_blocks_median, cfg.length_sigma)
+        prompt = history + tuple(next(ids) for _ in range(user_blocks))
         saved = prompt + tuple(next(ids) for _ in range(_lognormal_int(rng, cfg.reply_blocks_median, cfg.length_sigma)))
         yield TraceRequest(time_s, conv, turn, prompt, saved)
         if turn + 1 < turns:

@@ -26,6 +26,7 @@ layer ``i``'s bytes only, not for the whole fetch.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -161,7 +162,7 @@ class StoreWorker:
         parents = [parent, *keys[:-1]]
         for i in reversed(range(len(keys))):  # leaf first: parents are the most recent on disk
             fut = self.disk.write(keys[i], parents[i], self.pool.slot_view(slots[i]), sums[i])
-            fut.add_done_callback(lambda f, key=keys[i]: self._disk_written(key, f))
+            fut.add_done_callback(functools.partial(self._disk_written, keys[i]))
             with self._lock:
                 self._disk_futures = [f for f in self._disk_futures if not f.done()] + [fut]
 

@@ -46,7 +46,7 @@ def _native() -> Any:
         error = native.load_error()
         if error is not None:
             raise ImportError(error)
-        from vllm_pd import _C
+        from vllm_pd import _C  # type: ignore[attr-defined]  # the compiled extension has no stub
 
         _NATIVE = _C
     return _NATIVE

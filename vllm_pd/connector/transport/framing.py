@@ -274,9 +274,9 @@ class FrameReader:
     def _take(self, n: int) -> memoryview | bytearray:
         """The next ``n`` bytes; a view into the buffer, valid until the next call."""
         if n > len(self._buf):  # a large variable part (a big NOTIFY): read it whole
-            out = bytearray(n)
-            self.read_into(memoryview(out))
-            return out
+            whole = bytearray(n)
+            self.read_into(memoryview(whole))
+            return whole
         have = self._end - self._start
         if have < n:
             if len(self._buf) - self._start < n:  # not room behind: move the partial frame to the front

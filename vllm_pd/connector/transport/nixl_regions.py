@@ -122,7 +122,8 @@ class NixlRegions:
         self._tensors = [r.tensor for r in regions]  # the registered memory stays alive with us
         # Host bytes of each DRAM region's extent, for checksums (None: GPU memory).
         self._host: list[np.ndarray | None] = [
-            np.frombuffer((ctypes.c_char * lay.extent[1]).from_address(lay.base), dtype=np.uint8)
+            # a ctypes array exports the buffer protocol; numpy's stubs do not list it
+            np.frombuffer((ctypes.c_char * lay.extent[1]).from_address(lay.base), dtype=np.uint8)  # type: ignore[call-overload]
             if lay.mem == DRAM else None for lay in self.layouts]
         host = sorted((lay.extent[0], lay.extent[0] + lay.extent[1], i)
                       for i, lay in enumerate(self.layouts) if lay.mem == DRAM)
