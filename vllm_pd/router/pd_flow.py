@@ -410,6 +410,12 @@ class PDFlow:
             ok = False
         self.metrics.kv_releases.labels("ok" if ok else "failed").inc()
 
+    def cancel_background_legs(self) -> None:
+        """Cancel prefill legs still running after their decode answered (shutdown); releases keep going."""
+        for fut in list(self._background):
+            if isinstance(fut, asyncio.Task):
+                fut.cancel()
+
     async def drain_background(self) -> None:
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
