@@ -63,25 +63,25 @@ def test_leg_histograms_per_instance_match_the_mocks_latencies() -> None:
             await _stream(h, STREAM)
             m = await _metrics(h)
             p_url, d_url = h.backend_urls["p0"], h.backend_urls["d0"]
-            assert _one(m, "vllm_pd_proxy_prefill_seconds_count", instance=p_url) == 1
-            prefill_s = _one(m, "vllm_pd_proxy_prefill_seconds_sum", instance=p_url)
+            assert _one(m, "vllm_pd_proxy_prefill_seconds_count", backend=p_url) == 1
+            prefill_s = _one(m, "vllm_pd_proxy_prefill_seconds_sum", backend=p_url)
             assert 0.15 <= prefill_s < 0.5
-            assert _one(m, "vllm_pd_proxy_prefill_seconds_bucket", instance=p_url, le="0.1") == 0
-            assert _one(m, "vllm_pd_proxy_prefill_seconds_bucket", instance=p_url, le="0.25") == 1
-            first = _one(m, "vllm_pd_proxy_decode_first_token_seconds_sum", instance=d_url)
+            assert _one(m, "vllm_pd_proxy_prefill_seconds_bucket", backend=p_url, le="0.1") == 0
+            assert _one(m, "vllm_pd_proxy_prefill_seconds_bucket", backend=p_url, le="0.25") == 1
+            first = _one(m, "vllm_pd_proxy_decode_first_token_seconds_sum", backend=d_url)
             assert 0.1 <= first < 0.4
             # the legs ran one after the other (no KV endpoint): the gap is decode's own TTFT
-            gap = _one(m, "vllm_pd_proxy_prefill_to_decode_gap_seconds_sum", instance=d_url)
+            gap = _one(m, "vllm_pd_proxy_prefill_to_decode_gap_seconds_sum", backend=d_url)
             assert 0.1 <= gap < 0.4
-            ttft = _one(m, "vllm_pd_proxy_ttft_seconds_sum", instance=d_url)
+            ttft = _one(m, "vllm_pd_proxy_ttft_seconds_sum", backend=d_url)
             assert ttft >= prefill_s + 0.1
             # 6 token events, 5 gaps of 0.05 s between them ([DONE] is no token)
-            assert _one(m, "vllm_pd_proxy_inter_token_latency_seconds_count", instance=d_url) == 5
-            itl = _one(m, "vllm_pd_proxy_inter_token_latency_seconds_sum", instance=d_url) / 5
+            assert _one(m, "vllm_pd_proxy_inter_token_latency_seconds_count", backend=d_url) == 5
+            itl = _one(m, "vllm_pd_proxy_inter_token_latency_seconds_sum", backend=d_url) / 5
             assert 0.045 <= itl < 0.2
-            tpot = _one(m, "vllm_pd_proxy_time_per_output_token_seconds_sum", instance=d_url)
+            tpot = _one(m, "vllm_pd_proxy_time_per_output_token_seconds_sum", backend=d_url)
             assert tpot == pytest.approx(itl, rel=1e-6)
-            e2e = _one(m, "vllm_pd_proxy_e2e_request_seconds_sum", instance=d_url)
+            e2e = _one(m, "vllm_pd_proxy_e2e_request_seconds_sum", backend=d_url)
             assert e2e >= ttft + 5 * 0.05
             assert _one(m, "vllm_pd_proxy_requests_in_flight") == 0
             assert _one(m, "vllm_pd_proxy_draining") == 0

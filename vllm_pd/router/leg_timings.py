@@ -56,7 +56,7 @@ class FastHistogram:
 
 
 class InstanceHistogram:
-    """A histogram family labelled by instance URL; children are made on first use."""
+    """A histogram family labelled ``backend`` (the instance URL); children are made on first use."""
 
     def __init__(self, name: str, documentation: str, bounds: tuple[float, ...]) -> None:
         self.name = name
@@ -71,7 +71,7 @@ class InstanceHistogram:
         return h
 
     def family(self) -> HistogramMetricFamily:
-        fam = HistogramMetricFamily(self.name, self.documentation, labels=["instance"])
+        fam = HistogramMetricFamily(self.name, self.documentation, labels=["backend"])
         for instance, h in list(self.children.items()):
             fam.add_metric([instance], h.cumulative(), h.total)
         return fam
@@ -129,23 +129,23 @@ class LegHistograms(Collector):
     def __init__(self) -> None:
         p = "vllm_pd_proxy_"
         self.prefill = InstanceHistogram(p + "prefill_seconds", "prefill leg: request sent to answer read, "
-                                         "by prefill instance", LATENCY_BUCKETS)
+                                         "by prefill backend", LATENCY_BUCKETS)
         self.decode_first_token = InstanceHistogram(
-            p + "decode_first_token_seconds", "decode leg: request sent to its first token, by decode instance",
+            p + "decode_first_token_seconds", "decode leg: request sent to its first token, by decode backend",
             LATENCY_BUCKETS)
         self.handoff_gap = InstanceHistogram(
             p + "prefill_to_decode_gap_seconds", "prefill's answer to decode's first token (0 when decode's "
-            "token came first), by decode instance", LATENCY_BUCKETS)
+            "token came first), by decode backend", LATENCY_BUCKETS)
         self.ttft = InstanceHistogram(p + "ttft_seconds", "client's time to first token: request received to the "
-                                      "first byte sent back, by decode instance", LATENCY_BUCKETS)
+                                      "first byte sent back, by decode backend", LATENCY_BUCKETS)
         self.inter_token = InstanceHistogram(
-            p + "inter_token_latency_seconds", "time between decode's stream events, by decode instance",
+            p + "inter_token_latency_seconds", "time between decode's stream events, by decode backend",
             TOKEN_BUCKETS)
         self.time_per_output_token = InstanceHistogram(
             p + "time_per_output_token_seconds", "per request: decode's first to last token over the tokens "
-            "between, by decode instance", TOKEN_BUCKETS)
+            "between, by decode backend", TOKEN_BUCKETS)
         self.e2e = InstanceHistogram(p + "e2e_request_seconds", "request received to its last byte, by decode "
-                                     "instance (no decode instance: 'none')", LATENCY_BUCKETS)
+                                     "backend ('none' when no decode leg ran)", LATENCY_BUCKETS)
         self._all = (self.prefill, self.decode_first_token, self.handoff_gap, self.ttft, self.inter_token,
                      self.time_per_output_token, self.e2e)
 
@@ -173,4 +173,4 @@ class LegHistograms(Collector):
     def describe(self) -> Iterator[HistogramMetricFamily]:
         # names without samples: registering does not call collect() (children may not exist yet)
         for h in self._all:
-            yield HistogramMetricFamily(h.name, h.documentation, labels=["instance"])
+            yield HistogramMetricFamily(h.name, h.documentation, labels=["backend"])

@@ -1,6 +1,8 @@
 """Prometheus metrics of the proxy (its own registry, served on /metrics).
 
-Names follow Prometheus' conventions: seconds, counters ending in ``_total``.
+Names follow Prometheus' conventions: seconds, counters ending in ``_total``,
+and the vLLM instance a sample is about is the ``backend`` label (its URL):
+``instance`` is the label Prometheus gives the scraped target, the proxy itself.
 The per-instance leg latencies live in leg_timings.py (lock-free histograms
 observed on the event loop); gauges are read at scrape time.
 """
@@ -25,13 +27,13 @@ class _PoolCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         outstanding = GaugeMetricFamily("vllm_pd_proxy_instance_outstanding_requests",
-                                        "requests in flight per instance and leg", labels=["instance", "leg"])
+                                        "requests in flight per instance and leg", labels=["backend", "leg"])
         healthy = GaugeMetricFamily("vllm_pd_proxy_instance_healthy", "1 if the health check passes",
-                                    labels=["instance", "role"])
+                                    labels=["backend", "role"])
         eligible = GaugeMetricFamily("vllm_pd_proxy_instance_eligible",
-                                     "1 if the instance takes new requests for the role", labels=["instance", "role"])
+                                     "1 if the instance takes new requests for the role", labels=["backend", "role"])
         breaker = GaugeMetricFamily("vllm_pd_proxy_instance_breaker_open", "1 if the circuit breaker is not closed",
-                                    labels=["instance"])
+                                    labels=["backend"])
         for inst in self._pool.all():
             for leg in ("prefill", "decode"):
                 outstanding.add_metric([inst.url, leg], inst.outstanding[leg])
