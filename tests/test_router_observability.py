@@ -81,7 +81,7 @@ def test_leg_histograms_per_instance_match_the_mocks_latencies() -> None:
             assert 0.045 <= itl < 0.2
             tpot = _one(m, "vllm_pd_proxy_time_per_output_token_seconds_sum", backend=d_url)
             assert tpot == pytest.approx(itl, rel=1e-6)
-            e2e = _one(m, "vllm_pd_proxy_e2e_request_seconds_sum", backend=d_url)
+            e2e = _one(m, "vllm_pd_proxy_request_seconds_sum", endpoint="/v1/completions")
             assert e2e >= ttft + 5 * 0.05
             assert _one(m, "vllm_pd_proxy_requests_in_flight") == 0
             assert _one(m, "vllm_pd_proxy_draining") == 0

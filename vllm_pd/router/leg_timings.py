@@ -55,26 +55,43 @@ class FastHistogram:
         return out
 
 
-class InstanceHistogram:
-    """A histogram family labelled ``backend`` (the instance URL); children are made on first use."""
+class LabelledHistogram:
+    """A histogram family with one label (``backend``: the instance URL); children are made on first use."""
 
-    def __init__(self, name: str, documentation: str, bounds: tuple[float, ...]) -> None:
+    def __init__(self, name: str, documentation: str, bounds: tuple[float, ...], label: str = "backend") -> None:
         self.name = name
         self.documentation = documentation
         self.bounds = bounds
+        self.label = label
         self.children: dict[str, FastHistogram] = {}
 
-    def child(self, instance: str) -> FastHistogram:
-        h = self.children.get(instance)
+    def child(self, value: str) -> FastHistogram:
+        h = self.children.get(value)
         if h is None:
-            h = self.children[instance] = FastHistogram(self.bounds)
+            h = self.children[value] = FastHistogram(self.bounds)
         return h
 
     def family(self) -> HistogramMetricFamily:
-        fam = HistogramMetricFamily(self.name, self.documentation, labels=["backend"])
-        for instance, h in list(self.children.items()):
-            fam.add_metric([instance], h.cumulative(), h.total)
+        fam = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        for value, h in list(self.children.items()):
+            fam.add_metric([value], h.cumulative(), h.total)
         return fam
+
+
+class HistogramSet(Collector):
+    """Exposes :class:`LabelledHistogram` s to a prometheus_client registry, read at scrape time."""
+
+    def __init__(self, *histograms: LabelledHistogram) -> None:
+        self.histograms = histograms
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        for h in self.histograms:
+            yield h.family()
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        # names without samples: registering must not depend on which children exist yet
+        for h in self.histograms:
+            yield HistogramMetricFamily(h.name, h.documentation, labels=[h.label])
 
 
 @dataclass(slots=True)
@@ -123,54 +140,40 @@ class LegTimings:
         return None if self.ended is None else self.ended - self.started
 
 
-class LegHistograms(Collector):
-    """The per-instance latency histograms; a prometheus_client collector read at scrape time."""
+class LegHistograms(HistogramSet):
+    """The per-backend latency histograms of the legs."""
 
     def __init__(self) -> None:
         p = "vllm_pd_proxy_"
-        self.prefill = InstanceHistogram(p + "prefill_seconds", "prefill leg: request sent to answer read, "
+        self.prefill = LabelledHistogram(p + "prefill_seconds", "prefill leg: request sent to answer read, "
                                          "by prefill backend", LATENCY_BUCKETS)
-        self.decode_first_token = InstanceHistogram(
+        self.decode_first_token = LabelledHistogram(
             p + "decode_first_token_seconds", "decode leg: request sent to its first token, by decode backend",
             LATENCY_BUCKETS)
-        self.handoff_gap = InstanceHistogram(
+        self.handoff_gap = LabelledHistogram(
             p + "prefill_to_decode_gap_seconds", "prefill's answer to decode's first token (0 when decode's "
             "token came first), by decode backend", LATENCY_BUCKETS)
-        self.ttft = InstanceHistogram(p + "ttft_seconds", "client's time to first token: request received to the "
+        self.ttft = LabelledHistogram(p + "ttft_seconds", "client's time to first token: request received to the "
                                       "first byte sent back, by decode backend", LATENCY_BUCKETS)
-        self.inter_token = InstanceHistogram(
+        self.inter_token = LabelledHistogram(
             p + "inter_token_latency_seconds", "time between decode's stream events, by decode backend",
             TOKEN_BUCKETS)
-        self.time_per_output_token = InstanceHistogram(
+        self.time_per_output_token = LabelledHistogram(
             p + "time_per_output_token_seconds", "per request: decode's first to last token over the tokens "
             "between, by decode backend", TOKEN_BUCKETS)
-        self.e2e = InstanceHistogram(p + "e2e_request_seconds", "request received to its last byte, by decode "
-                                     "backend ('none' when no decode leg ran)", LATENCY_BUCKETS)
-        self._all = (self.prefill, self.decode_first_token, self.handoff_gap, self.ttft, self.inter_token,
-                     self.time_per_output_token, self.e2e)
+        super().__init__(self.prefill, self.decode_first_token, self.handoff_gap, self.ttft, self.inter_token,
+                         self.time_per_output_token)
 
     def observe(self, t: LegTimings) -> None:
-        """The histograms one finished request feeds (prefill and ITL were observed as they happened)."""
-        decode = t.decode_instance or "none"
-        e2e = t.e2e_seconds
-        if e2e is not None:
-            self.e2e.child(decode).observe(e2e)
-        if t.first_token is None or t.decode_sent is None:
+        """The histograms one finished request feeds (prefill and ITL were observed as they happened;
+        the end-to-end time is the proxy's request histogram, by endpoint)."""
+        first, decode = t.first_token, t.decode_instance
+        if first is None or t.decode_sent is None or decode is None:
             return
-        self.decode_first_token.child(decode).observe(t.first_token - t.decode_sent)
-        self.ttft.child(decode).observe(t.first_token - t.started)
-        gap = t.handoff_gap_seconds
-        if gap is not None:
-            self.handoff_gap.child(decode).observe(gap)
+        self.decode_first_token.child(decode).observe(first - t.decode_sent)
+        self.ttft.child(decode).observe(first - t.started)
+        if t.prefill_done is not None:
+            self.handoff_gap.child(decode).observe(max(0.0, first - t.prefill_done))
         tpot = t.time_per_output_token
         if tpot is not None:
             self.time_per_output_token.child(decode).observe(tpot)
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        for h in self._all:
-            yield h.family()
-
-    def describe(self) -> Iterator[HistogramMetricFamily]:
-        # names without samples: registering does not call collect() (children may not exist yet)
-        for h in self._all:
-            yield HistogramMetricFamily(h.name, h.documentation, labels=["backend"])

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from vllm_pd.router.instance_pool import InstancePool
-from vllm_pd.router.leg_timings import LATENCY_BUCKETS, LegHistograms
+from vllm_pd.router.leg_timings import LATENCY_BUCKETS, HistogramSet, LabelledHistogram, LegHistograms
 
 
 class _PoolCollector(Collector):
@@ -65,8 +65,10 @@ class ProxyMetrics:
         r = self.registry
         self.requests = Counter("vllm_pd_proxy_requests", "client requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
-        self.request_seconds = Histogram("vllm_pd_proxy_request_seconds", "client request duration",
-                                         ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        # end to end: request received to its last byte sent
+        self.request_seconds = LabelledHistogram("vllm_pd_proxy_request_seconds", "client request duration",
+                                                 LATENCY_BUCKETS, label="endpoint")
+        r.register(HistogramSet(self.request_seconds))
         self.legs = LegHistograms()
         r.register(self.legs)
         self.leg_errors = Counter("vllm_pd_proxy_leg_errors", "failed legs", ["leg", "kind"], registry=r)
@@ -88,7 +90,7 @@ class ProxyMetrics:
         """One finished client request (the labelled children are looked up once per endpoint and status)."""
         children = self._request_children.get((endpoint, status))
         if children is None:
-            children = (self.requests.labels(endpoint, str(status)), self.request_seconds.labels(endpoint))
+            children = (self.requests.labels(endpoint, str(status)), self.request_seconds.child(endpoint))
             self._request_children[(endpoint, status)] = children
         children[0].inc()
         children[1].observe(seconds)

@@ -38,23 +38,11 @@ def parse_traceparent(value: str | None) -> tuple[str, str, str] | None:
     version, trace_id, span_id, flags = m.groups()
     if version == "ff" or trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
         return None
-    if version == "00" and len(value.strip()) != 55:
-        return None
     return trace_id, span_id, flags
 
 
 def format_traceparent(trace_id: str, span_id: str, flags: str = SAMPLED) -> str:
     return f"00-{trace_id}-{span_id}-{flags}"
-
-
-def new_trace_id() -> str:
-    # random, not os.urandom: ids need to be unique, not secret, and this is per request
-    # (random reseeds itself in forked children)
-    return f"{random.getrandbits(128) or 1:032x}"
-
-
-def new_span_id() -> str:
-    return f"{random.getrandbits(64) or 1:016x}"
 
 
 class LegSpan(Protocol):
@@ -108,12 +96,15 @@ class Tracer:
 
     def start(self, given: dict[str, str], headers: dict[str, str]) -> RequestTrace:
         """Begin a request's trace from the client's headers ``given``; sets ``headers``' traceparent."""
-        ctx = parse_traceparent(given.get("traceparent"))
+        given_tp = given.get("traceparent")
+        ctx = parse_traceparent(given_tp) if given_tp is not None else None
         if ctx is None:
-            trace_id = new_trace_id()
-            headers["traceparent"] = format_traceparent(trace_id, new_span_id())
-            headers.pop("tracestate", None)  # it belonged to the trace we did not continue
-            return PropagatedTrace(trace_id)
+            # trace and parent span id in one draw (the odds of an all-zero id are 2^-64)
+            ids = f"{random.getrandbits(192):048x}"
+            headers["traceparent"] = format_traceparent(ids[:32], ids[32:])
+            if given_tp is not None:
+                headers.pop("tracestate", None)  # it belonged to the trace we did not continue
+            return PropagatedTrace(ids[:32])
         return PropagatedTrace(ctx[0])  # the client's header is forwarded as it came
 
     async def shutdown(self) -> None:
