@@ -94,6 +94,10 @@ def start_mock(layout: Layout, itl: float, ttft: float, name: str) -> tuple[subp
     return p, url
 
 
+# flags this checkout's proxy gets (--proxy-flag), e.g. the request log or a concurrency limit
+PROXY_FLAGS: list[str] = []
+
+
 def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
                profile: str | None = None, tree: str | None = None) -> tuple[subprocess.Popen, str]:
     """Our proxy from this checkout, or from another source tree (``tree``) for an A/B of two versions."""
@@ -108,7 +112,7 @@ def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
     p = subprocess.Popen(layout.router_prefix() + [
         sys.executable, *prof, "-m", "vllm_pd.router.command_proxy", "--port", str(port),
         "--prefill", prefill, "--decode", decode, "--prefill-policy", "round_robin",
-        "--decode-policy", "round_robin", "--log-level", "WARNING"], env=env,
+        "--decode-policy", "round_robin", "--log-level", "WARNING", *(PROXY_FLAGS if tree is None else [])], env=env,
         cwd=tree or None)  # `python -m` puts the working directory first on sys.path
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health")
@@ -370,7 +374,7 @@ def run_suite(args: argparse.Namespace) -> None:
         print(_cpu_line(r))
     if "vllm-router" in res:
         ours, vr = res["vllm-pd proxy"], res["vllm-router"]
-        line = f"  saturation: vllm-pd proxy = {ours.rate / vr.rate:.2f} x vllm-router (target >= 1)"
+        line = f"  saturation: vllm-pd proxy = {ours.rate / vr.rate:.2f} x vllm-router (target >= 1.1)"
         if ours.router_cpu_per_req and vr.router_cpu_per_req:
             line += (f"; CPU per request {ours.router_cpu_per_req * 1e3:.3f} ms vs "
                      f"{vr.router_cpu_per_req * 1e3:.3f} ms = {ours.router_cpu_per_req / vr.router_cpu_per_req:.2f} x")
@@ -518,12 +522,16 @@ def main() -> None:
     ap.add_argument("--compare-tree", metavar="DIR", help="also run the proxy of another source tree (e.g. a "
                     "`git worktree` of the previous commit), interleaved with this one")
     ap.add_argument("--profile", metavar="FILE", help="run our proxy under cProfile, writing FILE")
+    ap.add_argument("--proxy-flag", action="append", default=[], metavar="FLAG",
+                    help="a flag for this checkout's proxy, e.g. --proxy-flag=--request-log=/dev/null (repeatable; "
+                    "--compare-tree's proxy runs without them)")
     ap.add_argument("--stacks", action="store_true", help="compare client libraries and event loops instead")
     ap.add_argument("--cpu-split", action="store_true", help="user/system CPU per request of each router "
                     "at a fixed load below saturation instead")
     ap.add_argument("--split-tokens", type=int, default=2, help="with --cpu-split: output tokens (> 2: stream)")
     args = ap.parse_args()
     BODY["prompt"] = ("benchmark prompt " * (args.prompt_chars // 17 + 1))[:args.prompt_chars]
+    PROXY_FLAGS.extend(args.proxy_flag)
     try:
         import uvloop
         uvloop.install()

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
-from vllm_pd.router.app import ProxyServer, serve
+from vllm_pd.router.app import ProxyServer, RunningProxy, serve
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
 from vllm_pd.router.http_server import HttpServer
 from vllm_pd.router.mock_backend import MockBackend, start_backend
@@ -26,6 +26,7 @@ class Harness:
     runners: dict[str, HttpServer]
     session: aiohttp.ClientSession
     released: list[dict] = field(default_factory=list)
+    running: RunningProxy | None = None  # the listening proxy (its cleanup() runs when the harness ends)
 
     async def post(self, path: str, body: Any, **kw: Any) -> tuple[int, Any]:
         async with self.session.post(self.url + path, json=body, **kw) as r:
@@ -66,7 +67,8 @@ async def harness(n_prefill: int = 1, n_decode: int = 1, release_ok: bool = True
     proxy = ProxyServer(cfg, release_kv=release)
     runner = await serve(proxy)
     session = aiohttp.ClientSession()
-    h = Harness(proxy, f"http://127.0.0.1:{cfg.port}", prefills, decodes, urls, runners, session, released)
+    h = Harness(proxy, f"http://127.0.0.1:{cfg.port}", prefills, decodes, urls, runners, session, released,
+                runner)
     try:
         yield h
     finally:

@@ -61,3 +61,12 @@ def test_local_servers_advertise_their_transport_s_endpoints() -> None:
     server = VllmServer(spec)
     assert LocalServer("d0", "decode", server, 14600, "shm").kv_endpoint == "shm://127.0.0.1:14600"
     assert LocalServer("d0", "decode", server, 14600).kv_endpoint == "tcp://127.0.0.1:14600"
+
+
+def test_observability_and_drain_flags() -> None:
+    cfg = command_proxy.config_from_args(_args("--otlp-endpoint", "http://collector:4317", "--request-log", "-",
+                                               "--drain-grace", "7.5"))
+    assert (cfg.otlp_endpoint, cfg.request_log, cfg.drain_grace) == ("http://collector:4317", "-", 7.5)
+    assert command_proxy.config_from_args(_args()).drain_grace == 30.0
+    with pytest.raises(ConfigError, match="drain_grace"):
+        command_proxy.config_from_args(_args("--drain-grace", "-1"))

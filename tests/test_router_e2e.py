@@ -21,6 +21,9 @@ import concurrent.futures
 import importlib.util
 import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -245,6 +248,71 @@ def test_client_disconnect_mid_stream_releases_everything(cluster: LocalCluster)
         _assert_no_kv_held(cluster)
     finally:
         proxy.close()
+
+
+def _proxy_process(instances: list[InstanceConfig], *flags: str) -> tuple[subprocess.Popen, str]:
+    """`vllm-pd proxy` as its own process (signals reach it as in production)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm_pd.router.command_proxy", "--port", str(port), "--log-level", "INFO",
+            "--health-interval", "0.5", *flags]
+    for ic in instances:
+        argv += [f"--{ic.role}", ic.url + (f"@{ic.kv_endpoint}" if ic.kv_endpoint else "")]
+    proc = subprocess.Popen(argv)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                return proc, url
+        except OSError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise AssertionError("the proxy process did not become healthy")
+        time.sleep(0.2)
+
+
+def _sigterm_during_stream(cluster: LocalCluster, max_tokens: int, grace: float) -> tuple[Any, float]:
+    """A proxy process streams ``max_tokens``; SIGTERM once the first chunk is in. Returns (the stream's
+    completion tokens, or the exception that cut it; seconds from SIGTERM to the stream's end)."""
+    proc, url = _proxy_process(_as(cluster, p0="prefill", d0="decode"), "--drain-grace", str(grace))
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        s = client.completions.create(model=cluster.model, prompt=PROMPTS[1], max_tokens=max_tokens,
+                                      temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                      stream_options={"include_usage": True})
+        chunks = iter(s)
+        usage = next(chunks).usage
+        t_term = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        result: Any
+        try:
+            for chunk in chunks:
+                usage = chunk.usage or usage
+            result = usage.completion_tokens if usage else 0
+        except Exception as e:  # cut by the drain
+            result = e
+        took = time.monotonic() - t_term
+        with pytest.raises(OSError):  # no longer accepting
+            urllib.request.urlopen(url + "/health", timeout=2)
+        assert proc.wait(grace + 60) == 0
+        return result, took
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_drains_finishes_in_flight_cancels_the_rest(cluster: LocalCluster) -> None:
+    # in flight at SIGTERM, done within the grace period: all of it comes through
+    tokens, _ = _sigterm_during_stream(cluster, max_tokens=200, grace=60.0)
+    assert tokens == 200
+    # past the grace period (1000 tokens take seconds even on a fast decode): cut, both legs cancelled,
+    # and nothing left held on any server
+    cut, took = _sigterm_during_stream(cluster, max_tokens=1000, grace=0.3)
+    assert isinstance(cut, Exception) or cut < 1000, cut
+    assert took < 20
+    _assert_no_kv_held(cluster)
 
 
 def test_kill_prefill_during_load_every_request_succeeds(cluster: LocalCluster) -> None:

@@ -25,7 +25,9 @@ from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.pd_flow import PDFlow, ReleaseFn, default_release_remote_kv
 from vllm_pd.router.policies import make_policy
 from vllm_pd.router.request_body import CHAT, COMPLETIONS, TokenCounter, estimate_tokens, parse_body
+from vllm_pd.router.request_log import RequestLog
 from vllm_pd.router.supervisor import Supervisor
+from vllm_pd.router.tracing import Tracer, make_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ class ProxyServer:
         self.health: HealthChecker | None = None
         self.supervisor: Supervisor | None = None
         self.discovery: KubernetesDiscovery | None = None
+        self.tracer: Tracer | None = None
+        self.request_log: RequestLog | None = None
         self.routes: dict[str, dict[str, Handler]] = {
             COMPLETIONS: {"POST": self._completion}, CHAT: {"POST": self._completion},
             "/v1/models": {"GET": self._models}, "/health": {"GET": self._health},
@@ -54,9 +58,11 @@ class ProxyServer:
 
     async def start(self) -> None:
         self.client = BackendClient(self.config.connect_timeout)
+        self.tracer = make_tracer(self.config.otlp_endpoint)
+        self.request_log = RequestLog(self.config.request_log) if self.config.request_log else None
         self.flow = PDFlow(self.config, self.pool, self.client, self.metrics,
                            make_policy(self.config.prefill_policy), make_policy(self.config.decode_policy),
-                           self._release_kv)
+                           self._release_kv, self.tracer, self.request_log)
         self.health = HealthChecker(self.pool, self.client, self.config.health_interval, self.config.health_timeout)
         if self._run_health_checks:
             self.health.start()
@@ -80,6 +86,10 @@ class ProxyServer:
             await self.flow.drain_background()
         if self.client:
             self.client.close()
+        if self.tracer:
+            await self.tracer.shutdown()
+        if self.request_log:
+            self.request_log.close()
 
     async def _on_instance_added(self) -> None:
         if self.health is not None:

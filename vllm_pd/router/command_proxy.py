@@ -23,7 +23,7 @@ _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "
                  "short_prompt_tokens", "prefill_timeout", "decode_timeout", "decode_idle_timeout",
                  "connect_timeout", "max_body_bytes", "prefill_attempts", "decode_attempts", "health_interval",
                  "breaker_failures", "breaker_cooldown", "admin_token", "supervisor", "supervisor_ttft_slo",
-                 "supervisor_tpot_slo", "tokenizer")
+                 "supervisor_tpot_slo", "tokenizer", "otlp_endpoint", "request_log", "drain_grace")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for role in ("prefill", "decode", "both"):
         k8s.add_argument(f"--{role}-selector", metavar="LABELS",
                          help=f"label selector of the {role} pods, e.g. app=vllm,role={role}")
+    p.add_argument("--otlp-endpoint", help="export OpenTelemetry spans of each request and its legs to this OTLP "
+                   "traces endpoint (else OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; protocol from "
+                   "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, default grpc)")
+    p.add_argument("--request-log", metavar="PATH", help="one JSON line per request (id, instances, leg times, "
+                   "outcome) to PATH ('-': standard error)")
+    p.add_argument("--drain-grace", type=float, help="on SIGTERM: seconds in-flight requests get to finish "
+                   "before both legs of what remains are cancelled (default 30; SIGINT: 0)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -136,20 +143,31 @@ def install_uvloop() -> None:
 
 async def serve_until_signal(cfg: ProxyConfig) -> None:
     from vllm_pd.router.app import ProxyServer, serve
+    from vllm_pd.router.drain import drain
 
     server = ProxyServer(cfg)
     runner = await serve(server)
     # what start-up built (modules, config, metrics) lives as long as the process: out of the
     # collector's sight, full collections under load only walk the requests' own objects
     gc.freeze()
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+    grace = cfg.drain_grace
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal grace
+        if stop.is_set():  # a second signal: stop now
+            hurry.set()
+        if sig == signal.SIGINT:
+            grace = 0.0
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await drain(runner, grace, hurry)
 
 
 def run(args: argparse.Namespace) -> int:

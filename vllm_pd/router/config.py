@@ -111,6 +111,9 @@ class ProxyConfig:
     tokenizer: str | None = None  # HF tokenizer dir for exact prompt lengths (else ~4 bytes/token)
     model_names: list[str] = field(default_factory=list)  # extra accepted model names
     kubernetes: K8sDiscoveryConfig | None = None  # instances also come from Kubernetes pods
+    otlp_endpoint: str | None = None  # OTLP traces endpoint (else OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)
+    request_log: str | None = None  # JSON lines, one per request, to this file ("-": standard error)
+    drain_grace: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
 
     def __post_init__(self) -> None:
         self.validate()
@@ -132,6 +135,8 @@ class ProxyConfig:
         for name in ("max_body_bytes", "prefill_attempts", "decode_attempts", "breaker_failures"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.drain_grace < 0:
+            raise ConfigError(f"drain_grace: must be >= 0, got {self.drain_grace}")
         if self.short_prompt_tokens < 0:
             raise ConfigError(f"short_prompt_tokens: must be >= 0, got {self.short_prompt_tokens}")
         urls = [i.url for i in self.instances]
@@ -168,6 +173,7 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "breaker_cooldown": (int, float), "admin_token": str, "supervisor": bool,
     "supervisor_interval": (int, float), "supervisor_ttft_slo": (int, float),
     "supervisor_tpot_slo": (int, float), "tokenizer": str, "model_names": list,
+    "otlp_endpoint": str, "request_log": str, "drain_grace": (int, float),
 }
 assert set(_FIELD_TYPES) | {"instances", "kubernetes"} == {f.name for f in dataclasses.fields(ProxyConfig)}
 

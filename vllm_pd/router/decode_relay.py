@@ -18,13 +18,16 @@ from vllm_pd.router.backend_response import BackendError, BackendResponse
 from vllm_pd.router.errors import upstream_error
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
+from vllm_pd.router.leg_timings import LegTimings
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
+from vllm_pd.router.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 TPOT_WINDOW = 16  # stream events per live TPOT sample
+_DONE = b"data: [DONE]\n\n"
 
 
 class DecodeFailed(Exception):
@@ -46,7 +49,8 @@ class FlowState:
     prefill_cached_tokens: int | None = None
     pushed: bool = False  # prefill was told to push the KV into one decode instance
     prefill_leg: "asyncio.Task[bool] | None" = None  # running beside the decode leg
-    started: float = field(default_factory=time.monotonic)
+    timings: LegTimings = field(default_factory=lambda: LegTimings(time.monotonic()))
+    trace: RequestTrace | None = None
     stage: str = "prefill"  # prefill | decode | stream (bytes reached the client): where a disconnect hit
     leases: list[LegLease] = field(default_factory=list)
 
@@ -64,8 +68,9 @@ class DecodeRelay:
         except (BackendError, TimeoutError) as e:
             raise DecodeFailed(repr(e), sent=True, kind="read") from None
         decode.breaker.record_success()
-        elapsed = time.monotonic() - t0
-        self.metrics.ttft_seconds.observe(time.monotonic() - state.started)
+        now = time.monotonic()
+        elapsed = now - t0
+        state.timings.first_token = state.timings.last_event = now
         if state.prefill_leg is not None and not state.prefill_leg.done():
             # decode answered before prefill's answer (with its usage) came back
             await asyncio.wait({state.prefill_leg}, timeout=self.prefill_timeout)
@@ -73,6 +78,9 @@ class DecodeRelay:
             raw = rewrite_usage(raw, state.prefill_cached_tokens) or raw
         try:
             tokens = BackendAnswer(raw).completion_tokens
+            state.timings.events = tokens
+            if tokens > 0:
+                state.timings.json_tpot = elapsed / tokens
             if tokens > 1:
                 decode.tpot.add(elapsed / tokens)
                 self.pool.recent_tpot.add(elapsed / tokens)
@@ -96,10 +104,13 @@ class DecodeRelay:
             raise DecodeFailed(repr(e), sent=True, kind="read") from None
         decode.breaker.record_success()
         t_first = time.monotonic()
-        self.metrics.ttft_seconds.observe(t_first - state.started)
-        self.pool.recent_ttft.add(t_first - state.started)
+        timings = state.timings
+        timings.first_token = timings.last_event = t_first
+        self.pool.recent_ttft.add(t_first - timings.started)
+        inter_token = self.metrics.legs.inter_token.child(decode.url)
         out = StreamResponse(200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
         n_events = first.count(b"data:")
+        timings.events = n_events
         # TPOT is sampled while the stream runs (every TPOT_WINDOW events), not only at its end:
         # long outputs would otherwise tell the supervisor about decode pressure far too late
         sample_t, sample_n = t_first, n_events
@@ -112,6 +123,7 @@ class DecodeRelay:
                     chunk = await resp.readany()
                 except (BackendError, TimeoutError) as e:
                     # bytes already reached the client: end the stream with an error event
+                    timings.outcome = "stream_error"
                     await self._end_with_error(out, events, decode, e)
                     return out
                 if not chunk:
@@ -119,7 +131,14 @@ class DecodeRelay:
                 events.cached_tokens = state.prefill_cached_tokens  # prefill may answer after decode began
                 data = events.feed(chunk)
                 if data:
-                    n_events += data.count(b"data:")
+                    k = data.count(b"data:")
+                    n_events += k
+                    tokens = k - 1 if data.endswith(_DONE) else k  # [DONE] is no token
+                    if tokens > 0:
+                        now = time.monotonic()
+                        inter_token.observe_n((now - timings.last_event) / tokens, tokens)  # type: ignore[operator]
+                        timings.last_event = now
+                        timings.events += tokens
                     await out.write(data)
                     if n_events - sample_n >= TPOT_WINDOW:
                         now = time.monotonic()
@@ -130,6 +149,7 @@ class DecodeRelay:
                 await out.write(tail)
             await out.write_eof()
         except ConnectionResetError:  # writing to the client failed: it went away
+            timings.outcome = "client_disconnected"
             self.metrics.disconnects.labels(state.stage).inc()
             logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
             return out

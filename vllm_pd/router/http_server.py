@@ -145,6 +145,8 @@ class _Connection(asyncio.Protocol):
                 return
             if self.closed:
                 return
+            if self._server.draining:  # the answer ends the connection (drain.py)
+                req.keep_alive = False
             if isinstance(resp, HttpResponse):
                 self.write(resp.encode(req.keep_alive))
             elif not resp.finished:  # a stream the handler did not end: end it (as aiohttp does)
@@ -217,6 +219,7 @@ class HttpServer:
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self.draining = False  # no longer accepting; every connection closes after its answer
 
     async def start(self, host: str, port: int, backlog: int = 2048) -> None:
         self._server = await self.loop.create_server(lambda: _Connection(self), host, port, backlog=backlog,
@@ -252,6 +255,18 @@ class HttpServer:
             limit = self.loop.time() - KEEPALIVE_TIMEOUT
             for conn in [c for c in self.connections if c.task is None and c.last_active < limit]:
                 conn.close()
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket and idle connections; busy ones close after their answer."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        for conn in [c for c in self.connections if c.task is None]:
+            conn.close()
+
+    def busy(self) -> int:
+        """Connections with a request being answered."""
+        return sum(1 for c in self.connections if c.task is not None)
 
     async def cleanup(self) -> None:
         """Stop listening, close every connection and wait for the handlers they cancel."""

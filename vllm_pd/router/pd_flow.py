@@ -44,6 +44,8 @@ from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
 from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_json, prefill_body
+from vllm_pd.router.request_log import RequestLog
+from vllm_pd.router.tracing import RequestTrace, Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +90,8 @@ def remote_decode_params(decode: Instance, transfer_id: str | None, mode: Transf
 class PDFlow:
     def __init__(self, config: ProxyConfig, pool: InstancePool, client: BackendClient,
                  metrics: ProxyMetrics, prefill_policy: Policy, decode_policy: Policy,
-                 release_kv: ReleaseFn = default_release_remote_kv) -> None:
+                 release_kv: ReleaseFn = default_release_remote_kv, tracer: Tracer | None = None,
+                 request_log: RequestLog | None = None) -> None:
         self.config = config
         self.pool = pool
         self.client = client
@@ -98,6 +101,8 @@ class PDFlow:
         self.release_kv = release_kv
         self.relay = DecodeRelay(metrics, pool, config.prefill_timeout)
         self._background: set[asyncio.Future] = set()
+        self.tracer = tracer or Tracer()
+        self.request_log = request_log
 
     # ------------------------------------------------------------------ entry
     async def handle(self, req: ParsedRequest, http_request: HttpRequest) -> HttpResponse | StreamResponse:
@@ -107,17 +112,41 @@ class PDFlow:
         headers["X-Request-Id"] = request_id
         headers["Content-Type"] = "application/json"  # both legs send bytes this proxy encoded
         state = FlowState(request_id)
+        trace = state.trace = self.tracer.start(given, headers)
+        status = 500
+        self.metrics.in_flight += 1
         try:
-            return await self._run(req, http_request, headers, state)
+            resp = await self._run(req, http_request, headers, state)
+            status = resp.status
+            return resp
+        except ProxyError as e:
+            status = e.status
+            raise
         except asyncio.CancelledError:
+            status = 499  # the client went away
+            state.timings.outcome = "client_disconnected"
             self.metrics.disconnects.labels(state.stage).inc()
             logger.info("client went away; request %s cancelled", request_id)
             raise
         finally:
+            self.metrics.in_flight -= 1
             for lease in state.leases:
                 lease.release()
             if state.kv_pending and state.kv_params:
                 self._release_in_background(state.kv_params)
+            self._finish(state, trace, status, req.path)
+
+    def _finish(self, state: FlowState, trace: RequestTrace, status: int, endpoint: str) -> None:
+        """The request's timings into the histograms, its span and the request log."""
+        t = state.timings
+        t.status = status
+        t.ended = time.monotonic()
+        if status >= 400 and t.outcome == "ok":
+            t.outcome = "error"
+        self.metrics.legs.observe(t)
+        trace.end(t, state.request_id)
+        if self.request_log is not None:
+            self.request_log.write(t, state.request_id, trace.trace_id, endpoint)
 
     async def _run(self, req: ParsedRequest, http_request: HttpRequest, headers: dict[str, str],
                    state: FlowState) -> HttpResponse | StreamResponse:
@@ -129,6 +158,7 @@ class PDFlow:
         for attempt in range(self.config.decode_attempts):
             if attempt:
                 self.metrics.retries.labels("decode").inc()
+                state.timings.retries += 1
             try:
                 if state.kv_params is None and await self._needs_prefill(req, decode, state):
                     if decode.kv_endpoint is not None:
@@ -176,15 +206,18 @@ class PDFlow:
         """Whether this request gets a prefill leg (False: decode computes the prompt)."""
         if not req.disaggregable:
             self.metrics.fallbacks.labels("multi_sequence").inc()
+            state.timings.fallback = "multi_sequence"
             return False
         if req.prompt_tokens <= self.config.short_prompt_tokens:
             self.metrics.fallbacks.labels("short_prompt").inc()
+            state.timings.fallback = "short_prompt"
             return False
         if not self.pool.eligible("prefill", {decode.url}):  # a "both" instance never prefills for itself
             if self.config.require_disagg:
                 raise unavailable("no prefill instance available and --require-disagg is set",
                                   "prefill_unavailable")
             self.metrics.fallbacks.labels("no_prefill_instance").inc()
+            state.timings.fallback = "no_prefill_instance"
             return False
         return True
 
@@ -233,6 +266,7 @@ class PDFlow:
                 break
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
+                state.timings.retries += 1
             tried.add(prefill.url)
             if await self._prefill_once(req, prefill, decode, transfer_id, headers, state, mode):
                 return True
@@ -240,6 +274,7 @@ class PDFlow:
             raise unavailable("no prefill instance could run the prompt and --require-disagg is set",
                               "prefill_unavailable")
         self.metrics.fallbacks.labels("prefill_unavailable").inc()
+        state.timings.fallback = "prefill_unavailable"
         logger.warning("request %s: no prefill succeeded; decode computes the prompt", state.request_id)
         return False
 
@@ -249,9 +284,12 @@ class PDFlow:
         body = prefill_body(req.body, remote_decode_params(decode, transfer_id, mode))
         lease = LegLease(prefill, "prefill", req.prompt_tokens)
         state.leases.append(lease)
+        span = state.trace.leg("prefill", prefill.url)  # type: ignore[union-attr]
+        failed: str | None = "cancelled"
         t0 = time.monotonic()
         try:
-            r = await self.client.request("POST", prefill.url, req.path, encode_json(body), headers.items(),
+            r = await self.client.request("POST", prefill.url, req.path, encode_json(body),
+                                          span.headers(headers).items(),
                                           timeout=self.config.prefill_timeout,
                                           connect_timeout=self.config.connect_timeout)
             try:
@@ -265,24 +303,33 @@ class PDFlow:
                 prefill.breaker.record_success()
                 raise _passthrough_error(r.status, raw)
             answer = BackendAnswer(raw)
+            failed = None
+        except ProxyError:
+            failed = "client_error"
+            raise
         except (BackendError, TimeoutError, _LegError, ValueError) as e:
-            kind = e.kind if isinstance(e, _LegError) else ("timeout" if isinstance(e, TimeoutError)
-                                                           else "connect")
+            kind = failed = e.kind if isinstance(e, _LegError) else ("timeout" if isinstance(e, TimeoutError)
+                                                                    else "connect")
             self.metrics.leg_errors.labels("prefill", kind).inc()
             prefill.breaker.record_failure()
             logger.warning("prefill on %s failed: %r", prefill.url, e)
             return False
         finally:
             lease.release()
-        elapsed = time.monotonic() - t0
+            span.end(failed)
+        now = time.monotonic()
+        elapsed = now - t0
         prefill.ttft.add(elapsed)
         prefill.breaker.record_success()
-        self.metrics.prefill_seconds.observe(elapsed)
+        self.metrics.legs.prefill.child(prefill.url).observe(elapsed)
+        t = state.timings
+        t.prefill_instance, t.prefill_seconds, t.prefill_done = prefill.url, elapsed, now
         params = answer.kv_params
         if params is None:
             # an instance without a connector: decode will have to compute the prompt
             logger.warning("prefill %s returned no kv_transfer_params; decode recomputes", prefill.url)
             self.metrics.fallbacks.labels("no_kv_params").inc()
+            state.timings.fallback = "no_kv_params"
             return True
         state.kv_params = params
         # beside a running decode leg the KV is decode's already (it releases it); else it waits for one
@@ -299,22 +346,30 @@ class PDFlow:
         lease = LegLease(decode, "decode", req.prompt_tokens + req.max_tokens)
         state.leases.append(lease)
         state.stage = "decode"
+        span = state.trace.leg("decode", decode.url)  # type: ignore[union-attr]
+        failed: str | None = "cancelled"
         t0 = time.monotonic()
+        state.timings.decode_instance, state.timings.decode_sent = decode.url, t0
         try:
             # from here decode owns the KV: closing this request aborts it and decode releases prefill's KV
             state.kv_pending = False
-            resp = await self.client.request("POST", decode.url, req.path, body, headers.items(),
+            resp = await self.client.request("POST", decode.url, req.path, body, span.headers(headers).items(),
                                              head_timeout=self.config.decode_timeout,
                                              read_timeout=self.config.decode_idle_timeout,
                                              connect_timeout=self.config.connect_timeout)
         except BackendConnectError as e:
             state.kv_pending = state.kv_params is not None
             lease.release()
+            span.end("connect")
             raise DecodeFailed(str(e), sent=False, kind="connect") from None
         except (BackendError, TimeoutError) as e:
             lease.release()
-            raise DecodeFailed(repr(e), sent=True, kind="timeout" if isinstance(e, TimeoutError)
-                               else "connection") from None
+            kind = "timeout" if isinstance(e, TimeoutError) else "connection"
+            span.end(kind)
+            raise DecodeFailed(repr(e), sent=True, kind=kind) from None
+        except asyncio.CancelledError:
+            span.end("cancelled")
+            raise
         try:
             if resp.status >= 500:
                 text = await _read_some(resp)
@@ -325,11 +380,21 @@ class PDFlow:
                 state.kv_pending = state.kv_params is not None
                 raise _passthrough_error(resp.status, await resp.read())
             if req.stream:
-                return await self.relay.stream(resp, decode, state, http_request, t0)
-            return await self.relay.json(resp, decode, state, t0)
+                out: HttpResponse | StreamResponse = await self.relay.stream(resp, decode, state, http_request, t0)
+            else:
+                out = await self.relay.json(resp, decode, state, t0)
+            failed = None if state.timings.outcome == "ok" else state.timings.outcome
+            return out
+        except DecodeFailed as e:
+            failed = e.kind
+            raise
+        except ProxyError:
+            failed = "client_error"
+            raise
         finally:
             resp.close()  # aborts decode in vLLM if we got here early (client gone, error)
             lease.release()
+            span.end(failed)
 
     # ---------------------------------------------------------------- release
     def _release_in_background(self, params: dict) -> None:
@@ -345,6 +410,12 @@ class PDFlow:
             logger.warning("release_remote_kv failed: %r", e)
             ok = False
         self.metrics.kv_releases.labels("ok" if ok else "failed").inc()
+
+    def cancel_background_legs(self) -> None:
+        """Cancel prefill legs still running after their decode answered (shutdown); releases keep going."""
+        for fut in list(self._background):
+            if isinstance(fut, asyncio.Task):
+                fut.cancel()
 
     async def drain_background(self) -> None:
         if self._background:
