@@ -33,6 +33,9 @@ CASES = [
     ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "messages[0].role"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
     ("/v1/chat/completions", b"", 400, None),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),  # not UTF-8 inside a string
+    ("/v1/completions", b"[" * 100_000, 400, None),  # absurdly deep
+    ("/v1/completions", b'{"prompt": "a", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
 ]
 
 

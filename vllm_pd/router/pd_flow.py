@@ -43,7 +43,7 @@ from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamRespon
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
-from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_json, prefill_body
+from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_body, prefill_body
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class PDFlow:
         state.leases.append(lease)
         t0 = time.monotonic()
         try:
-            r = await self.client.request("POST", prefill.url, req.path, encode_json(body), headers.items(),
+            r = await self.client.request("POST", prefill.url, req.path, encode_body(body), headers.items(),
                                           timeout=self.config.prefill_timeout,
                                           connect_timeout=self.config.connect_timeout)
             try:
