@@ -39,7 +39,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("path,raw,status,param", CASES)
+@pytest.mark.parametrize("path,raw,status,param", CASES, ids=lambda v: repr(v)[:40] if isinstance(v, bytes) else None)
 def test_bad_bodies(path: str, raw: bytes, status: int, param: str | None) -> None:
     async def go() -> None:
         async with harness() as h:

@@ -12,18 +12,23 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from vllm_pd.router.backend_url import parse_networks
+from vllm_pd.router.client_auth import check_api_key
+from vllm_pd.router.http_limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES,
+                                        DEFAULT_MAX_HEADERS, DEFAULT_MAX_URL_BYTES)
+
 ROLES = ("prefill", "decode", "both")
 KV_MODES = ("push", "pull", "auto")
 PREFILL_POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix_aware")
 DECODE_POLICIES = ("round_robin", "least_outstanding", "power_of_two")
 
 
-# the connector's transports (vllm_pd.connector.transport): shm only between instances on one host
-KV_SCHEMES = ("tcp", "shm", "nixl")
-
-
 class ConfigError(ValueError):
     """A configuration error; the message names the offending key."""
+
+
+# the connector's transports (vllm_pd.connector.transport): shm only between instances on one host
+KV_SCHEMES = ("tcp", "shm", "nixl")
 
 
 @dataclass
@@ -71,6 +76,19 @@ class ProxyConfig:
     supervisor_tpot_slo: float = 0.1  # seconds per output token
     tokenizer: str | None = None  # HF tokenizer dir for exact prompt lengths (else ~4 bytes/token)
     model_names: list[str] = field(default_factory=list)  # extra accepted model names
+    # security (client_auth.py, backend_url.py) and limits (http_limits.py, admission.py)
+    api_key: str | None = None  # clients must send "Authorization: Bearer <key>" on /v1/*
+    backend_api_key: str | None = None  # sent to the instances (legs and health checks) instead of the client's
+    backend_networks: list[str] = field(default_factory=list)  # CIDRs the admin API may add instances in
+    backend_ca_file: str | None = None  # CA bundle for https:// instances (default: the system's)
+    backend_tls_verify: bool = True  # False: https:// instances' certificates are not checked
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_headers: int = DEFAULT_MAX_HEADERS
+    max_url_bytes: int = DEFAULT_MAX_URL_BYTES
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    max_concurrent_requests: int = 0  # completions served at once (0 = no limit)
+    max_queued_requests: int = 256  # completions waiting for a slot beyond that; more get 429
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,12 +104,24 @@ class ProxyConfig:
             raise ConfigError(f"port: {self.port} is out of range")
         for name in ("prefill_timeout", "decode_timeout", "decode_idle_timeout", "connect_timeout",
                      "health_interval", "health_timeout", "breaker_cooldown", "supervisor_interval",
-                     "supervisor_ttft_slo", "supervisor_tpot_slo"):
+                     "supervisor_ttft_slo", "supervisor_tpot_slo", "header_timeout", "body_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("max_body_bytes", "prefill_attempts", "decode_attempts", "breaker_failures"):
+        for name in ("max_body_bytes", "prefill_attempts", "decode_attempts", "breaker_failures",
+                     "max_header_bytes", "max_headers", "max_url_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_concurrent_requests", "max_queued_requests"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        try:
+            for name in ("api_key", "backend_api_key"):
+                check_api_key(getattr(self, name), name)
+            parse_networks(self.backend_networks, "backend_networks")
+        except ValueError as e:  # the message names the key
+            raise ConfigError(str(e)) from None
+        if self.backend_ca_file is not None and not Path(self.backend_ca_file).is_file():
+            raise ConfigError(f"backend_ca_file: {self.backend_ca_file!r} is not a file")
         if self.short_prompt_tokens < 0:
             raise ConfigError(f"short_prompt_tokens: must be >= 0, got {self.short_prompt_tokens}")
         urls = [i.url for i in self.instances]
@@ -106,10 +136,14 @@ def _check_url(url: Any, key: str) -> str:
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ConfigError(f"{key}: {url!r} is not an http(s) URL")
+    if "@" in parsed.netloc or parsed.path not in ("", "/") or parsed.params or parsed.query or parsed.fragment:
+        raise ConfigError(f"{key}: {url!r} must be scheme://host[:port] alone (no credentials, path or query)")
     try:
-        parsed.port
+        port = parsed.port
     except ValueError as e:
         raise ConfigError(f"{key}: {url!r}: {e}") from None
+    if port == 0:
+        raise ConfigError(f"{key}: {url!r}: port 0")
     return url.rstrip("/")
 
 
@@ -128,6 +162,10 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "breaker_cooldown": (int, float), "admin_token": str, "supervisor": bool,
     "supervisor_interval": (int, float), "supervisor_ttft_slo": (int, float),
     "supervisor_tpot_slo": (int, float), "tokenizer": str, "model_names": list,
+    "api_key": str, "backend_api_key": str, "backend_networks": list, "backend_ca_file": str,
+    "backend_tls_verify": bool, "max_header_bytes": int, "max_headers": int, "max_url_bytes": int,
+    "header_timeout": (int, float), "body_timeout": (int, float), "max_concurrent_requests": int,
+    "max_queued_requests": int,
 }
 assert set(_FIELD_TYPES) | {"instances"} == {f.name for f in dataclasses.fields(ProxyConfig)}
 

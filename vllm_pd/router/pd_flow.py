@@ -35,6 +35,7 @@ from typing import Any, Callable
 from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest, TransferMode
 from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.backend_response import BackendConnectError, BackendError, BackendResponse
+from vllm_pd.router.client_auth import bearer
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.decode_relay import DecodeFailed, DecodeRelay, FlowState
 from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
@@ -96,6 +97,8 @@ class PDFlow:
         self.decode_policy = decode_policy
         self.release_kv = release_kv
         self.relay = DecodeRelay(metrics, pool, config.prefill_timeout)
+        # the proxy's own key for the instances replaces whatever the client authenticated with
+        self._backend_auth = bearer(config.backend_api_key) if config.backend_api_key else None
         self._background: set[asyncio.Future] = set()
 
     # ------------------------------------------------------------------ entry
@@ -103,6 +106,8 @@ class PDFlow:
         given = http_request.headers
         request_id = given.get("x-request-id") or new_id()
         headers = {k: given[k] for k in FORWARDED_HEADERS if k in given}
+        if self._backend_auth is not None:
+            headers["authorization"] = self._backend_auth
         headers["X-Request-Id"] = request_id
         headers["Content-Type"] = "application/json"  # both legs send bytes this proxy encoded
         state = FlowState(request_id)
