@@ -91,6 +91,10 @@ class _Connection(asyncio.Protocol):
             else:
                 resp._fail(BackendError(f"backend closed the connection ({exc!r})" if exc
                                         else "backend closed the connection"))
+        # break the cycles (parser -> our bound methods, response <-> connection) so a closed
+        # connection and the body it buffered are freed without waiting for a full collection
+        del self._parser
+        self.response = None
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:

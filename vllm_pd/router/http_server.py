@@ -107,6 +107,10 @@ class _Connection(asyncio.Protocol):
             self.task.cancel()  # the client went away: its request's legs are cancelled
         self._queue.clear()
         self._wake_writer()
+        # the parser holds our bound methods: without this cycle the connection, its buffers and its
+        # request's body go as soon as the last task lets go, not at the next full collection
+        del self._parser
+        self._body = []
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -174,6 +178,7 @@ class _Connection(asyncio.Protocol):
             return
         url = httptools.parse_url(self._url)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body.clear()  # an idle keep-alive connection does not hold its last request's body
         parser = self._parser
         req = HttpRequest(parser.get_method().decode("latin-1"), url.path.decode("latin-1"),
                           url.query.decode("latin-1") if url.query else "", self._headers, body,
