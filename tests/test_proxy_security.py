@@ -158,9 +158,11 @@ def test_https_instances_with_verification_options(tmp_path: Path) -> None:
 
 
 def test_config_and_flags_name_the_key(tmp_path: Path) -> None:
+    (tmp_path / "garbage.pem").write_text("not a certificate")
     for kw, key in (({"api_key": ""}, "api_key"), ({"backend_api_key": "a b"}, "backend_api_key"),
                     ({"backend_networks": ["10.0.0.0/8", "nope"]}, r"backend_networks\[1\]"),
                     ({"backend_ca_file": str(tmp_path / "none.pem")}, "backend_ca_file"),
+                    ({"backend_ca_file": str(tmp_path / "garbage.pem")}, "backend_ca_file"),
                     ({"max_header_bytes": 0}, "max_header_bytes"), ({"header_timeout": 0}, "header_timeout"),
                     ({"max_concurrent_requests": -1}, "max_concurrent_requests")):
         with pytest.raises(ConfigError, match=key):

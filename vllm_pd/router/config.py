@@ -7,6 +7,7 @@ typo stops start-up instead of silently using a default.
 from __future__ import annotations
 
 import dataclasses
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,8 +121,11 @@ class ProxyConfig:
             parse_networks(self.backend_networks, "backend_networks")
         except ValueError as e:  # the message names the key
             raise ConfigError(str(e)) from None
-        if self.backend_ca_file is not None and not Path(self.backend_ca_file).is_file():
-            raise ConfigError(f"backend_ca_file: {self.backend_ca_file!r} is not a file")
+        if self.backend_ca_file is not None:
+            try:  # a CA file that cannot be read stops start-up, not the first https:// request
+                ssl.create_default_context(cafile=self.backend_ca_file)
+            except (OSError, ValueError) as e:  # (ssl.SSLError is an OSError)
+                raise ConfigError(f"backend_ca_file: {self.backend_ca_file!r}: {e}") from None
         if self.short_prompt_tokens < 0:
             raise ConfigError(f"short_prompt_tokens: must be >= 0, got {self.short_prompt_tokens}")
         urls = [i.url for i in self.instances]
