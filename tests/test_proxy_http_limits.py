@@ -16,12 +16,12 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 @contextlib.asynccontextmanager
-async def limited_server(limits: HttpLimits) -> AsyncIterator[tuple[HttpServer, int]]:
+async def limited_server(limits: HttpLimits, max_body: int = 1 << 20) -> AsyncIterator[tuple[HttpServer, int]]:
     app = App()
     routes = {"/echo": {"POST": app.echo, "GET": app.echo}, "/post": {"POST": app.echo},
               "/hang": {"GET": app.hang}}
     port = free_port()
-    srv = HttpServer(routes, 1 << 20, limits)  # type: ignore[arg-type]
+    srv = HttpServer(routes, max_body, limits)  # type: ignore[arg-type]
     await srv.start("127.0.0.1", port)
     try:
         yield srv, port

@@ -8,25 +8,27 @@ import tracemalloc
 import weakref
 
 from tests.router_harness import harness, run
-from tests.test_router_http_server import read_response, server
-from vllm_pd.router import http_server
+from tests.test_proxy_http_limits import limited_server
+from tests.test_router_http_server import read_response
+from vllm_pd.router.http_limits import HttpLimits
+from vllm_pd.router.http_server import HttpServer
 
 BIG = 4 * 1024 * 1024
 
 
 def test_raw_server_connections_and_bodies_free_without_gc() -> None:
     async def go() -> None:
-        async with server(max_body=2 * BIG) as (app, port):
+        async with limited_server(HttpLimits(), max_body=2 * BIG) as (srv, port):
             srv_conns: list[weakref.ref] = []
             body = b"x" * BIG
-            await _one(port, body)  # warm up (first-use allocations)
+            await _one(srv, port, body)  # warm up (first-use allocations)
             gc.collect()
             gc.disable()
             try:
                 tracemalloc.start()
                 before = tracemalloc.get_traced_memory()[0]
                 for _ in range(8):
-                    await _one(port, body, srv_conns)
+                    await _one(srv, port, body, srv_conns)
                 await asyncio.sleep(0.05)
                 grown = tracemalloc.get_traced_memory()[0] - before
                 tracemalloc.stop()
@@ -38,16 +40,16 @@ def test_raw_server_connections_and_bodies_free_without_gc() -> None:
     run(go)
 
 
-async def _one(port: int, body: bytes, refs: list | None = None) -> None:
-    """One request of ``body`` on a connection of its own; ``refs`` gets weak references to the server's
-    connection objects alive meanwhile."""
+async def _one(srv: HttpServer, port: int, body: bytes, refs: list | None = None) -> None:
+    """One request of ``body`` on a connection of its own; ``refs`` gets a weak reference to the server's
+    connection object."""
     r, w = await asyncio.open_connection("127.0.0.1", port)
     w.write(b"POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body))
     w.write(body)
     status, _, _ = await read_response(r)
     assert status == 200
     if refs is not None:
-        refs.extend(weakref.ref(o) for o in gc.get_objects() if isinstance(o, http_server._Connection))
+        refs.extend(weakref.ref(c) for c in srv.connections)
     w.close()
     await w.wait_closed()
     await asyncio.sleep(0.01)
