@@ -49,7 +49,8 @@ def _mutated_head(rng: random.Random) -> bytes:
         b"POST /v1/completions HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
         b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
         b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!",
-        b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n"
+        b"3\r\nabc\r\n0\r\n\r\n",
         b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
         b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
         b"POST /v1/completions HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nContent-Length: 0\r\n\r\n",

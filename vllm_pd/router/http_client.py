@@ -8,9 +8,10 @@ one pre-joined write and a C parser feeding a deque.
 Scope is what the proxy sends: a bytes body with Content-Length; responses
 framed by Content-Length, chunked, or by the close of the connection; https://
 backends through the ``ssl`` context the client is given (``tls_context``). No
-redirects, no decompression (backends are vLLM instances on the local network). A response body is buffered up to ``HIGH_WATER`` bytes; past that the
-socket is paused until the reader catches up (a slow client slows decode's
-socket, not the proxy's memory).
+redirects, no decompression (backends are vLLM instances on the local network).
+A response body is buffered up to ``HIGH_WATER`` bytes; past that the socket is
+paused until the reader catches up (a slow client slows decode's socket, not the
+proxy's memory).
 """
 
 from __future__ import annotations

@@ -369,7 +369,6 @@ class HttpServer:
             await self._server.wait_closed()
 
 
-
 def _allow(methods: dict[str, Handler]) -> str:
     """The Allow header of a route: its methods, and HEAD wherever GET is."""
     return ", ".join(sorted(set(methods) | ({"HEAD"} if "GET" in methods else set())))
