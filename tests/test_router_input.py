@@ -33,10 +33,13 @@ CASES = [
     ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "messages[0].role"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
     ("/v1/chat/completions", b"", 400, None),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),  # not UTF-8 inside a string
+    ("/v1/completions", b"[" * 100_000, 400, None),  # absurdly deep
+    ("/v1/completions", b'{"prompt": "a", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
 ]
 
 
-@pytest.mark.parametrize("path,raw,status,param", CASES)
+@pytest.mark.parametrize("path,raw,status,param", CASES, ids=lambda v: repr(v)[:40] if isinstance(v, bytes) else None)
 def test_bad_bodies(path: str, raw: bytes, status: int, param: str | None) -> None:
     async def go() -> None:
         async with harness() as h:

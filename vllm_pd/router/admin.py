@@ -11,6 +11,7 @@ import json
 from typing import Awaitable, Callable
 
 
+from vllm_pd.router.backend_url import BackendAddressPolicy
 from vllm_pd.router.config import ConfigError, InstanceConfig
 from vllm_pd.router.errors import ProxyError, bad_request
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, json_response
@@ -20,10 +21,12 @@ from vllm_pd.router.instance_pool import InstancePool
 
 class AdminApi:
     def __init__(self, pool: InstancePool, token: str | None,
-                 on_added: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_added: Callable[[], Awaitable[None]] | None = None,
+                 addresses: BackendAddressPolicy | None = None) -> None:
         self._pool = pool
         self._token = token
         self._on_added = on_added
+        self._addresses = addresses or BackendAddressPolicy([])
 
     def register(self, routes: dict[str, dict[str, Handler]]) -> None:
         routes["/admin/instances"] = {"GET": self._list, "POST": self._add, "DELETE": self._remove}
@@ -45,6 +48,8 @@ class AdminApi:
             data = json.loads(request.body)
         except ValueError as e:
             raise bad_request(f"body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise bad_request("body nests too deep", code="invalid_json") from None
         if not isinstance(data, dict):
             raise bad_request("body must be a JSON object", code="invalid_json")
         return data
@@ -70,9 +75,14 @@ class AdminApi:
         if unknown:
             raise bad_request(f"unknown key {sorted(unknown)[0]!r}", sorted(unknown)[0], "unknown_key")
         try:
-            inst = self._pool.add(InstanceConfig(url=data.get("url"), role=data.get("role"),  # type: ignore[arg-type]
-                                                 kv_endpoint=data.get("kv_endpoint")))
-        except ConfigError as e:
+            ic = InstanceConfig(url=data.get("url"), role=data.get("role"),  # type: ignore[arg-type]
+                                kv_endpoint=data.get("kv_endpoint"))
+            # where the proxy (and prefill, pushing KV) would connect: never an arbitrary address
+            await self._addresses.check(ic.url, "url")
+            if ic.kv_endpoint is not None:
+                await self._addresses.check(ic.kv_endpoint, "kv_endpoint")
+            inst = self._pool.add(ic)
+        except ValueError as e:  # (ConfigError is one) the message names the key
             raise bad_request(str(e), str(e).split(":")[0], "invalid_value") from None
         if self._on_added is not None:
             await self._on_added()

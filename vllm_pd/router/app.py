@@ -13,10 +13,14 @@ import logging
 import time
 
 from vllm_pd.router.admin import AdminApi
+from vllm_pd.router.admission import AdmissionGate
+from vllm_pd.router.backend_url import BackendAddressPolicy, parse_networks
+from vllm_pd.router.client_auth import ClientAuth, bearer
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.errors import ProxyError
 from vllm_pd.router.health import HealthChecker
-from vllm_pd.router.http_client import BackendClient
+from vllm_pd.router.http_client import BackendClient, tls_context
+from vllm_pd.router.http_limits import HttpLimits
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
 from vllm_pd.router.http_server import Handler, HttpServer
 from vllm_pd.router.instance_pool import InstancePool
@@ -54,16 +58,28 @@ class ProxyServer:
             "/v1/models": {"GET": self._models}, "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
         }
-        AdminApi(self.pool, config.admin_token, self._on_instance_added).register(self.routes)
+        AdminApi(self.pool, config.admin_token, self._on_instance_added,
+                 BackendAddressPolicy(parse_networks(config.backend_networks, "backend_networks"))
+                 ).register(self.routes)
+        if config.api_key:
+            ClientAuth(config.api_key).protect(self.routes)
+        self.gate = (AdmissionGate(config.max_concurrent_requests, config.max_queued_requests)
+                     if config.max_concurrent_requests else None)
+        if self.gate is not None:
+            gate = self.gate
+            self.metrics.queue_length = lambda: gate.waiting
 
     async def start(self) -> None:
-        self.client = BackendClient(self.config.connect_timeout)
+        self.client = BackendClient(self.config.connect_timeout,
+                                    tls_context(self.config.backend_ca_file, self.config.backend_tls_verify))
         self.tracer = make_tracer(self.config.otlp_endpoint)
         self.request_log = RequestLog(self.config.request_log) if self.config.request_log else None
         self.flow = PDFlow(self.config, self.pool, self.client, self.metrics,
                            make_policy(self.config.prefill_policy), make_policy(self.config.decode_policy),
                            self._release_kv, self.tracer, self.request_log)
-        self.health = HealthChecker(self.pool, self.client, self.config.health_interval, self.config.health_timeout)
+        key = self.config.backend_api_key
+        self.health = HealthChecker(self.pool, self.client, self.config.health_interval, self.config.health_timeout,
+                                    headers=(("Authorization", bearer(key)),) if key else ())
         if self._run_health_checks:
             self.health.start()
         if self.config.supervisor:
@@ -103,7 +119,14 @@ class ProxyServer:
             parsed = parse_body(request.body, request.path, self.count_tokens)
             self._check_model(parsed.model)
             assert self.flow is not None
-            resp = await self.flow.handle(parsed, request)
+            if self.gate is None:
+                resp = await self.flow.handle(parsed, request)
+            else:
+                await self.gate.enter()
+                try:
+                    resp = await self.flow.handle(parsed, request)
+                finally:
+                    self.gate.leave()
             status = resp.status
             return resp
         except ProxyError as e:
@@ -165,7 +188,10 @@ class RunningProxy:
 async def serve(server: ProxyServer) -> RunningProxy:
     """Start listening; the caller keeps the result and calls ``cleanup()`` to stop."""
     await server.start()
-    http = HttpServer(server.routes, server.config.max_body_bytes)
+    cfg = server.config
+    limits = HttpLimits(cfg.max_header_bytes, cfg.max_headers, cfg.max_url_bytes, cfg.header_timeout,
+                        cfg.body_timeout)
+    http = HttpServer(server.routes, cfg.max_body_bytes, limits)
     try:
         await http.start(server.config.host, server.config.port, backlog=2048)
     except BaseException:

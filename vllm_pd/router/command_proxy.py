@@ -23,7 +23,10 @@ _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "
                  "short_prompt_tokens", "prefill_timeout", "decode_timeout", "decode_idle_timeout",
                  "connect_timeout", "max_body_bytes", "prefill_attempts", "decode_attempts", "health_interval",
                  "breaker_failures", "breaker_cooldown", "admin_token", "supervisor", "supervisor_ttft_slo",
-                 "supervisor_tpot_slo", "tokenizer", "otlp_endpoint", "request_log", "drain_grace")
+                 "supervisor_tpot_slo", "tokenizer", "otlp_endpoint", "request_log", "drain_grace",
+                 "api_key", "backend_api_key", "backend_networks",
+                 "backend_ca_file", "backend_tls_verify", "max_header_bytes", "max_headers", "max_url_bytes",
+                 "header_timeout", "body_timeout", "max_concurrent_requests", "max_queued_requests")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +87,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "outcome) to PATH ('-': standard error)")
     p.add_argument("--drain-grace", type=float, help="on SIGTERM: seconds in-flight requests get to finish "
                    "before both legs of what remains are cancelled (default 30; SIGINT: 0)")
+    _add_security_and_limit_arguments(p)
+
+
+def _add_security_and_limit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=os.environ.get("VLLM_PD_API_KEY"),
+                   help="clients must send 'Authorization: Bearer KEY' on /v1/* (env VLLM_PD_API_KEY)")
+    p.add_argument("--backend-api-key", default=os.environ.get("VLLM_PD_BACKEND_API_KEY"),
+                   help="key sent to the instances (their vllm serve --api-key), on legs and health checks "
+                   "(env VLLM_PD_BACKEND_API_KEY); default: the client's Authorization is forwarded")
+    p.add_argument("--backend-network", dest="backend_networks", action="append", metavar="CIDR",
+                   help="a network the admin API may add instances in (repeatable; default any address "
+                   "except link-local and metadata ones)")
+    p.add_argument("--backend-ca-file", help="CA bundle for https:// instances (default: the system's)")
+    p.add_argument("--no-backend-tls-verify", dest="backend_tls_verify", action="store_false", default=None,
+                   help="do not check the certificates of https:// instances")
+    p.add_argument("--max-header-bytes", type=int, help="request head size limit, 431 beyond (default 32 KiB)")
+    p.add_argument("--max-headers", type=int, help="header fields per request, 431 beyond (default 100)")
+    p.add_argument("--max-url-bytes", type=int, help="URL length limit, 414 beyond (default 8 KiB)")
+    p.add_argument("--header-timeout", type=float, help="seconds a client has to send a request head "
+                   "(default 10), 408 beyond")
+    p.add_argument("--body-timeout", type=float, help="seconds a client has to send a body after its head "
+                   "(default 60), 408 beyond")
+    p.add_argument("--max-concurrent-requests", type=int, help="completions served at once (default 0: no limit)")
+    p.add_argument("--max-queued-requests", type=int, help="completions waiting beyond that limit (default 256); "
+                   "more get 429 with Retry-After")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:

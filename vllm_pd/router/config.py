@@ -7,10 +7,16 @@ typo stops start-up instead of silently using a default.
 from __future__ import annotations
 
 import dataclasses
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+from vllm_pd.router.backend_url import parse_networks
+from vllm_pd.router.client_auth import check_api_key
+from vllm_pd.router.http_limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES,
+                                        DEFAULT_MAX_HEADERS, DEFAULT_MAX_URL_BYTES)
 
 ROLES = ("prefill", "decode", "both")
 KV_MODES = ("push", "pull", "auto")
@@ -18,12 +24,12 @@ PREFILL_POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix_
 DECODE_POLICIES = ("round_robin", "least_outstanding", "power_of_two")
 
 
-# the connector's transports (vllm_pd.connector.transport): shm only between instances on one host
-KV_SCHEMES = ("tcp", "shm", "nixl")
-
-
 class ConfigError(ValueError):
     """A configuration error; the message names the offending key."""
+
+
+# the connector's transports (vllm_pd.connector.transport): shm only between instances on one host
+KV_SCHEMES = ("tcp", "shm", "nixl")
 
 
 @dataclass
@@ -114,6 +120,19 @@ class ProxyConfig:
     otlp_endpoint: str | None = None  # OTLP traces endpoint (else OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)
     request_log: str | None = None  # JSON lines, one per request, to this file ("-": standard error)
     drain_grace: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    # security (client_auth.py, backend_url.py) and limits (http_limits.py, admission.py)
+    api_key: str | None = None  # clients must send "Authorization: Bearer <key>" on /v1/*
+    backend_api_key: str | None = None  # sent to the instances (legs and health checks) instead of the client's
+    backend_networks: list[str] = field(default_factory=list)  # CIDRs the admin API may add instances in
+    backend_ca_file: str | None = None  # CA bundle for https:// instances (default: the system's)
+    backend_tls_verify: bool = True  # False: https:// instances' certificates are not checked
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_headers: int = DEFAULT_MAX_HEADERS
+    max_url_bytes: int = DEFAULT_MAX_URL_BYTES
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    max_concurrent_requests: int = 0  # completions served at once (0 = no limit)
+    max_queued_requests: int = 256  # completions waiting for a slot beyond that; more get 429
 
     def __post_init__(self) -> None:
         self.validate()
@@ -129,14 +148,29 @@ class ProxyConfig:
             raise ConfigError(f"port: {self.port} is out of range")
         for name in ("prefill_timeout", "decode_timeout", "decode_idle_timeout", "connect_timeout",
                      "health_interval", "health_timeout", "breaker_cooldown", "supervisor_interval",
-                     "supervisor_ttft_slo", "supervisor_tpot_slo"):
+                     "supervisor_ttft_slo", "supervisor_tpot_slo", "header_timeout", "body_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("max_body_bytes", "prefill_attempts", "decode_attempts", "breaker_failures"):
+        for name in ("max_body_bytes", "prefill_attempts", "decode_attempts", "breaker_failures",
+                     "max_header_bytes", "max_headers", "max_url_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.drain_grace < 0:
             raise ConfigError(f"drain_grace: must be >= 0, got {self.drain_grace}")
+        for name in ("max_concurrent_requests", "max_queued_requests"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        try:
+            for name in ("api_key", "backend_api_key"):
+                check_api_key(getattr(self, name), name)
+            parse_networks(self.backend_networks, "backend_networks")
+        except ValueError as e:  # the message names the key
+            raise ConfigError(str(e)) from None
+        if self.backend_ca_file is not None:
+            try:  # a CA file that cannot be read stops start-up, not the first https:// request
+                ssl.create_default_context(cafile=self.backend_ca_file)
+            except (OSError, ValueError) as e:  # (ssl.SSLError is an OSError)
+                raise ConfigError(f"backend_ca_file: {self.backend_ca_file!r}: {e}") from None
         if self.short_prompt_tokens < 0:
             raise ConfigError(f"short_prompt_tokens: must be >= 0, got {self.short_prompt_tokens}")
         urls = [i.url for i in self.instances]
@@ -151,10 +185,14 @@ def _check_url(url: Any, key: str) -> str:
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ConfigError(f"{key}: {url!r} is not an http(s) URL")
+    if "@" in parsed.netloc or parsed.path not in ("", "/") or parsed.params or parsed.query or parsed.fragment:
+        raise ConfigError(f"{key}: {url!r} must be scheme://host[:port] alone (no credentials, path or query)")
     try:
-        _ = parsed.port  # its parsing raises on a bad port
+        port = parsed.port
     except ValueError as e:
         raise ConfigError(f"{key}: {url!r}: {e}") from None
+    if port == 0:
+        raise ConfigError(f"{key}: {url!r}: port 0")
     return url.rstrip("/")
 
 
@@ -174,6 +212,10 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "supervisor_interval": (int, float), "supervisor_ttft_slo": (int, float),
     "supervisor_tpot_slo": (int, float), "tokenizer": str, "model_names": list,
     "otlp_endpoint": str, "request_log": str, "drain_grace": (int, float),
+    "api_key": str, "backend_api_key": str, "backend_networks": list, "backend_ca_file": str,
+    "backend_tls_verify": bool, "max_header_bytes": int, "max_headers": int, "max_url_bytes": int,
+    "header_timeout": (int, float), "body_timeout": (int, float), "max_concurrent_requests": int,
+    "max_queued_requests": int,
 }
 assert set(_FIELD_TYPES) | {"instances", "kubernetes"} == {f.name for f in dataclasses.fields(ProxyConfig)}
 

@@ -7,7 +7,7 @@ the body is always ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -17,6 +17,7 @@ class ProxyError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    headers: dict[str, str] | None = field(default=None, compare=False)  # e.g. Allow, Retry-After
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"

@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 
 class HealthChecker(PeriodicTask):
     def __init__(self, pool: InstancePool, client: BackendClient, interval: float, timeout: float,
-                 failures_to_down: int = 2) -> None:
+                 failures_to_down: int = 2, headers: tuple[tuple[str, str], ...] = ()) -> None:
         self._pool = pool
+        self._headers = headers  # the proxy's own key for the instances, when it has one
         self._client = client
         self.interval = interval
         self._timeout = timeout
@@ -60,7 +61,7 @@ class HealthChecker(PeriodicTask):
         return ok
 
     async def _get(self, url: str, path: str) -> tuple[int, bytes]:
-        r = await self._client.request("GET", url, path, connect_timeout=self._timeout)
+        r = await self._client.request("GET", url, path, headers=self._headers, connect_timeout=self._timeout)
         try:
             return r.status, await r.read()
         finally:

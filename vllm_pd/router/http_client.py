@@ -6,16 +6,18 @@ proxy's CPU per request (benchmarks/RESULTS.md "Proxy", profile). Here a leg is
 one pre-joined write and a C parser feeding a deque.
 
 Scope is what the proxy sends: a bytes body with Content-Length; responses
-framed by Content-Length, chunked, or by the close of the connection. No TLS,
-no redirects, no decompression (backends are vLLM instances on the local
-network). A response body is buffered up to ``HIGH_WATER`` bytes; past that the
-socket is paused until the reader catches up (a slow client slows decode's
-socket, not the proxy's memory).
+framed by Content-Length, chunked, or by the close of the connection; https://
+backends through the ``ssl`` context the client is given (``tls_context``). No
+redirects, no decompression (backends are vLLM instances on the local network).
+A response body is buffered up to ``HIGH_WATER`` bytes; past that the socket is
+paused until the reader catches up (a slow client slows decode's socket, not the
+proxy's memory).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from functools import lru_cache
 from typing import Iterable
@@ -30,14 +32,25 @@ from vllm_pd.router.backend_response import BackendConnectError, BackendError, B
 IDLE_KEEPALIVE = 4.0
 
 
+def tls_context(ca_file: str | None = None, verify: bool = True) -> ssl.SSLContext:
+    """The context https:// backends are reached with: the system's CAs (or ``ca_file``'s), the host name
+    checked against the certificate; ``verify`` False checks nothing (a test cluster's self-signed certs)."""
+    ctx = ssl.create_default_context(cafile=ca_file)
+    if not verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 @lru_cache(maxsize=1024)
-def _origin(url: str) -> tuple[str, int, bytes]:
-    """(host, port, Host header) of an instance URL such as ``http://10.0.0.1:8000``."""
+def _origin(url: str) -> tuple[str, int, bytes, bool]:
+    """(host, port, Host header, TLS) of an instance URL such as ``http://10.0.0.1:8000``."""
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"only http://host[:port] backends are supported, got {url!r}")
-    port = parts.port or 80
-    return parts.hostname, port, parts.netloc.encode("latin-1")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"only http(s)://host[:port] backends are supported, got {url!r}")
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    return parts.hostname, port, parts.netloc.encode("latin-1"), tls
 
 
 class _Connection(asyncio.Protocol):
@@ -79,6 +92,10 @@ class _Connection(asyncio.Protocol):
             else:
                 resp._fail(BackendError(f"backend closed the connection ({exc!r})" if exc
                                         else "backend closed the connection"))
+        # break the cycles (parser -> our bound methods, response <-> connection) so a closed
+        # connection and the body it buffered are freed without waiting for a full collection
+        del self._parser
+        self.response = None
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -140,9 +157,10 @@ class _Connection(asyncio.Protocol):
 class BackendClient:
     """Keep-alive connections per backend, reused last-in first-out (the warmest first)."""
 
-    def __init__(self, connect_timeout: float = 5.0) -> None:
+    def __init__(self, connect_timeout: float = 5.0, tls: ssl.SSLContext | None = None) -> None:
         self.connect_timeout = connect_timeout
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._tls = tls  # for https:// backends; made with the defaults on first use when not given
+        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
 
     async def request(self, method: str, url: str, path: str, body: bytes = b"",
                       headers: Iterable[tuple[str, str]] = (), *, timeout: float | None = None,
@@ -156,8 +174,8 @@ class BackendClient:
         Raises BackendConnectError when no connection could be made, BackendError when the exchange
         broke after that. The caller closes the response.
         """
-        host, port, host_header = _origin(url)
-        conn = await self._connection(host, port, connect_timeout)
+        host, port, host_header, tls = _origin(url)
+        conn = await self._connection(host, port, tls, connect_timeout)
         head = b"".join([method.encode(), b" ", path.encode(), b" HTTP/1.1\r\nHost: ", host_header,
                          b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n",
                          *[f"{k}: {v}\r\n".encode("latin-1") for k, v in headers], b"\r\n"])
@@ -176,10 +194,10 @@ class BackendClient:
             resp._timer = None
         return resp
 
-    async def _connection(self, host: str, port: int, connect_timeout: float | None) -> _Connection:
-        idle = self._idle.get((host, port))
+    async def _connection(self, host: str, port: int, tls: bool, connect_timeout: float | None) -> _Connection:
+        idle = self._idle.get((host, port, tls))
         if idle is None:
-            idle = self._idle[(host, port)] = []
+            idle = self._idle[(host, port, tls)] = []
         now = time.monotonic()
         while idle:
             conn = idle.pop()
@@ -189,8 +207,14 @@ class BackendClient:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_timeout if connect_timeout is not None else self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Connection(idle), host, port)
-        except (OSError, TimeoutError) as e:
+                if tls:
+                    if self._tls is None:
+                        self._tls = tls_context()
+                    _, conn = await loop.create_connection(lambda: _Connection(idle), host, port, ssl=self._tls,
+                                                           server_hostname=host)
+                else:
+                    _, conn = await loop.create_connection(lambda: _Connection(idle), host, port)
+        except (OSError, TimeoutError) as e:  # (ssl.SSLError, a failed handshake, is an OSError)
             raise BackendConnectError(f"cannot connect to {host}:{port}: {e!r}") from None
         return conn
 

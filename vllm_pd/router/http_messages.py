@@ -67,11 +67,12 @@ class HttpResponse:
         self.content_type = content_type
         self.headers = headers
 
-    def encode(self, keep_alive: bool) -> bytes:
+    def encode(self, keep_alive: bool, head_only: bool = False) -> bytes:
+        """The response's bytes; ``head_only`` (an answer to HEAD): the same head, no body."""
         return b"".join([status_line(self.status), b"Content-Type: ", self.content_type.encode("latin-1"),
                          b"\r\nContent-Length: ", str(len(self.body)).encode(), b"\r\n",
                          _header_lines(self.headers), b"" if keep_alive else b"Connection: close\r\n", b"\r\n",
-                         self.body])
+                         b"" if head_only else self.body])
 
 
 def json_response(data: Any, status: int = 200) -> HttpResponse:
@@ -79,7 +80,7 @@ def json_response(data: Any, status: int = 200) -> HttpResponse:
 
 
 def error_response(e: ProxyError) -> HttpResponse:
-    return HttpResponse(e.json_bytes(), e.status)
+    return HttpResponse(e.json_bytes(), e.status, headers=e.headers)
 
 
 class StreamResponse:

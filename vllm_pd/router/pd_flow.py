@@ -35,6 +35,7 @@ from typing import Any, Callable
 from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest, TransferMode
 from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.backend_response import BackendConnectError, BackendError, BackendResponse
+from vllm_pd.router.client_auth import bearer
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.decode_relay import DecodeFailed, DecodeRelay, FlowState
 from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
@@ -43,7 +44,7 @@ from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamRespon
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
-from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_json, prefill_body
+from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_body, prefill_body
 from vllm_pd.router.request_log import RequestLog
 from vllm_pd.router.tracing import RequestTrace, Tracer
 
@@ -100,6 +101,8 @@ class PDFlow:
         self.decode_policy = decode_policy
         self.release_kv = release_kv
         self.relay = DecodeRelay(metrics, pool, config.prefill_timeout)
+        # the proxy's own key for the instances replaces whatever the client authenticated with
+        self._backend_auth = bearer(config.backend_api_key) if config.backend_api_key else None
         self._background: set[asyncio.Future] = set()
         self.tracer = tracer or Tracer()
         self.request_log = request_log
@@ -109,6 +112,8 @@ class PDFlow:
         given = http_request.headers
         request_id = given.get("x-request-id") or new_id()
         headers = {k: given[k] for k in FORWARDED_HEADERS if k in given}
+        if self._backend_auth is not None:
+            headers["authorization"] = self._backend_auth
         headers["X-Request-Id"] = request_id
         headers["Content-Type"] = "application/json"  # both legs send bytes this proxy encoded
         state = FlowState(request_id)
@@ -288,7 +293,7 @@ class PDFlow:
         failed: str | None = "cancelled"
         t0 = time.monotonic()
         try:
-            r = await self.client.request("POST", prefill.url, req.path, encode_json(body),
+            r = await self.client.request("POST", prefill.url, req.path, encode_body(body),
                                           span.headers(headers).items(),
                                           timeout=self.config.prefill_timeout,
                                           connect_timeout=self.config.connect_timeout)

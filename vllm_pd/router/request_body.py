@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from vllm_pd.router.client_kv import strip_client_kv
 from vllm_pd.router.errors import ProxyError, bad_request
 
 encode_json = msgspec.json.Encoder().encode
@@ -52,10 +53,14 @@ def estimate_tokens(text: str) -> int:
 def parse_body(raw: bytes, path: str, count_tokens: TokenCounter = estimate_tokens) -> ParsedRequest:
     try:
         body = _decode_json(raw)
-    except msgspec.DecodeError as e:
-        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid UTF-8 JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("request body nests too deep", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    if strip_client_kv(body):
+        raw = encode_body(body)  # the decode leg is built from these bytes: they must not carry them either
 
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -130,6 +135,15 @@ def _completion_text(body: dict[str, Any]) -> tuple[str, bool, int | None]:
     raise bad_request("'prompt' must be a string, an array of strings, or token ids", "prompt", "invalid_type")
 
 
+def encode_body(body: dict[str, Any]) -> bytes:
+    """A leg's body as JSON. The decoder's depth limit let the body in, but encoding runs deeper in the
+    stack, so a body just under that limit can still overflow here: the client's 400, not a 500."""
+    try:
+        return encode_json(body)
+    except RecursionError:
+        raise bad_request("request body nests too deep", code="invalid_json") from None
+
+
 def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg: one token, no streaming, KV kept for a remote decode."""
     out = dict(body)
@@ -155,4 +169,4 @@ def decode_body(req: ParsedRequest, kv_params: dict[str, Any] | None) -> bytes:
     raw = req.raw.rstrip()
     if req.body and "kv_transfer_params" not in req.body and raw.endswith(b"}"):
         return raw[:-1] + b',"kv_transfer_params":' + encode_json(kv_params) + b"}"
-    return encode_json({**req.body, "kv_transfer_params": kv_params})
+    return encode_body({**req.body, "kv_transfer_params": kv_params})
