@@ -91,6 +91,8 @@ class VllmServerSpec:
     enforce_eager: bool = True
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # run inside this network namespace (``ip netns exec``; needs root): one host of several on one machine
+    netns: str | None = None
 
     @property
     def url(self) -> str:
@@ -98,7 +100,10 @@ class VllmServerSpec:
 
     def command(self) -> list[str]:
         pin = ["taskset", "-c", self.cpu_cores] if self.pin_processes and self.cpu_cores else []
+        # `ip netns exec` execs the command itself, so the pid and process group stay the server's
+        netns = ["ip", "netns", "exec", self.netns] if self.netns else []
         cmd = [
+            *netns,
             *pin,
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model,
