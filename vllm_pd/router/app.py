@@ -21,6 +21,7 @@ from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamRespon
 from vllm_pd.router.http_server import Handler, HttpServer
 from vllm_pd.router.instance_pool import InstancePool
 from vllm_pd.router.metrics import ProxyMetrics
+from vllm_pd.router.partition_watch import PartitionWatch
 from vllm_pd.router.pd_flow import PDFlow, ReleaseFn, default_release_remote_kv
 from vllm_pd.router.policies import make_policy
 from vllm_pd.router.request_body import CHAT, COMPLETIONS, TokenCounter, estimate_tokens, parse_body
@@ -52,10 +53,12 @@ class ProxyServer:
 
     async def start(self) -> None:
         self.client = BackendClient(self.config.connect_timeout)
+        watch = PartitionWatch()  # the health checks find lost instances; the flow's legs on them move on
         self.flow = PDFlow(self.config, self.pool, self.client, self.metrics,
                            make_policy(self.config.prefill_policy), make_policy(self.config.decode_policy),
-                           self._release_kv)
-        self.health = HealthChecker(self.pool, self.client, self.config.health_interval, self.config.health_timeout)
+                           self._release_kv, watch)
+        self.health = HealthChecker(self.pool, self.client, self.config.health_interval, self.config.health_timeout,
+                                    watch=watch)
         if self._run_health_checks:
             self.health.start()
         if self.config.supervisor:

@@ -37,6 +37,8 @@ class MockBackend:
     itl: float = 0.0
     cached_tokens: int | None = None  # reported in usage.prompt_tokens_details when set
     kv_params: bool = True  # answer do_remote_decode with kv_transfer_params
+    # a partitioned host: health checks get no answer (with fail_next("hang"), nor does a leg)
+    unreachable: bool = False
     seen: list[SeenRequest] = field(default_factory=list)
     # failure injection: each entry is consumed by one request
     failures: list[str] = field(default_factory=list)
@@ -51,6 +53,8 @@ class MockBackend:
                 "/v1/models": {"GET": self._models}, "/health": {"GET": self._health}}
 
     async def _health(self, request: HttpRequest) -> HttpResponse:
+        while self.unreachable:
+            await asyncio.sleep(0.05)
         return HttpResponse(b"", content_type="text/plain")
 
     async def _models(self, request: HttpRequest) -> HttpResponse:
