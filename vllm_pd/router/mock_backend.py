@@ -149,6 +149,7 @@ def main() -> None:
     """Run mock backends as a standalone process (for benchmarks against other routers)."""
     p = argparse.ArgumentParser(description="mock vLLM OpenAI server")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--name", default="mock")
     p.add_argument("--ttft", type=float, default=0.0)
     p.add_argument("--itl", type=float, default=0.0)
@@ -161,7 +162,7 @@ def main() -> None:
 
     async def run() -> None:
         b = MockBackend(name=a.name, ttft=a.ttft, itl=a.itl, record=False)
-        await start_backend(b, port=a.port)
+        await start_backend(b, host=a.host, port=a.port)
         while True:
             await asyncio.sleep(3600)
 
