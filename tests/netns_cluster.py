@@ -174,16 +174,20 @@ def send(url: str, key: str) -> Sent:
 
 
 def load_through(url: str, fault: Callable[[], None], heal: Callable[[], None], outage_s: float,
-                 heal_early: bool = True, streams: int = 3, per_stream: int = 4) -> tuple[list[Sent], float]:
-    """``streams`` clients each send ``per_stream`` requests back to back; the fault strikes while
-    they run and heals after ``outage_s`` - or, with ``heal_early``, as soon as they all finished.
-    Returns what was sent and when the fault struck."""
+                 heal_early: bool = True, streams: int = 3, busy_s: float = 10.0) -> tuple[list[Sent], float]:
+    """``streams`` clients send requests back to back from 1 s before the fault until ``busy_s``
+    after it (so some go out while the fault is not yet detected); the fault heals after
+    ``outage_s`` - or, with ``heal_early``, as soon as every request finished. Returns what was
+    sent and when the fault struck."""
     sent: list[Sent] = []
     lock = threading.Lock()
+    stop_at = time.monotonic() + 1.0 + busy_s
 
     def stream(i: int) -> None:
-        for j in range(per_stream):
-            s = send(url, LOAD_KEYS[(i * per_stream + j) % len(LOAD_KEYS)])
+        j = 0
+        while time.monotonic() < stop_at:
+            s = send(url, LOAD_KEYS[(i * 5 + j) % len(LOAD_KEYS)])
+            j += 1
             with lock:
                 sent.append(s)
 
@@ -205,6 +209,7 @@ def load_through(url: str, fault: Callable[[], None], heal: Callable[[], None], 
     return sent, struck
 
 
-def in_flight_at(sent: list[Sent], struck: float) -> list[Sent]:
-    """The requests that had started and not finished when the fault struck."""
-    return [s for s in sent if s.start < struck < s.end]
+def waits_after(sent: list[Sent], struck: float) -> list[float]:
+    """For each request still running at the fault or sent during it: seconds from the later of
+    the fault and its start to its answer."""
+    return [s.end - max(s.start, struck) for s in sent if s.end > struck]

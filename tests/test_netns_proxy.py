@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests import e2e_cluster as ec
-from tests.netns_cluster import in_flight_at, load_through, start_proxy
+from tests.netns_cluster import load_through, start_proxy, waits_after
 from tests.netns_hosts import NetnsHosts, netns_unavailable
 from vllm_pd.vllm_server import free_port
 
@@ -75,12 +75,11 @@ def _prefill_legs(url: str) -> float:
 def test_requests_in_flight_when_prefills_host_is_cut_move_on_and_prefill_returns(proxy) -> None:
     net, url, log = proxy
     sent, struck = load_through(url, lambda: net.cut("prefill"), lambda: net.restore("prefill"), OUTAGE_S,
-                                streams=4, per_stream=3)
+                                streams=4, busy_s=5.0)
     assert all(s.error is None for s in sent), [s.error for s in sent if s.error]
-    hit = in_flight_at(sent, struck)
-    assert hit, "no request was in flight when the link went down"
-    slowest = max(s.end - struck for s in hit)
-    assert slowest < BOUND_S, f"{slowest:.1f}s after the cut; proxy log: {log.read_text()[-1500:]}"
+    waits = waits_after(sent, struck)
+    assert len(waits) >= 4, "too few requests ran while the link was down"
+    assert max(waits) < BOUND_S, f"{max(waits):.1f}s after the cut; proxy log: {log.read_text()[-1500:]}"
     assert ec.metric(httpx.Client(), url, "vllm_pd_proxy_leg_errors_total", kind="unreachable") >= 1
     # the link is back: prefill is found healthy and runs prefill legs again
     before = _prefill_legs(url)
