@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import httpx
 import yaml
@@ -41,12 +41,34 @@ class ConnectorTimes:
     lease_s: float = 20.0
 
 
+class Server(Protocol):
+    """A backend on one host: a vLLM server, or a mock one."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+
+@dataclass
+class MockServer:
+    """vllm_pd/router/mock_backend.py as a process on one host (its own process group)."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+
 @dataclass
 class Cluster:
     net: NetnsHosts
-    prefill: VllmServer
-    decode: VllmServer
-    decode_kv: str
+    prefill: Server
+    decode: Server
+    decode_kv: str | None
     log_dir: Path
     proxy_url: str = ""
     proxy_log: Path | None = None
@@ -56,7 +78,7 @@ class Cluster:
         """(Re)start the proxy on host "proxy" with these ProxyConfig fields (kv_mode push)."""
         self.stop_proxy()
         self._proxy, self.proxy_url, self.proxy_log = start_proxy(
-            self.net, self.log_dir, self.prefill.url, self.decode.url, self.decode_kv, kv_mode="push", **config)
+            self.net, self.log_dir, self.prefill.url, self.decode.url, self.decode_kv, **{"kv_mode": "push", **config})
 
     def proxy_ready(self) -> bool:
         return proxy_ready(self.proxy_url)
@@ -75,7 +97,7 @@ class Cluster:
         os.killpg(self._pid(self.prefill), signal.SIGCONT)
 
     @staticmethod
-    def _pid(server: VllmServer) -> int:
+    def _pid(server: Server) -> int:
         assert server.pid is not None
         return server.pid
 
@@ -147,6 +169,48 @@ def multihost_cluster(model: Path, log_dir: Path, transport: str = "tcp",
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(server.pid, signal.SIGCONT)  # a stopped group would not take SIGTERM
                 server.stop()
+
+
+def start_mock(net: NetnsHosts, host: str, name: str, ttft: float) -> MockServer:
+    """A mock backend on ``host`` answering after ``ttft`` seconds."""
+    port = free_port()
+    proc = subprocess.Popen(net[host].command([sys.executable, "-m", "vllm_pd.router.mock_backend", "--host",
+                                               net[host].address, "--port", str(port), "--name", name,
+                                               "--ttft", str(ttft)]), start_new_session=True)
+    mock = MockServer(proc, f"http://{net[host].address}:{port}")
+    if not ec.wait_until(lambda: _answers(mock.url), timeout=60, interval=0.2):
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"mock backend {name} did not start")
+    return mock
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def mock_cluster(log_dir: Path, prefill_ttft: float = 0.3) -> Iterator[Cluster]:
+    """The same hosts with mock backends instead of vLLM (no KV moves: decode gets prefill's answer);
+    the proxy's model name must include the catalogue's ("small")."""
+    with NetnsHosts(["prefill", "decode", "proxy"]) as net:
+        mocks: list[MockServer] = []
+        cluster: Cluster | None = None
+        try:
+            mocks.append(start_mock(net, "prefill", "p0", prefill_ttft))
+            mocks.append(start_mock(net, "decode", "d0", 0.05))
+            cluster = Cluster(net, mocks[0], mocks[1], None, log_dir)
+            yield cluster
+        finally:
+            if cluster is not None:
+                cluster.stop_proxy()
+            for mock in mocks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(mock.proc.pid, signal.SIGKILL)
+                mock.proc.wait()
 
 
 # ---- a steady load that a fault strikes ---------------------------------------------------------
