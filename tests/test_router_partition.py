@@ -91,3 +91,17 @@ def test_partitioned_decode_before_its_answer_is_a_decode_failure_retried_elsewh
             assert status == 200 and out["served_by"] == "d1"
             await wait_for(lambda: h.decodes[0].seen[0].cancelled)
     run(go)
+
+
+def test_detection_time_is_set_by_flags() -> None:
+    import argparse
+
+    from vllm_pd.router import command_proxy
+    from vllm_pd.router.config import ConfigError
+
+    p = argparse.ArgumentParser()
+    command_proxy.add_arguments(p)
+    cfg = command_proxy.config_from_args(p.parse_args(["--health-interval", "0.5", "--health-timeout", "0.25"]))
+    assert (cfg.health_interval, cfg.health_timeout) == (0.5, 0.25)
+    with pytest.raises(ConfigError, match="health_timeout"):
+        command_proxy.config_from_args(p.parse_args(["--health-timeout", "0"]))
