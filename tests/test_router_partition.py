@@ -40,7 +40,14 @@ def test_guard_passes_results_and_cuts_legs_off_while_unreachable() -> None:
         await asyncio.sleep(0.01)
         outer.cancel()
         await asyncio.gather(outer, return_exceptions=True)
-        assert inner.cancelled()
+        assert inner.cancelled() and outer.cancelled()  # a client's cancel stays a cancel
+        # cut off and cancelled by its caller at once: the caller's cancel wins
+        both = asyncio.ensure_future(watch.guard("http://c", asyncio.sleep(3600)))
+        await asyncio.sleep(0.01)
+        watch.mark("http://c", reachable=False)
+        both.cancel()
+        await asyncio.gather(both, return_exceptions=True)
+        assert both.cancelled()
     run(go)
 
 

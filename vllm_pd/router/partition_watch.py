@@ -27,40 +27,52 @@ class InstanceUnreachable(Exception):
 
 class PartitionWatch:
     def __init__(self) -> None:
-        self._down: dict[str, asyncio.Event] = {}  # url -> set while the instance is unreachable
-
-    def _event(self, url: str) -> asyncio.Event:
-        ev = self._down.get(url)
-        if ev is None:
-            ev = self._down[url] = asyncio.Event()
-        return ev
+        self._down: set[str] = set()  # urls found unreachable (until a check passes again)
+        self._waiting: dict[str, set[asyncio.Task]] = {}  # url -> tasks awaiting a leg on it
+        self._cut: set[asyncio.Task] = set()  # of those, the ones cancelled here (not by their client)
 
     def mark(self, url: str, reachable: bool) -> None:
         """The health checker's verdict on ``url`` changed."""
-        ev = self._event(url)
         if reachable:
-            ev.clear()
-        elif not ev.is_set():
-            ev.set()
-            logger.warning("instance %s unreachable: legs waiting on it move on", url)
+            self._down.discard(url)
+            return
+        if url in self._down:
+            return
+        self._down.add(url)
+        waiting = self._waiting.get(url, set())
+        logger.warning("instance %s unreachable: %d leg(s) waiting on it move on", url, len(waiting))
+        for task in waiting:
+            self._cut.add(task)
+            task.cancel()
 
     async def guard(self, url: str, leg: Awaitable[T]) -> T:
         """``leg``'s result, unless ``url`` is (or becomes) unreachable first: then the leg is
-        cancelled and InstanceUnreachable raised."""
-        down = self._event(url)
-        task = asyncio.ensure_future(leg)
-        if down.is_set():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        cancelled and InstanceUnreachable raised. The leg is awaited in the caller's own task
+        (no task of its own: this runs for every leg)."""
+        if url in self._down:
+            _discard(leg)
             raise InstanceUnreachable(url)
-        watcher = asyncio.ensure_future(down.wait())
+        me = asyncio.current_task()
+        assert me is not None
+        waiting = self._waiting.setdefault(url, set())
+        waiting.add(me)
         try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            return await leg
+        except asyncio.CancelledError:
+            if me not in self._cut:
+                raise  # the caller itself was cancelled (client gone)
+            self._cut.discard(me)
+            if me.uncancel() > 0:
+                raise  # cancelled by its caller as well
+            raise InstanceUnreachable(url) from None
         finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()  # cut off, or this request itself was cancelled
-                await asyncio.gather(task, return_exceptions=True)
-        if task.cancelled():
-            raise InstanceUnreachable(url)
-        return task.result()
+            waiting.discard(me)
+            self._cut.discard(me)
+
+
+def _discard(leg: Awaitable[object]) -> None:
+    """A leg that will not run: close a coroutine (no "never awaited" warning), cancel a future."""
+    if asyncio.iscoroutine(leg):
+        leg.close()
+    elif isinstance(leg, asyncio.Future):
+        leg.cancel()
