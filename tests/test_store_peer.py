@@ -129,13 +129,13 @@ SLOT_NBYTES = LAYERS * 2 * BS * 8 * 2
 class Node:
     """One scheduler + one worker (rank 0) serving its pool, stepping like vLLM."""
 
-    def __init__(self, name: str, master: str, seed: int, **cfg) -> None:
+    def __init__(self, name: str, master: str, seed: int, host: str = "127.0.0.1", **cfg) -> None:
         g = torch.Generator().manual_seed(seed)
         self.kv = [torch.randn(NBLOCKS, 2, BS, 8, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
         config = StoreConfig(cpu_bytes=cfg.pop("slots", 16) * SLOT_NBYTES, master=master, master_timeout_s=2.0,
                              node_id=name, fetch_timeout_s=1.0, **cfg)
         self.worker = StoreWorker(config, SALT, self.kv)
-        endpoint = self.worker.serve_peers("127.0.0.1", "127.0.0.1")
+        endpoint = self.worker.serve_peers(host, host)
         self.sched = StoreScheduler(config, SALT, SLOT_NBYTES, endpoint=endpoint)
 
     def step(self) -> None:

@@ -97,6 +97,8 @@ class VllmServerSpec:
     gpus: str | None = None
     # start with `vllm serve MODEL` (the console script beside this Python) instead of the module
     serve_cli: bool = False
+    # run inside this network namespace (``ip netns exec``; needs root): one host of several on one machine
+    netns: str | None = None
 
     @property
     def url(self) -> str:
@@ -104,7 +106,10 @@ class VllmServerSpec:
 
     def command(self) -> list[str]:
         pin = ["taskset", "-c", self.cpu_cores] if self.pin_processes and self.cpu_cores else []
+        # `ip netns exec` execs the command itself, so the pid and process group stay the server's
+        netns = ["ip", "netns", "exec", self.netns] if self.netns else []
         cmd = [
+            *netns,
             *pin,
             *(_vllm_serve(self.model) if self.serve_cli else
               [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]),

@@ -58,6 +58,9 @@ class PDConnectorConfig:
     transfer_timeout_s: float = 30.0
     # decode: how long to wait for pushed KV that has not fully arrived yet
     push_wait_s: float = 10.0
+    # decode: after pushed KV stalled, how long prefill has to answer a probe before decode takes it
+    # for gone (a partition, a paused host) and recomputes instead of fetching from it till the timeout
+    peer_probe_s: float = 2.0
     # decode: memory for KV pushed before decode has admitted the request
     staging_bytes: int = 1 << 30
     # device KV (GPU) over a host transport (tcp, shm): pinned host memory its blocks pass through
@@ -81,7 +84,7 @@ class PDConnectorConfig:
         for key, value in extra.items():
             values[key] = _coerce(key, known[key].type, value)
         cfg = cls(**values)
-        for key in ("lease_s", "transfer_timeout_s", "push_wait_s"):
+        for key in ("lease_s", "transfer_timeout_s", "push_wait_s", "peer_probe_s"):
             if getattr(cfg, key) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{key}: must be > 0, got {getattr(cfg, key)!r}")
         return cfg

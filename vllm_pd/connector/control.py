@@ -28,7 +28,15 @@ class PrefillDoneMessage(msgspec.Struct, tag="prefill_done", frozen=True):
         return msgspec.msgpack.encode(self)
 
 
-ControlMessage = ReleaseMessage | PrefillDoneMessage
+class PingMessage(msgspec.Struct, tag="ping", frozen=True):
+    """Decode -> prefill, when pushed KV stalled: is prefill still there (answered by its
+    transport threads, so a busy engine answers too)."""
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+
+ControlMessage = ReleaseMessage | PrefillDoneMessage | PingMessage
 
 _decoder = msgspec.msgpack.Decoder(ControlMessage)
 

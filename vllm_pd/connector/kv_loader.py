@@ -81,7 +81,8 @@ class KVLoader:
         self.awaited_transfers = meta.awaited_transfers
         self._step_jobs = [
             LoadJob(spec, self.transport, self.regions, self.staging, self.access, self.rank,
-                    self.config.transfer_timeout_s, self.config.push_wait_s, tp_size=self.tp_size)
+                    self.config.transfer_timeout_s, self.config.push_wait_s, tp_size=self.tp_size,
+                    probe_s=self.config.peer_probe_s)
             for spec in meta.loads
         ]
         for rel in meta.remote_releases:

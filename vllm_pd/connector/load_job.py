@@ -17,7 +17,7 @@ import time
 from concurrent.futures import Future
 
 
-from vllm_pd.connector.control import ReleaseMessage
+from vllm_pd.connector.control import PingMessage, ReleaseMessage
 from vllm_pd.connector.kv_access import KVAccess
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
 from vllm_pd.connector.step_specs import LoadSpec
@@ -41,6 +41,7 @@ class LoadJob:
         timeout_s: float,
         push_wait_s: float,
         tp_size: int = 1,
+        probe_s: float = 2.0,
     ) -> None:
         self.spec = spec
         self.remote: RemotePrefill | None = spec.remote
@@ -52,6 +53,7 @@ class LoadJob:
         self._tp_size = tp_size
         self._timeout_s = timeout_s
         self._push_wait_s = push_wait_s
+        self._probe_s = probe_s
         self.layer_done = [threading.Event() for _ in regions]
         # set before layer_done: the device copy that placed the layer in our blocks
         self.layer_events: list[DeviceEvent] = [COMPLETED] * len(regions)
@@ -118,6 +120,8 @@ class LoadJob:
             if missing:
                 logger.info("request %s: %d layer(s) incomplete after push; fetching them from prefill",
                             spec.request_id, len(missing))
+                if not self._peer_answers(remote):
+                    return
         else:
             missing = {layer: list(range(len(spec.positions))) for layer in range(len(self._regions))}
         futures: list[tuple[int, list[int], Future[None]]] = []
@@ -144,6 +148,20 @@ class LoadJob:
             self.bytes_landed += len(idxs) * self._regions[layer].block_nbytes
             self._layer_landed(layer, True, self._access.land_read(
                 spec.request_id, layer, [spec.local_block_ids[i] for i in idxs], self.blocks_ready))
+
+    def _peer_answers(self, remote: RemotePrefill) -> bool:
+        """Whether prefill answers a probe within probe_s (else the error is set). Pushes that
+        stall may mean prefill is cut off: fetching from it would hold this load - and a
+        layer-wise load's forward - until the transfer's deadline, for bytes that won't come."""
+        peer = self._peer(remote)
+        try:
+            self._transport.notify(peer, PingMessage().encode(), timeout=self._probe_s).result(
+                timeout=self._probe_s + 1.0)
+            return True
+        except Exception as e:  # noqa: BLE001 - no answer, whatever the reason: recompute
+            self.error = (f"prefill {peer} did not answer within {self._probe_s:.1f}s after its pushes "
+                          f"stalled ({type(e).__name__}: {e})")
+            return False
 
     def _await_announcement(self, deadline: float) -> RemotePrefill | None:
         """The decode leg came first: wait for prefill to say what it pushed (None: error set)."""

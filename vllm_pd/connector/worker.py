@@ -17,7 +17,7 @@ import torch
 
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.control import ReleaseMessage, decode_control
+from vllm_pd.connector.control import PingMessage, ReleaseMessage, decode_control
 from vllm_pd.connector.release import send_release
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
@@ -133,6 +133,8 @@ class PDConnectorWorker:
             return b"unknown"
         if isinstance(msg, ReleaseMessage):
             self.sender.release(msg.transfer_id)
+        elif isinstance(msg, PingMessage):
+            pass  # the answer itself is what was asked for
         elif self.is_consumer:
             self.loader.announce(msg.transfer_id, msg.params)
         return b"ok"

@@ -26,6 +26,7 @@ from vllm_pd.router.http_server import Handler, HttpServer
 from vllm_pd.router.instance_pool import InstancePool
 from vllm_pd.router.k8s_discovery import KubernetesDiscovery
 from vllm_pd.router.metrics import ProxyMetrics
+from vllm_pd.router.partition_watch import PartitionWatch
 from vllm_pd.router.pd_flow import PDFlow, ReleaseFn, default_release_remote_kv
 from vllm_pd.router.policies import make_policy
 from vllm_pd.router.request_body import CHAT, COMPLETIONS, TokenCounter, estimate_tokens, parse_body
@@ -72,14 +73,15 @@ class ProxyServer:
     async def start(self) -> None:
         self.client = BackendClient(self.config.connect_timeout,
                                     tls_context(self.config.backend_ca_file, self.config.backend_tls_verify))
+        watch = PartitionWatch()  # the health checks find lost instances; the flow's legs on them move on
         self.tracer = make_tracer(self.config.otlp_endpoint)
         self.request_log = RequestLog(self.config.request_log) if self.config.request_log else None
         self.flow = PDFlow(self.config, self.pool, self.client, self.metrics,
                            make_policy(self.config.prefill_policy), make_policy(self.config.decode_policy),
-                           self._release_kv, self.tracer, self.request_log)
+                           self._release_kv, self.tracer, self.request_log, watch)
         key = self.config.backend_api_key
         self.health = HealthChecker(self.pool, self.client, self.config.health_interval, self.config.health_timeout,
-                                    headers=(("Authorization", bearer(key)),) if key else ())
+                                    headers=(("Authorization", bearer(key)),) if key else (), watch=watch)
         if self._run_health_checks:
             self.health.start()
         if self.config.supervisor:

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "require_disagg",
                  "short_prompt_tokens", "prefill_timeout", "decode_timeout", "decode_idle_timeout",
                  "connect_timeout", "max_body_bytes", "prefill_attempts", "decode_attempts", "health_interval",
-                 "breaker_failures", "breaker_cooldown", "admin_token", "supervisor", "supervisor_ttft_slo",
+                 "health_timeout", "breaker_failures", "breaker_cooldown",
+                 "admin_token", "supervisor", "supervisor_ttft_slo",
                  "supervisor_tpot_slo", "tokenizer", "otlp_endpoint", "request_log", "drain_grace",
                  "api_key", "backend_api_key", "backend_networks",
                  "backend_ca_file", "backend_tls_verify", "max_header_bytes", "max_headers", "max_url_bytes",
@@ -58,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-attempts", type=int, help="prefill instances tried per request (default 3)")
     p.add_argument("--decode-attempts", type=int, help="decode instances tried per request (default 3)")
     p.add_argument("--health-interval", type=float, help="seconds between health checks (default 5)")
+    p.add_argument("--health-timeout", type=float, help="seconds a health check may take (default 2); two failed "
+                   "checks in a row mark an instance unreachable and the legs waiting on it move on")
     p.add_argument("--breaker-failures", type=int, help="consecutive failures that open a breaker (default 5)")
     p.add_argument("--breaker-cooldown", type=float, help="seconds a breaker stays open (default 10)")
     p.add_argument("--admin-token", default=os.environ.get("VLLM_PD_ADMIN_TOKEN"),

@@ -11,6 +11,7 @@ import msgspec
 from vllm_pd.router.backend_response import BackendError
 from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.instance_pool import Instance, InstancePool
+from vllm_pd.router.partition_watch import PartitionWatch
 from vllm_pd.router.periodic_task import PeriodicTask
 
 logger = logging.getLogger(__name__)
@@ -18,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 class HealthChecker(PeriodicTask):
     def __init__(self, pool: InstancePool, client: BackendClient, interval: float, timeout: float,
-                 failures_to_down: int = 2, headers: tuple[tuple[str, str], ...] = ()) -> None:
+                 failures_to_down: int = 2, headers: tuple[tuple[str, str], ...] = (),
+                 watch: PartitionWatch | None = None) -> None:
         self._pool = pool
         self._headers = headers  # the proxy's own key for the instances, when it has one
         self._client = client
@@ -26,6 +28,7 @@ class HealthChecker(PeriodicTask):
         self._timeout = timeout
         self._failures_to_down = failures_to_down
         self._failures: dict[str, int] = {}
+        self._watch = watch  # told of every verdict, so legs waiting on a lost instance move on
 
     async def tick(self) -> None:
         await self.check_all()
@@ -52,12 +55,16 @@ class HealthChecker(PeriodicTask):
                 logger.info("instance %s is healthy again", inst.url)
             self._failures[inst.url] = 0
             inst.healthy = True
+            if self._watch is not None:
+                self._watch.mark(inst.url, reachable=True)
         else:
             n = self._failures.get(inst.url, 0) + 1
             self._failures[inst.url] = n
             if n >= self._failures_to_down and inst.healthy:
                 logger.warning("instance %s failed %d health checks; no new requests go there", inst.url, n)
                 inst.healthy = False
+            if n >= self._failures_to_down and self._watch is not None:
+                self._watch.mark(inst.url, reachable=False)
         return ok
 
     async def _get(self, url: str, path: str) -> tuple[int, bytes]:

@@ -37,6 +37,8 @@ class MockBackend:
     itl: float = 0.0
     cached_tokens: int | None = None  # reported in usage.prompt_tokens_details when set
     kv_params: bool = True  # answer do_remote_decode with kv_transfer_params
+    # a partitioned host: health checks get no answer (with fail_next("hang"), nor does a leg)
+    unreachable: bool = False
     seen: list[SeenRequest] = field(default_factory=list)
     # failure injection: each entry is consumed by one request
     failures: list[str] = field(default_factory=list)
@@ -51,6 +53,8 @@ class MockBackend:
                 "/v1/models": {"GET": self._models}, "/health": {"GET": self._health}}
 
     async def _health(self, request: HttpRequest) -> HttpResponse:
+        while self.unreachable:
+            await asyncio.sleep(0.05)
         return HttpResponse(b"", content_type="text/plain")
 
     async def _models(self, request: HttpRequest) -> HttpResponse:
@@ -145,6 +149,7 @@ def main() -> None:
     """Run mock backends as a standalone process (for benchmarks against other routers)."""
     p = argparse.ArgumentParser(description="mock vLLM OpenAI server")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--name", default="mock")
     p.add_argument("--ttft", type=float, default=0.0)
     p.add_argument("--itl", type=float, default=0.0)
@@ -157,7 +162,7 @@ def main() -> None:
 
     async def run() -> None:
         b = MockBackend(name=a.name, ttft=a.ttft, itl=a.itl, record=False)
-        await start_backend(b, port=a.port)
+        await start_backend(b, host=a.host, port=a.port)
         while True:
             await asyncio.sleep(3600)
 

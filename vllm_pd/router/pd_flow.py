@@ -43,6 +43,7 @@ from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
 from vllm_pd.router.metrics import ProxyMetrics
+from vllm_pd.router.partition_watch import InstanceUnreachable, PartitionWatch
 from vllm_pd.router.policies import Policy
 from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_body, prefill_body
 from vllm_pd.router.request_log import RequestLog
@@ -92,7 +93,8 @@ class PDFlow:
     def __init__(self, config: ProxyConfig, pool: InstancePool, client: BackendClient,
                  metrics: ProxyMetrics, prefill_policy: Policy, decode_policy: Policy,
                  release_kv: ReleaseFn = default_release_remote_kv, tracer: Tracer | None = None,
-                 request_log: RequestLog | None = None) -> None:
+                 request_log: RequestLog | None = None,
+                 watch: PartitionWatch | None = None) -> None:
         self.config = config
         self.pool = pool
         self.client = client
@@ -100,6 +102,7 @@ class PDFlow:
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.release_kv = release_kv
+        self.watch = watch or PartitionWatch()  # legs on an instance found unreachable move on
         self.relay = DecodeRelay(metrics, pool, config.prefill_timeout)
         # the proxy's own key for the instances replaces whatever the client authenticated with
         self._backend_auth = bearer(config.backend_api_key) if config.backend_api_key else None
@@ -293,28 +296,22 @@ class PDFlow:
         failed: str | None = "cancelled"
         t0 = time.monotonic()
         try:
-            r = await self.client.request("POST", prefill.url, req.path, encode_body(body),
-                                          span.headers(headers).items(),
-                                          timeout=self.config.prefill_timeout,
-                                          connect_timeout=self.config.connect_timeout)
-            try:
-                raw = await r.read()
-            finally:
-                r.close()
-            if r.status >= 500 or r.status in (408, 429):
-                raise _LegError(f"HTTP {r.status}: {raw[:200]!r}", "status")
-            if r.status >= 400:
+            status, raw = await self.watch.guard(prefill.url, self._post_prefill(prefill, req, body,
+                                                                                    span.headers(headers)))
+            if status >= 500 or status in (408, 429):
+                raise _LegError(f"HTTP {status}: {raw[:200]!r}", "status")
+            if status >= 400:
                 # the client's own mistake: decode would say the same, so say it now
                 prefill.breaker.record_success()
-                raise _passthrough_error(r.status, raw)
+                raise _passthrough_error(status, raw)
             answer = BackendAnswer(raw)
             failed = None
         except ProxyError:
             failed = "client_error"
             raise
-        except (BackendError, TimeoutError, _LegError, ValueError) as e:
-            kind = failed = e.kind if isinstance(e, _LegError) else ("timeout" if isinstance(e, TimeoutError)
-                                                                    else "connect")
+        except (BackendError, TimeoutError, _LegError, ValueError, InstanceUnreachable) as e:
+            kind = failed = (e.kind if isinstance(e, _LegError) else "timeout" if isinstance(e, TimeoutError)
+                             else "unreachable" if isinstance(e, InstanceUnreachable) else "connect")
             self.metrics.leg_errors.labels("prefill", kind).inc()
             prefill.breaker.record_failure()
             logger.warning("prefill on %s failed: %r", prefill.url, e)
@@ -344,6 +341,16 @@ class PDFlow:
             state.prefill_cached_tokens = answer.cached_tokens
         return True
 
+    async def _post_prefill(self, prefill: Instance, req: ParsedRequest, body: dict[str, Any],
+                            headers: dict[str, str]) -> tuple[int, bytes]:
+        r = await self.client.request("POST", prefill.url, req.path, encode_body(body), headers.items(),
+                                      timeout=self.config.prefill_timeout,
+                                      connect_timeout=self.config.connect_timeout)
+        try:
+            return r.status, await r.read()
+        finally:
+            r.close()
+
     # ----------------------------------------------------------------- decode
     async def _decode(self, req: ParsedRequest, decode: Instance, headers: dict[str, str], state: FlowState,
                       http_request: HttpRequest, kv_params: dict | None) -> HttpResponse | StreamResponse:
@@ -358,10 +365,13 @@ class PDFlow:
         try:
             # from here decode owns the KV: closing this request aborts it and decode releases prefill's KV
             state.kv_pending = False
-            resp = await self.client.request("POST", decode.url, req.path, body, span.headers(headers).items(),
-                                             head_timeout=self.config.decode_timeout,
-                                             read_timeout=self.config.decode_idle_timeout,
-                                             connect_timeout=self.config.connect_timeout)
+            resp = await self.watch.guard(decode.url, self.client.request(
+                "POST", decode.url, req.path, body, span.headers(headers).items(),
+                head_timeout=self.config.decode_timeout, read_timeout=self.config.decode_idle_timeout,
+                connect_timeout=self.config.connect_timeout))
+        except InstanceUnreachable as e:
+            lease.release()
+            raise DecodeFailed(f"unreachable: {e}", sent=True, kind="unreachable") from None
         except BackendConnectError as e:
             state.kv_pending = state.kv_params is not None
             lease.release()

@@ -27,13 +27,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def spawn_master(port: int, host: str = "127.0.0.1", timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+def spawn_master(port: int, host: str = "127.0.0.1", timeout_s: float = 60.0,
+                 netns: str | None = None) -> tuple[subprocess.Popen, str]:
     """Start ``vllm-pd store-master`` as a child process and wait until it answers
-    (tests, benchmarks); returns (process, address). The caller kills it."""
+    (tests, benchmarks); returns (process, address). The caller kills it.
+    ``netns``: run it inside that network namespace (``ip netns exec``, which execs it: same pid)."""
     from vllm_pd.connector.store.master_client import MasterClient
 
     address = f"tcp://{host}:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_pd.cli", "store-master", "--host", host,
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "vllm_pd.cli", "store-master", "--host", host,
                              "--port", str(port)])
     probe = MasterClient(address, "probe", "", lambda: [], timeout_s=1.0, retry_after_s=0.0)
     deadline = time.monotonic() + timeout_s
