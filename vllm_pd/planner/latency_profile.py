@@ -30,6 +30,9 @@ class Poly(msgspec.Struct, frozen=True):
     b: float = 0.0
     c: float = 0.0
 
+    def at(self, x: float, y: float = 0.0) -> float:
+        return self.a + self.b * x + self.c * y
+
 
 class InstanceProfile(msgspec.Struct, frozen=True):
     tp: int
@@ -43,10 +46,10 @@ class InstanceProfile(msgspec.Struct, frozen=True):
     kv_samples: list[tuple[int, float]] = []  # (prompt tokens, ms)
 
     def prefill_ms(self, tokens: int) -> float:
-        return self.prefill.a + self.prefill.b * tokens + self.prefill.c * tokens * tokens
+        return self.prefill.at(tokens, tokens * tokens)
 
     def decode_ms(self, batch: int, context: int) -> float:
-        return self.decode.a + self.decode.b * batch + self.decode.c * context
+        return self.decode.at(batch, context)
 
     def mixed_ms(self, prefill_tokens: int, batch: int, context: int) -> float:
         """A colocated step: a prefill chunk and a decode batch in one forward pass (one fixed cost)."""
@@ -57,7 +60,7 @@ class InstanceProfile(msgspec.Struct, frozen=True):
         return self.prefill_ms(prefill_tokens) + self.decode.b * batch + self.decode.c * context
 
     def kv_ms(self, tokens: int) -> float:
-        return self.kv.a + self.kv.b * tokens
+        return self.kv.at(tokens)
 
 
 class LatencyProfile(msgspec.Struct, frozen=True):
