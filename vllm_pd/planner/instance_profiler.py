@@ -51,7 +51,9 @@ class _Stream:
     stamps: list[float]  # arrival time of each token event
 
 
-class _Prompts:
+class UniquePrompts:
+    """Random token-id prompts: unique, so a prefix cache never hits."""
+
     def __init__(self, max_token_id: int, seed: int = 0) -> None:
         self._rng = random.Random(seed)
         self._max = max_token_id
@@ -92,7 +94,7 @@ class InstanceProfiler:
         self.url = url.rstrip("/")
         self.pd_url = pd_url.rstrip("/") if pd_url else None
         self.plan = plan
-        self._prompts = _Prompts(plan.max_token_id)
+        self._prompts = UniquePrompts(plan.max_token_id)
 
     async def run(self, tp: int) -> tuple[str, InstanceProfile]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
