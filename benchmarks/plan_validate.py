@@ -1,7 +1,6 @@
 """`vllm-pd plan`'s simulator against real vLLM CPU servers: TTFT/TPOT p50/p90, simulated vs measured.
 
-    PYTHONPATH=. flock /tmp/e2e.lock python3 benchmarks/plan_validate.py --config 1p1d   # profiles, replays
-    PYTHONPATH=. flock /tmp/e2e.lock python3 benchmarks/plan_validate.py --config colocated2
+    PYTHONPATH=. flock /tmp/e2e.lock python3 benchmarks/plan_validate.py --config 1p1d colocated2
     PYTHONPATH=. python3 benchmarks/plan_validate.py --report
 
 Both configurations use this machine's 2 cores, one per vLLM instance (whole process trees pinned),
@@ -58,9 +57,9 @@ async def replay(url: str, model: str, trace: list[TraceRequest]) -> list[dict[s
         return list(await asyncio.gather(*(one(session, r, t_start) for r in trace)))
 
 
-def run_config(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
+def run_config(args: argparse.Namespace, config: str, trace: list[TraceRequest]) -> dict:
     model = str(ensure_default_model())
-    both = args.config == "1p1d"
+    both = config == "1p1d"
     cluster = LocalCluster(model=model, n_prefill=1 if both else 0, n_decode=1 if both else 2, transport="shm",
                            connector="PDConnector" if both else None, log_dir=args.log_dir)
     procs: list[subprocess.Popen] = []
@@ -72,7 +71,7 @@ def run_config(args: argparse.Namespace, trace: list[TraceRequest]) -> dict:
         flags = [f for i in inst for f in (f"--{i.role}", i.url + (f"@{i.kv_endpoint}" if i.kv_endpoint else ""))]
         proxy, url = proxy_process(flags)
         procs.append(proxy)
-        print(f"{args.config}: up in {time.monotonic() - t0:.0f} s; proxy {url}", flush=True)
+        print(f"{config}: up in {time.monotonic() - t0:.0f} s; proxy {url}", flush=True)
         if both:
             decode_url = next(i.url for i in inst if i.role == "decode")
             name, prof = asyncio.run(InstanceProfiler(decode_url, ProfilePlan(), pd_url=url).run(1))
@@ -110,7 +109,8 @@ def report(results: dict, profile: LatencyProfile, trace: list[TraceRequest]) ->
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", choices=sorted(DEPLOYMENTS))
+    ap.add_argument("--config", nargs="+", choices=sorted(DEPLOYMENTS), default=[],
+                    help="run these, one after the other (1p1d first: it writes the profile)")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--trace", type=Path, default=HERE / "plan_trace.jsonl")
     ap.add_argument("--profile", type=Path, default=HERE / "plan_profile.json")
@@ -121,9 +121,9 @@ def main() -> int:
         write_trace(parse_distributions(TRACE_SPEC).sample(40, seed=16), args.trace)
     trace = load_trace(args.trace)
     results = json.loads(args.results.read_text()) if args.results.exists() else {}
-    if args.config:
-        args.log_dir.mkdir(parents=True, exist_ok=True)
-        results[args.config] = run_config(args, trace)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    for config in args.config:
+        results[config] = run_config(args, config, trace)
         args.results.write_text(json.dumps(results, indent=1) + "\n")
     if args.report:
         report(results, load_profile(args.profile), trace)

@@ -105,9 +105,9 @@ class InstanceProfiler:
             decode = await self._decode(session, model)
             kv = await self._kv(session, model, fit_poly([(t, t * t, ms) for t, ms in prefill]),
                                 fit_poly([(n, k, ms) for n, k, ms in decode])) if self.pd_url else []
-        inst = fit_instance(tp, prefill, decode, kv or [(0, self.plan.kv_fixed_ms),
-                                                        (1000, self.plan.kv_fixed_ms + 1000 * self.plan.kv_ms_per_token)],
-                            self.plan.max_num_batched_tokens, self.plan.max_num_seqs)
+        # no PD pair measured: two points of the fixed model stand in for samples
+        kv = kv or [(0, self.plan.kv_fixed_ms), (1000, self.plan.kv_fixed_ms + 1000 * self.plan.kv_ms_per_token)]
+        inst = fit_instance(tp, prefill, decode, kv, self.plan.max_num_batched_tokens, self.plan.max_num_seqs)
         return model, inst
 
     async def _batch(self, session: aiohttp.ClientSession, url: str, model: str, lengths: list[int],

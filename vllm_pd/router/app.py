@@ -24,7 +24,7 @@ from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.pd_flow import PDFlow, ReleaseFn, default_release_remote_kv
 from vllm_pd.router.policies import make_policy
 from vllm_pd.router.request_body import CHAT, COMPLETIONS, TokenCounter, estimate_tokens, parse_body
-from vllm_pd.router.supervisor import Supervisor
+from vllm_pd.router.supervisor import Supervisor, supervisor_profile
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ class ProxyServer:
             self.health.start()
         if self.config.supervisor:
             self.supervisor = Supervisor(self.pool, self.config.supervisor_interval,
-                                         self.config.supervisor_ttft_slo, self.config.supervisor_tpot_slo)
+                                         self.config.supervisor_ttft_slo, self.config.supervisor_tpot_slo,
+                                         supervisor_profile(self.config.supervisor_profile))
             self.supervisor.start()
 
     async def stop(self) -> None:

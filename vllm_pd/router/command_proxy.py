@@ -21,7 +21,7 @@ _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "
                  "short_prompt_tokens", "prefill_timeout", "decode_timeout", "decode_idle_timeout",
                  "connect_timeout", "max_body_bytes", "prefill_attempts", "decode_attempts", "health_interval",
                  "breaker_failures", "breaker_cooldown", "admin_token", "supervisor", "supervisor_ttft_slo",
-                 "supervisor_tpot_slo", "tokenizer")
+                 "supervisor_tpot_slo", "supervisor_profile", "tokenizer")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--supervisor-ttft-slo", type=float, help="TTFT target in seconds the supervisor balances "
                    "against (default 2)")
     p.add_argument("--supervisor-tpot-slo", type=float, help="TPOT target in seconds (default 0.1)")
+    p.add_argument("--supervisor-profile", help="a `vllm-pd profile` file: the supervisor predicts TTFT/TPOT "
+                   "from the queues with the planner's cost model and moves an instance only where it helps")
     p.add_argument("--tokenizer", help="HF model dir whose tokenizer.json counts prompt tokens exactly")
 
 
