@@ -29,7 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pd_e2e import proxy_process
+from pd_e2e import machine_busy, own_cpu, proxy_process
 from vllm_pd.planner.deployment_search import Slo, percentile, summarise
 from vllm_pd.planner.instance_profiler import InstanceProfiler, ProfilePlan, UniquePrompts, stream_completion
 from vllm_pd.planner.latency_profile import LatencyProfile, load_profile, save_profile
@@ -71,23 +71,37 @@ def run_config(args: argparse.Namespace, config: str, trace: list[TraceRequest])
         flags = [f for i in inst for f in (f"--{i.role}", i.url + (f"@{i.kv_endpoint}" if i.kv_endpoint else ""))]
         proxy, url = proxy_process(flags)
         procs.append(proxy)
+        servers = [s.server for s in cluster.servers]
         print(f"{config}: up in {time.monotonic() - t0:.0f} s; proxy {url}", flush=True)
         if both:
             decode_url = next(i.url for i in inst if i.role == "decode")
-            name, prof = asyncio.run(InstanceProfiler(decode_url, ProfilePlan(), pd_url=url).run(1))
+            busy0, ours0, t_p = machine_busy(), own_cpu(servers, procs), time.monotonic()
+            name, prof = asyncio.run(InstanceProfiler(decode_url, ProfilePlan(repeats=3), pd_url=url).run(1))
+            profile_foreign = foreign_cpu(busy0, ours0, t_p, servers, procs)
             save_profile(LatencyProfile(name, [prof], source=f"{decode_url} (pd: {url})"), args.profile)
             print(f"  profile written to {args.profile}", flush=True)
         # warm-up: the proxy's and connector's first connections stay out of the figures
         asyncio.run(replay(url, model, [TraceRequest(0.0, 128, 4), TraceRequest(0.1, 512, 4)]))
-        t1 = time.monotonic()
+        busy0, ours0, t1 = machine_busy(), own_cpu(servers, procs), time.monotonic()
         rows = asyncio.run(replay(url, model, trace))
-        print(f"  replayed {len(rows)} requests in {time.monotonic() - t1:.0f} s", flush=True)
+        foreign = foreign_cpu(busy0, ours0, t1, servers, procs)
+        print(f"  replayed {len(rows)} requests in {time.monotonic() - t1:.0f} s; other processes "
+              f"{foreign:.0f} % of a core", flush=True)
     finally:
         for p in procs:
             p.terminate()
             p.wait(10)
         cluster.stop()
-    return {"requests": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    out = {"requests": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "foreign_cpu_pct": foreign}
+    if both:
+        out["profile_foreign_cpu_pct"] = profile_foreign
+        print(f"  while profiling, other processes used {profile_foreign:.0f} % of a core", flush=True)
+    return out
+
+
+def foreign_cpu(busy0: float, ours0: float, t0: float, servers: list, procs: list[subprocess.Popen]) -> float:
+    """% of a core that processes outside this benchmark used since t0 (the e2e lock stops only lock-takers)."""
+    return (machine_busy() - busy0 - (own_cpu(servers, procs) - ours0)) / (time.monotonic() - t0) * 100
 
 
 
@@ -103,7 +117,8 @@ def report(results: dict, profile: LatencyProfile, trace: list[TraceRequest]) ->
         for metric in ("ttft", "tpot"):
             for q in (50, 90):
                 s, m = getattr(sim, f"{metric}_p{q}") * 1e3, percentile(meas[metric], q / 100) * 1e3
-                print(f"| {d.label} ({results[name]['when']}) | {metric.upper()} p{q} | {s:.1f} | {m:.1f} "
+                print(f"| {d.label} ({results[name]['when']}, other processes "
+                      f"{results[name].get('foreign_cpu_pct', float('nan')):.0f} %) | {metric.upper()} p{q} | {s:.1f} | {m:.1f} "
                       f"| {(s - m) / m * 100:+.0f} % |")
 
 
