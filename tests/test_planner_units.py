@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from vllm_pd.planner.deployment_search import (Slo, distributions_at, enumerate_deployments, goodput, search,
                                                summarise, trace_at)
 from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, ProfileError, fit_instance,
-                                             fit_poly, load_profile, save_profile)
+                                             fit_poly, load_profile, refit, save_profile)
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.workload import (TraceRequest, WorkloadError, load_trace, parse_distributions, write_trace)
 
@@ -155,3 +156,18 @@ def test_search_picks_colocation_when_kv_transfer_is_slow() -> None:
     _, at = distributions_at(parse_distributions("poisson:1,in=100,out=10"), 200, seed=2)
     ranked = search(prof, [Deployment(0, 2), Deployment(1, 1)], at, 1.0, Slo(ttft=1.0, tpot=0.2))
     assert ranked[0].deployment == Deployment(0, 2) and ranked[1].goodput == 0.0
+
+
+def test_fit_ignores_a_sample_far_off_the_rest() -> None:
+    rows = [(t, 0.0, 2 + 0.01 * t) for t in (32, 128, 256, 512, 1024)] + [(1536, 0.0, 60.0)]
+    p = fit_poly(rows)
+    assert p.a == pytest.approx(2, abs=1e-6) and p.b == pytest.approx(0.01, rel=1e-6)
+    # without an outlier every sample counts
+    assert fit_poly(rows[:-1] + [(1536, 0.0, 18.0)]) != p
+
+
+def test_refit_uses_the_stored_samples() -> None:
+    inst = fit_instance(1, [(t, 3 + 0.1 * t) for t in (16, 256, 1024)], [(n, k, 8 + n) for n in (1, 4) for k in (64, 512)],
+                        [(128, 4.0)])
+    stale = msgspec.structs.replace(inst, prefill=Poly(0, 0, 0))
+    assert refit(stale) == inst

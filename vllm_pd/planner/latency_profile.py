@@ -95,6 +95,19 @@ def load_profile(path: str | Path) -> LatencyProfile:
 
 
 def fit_poly(rows: Sequence[tuple[float, float, float]]) -> Poly:
+    """:func:`fit_terms` without the samples far off what the others predict.
+
+    A sample whose leave-one-out residual is over 4 x the median one (and over 1 ms) was hit by
+    something else on the machine; left in, one such sample at a long prompt drags the whole fit.
+    """
+    if len(rows) < 5:
+        return fit_terms(rows)
+    loo = [abs(z - fit_terms([r for j, r in enumerate(rows) if j != i]).at(x, y)) for i, (x, y, z) in enumerate(rows)]
+    limit = max(1.0, 4 * sorted(loo)[len(loo) // 2])
+    return fit_terms([row for row, r in zip(rows, loo) if r <= limit])
+
+
+def fit_terms(rows: Sequence[tuple[float, float, float]]) -> Poly:
     """Least squares ``z = a + b*x + c*y`` over (x, y, z) rows, dropping any term that fits negative.
 
     A negative coefficient is noise (a cost cannot shrink with more work) and would make the
@@ -132,6 +145,12 @@ def _least_squares(rows: Sequence[tuple[float, float, float]], terms: list[int])
                 k = m[r][col] / m[col][col]
                 m[r] = [v - k * w for v, w in zip(m[r], m[col])]
     return {t: m[i][n] / m[i][i] for i, t in enumerate(terms)}
+
+
+def refit(inst: InstanceProfile) -> InstanceProfile:
+    """The same instance fitted again from its stored samples (after a change to the fit)."""
+    return fit_instance(inst.tp, inst.prefill_samples, inst.decode_samples, inst.kv_samples,
+                        inst.max_num_batched_tokens, inst.max_num_seqs)
 
 
 def fit_instance(tp: int, prefill: list[tuple[int, float]], decode: list[tuple[int, int, float]],
