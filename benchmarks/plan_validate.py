@@ -117,9 +117,9 @@ def report(results: dict, profile: LatencyProfile, trace: list[TraceRequest]) ->
         for metric in ("ttft", "tpot"):
             for q in (50, 90):
                 s, m = getattr(sim, f"{metric}_p{q}") * 1e3, percentile(meas[metric], q / 100) * 1e3
-                print(f"| {d.label} ({results[name]['when']}, other processes "
-                      f"{results[name].get('foreign_cpu_pct', float('nan')):.0f} %) | {metric.upper()} p{q} | {s:.1f} | {m:.1f} "
-                      f"| {(s - m) / m * 100:+.0f} % |")
+                foreign = results[name].get("foreign_cpu_pct", float("nan"))
+                print(f"| {d.label} ({results[name]['when']}, other processes {foreign:.0f} %) "
+                      f"| {metric.upper()} p{q} | {s:.1f} | {m:.1f} | {(s - m) / m * 100:+.0f} % |")
 
 
 def main() -> int:

@@ -167,7 +167,7 @@ def test_fit_ignores_a_sample_far_off_the_rest() -> None:
 
 
 def test_refit_uses_the_stored_samples() -> None:
-    inst = fit_instance(1, [(t, 3 + 0.1 * t) for t in (16, 256, 1024)], [(n, k, 8 + n) for n in (1, 4) for k in (64, 512)],
-                        [(128, 4.0)])
+    decode = [(n, k, 8.0 + n) for n in (1, 4) for k in (64, 512)]
+    inst = fit_instance(1, [(t, 3 + 0.1 * t) for t in (16, 256, 1024)], decode, [(128, 4.0)])
     stale = msgspec.structs.replace(inst, prefill=Poly(0, 0, 0))
     assert refit(stale) == inst

@@ -11,8 +11,8 @@ from pathlib import Path
 from vllm_pd.planner.deployment_search import (Candidate, Slo, distributions_at, enumerate_deployments, search,
                                                trace_at)
 from vllm_pd.planner.deployment_yaml import proxy_yaml, up_command
-from vllm_pd.planner.latency_profile import ProfileError, load_profile
-from vllm_pd.planner.workload import WorkloadError, load_trace, parse_distributions
+from vllm_pd.planner.latency_profile import load_profile
+from vllm_pd.planner.workload import load_trace, parse_distributions
 
 
 def parse_slo(text: str, attainment: float) -> Slo:
