@@ -133,11 +133,15 @@ def own_cpu(servers: list[Any], procs: list[subprocess.Popen]) -> float:
 
 
 def start_proxy(prefill: str, decode: str, kv_mode: str) -> tuple[subprocess.Popen, str]:
+    return proxy_process(["--prefill", prefill, "--decode", decode, "--kv-mode", kv_mode])
+
+
+def proxy_process(flags: list[str]) -> tuple[subprocess.Popen, str]:
+    """The vllm-pd proxy in a process of its own with these instance flags, once healthy."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen([sys.executable, "-m", "vllm_pd.router.command_proxy", "--port", str(port),
-                          "--prefill", prefill, "--decode", decode, "--kv-mode", kv_mode,
-                          "--log-level", "WARNING"], env=env)
+                          *flags, "--log-level", "WARNING"], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "store-master": ("vllm_pd.connector.store.master_command", "run the KV store's cluster-wide index"),
     "proxy": ("vllm_pd.router.command_proxy", "run the prefill/decode proxy in front of vLLM instances"),
     "up": ("vllm_pd.router.command_up", "start prefill and decode vLLM servers plus the proxy on this machine"),
+    "profile": ("vllm_pd.planner.profile_command", "measure a running vLLM instance's latencies into a profile file"),
+    "plan": ("vllm_pd.planner.plan_command", "simulate colocated and PD deployments and pick the best under SLOs"),
 }
 
 

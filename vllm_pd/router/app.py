@@ -31,7 +31,7 @@ from vllm_pd.router.pd_flow import PDFlow, ReleaseFn, default_release_remote_kv
 from vllm_pd.router.policies import make_policy
 from vllm_pd.router.request_body import CHAT, COMPLETIONS, TokenCounter, estimate_tokens, parse_body
 from vllm_pd.router.request_log import RequestLog
-from vllm_pd.router.supervisor import Supervisor
+from vllm_pd.router.supervisor import Supervisor, supervisor_profile
 from vllm_pd.router.tracing import Tracer, make_tracer
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,8 @@ class ProxyServer:
             self.health.start()
         if self.config.supervisor:
             self.supervisor = Supervisor(self.pool, self.config.supervisor_interval,
-                                         self.config.supervisor_ttft_slo, self.config.supervisor_tpot_slo)
+                                         self.config.supervisor_ttft_slo, self.config.supervisor_tpot_slo,
+                                         supervisor_profile(self.config.supervisor_profile))
             self.supervisor.start()
         if self.config.kubernetes is not None:
             self.discovery = KubernetesDiscovery(self.pool, self.config.kubernetes,

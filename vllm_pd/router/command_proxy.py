@@ -22,10 +22,9 @@ logger = logging.getLogger(__name__)
 _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "require_disagg",
                  "short_prompt_tokens", "prefill_timeout", "decode_timeout", "decode_idle_timeout",
                  "connect_timeout", "max_body_bytes", "prefill_attempts", "decode_attempts", "health_interval",
-                 "health_timeout", "breaker_failures", "breaker_cooldown",
-                 "admin_token", "supervisor", "supervisor_ttft_slo",
-                 "supervisor_tpot_slo", "tokenizer", "otlp_endpoint", "request_log", "drain_grace",
-                 "api_key", "backend_api_key", "backend_networks",
+                 "health_timeout", "breaker_failures", "breaker_cooldown", "admin_token", "supervisor",
+                 "supervisor_ttft_slo", "supervisor_tpot_slo", "supervisor_profile", "tokenizer", "otlp_endpoint",
+                 "request_log", "drain_grace", "api_key", "backend_api_key", "backend_networks",
                  "backend_ca_file", "backend_tls_verify", "max_header_bytes", "max_headers", "max_url_bytes",
                  "header_timeout", "body_timeout", "max_concurrent_requests", "max_queued_requests")
 
@@ -70,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--supervisor-ttft-slo", type=float, help="TTFT target in seconds the supervisor balances "
                    "against (default 2)")
     p.add_argument("--supervisor-tpot-slo", type=float, help="TPOT target in seconds (default 0.1)")
+    p.add_argument("--supervisor-profile", help="a `vllm-pd profile` file: the supervisor predicts TTFT/TPOT "
+                   "from the queues with the planner's cost model and moves an instance only where it helps")
     p.add_argument("--tokenizer", help="HF model dir whose tokenizer.json counts prompt tokens exactly")
     k8s = p.add_argument_group("Kubernetes service discovery (the YAML file's 'kubernetes' mapping)")
     k8s.add_argument("--service-discovery", choices=("static", "k8s"),

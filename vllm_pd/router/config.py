@@ -114,6 +114,7 @@ class ProxyConfig:
     supervisor_interval: float = 2.0
     supervisor_ttft_slo: float = 2.0  # seconds; the supervisor balances TTFT/slo against TPOT/slo
     supervisor_tpot_slo: float = 0.1  # seconds per output token
+    supervisor_profile: str | None = None  # a `vllm-pd profile` file: the supervisor also predicts with it
     tokenizer: str | None = None  # HF tokenizer dir for exact prompt lengths (else ~4 bytes/token)
     model_names: list[str] = field(default_factory=list)  # extra accepted model names
     kubernetes: K8sDiscoveryConfig | None = None  # instances also come from Kubernetes pods
@@ -210,7 +211,7 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "health_interval": (int, float), "health_timeout": (int, float), "breaker_failures": int,
     "breaker_cooldown": (int, float), "admin_token": str, "supervisor": bool,
     "supervisor_interval": (int, float), "supervisor_ttft_slo": (int, float),
-    "supervisor_tpot_slo": (int, float), "tokenizer": str, "model_names": list,
+    "supervisor_tpot_slo": (int, float), "supervisor_profile": str, "tokenizer": str, "model_names": list,
     "otlp_endpoint": str, "request_log": str, "drain_grace": (int, float),
     "api_key": str, "backend_api_key": str, "backend_networks": list, "backend_ca_file": str,
     "backend_tls_verify": bool, "max_header_bytes": int, "max_headers": int, "max_url_bytes": int,

@@ -10,12 +10,21 @@ pull instances to prefill, long outputs pull them to decode. One move per
 interval and a 20 % dead band keep it from flapping; a move affects new
 requests only, in-flight legs finish where they are. Dedicated prefill/decode
 instances keep their role, and at least one decoder always remains.
+
+Given the planner's latency profile (``supervisor_profile``), it also predicts both sides from the
+current queues with the planner's cost model (vllm_pd.planner.role_pressure), acting on a backlog
+before completions report it, and moves an instance only if the model predicts that the side it
+leaves can spare it.
 """
 
 from __future__ import annotations
 
 import logging
 
+from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, load_profile
+from vllm_pd.planner.role_pressure import SplitLoad, move_helps
+from vllm_pd.planner.role_pressure import pressures as predicted_pressures
+from vllm_pd.router.config import ConfigError
 from vllm_pd.router.instance_pool import Instance, InstancePool
 from vllm_pd.router.periodic_task import PeriodicTask
 
@@ -24,12 +33,24 @@ logger = logging.getLogger(__name__)
 DEAD_BAND = 1.2
 
 
+def supervisor_profile(path: str | None) -> InstanceProfile | None:
+    """The instance profile the supervisor predicts with (the file's smallest TP: how ``both`` servers run)."""
+    if path is None:
+        return None
+    try:
+        profile = load_profile(path)
+        return profile.for_tp(profile.tps()[0])
+    except ProfileError as e:
+        raise ConfigError(f"supervisor_profile: {e}") from None
+
+
 class Supervisor(PeriodicTask):
     run_first = False
 
     def __init__(self, pool: InstancePool, interval: float = 2.0, ttft_slo: float = 2.0,
-                 tpot_slo: float = 0.1) -> None:
+                 tpot_slo: float = 0.1, profile: InstanceProfile | None = None) -> None:
         self._pool = pool
+        self.profile = profile
         self.interval = interval
         self.ttft_slo = ttft_slo
         self.tpot_slo = tpot_slo
@@ -51,7 +72,22 @@ class Supervisor(PeriodicTask):
         # a deep prefill queue predicts TTFT before completions report it
         per_prefill = [i.ttft.value for i in prefillers if i.ttft.value is not None]
         queue_ttft = queued / max(1, len(prefillers)) * (sum(per_prefill) / len(per_prefill) if per_prefill else 0)
-        return max(ttft, queue_ttft) / self.ttft_slo, tpot / self.tpot_slo
+        observed = max(ttft, queue_ttft) / self.ttft_slo, tpot / self.tpot_slo
+        if self.profile is None:
+            return observed
+        predicted = predicted_pressures(self.profile, self.split_load(), self.ttft_slo, self.tpot_slo)
+        return max(observed[0], predicted[0]), max(observed[1], predicted[1])
+
+    def split_load(self) -> SplitLoad:
+        """What the proxy has in flight now, per side, for the cost model."""
+        insts = self._pool.all()
+
+        def total(counter: str, role: str) -> int:
+            return sum(getattr(i, counter)[role] for i in insts)
+
+        return SplitLoad(len(self._pool.eligible("prefill")), len(self._pool.eligible("decode")),
+                         total("outstanding", "prefill"), total("outstanding_tokens", "prefill"),
+                         total("outstanding", "decode"), total("outstanding_tokens", "decode"))
 
     def rebalance(self) -> dict[str, str]:
         """Assign every flexible instance a role; returns url -> role."""
@@ -72,6 +108,11 @@ class Supervisor(PeriodicTask):
             move = (min(decode_side, key=lambda i: i.outstanding["decode"]), "prefill")
         elif decode_p > 1 and decode_p > DEAD_BAND * prefill_p and prefill_side:
             move = (min(prefill_side, key=lambda i: i.outstanding["prefill"]), "decode")
+        receiving = prefill_p if move is not None and move[1] == "prefill" else decode_p
+        if move is not None and self.profile is not None and \
+                not move_helps(self.profile, self.split_load(), move[1], self.ttft_slo, self.tpot_slo, receiving):
+            logger.debug("supervisor: moving %s to %s would not help (cost model)", move[0].url, move[1])
+            move = None
         if move is not None:
             inst, role = move
             logger.info("supervisor: %s now serves %s (ttft/slo=%.2f tpot/slo=%.2f)", inst.url, role,

@@ -1,0 +1,87 @@
+"""The supervisor with the planner's cost model (role_pressure) against the same pool without it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, Poly, save_profile
+from vllm_pd.planner.role_pressure import SplitLoad, move_helps, predicted_tpot, predicted_ttft
+from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig
+from vllm_pd.router.instance_pool import InstancePool, LegLease
+from vllm_pd.router.supervisor import Supervisor, supervisor_profile
+
+# 1 ms per prompt token, decode steps 10 ms + 10 ms per running request
+PROFILE = InstanceProfile(1, prefill=Poly(0.0, 1.0, 0.0), decode=Poly(10.0, 10.0, 0.0), kv=Poly(0.0, 0.0),
+                          max_num_batched_tokens=2048)
+
+
+def _pool(n: int) -> InstancePool:
+    return InstancePool(ProxyConfig(instances=[InstanceConfig(f"http://b{i}:1", "both") for i in range(n)]))
+
+
+def test_predictions_follow_the_profile() -> None:
+    load = SplitLoad(prefillers=2, decoders=1, queued_prompts=4, queued_prompt_tokens=8000, decoding=3,
+                     decoding_context_tokens=300)
+    # 4000 tokens each: one full 2048 chunk + 1952, then the first decode step (3 running: 40 ms)
+    assert predicted_ttft(PROFILE, load) == pytest.approx((2048 + 1952 + 40) / 1e3)
+    assert predicted_tpot(PROFILE, load) == pytest.approx(0.040)
+    # moving the only decoder away is impossible; moving a prefiller to decode leaves TTFT at 8 s + a step
+    assert not move_helps(PROFILE, load, "prefill", 1.0, 0.1, receiving_pressure=5.0)
+    assert not move_helps(PROFILE, load, "decode", 1.0, 0.1, receiving_pressure=2.0)
+    assert move_helps(PROFILE, load, "decode", 1.0, 0.1, receiving_pressure=9.0)
+
+
+def test_a_queued_backlog_moves_an_instance_only_with_the_model() -> None:
+    states = {}
+    for profile in (None, PROFILE):
+        pool = _pool(3)
+        sup = Supervisor(pool, ttft_slo=1.0, tpot_slo=0.1, profile=profile)
+        sup.rebalance()  # decode, prefill, decode
+        prefiller = next(i for i in pool.all() if i.active_role == "prefill")
+        for _ in range(4):
+            LegLease(prefiller, "prefill", 3000)  # 12 s of prefill queued, no TTFT reported yet
+        sup.rebalance()
+        states[profile is not None] = Counter(i.active_role for i in pool.all())["prefill"]
+    assert states == {False: 1, True: 2}
+
+
+def test_the_model_keeps_a_decoder_that_decode_cannot_spare() -> None:
+    moved = {}
+    for profile in (None, PROFILE):
+        pool = _pool(3)
+        sup = Supervisor(pool, ttft_slo=1.0, tpot_slo=0.1, profile=profile)
+        sup.rebalance()
+        for _ in range(20):
+            pool.recent_ttft.add(2.0)  # TTFT at twice its target...
+        for inst in (i for i in pool.all() if i.active_role == "decode"):
+            for _ in range(10):
+                LegLease(inst, "decode", 100)  # ...but one decoder would take 210 ms a step: TPOT at 2.1x
+        sup.rebalance()
+        moved[profile is not None] = sup.moves
+    assert moved == {False: 1, True: 0}
+
+
+def test_supervisor_profile_file(tmp_path: Path) -> None:
+    assert supervisor_profile(None) is None
+    path = tmp_path / "p.json"
+    save_profile(LatencyProfile("m", [PROFILE]), path)
+    assert supervisor_profile(str(path)) == PROFILE
+    path.write_text("{}")
+    with pytest.raises(ConfigError, match="supervisor_profile"):
+        supervisor_profile(str(path))
+
+
+def test_proxy_config_takes_the_profile_from_yaml_and_flag() -> None:
+    from vllm_pd import cli
+    from vllm_pd.router.command_proxy import config_from_args
+    from vllm_pd.router.config import config_from_mapping
+
+    assert config_from_mapping({"supervisor_profile": "p.json"}) == {"supervisor_profile": "p.json"}
+    with pytest.raises(ConfigError, match="supervisor_profile"):
+        config_from_mapping({"supervisor_profile": 3})
+    args = cli.build_parser().parse_args(["proxy", "--both", "http://b:1", "--supervisor", "--supervisor-profile",
+                                          "p.json"])
+    assert config_from_args(args).supervisor_profile == "p.json"

@@ -1,0 +1,176 @@
+"""The planner's fitted models, workloads, simulator and deployment search (no vLLM, no servers)."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from vllm_pd.planner.deployment_search import (Slo, distributions_at, enumerate_deployments, goodput, search,
+                                               summarise, trace_at)
+from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, ProfileError, fit_instance,
+                                             fit_poly, load_profile, refit, save_profile)
+from vllm_pd.planner.pd_simulator import Deployment, simulate
+from vllm_pd.planner.workload import (TraceRequest, WorkloadError, load_trace, parse_distributions, write_trace)
+
+
+PREFILL, DECODE, KV = Poly(20.0, 0.1, 0.0), Poly(10.0, 0.5, 0.001), Poly(5.0, 0.01)
+
+
+def make_profile(prefill: Poly = PREFILL, decode: Poly = DECODE, kv: Poly = KV, chunk: int = 2048,
+                 tp: int = 1) -> LatencyProfile:
+    return LatencyProfile("m", [InstanceProfile(tp, prefill, decode, kv, max_num_batched_tokens=chunk)])
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    rng = random.Random(1)
+    rows = [(t, t * t, 12 + 0.05 * t + 2e-5 * t * t + rng.uniform(-0.01, 0.01)) for t in range(16, 2048, 97)]
+    p = fit_poly(rows)
+    assert p.a == pytest.approx(12, abs=0.05)
+    assert p.b == pytest.approx(0.05, rel=0.01)
+    assert p.c == pytest.approx(2e-5, rel=0.01)
+
+
+def test_fit_drops_a_term_that_would_be_negative() -> None:
+    # z falls slightly with y: noise; the fit must not predict shrinking cost
+    rows = [(x, y, 5 + 2 * x - 0.001 * y) for x in (1, 2, 4, 8) for y in (10, 100, 1000)]
+    p = fit_poly(rows)
+    assert p.c == 0.0 and p.a >= 0 and p.b > 0
+    assert p.b == pytest.approx(2, rel=0.05)
+
+
+def test_fit_with_one_sample_is_a_constant_and_with_none_an_error() -> None:
+    assert fit_poly([(100, 0, 7.0)]) == Poly(7.0, 0.0, 0.0)
+    with pytest.raises(ProfileError, match="no samples"):
+        fit_poly([])
+
+
+def test_profile_file_round_trip_and_bad_file(tmp_path) -> None:
+    inst = fit_instance(1, [(t, 3 + 0.1 * t) for t in (16, 256, 1024)],
+                        [(n, n * k, 8 + n + 0.01 * n * k) for n in (1, 4) for k in (64, 512)], [(128, 4.0)])
+    prof = LatencyProfile("m", [inst], source="http://x")
+    save_profile(prof, tmp_path / "p.json")
+    back = load_profile(tmp_path / "p.json")
+    assert back == prof and back.for_tp(1).prefill_ms(100) == pytest.approx(13, rel=1e-6)
+    with pytest.raises(ProfileError, match="tp=2"):
+        back.for_tp(2)
+    (tmp_path / "bad.json").write_text('{"model": "m", "instances": [{"tp": "one"}]}')
+    with pytest.raises(ProfileError, match="bad.json"):
+        load_profile(tmp_path / "bad.json")
+
+
+def test_distributions_parse_and_sample_with_seed() -> None:
+    d = parse_distributions("poisson:2.5,in=uniform:10:20,out=lognormal:50:0.5")
+    a, b = d.sample(200, seed=3), d.sample(200, seed=3)
+    assert a == b and all(10 <= r.input_tokens <= 20 for r in a)
+    assert 40 < sum(r.output_tokens for r in a) / len(a) < 60
+    assert 2.0 < len(a) / a[-1].arrival < 3.1
+    fast = d.sample(200, seed=3, rate=25)
+    assert [r.input_tokens for r in fast] == [r.input_tokens for r in a]
+    assert fast[-1].arrival == pytest.approx(a[-1].arrival / 10)
+    for bad, key in (("uniform:1,in=5,out=5", "poisson"), ("poisson:0,in=5,out=5", "rate"),
+                     ("poisson:1,in=5", "out"), ("poisson:1,in=5,out=5,x=1", "x"),
+                     ("poisson:1,in=uniform:5,out=5", "in")):
+        with pytest.raises(WorkloadError, match=key):
+            parse_distributions(bad)
+
+
+def test_trace_round_trip_and_errors(tmp_path) -> None:
+    reqs = [TraceRequest(0.5, 10, 3), TraceRequest(0.1, 20, 4)]
+    write_trace(reqs, tmp_path / "t.jsonl")
+    assert load_trace(tmp_path / "t.jsonl") == sorted(reqs, key=lambda r: r.arrival)
+    (tmp_path / "bad.jsonl").write_text('{"arrival": 0, "input_tokens": 5}\n')
+    with pytest.raises(WorkloadError, match="bad.jsonl:1: output_tokens: missing"):
+        load_trace(tmp_path / "bad.jsonl")
+
+
+def test_single_request_latencies_are_the_profiles_costs() -> None:
+    prof = make_profile()
+    inst = prof.for_tp(1)
+    req = [TraceRequest(1.0, 500, 5)]
+    (pd,) = simulate(prof, Deployment(1, 1), req)
+    first_decode = inst.decode_ms(1, 500)
+    assert pd.ttft * 1e3 == pytest.approx(inst.prefill_ms(500) + inst.kv_ms(500) + first_decode)
+    # later steps read one more token of context each
+    steps = [inst.decode_ms(1, 500 + i) for i in range(1, 5)]
+    assert pd.tpot * 1e3 == pytest.approx(sum(steps) / 4)
+    (co,) = simulate(prof, Deployment(0, 1), req)
+    assert co.ttft * 1e3 == pytest.approx(inst.prefill_ms(500))
+    # a prompt longer than the chunk budget takes two steps
+    (chunked,) = simulate(make_profile(chunk=300), Deployment(0, 1), req)
+    assert chunked.ttft * 1e3 == pytest.approx(inst.prefill_ms(300) + inst.prefill_ms(200))
+
+
+def test_queueing_raises_ttft_with_rate() -> None:
+    prof = make_profile(prefill=Poly(50.0, 0.2, 0.0))
+    _, at = trace_at(parse_distributions("poisson:1,in=400,out=4").sample(300, seed=4))
+    slo = Slo(10.0, 10.0)
+    p90 = [summarise(simulate(prof, Deployment(1, 1), at(rate)), slo).ttft_p90 for rate in (1, 3, 5, 6.5)]
+    assert all(b > a for a, b in zip(p90, p90[1:])) and p90[-1] > 2 * p90[0]
+
+
+def test_prefill_queue_matches_md1_mean_wait() -> None:
+    # one prompt per step (chunk = prompt), deterministic service S: the prefill queue is M/D/1,
+    # mean wait = rho*S / (2(1-rho)) (Pollaczek-Khinchine)
+    service_ms = 100.0
+    prof = make_profile(prefill=Poly(service_ms, 0, 0), decode=Poly(1.0, 0, 0), kv=Poly(0, 0), chunk=100)
+    rho = 0.7
+    reqs = [TraceRequest(r.arrival, 100, 1) for r in
+            parse_distributions(f"poisson:{rho / (service_ms / 1e3)},in=100,out=1").sample(20000, seed=5)]
+    sims = simulate(prof, Deployment(1, 1), reqs)
+    mean_wait = sum(r.ttft for r in sims) / len(sims) - (service_ms + 1.0) / 1e3
+    expected = rho * service_ms / 1e3 / (2 * (1 - rho))
+    assert mean_wait == pytest.approx(expected, rel=0.1)
+
+
+def test_enumeration_respects_the_device_budget() -> None:
+    ds = enumerate_deployments(4, [1, 2])
+    labels = {d.label for d in ds}
+    assert {"colocated x4", "colocated x2 tp2", "3P1D", "1P3D", "1P1D tp2/2", "2P1D tp1/2"} <= labels
+    assert all(d.devices <= 4 for d in ds) and "2P2D tp2/1" not in labels
+
+
+def test_goodput_is_the_rate_where_attainment_crosses() -> None:
+    prof = make_profile(prefill=Poly(100.0, 0, 0), chunk=100)
+    dist = parse_distributions("poisson:1,in=100,out=2")
+    own, at = distributions_at(dist, 400, seed=1)
+    slo = Slo(ttft=0.5, tpot=1.0)
+    g = goodput(prof, Deployment(1, 1), at, slo, own)
+    assert 0 < g < 10  # one prefill server at 100 ms/request saturates below 10 req/s
+
+    def attained(rate: float) -> float:
+        return summarise(simulate(prof, Deployment(1, 1), at(rate)), slo).attainment
+
+    assert attained(g) >= 0.9 and attained(g * 1.2) < 0.9
+
+
+def test_search_picks_disaggregation_when_prefill_stalls_decode() -> None:
+    # long prefills (500 ms) inside a colocated decode batch blow a 40 ms TPOT SLO; apart they cannot
+    prof = make_profile(prefill=Poly(500.0, 0, 0), decode=Poly(10.0, 0, 0), kv=Poly(5.0, 0))
+    _, at = distributions_at(parse_distributions("poisson:0.5,in=1000,out=100"), 200, seed=2)
+    ranked = search(prof, [Deployment(0, 2), Deployment(1, 1)], at, 0.5, Slo(ttft=3.0, tpot=0.04))
+    assert ranked[0].deployment == Deployment(1, 1)
+    assert ranked[0].per_device > ranked[1].per_device
+
+
+def test_search_picks_colocation_when_kv_transfer_is_slow() -> None:
+    prof = make_profile(prefill=Poly(50.0, 0, 0), decode=Poly(10.0, 0, 0), kv=Poly(2000.0, 0))
+    _, at = distributions_at(parse_distributions("poisson:1,in=100,out=10"), 200, seed=2)
+    ranked = search(prof, [Deployment(0, 2), Deployment(1, 1)], at, 1.0, Slo(ttft=1.0, tpot=0.2))
+    assert ranked[0].deployment == Deployment(0, 2) and ranked[1].goodput == 0.0
+
+
+def test_fit_ignores_a_sample_far_off_the_rest() -> None:
+    rows = [(t, 0.0, 2 + 0.01 * t) for t in (32, 128, 256, 512, 1024)] + [(1536, 0.0, 60.0)]
+    p = fit_poly(rows)
+    assert p.a == pytest.approx(2, abs=1e-6) and p.b == pytest.approx(0.01, rel=1e-6)
+    # without an outlier every sample counts
+    assert fit_poly(rows[:-1] + [(1536, 0.0, 18.0)]) != p
+
+
+def test_refit_uses_the_stored_samples() -> None:
+    decode = [(n, k, 8.0 + n) for n in (1, 4) for k in (64, 512)]
+    inst = fit_instance(1, [(t, 3 + 0.1 * t) for t in (16, 256, 1024)], decode, [(128, 4.0)])
+    stale = msgspec.structs.replace(inst, prefill=Poly(0, 0, 0))
+    assert refit(stale) == inst

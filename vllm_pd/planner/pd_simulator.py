@@ -1,0 +1,188 @@
+"""Discrete-event simulation of a colocated or prefill/decode-disaggregated vLLM deployment.
+
+Each instance runs engine steps back to back while it has work, roughly as vLLM's scheduler does:
+
+- prefill instances: FCFS over their queue, up to ``max_num_batched_tokens`` prompt tokens per step
+  (a long prompt is split into chunks); a finished prompt's KV reaches the least loaded decode
+  instance ``kv_ms(prompt)`` later.
+- decode instances: continuous batching, every running request gains one token per step; a request
+  joins at the next step after its KV arrived, and that step yields its first token.
+- colocated instances: running requests decode first, the rest of the step's token budget goes to
+  waiting prompts (chunked prefill); a prompt's last chunk yields its first token.
+
+Step times come from the :class:`~vllm_pd.planner.latency_profile.InstanceProfile`. Requests reach
+the instance with the fewest outstanding requests, as the proxy's least_outstanding policy does.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from vllm_pd.planner.latency_profile import LatencyProfile, InstanceProfile
+from vllm_pd.planner.workload import TraceRequest
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """``prefill`` = 0: ``decode`` colocated instances; else nP x mD disaggregated."""
+
+    prefill: int
+    decode: int
+    tp_prefill: int = 1
+    tp_decode: int = 1
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill == 0
+
+    @property
+    def devices(self) -> int:
+        return self.prefill * self.tp_prefill + self.decode * self.tp_decode
+
+    @property
+    def label(self) -> str:
+        if self.colocated:
+            return f"colocated x{self.decode}" + (f" tp{self.tp_decode}" if self.tp_decode > 1 else "")
+        tps = f" tp{self.tp_prefill}/{self.tp_decode}" if (self.tp_prefill, self.tp_decode) != (1, 1) else ""
+        return f"{self.prefill}P{self.decode}D{tps}"
+
+
+@dataclass
+class SimRequest:
+    spec: TraceRequest
+    prefilled: int = 0
+    generated: int = 0
+    first_token: float | None = None
+    finish: float | None = None
+
+    @property
+    def context(self) -> int:
+        return self.spec.input_tokens + self.generated
+
+    @property
+    def ttft(self) -> float:
+        assert self.first_token is not None
+        return self.first_token - self.spec.arrival
+
+    @property
+    def tpot(self) -> float:
+        assert self.first_token is not None and self.finish is not None
+        n = self.spec.output_tokens
+        return (self.finish - self.first_token) / (n - 1) if n > 1 else 0.0
+
+
+@dataclass
+class _Instance:
+    profile: InstanceProfile
+    role: str  # prefill | decode | both
+    waiting: deque[SimRequest] = field(default_factory=deque)  # prompts to prefill
+    running: list[SimRequest] = field(default_factory=list)  # decoding
+    busy: bool = False
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def plan_step(self) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
+        """(duration in s, prompt chunks [(request, tokens)], decoding requests) of the next step."""
+        decoding = self.running[:self.profile.max_num_seqs] if self.role != "prefill" else []
+        budget = self.profile.max_num_batched_tokens - len(decoding)
+        chunks: list[tuple[SimRequest, int]] = []
+        if self.role != "decode":
+            for req in self.waiting:
+                if budget <= 0 or len(decoding) + len(chunks) >= self.profile.max_num_seqs:
+                    break
+                take = min(budget, req.spec.input_tokens - req.prefilled)
+                chunks.append((req, take))
+                budget -= take
+        tokens = sum(t for _, t in chunks)
+        context = sum(r.context for r in decoding)
+        return self.profile.mixed_ms(tokens, len(decoding), context) / 1e3, chunks, decoding
+
+
+@dataclass
+class Simulation:
+    """One run of ``deployment`` over ``requests``; :meth:`run` returns the finished requests."""
+
+    profile: LatencyProfile
+    deployment: Deployment
+    _events: list = field(default_factory=list)
+    _seq: itertools.count = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        d = self.deployment
+        if d.colocated:
+            both = self.profile.for_tp(d.tp_decode)
+            self.prefillers = [_Instance(both, "both") for _ in range(d.decode)]
+            self.decoders = self.prefillers
+        else:
+            p, dec = self.profile.for_tp(d.tp_prefill), self.profile.for_tp(d.tp_decode)
+            self.prefillers = [_Instance(p, "prefill") for _ in range(d.prefill)]
+            self.decoders = [_Instance(dec, "decode") for _ in range(d.decode)]
+        if not self.decoders:
+            raise ValueError(f"deployment {d.label}: needs at least one decode instance")
+
+    def _at(self, t: float, fn: Callable[[float], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run(self, requests: list[TraceRequest]) -> list[SimRequest]:
+        sims = [SimRequest(r) for r in requests]
+        for req in sims:
+            self._at(req.spec.arrival, functools.partial(self._arrive, req=req))
+        while self._events:
+            t, _, fn = heapq.heappop(self._events)
+            fn(t)
+        return sims
+
+    def _arrive(self, t: float, req: SimRequest) -> None:
+        inst = min(self.prefillers, key=lambda i: i.outstanding)
+        inst.waiting.append(req)
+        self._kick(t, inst)
+
+    def _kv_ready(self, t: float, req: SimRequest) -> None:
+        inst = min(self.decoders, key=lambda i: i.outstanding)
+        inst.running.append(req)
+        self._kick(t, inst)
+
+    def _kick(self, t: float, inst: _Instance) -> None:
+        if inst.busy or not (inst.waiting or (inst.running and inst.role != "prefill")):
+            return
+        duration, chunks, decoding = inst.plan_step()
+        inst.busy = True
+        self._at(t + duration, lambda t_end: self._step_done(t_end, inst, chunks, decoding))
+
+    def _step_done(self, t: float, inst: _Instance, chunks: list[tuple[SimRequest, int]],
+                   decoding: list[SimRequest]) -> None:
+        inst.busy = False
+        for req in decoding:
+            self._emit_token(t, inst, req)
+        for req, tokens in chunks:
+            req.prefilled += tokens
+            if req.prefilled < req.spec.input_tokens:
+                continue
+            inst.waiting.remove(req)
+            if inst.role == "prefill":
+                self._at(t + inst.profile.kv_ms(req.spec.input_tokens) / 1e3,
+                         functools.partial(self._kv_ready, req=req))
+            else:  # colocated: the last chunk samples the first token
+                inst.running.append(req)
+                self._emit_token(t, inst, req)
+        self._kick(t, inst)
+
+    @staticmethod
+    def _emit_token(t: float, inst: _Instance, req: SimRequest) -> None:
+        req.generated += 1
+        if req.first_token is None:
+            req.first_token = t
+        if req.generated >= req.spec.output_tokens:
+            req.finish = t
+            inst.running.remove(req)
+
+
+def simulate(profile: LatencyProfile, deployment: Deployment, requests: list[TraceRequest]) -> list[SimRequest]:
+    return Simulation(profile, deployment).run(requests)

@@ -1,0 +1,98 @@
+"""``vllm-pd plan``: simulate deployments on a workload and pick the most goodput per device."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from vllm_pd.planner.deployment_search import (Candidate, Slo, distributions_at, enumerate_deployments, search,
+                                               trace_at)
+from vllm_pd.planner.deployment_yaml import proxy_yaml, up_command
+from vllm_pd.planner.latency_profile import load_profile
+from vllm_pd.planner.workload import load_trace, parse_distributions
+
+
+def parse_slo(text: str, attainment: float) -> Slo:
+    """``ttft=2,tpot=0.1`` in seconds (or with an ``ms`` suffix: ``ttft=500ms``)."""
+    values: dict[str, float] = {}
+    for part in text.split(","):
+        key, sep, raw = part.partition("=")
+        if not sep or key not in ("ttft", "tpot"):
+            raise ValueError(f"slo: {part!r} is not ttft=SECONDS or tpot=SECONDS")
+        scale = 1e-3 if raw.endswith("ms") else 1.0
+        try:
+            values[key] = float(raw.removesuffix("ms").removesuffix("s")) * scale
+        except ValueError:
+            raise ValueError(f"slo.{key}: {raw!r} is not a number") from None
+        if values[key] <= 0:
+            raise ValueError(f"slo.{key}: must be > 0")
+    for key in ("ttft", "tpot"):
+        if key not in values:
+            raise ValueError(f"slo.{key}: missing")
+    return Slo(values["ttft"], values["tpot"], attainment)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", type=Path, required=True, help="a file from `vllm-pd profile`")
+    p.add_argument("--workload", required=True,
+                   help="a JSONL trace (arrival, input_tokens, output_tokens per line) or "
+                        "poisson:RATE,in=SPEC,out=SPEC (SPEC: N, uniform:LO:HI, lognormal:MEAN:SIGMA)")
+    p.add_argument("--slo", required=True, help="ttft=SECONDS,tpot=SECONDS (or 500ms)")
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
+    p.add_argument("--devices", type=int, default=4, help="instance budget, in devices (instances x TP)")
+    p.add_argument("--requests", type=int, default=400, help="requests simulated from a distribution")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deployments", help="only these, comma-separated labels (e.g. 1P1D,colocated x2)")
+    p.add_argument("--yaml", type=Path, default=Path("vllm-pd-plan.yaml"), help="proxy YAML for the winner")
+    p.add_argument("--json", type=Path, help="also write every candidate's figures here")
+    p.add_argument("--host", default="127.0.0.1", help="host in the YAML's instance URLs")
+
+
+def _table(cands: list[Candidate]) -> str:
+    head = ("| deployment | devices | goodput (req/s) | per device | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) "
+            "| SLO attainment |\n|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {c.deployment.label} | {c.deployment.devices} | {c.goodput:.3f} | {c.per_device:.3f} "
+        f"| {c.at_workload.ttft_p50 * 1e3:.0f} / {c.at_workload.ttft_p90 * 1e3:.0f} "
+        f"| {c.at_workload.tpot_p50 * 1e3:.1f} / {c.at_workload.tpot_p90 * 1e3:.1f} "
+        f"| {c.at_workload.attainment * 100:.0f} % |\n" for c in cands)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        slo = parse_slo(args.slo, args.attainment)
+        profile = load_profile(args.profile)
+        if args.workload.startswith("poisson:"):
+            own, at = distributions_at(parse_distributions(args.workload), args.requests, args.seed)
+        else:
+            own, at = trace_at(load_trace(args.workload))
+    except (ValueError, OSError) as e:  # ProfileError and WorkloadError are ValueErrors
+        print(f"vllm-pd plan: {e}", file=sys.stderr)
+        return 2
+    deployments = enumerate_deployments(args.devices, profile.tps())
+    if args.deployments:
+        wanted = [w.strip() for w in args.deployments.split(",")]
+        unknown = set(wanted) - {d.label for d in deployments}
+        if unknown:
+            print(f"vllm-pd plan: --deployments: {sorted(unknown)[0]!r} is not one of "
+                  f"{[d.label for d in deployments]}", file=sys.stderr)
+            return 2
+        deployments = [d for d in deployments if d.label in wanted]
+    ranked = search(profile, deployments, at, own, slo)
+    best = ranked[0]
+    print(f"workload at {own:.3f} req/s; SLO TTFT {slo.ttft * 1e3:.0f} ms, TPOT {slo.tpot * 1e3:.0f} ms, "
+          f"{slo.attainment * 100:.0f} % attainment; figures at the workload's rate\n")
+    print(_table(ranked))
+    args.yaml.write_text(proxy_yaml(best.deployment, args.host))
+    print(f"best: {best.deployment.label} ({best.per_device:.3f} req/s per device)\n"
+          f"proxy config: {args.yaml}\none machine: {up_command(best.deployment)}")
+    if (best.deployment.tp_prefill, best.deployment.tp_decode) != (1, 1):
+        print("(vllm-pd up starts TP 1 servers: start the TP servers yourself and use the proxy config)")
+    if args.json:
+        args.json.write_text(json.dumps({"rate": own, "slo": asdict(slo), "candidates": [
+            {"label": c.deployment.label, "deployment": asdict(c.deployment), "goodput": c.goodput,
+             "per_device": c.per_device, **asdict(c.at_workload)} for c in ranked]}, indent=1) + "\n")
+    return 0

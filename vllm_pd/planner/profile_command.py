@@ -1,0 +1,70 @@
+"""``vllm-pd profile URL``: measure a running vLLM instance and write (or extend) a profile file."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from vllm_pd.planner.instance_profiler import InstanceProfiler, ProfilePlan
+from vllm_pd.planner.latency_profile import LatencyProfile, ProfileError, load_profile, save_profile
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = ProfilePlan()
+    p.add_argument("url", help="the instance's OpenAI API, e.g. http://127.0.0.1:8100")
+    p.add_argument("--out", type=Path, default=Path("profile.json"), help="profile file (default profile.json)")
+    p.add_argument("--tp", type=int, default=1, help="the instance's tensor-parallel size (default 1)")
+    p.add_argument("--append", action="store_true",
+                   help="add this TP size to an existing --out (replacing its entry for the same TP)")
+    p.add_argument("--pd-url", help="a PD proxy over a prefill/decode pair of such instances: measures the "
+                                    "KV hand-over (else --kv-fixed-ms/--kv-ms-per-token)")
+    p.add_argument("--kv-fixed-ms", type=float, default=d.kv_fixed_ms)
+    p.add_argument("--kv-ms-per-token", type=float, default=d.kv_ms_per_token)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="the instance's step token budget (vLLM CPU's API server default: 2048 x TP)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--prefill-tokens", type=_ints, default=d.prefill_tokens, help="prompt lengths, comma-separated")
+    p.add_argument("--decode-batches", type=_ints, default=d.decode_batches)
+    p.add_argument("--decode-contexts", type=_ints, default=d.decode_contexts)
+    p.add_argument("--repeats", type=int, default=d.repeats)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = ProfilePlan(prefill_tokens=args.prefill_tokens, decode_batches=args.decode_batches,
+                       decode_contexts=args.decode_contexts, repeats=args.repeats,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                       max_model_len=args.max_model_len, kv_fixed_ms=args.kv_fixed_ms,
+                       kv_ms_per_token=args.kv_ms_per_token)
+    try:
+        model, inst = asyncio.run(InstanceProfiler(args.url, plan, args.pd_url).run(args.tp))
+        if args.append and args.out.exists():
+            old = load_profile(args.out)
+            if old.model != model:
+                raise ProfileError(f"{args.out}: model {old.model!r}, but {args.url} serves {model!r}")
+            profile = LatencyProfile(model, sorted([i for i in old.instances if i.tp != args.tp] + [inst],
+                                                   key=lambda i: i.tp), source=f"{old.source} {args.url}".strip())
+        else:
+            profile = LatencyProfile(model, [inst], source=args.url)
+    except (ProfileError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+        print(f"vllm-pd profile: {e}", file=sys.stderr)
+        return 1
+    save_profile(profile, args.out)
+    print(f"wrote {args.out}: tp={inst.tp} prefill_ms = {inst.prefill.a:.2f} + {inst.prefill.b:.4f}*t + "
+          f"{inst.prefill.c:.2e}*t^2; decode_step_ms = {inst.decode.a:.2f} + {inst.decode.b:.3f}*batch + "
+          f"{inst.decode.c:.2e}*context; kv_ms = {inst.kv.a:.2f} + {inst.kv.b:.4f}*t")
+    return 0
