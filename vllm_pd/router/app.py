@@ -20,6 +20,7 @@ from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
 from vllm_pd.router.http_server import Handler, HttpServer
 from vllm_pd.router.instance_pool import InstancePool
+from vllm_pd.router.kv_routing import KvRouting
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.pd_flow import PDFlow, ReleaseFn, default_release_remote_kv
 from vllm_pd.router.policies import make_policy
@@ -41,6 +42,7 @@ class ProxyServer:
         self._run_health_checks = run_health_checks
         self.client: BackendClient | None = None
         self.flow: PDFlow | None = None
+        self.kv_routing: KvRouting | None = None
         self.health: HealthChecker | None = None
         self.supervisor: Supervisor | None = None
         self.routes: dict[str, dict[str, Handler]] = {
@@ -52,9 +54,15 @@ class ProxyServer:
 
     async def start(self) -> None:
         self.client = BackendClient(self.config.connect_timeout)
+        locations = None
+        if "kv_aware" in (self.config.prefill_policy, self.config.decode_policy):
+            self.kv_routing = KvRouting(self.config)
+            self.kv_routing.start()
+            locations = self.kv_routing.locations
+        weight = self.config.kv_load_weight
         self.flow = PDFlow(self.config, self.pool, self.client, self.metrics,
-                           make_policy(self.config.prefill_policy), make_policy(self.config.decode_policy),
-                           self._release_kv)
+                           make_policy(self.config.prefill_policy, locations, weight),
+                           make_policy(self.config.decode_policy, locations, weight), self._release_kv, locations)
         self.health = HealthChecker(self.pool, self.client, self.config.health_interval, self.config.health_timeout)
         if self._run_health_checks:
             self.health.start()
@@ -72,6 +80,8 @@ class ProxyServer:
             await self.flow.drain_background()
         if self.client:
             self.client.close()
+        if self.kv_routing:
+            self.kv_routing.stop()
 
     async def _on_instance_added(self) -> None:
         if self.health is not None:
@@ -84,6 +94,8 @@ class ProxyServer:
         try:
             parsed = parse_body(request.body, request.path, self.count_tokens)
             self._check_model(parsed.model)
+            if self.kv_routing is not None:
+                await self.kv_routing.annotate(parsed)
             assert self.flow is not None
             resp = await self.flow.handle(parsed, request)
             status = resp.status

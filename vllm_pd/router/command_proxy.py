@@ -11,8 +11,8 @@ import signal
 import sys
 from typing import Any
 
-from vllm_pd.router.config import (DECODE_POLICIES, KV_MODES, PREFILL_POLICIES, ConfigError, ProxyConfig,
-                                   load_yaml, parse_instance_flag)
+from vllm_pd.router.config import (DECODE_POLICIES, KV_HASH_ALGOS, KV_MODES, PREFILL_POLICIES, ConfigError,
+                                   InstanceConfig, ProxyConfig, load_yaml, parse_instance_flag)
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "
                  "short_prompt_tokens", "prefill_timeout", "decode_timeout", "decode_idle_timeout",
                  "connect_timeout", "max_body_bytes", "prefill_attempts", "decode_attempts", "health_interval",
                  "breaker_failures", "breaker_cooldown", "admin_token", "supervisor", "supervisor_ttft_slo",
-                 "supervisor_tpot_slo", "tokenizer")
+                 "supervisor_tpot_slo", "tokenizer", "kv_hash_algo", "kv_load_weight")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "against (default 2)")
     p.add_argument("--supervisor-tpot-slo", type=float, help="TPOT target in seconds (default 0.1)")
     p.add_argument("--tokenizer", help="HF model dir whose tokenizer.json counts prompt tokens exactly")
+    p.add_argument("--kv-events", action="append", default=[], metavar="URL=tcp://HOST:PORT",
+                   help="an instance's vLLM KV-event publisher (--kv-events-config endpoint), for kv_aware")
+    p.add_argument("--kv-hash-algo", choices=KV_HASH_ALGOS,
+                   help="the servers' --prefix-caching-hash-algo (default sha256, vLLM's default)")
+    p.add_argument("--kv-load-weight", type=float,
+                   help="kv_aware: weight of queued prompt tokens against uncached ones (default 1)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -81,12 +87,24 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             ic = parse_instance_flag(f"{ic.url}@{args.decode_kv[i]}", "decode")
         instances.append(ic)
     instances += [parse_instance_flag(u, "both") for u in args.both]
+    _attach_kv_events(instances, args.kv_events)
     cfg = ProxyConfig(instances=instances, **kw)
     if cfg.kv_mode == "push":
         for ic in cfg.instances:
             if ic.role != "prefill" and ic.kv_endpoint is None:
                 logger.warning("kv_mode push: %s has no kv_endpoint, it is served in pull mode", ic.url)
     return cfg
+
+
+def _attach_kv_events(instances: list[InstanceConfig], flags: list[str]) -> None:
+    by_url = {ic.url: ic for ic in instances}
+    for flag in flags:
+        url, sep, endpoint = flag.partition("=")
+        ic = by_url.get(url.rstrip("/"))
+        if not sep or ic is None:
+            raise ConfigError(f"kv_events: {flag!r} is not URL=tcp://HOST:PORT for a configured instance")
+        ic.kv_events = endpoint
+        ic.__post_init__()  # validates the endpoint
 
 
 def install_uvloop() -> None:

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from vllm_pd.router.prompt_tokens import HASH_ALGOS as KV_HASH_ALGOS
+
 ROLES = ("prefill", "decode", "both")
 KV_MODES = ("push", "pull", "auto")
-PREFILL_POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix_aware")
-DECODE_POLICIES = ("round_robin", "least_outstanding", "power_of_two")
+PREFILL_POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix_aware", "kv_aware")
+DECODE_POLICIES = ("round_robin", "least_outstanding", "power_of_two", "kv_aware")
 
 
 # the connector's transports (vllm_pd.connector.transport): shm only between instances on one host
@@ -31,9 +33,12 @@ class InstanceConfig:
     url: str
     role: str
     kv_endpoint: str | None = None  # "tcp://host:port" (or shm:// on one host, nixl://) of its KV endpoint (push mode)
+    kv_events: str | None = None  # "tcp://host:port" of its vLLM KV-event publisher (kv_aware routing)
 
     def __post_init__(self) -> None:
         self.url = _check_url(self.url, "url")
+        if self.kv_events is not None and not self.kv_events.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"kv_events: {self.kv_events!r} is not a tcp:// or ipc:// ZMQ endpoint")
         if self.role not in ROLES:
             raise ConfigError(f"role: {self.role!r} is not one of {ROLES}")
         if self.kv_endpoint is not None:
@@ -71,6 +76,8 @@ class ProxyConfig:
     supervisor_tpot_slo: float = 0.1  # seconds per output token
     tokenizer: str | None = None  # HF tokenizer dir for exact prompt lengths (else ~4 bytes/token)
     model_names: list[str] = field(default_factory=list)  # extra accepted model names
+    kv_hash_algo: str = "sha256"  # the servers' --prefix-caching-hash-algo (kv_aware)
+    kv_load_weight: float = 1.0  # kv_aware: queued prompt tokens weigh this much against uncached ones
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,6 +99,12 @@ class ProxyConfig:
         for name in ("max_body_bytes", "prefill_attempts", "decode_attempts", "breaker_failures"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.kv_hash_algo not in KV_HASH_ALGOS:
+            raise ConfigError(f"kv_hash_algo: {self.kv_hash_algo!r} is not one of {KV_HASH_ALGOS}")
+        if self.kv_load_weight < 0:
+            raise ConfigError(f"kv_load_weight: must be >= 0, got {self.kv_load_weight}")
+        if "kv_aware" in (self.prefill_policy, self.decode_policy) and not self.tokenizer:
+            raise ConfigError("tokenizer: the kv_aware policy needs the model's tokenizer directory")
         if self.short_prompt_tokens < 0:
             raise ConfigError(f"short_prompt_tokens: must be >= 0, got {self.short_prompt_tokens}")
         urls = [i.url for i in self.instances]
@@ -127,7 +140,8 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "health_interval": (int, float), "health_timeout": (int, float), "breaker_failures": int,
     "breaker_cooldown": (int, float), "admin_token": str, "supervisor": bool,
     "supervisor_interval": (int, float), "supervisor_ttft_slo": (int, float),
-    "supervisor_tpot_slo": (int, float), "tokenizer": str, "model_names": list,
+    "supervisor_tpot_slo": (int, float), "tokenizer": str, "model_names": list, "kv_hash_algo": str,
+    "kv_load_weight": (int, float),
 }
 assert set(_FIELD_TYPES) | {"instances"} == {f.name for f in dataclasses.fields(ProxyConfig)}
 
@@ -158,14 +172,16 @@ def _instances_from_list(value: Any) -> list[InstanceConfig]:
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             raise ConfigError(f"instances[{i}]: expected a mapping with url and role")
-        unknown = set(item) - {"url", "role", "kv_endpoint"}
+        unknown = set(item) - {"url", "role", "kv_endpoint", "kv_events"}
         if unknown:
-            raise ConfigError(f"instances[{i}].{sorted(unknown)[0]}: unknown key (known: url, role, kv_endpoint)")
+            raise ConfigError(f"instances[{i}].{sorted(unknown)[0]}: unknown key "
+                              "(known: url, role, kv_endpoint, kv_events)")
         for req in ("url", "role"):
             if req not in item:
                 raise ConfigError(f"instances[{i}].{req}: missing")
         try:
-            result.append(InstanceConfig(url=item["url"], role=item["role"], kv_endpoint=item.get("kv_endpoint")))
+            result.append(InstanceConfig(url=item["url"], role=item["role"], kv_endpoint=item.get("kv_endpoint"),
+                                         kv_events=item.get("kv_events")))
         except ConfigError as e:
             raise ConfigError(f"instances[{i}].{e}") from None
     return result

@@ -41,6 +41,7 @@ from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
 from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
+from vllm_pd.router.kv_locations import KvLocations
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.policies import Policy
 from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_json, prefill_body
@@ -87,8 +88,10 @@ def remote_decode_params(decode: Instance, transfer_key: str | None, mode: Trans
 class PDFlow:
     def __init__(self, config: ProxyConfig, pool: InstancePool, client: BackendClient,
                  metrics: ProxyMetrics, prefill_policy: Policy, decode_policy: Policy,
-                 release_kv: ReleaseFn = default_release_remote_kv) -> None:
+                 release_kv: ReleaseFn = default_release_remote_kv,
+                 kv_locations: KvLocations | None = None) -> None:
         self.config = config
+        self.kv_locations = kv_locations
         self.pool = pool
         self.client = client
         self.metrics = metrics
@@ -168,6 +171,9 @@ class PDFlow:
         if not candidates:
             return None
         policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        choose_for = getattr(policy, "choose_for", None)  # policies that read the whole request (kv_aware)
+        if choose_for is not None:
+            return choose_for(candidates, role, req)
         return policy.choose(candidates, role, req.prompt_key, req.prompt_tokens)
 
     # ---------------------------------------------------------------- prefill
@@ -178,6 +184,9 @@ class PDFlow:
             return False
         if req.prompt_tokens <= self.config.short_prompt_tokens:
             self.metrics.fallbacks.labels("short_prompt").inc()
+            return False
+        if self.kv_locations is not None and self.kv_locations.holds_prompt(decode.url, req.blocks):
+            self.metrics.fallbacks.labels("decode_holds_prompt").inc()  # its prefix cache has every full block
             return False
         if not self.pool.eligible("prefill", {decode.url}):  # a "both" instance never prefills for itself
             if self.config.require_disagg:
