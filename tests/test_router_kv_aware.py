@@ -4,6 +4,7 @@ decode-holds-prompt bypass against mock backends."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -13,7 +14,8 @@ import pytest
 import zmq
 
 from tests.router_harness import harness, run
-from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig
+from vllm_pd.router import command_proxy
+from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml
 from vllm_pd.router.instance_pool import InstancePool
 from vllm_pd.router.kv_events_feed import KvEventsFeed
 from vllm_pd.router.kv_locations import KvLocations
@@ -217,3 +219,21 @@ def test_flow_routes_to_holder_and_skips_prefill_when_decode_holds_prompt(small_
             assert len(h.decodes[0].seen) == 2
             assert "kv_transfer_params" not in h.decodes[0].seen[1].body
     run(go)
+
+
+def test_kv_events_from_flags_and_yaml(tmp_path: Path, small_model_dir: Path) -> None:
+    p = argparse.ArgumentParser()
+    command_proxy.add_arguments(p)
+    cfg = command_proxy.config_from_args(p.parse_args([
+        "--prefill", "http://p:1", "--decode", "http://d:1", "--prefill-policy", "kv_aware",
+        "--tokenizer", str(small_model_dir), "--kv-events", "http://p:1=tcp://p:5557", "--kv-hash-algo",
+        "sha256_cbor", "--kv-load-weight", "0.5"]))
+    assert [ic.kv_events for ic in cfg.instances] == ["tcp://p:5557", None]
+    assert (cfg.kv_hash_algo, cfg.kv_load_weight) == ("sha256_cbor", 0.5)
+    with pytest.raises(ConfigError, match="kv_events"):
+        command_proxy.config_from_args(p.parse_args(["--prefill", "http://p:1", "--kv-events", "http://x:1=tcp://x:1"]))
+    with pytest.raises(ConfigError, match="kv_events"):
+        command_proxy.config_from_args(p.parse_args(["--prefill", "http://p:1", "--kv-events", "http://p:1=p:5557"]))
+    yml = tmp_path / "proxy.yaml"
+    yml.write_text("instances:\n  - {url: 'http://p:1', role: prefill, kv_events: 'tcp://p:5557'}\n")
+    assert load_yaml(yml)["instances"][0].kv_events == "tcp://p:5557"
