@@ -149,6 +149,27 @@ def run_policy(cluster: LocalCluster, policy: str, model: Path, args: argparse.N
             "prefill_skipped": skipped}
 
 
+def tokenize_cost(model: Path) -> None:
+    """The proxy's per-request cost of kv_aware: tokenize (chat template) + vLLM block hashes."""
+    from vllm_pd.router.prompt_tokens import PromptTokenizer, VllmBlockHasher
+    from vllm_pd.router.request_body import CHAT, parse_body
+
+    tok = PromptTokenizer(model, VllmBlockHasher(), cache_size=0)
+    for words in (100, 1000, 8000):
+        body = {"messages": [{"role": "system", "content": text(random.Random(1), words)},
+                             {"role": "user", "content": "go"}]}
+        req = parse_body(json.dumps(body).encode(), CHAT)
+        times, n = [], 0
+        for _ in range(20):
+            t0 = time.perf_counter()
+            blocks = tok.blocks(req)
+            assert blocks is not None
+            blocks.hashes(128)
+            times.append(time.perf_counter() - t0)
+            n = len(blocks.token_ids)
+        print(f"tokenize+hash {n:>6} tokens: median {1000 * statistics.median(times):.2f} ms", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=8)
@@ -159,9 +180,13 @@ def main() -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/kv-aware-routing"))
     ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument("--tokenize-only", action="store_true", help="only measure the proxy's tokenize+hash cost")
     args = ap.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
     model = ensure_model(BENCH_MODEL)
+    tokenize_cost(model)
+    if args.tokenize_only:
+        return 0
     master, address = spawn_master(free_port())
     cluster = LocalCluster(model=str(model), n_prefill=2, n_decode=1, max_model_len=4096, kv_events=True,
                            log_dir=args.log_dir, extra_args=["--served-model-name", "bench", "--seed", "0"],
