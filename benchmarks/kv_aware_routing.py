@@ -1,6 +1,7 @@
 """Prefill routing policies on real vLLM CPU servers: prompt tokens recomputed and TTFT.
 
-    python3 benchmarks/kv_aware_routing.py [--conversations 8] [--turns 3] [--concurrency 4]
+    python3 benchmarks/kv_aware_routing.py [--conversations 8] [--turns 3] [--concurrency 4] [--rounds 2]
+    python3 benchmarks/kv_aware_routing.py --tokenize-only   # the proxy's tokenize+hash cost per request
 
 One cluster for every policy, in one run: 2 prefill + 1 decode vLLM servers
 (BENCH_MODEL, 8 layers; PD connector over tcp, push mode; the KV store on with
@@ -13,7 +14,9 @@ The trace: ``--conversations`` chats of ``--turns`` turns, each turn's prompt
 being the whole history (chat template applied by vLLM); conversations share
 one of two long system prompts, every run gets its own prompts (a run tag
 leads them) so no policy finds another's KV. ``--concurrency`` conversations
-run at a time, each one turn after another. Per policy: TTFT p50/p99 of the
+run at a time, each one turn after another. A warm-up pass (round robin, not
+counted) goes first; then ``--rounds`` passes per policy, the policies' order
+rotated each round. Per policy: TTFT p50/p99 of the
 streamed answers (first content chunk, at the client), and the prompt tokens
 the servers computed (vLLM's ``prompt_tokens_by_source{source="local_compute"}``
 summed over all three servers, before/after), against the trace's prompt tokens.
@@ -63,21 +66,26 @@ def system_prompt(run: str, conversation: int, seed: int) -> str:
     return f"[{run}] You are assistant {conversation % 2}. " + text(rng, 450)
 
 
-def stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str]:
-    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+def stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]],
+                max_tokens: int) -> tuple[float, str, int]:
+    """(TTFT s, answer, prompt tokens) of one streamed chat turn."""
+    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, parts = None, []
+    ttft, parts, prompt_tokens = None, [], 0
     with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            for choice in json.loads(line[6:]).get("choices") or []:
+            chunk = json.loads(line[6:])
+            prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+            for choice in chunk.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
                     ttft = ttft if ttft is not None else time.perf_counter() - t0
                     parts.append(piece)
-    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(parts)
+    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(parts), prompt_tokens
 
 
 def computed_tokens(client: httpx.Client, urls: list[str]) -> float:
@@ -113,28 +121,29 @@ def start_proxy(cluster: LocalCluster, policy: str, model: Path, log: Path) -> t
         time.sleep(0.3)
 
 
-def run_policy(cluster: LocalCluster, policy: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
-    proc, url = start_proxy(cluster, policy, model, args.log_dir / f"proxy-{policy}.log")
+def run_policy(cluster: LocalCluster, policy: str, tag: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One pass of the trace (prompts led by ``tag``) through a proxy running ``policy``."""
+    proc, url = start_proxy(cluster, policy, model, args.log_dir / f"proxy-{tag}.log")
     servers = [s.server.url for s in cluster.servers]
     try:
         with httpx.Client() as client:
             time.sleep(1.0)  # KV-event subscriptions join (a late SUB misses nothing it needs here)
-            chats = conversations(policy, args.conversations, args.turns, args.seed)
+            chats = conversations(tag, args.conversations, args.turns, args.seed)
             before = computed_tokens(client, servers)
 
-            def one(c: int) -> list[float]:
-                messages = [{"role": "system", "content": system_prompt(policy, c, args.seed)}]
-                ttfts = []
+            def one(c: int) -> list[tuple[float, int]]:
+                messages = [{"role": "system", "content": system_prompt(tag, c, args.seed)}]
+                turns = []
                 for question in chats[c]:
                     messages.append({"role": "user", "content": question})
-                    ttft, answer = stream_chat(client, url, messages, args.max_tokens)
-                    ttfts.append(ttft)
+                    ttft, answer, prompt_tokens = stream_chat(client, url, messages, args.max_tokens)
+                    turns.append((ttft, prompt_tokens))
                     messages.append({"role": "assistant", "content": answer})
-                return ttfts
+                return turns
 
             t0 = time.perf_counter()
             with ThreadPoolExecutor(args.concurrency) as pool:
-                ttfts = sorted(t for ts in pool.map(one, range(args.conversations)) for t in ts)
+                turns = [t for ts in pool.map(one, range(args.conversations)) for t in ts]
             wall = time.perf_counter() - t0
             time.sleep(1.0)  # let the servers' metrics catch up with the last requests
             computed = computed_tokens(client, servers) - before
@@ -143,10 +152,18 @@ def run_policy(cluster: LocalCluster, policy: str, model: Path, args: argparse.N
     finally:
         proc.terminate()
         proc.wait(10)
-    return {"policy": policy, "requests": len(ttfts), "wall_s": wall, "computed_prompt_tokens": computed,
+    return {"policy": policy, "tag": tag, "ttfts": [t for t, _ in turns], "wall_s": wall,
+            "prompt_tokens": sum(n for _, n in turns), "computed_prompt_tokens": computed, "prefill_skipped": skipped}
+
+
+def summary(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's passes together."""
+    ttfts = sorted(t for p in passes for t in p["ttfts"])
+    return {"policy": passes[0]["policy"], "requests": len(ttfts),
             "ttft_p50_ms": 1000 * statistics.median(ttfts),
             "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-            "prefill_skipped": skipped}
+            **{k: sum(p[k] for p in passes) for k in ("prompt_tokens", "computed_prompt_tokens", "prefill_skipped",
+                                                       "wall_s")}}
 
 
 def tokenize_cost(model: Path) -> None:
@@ -178,6 +195,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--rounds", type=int, default=2, help="passes per policy, the order rotated each round")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/kv-aware-routing"))
     ap.add_argument("--json", type=Path, help="write the results here too")
     ap.add_argument("--tokenize-only", action="store_true", help="only measure the proxy's tokenize+hash cost")
@@ -195,21 +213,25 @@ def main() -> int:
     try:
         cluster.start()
         cluster.wait_healthy(900)
-        with httpx.Client() as client:  # first requests pay one-off costs; not counted
-            for s in cluster.servers:
-                stream_chat(client, s.server.url, [{"role": "user", "content": text(random.Random(5), 300)}], 4)
-        for policy in args.policies.split(","):
-            results.append(run_policy(cluster, policy, model, args))
-            print(json.dumps(results[-1]), flush=True)
+        run_policy(cluster, "round_robin", "warm-up", model, args)  # one-off costs of new shapes; not counted
+        policies = args.policies.split(",")
+        passes: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+        for r in range(args.rounds):
+            for policy in policies[r % len(policies):] + policies[:r % len(policies)]:
+                one = run_policy(cluster, policy, f"{policy}-{r}", model, args)
+                passes[policy].append(one)
+                print(json.dumps({k: v for k, v in one.items() if k != "ttfts"}), flush=True)
+        results = [summary(passes[p]) for p in policies]
     finally:
         cluster.stop()
         master.kill()
         master.wait()
-    print(f"{'policy':<18} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'computed prompt tok':>19} "
-          f"{'prefill skipped':>15} {'wall s':>7}")
+    print(f"{'policy':<18} {'requests':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'prompt tok':>10} "
+          f"{'computed':>9} {'prefill skipped':>15} {'wall s':>7}")
     for r in results:
-        print(f"{r['policy']:<18} {r['ttft_p50_ms']:>11.0f} {r['ttft_p99_ms']:>11.0f} "
-              f"{r['computed_prompt_tokens']:>19.0f} {r['prefill_skipped']:>15.0f} {r['wall_s']:>7.1f}")
+        print(f"{r['policy']:<18} {r['requests']:>8} {r['ttft_p50_ms']:>11.0f} {r['ttft_p99_ms']:>11.0f} "
+              f"{r['prompt_tokens']:>10} {r['computed_prompt_tokens']:>9.0f} {r['prefill_skipped']:>15.0f} "
+              f"{r['wall_s']:>7.1f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -131,4 +131,5 @@ class KvLocations:
         return held.block_size if held else None
 
     def instances(self) -> Iterable[str]:
-        return list(self._held)
+        with self._lock:
+            return list(self._held)
