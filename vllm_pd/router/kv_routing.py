@@ -1,9 +1,9 @@
 """Everything kv_aware routing needs, built once per proxy: tokenizer, block hasher, index, feed.
 
-Tokenizing a prompt costs ~1.5 ms per 1K tokens here (benchmarks/RESULTS.md,
-"KV-aware routing"), so it runs on one worker thread (HF tokenizers release
-the GIL) rather than on the event loop, with the hashes for every block size
-the index knows computed there too.
+Tokenizing and hashing a prompt costs ~0.5 ms per 1K tokens here, 18 ms at
+33K (benchmarks/RESULTS.md, "KV-aware routing"), so it runs on one worker
+thread (HF tokenizers release the GIL) rather than on the event loop, with the
+hashes for every block size the index knows computed there too.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ class KvRouting:
     async def annotate(self, req: ParsedRequest) -> None:
         """Fill ``req.blocks`` (None where the prompt cannot be reproduced exactly)."""
         req.blocks = await asyncio.get_running_loop().run_in_executor(self._executor, self._blocks, req)
+        if req.blocks is not None:
+            req.prompt_tokens = len(req.blocks.token_ids)  # exact, template included: loads count it
 
     def _blocks(self, req: ParsedRequest) -> PromptBlocks | None:
         blocks = self.tokenizer.blocks(req)
