@@ -5,7 +5,7 @@
 
 One cluster for every policy, in one run: 2 prefill + 1 decode vLLM servers
 (BENCH_MODEL, 8 layers; PD connector over tcp, push mode; the KV store on with
-a store master; vLLM's prefix cache on, publishing its KV events), in front of
+a store master unless ``--no-store``; vLLM's prefix cache on, publishing its KV events), in front of
 them the proxy (``vllm-pd proxy``, a subprocess) once per prefill policy:
 kv_aware (decode kv_aware too, so a prompt decode already holds skips
 prefill), prefix_aware, least_outstanding, round_robin.
@@ -198,6 +198,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="passes per policy, the order rotated each round")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/kv-aware-routing"))
     ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument("--no-store", action="store_true", help="the KV store off: only vLLM's prefix caches reuse KV")
     ap.add_argument("--tokenize-only", action="store_true", help="only measure the proxy's tokenize+hash cost")
     args = ap.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -206,9 +207,10 @@ def main() -> int:
     if args.tokenize_only:
         return 0
     master, address = spawn_master(free_port())
+    store = {} if args.no_store else {"store": {"cpu_bytes": "256m", "master": address}}
     cluster = LocalCluster(model=str(model), n_prefill=2, n_decode=1, max_model_len=4096, kv_events=True,
                            log_dir=args.log_dir, extra_args=["--served-model-name", "bench", "--seed", "0"],
-                           connector_extra={"store": {"cpu_bytes": "256m", "master": address}})
+                           connector_extra=store)
     results = []
     try:
         cluster.start()
