@@ -212,6 +212,11 @@ def test_flow_routes_to_holder_and_skips_prefill_when_decode_holds_prompt(small_
             status, _ = await h.post("/v1/chat/completions", body)
             assert status == 200
             assert len(h.prefills[1].seen) == 1 and not h.prefills[0].seen
+            # the prefill leg's load counts what it computes: the held blocks are not work
+            req = parse_body(json.dumps(body).encode(), CHAT)
+            req.blocks, req.prompt_tokens = routing.tokenizer.blocks(req), len(ids)
+            assert h.proxy.flow._prefill_work(req, h.proxy.pool.get(p1)) == len(ids) - 2 * BS
+            assert h.proxy.flow._prefill_work(req, h.proxy.pool.get(h.backend_urls["p0"])) == len(ids)
             routing.locations.apply_message(d0, 0, _batch(_stored(full, ids[:len(full) * BS])))
             status, _ = await h.post("/v1/chat/completions", body)
             assert status == 200

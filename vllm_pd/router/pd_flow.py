@@ -251,11 +251,18 @@ class PDFlow:
         logger.warning("request %s: no prefill succeeded; decode computes the prompt", state.request_id)
         return False
 
+    def _prefill_work(self, req: ParsedRequest, prefill: Instance) -> int:
+        """Prompt tokens the prefill leg computes: blocks the instance holds cost (nearly) nothing, so a
+        queue of multi-turn requests on their holder is not mistaken for a long one (kv_aware)."""
+        if self.kv_locations is None or req.blocks is None:
+            return req.prompt_tokens
+        return max(1, req.prompt_tokens - self.kv_locations.cached_tokens(prefill.url, req.blocks))
+
     async def _prefill_once(self, req: ParsedRequest, prefill: Instance, decode: Instance,
                             transfer_key: str | None, headers: dict[str, str], state: FlowState,
                             mode: TransferMode) -> bool:
         body = prefill_body(req.body, remote_decode_params(decode, transfer_key, mode))
-        lease = LegLease(prefill, "prefill", req.prompt_tokens)
+        lease = LegLease(prefill, "prefill", self._prefill_work(req, prefill))
         state.leases.append(lease)
         t0 = time.monotonic()
         try:
