@@ -25,6 +25,7 @@ from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamRespon
 from vllm_pd.router.http_server import Handler, HttpServer
 from vllm_pd.router.instance_pool import InstancePool
 from vllm_pd.router.k8s_discovery import KubernetesDiscovery
+from vllm_pd.router.kv_routing import KvRouting
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.partition_watch import PartitionWatch
 from vllm_pd.router.pd_flow import PDFlow, ReleaseFn, default_release_remote_kv
@@ -49,6 +50,7 @@ class ProxyServer:
         self._run_health_checks = run_health_checks
         self.client: BackendClient | None = None
         self.flow: PDFlow | None = None
+        self.kv_routing: KvRouting | None = None
         self.health: HealthChecker | None = None
         self.supervisor: Supervisor | None = None
         self.discovery: KubernetesDiscovery | None = None
@@ -76,9 +78,16 @@ class ProxyServer:
         watch = PartitionWatch()  # the health checks find lost instances; the flow's legs on them move on
         self.tracer = make_tracer(self.config.otlp_endpoint)
         self.request_log = RequestLog(self.config.request_log) if self.config.request_log else None
+        locations = None
+        if "kv_aware" in (self.config.prefill_policy, self.config.decode_policy):
+            self.kv_routing = KvRouting(self.config)
+            self.kv_routing.start()
+            locations = self.kv_routing.locations
+        weight = self.config.kv_load_weight
         self.flow = PDFlow(self.config, self.pool, self.client, self.metrics,
-                           make_policy(self.config.prefill_policy), make_policy(self.config.decode_policy),
-                           self._release_kv, self.tracer, self.request_log, watch)
+                           make_policy(self.config.prefill_policy, locations, weight),
+                           make_policy(self.config.decode_policy, locations, weight),
+                           self._release_kv, self.tracer, self.request_log, watch, locations)
         key = self.config.backend_api_key
         self.health = HealthChecker(self.pool, self.client, self.config.health_interval, self.config.health_timeout,
                                     headers=(("Authorization", bearer(key)),) if key else (), watch=watch)
@@ -109,6 +118,8 @@ class ProxyServer:
             await self.tracer.shutdown()
         if self.request_log:
             self.request_log.close()
+        if self.kv_routing:
+            self.kv_routing.stop()
 
     async def _on_instance_added(self) -> None:
         if self.health is not None:
@@ -121,6 +132,8 @@ class ProxyServer:
         try:
             parsed = parse_body(request.body, request.path, self.count_tokens)
             self._check_model(parsed.model)
+            if self.kv_routing is not None:
+                await self.kv_routing.annotate(parsed)
             assert self.flow is not None
             if self.gate is None:
                 resp = await self.flow.handle(parsed, request)

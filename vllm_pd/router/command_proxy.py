@@ -12,8 +12,9 @@ import signal
 import sys
 from typing import Any
 
-from vllm_pd.router.config import (DECODE_POLICIES, KV_MODES, PREFILL_POLICIES, ConfigError,
-                                   K8sDiscoveryConfig, ProxyConfig, load_yaml, parse_instance_flag)
+from vllm_pd.router.config import (DECODE_POLICIES, KV_HASH_ALGOS, KV_MODES, PREFILL_POLICIES, ConfigError,
+                                   InstanceConfig, K8sDiscoveryConfig, ProxyConfig, load_yaml,
+                                   parse_instance_flag)
 from vllm_pd.router.k8s_api import ApiError
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,8 @@ _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "
                  "supervisor_ttft_slo", "supervisor_tpot_slo", "supervisor_profile", "tokenizer", "otlp_endpoint",
                  "request_log", "drain_grace", "api_key", "backend_api_key", "backend_networks",
                  "backend_ca_file", "backend_tls_verify", "max_header_bytes", "max_headers", "max_url_bytes",
-                 "header_timeout", "body_timeout", "max_concurrent_requests", "max_queued_requests")
+                 "header_timeout", "body_timeout", "max_concurrent_requests", "max_queued_requests",
+                 "kv_hash_algo", "kv_load_weight")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "outcome) to PATH ('-': standard error)")
     p.add_argument("--drain-grace", type=float, help="on SIGTERM: seconds in-flight requests get to finish "
                    "before both legs of what remains are cancelled (default 30; SIGINT: 0)")
+    p.add_argument("--kv-events", action="append", default=[], metavar="URL=tcp://HOST:PORT",
+                   help="an instance's vLLM KV-event publisher (--kv-events-config endpoint), for kv_aware")
+    p.add_argument("--kv-hash-algo", choices=KV_HASH_ALGOS,
+                   help="the servers' --prefix-caching-hash-algo (default sha256, vLLM's default)")
+    p.add_argument("--kv-load-weight", type=float,
+                   help="kv_aware: weight of queued prompt tokens against uncached ones (default 1)")
     _add_security_and_limit_arguments(p)
 
 
@@ -134,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             ic = parse_instance_flag(f"{ic.url}@{args.decode_kv[i]}", "decode")
         instances.append(ic)
     instances += [parse_instance_flag(u, "both") for u in args.both]
+    _attach_kv_events(instances, args.kv_events)
     discovery = getattr(args, "service_discovery", None)
     if discovery == "static":
         kw.pop("kubernetes", None)
@@ -160,6 +169,17 @@ def _kubernetes_from_args(args: argparse.Namespace, from_file: K8sDiscoveryConfi
              "both_selector": args.both_selector}
     kw.update({k: v for k, v in flags.items() if v is not None})
     return K8sDiscoveryConfig(**kw)
+
+
+def _attach_kv_events(instances: list[InstanceConfig], flags: list[str]) -> None:
+    by_url = {ic.url: ic for ic in instances}
+    for flag in flags:
+        url, sep, endpoint = flag.partition("=")
+        ic = by_url.get(url.rstrip("/"))
+        if not sep or ic is None:
+            raise ConfigError(f"kv_events: {flag!r} is not URL=tcp://HOST:PORT for a configured instance")
+        ic.kv_events = endpoint
+        ic.__post_init__()  # validates the endpoint
 
 
 def install_uvloop() -> None:

@@ -17,11 +17,12 @@ from vllm_pd.router.backend_url import parse_networks
 from vllm_pd.router.client_auth import check_api_key
 from vllm_pd.router.http_limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES,
                                         DEFAULT_MAX_HEADERS, DEFAULT_MAX_URL_BYTES)
+from vllm_pd.router.prompt_tokens import HASH_ALGOS as KV_HASH_ALGOS
 
 ROLES = ("prefill", "decode", "both")
 KV_MODES = ("push", "pull", "auto")
-PREFILL_POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix_aware")
-DECODE_POLICIES = ("round_robin", "least_outstanding", "power_of_two")
+PREFILL_POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix_aware", "kv_aware")
+DECODE_POLICIES = ("round_robin", "least_outstanding", "power_of_two", "kv_aware")
 
 
 class ConfigError(ValueError):
@@ -37,9 +38,12 @@ class InstanceConfig:
     url: str
     role: str
     kv_endpoint: str | None = None  # "tcp://host:port" (or shm:// on one host, nixl://) of its KV endpoint (push mode)
+    kv_events: str | None = None  # "tcp://host:port" of its vLLM KV-event publisher (kv_aware routing)
 
     def __post_init__(self) -> None:
         self.url = _check_url(self.url, "url")
+        if self.kv_events is not None and not self.kv_events.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"kv_events: {self.kv_events!r} is not a tcp:// or ipc:// ZMQ endpoint")
         if self.role not in ROLES:
             raise ConfigError(f"role: {self.role!r} is not one of {ROLES}")
         if self.kv_endpoint is not None:
@@ -134,6 +138,8 @@ class ProxyConfig:
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_concurrent_requests: int = 0  # completions served at once (0 = no limit)
     max_queued_requests: int = 256  # completions waiting for a slot beyond that; more get 429
+    kv_hash_algo: str = "sha256"  # the servers' --prefix-caching-hash-algo (kv_aware)
+    kv_load_weight: float = 1.0  # kv_aware: queued prompt tokens weigh this much against uncached ones
 
     def __post_init__(self) -> None:
         self.validate()
@@ -172,6 +178,12 @@ class ProxyConfig:
                 ssl.create_default_context(cafile=self.backend_ca_file)
             except (OSError, ValueError) as e:  # (ssl.SSLError is an OSError)
                 raise ConfigError(f"backend_ca_file: {self.backend_ca_file!r}: {e}") from None
+        if self.kv_hash_algo not in KV_HASH_ALGOS:
+            raise ConfigError(f"kv_hash_algo: {self.kv_hash_algo!r} is not one of {KV_HASH_ALGOS}")
+        if self.kv_load_weight < 0:
+            raise ConfigError(f"kv_load_weight: must be >= 0, got {self.kv_load_weight}")
+        if "kv_aware" in (self.prefill_policy, self.decode_policy) and not self.tokenizer:
+            raise ConfigError("tokenizer: the kv_aware policy needs the model's tokenizer directory")
         if self.short_prompt_tokens < 0:
             raise ConfigError(f"short_prompt_tokens: must be >= 0, got {self.short_prompt_tokens}")
         urls = [i.url for i in self.instances]
@@ -216,7 +228,7 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "api_key": str, "backend_api_key": str, "backend_networks": list, "backend_ca_file": str,
     "backend_tls_verify": bool, "max_header_bytes": int, "max_headers": int, "max_url_bytes": int,
     "header_timeout": (int, float), "body_timeout": (int, float), "max_concurrent_requests": int,
-    "max_queued_requests": int,
+    "max_queued_requests": int, "kv_hash_algo": str, "kv_load_weight": (int, float),
 }
 assert set(_FIELD_TYPES) | {"instances", "kubernetes"} == {f.name for f in dataclasses.fields(ProxyConfig)}
 
@@ -251,14 +263,16 @@ def _instances_from_list(value: Any) -> list[InstanceConfig]:
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             raise ConfigError(f"instances[{i}]: expected a mapping with url and role")
-        unknown = set(item) - {"url", "role", "kv_endpoint"}
+        unknown = set(item) - {"url", "role", "kv_endpoint", "kv_events"}
         if unknown:
-            raise ConfigError(f"instances[{i}].{sorted(unknown)[0]}: unknown key (known: url, role, kv_endpoint)")
+            raise ConfigError(f"instances[{i}].{sorted(unknown)[0]}: unknown key "
+                              "(known: url, role, kv_endpoint, kv_events)")
         for req in ("url", "role"):
             if req not in item:
                 raise ConfigError(f"instances[{i}].{req}: missing")
         try:
-            result.append(InstanceConfig(url=item["url"], role=item["role"], kv_endpoint=item.get("kv_endpoint")))
+            result.append(InstanceConfig(url=item["url"], role=item["role"], kv_endpoint=item.get("kv_endpoint"),
+                                         kv_events=item.get("kv_events")))
         except ConfigError as e:
             raise ConfigError(f"instances[{i}].{e}") from None
     return result

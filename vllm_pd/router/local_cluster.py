@@ -8,6 +8,7 @@ the same core's OpenMP threads, and its own GPUs where asked (CUDA_VISIBLE_DEVIC
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -73,6 +74,7 @@ class LocalServer:
     server: VllmServer
     kv_port: int
     transport: str = "tcp"
+    kv_events_port: int | None = None  # its vLLM KV-event publisher (kv_aware routing)
 
     @property
     def kv_endpoint(self) -> str:
@@ -81,7 +83,8 @@ class LocalServer:
     def instance_config(self) -> InstanceConfig:
         # prefill never receives pushed KV, so only decode-capable instances advertise an endpoint
         push_target = self.role != "prefill" and self.server.spec.kv_transfer_config is not None
-        return InstanceConfig(self.server.url, self.role, self.kv_endpoint if push_target else None)
+        events = None if self.kv_events_port is None else f"tcp://{self.server.spec.host}:{self.kv_events_port}"
+        return InstanceConfig(self.server.url, self.role, self.kv_endpoint if push_target else None, events)
 
 
 @dataclass
@@ -102,6 +105,7 @@ class LocalCluster:
     gpus_per_instance: int = 0
     gpus: list[str] = field(default_factory=list)  # the GPUs to hand out (visible_gpus())
     serve_cli: bool = False  # start servers with `vllm serve` (see VllmServerSpec)
+    kv_events: bool = False  # each server publishes its prefix cache's KV events (ZMQ) for kv_aware
     servers: list[LocalServer] = field(default_factory=list)
 
     def start(self) -> None:
@@ -123,12 +127,19 @@ class LocalCluster:
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"transport": self.transport, "host": self.host,
                                               **self.connector_extra}}
+            events_port = _distinct_port(used) if self.kv_events else None
+            extra = list(self.extra_args)
+            if events_port is not None:
+                extra += ["--kv-events-config", json.dumps({
+                    "enable_kv_cache_events": True, "publisher": "zmq",
+                    # vLLM binds only wildcard endpoints (else it connects): all interfaces
+                    "endpoint": f"tcp://*:{events_port}"})]
             spec = VllmServerSpec(model=self.model, port=port, host=self.host, kv_transfer_config=kv_cfg,
                                   cpu_cores=cores, pin_processes=pin, max_model_len=self.max_model_len,
-                                  served_model_name=self.served_model_name, extra_args=self.extra_args,
+                                  served_model_name=self.served_model_name, extra_args=extra,
                                   gpus=gpus, serve_cli=self.serve_cli)
             server = VllmServer(spec, log_path=self.log_dir / f"{name}.log").start()
-            self.servers.append(LocalServer(name, role, server, kv_port, self.transport))
+            self.servers.append(LocalServer(name, role, server, kv_port, self.transport, events_port))
 
     def wait_healthy(self, timeout: float = 900.0,
                      progress: Callable[[dict[str, str]], None] | None = None) -> None:

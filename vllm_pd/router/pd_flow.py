@@ -42,6 +42,7 @@ from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
 from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
+from vllm_pd.router.kv_locations import KvLocations
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.partition_watch import InstanceUnreachable, PartitionWatch
 from vllm_pd.router.policies import Policy
@@ -94,8 +95,10 @@ class PDFlow:
                  metrics: ProxyMetrics, prefill_policy: Policy, decode_policy: Policy,
                  release_kv: ReleaseFn = default_release_remote_kv, tracer: Tracer | None = None,
                  request_log: RequestLog | None = None,
-                 watch: PartitionWatch | None = None) -> None:
+                 watch: PartitionWatch | None = None,
+                 kv_locations: KvLocations | None = None) -> None:
         self.config = config
+        self.kv_locations = kv_locations
         self.pool = pool
         self.client = client
         self.metrics = metrics
@@ -207,6 +210,9 @@ class PDFlow:
         if not candidates:
             return None
         policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        choose_for = getattr(policy, "choose_for", None)  # policies that read the whole request (kv_aware)
+        if choose_for is not None:
+            return choose_for(candidates, role, req)
         return policy.choose(candidates, role, req.prompt_key, req.prompt_tokens)
 
     # ---------------------------------------------------------------- prefill
@@ -219,6 +225,9 @@ class PDFlow:
         if req.prompt_tokens <= self.config.short_prompt_tokens:
             self.metrics.fallbacks.labels("short_prompt").inc()
             state.timings.fallback = "short_prompt"
+            return False
+        if self.kv_locations is not None and self.kv_locations.holds_prompt(decode.url, req.blocks):
+            self.metrics.fallbacks.labels("decode_holds_prompt").inc()  # its prefix cache has every full block
             return False
         if not self.pool.eligible("prefill", {decode.url}):  # a "both" instance never prefills for itself
             if self.config.require_disagg:
@@ -286,11 +295,18 @@ class PDFlow:
         logger.warning("request %s: no prefill succeeded; decode computes the prompt", state.request_id)
         return False
 
+    def _prefill_work(self, req: ParsedRequest, prefill: Instance) -> int:
+        """Prompt tokens the prefill leg computes: blocks the instance holds cost (nearly) nothing, so a
+        queue of multi-turn requests on their holder is not mistaken for a long one (kv_aware)."""
+        if self.kv_locations is None or req.blocks is None:
+            return req.prompt_tokens
+        return max(1, req.prompt_tokens - self.kv_locations.cached_tokens(prefill.url, req.blocks))
+
     async def _prefill_once(self, req: ParsedRequest, prefill: Instance, decode: Instance,
                             transfer_id: str | None, headers: dict[str, str], state: FlowState,
                             mode: TransferMode) -> bool:
         body = prefill_body(req.body, remote_decode_params(decode, transfer_id, mode))
-        lease = LegLease(prefill, "prefill", req.prompt_tokens)
+        lease = LegLease(prefill, "prefill", self._prefill_work(req, prefill))
         state.leases.append(lease)
         span = state.trace.leg("prefill", prefill.url)  # type: ignore[union-attr]
         failed: str | None = "cancelled"

@@ -10,9 +10,13 @@ import hashlib
 import itertools
 import random
 from collections import OrderedDict
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from vllm_pd.router.instance_pool import Instance
+
+if TYPE_CHECKING:
+    from vllm_pd.router.kv_locations import KvLocations
+    from vllm_pd.router.request_body import ParsedRequest
 
 
 class Policy(Protocol):
@@ -108,7 +112,39 @@ class PrefixAware:
         return len(self._owner)
 
 
-def make_policy(name: str) -> Policy:
+class KvAware:
+    """The instance where the prompt's KV already is, weighed against its queued work.
+
+    Cost of an instance, in tokens it must compute before this prompt is done:
+    the prompt tokens it does not hold (vLLM's KV events, kv_locations.py) plus
+    ``load_weight`` x the prompt tokens already queued on it for this role.
+    Lowest cost wins; ties go to the least loaded. Without a prompt's blocks
+    (not tokenizable exactly) it is least-outstanding.
+    """
+
+    def __init__(self, locations: "KvLocations", load_weight: float = 1.0) -> None:
+        self.locations = locations
+        self.load_weight = load_weight
+        self._fallback = LeastOutstanding()
+
+    def choose(self, candidates: list[Instance], role: str, prompt_key: str, tokens: int) -> Instance:
+        return self._fallback.choose(candidates, role, prompt_key, tokens)
+
+    def choose_for(self, candidates: list[Instance], role: str, req: "ParsedRequest") -> Instance:
+        if req.blocks is None or len(candidates) == 1:
+            return self.choose(candidates, role, req.prompt_key, req.prompt_tokens)
+        tokens = len(req.blocks.token_ids)
+        costs = {c.url: tokens - self.locations.cached_tokens(c.url, req.blocks)
+                 + self.load_weight * c.outstanding_tokens[role] for c in candidates}
+        best = min(costs.values())
+        return self._fallback.choose([c for c in candidates if costs[c.url] == best], role, req.prompt_key, tokens)
+
+
+def make_policy(name: str, locations: "KvLocations | None" = None, load_weight: float = 1.0) -> Policy:
+    if name == "kv_aware":
+        if locations is None:
+            raise ValueError("kv_aware needs a KV location index (the proxy's tokenizer and kv_events)")
+        return KvAware(locations, load_weight)
     policies: dict[str, type[Policy]] = {"round_robin": RoundRobin, "least_outstanding": LeastOutstanding,
                                          "power_of_two": PowerOfTwo, "prefix_aware": PrefixAware}
     return policies[name]()

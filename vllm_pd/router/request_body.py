@@ -11,12 +11,15 @@ add ``kv_transfer_params`` (benchmarks/RESULTS.md "Proxy", profile).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
 from vllm_pd.router.client_kv import strip_client_kv
 from vllm_pd.router.errors import ProxyError, bad_request
+
+if TYPE_CHECKING:
+    from vllm_pd.router.prompt_tokens import PromptBlocks
 
 encode_json = msgspec.json.Encoder().encode
 
@@ -37,6 +40,7 @@ class ParsedRequest:
     # False when the request cannot be split into prefill + decode safely
     # (n > 1, best_of, several prompts: a shared remote_block_ids breaks vLLM, vllm#43509/#54707)
     disaggregable: bool
+    blocks: "PromptBlocks | None" = None  # exact tokens and vLLM block hashes (kv_aware routing only)
 
 
 TokenCounter = Callable[[str], int]

@@ -1,0 +1,53 @@
+"""Everything kv_aware routing needs, built once per proxy: tokenizer, block hasher, index, feed.
+
+Tokenizing and hashing a prompt costs ~0.5 ms per 1K tokens here, 18 ms at
+33K (benchmarks/RESULTS.md, "KV-aware routing"), so it runs on one worker
+thread (HF tokenizers release the GIL) rather than on the event loop, with the
+hashes for every block size the index knows computed there too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from vllm_pd.router.config import ProxyConfig
+from vllm_pd.router.kv_events_feed import KvEventsFeed
+from vllm_pd.router.kv_locations import KvLocations
+from vllm_pd.router.prompt_tokens import PromptBlocks, PromptTokenizer, VllmBlockHasher
+from vllm_pd.router.request_body import ParsedRequest
+
+
+class KvRouting:
+    def __init__(self, config: ProxyConfig) -> None:
+        assert config.tokenizer, "validated by ProxyConfig"
+        hasher = VllmBlockHasher(config.kv_hash_algo)
+        self.tokenizer = PromptTokenizer(config.tokenizer, hasher)
+        self.locations = KvLocations(hasher)
+        self.feed = KvEventsFeed(self.locations)
+        for ic in config.instances:
+            if ic.kv_events:
+                self.feed.add(ic.url, ic.kv_events)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    def start(self) -> None:
+        self.feed.start()
+
+    def stop(self) -> None:
+        self.feed.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def annotate(self, req: ParsedRequest) -> None:
+        """Fill ``req.blocks`` (None where the prompt cannot be reproduced exactly)."""
+        req.blocks = await asyncio.get_running_loop().run_in_executor(self._executor, self._blocks, req)
+        if req.blocks is not None:
+            req.prompt_tokens = len(req.blocks.token_ids)  # exact, template included: loads count it
+
+    def _blocks(self, req: ParsedRequest) -> PromptBlocks | None:
+        blocks = self.tokenizer.blocks(req)
+        if blocks is not None:
+            sizes = {self.locations.block_size(url) for url in self.locations.instances()}
+            for size in sizes:  # hashed off the event loop, for each block size an instance announced
+                if size is not None:
+                    blocks.hashes(size)
+        return blocks
