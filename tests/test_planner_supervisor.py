@@ -10,7 +10,7 @@ import pytest
 from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, Poly, save_profile
 from vllm_pd.planner.role_pressure import SplitLoad, move_helps, predicted_tpot, predicted_ttft
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig
-from vllm_pd.router.instance_pool import InstancePool, LegLease
+from vllm_pd.router.instance_pool import InstancePool, InFlightLeg
 from vllm_pd.router.supervisor import Supervisor, supervisor_profile
 
 # 1 ms per prompt token, decode steps 10 ms + 10 ms per running request
@@ -42,7 +42,7 @@ def test_a_queued_backlog_moves_an_instance_only_with_the_model() -> None:
         sup.rebalance()  # decode, prefill, decode
         prefiller = next(i for i in pool.all() if i.active_role == "prefill")
         for _ in range(4):
-            LegLease(prefiller, "prefill", 3000)  # 12 s of prefill queued, no TTFT reported yet
+            InFlightLeg(prefiller, "prefill", 3000)  # 12 s of prefill queued, no TTFT reported yet
         sup.rebalance()
         states[profile is not None] = Counter(i.active_role for i in pool.all())["prefill"]
     assert states == {False: 1, True: 2}
@@ -58,7 +58,7 @@ def test_the_model_keeps_a_decoder_that_decode_cannot_spare() -> None:
             pool.recent_ttft.add(2.0)  # TTFT at twice its target...
         for inst in (i for i in pool.all() if i.active_role == "decode"):
             for _ in range(10):
-                LegLease(inst, "decode", 100)  # ...but one decoder would take 210 ms a step: TPOT at 2.1x
+                InFlightLeg(inst, "decode", 100)  # ...but one decoder would take 210 ms a step: TPOT at 2.1x
         sup.rebalance()
         moved[profile is not None] = sup.moves
     assert moved == {False: 1, True: 0}
