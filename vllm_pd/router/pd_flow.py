@@ -52,7 +52,8 @@ from vllm_pd.router.tracing import RequestTrace, Tracer
 
 logger = logging.getLogger(__name__)
 
-FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "x-data-parallel-rank")
+# not x-data-parallel-rank: the proxy places legs; a client's rank could fail one leg (see test_proxy_client_kv)
+FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate")
 
 ReleaseFn = Callable[[dict], bool]
 
