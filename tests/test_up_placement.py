@@ -134,8 +134,8 @@ def test_kv_aware_turns_on_kv_events_and_gives_the_proxy_the_tokenizer(
     assert (cfg.prefill_policy, cfg.decode_policy, cfg.tokenizer) == ("kv_aware", "kv_aware", str(model))
     assert len(cfg.instances) == 3 and all(ic.kv_events and ic.kv_events.startswith("tcp://") for ic in cfg.instances)
 
-    assert command_up.run(_parse(*argv[:-2])) == 0  # the default policy: no events, exact lengths all the same
-    assert configs[1].prefill_policy == "prefix_aware" and configs[1].tokenizer == str(model)
+    assert command_up.run(_parse(*argv[:-2])) == 0  # the default policy: no events, no tokenizer
+    assert configs[1].prefill_policy == "prefix_aware" and configs[1].tokenizer is None
     assert not any(ic.kv_events for ic in configs[1].instances)
 
 

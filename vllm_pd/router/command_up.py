@@ -71,13 +71,13 @@ def check_vllm_args(vllm_args: list[str]) -> None:
 
 
 def routing_settings(policy: str, model: str) -> dict[str, Any]:
-    """The proxy's routing keys for ``--policy``. The model's own tokenizer, where it is a local folder,
-    gives every policy exact prompt lengths; kv_aware cannot work without it."""
-    tokenizer = model if (Path(model) / "tokenizer.json").is_file() else None
-    if policy == "kv_aware" and tokenizer is None:
+    """The proxy's routing keys for ``--policy``: kv_aware needs the model's own tokenizer (a local folder).
+    Other policies keep the byte estimate: the proxy's exact count tokenizes on its event loop."""
+    if policy != "kv_aware":
+        return {"prefill_policy": policy, "decode_policy": ProxyConfig.decode_policy, "tokenizer": None}
+    if not (Path(model) / "tokenizer.json").is_file():
         raise ValueError(f"--policy kv_aware needs the model as a local folder with tokenizer.json, not {model!r}")
-    decode = "kv_aware" if policy == "kv_aware" else ProxyConfig.decode_policy
-    return {"prefill_policy": policy, "decode_policy": decode, "tokenizer": tokenizer}
+    return {"prefill_policy": policy, "decode_policy": "kv_aware", "tokenizer": model}
 
 
 def _vllm_cli_installed() -> bool:
