@@ -108,6 +108,10 @@ def test_plan_yaml_for_disaggregated_and_colocated(tmp_path: Path) -> None:
     assert [i.role for i in co.instances] == ["decode", "decode"] and not any(i.kv_endpoint for i in co.instances)
     args = cli.build_parser().parse_args(shlex.split(up_command(Deployment(0, 2)))[1:])
     assert (args.prefill, args.decode, args.connector) == (0, 2, "none")
+    args = cli.build_parser().parse_args(shlex.split(up_command(Deployment(1, 2, tp_prefill=2, tp_decode=2)))[1:])
+    assert (args.prefill, args.decode, args.gpus_per_instance) == (1, 2, 2)
+    assert args.vllm_args == ["--tensor-parallel-size", "2"]
+    assert "--tensor-parallel-size" not in up_command(Deployment(1, 1, tp_prefill=2, tp_decode=1))
 
 
 @pytest.mark.parametrize("argv, message", [

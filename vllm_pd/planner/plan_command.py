@@ -10,7 +10,7 @@ from pathlib import Path
 
 from vllm_pd.planner.deployment_search import (Candidate, Slo, distributions_at, enumerate_deployments, search,
                                                trace_at)
-from vllm_pd.planner.deployment_yaml import proxy_yaml, up_command
+from vllm_pd.planner.deployment_yaml import proxy_yaml, up_command, up_runs_tp
 from vllm_pd.planner.latency_profile import load_profile
 from vllm_pd.planner.workload import load_trace, parse_distributions
 
@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     args.yaml.write_text(proxy_yaml(best.deployment, args.host))
     print(f"best: {best.deployment.label} ({best.per_device:.3f} req/s per device)\n"
           f"proxy config: {args.yaml}\none machine: {up_command(best.deployment)}")
-    if (best.deployment.tp_prefill, best.deployment.tp_decode) != (1, 1):
-        print("(vllm-pd up starts TP 1 servers: start the TP servers yourself and use the proxy config)")
+    if not up_runs_tp(best.deployment):
+        print("(vllm-pd up gives every server one TP size: start the TP servers yourself and use the proxy config)")
     if args.json:
         args.json.write_text(json.dumps({"rate": own, "slo": asdict(slo), "candidates": [
             {"label": c.deployment.label, "deployment": asdict(c.deployment), "goodput": c.goodput,
