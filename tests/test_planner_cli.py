@@ -44,7 +44,7 @@ def mock_url() -> Iterator[str]:
 def test_profile_measures_the_mock_delays(mock_url: str, tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     rc = cli.main(["profile", mock_url, "--out", str(out), "--prefill-tokens", "16,64", "--decode-batches", "1,2",
-                   "--decode-contexts", "32,64", "--repeats", "1", "--kv-fixed-ms", "7"])
+                   "--decode-contexts", "32,64", "--repeats", "1", "--decode-repeats", "2", "--kv-fixed-ms", "7"])
     assert rc == 0
     prof = load_profile(out)
     inst = prof.for_tp(1)
@@ -53,7 +53,9 @@ def test_profile_measures_the_mock_delays(mock_url: str, tmp_path: Path) -> None
     assert 45 <= inst.prefill_ms(64) <= 200
     assert 18 <= inst.decode_ms(2, 128) <= 80
     assert inst.kv_ms(0) == pytest.approx(7)
-    assert len(inst.prefill_samples) == 6 and len(inst.decode_samples) == 4
+    assert len(inst.prefill_samples) == 6 and len(inst.decode_samples) == 8
+    # the decode points' scatter is the spread, over the second half of each stream (ignore_eos: 12 gaps)
+    assert len(inst.decode_spread) == 8 and inst.decode_spread_window_ms > 0
     # a second TP size joins the same file
     rc = cli.main(["profile", mock_url, "--out", str(out), "--append", "--tp", "2", "--prefill-tokens", "16,64",
                    "--decode-batches", "1,2", "--decode-contexts", "32", "--repeats", "1"])
