@@ -7,9 +7,12 @@ streaming completions with ``ignore_eos``:
   step's token budget); the slowest TTFT is one step of ``batch`` prompts of ``tokens``.
 - decode: ``batch`` concurrent requests of ``context`` prompt tokens, ``decode_repeats`` times; the mean
   gap between tokens in the second half of each stream (when every request of the batch is decoding)
-  is one step. Through the PD proxy when there is one, as a client of the deployment sees the steps
-  (the proxy relays every token on the same machine). The points' scatter around the fit is the decode
-  spread, over windows as long as those second halves.
+  is one step. The points' scatter around the fit is the decode spread, over windows as long as those
+  second halves.
+
+With ``relay_url`` (a proxy in front of this instance alone) prefill and decode are measured through it,
+as a client of the deployment sees them: the proxy's hop and its relaying of every token then count, on
+the cores they share with the instance. Without one, decode goes through ``pd_url`` if given.
 - KV hand-over: through a PD proxy (``pd_url``), a lone request's TTFT minus a lone prefill's measured
   here is prefill's end to decode's first token (transfer tail, decode's last layer, second hop);
   without one, a fixed model.
@@ -95,9 +98,10 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, model: str
 
 
 class InstanceProfiler:
-    def __init__(self, url: str, plan: ProfilePlan, pd_url: str | None = None) -> None:
+    def __init__(self, url: str, plan: ProfilePlan, pd_url: str | None = None, relay_url: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.pd_url = pd_url.rstrip("/") if pd_url else None
+        self.relay_url = relay_url.rstrip("/") if relay_url else None
         self.plan = plan
         self._prompts = UniquePrompts(plan.max_token_id)
 
@@ -105,7 +109,7 @@ class InstanceProfiler:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             model = await model_name(session, self.url)
             # the first requests pay one-off costs (graph warm-up, connections): keep them out
-            await self._batch(session, self.url, model, [64, 64], 4)
+            await self._batch(session, self.relay_url or self.url, model, [64, 64], 4)
             prefill = await self._prefill(session, model)
             decode, window_ms = await self._decode(session, model)
             kv = await self._kv(session, model, prefill) if self.pd_url else []
@@ -125,7 +129,8 @@ class InstanceProfiler:
         out = []
         for tokens in (t for t in p.prefill_tokens if t < p.max_model_len):
             for batch in (b for b in p.prefill_batches if b * tokens <= p.max_num_batched_tokens):
-                ms = [max(s.ttft for s in await self._batch(session, self.url, model, [tokens] * batch, 1)) * 1e3
+                url = self.relay_url or self.url
+                ms = [max(s.ttft for s in await self._batch(session, url, model, [tokens] * batch, 1)) * 1e3
                       for _ in range(p.repeats)]
                 out.append((tokens, batch, statistics.median(ms)))
                 logger.info("prefill %d x %d tokens: %.1f ms", batch, tokens, out[-1][2])
@@ -135,7 +140,7 @@ class InstanceProfiler:
                       model: str) -> tuple[list[tuple[int, int, float]], float]:
         """([(batch, summed context, mean step ms)], the median window those means span in ms)."""
         p = self.plan
-        url = self.pd_url or self.url
+        url = self.relay_url or self.pd_url or self.url
         out, windows = [], []
         half = p.decode_tokens // 2
         for _ in range(p.decode_repeats):

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add this TP size to an existing --out (replacing its entry for the same TP)")
     p.add_argument("--pd-url", help="a PD proxy over a prefill/decode pair of such instances: measures the "
                                     "KV hand-over (else --kv-fixed-ms/--kv-ms-per-token)")
+    p.add_argument("--relay-url", help="a proxy in front of this instance alone: prefill and decode are measured "
+                                       "through it, the proxy's hop and token relaying included")
     p.add_argument("--kv-fixed-ms", type=float, default=d.kv_fixed_ms)
     p.add_argument("--kv-ms-per-token", type=float, default=d.kv_ms_per_token)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
                        max_model_len=args.max_model_len, kv_fixed_ms=args.kv_fixed_ms,
                        kv_ms_per_token=args.kv_ms_per_token)
     try:
-        model, inst = asyncio.run(InstanceProfiler(args.url, plan, args.pd_url).run(args.tp))
+        model, inst = asyncio.run(InstanceProfiler(args.url, plan, args.pd_url, args.relay_url).run(args.tp))
         if args.append and args.out.exists():
             old = load_profile(args.out)
             if old.model != model:
