@@ -155,6 +155,18 @@ def slim(line: dict) -> dict:
     return {k: round(v, 5) if isinstance(v, float) else v for k, v in line.items() if k in PROXY_LOG_KEYS}
 
 
+def wait_quiet(limit_s: float, share: float = 0.1) -> float:
+    """Wait (at most ``limit_s``) until the machine uses < ``share`` of a core over 5 s; returns the last share."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        busy0 = machine_busy()
+        time.sleep(5)
+        used = (machine_busy() - busy0) / 5
+        if used < share or time.monotonic() > deadline:
+            print(f"machine busy {used * 100:.0f} % of a core before starting", flush=True)
+            return used
+
+
 def own_profile_path(profile: Path, config: str) -> Path:
     """Where a configuration other than 1p1d keeps the profile of its own instance."""
     return profile.with_name(f"{profile.stem}_{config}{profile.suffix}")
@@ -211,10 +223,14 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, default=HERE / "plan_profile.json")
     ap.add_argument("--results", type=Path, default=HERE / "plan_validate_results.json")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-plan-logs"))
+    ap.add_argument("--quiet-wait", type=float, default=60.0,
+                    help="before the runs, wait at most this long for the machine to be quiet (s)")
     args = ap.parse_args()
     traces = load_traces(args.load)
     results = json.loads(args.results.read_text()) if args.results.exists() else {}
     args.log_dir.mkdir(parents=True, exist_ok=True)
+    if args.config:
+        wait_quiet(args.quiet_wait)
     for config in args.config:
         results[config] = run_config(args, config, traces)
         args.results.write_text(json.dumps(results, indent=1) + "\n")
