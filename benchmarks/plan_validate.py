@@ -94,6 +94,7 @@ def run_config(args: argparse.Namespace, config: str, traces: dict[str, list[Tra
         relay, relay_url = proxy_process(["--decode", decode_url])
         procs.append(relay)
         path = args.profile if both else own_profile_path(args.profile, config)
+        check = {"before profiling": asyncio.run(decode_check(url, decode_url, model))}
         busy0, ours0, t_p = machine_busy(), own_cpu(servers, procs), time.monotonic()
         name, prof = asyncio.run(InstanceProfiler(decode_url, ProfilePlan(repeats=3), pd_url=url if both else None,
                                                   relay_url=relay_url).run(1))
@@ -104,8 +105,7 @@ def run_config(args: argparse.Namespace, config: str, traces: dict[str, list[Tra
               f"meanwhile", flush=True)
         # warm-up: the proxy's and connector's first connections stay out of the figures
         asyncio.run(replay(url, model, [TraceRequest(0.0, 128, 4), TraceRequest(0.1, 512, 4)]))
-        out["decode_check"] = asyncio.run(decode_check(url, [i.url for i in inst if i.role == "decode"][0], model))
-        print(f"  decode check (ms/step, batch 1, median of 6): {out['decode_check']}", flush=True)
+        check["after profiling"] = asyncio.run(decode_check(url, decode_url, model))
         for load, trace in traces.items():
             busy0, ours0, t1 = machine_busy(), own_cpu(servers, procs), time.monotonic()
             rows = asyncio.run(replay(url, model, trace))
@@ -114,6 +114,9 @@ def run_config(args: argparse.Namespace, config: str, traces: dict[str, list[Tra
                          "foreign_cpu_pct": foreign, "loadavg": os.getloadavg()[0]}
             print(f"  {load}: replayed {len(rows)} requests in {time.monotonic() - t1:.0f} s; other processes "
                   f"{foreign:.0f} % of a core", flush=True)
+        check["after the replays"] = asyncio.run(decode_check(url, decode_url, model))
+        out["decode_check"] = check
+        print(f"  decode check (ms/step, batch 1, median of 6): {check}", flush=True)
     finally:
         for p in procs:
             p.terminate()
