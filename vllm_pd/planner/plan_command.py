@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
     p.add_argument("--devices", type=int, default=4, help="instance budget, in devices (instances x TP)")
     p.add_argument("--requests", type=int, default=400, help="requests simulated from a distribution")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampled workload and the simulated decode spread")
     p.add_argument("--deployments", help="only these, comma-separated labels (e.g. 1P1D,colocated x2)")
     p.add_argument("--yaml", type=Path, default=Path("vllm-pd-plan.yaml"), help="proxy YAML for the winner")
     p.add_argument("--json", type=Path, help="also write every candidate's figures here")
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{[d.label for d in deployments]}", file=sys.stderr)
             return 2
         deployments = [d for d in deployments if d.label in wanted]
-    ranked = search(profile, deployments, at, own, slo)
+    ranked = search(profile, deployments, at, own, slo, args.seed)
     best = ranked[0]
     print(f"workload at {own:.3f} req/s; SLO TTFT {slo.ttft * 1e3:.0f} ms, TPOT {slo.tpot * 1e3:.0f} ms, "
           f"{slo.attainment * 100:.0f} % attainment; figures at the workload's rate\n")
