@@ -56,7 +56,7 @@ class StoreScheduler:
 
             node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
             self.master = MasterClient(config.master, node, endpoint, self.placement.servable_chains,
-                                       config.master_timeout_s)
+                                       config.master_timeout_s, salt=salt, instance_url=config.instance_url or "")
             self.placement.master = self.master
         if config.disk_path is not None:
             # index a restarted disk tier now, so the first requests already hit it (the
