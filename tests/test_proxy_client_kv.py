@@ -18,7 +18,8 @@ EVIL_KV = {"do_remote_prefill": True, "remote_engine_id": "evil", "remote_host":
 def _evil_body(**kw: Any) -> dict[str, Any]:
     return {"prompt": "a long enough prompt " * 10, "max_tokens": 3, "kv_transfer_params": EVIL_KV,
             "remote_host": "10.9.9.9", "transfer_id": "k",
-            "store_fetch": {"node": "evil", "endpoint": "tcp://169.254.169.254:80", "blocks": 9}, "vllm_xargs": {"kv_transfer_params": "x", "keep": 1},
+            "store_fetch": {"node": "evil", "endpoint": "tcp://169.254.169.254:80", "blocks": 9},
+            "vllm_xargs": {"kv_transfer_params": "x", "keep": 1},
             **kw}
 
 
