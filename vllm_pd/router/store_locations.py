@@ -32,7 +32,7 @@ from vllm_pd.connector.transfer_params import StoreFetch
 
 logger = logging.getLogger(__name__)
 
-NODES_REFRESH_S = 5.0  # node list age after which a request refreshes it first (nodes come and go rarely)
+NODES_REFRESH_S = 1.0  # node list age after which a request refreshes it first (one tiny call a second at most)
 TIMEOUT_S = 0.1  # per master call; the tokenize thread serves every request, so keep it short
 
 
