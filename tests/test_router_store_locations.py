@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,6 +140,36 @@ def test_stale_holdings_follow_evictions_and_the_node_list_refreshes(master) -> 
     finally:
         loc.close()
         p0.close()
+
+
+def test_an_instances_salt_outlives_its_nodes_expiry() -> None:
+    """An idle instance's node stops publishing and the master drops it; the proxy still knows its
+    salt, so that instance can still be told where to fetch from."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "from vllm_pd.connector.store.master import serve; "
+                             f"serve('tcp://127.0.0.1:{port}', node_ttl_s=0.5)"])
+    address = f"tcp://127.0.0.1:{port}"
+    loc = StoreLocations(address, timeout_s=2.0, refresh_s=0.0, retry_after_s=0.1)
+    idle = holder = None
+    try:
+        deadline = time.monotonic() + 20
+        while loc.locate(IDS) is None:  # the master process starting
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        idle = node(address, "n-p0", "http://p0:1", 0)
+        assert "http://p0:1" in loc.locate(IDS).salts
+        time.sleep(0.8)  # p0 silent beyond the master's node TTL
+        holder = node(address, "n-p1", "http://p1:1", 4)
+        got = loc.locate(IDS)
+        assert [n.node for n in loc.nodes if n.salt is not None] == ["n-p1"]
+        assert got.fetch_hint("http://p0:1", 0) == StoreFetch("n-p1", "tcp://n-p1:7000", 4)
+    finally:
+        loc.close()
+        for n in (idle, holder):
+            if n is not None:
+                n.close()
+        proc.kill()
+        proc.wait()
 
 
 def _prompt(ids: list[int]) -> PromptBlocks:

@@ -204,6 +204,8 @@ def test_node_publishes_salt_and_instance_url_and_the_proxy_reads_them(master):
     sched = StoreScheduler(cfg, SALT, slot_nbytes=1024, endpoint="tcp://p0:1")
     link = MasterLink(address, timeout_s=2.0)
     try:
+        # announced when built, before any request (an idle instance is still a fetch target)
+        assert NodeInfo("p0", "tcp://p0:1", "http://10.0.0.5:8000", SALT) in link.call(Nodes()).nodes
         op = sched.plan_save("r", list(range(12)), [0, 1, 2])
         sched.on_worker_report(StoreReport(saves=[SaveResult("r", op.keys, [])]))
         reply = link.call(Nodes())

@@ -55,7 +55,7 @@ class StorePrompt:
 
     num_tokens: int  # the prompt's tokens
     hits: tuple[StoreHit, ...]  # nodes holding >= 1 block
-    salts: dict[str, KeySalt]  # instance URL -> its node's salt, for every node naming its instance
+    salts: dict[str, KeySalt]  # instance URL -> its node's salt, for every node that ever named its instance
 
     def tokens(self, instance_url: str) -> int:
         """Prompt tokens the instance's own store holds as leading full blocks (0 if none or unknown)."""
@@ -91,6 +91,9 @@ class StoreLocations:
         self.refresh_s = refresh_s
         self._nodes: list[NodeInfo] = []
         self._nodes_at = float("-inf")
+        # instance URL -> its store's salt, kept when its node drops off the master: an idle node stops
+        # heartbeating (it publishes on engine steps) and expires, but its salt, which a hint needs, stays
+        self._salts: dict[str, KeySalt] = {}
 
     def locate(self, token_ids: Sequence[int]) -> StorePrompt | None:
         """Per node, how much of the prompt its store holds; None when the master is down."""
@@ -108,8 +111,7 @@ class StoreLocations:
                 return None
             hits.extend(StoreHit(n, salt, reply.held[n.node]) for n in nodes
                         if n.salt == salt and reply.held.get(n.node, 0) > 0)
-        salts = {n.instance_url: n.salt for n in nodes if n.instance_url and n.salt is not None}
-        return StorePrompt(len(token_ids), tuple(hits), salts)
+        return StorePrompt(len(token_ids), tuple(hits), dict(self._salts))
 
     def _refresh(self) -> bool:
         """The node list, refreshed when older than refresh_s. False: the master did not answer."""
@@ -121,6 +123,7 @@ class StoreLocations:
             self._nodes_at = float("-inf")  # asked again as soon as the master is retried
             return False
         self._nodes, self._nodes_at = reply.nodes, now
+        self._salts.update({n.instance_url: n.salt for n in reply.nodes if n.instance_url and n.salt is not None})
         return True
 
     @property

@@ -59,6 +59,9 @@ class StoreScheduler:
             self.master = MasterClient(config.master, node, endpoint, self.placement.servable_chains,
                                        config.master_timeout_s, salt=salt, instance_url=config.instance_url or "")
             self.placement.master = self.master
+            # announce this node (salt, instance_url) now, not at its first engine step: a router
+            # can then tell an instance that never ran a request which node to fetch from
+            self.master.flush()
         if config.disk_path is not None:
             # index a restarted disk tier now, so the first requests already hit it (the
             # workers' own rebuild reports arrive only after a step and are then no-ops)
