@@ -170,7 +170,8 @@ def test_turns_follow_the_store_fetch_on_hint_and_skip_prefill_outputs_equal_pla
         plain.start()
         plain.wait_healthy(600)
         with httpx.Client(timeout=180) as client:
-            for body, answer in sent:
-                assert _answer(client, plain.servers[0].server.url, body) == answer
+            plain_answers = [_answer(client, plain.servers[0].server.url, body) for body, _ in sent]
+        steps = ("turn 1", "turn 2 (holder's store)", "turn 3 (fetched on hint)", "turn 1 again (decode's store)")
+        assert plain_answers == [a for _, a in sent], list(zip(steps, [a for _, a in sent], plain_answers))
     finally:
         plain.stop()
