@@ -101,7 +101,6 @@ def test_turns_follow_the_store_fetch_on_hint_and_skip_prefill_outputs_equal_pla
     flow.prefill_policy.choose_for = recording  # type: ignore[attr-defined]
     prefills = [s.server.url for s in cluster.servers if s.role == "prefill"]
     decode_url = next(s.server.url for s in cluster.servers if s.role == "decode")
-    servers = prefills + [decode_url]
     view = StoreLocations(master, timeout_s=2.0, refresh_s=0.0)  # the test's own look at the master
     sent: list[tuple[dict[str, Any], str]] = []
 
@@ -142,15 +141,17 @@ def test_turns_follow_the_store_fetch_on_hint_and_skip_prefill_outputs_equal_pla
             turn3 = _body(messages)
             excluded.add(holder)
             hints, ext = proxy_metric("vllm_pd_proxy_store_fetch_hints_total"), _external(client, other)
-            served = sum(metric(client, u, "vllm:pd_store_served_blocks_total") for u in servers)
+            got = view.locate(ids(turn3))
+            assert got is not None and got.tokens(other) == 0  # its own store holds none of it
             n = len(chosen)
             sent.append((turn3, _answer(client, proxy.url, turn3)))
             excluded.clear()
             assert chosen[n:] == [other]
             assert proxy_metric("vllm_pd_proxy_store_fetch_hints_total") == hints + 1
-            assert _wait(lambda: _external(client, other) > ext), "the hinted prefill did not load the prompt"
-            assert _wait(lambda: sum(metric(client, u, "vllm:pd_store_served_blocks_total") for u in servers)
-                         > served), "no store served the hinted fetch"
+            # its store held nothing: what it loaded was fetched from another node's store (the holder's
+            # vllm:pd_store_served_blocks_total counts it only at the holder's next engine step, which may
+            # never come here: an idle holder does not step)
+            assert _wait(lambda: _external(client, other) > ext), "the hinted prefill did not fetch the prompt"
 
             # turn 1 again: decode's store holds all of it (decode saved what it decoded): no prefill leg
             assert _wait(lambda: stored(decode_url, turn1, whole=True)), "decode's store never published turn 1"
