@@ -8,7 +8,9 @@ One cluster for every policy, in one run: 2 prefill + 1 decode vLLM servers
 a store master unless ``--no-store``; vLLM's prefix cache on, publishing its KV events), in front of
 them the proxy (``vllm-pd proxy``, a subprocess) once per prefill policy:
 kv_aware (decode kv_aware too, so a prompt decode already holds skips
-prefill), prefix_aware, least_outstanding, round_robin.
+prefill), kv_aware+store (the same, with ``--store-master``: the store master
+is a second location source and prefill legs carry store_fetch hints; store on
+only), prefix_aware, least_outstanding, round_robin.
 
 The trace: ``--conversations`` chats of ``--turns`` turns, each turn's prompt
 being the whole history (chat template applied by vLLM); conversations share
@@ -19,7 +21,11 @@ counted) goes first; then ``--rounds`` passes per policy, the policies' order
 rotated each round. Per policy: TTFT p50/p99 of the
 streamed answers (first content chunk, at the client), and the prompt tokens
 the servers computed (vLLM's ``prompt_tokens_by_source{source="local_compute"}``
-summed over all three servers, before/after), against the trace's prompt tokens.
+summed over all three servers, before/after), against the trace's prompt tokens;
+the prompt tokens the prefill servers loaded instead (``source="external_kv_transfer"``
+on the prefills: from their own store or fetched from another node's), the KV store
+blocks nodes served each other (``vllm:pd_store_served_blocks_total``) and the
+proxy's store_fetch hints.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from vllm_pd.router.local_cluster import LocalCluster  # noqa: E402
 from vllm_pd.small_model import ensure_model  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402
 
-POLICIES = ("kv_aware", "prefix_aware", "least_outstanding", "round_robin")
+POLICIES = ("kv_aware", "kv_aware+store", "prefix_aware", "least_outstanding", "round_robin")
 WORDS = ("alpha beta gamma delta river mountain signal vector kernel thread socket buffer window "
          "planet orbit copper silver garden harbor lantern meadow quartz summit timber velvet").split()
 
@@ -88,20 +94,41 @@ def stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]],
     return (ttft if ttft is not None else time.perf_counter() - t0), "".join(parts), prompt_tokens
 
 
-def computed_tokens(client: httpx.Client, urls: list[str]) -> float:
+def server_counter(client: httpx.Client, urls: list[str], name: str, label: str = "") -> float:
+    """Sum over ``urls`` of the samples of counter ``name`` whose labels include ``label``."""
     total = 0.0
     for url in urls:
         for line in client.get(url + "/metrics", timeout=30).text.splitlines():
-            if line.startswith("vllm:prompt_tokens_by_source_total{") and 'source="local_compute"' in line:
+            if line.startswith(name + "{") and label in line:
                 total += float(line.rsplit(" ", 1)[1])
     return total
 
 
-def start_proxy(cluster: LocalCluster, policy: str, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def computed_tokens(client: httpx.Client, urls: list[str]) -> float:
+    return server_counter(client, urls, "vllm:prompt_tokens_by_source_total", 'source="local_compute"')
+
+
+def served_blocks(client: httpx.Client, urls: list[str]) -> float:
+    """KV store blocks the nodes served each other (node-to-node fetches)."""
+    return server_counter(client, urls, "vllm:pd_store_served_blocks_total")
+
+
+def loaded_tokens(client: httpx.Client, urls: list[str]) -> float:
+    """Prompt tokens the connector loaded (on a prefill: from its store or another node's)."""
+    return server_counter(client, urls, "vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
+
+
+def start_proxy(cluster: LocalCluster, policy: str, model: Path, log: Path,
+                store_master: str | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    base = policy.split("+")[0]
     cmd = [sys.executable, "-m", "vllm_pd.cli", "proxy", "--port", str(port), "--tokenizer", str(model),
-        "--prefill-policy", policy,
-        "--decode-policy", "kv_aware" if policy == "kv_aware" else "least_outstanding"]
+        "--prefill-policy", base,
+        "--decode-policy", "kv_aware" if base == "kv_aware" else "least_outstanding"]
+    if policy.endswith("+store"):
+        if store_master is None:
+            raise SystemExit(f"{policy} needs the store on (drop --no-store)")
+        cmd += ["--store-master", store_master]
     for ic in cluster.instances():
         cmd += [f"--{ic.role}", ic.url + (f"@{ic.kv_endpoint}" if ic.kv_endpoint else "")]
         if ic.kv_events:
@@ -123,13 +150,14 @@ def start_proxy(cluster: LocalCluster, policy: str, model: Path, log: Path) -> t
 
 def run_policy(cluster: LocalCluster, policy: str, tag: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One pass of the trace (prompts led by ``tag``) through a proxy running ``policy``."""
-    proc, url = start_proxy(cluster, policy, model, args.log_dir / f"proxy-{tag}.log")
+    proc, url = start_proxy(cluster, policy, model, args.log_dir / f"proxy-{tag}.log", args.store_master)
     servers = [s.server.url for s in cluster.servers]
+    prefills = [s.server.url for s in cluster.servers if s.role == "prefill"]
     try:
         with httpx.Client() as client:
             time.sleep(1.0)  # KV-event subscriptions join (a late SUB misses nothing it needs here)
             chats = conversations(tag, args.conversations, args.turns, args.seed)
-            before = computed_tokens(client, servers)
+            before = computed_tokens(client, servers), loaded_tokens(client, prefills), served_blocks(client, servers)
 
             def one(c: int) -> list[tuple[float, int]]:
                 messages = [{"role": "system", "content": system_prompt(tag, c, args.seed)}]
@@ -146,14 +174,20 @@ def run_policy(cluster: LocalCluster, policy: str, tag: str, model: Path, args: 
                 turns = [t for ts in pool.map(one, range(args.conversations)) for t in ts]
             wall = time.perf_counter() - t0
             time.sleep(1.0)  # let the servers' metrics catch up with the last requests
-            computed = computed_tokens(client, servers) - before
-            skipped = sum(float(line.rsplit(" ", 1)[1]) for line in client.get(url + "/metrics").text.splitlines()
-                          if line.startswith("vllm_pd_proxy_decode_only") and "decode_holds_prompt" in line)
+            computed = computed_tokens(client, servers) - before[0]
+            loaded = loaded_tokens(client, prefills) - before[1]
+            served = served_blocks(client, servers) - before[2]
+            proxy_lines = client.get(url + "/metrics").text.splitlines()
+            skipped = sum(float(line.rsplit(" ", 1)[1]) for line in proxy_lines
+                          if line.startswith("vllm_pd_proxy_decode_only") and "holds_prompt" in line)
+            hints = sum(float(line.rsplit(" ", 1)[1]) for line in proxy_lines
+                        if line.startswith("vllm_pd_proxy_store_fetch_hints_total"))
     finally:
         proc.terminate()
         proc.wait(10)
     return {"policy": policy, "tag": tag, "ttfts": [t for t, _ in turns], "wall_s": wall,
-            "prompt_tokens": sum(n for _, n in turns), "computed_prompt_tokens": computed, "prefill_skipped": skipped}
+            "prompt_tokens": sum(n for _, n in turns), "computed_prompt_tokens": computed, "prefill_skipped": skipped,
+            "prefill_loaded_tokens": loaded, "store_served_blocks": served, "store_fetch_hints": hints}
 
 
 def summary(passes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -163,7 +197,8 @@ def summary(passes: list[dict[str, Any]]) -> dict[str, Any]:
             "ttft_p50_ms": 1000 * statistics.median(ttfts),
             "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
             **{k: sum(p[k] for p in passes) for k in ("prompt_tokens", "computed_prompt_tokens", "prefill_skipped",
-                                                       "wall_s")}}
+                                                       "prefill_loaded_tokens", "store_served_blocks",
+                                                       "store_fetch_hints", "wall_s")}}
 
 
 def tokenize_cost(model: Path) -> None:
@@ -208,6 +243,7 @@ def main() -> int:
         return 0
     master, address = spawn_master(free_port())
     store = {} if args.no_store else {"store": {"cpu_bytes": "256m", "master": address}}
+    args.store_master = None if args.no_store else address
     cluster = LocalCluster(model=str(model), n_prefill=2, n_decode=1, max_model_len=4096, kv_events=True,
                            log_dir=args.log_dir, extra_args=["--served-model-name", "bench", "--seed", "0"],
                            connector_extra=store)
@@ -216,7 +252,8 @@ def main() -> int:
         cluster.start()
         cluster.wait_healthy(900)
         run_policy(cluster, "round_robin", "warm-up", model, args)  # one-off costs of new shapes; not counted
-        policies = args.policies.split(",")
+        # kv_aware+store reads the store master: without the store there is nothing for it to read
+        policies = [p for p in args.policies.split(",") if not (args.no_store and p.endswith("+store"))]
         passes: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
         for r in range(args.rounds):
             for policy in policies[r % len(policies):] + policies[:r % len(policies)]:
@@ -229,10 +266,11 @@ def main() -> int:
         master.kill()
         master.wait()
     print(f"{'policy':<18} {'requests':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'prompt tok':>10} "
-          f"{'computed':>9} {'prefill skipped':>15} {'wall s':>7}")
+          f"{'computed':>9} {'loaded':>8} {'served blk':>10} {'hints':>6} {'skipped':>7} {'wall s':>7}")
     for r in results:
         print(f"{r['policy']:<18} {r['requests']:>8} {r['ttft_p50_ms']:>11.0f} {r['ttft_p99_ms']:>11.0f} "
-              f"{r['prompt_tokens']:>10} {r['computed_prompt_tokens']:>9.0f} {r['prefill_skipped']:>15.0f} "
+              f"{r['prompt_tokens']:>10} {r['computed_prompt_tokens']:>9.0f} {r['prefill_loaded_tokens']:>8.0f} "
+              f"{r['store_served_blocks']:>10.0f} {r['store_fetch_hints']:>6.0f} {r['prefill_skipped']:>7.0f} "
               f"{r['wall_s']:>7.1f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

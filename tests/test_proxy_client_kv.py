@@ -11,12 +11,15 @@ from vllm_pd.router.client_kv import CLIENT_KV_FIELDS, strip_client_kv
 
 EVIL_KV = {"do_remote_prefill": True, "remote_engine_id": "evil", "remote_host": "169.254.169.254",
            "remote_port": 80, "remote_block_ids": [0], "remote_request_id": "someone-else",
-           "transfer_id": "someone-elses-transfer", "decode_endpoint": "tcp://169.254.169.254:80"}
+           "transfer_id": "someone-elses-transfer", "decode_endpoint": "tcp://169.254.169.254:80",
+           "store_fetch": {"node": "evil", "endpoint": "tcp://169.254.169.254:80", "blocks": 9}}
 
 
 def _evil_body(**kw: Any) -> dict[str, Any]:
     return {"prompt": "a long enough prompt " * 10, "max_tokens": 3, "kv_transfer_params": EVIL_KV,
-            "remote_host": "10.9.9.9", "transfer_id": "k", "vllm_xargs": {"kv_transfer_params": "x", "keep": 1},
+            "remote_host": "10.9.9.9", "transfer_id": "k",
+            "store_fetch": {"node": "evil", "endpoint": "tcp://169.254.169.254:80", "blocks": 9},
+            "vllm_xargs": {"kv_transfer_params": "x", "keep": 1},
             **kw}
 
 
@@ -142,3 +145,13 @@ def test_a_client_does_not_pick_the_data_parallel_engine() -> None:
                 assert "x-data-parallel-rank" not in names, leg.headers
                 assert "traceparent" in names  # the other forwarded headers still pass
     run(go)
+
+
+def test_store_fetch_hint_is_a_client_kv_field() -> None:
+    """The proxy's hint where a prefill's store fetches from (transfer_params.STORE_FETCH): a client's
+    would point a prefill's store at an address of the client's choosing."""
+    from vllm_pd.connector.transfer_params import STORE_FETCH
+
+    assert STORE_FETCH in CLIENT_KV_FIELDS
+    body = {"prompt": "x", STORE_FETCH: {"node": "n", "endpoint": "tcp://h:1", "blocks": 1}}
+    assert strip_client_kv(body) and body == {"prompt": "x"}

@@ -45,3 +45,30 @@ def test_missing_blocks_become_load_errors():
     bridge.begin_step(StoreStepMeta(missing_block_ids=[7, 9]))
     assert bridge.load_errors() == {7, 9} and bridge.load_errors() == set()
     bridge.shutdown()
+
+
+def test_prefill_legs_store_fetch_hint_reaches_the_store_once_per_request():
+    """The hint rides in the request's kv_transfer_params (vLLM's Request stood in by a namespace
+    with the three fields the bridge reads); with it the store does not ask its master, which is
+    down here and would cost the scheduler its timeout."""
+    import time
+    from types import SimpleNamespace
+
+    from vllm_pd.connector.store_bridge import StoreBridgeScheduler
+    from vllm_pd.connector.transfer_params import StoreFetch
+    from vllm_pd.vllm_server import free_port
+
+    cfg = StoreConfig(cpu_bytes=16 * SLOT, master=f"tcp://127.0.0.1:{free_port()}", master_timeout_s=1.0,
+                      node_id="p0")
+    bridge = StoreBridgeScheduler(vllm_config=None, config=cfg)
+    bridge.store = StoreScheduler(cfg, SALT, SLOT, endpoint="tcp://127.0.0.1:1")
+    hint = StoreFetch("d0", "tcp://127.0.0.1:2", 3)
+    req = SimpleNamespace(request_id="r1", prompt_token_ids=list(range(13)),
+                          kv_transfer_params={"do_remote_decode": True, **hint.to_params()})
+    t0 = time.monotonic()
+    assert bridge.get_num_new_matched_tokens(req, 0) == 12
+    assert time.monotonic() - t0 < 0.5
+    assert bridge._matched["r1"][1].node == "d0"
+    req.kv_transfer_params = {"do_remote_decode": True}  # parsed once: vLLM asks again while it waits
+    assert bridge.get_num_new_matched_tokens(req, 0) == 12
+    bridge.store.master.close()

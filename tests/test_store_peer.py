@@ -15,6 +15,7 @@ from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.connector.store.pool_exchange import PoolExchange, SlotDirectory
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
+from vllm_pd.connector.transfer_params import StoreFetch
 from vllm_pd.vllm_server import free_port
 
 # ---- the protocol: two pools on the TCP transport -------------------------------------------
@@ -297,3 +298,53 @@ def test_a_dead_master_is_retried_ever_more_rarely():
         assert not client.available
     finally:
         client.close()
+
+
+# ---- the proxy's store_fetch hint (kv_aware routing with --store-master) ----------------------------
+
+
+def test_hint_fetches_without_asking_the_master(nodes):
+    a, b, proc = nodes
+    save_on(a)
+    proc.kill()  # with the master gone, only the hint can say where the blocks are
+    proc.wait()
+    hint = StoreFetch("a", a.worker.exchange.endpoint, 4)  # the prompt's 4th block is never asked for: capped
+    t0 = time.monotonic()
+    hit, remote = b.sched.match_with_remote(TOKS[:-1], fetch=hint)
+    assert time.monotonic() - t0 < 0.5  # no master call (its timeout is 2 s here)
+    assert hit == 12 and remote is not None and (remote.node, remote.blocks) == ("a", 3)
+    op, missing = b.sched.plan_load("r-b", TOKS[:-1], 0, 12, [20, 21, 22], remote=remote)
+    assert op is not None and not missing and op.from_peer == [True] * 3
+    b.step()
+    for layer in range(LAYERS):
+        assert torch.equal(b.kv[layer][[20, 21, 22]], a.kv[layer][[3, 7, 9]])
+    assert b.worker.take_load_errors() == set() and b.sched.match(TOKS) == 12
+
+
+def test_hint_no_longer_than_the_local_prefix_or_naming_this_node_is_not_used(nodes):
+    a, b, _ = nodes
+    save_on(a)
+    b.sched.plan_save("r-b0", TOKS[:8], [5, 6])
+    b.step()
+    assert b.sched.match_with_remote(TOKS[:-1], fetch=StoreFetch("a", a.worker.exchange.endpoint, 2)) == (8, None)
+    assert b.sched.match_with_remote(TOKS[:-1], fetch=StoreFetch("b", "tcp://b:1", 3)) == (8, None)
+
+
+def test_stale_hint_costs_a_failed_verified_fetch_then_a_recompute(nodes):
+    """The proxy's hint names a node that meanwhile lost the blocks: its grant covers none of them
+    (the holder's directory decides, not the hint), the fetch fails, vLLM recomputes them, and
+    nothing lands or commits. (A block overwritten after its grant fails the checksum instead:
+    test_block_overwritten_after_its_grant_is_rejected.)"""
+    a, b, _ = nodes
+    save_on(a)
+    hint = StoreFetch("a", a.worker.exchange.endpoint, 3)
+    a.worker.directory.drop_slots([s for s, _ in a.worker.directory.leading(chain_keys(TOKS, SALT))])
+    before = [t.clone() for t in b.kv]
+    hit, remote = b.sched.match_with_remote(TOKS[:-1], fetch=hint)
+    assert hit == 12 and remote is not None  # believed: the hint is all b has
+    b.sched.plan_load("r-b", TOKS[:-1], 0, 12, [20, 21, 22], remote=remote)
+    b.step()
+    assert b.worker.take_load_errors() == {20, 21, 22}  # vLLM recomputes them
+    for layer in range(LAYERS):
+        assert torch.equal(b.kv[layer][[20, 21, 22]], before[layer][[20, 21, 22]])
+    assert b.sched.match(TOKS) == 0 and b.sched.slots.free_count == b.sched.slots.num_slots

@@ -16,6 +16,7 @@ from vllm_pd.connector.transfer_params import (
     LocalPrompt,
     RemoteDecodeRequest,
     RemotePrefill,
+    StoreFetch,
     TransferParamsError,
     asks_remote_decode,
     asks_remote_prefill,
@@ -174,6 +175,28 @@ def test_awaited_prefill_round_trip_and_told_apart_from_prefills_answer() -> Non
 def test_awaited_prefill_bad_values_rejected_naming_the_key(extra: dict, key: str) -> None:
     with pytest.raises(TransferParamsError, match=key):
         AwaitedPrefill.parse({**AwaitedPrefill("k1", "push").to_params(), **extra})
+
+
+def test_store_fetch_hint_round_trip_beside_the_prefill_leg() -> None:
+    hint = StoreFetch("node-a", "tcp://10.0.0.2:7000,tcp://10.0.0.2:7001", 5)
+    params = {**RemoteDecodeRequest().to_params(), **hint.to_params()}
+    params = json.loads(json.dumps(params))
+    assert params["store_fetch"] == {"node": "node-a", "endpoint": "tcp://10.0.0.2:7000,tcp://10.0.0.2:7001",
+                                     "blocks": 5}
+    assert StoreFetch.from_params(params) == hint
+    assert RemoteDecodeRequest.from_params(params) == RemoteDecodeRequest()  # the leg itself is unchanged
+    assert StoreFetch.from_params(RemoteDecodeRequest().to_params()) is None
+    assert StoreFetch.from_params(None) is None
+
+
+@pytest.mark.parametrize("bad", [{"node": "a", "endpoint": "tcp://h:1", "blocks": 0},
+                                 {"node": "", "endpoint": "tcp://h:1", "blocks": 1},
+                                 {"node": "a", "blocks": 1}, "tcp://h:1"])
+def test_malformed_store_fetch_hint_is_ignored_and_logged(bad: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A bad hint only loses the hint: the store asks its master as without one."""
+    with caplog.at_level("WARNING"):
+        assert StoreFetch.from_params({"store_fetch": bad}) is None
+    assert "store_fetch" in caplog.text
 
 
 def test_requested_load_mode() -> None:

@@ -25,6 +25,7 @@ from vllm_pd.connector.store.master_client import RemoteHit
 from vllm_pd.connector.store.plans import StorePlan, StoreReport
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
+from vllm_pd.connector.transfer_params import StoreFetch
 from vllm_pd.connector.transport.base import MemoryRegion
 from vllm_pd.vllm_logging import vllm_logger
 
@@ -76,6 +77,7 @@ class StoreBridgeScheduler:
         self.store: StoreScheduler | None = None  # built once the workers' handshake says the block size
         # request -> (tokens the store holds, the node holding those beyond the local prefix)
         self._matched: dict[str, tuple[int, RemoteHit | None]] = {}
+        self._hints: dict[str, StoreFetch | None] = {}  # request -> the proxy's store_fetch hint
         self._meta = StoreStepMeta()
 
     def on_handshake(self, num_layers: int, block_nbytes: int, endpoint: str) -> None:
@@ -92,12 +94,19 @@ class StoreBridgeScheduler:
             return 0
         prompt = request.prompt_token_ids or []
         # >= 1 token left to compute; the master is asked only beyond the local prefix
-        hit, remote = self.store.match_with_remote(prompt[: len(prompt) - 1], request_id=request.request_id)
+        hit, remote = self.store.match_with_remote(prompt[: len(prompt) - 1], request_id=request.request_id,
+                                                   fetch=self._fetch_hint(request))
         if hit <= num_computed_tokens:
             self._matched.pop(request.request_id, None)
             return 0
         self._matched[request.request_id] = (hit, remote)
         return hit - num_computed_tokens
+
+    def _fetch_hint(self, request: "Request") -> StoreFetch | None:
+        """The proxy's store_fetch hint, parsed once per request (vLLM asks again every step it waits)."""
+        if request.request_id not in self._hints:
+            self._hints[request.request_id] = StoreFetch.from_params(request.kv_transfer_params)
+        return self._hints[request.request_id]
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> bool:
         """True if the store serves this request's external tokens."""
@@ -116,6 +125,7 @@ class StoreBridgeScheduler:
     def request_finished(self, request: "Request", block_ids: list[int], pd_holds: bool) -> bool:
         """Queue the save of the request's computed blocks; True if vLLM must keep them for it."""
         self._matched.pop(request.request_id, None)
+        self._hints.pop(request.request_id, None)
         if self.store is None:
             return False
         n = request.num_computed_tokens

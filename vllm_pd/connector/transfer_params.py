@@ -14,6 +14,10 @@ speak), so those proxies work with this connector unchanged:
   once its forward is done, announces its :class:`RemotePrefill` to decode, which
   checks it is the same prompt (:class:`LocalPrompt`) before using a byte (and, in pull
   mode, reads the KV then).
+* proxy -> prefill, in the prefill leg (:class:`StoreFetch`, ``"store_fetch"``): another
+  node's KV store holds a longer prefix of the prompt than the prefill instance does; its
+  store fetches those blocks from that node instead of asking the store master itself (a
+  hint: a node that lost them costs a failed, verified fetch and a recompute).
 * release: whoever drops prefill's KV (decode when done, the proxy when no decode will
   run) tells every TP rank of prefill (:meth:`RemotePrefill.release_endpoints`).
 
@@ -52,6 +56,8 @@ PROTOCOL_KEY = "vllm_pd"
 PROTOCOL_VERSION = 2  # 2: one transfer_id, no transfer_key
 # ours, on a decode leg: the load mode this request asks for instead of the instance's
 LOAD_MODE = "load_mode"
+# ours, on a prefill leg: the store node to fetch the prompt's leading blocks from (StoreFetch)
+STORE_FETCH = "store_fetch"
 
 # the key version 1 named a proxy-chosen transfer by: refused by name, never silently ignored
 _RETIRED_TRANSFER_KEY = "transfer_key"
@@ -223,6 +229,34 @@ class AwaitedPrefill(msgspec.Struct, frozen=True):
         _require_ours(params, "awaited prefill")
         return _convert(params, cls, "awaited prefill")
 
+
+
+class StoreFetch(msgspec.Struct, frozen=True):
+    """Where the proxy saw the prompt's KV in another node's store (proxy -> prefill).
+
+    ``blocks``: the leading full blocks of the prompt that ``node`` holds, per the store
+    master when the proxy asked; ``endpoint``: that node's store endpoint(s) (comma-separated
+    per TP rank, as the master lists them)."""
+
+    node: _Name
+    endpoint: _Name
+    blocks: _Positive
+
+    def to_params(self) -> dict[str, Any]:
+        return {STORE_FETCH: msgspec.to_builtins(self)}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> "StoreFetch | None":
+        """The hint in ``params``, or None (none given, or malformed: logged, the store then asks
+        its master itself as without a hint)."""
+        raw = (params or {}).get(STORE_FETCH)
+        if raw is None:
+            return None
+        try:
+            return msgspec.convert(raw, cls)
+        except msgspec.ValidationError as e:
+            logger.warning("kv_transfer_params.%s ignored: %s", STORE_FETCH, e)
+            return None
 
 
 def parse_decode_leg(params: dict[str, Any] | None) -> RemotePrefill | AwaitedPrefill | None:

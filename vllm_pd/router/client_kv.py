@@ -26,6 +26,7 @@ CLIENT_KV_FIELDS = frozenset({
     "remote_host", "remote_port", "remote_request_id", "remote_endpoint", "remote_endpoints",
     "remote_num_tokens", "tp_size", "prompt_hash", "transfer_id", "transfer_mode", "decode_endpoint",
     "transfer_key",  # protocol 1's name of the transfer
+    "store_fetch",  # where a prefill's store fetches the prompt from: a client must not point it anywhere
 })
 
 

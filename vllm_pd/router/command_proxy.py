@@ -28,7 +28,7 @@ _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "
                  "request_log", "drain_grace", "api_key", "backend_api_key", "backend_networks",
                  "backend_ca_file", "backend_tls_verify", "max_header_bytes", "max_headers", "max_url_bytes",
                  "header_timeout", "body_timeout", "max_concurrent_requests", "max_queued_requests",
-                 "kv_hash_algo", "kv_load_weight")
+                 "kv_hash_algo", "kv_load_weight", "store_master")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the servers' --prefix-caching-hash-algo (default sha256, vLLM's default)")
     p.add_argument("--kv-load-weight", type=float,
                    help="kv_aware: weight of queued prompt tokens against uncached ones (default 1)")
+    p.add_argument("--store-master", metavar="tcp://HOST:PORT",
+                   help="kv_aware: also learn where prompts' KV lives from the KV store's master (the servers' "
+                   "store.master); a prefill leg is then told which store node to fetch from")
     _add_security_and_limit_arguments(p)
 
 

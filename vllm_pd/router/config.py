@@ -140,6 +140,9 @@ class ProxyConfig:
     max_queued_requests: int = 256  # completions waiting for a slot beyond that; more get 429
     kv_hash_algo: str = "sha256"  # the servers' --prefix-caching-hash-algo (kv_aware)
     kv_load_weight: float = 1.0  # kv_aware: queued prompt tokens weigh this much against uncached ones
+    # kv_aware: "tcp://host:port" of the KV store's master (`vllm-pd store-master`), read as a second
+    # source of where prompts' KV lives (router/store_locations.py); None = vLLM's KV events only
+    store_master: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -182,6 +185,11 @@ class ProxyConfig:
             raise ConfigError(f"kv_hash_algo: {self.kv_hash_algo!r} is not one of {KV_HASH_ALGOS}")
         if self.kv_load_weight < 0:
             raise ConfigError(f"kv_load_weight: must be >= 0, got {self.kv_load_weight}")
+        if self.store_master is not None:
+            _check_zmq_tcp(self.store_master, "store_master")
+            if "kv_aware" not in (self.prefill_policy, self.decode_policy):
+                raise ConfigError("store_master: only the kv_aware policy reads it; set --prefill-policy kv_aware "
+                                  "(or --decode-policy kv_aware)")
         if "kv_aware" in (self.prefill_policy, self.decode_policy) and not self.tokenizer:
             raise ConfigError("tokenizer: the kv_aware policy needs the model's tokenizer directory")
         if self.short_prompt_tokens < 0:
@@ -190,6 +198,17 @@ class ProxyConfig:
         dup = {u for u in urls if urls.count(u) > 1}
         if dup:
             raise ConfigError(f"instances: duplicate url {sorted(dup)[0]}")
+
+
+def _check_zmq_tcp(address: str, key: str) -> None:
+    """A ``tcp://host:port`` ZMQ address with a real port."""
+    parsed = urlparse(address)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "tcp" or not parsed.hostname or not port or parsed.path not in ("", "/"):
+        raise ConfigError(f"{key}: {address!r} is not tcp://HOST:PORT (the `vllm-pd store-master` address)")
 
 
 def _check_url(url: Any, key: str) -> str:
@@ -228,7 +247,7 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "api_key": str, "backend_api_key": str, "backend_networks": list, "backend_ca_file": str,
     "backend_tls_verify": bool, "max_header_bytes": int, "max_headers": int, "max_url_bytes": int,
     "header_timeout": (int, float), "body_timeout": (int, float), "max_concurrent_requests": int,
-    "max_queued_requests": int, "kv_hash_algo": str, "kv_load_weight": (int, float),
+    "max_queued_requests": int, "kv_hash_algo": str, "kv_load_weight": (int, float), "store_master": str,
 }
 assert set(_FIELD_TYPES) | {"instances", "kubernetes"} == {f.name for f in dataclasses.fields(ProxyConfig)}
 

@@ -3,7 +3,9 @@
 Tokenizing and hashing a prompt costs ~0.5 ms per 1K tokens here, 18 ms at
 33K (benchmarks/RESULTS.md, "KV-aware routing"), so it runs on one worker
 thread (HF tokenizers release the GIL) rather than on the event loop, with the
-hashes for every block size the index knows computed there too.
+hashes for every block size the index knows computed there too, and, with a
+store master (``store_master``), the master asked there which store holds how
+much of the prompt (store_locations.py; bounded by its timeout).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from vllm_pd.router.kv_events_feed import KvEventsFeed
 from vllm_pd.router.kv_locations import KvLocations
 from vllm_pd.router.prompt_tokens import PromptBlocks, PromptTokenizer, VllmBlockHasher
 from vllm_pd.router.request_body import ParsedRequest
+from vllm_pd.router.store_locations import StoreLocations
 
 
 class KvRouting:
@@ -28,6 +31,8 @@ class KvRouting:
         for ic in config.instances:
             if ic.kv_events:
                 self.feed.add(ic.url, ic.kv_events)
+        # one thread: the master's socket is used from it alone
+        self.store = StoreLocations(config.store_master) if config.store_master else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     def start(self) -> None:
@@ -35,10 +40,14 @@ class KvRouting:
 
     def stop(self) -> None:
         self.feed.stop()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        # with a store master, wait for the running call (<= its timeout): its socket is closed next
+        self._executor.shutdown(wait=self.store is not None, cancel_futures=True)
+        if self.store is not None:
+            self.store.close()
 
     async def annotate(self, req: ParsedRequest) -> None:
-        """Fill ``req.blocks`` (None where the prompt cannot be reproduced exactly)."""
+        """Fill ``req.blocks`` (None where the prompt cannot be reproduced exactly) and, with a store
+        master, ``req.store`` (None also when the master does not answer)."""
         req.blocks = await asyncio.get_running_loop().run_in_executor(self._executor, self._blocks, req)
         if req.blocks is not None:
             req.prompt_tokens = len(req.blocks.token_ids)  # exact, template included: loads count it
@@ -50,4 +59,6 @@ class KvRouting:
             for size in sizes:  # hashed off the event loop, for each block size an instance announced
                 if size is not None:
                     blocks.hashes(size)
+            if self.store is not None:
+                req.store = self.store.locate(blocks.token_ids)
         return blocks

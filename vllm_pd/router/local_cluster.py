@@ -126,7 +126,7 @@ class LocalCluster:
                 # a KV load that fails is recomputed on decode rather than failing the request
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"transport": self.transport, "host": self.host,
-                                              **self.connector_extra}}
+                                              **_with_instance_url(self.connector_extra, self.host, port)}}
             events_port = _distinct_port(used) if self.kv_events else None
             extra = list(self.extra_args)
             if events_port is not None:
@@ -170,6 +170,15 @@ class LocalCluster:
     def stop(self) -> None:
         for s in self.servers:
             s.server.stop()
+
+
+def _with_instance_url(extra: dict, host: str, port: int) -> dict:
+    """``extra`` with ``store.instance_url`` set to the server's own URL (unless given): its store
+    then tells the master which instance it is, for the proxy's kv_aware routing."""
+    store = extra.get("store")
+    if not isinstance(store, dict) or "instance_url" in store:
+        return extra
+    return {**extra, "store": {**store, "instance_url": f"http://{host}:{port}"}}
 
 
 def _distinct_port(used: set[int]) -> int:

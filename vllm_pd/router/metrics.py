@@ -77,6 +77,8 @@ class ProxyMetrics:
                                  ["reason"], registry=r)
         self.kv_releases = Counter("vllm_pd_proxy_kv_releases", "release_remote_kv calls", ["result"], registry=r)
         self.disconnects = Counter("vllm_pd_proxy_client_disconnects", "client disconnects", ["stage"], registry=r)
+        self.store_fetch_hints = Counter("vllm_pd_proxy_store_fetch_hints", "prefill legs told which KV store "
+                                         "node to fetch the prompt from (kv_aware with --store-master)", registry=r)
         self.stream_errors = Counter("vllm_pd_proxy_stream_errors", "streams ended by an error event", registry=r)
         r.register(_PoolCollector(pool))
         self.in_flight = 0  # client requests in the PD flow

@@ -43,6 +43,7 @@ from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, InFlightLeg
 from vllm_pd.router.kv_locations import KvLocations
+from vllm_pd.router.policies import held_tokens
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.partition_watch import InstanceUnreachable, PartitionWatch
 from vllm_pd.router.policies import Policy
@@ -230,6 +231,11 @@ class PDFlow:
         if self.kv_locations is not None and self.kv_locations.holds_prompt(decode.url, req.blocks):
             self.metrics.fallbacks.labels("decode_holds_prompt").inc()  # its prefix cache has every full block
             return False
+        if req.store is not None and req.store.holds_prompt(decode.url):
+            # its own KV store has every full block: a request without a prefill leg loads them from there
+            # (connector.py: the store is asked for every request that awaits no remote prefill)
+            self.metrics.fallbacks.labels("decode_store_holds_prompt").inc()
+            return False
         if not self.pool.eligible("prefill", {decode.url}):  # a "both" instance never prefills for itself
             if self.config.require_disagg:
                 raise unavailable("no prefill instance available and --require-disagg is set",
@@ -301,12 +307,25 @@ class PDFlow:
         queue of multi-turn requests on their holder is not mistaken for a long one (kv_aware)."""
         if self.kv_locations is None or req.blocks is None:
             return req.prompt_tokens
-        return max(1, req.prompt_tokens - self.kv_locations.cached_tokens(prefill.url, req.blocks))
+        return max(1, req.prompt_tokens - held_tokens(self.kv_locations, prefill.url, req))
+
+    def _prefill_params(self, req: ParsedRequest, prefill: Instance, decode: Instance, transfer_id: str | None,
+                        mode: TransferMode) -> dict[str, Any]:
+        """The prefill leg's kv_transfer_params, with a store_fetch hint when another node's KV store
+        holds more of the prompt than the prefill instance has (its store then fetches from there
+        without asking the store master on the engine's scheduler thread)."""
+        params = remote_decode_params(decode, transfer_id, mode)
+        if req.store is not None and self.kv_locations is not None:
+            hint = req.store.fetch_hint(prefill.url, held_tokens(self.kv_locations, prefill.url, req))
+            if hint is not None:
+                params.update(hint.to_params())
+                self.metrics.store_fetch_hints.inc()
+        return params
 
     async def _prefill_once(self, req: ParsedRequest, prefill: Instance, decode: Instance,
                             transfer_id: str | None, headers: dict[str, str], state: FlowState,
                             mode: TransferMode) -> bool:
-        body = prefill_body(req.body, remote_decode_params(decode, transfer_id, mode))
+        body = prefill_body(req.body, self._prefill_params(req, prefill, decode, transfer_id, mode))
         leg = InFlightLeg(prefill, "prefill", self._prefill_work(req, prefill))
         state.in_flight.append(leg)
         span = state.trace.leg("prefill", prefill.url)  # type: ignore[union-attr]

@@ -112,14 +112,31 @@ class PrefixAware:
         return len(self._owner)
 
 
+def held_tokens(locations: "KvLocations", instance: str, req: "ParsedRequest") -> int:
+    """Prompt tokens the instance will not compute: the longer of what its prefix cache holds (KV
+    events) and what its own KV store holds (the store master), as leading full blocks.
+
+    A store-held token is counted as free like a cached one, not as a fraction of a computed one:
+    loading it is a copy from the CPU pool, small against a forward pass (benchmarks/RESULTS.md,
+    "Store", end to end: two thirds of the prompt tokens loaded from the store halve TTFT), and a
+    finer weight would need measuring per deployment."""
+    if req.blocks is None:
+        return 0
+    cached = locations.cached_tokens(instance, req.blocks)
+    return max(cached, req.store.tokens(instance)) if req.store is not None else cached
+
+
 class KvAware:
     """The instance where the prompt's KV already is, weighed against its queued work.
 
     Cost of an instance, in tokens it must compute before this prompt is done:
-    the prompt tokens it does not hold (vLLM's KV events, kv_locations.py) plus
-    ``load_weight`` x the prompt tokens already queued on it for this role.
-    Lowest cost wins; ties go to the least loaded. Without a prompt's blocks
-    (not tokenizable exactly) it is least-outstanding.
+    the prompt tokens it does not hold (:func:`held_tokens`: vLLM's KV events,
+    kv_locations.py, and its own KV store per the store master,
+    store_locations.py) plus ``load_weight`` x the prompt tokens already queued on
+    it for this role. Lowest cost wins; ties go to the least loaded. Without a
+    prompt's blocks (not tokenizable exactly) it is least-outstanding. Blocks
+    only *another* node's store holds count for no candidate: the chosen one is
+    told to fetch them (pd_flow.py), whichever it is.
     """
 
     def __init__(self, locations: "KvLocations", load_weight: float = 1.0) -> None:
@@ -134,7 +151,7 @@ class KvAware:
         if req.blocks is None or len(candidates) == 1:
             return self.choose(candidates, role, req.prompt_key, req.prompt_tokens)
         tokens = len(req.blocks.token_ids)
-        costs = {c.url: tokens - self.locations.cached_tokens(c.url, req.blocks)
+        costs = {c.url: tokens - held_tokens(self.locations, c.url, req)
                  + self.load_weight * c.outstanding_tokens[role] for c in candidates}
         best = min(costs.values())
         return self._fallback.choose([c for c in candidates if costs[c.url] == best], role, req.prompt_key, tokens)

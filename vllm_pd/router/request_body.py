@@ -20,6 +20,7 @@ from vllm_pd.router.errors import ProxyError, bad_request
 
 if TYPE_CHECKING:
     from vllm_pd.router.prompt_tokens import PromptBlocks
+    from vllm_pd.router.store_locations import StorePrompt
 
 encode_json = msgspec.json.Encoder().encode
 
@@ -41,6 +42,7 @@ class ParsedRequest:
     # (n > 1, best_of, several prompts: a shared remote_block_ids breaks vLLM, vllm#43509/#54707)
     disaggregable: bool
     blocks: "PromptBlocks | None" = None  # exact tokens and vLLM block hashes (kv_aware routing only)
+    store: "StorePrompt | None" = None  # what the KV stores hold of it (kv_aware with a store master only)
 
 
 TokenCounter = Callable[[str], int]

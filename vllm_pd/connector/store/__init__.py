@@ -25,8 +25,10 @@ Scheduler side (EngineCore process) - ``StoreScheduler(config, salt, slot_nbytes
     ``on_worker_report(StoreReport)`` -> from ``update_connector_output`` (the
         worker's report travels in KVConnectorWorkerMetadata; ``StoreReport.aggregate``
         merges TP ranks; a block commits once all ``world_size`` ranks reported it).
-    ``match_with_remote(token_ids, request_id) -> (tokens, RemoteHit | None)``: the local
-        prefix, or a longer one another node holds per the master (then pass the hit
+    ``match_with_remote(token_ids, request_id, fetch=None) -> (tokens, RemoteHit | None)``: the local
+        prefix, or a longer one another node holds per the proxy's ``store_fetch`` hint
+        (``fetch``, transfer_params.StoreFetch: the master is then not asked) or else per
+        the master (then pass the hit
         to ``plan_load(..., remote=hit)``: the part beyond the local prefix is fetched
         from that node). ``remote_match`` returns only the hit.
 
@@ -48,7 +50,8 @@ Worker side (each worker) - ``StoreWorker(config, salt, kv_caches, rank=0, block
 
 Config (``kv_connector_extra_config["store"]``): ``StoreConfig.from_dict`` -
 cpu_bytes, disk_path, disk_bytes, pin_ttl_s (formerly lease_s, still accepted), disk_io_threads, master,
-master_timeout_s, node_id, fetch_timeout_s, disk_serve_bytes, host_bounce_bytes (GPU KV only:
+master_timeout_s, node_id, instance_url (the vLLM instance's URL as the proxy knows it, published to
+the master for kv_aware routing), fetch_timeout_s, disk_serve_bytes, host_bounce_bytes (GPU KV only:
 pinned rows between the device and the pool); an unknown key or bad value raises ConfigError,
 also a setting that cannot work with the KV's device.
 Salt: ``KeySalt(model, dtype, kv_layout, block_size, num_layers, tp_size, pp_size, extra)``.
@@ -94,6 +97,13 @@ owned by the grant until it ends; disk_staging.py) and serves them from
 there; with ``disk_serve_bytes`` 0 only CPU-pool blocks are advertised. A
 master that stays down is retried with a doubling back-off (up to 60 s): each
 failed call stalls the scheduler for ``master_timeout_s``.
+
+Routing (the proxy's kv_aware policy with ``--store-master``, router/store_locations.py):
+a node's snapshot also carries its salt and ``instance_url``; the proxy lists the
+nodes, computes each salt's keys of a prompt and asks the master how many leading
+blocks each node holds, sends prefill where its own store (or prefix cache) holds
+the most, skips prefill when decode's store holds every full block, and names in
+the prefill leg's ``store_fetch`` the node to fetch a longer prefix from.
 
 Composing with LMCache - not run here, and it cannot be on these CPU machines: the
 registry's lmcache 0.5.6 wheel (checked 2026-11-22, installed aside with --no-deps)

@@ -33,6 +33,17 @@ def _renamed_keys(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _instance_url(value: Any) -> str:
+    """``http(s)://host:port`` without a path or a trailing slash (the proxy compares URLs as strings)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value) if isinstance(value, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+        raise ConfigError(f"store.instance_url: expected the instance's URL as the proxy knows it, "
+                          f"e.g. http://10.0.0.5:8000, got {value!r}")
+    return value.rstrip("/")
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     cpu_bytes: int = 1 << 30  # CPU pool size per worker (rank)
@@ -44,6 +55,9 @@ class StoreConfig:
     master: str | None = None  # "tcp://host:port" of `vllm-pd store-master`; None = local only
     master_timeout_s: float = 0.2
     node_id: str | None = None  # name published to the master (default host:pid)
+    # this node's vLLM instance as the proxy knows it (http://host:port), published to the master so
+    # the proxy's kv_aware policy can send a prompt where the store holds it; None = not routable
+    instance_url: str | None = None
     fetch_timeout_s: float = 2.0  # node-to-node fetch (grant + bytes) must finish in this, else recompute
     # CPU memory beyond cpu_bytes where a holder stages its disk blocks for peers' fetches
     # (with a disk tier and a master only); 0 = peers get blocks in CPU slots only
@@ -71,6 +85,8 @@ class StoreConfig:
         for name in ("disk_path", "master", "node_id"):
             if name in raw and raw[name] is not None and not isinstance(raw[name], str):
                 raise ConfigError(f"store.{name}: expected a string, got {raw[name]!r}")
+        if raw.get("instance_url") is not None:
+            raw["instance_url"] = _instance_url(raw["instance_url"])
         cfg = cls(**raw)
         return cfg
 

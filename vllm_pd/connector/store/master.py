@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from vllm_pd.connector.store.keys import BlockKey
+from vllm_pd.connector.store.keys import BlockKey, KeySalt
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
+
+
+PROTOCOL_VERSION = 2  # 2: salt and instance_url in snapshots; Nodes and Holders requests
 
 
 class Publish(msgspec.Struct, tag="publish"):
@@ -34,11 +37,32 @@ class Publish(msgspec.Struct, tag="publish"):
     inserts: list[tuple[BlockKey, BlockKey | None]] = []
     removes: list[BlockKey] = []
     snapshot: bool = False  # inserts are the node's whole index: forget its older keys
+    # with a snapshot (they never change for a node): what its keys are salted with, and the
+    # URL of its vLLM instance as the proxy knows it ("" = not routable by the proxy)
+    salt: KeySalt | None = None
+    instance_url: str = ""
 
 
 class Lookup(msgspec.Struct, tag="lookup"):
     keys: list[BlockKey]
     exclude: str | None = None  # the asking node (it knows its own blocks)
+
+
+class Nodes(msgspec.Struct, tag="nodes"):
+    """The live nodes, with what a router needs to compute their keys and reach their instances."""
+
+
+class Holders(msgspec.Struct, tag="holders"):
+    """Per node, how many leading keys of ``keys`` it holds (not only the best node's)."""
+
+    keys: list[BlockKey]
+
+
+class NodeInfo(msgspec.Struct, frozen=True):
+    node: str
+    endpoint: str
+    instance_url: str = ""
+    salt: KeySalt | None = None
 
 
 class Reply(msgspec.Struct):
@@ -48,11 +72,14 @@ class Reply(msgspec.Struct):
     endpoint: str | None = None
     blocks: int = 0  # leading keys held by ``node``
     known: bool = True  # False: the master has no record of the publishing node (restarted): resync
+    nodes: list[NodeInfo] = []  # answer to Nodes
+    held: dict[str, int] = {}  # answer to Holders: node -> leading keys held (nodes holding none left out)
+    version: int = PROTOCOL_VERSION
 
 
 class Request(msgspec.Struct):
     seq: int
-    body: Publish | Lookup
+    body: Publish | Lookup | Nodes | Holders
 
 
 @dataclass
@@ -60,6 +87,8 @@ class _Node:
     endpoint: str
     last_seen: float
     keys: set[BlockKey] = field(default_factory=set)
+    salt: KeySalt | None = None
+    instance_url: str = ""
 
 
 class MasterIndex:
@@ -79,6 +108,8 @@ class MasterIndex:
                 self._drop_node(msg.node)
             node = self._nodes[msg.node] = _Node(msg.endpoint, now)
         node.endpoint, node.last_seen = msg.endpoint, now
+        if msg.snapshot:
+            node.salt, node.instance_url = msg.salt, msg.instance_url
         for key, _parent in msg.inserts:
             self._owners.setdefault(key, set()).add(msg.node)
             node.keys.add(key)
@@ -106,6 +137,36 @@ class MasterIndex:
         if best is None:
             return None, None, 0
         return best, self._nodes[best].endpoint, n
+
+    def holders(self, keys: list[BlockKey], now: float) -> dict[str, int]:
+        """Node -> how many leading keys of ``keys`` it holds (a node holding none is left out)."""
+        self.expire(now)
+        alive = set(self._owners.get(keys[0], ())) if keys else set()
+        held: dict[str, int] = {}
+        n = 0
+        while alive and n < len(keys):
+            alive &= self._owners.get(keys[n], set())
+            n += 1
+            held.update(dict.fromkeys(alive, n))
+        return held
+
+    def nodes(self, now: float) -> list[NodeInfo]:
+        """The live nodes, name order."""
+        self.expire(now)
+        return [NodeInfo(name, node.endpoint, node.instance_url, node.salt)
+                for name, node in sorted(self._nodes.items())]
+
+    def answer(self, req: Request, now: float) -> Reply:
+        """The reply to one request."""
+        body = req.body
+        if isinstance(body, Publish):
+            return Reply(req.seq, known=self.publish(body, now))
+        if isinstance(body, Nodes):
+            return Reply(req.seq, nodes=self.nodes(now))
+        if isinstance(body, Holders):
+            return Reply(req.seq, held=self.holders(body.keys, now))
+        node, endpoint, n = self.lookup(body.keys, body.exclude, now)
+        return Reply(req.seq, node=node, endpoint=endpoint, blocks=n)
 
     def expire(self, now: float) -> None:
         for name in [n for n, node in self._nodes.items() if now - node.last_seen > self.node_ttl_s]:
@@ -147,11 +208,6 @@ def serve(bind: str, node_ttl_s: float = 30.0, stop_after_s: float | None = None
             except msgspec.DecodeError:
                 logger.warning("store master: undecodable request dropped")
                 continue
-            if isinstance(req.body, Publish):
-                reply = Reply(req.seq, known=index.publish(req.body, now))
-            else:
-                node, endpoint, n = index.lookup(req.body.keys, req.body.exclude, now)
-                reply = Reply(req.seq, node=node, endpoint=endpoint, blocks=n)
-            sock.send_multipart([ident, encoder.encode(reply)])
+            sock.send_multipart([ident, encoder.encode(index.answer(req, now))])
     finally:
         sock.close()

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from vllm_pd.connector.store.keys import BlockKey
-from vllm_pd.connector.store.master import Lookup, Publish, Reply, Request
+from vllm_pd.connector.store.keys import BlockKey, KeySalt
+from vllm_pd.connector.store.master import Holders, Lookup, Nodes, Publish, Reply, Request
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -35,82 +35,34 @@ class RemoteHit:
     blocks: int
 
 
-class MasterClient:
-    def __init__(
-        self,
-        address: str,
-        node: str,
-        endpoint: str,
-        snapshot: Callable[[], list[tuple[BlockKey, BlockKey | None]]],
-        timeout_s: float = 0.2,
-        retry_after_s: float = 2.0,
-        heartbeat_s: float = 5.0,
-    ) -> None:
-        self.address, self.node, self.endpoint = address, node, endpoint
-        self.timeout_s, self.retry_after_s, self.heartbeat_s = timeout_s, retry_after_s, heartbeat_s
+class MasterLink:
+    """One DEALER socket to the master: a request, its reply within ``timeout_s``, or None.
+
+    A master that does not answer is retried ever more rarely (doubling from
+    ``retry_after_s`` up to MAX_BACKOFF_S), back to normal on the first answer;
+    its loss is logged once (``what`` names who falls back to what), its return
+    once. Not thread-safe: one thread calls it (zmq sockets are not shared).
+    """
+
+    def __init__(self, address: str, timeout_s: float = 0.2, retry_after_s: float = 2.0,
+                 what: str = "local lookups only") -> None:
+        self.address, self.timeout_s, self.retry_after_s, self.what = address, timeout_s, retry_after_s, what
         self._last_contact = float("-inf")
-        self._snapshot = snapshot
         self._seq = itertools.count(1)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._down_until = 0.0
-        # each failed call blocks the engine's scheduler for timeout_s: retry a dead master
-        # ever more rarely (doubling from retry_after_s), back to normal on the first answer
+        # each failed call blocks its caller for timeout_s (in a node: the engine's scheduler)
         self._backoff_s = retry_after_s
-        self._need_snapshot = True
-        self._inserts: list[tuple[BlockKey, BlockKey | None]] = []
-        self._removes: list[BlockKey] = []
+        self._lost = False  # the loss was logged; the next answer logs the return
         self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Reply)
 
     @property
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
-        self._inserts.append((key, parent))
-
-    def removed(self, key: BlockKey) -> None:
-        self._removes.append(key)
-
-    def flush(self, force: bool = False) -> bool:
-        """Publish queued changes (call once per step). False: master unreachable."""
-        if not self.available:
-            self._inserts.clear()
-            self._removes.clear()
-            self._need_snapshot = True
-            return False
-        if self._need_snapshot:
-            self._inserts, self._removes = [], []
-            msgs = [Publish(self.node, self.endpoint, self._snapshot(), [], snapshot=True)]
-        elif self._inserts or self._removes or force or time.monotonic() - self._last_contact >= self.heartbeat_s:
-            # changes, or a heartbeat: keeps our keys alive on the master and tells us if it restarted
-            msgs = [Publish(self.node, self.endpoint, self._inserts[i:i + BATCH], [])
-                    for i in range(0, len(self._inserts), BATCH)]
-            msgs.append(Publish(self.node, self.endpoint, [], self._removes))
-            self._inserts, self._removes = [], []
-        else:
-            return True
-        for msg in msgs:
-            reply = self._call(msg)
-            if reply is None:
-                self._need_snapshot = True
-                return False
-            if not reply.known:  # master restarted and lost us
-                self._need_snapshot = True
-                return self.flush()
-        self._need_snapshot = False
-        return True
-
-    def lookup(self, keys: Sequence[BlockKey]) -> RemoteHit | None:
-        """Longest prefix of ``keys`` held by another node, or None (also when the master is down)."""
-        if not keys or not self.available:
-            return None
-        reply = self._call(Lookup(list(keys), exclude=self.node))
-        if reply is None or reply.node is None or reply.endpoint is None or reply.blocks <= 0:
-            return None
-        return RemoteHit(reply.node, reply.endpoint, reply.blocks)
-
-    def _call(self, body: Publish | Lookup) -> Reply | None:
+    def call(self, body: Publish | Lookup | Nodes | Holders) -> Reply | None:
+        """The master's reply, or None (no answer within timeout_s: down for a back-off)."""
         sock = self._socket()
         seq = next(self._seq)
         try:
@@ -123,11 +75,17 @@ class MasterClient:
                 if reply.seq == seq:  # older replies arrived after their deadline: skip
                     self._last_contact = time.monotonic()
                     self._backoff_s = self.retry_after_s
+                    if self._lost:
+                        self._lost = False
+                        logger.info("store master %s answers again", self.address)
                     return reply
         except (zmq.ZMQError, msgspec.DecodeError) as exc:
             logger.debug("store master call failed: %s", exc)
         wait = min(max(self._backoff_s, self.retry_after_s), MAX_BACKOFF_S)
-        logger.warning("store master %s unreachable; local lookups only for %.0fs", self.address, wait)
+        # once per outage: a dead master would otherwise log at every retry, for as long as it is down
+        log = logger.debug if self._lost else logger.warning
+        log("store master %s unreachable; %s, retried in %.0fs", self.address, self.what, wait)
+        self._lost = True
         self._down_until = time.monotonic() + wait
         self._backoff_s = min(wait * 2, MAX_BACKOFF_S)
         self._reset()
@@ -148,3 +106,72 @@ class MasterClient:
 
     def close(self) -> None:
         self._reset()
+
+
+class MasterClient(MasterLink):
+    """A store node's side: publishes its index in batches, asks for the longest remote prefix."""
+
+    def __init__(
+        self,
+        address: str,
+        node: str,
+        endpoint: str,
+        snapshot: Callable[[], list[tuple[BlockKey, BlockKey | None]]],
+        timeout_s: float = 0.2,
+        retry_after_s: float = 2.0,
+        heartbeat_s: float = 5.0,
+        salt: KeySalt | None = None,
+        instance_url: str = "",
+    ) -> None:
+        super().__init__(address, timeout_s, retry_after_s)
+        self.node, self.endpoint, self.heartbeat_s = node, endpoint, heartbeat_s
+        self.salt, self.instance_url = salt, instance_url  # published with each snapshot
+        self._snapshot = snapshot
+        self._need_snapshot = True
+        self._inserts: list[tuple[BlockKey, BlockKey | None]] = []
+        self._removes: list[BlockKey] = []
+
+    def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
+        self._inserts.append((key, parent))
+
+    def removed(self, key: BlockKey) -> None:
+        self._removes.append(key)
+
+    def flush(self, force: bool = False) -> bool:
+        """Publish queued changes (call once per step). False: master unreachable."""
+        if not self.available:
+            self._inserts.clear()
+            self._removes.clear()
+            self._need_snapshot = True
+            return False
+        if self._need_snapshot:
+            self._inserts, self._removes = [], []
+            msgs = [Publish(self.node, self.endpoint, self._snapshot(), [], snapshot=True, salt=self.salt,
+                            instance_url=self.instance_url)]
+        elif self._inserts or self._removes or force or time.monotonic() - self._last_contact >= self.heartbeat_s:
+            # changes, or a heartbeat: keeps our keys alive on the master and tells us if it restarted
+            msgs = [Publish(self.node, self.endpoint, self._inserts[i:i + BATCH], [])
+                    for i in range(0, len(self._inserts), BATCH)]
+            msgs.append(Publish(self.node, self.endpoint, [], self._removes))
+            self._inserts, self._removes = [], []
+        else:
+            return True
+        for msg in msgs:
+            reply = self.call(msg)
+            if reply is None:
+                self._need_snapshot = True
+                return False
+            if not reply.known:  # master restarted and lost us
+                self._need_snapshot = True
+                return self.flush()
+        self._need_snapshot = False
+        return True
+
+    def lookup(self, keys: Sequence[BlockKey]) -> RemoteHit | None:
+        """Longest prefix of ``keys`` held by another node, or None (also when the master is down)."""
+        if not keys or not self.available:
+            return None
+        reply = self.call(Lookup(list(keys), exclude=self.node))
+        if reply is None or reply.node is None or reply.endpoint is None or reply.blocks <= 0:
+            return None
+        return RemoteHit(reply.node, reply.endpoint, reply.blocks)

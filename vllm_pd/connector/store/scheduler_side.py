@@ -25,6 +25,7 @@ from vllm_pd.connector.store.master_client import MasterClient, RemoteHit
 from vllm_pd.connector.store.plans import LoadOp, SaveOp, StorePlan, StoreReport
 from vllm_pd.connector.store.radix import Pin
 from vllm_pd.connector.store.request_keys import RequestKeys
+from vllm_pd.connector.transfer_params import StoreFetch
 
 
 @dataclass(slots=True)
@@ -56,8 +57,11 @@ class StoreScheduler:
 
             node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
             self.master = MasterClient(config.master, node, endpoint, self.placement.servable_chains,
-                                       config.master_timeout_s)
+                                       config.master_timeout_s, salt=salt, instance_url=config.instance_url or "")
             self.placement.master = self.master
+            # announce this node (salt, instance_url) now, not at its first engine step: a router
+            # can then tell an instance that never ran a request which node to fetch from
+            self.master.flush()
         if config.disk_path is not None:
             # index a restarted disk tier now, so the first requests already hit it (the
             # workers' own rebuild reports arrive only after a step and are then no-ops)
@@ -88,19 +92,27 @@ class StoreScheduler:
         return self.match_with_remote(token_ids, request_id)[1]
 
     def match_with_remote(
-        self, token_ids: Sequence[int], request_id: str | None = None
+        self, token_ids: Sequence[int], request_id: str | None = None, fetch: StoreFetch | None = None
     ) -> tuple[int, RemoteHit | None]:
         """(tokens to load, the node to fetch the part beyond the local prefix
-        from, or None): the local prefix, or a longer one the master says
-        another node holds. Only a hint: the fetch verifies, and what does not
-        arrive is recomputed (plan_load reports it as missing)."""
+        from, or None): the local prefix, or a longer one another node holds -
+        per ``fetch`` (the proxy's hint: the master is then not asked, so the
+        engine's scheduler does not wait for it), else per the master. Only a
+        hint either way: the fetch verifies, and what does not arrive is
+        recomputed (plan_load reports it as missing)."""
         keys = self.block_keys(token_ids, request_id=request_id)
         if request_id is not None and self.keys.first_ask(request_id):
             self.cache.observe_request(keys)  # once per request, however often vLLM asks
         local = self.index.longest_prefix(keys)
         if self.master is None or local >= len(keys):
             return local * self.block_size, None
-        hit = self.master.lookup(keys)
+        if fetch is not None:
+            # our own blocks are in the index already; the hint's count may include the block of
+            # the prompt's last token, which is always computed: cap it to the keys asked about
+            hit = None if fetch.node == self.master.node else RemoteHit(fetch.node, fetch.endpoint,
+                                                                        min(fetch.blocks, len(keys)))
+        else:
+            hit = self.master.lookup(keys)
         if hit is None or hit.blocks <= local or not hit.endpoint:
             return local * self.block_size, None
         return hit.blocks * self.block_size, hit

@@ -1,0 +1,134 @@
+"""Where the KV store holds a prompt: the store master as kv_aware's second location source.
+
+vLLM's KV events (kv_locations.py) tell which instance's *prefix cache* holds
+a prompt; with the KV store on (vllm_pd.connector.store) a prompt's blocks
+also sit in the nodes' stores, which any instance loads from its own store and
+fetches from another node's. The store master knows which node holds which
+keys; since protocol version 2 each node also tells it its key salt and the
+URL the proxy knows its instance by (``store.instance_url``). So the proxy
+computes, per distinct salt, the store keys of the exact prompt tokens
+(keys.chain_keys, the store's own function) and asks the master how many
+leading blocks each node holds.
+
+Everything runs on the tokenize worker thread (kv_routing.py), never on the
+event loop, and is best effort: each call waits at most ``timeout_s``; a master
+that does not answer is logged once and retried with a growing back-off
+(MasterLink), and meanwhile routing goes on with the KV events alone. Stale
+information only costs a recompute: a hint naming a node that lost the blocks
+ends in a failed, checksum-verified fetch, and the prefill computes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_pd.connector.store.keys import KeySalt, chain_keys
+from vllm_pd.connector.store.master import Holders, NodeInfo, Nodes
+from vllm_pd.connector.store.master_client import MasterLink
+from vllm_pd.connector.transfer_params import StoreFetch
+
+logger = logging.getLogger(__name__)
+
+NODES_REFRESH_S = 1.0  # node list age after which a request refreshes it first (one tiny call a second at most)
+TIMEOUT_S = 0.1  # per master call; the tokenize thread serves every request, so keep it short
+
+
+@dataclass(frozen=True)
+class StoreHit:
+    """One node's leading blocks of one prompt."""
+
+    node: NodeInfo
+    salt: KeySalt
+    blocks: int
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.salt.block_size
+
+
+@dataclass(frozen=True)
+class StorePrompt:
+    """What the store master said of one prompt: per node, the leading blocks it holds."""
+
+    num_tokens: int  # the prompt's tokens
+    hits: tuple[StoreHit, ...]  # nodes holding >= 1 block
+    salts: dict[str, KeySalt]  # instance URL -> its node's salt, for every node that ever named its instance
+
+    def tokens(self, instance_url: str) -> int:
+        """Prompt tokens the instance's own store holds as leading full blocks (0 if none or unknown)."""
+        return max((h.tokens for h in self.hits if h.node.instance_url == instance_url), default=0)
+
+    def holds_prompt(self, instance_url: str) -> bool:
+        """The instance's store holds every full block of the prompt."""
+        salt = self.salts.get(instance_url)
+        if salt is None:
+            return False
+        full = self.num_tokens // salt.block_size * salt.block_size
+        return full > 0 and self.tokens(instance_url) >= full
+
+    def fetch_hint(self, instance_url: str, held_tokens: int) -> StoreFetch | None:
+        """Another node of the instance's salt holding more than ``held_tokens``: where its store
+        should fetch the prompt from (the node holding the most), or None."""
+        salt = self.salts.get(instance_url)
+        if salt is None:
+            return None
+        best = max((h for h in self.hits if h.salt == salt and h.node.instance_url != instance_url
+                    and h.node.endpoint), key=lambda h: (h.blocks, h.node.node), default=None)
+        if best is None or best.tokens <= held_tokens:
+            return None
+        return StoreFetch(best.node.node, best.node.endpoint, best.blocks)
+
+
+class StoreLocations:
+    """The proxy's view of the KV store through its master. One thread calls it (the tokenize worker)."""
+
+    def __init__(self, address: str, timeout_s: float = TIMEOUT_S, refresh_s: float = NODES_REFRESH_S,
+                 retry_after_s: float = 2.0) -> None:
+        self.link = MasterLink(address, timeout_s, retry_after_s, what="kv_aware routes by KV events only")
+        self.refresh_s = refresh_s
+        self._nodes: list[NodeInfo] = []
+        self._nodes_at = float("-inf")
+        # instance URL -> its store's salt, kept when its node drops off the master: an idle node stops
+        # heartbeating (it publishes on engine steps) and expires, but its salt, which a hint needs, stays
+        self._salts: dict[str, KeySalt] = {}
+
+    def locate(self, token_ids: Sequence[int]) -> StorePrompt | None:
+        """Per node, how much of the prompt its store holds; None when the master is down."""
+        if not self.link.available or not self._refresh():
+            return None
+        # a node without instance_url is no routing target, but its blocks can still be fetched
+        nodes = [n for n in self._nodes if n.salt is not None]
+        hits: list[StoreHit] = []
+        for salt in dict.fromkeys(n.salt for n in nodes if n.salt is not None):
+            keys = chain_keys(token_ids, salt)
+            if not keys:
+                continue
+            reply = self.link.call(Holders(keys))
+            if reply is None:
+                return None
+            hits.extend(StoreHit(n, salt, reply.held[n.node]) for n in nodes
+                        if n.salt == salt and reply.held.get(n.node, 0) > 0)
+        return StorePrompt(len(token_ids), tuple(hits), dict(self._salts))
+
+    def _refresh(self) -> bool:
+        """The node list, refreshed when older than refresh_s. False: the master did not answer."""
+        now = time.monotonic()
+        if now - self._nodes_at < self.refresh_s:
+            return True
+        reply = self.link.call(Nodes())
+        if reply is None:
+            self._nodes_at = float("-inf")  # asked again as soon as the master is retried
+            return False
+        self._nodes, self._nodes_at = reply.nodes, now
+        self._salts.update({n.instance_url: n.salt for n in reply.nodes if n.instance_url and n.salt is not None})
+        return True
+
+    @property
+    def nodes(self) -> list[NodeInfo]:
+        return list(self._nodes)
+
+    def close(self) -> None:
+        self.link.close()
