@@ -85,3 +85,47 @@ def test_proxy_config_takes_the_profile_from_yaml_and_flag() -> None:
     args = cli.build_parser().parse_args(["proxy", "--both", "http://b:1", "--supervisor", "--supervisor-profile",
                                           "p.json"])
     assert config_from_args(args).supervisor_profile == "p.json"
+
+
+def _all_decoding(n: int, profile: InstanceProfile | None) -> tuple[InstancePool, Supervisor]:
+    pool = _pool(n)
+    sup = Supervisor(pool, ttft_slo=1.0, tpot_slo=0.1, profile=profile)
+    sup.rebalance()
+    for inst in pool.all():
+        inst.active_role = "decode"  # every instance decoding: the proxy's decode-only fallback computes prompts
+    return pool, sup
+
+
+def test_no_prefill_instance_is_no_prefill_backlog() -> None:
+    # the model has no prefill instance to predict TTFT on (it once said "infinite", and the supervisor
+    # pulled a decoder to prefill every interval, to move it back on the next: 0P4D <-> 1P3D flapping)
+    for profile in (None, PROFILE):
+        pool, sup = _all_decoding(4, profile)
+        for _ in range(20):
+            pool.recent_ttft.add(0.1)  # TTFT a tenth of its target
+            pool.recent_tpot.add(0.05)
+        for inst in pool.all():
+            LegLease(inst, "decode", 400)
+        sup.rebalance()
+        sup.rebalance()
+        assert sup.moves == 0, profile
+        assert all(i.active_role == "decode" for i in pool.all())
+
+
+def test_prompts_computed_between_decode_steps_are_not_decode_pressure_with_the_model() -> None:
+    # all decoding under long prompts: TTFT 3x its target, and TPOT 5x - the prompts each instance computes
+    # between its decode steps. Decode's own work (2 streams each: 30 ms a step by the profile) is light.
+    prefillers = {}
+    for profile in (None, PROFILE):
+        pool, sup = _all_decoding(2, profile)
+        for _ in range(20):
+            pool.recent_ttft.add(3.0)
+            pool.recent_tpot.add(0.5)
+        for inst in pool.all():
+            for _ in range(2):
+                LegLease(inst, "decode", 1000)
+        sup.rebalance()
+        prefillers[profile is not None] = sum(1 for i in pool.all() if i.active_role == "prefill")
+    # observed TPOT alone keeps both decoding; the model sees that one decoder carries the 4 streams
+    # (50 ms a step, TPOT at 0.5 x) and gives the other to prefill
+    assert prefillers == {False: 0, True: 1}

@@ -14,7 +14,9 @@ instances keep their role, and at least one decoder always remains.
 Given the planner's latency profile (``supervisor_profile``), it also predicts both sides from the
 current queues with the planner's cost model (vllm_pd.planner.role_pressure), acting on a backlog
 before completions report it, and moves an instance only if the model predicts that the side it
-leaves can spare it.
+leaves can spare it. With no prefill instance (every ``both`` decoding and computing its own prompts)
+the model's TPOT replaces the observed one, which prompt computation between decode steps inflates:
+so a prompt-heavy load can take an instance back to prefill.
 """
 
 from __future__ import annotations
@@ -75,7 +77,15 @@ class Supervisor(PeriodicTask):
         observed = max(ttft, queue_ttft) / self.ttft_slo, tpot / self.tpot_slo
         if self.profile is None:
             return observed
-        predicted = predicted_pressures(self.profile, self.split_load(), self.ttft_slo, self.tpot_slo)
+        load = self.split_load()
+        predicted = predicted_pressures(self.profile, load, self.ttft_slo, self.tpot_slo)
+        if load.prefillers < 1:
+            # No prefill instance: decoders compute prompts themselves (the proxy's fallback). The model has
+            # no such path - its "infinite TTFT" would pull a decoder back every interval (flapping) - so
+            # TTFT is the observed one. TPOT observed there is slowed by the prompts computed between decode
+            # steps as much as by decoding: taken as decode pressure, a prompt-heavy load would keep every
+            # instance decoding. The model's TPOT is decode's own work, so it stands for decode alone.
+            return observed[0], predicted[1]
         return max(observed[0], predicted[0]), max(observed[1], predicted[1])
 
     def split_load(self) -> SplitLoad:
