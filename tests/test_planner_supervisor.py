@@ -129,3 +129,15 @@ def test_prompts_computed_between_decode_steps_are_not_decode_pressure_with_the_
     # observed TPOT alone keeps both decoding; the model sees that one decoder carries the 4 streams
     # (50 ms a step, TPOT at 0.5 x) and gives the other to prefill
     assert prefillers == {False: 0, True: 1}
+
+
+def test_an_idle_pool_stays_put_under_an_slo_tighter_than_one_step() -> None:
+    # one stream takes 20 ms a step by the profile, the TPOT target is 15 ms: with nothing decoding the
+    # model once predicted 20 ms anyway, and the first tick moved the prefill instance to decode
+    for profile in (None, PROFILE):
+        pool = _pool(2)
+        sup = Supervisor(pool, ttft_slo=1.0, tpot_slo=0.015, profile=profile)
+        sup.rebalance()
+        sup.rebalance()
+        assert sup.moves == 0, profile
+        assert sorted(i.active_role or "" for i in pool.all()) == ["decode", "prefill"]

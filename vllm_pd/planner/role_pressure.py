@@ -39,6 +39,10 @@ def predicted_tpot(profile: InstanceProfile, load: SplitLoad) -> float:
     """Seconds per decode step of one decoder's share of the running requests."""
     if load.decoders < 1:
         return float("inf")
+    if load.decoding == 0:
+        # nothing decoding is nothing late: one stream's step time over an SLO tighter than it would
+        # otherwise read as pressure on an idle decode side (and move an instance there for nothing)
+        return 0.0
     batch = max(1, round(load.decoding / load.decoders))
     return profile.decode_ms(batch, int(load.decoding_context_tokens / load.decoders)) / 1e3
 
