@@ -126,9 +126,30 @@ def test_prompts_computed_between_decode_steps_are_not_decode_pressure_with_the_
                 LegLease(inst, "decode", 1000)
         sup.rebalance()
         prefillers[profile is not None] = sum(1 for i in pool.all() if i.active_role == "prefill")
+        # the next tick: the TPOT observed before the move (prompts between steps) no longer counts - it
+        # once moved the instance straight back to decode
+        sup.rebalance()
+        assert sum(1 for i in pool.all() if i.active_role == "prefill") == prefillers[profile is not None]
     # observed TPOT alone keeps both decoding; the model sees that one decoder carries the 4 streams
     # (50 ms a step, TPOT at 0.5 x) and gives the other to prefill
     assert prefillers == {False: 0, True: 1}
+
+
+def test_after_a_move_observed_latency_counts_from_new_samples() -> None:
+    pool = _pool(2)
+    sup = Supervisor(pool, ttft_slo=1.0, tpot_slo=0.1)
+    sup.rebalance()
+    for _ in range(20):
+        pool.recent_tpot.add(0.5)
+    sup.rebalance()
+    assert sup.moves == 1 and sup.pressures() == (0.0, 0.0)  # 1P1D -> 0P2D; the old TPOT is forgotten
+    for _ in range(2):
+        pool.recent_ttft.add(3.0)
+    assert sup.pressures() == (0.0, 0.0)  # two samples are not yet a signal
+    pool.recent_ttft.add(3.0)
+    assert sup.pressures() == (pytest.approx(3.0), 0.0)
+    sup.rebalance()
+    assert sup.moves == 2 and Counter(i.active_role for i in pool.all()) == {"prefill": 1, "decode": 1}
 
 
 def test_an_idle_pool_stays_put_under_an_slo_tighter_than_one_step() -> None:

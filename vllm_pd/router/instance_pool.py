@@ -24,9 +24,11 @@ class Ewma:
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
         self.value: float | None = None
+        self.count = 0  # samples added
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.alpha * x + (1 - self.alpha) * self.value
+        self.count += 1
 
 
 @dataclass(eq=False)
@@ -94,6 +96,11 @@ class InstancePool:
         self.recent_tpot = Ewma(0.1)
         for ic in config.instances:
             self.add(ic)
+
+    def restart_recent(self) -> None:
+        """Forget what clients saw so far (the supervisor, after changing the split those samples describe)."""
+        self.recent_ttft = Ewma(self.recent_ttft.alpha)
+        self.recent_tpot = Ewma(self.recent_tpot.alpha)
 
     def add(self, ic: InstanceConfig) -> Instance:
         if ic.url in self._instances:

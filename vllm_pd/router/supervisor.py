@@ -8,7 +8,8 @@ and moves one ``both`` instance from the side with headroom to the side that
 is behind. So the prefill/decode split follows the traffic mix: long prompts
 pull instances to prefill, long outputs pull them to decode. One move per
 interval and a 20 % dead band keep it from flapping; a move affects new
-requests only, in-flight legs finish where they are. Dedicated prefill/decode
+requests only, in-flight legs finish where they are, and after a move the observed
+latencies count again only from samples taken under the new split. Dedicated prefill/decode
 instances keep their role, and at least one decoder always remains.
 
 Given the planner's latency profile (``supervisor_profile``), it also predicts both sides from the
@@ -27,12 +28,17 @@ from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, load_
 from vllm_pd.planner.role_pressure import SplitLoad, move_helps
 from vllm_pd.planner.role_pressure import pressures as predicted_pressures
 from vllm_pd.router.config import ConfigError
-from vllm_pd.router.instance_pool import Instance, InstancePool
+from vllm_pd.router.instance_pool import Ewma, Instance, InstancePool
 from vllm_pd.router.periodic_task import PeriodicTask
 
 logger = logging.getLogger(__name__)
 
 DEAD_BAND = 1.2
+MIN_SAMPLES = 3  # an observed latency counts once this many samples were taken since the last move
+
+
+def _fresh(signal: Ewma) -> float:
+    return (signal.value or 0.0) if signal.count >= MIN_SAMPLES else 0.0
 
 
 def supervisor_profile(path: str | None) -> InstanceProfile | None:
@@ -67,8 +73,8 @@ class Supervisor(PeriodicTask):
 
     def pressures(self) -> tuple[float, float]:
         """(prefill, decode): each side's recent latency over its target (> 1 = missing it)."""
-        ttft = self._pool.recent_ttft.value or 0.0
-        tpot = self._pool.recent_tpot.value or 0.0
+        ttft = _fresh(self._pool.recent_ttft)
+        tpot = _fresh(self._pool.recent_tpot)
         prefillers = self._pool.eligible("prefill")
         queued = sum(i.outstanding["prefill"] for i in self._pool.all())
         # a deep prefill queue predicts TTFT before completions report it
@@ -129,4 +135,7 @@ class Supervisor(PeriodicTask):
                         prefill_p, decode_p)
             inst.active_role = role
             self.moves += 1
+            # what clients saw so far describes the split that was: TPOT taken while every instance also
+            # computed prompts would, kept, move the instance straight back (flapping)
+            self._pool.restart_recent()
         return {i.url: i.active_role or "decode" for i in flexible}
