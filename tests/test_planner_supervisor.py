@@ -58,7 +58,8 @@ def test_the_model_keeps_a_decoder_that_decode_cannot_spare() -> None:
             pool.recent_ttft.add(2.0)  # TTFT at twice its target...
         for inst in (i for i in pool.all() if i.active_role == "decode"):
             for _ in range(10):
-                LegLease(inst, "decode", 100)  # ...but one decoder would take 210 ms a step: TPOT at 2.1x
+                # ...but one decoder would take 210 ms a step: TPOT at 2.1x
+                LegLease(inst, "decode", 100).first_token()
         sup.rebalance()
         moved[profile is not None] = sup.moves
     assert moved == {False: 1, True: 0}
@@ -105,7 +106,7 @@ def test_no_prefill_instance_is_no_prefill_backlog() -> None:
             pool.recent_ttft.add(0.1)  # TTFT a tenth of its target
             pool.recent_tpot.add(0.05)
         for inst in pool.all():
-            LegLease(inst, "decode", 400)
+            LegLease(inst, "decode", 400).first_token()
         sup.rebalance()
         sup.rebalance()
         assert sup.moves == 0, profile
@@ -123,7 +124,7 @@ def test_prompts_computed_between_decode_steps_are_not_decode_pressure_with_the_
             pool.recent_tpot.add(0.5)
         for inst in pool.all():
             for _ in range(2):
-                LegLease(inst, "decode", 1000)
+                LegLease(inst, "decode", 1000).first_token()
         sup.rebalance()
         prefillers[profile is not None] = sum(1 for i in pool.all() if i.active_role == "prefill")
         # the next tick: the TPOT observed before the move (prompts between steps) no longer counts - it
@@ -162,3 +163,28 @@ def test_an_idle_pool_stays_put_under_an_slo_tighter_than_one_step() -> None:
         sup.rebalance()
         assert sup.moves == 0, profile
         assert sorted(i.active_role or "" for i in pool.all()) == ["decode", "prefill"]
+
+
+def test_decode_legs_waiting_for_their_prompt_are_not_decoding() -> None:
+    # both legs at once: a request's decode leg is out while its prompt is still queued on prefill
+    profile = InstanceProfile(1, prefill=Poly(0.0, 1.0, 0.0), decode=Poly(10.0, 10.0, 0.05), kv=Poly(0.0, 0.0))
+    pool = _pool(3)
+    sup = Supervisor(pool, ttft_slo=2.0, tpot_slo=0.1, profile=profile)
+    sup.rebalance()  # decode, prefill, decode
+    prefiller = next(i for i in pool.all() if i.active_role == "prefill")
+    decoders = [i for i in pool.all() if i.active_role == "decode"]
+    leases = []
+    for n in range(4):  # 4 prompts of 1000 tokens queued: 4 s predicted TTFT, 2 x its target
+        LegLease(prefiller, "prefill", 1000)
+        leases.append(LegLease(decoders[n % 2], "decode", 1000))
+    assert sup.split_load().decoding == 0
+    # counted as decoding, the 4 waiting legs made one decoder's step 250 ms (TPOT 2.5 x) and vetoed the move
+    sup.rebalance()
+    assert Counter(i.active_role for i in pool.all()) == {"prefill": 2, "decode": 1}
+    leases[0].first_token()
+    leases[0].first_token()  # once only
+    assert (sup.split_load().decoding, sup.split_load().decoding_context_tokens) == (1, 1000)
+    leases[0].release()
+    leases[1].release()  # released before its first token (an error, a client gone)
+    assert (sup.split_load().decoding, sup.split_load().decoding_context_tokens) == (0, 0)
+    assert [i.awaiting_first for i in decoders] == [[1, 1000], [1, 1000]]  # leases 2 and 3 still wait

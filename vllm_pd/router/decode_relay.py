@@ -54,6 +54,11 @@ class FlowState:
     stage: str = "prefill"  # prefill | decode | stream (bytes reached the client): where a disconnect hit
     leases: list[LegLease] = field(default_factory=list)
 
+    def first_token(self) -> None:
+        """Decode answered with its first token: its lease counts as decoding (the supervisor's model)."""
+        for lease in self.leases:
+            lease.first_token()
+
 
 class DecodeRelay:
     def __init__(self, metrics: ProxyMetrics, pool: InstancePool, prefill_timeout: float) -> None:
@@ -71,6 +76,7 @@ class DecodeRelay:
         now = time.monotonic()
         elapsed = now - t0
         state.timings.first_token = state.timings.last_event = now
+        state.first_token()
         if state.prefill_leg is not None and not state.prefill_leg.done():
             # decode answered before prefill's answer (with its usage) came back
             await asyncio.wait({state.prefill_leg}, timeout=self.prefill_timeout)
@@ -106,6 +112,7 @@ class DecodeRelay:
         t_first = time.monotonic()
         timings = state.timings
         timings.first_token = timings.last_event = t_first
+        state.first_token()
         self.pool.recent_ttft.add(t_first - timings.started)
         inter_token = self.metrics.legs.inter_token.child(decode.url)
         out = StreamResponse(200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})

@@ -43,6 +43,9 @@ class Instance:
     active_role: str | None = None
     outstanding: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     outstanding_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    # decode legs (and their tokens) that have not yet produced a token: their prompt is still being
+    # computed, here or on prefill (a decode leg goes out beside its prefill leg) - not decoding yet
+    awaiting_first: list[int] = field(default_factory=lambda: [0, 0])
     ttft: Ewma = field(default_factory=Ewma)  # seconds, prefill leg (or decode-only first token)
     tpot: Ewma = field(default_factory=Ewma)  # seconds per output token on decode
     models: list[str] = field(default_factory=list)
@@ -79,10 +82,22 @@ class LegLease:
         instance.outstanding_tokens[role] += tokens
         instance.breaker.on_send()
         self._released = False
+        self._awaiting = role == "decode"
+        if self._awaiting:
+            instance.awaiting_first[0] += 1
+            instance.awaiting_first[1] += tokens
+
+    def first_token(self) -> None:
+        """The leg produced its first token: a decode leg is decoding from now on. Idempotent."""
+        if self._awaiting:
+            self._awaiting = False
+            self.instance.awaiting_first[0] -= 1
+            self.instance.awaiting_first[1] -= self.tokens
 
     def release(self) -> None:
         if not self._released:
             self._released = True
+            self.first_token()
             self.instance.outstanding[self.role] -= 1
             self.instance.outstanding_tokens[self.role] -= self.tokens
 

@@ -101,9 +101,13 @@ class Supervisor(PeriodicTask):
         def total(counter: str, role: str) -> int:
             return sum(getattr(i, counter)[role] for i in insts)
 
+        # decode legs still waiting for their prompt (on prefill, or computed by decode itself) are not
+        # decoding: counted, a prompt-heavy queue read as a big decode batch and kept decoders from moving
+        waiting = [sum(i.awaiting_first[k] for i in insts) for k in (0, 1)]
         return SplitLoad(len(self._pool.eligible("prefill")), len(self._pool.eligible("decode")),
                          total("outstanding", "prefill"), total("outstanding_tokens", "prefill"),
-                         total("outstanding", "decode"), total("outstanding_tokens", "decode"))
+                         total("outstanding", "decode") - waiting[0],
+                         total("outstanding_tokens", "decode") - waiting[1])
 
     def rebalance(self) -> dict[str, str]:
         """Assign every flexible instance a role; returns url -> role."""
