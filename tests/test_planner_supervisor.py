@@ -31,7 +31,8 @@ def test_predictions_follow_the_profile() -> None:
     # moving the only decoder away is impossible; moving a prefiller to decode leaves TTFT at 8 s + a step
     assert not move_helps(PROFILE, load, "prefill", 1.0, 0.1, receiving_pressure=5.0)
     assert not move_helps(PROFILE, load, "decode", 1.0, 0.1, receiving_pressure=2.0)
-    assert move_helps(PROFILE, load, "decode", 1.0, 0.1, receiving_pressure=9.0)
+    assert not move_helps(PROFILE, load, "decode", 1.0, 0.1, receiving_pressure=9.0)  # 8.04 x 1.2 > 9
+    assert move_helps(PROFILE, load, "decode", 1.0, 0.1, receiving_pressure=10.0)
 
 
 def test_a_queued_backlog_moves_an_instance_only_with_the_model() -> None:
@@ -188,3 +189,33 @@ def test_decode_legs_waiting_for_their_prompt_are_not_decoding() -> None:
     leases[1].release()  # released before its first token (an error, a client gone)
     assert (sup.split_load().decoding, sup.split_load().decoding_context_tokens) == (0, 0)
     assert [i.awaiting_first for i in decoders] == [[1, 1000], [1, 1000]]  # leases 2 and 3 still wait
+
+
+def test_no_move_that_only_swaps_which_side_misses() -> None:
+    # all decoding, 8 streams each; TTFT 1.3 x its target. One decoder with all 16 would be 1.13 x its
+    # TPOT target: under the TTFT's 1.3 but not by the dead band - moved, the next tick moved it back
+    # (real servers, output-heavy load: 0P2D -> 1P1D -> 0P2D)
+    pool, sup = _all_decoding(2, PROFILE)
+    sup.tpot_slo = 0.15
+    for _ in range(5):
+        pool.recent_ttft.add(1.3)
+        pool.recent_tpot.add(0.09)
+    for inst in pool.all():
+        for _ in range(8):
+            LegLease(inst, "decode", 0).first_token()
+    sup.rebalance()
+    assert sup.moves == 0
+    for _ in range(20):
+        pool.recent_ttft.add(1.5)  # 1.13 x 1.2 < 1.5: now the move is worth it
+    sup.rebalance()
+    assert sup.moves == 1
+
+
+def test_requests_sent_before_a_move_do_not_count_after_it() -> None:
+    pool = _pool(2)
+    sent_before = 0.0
+    pool.restart_recent()
+    pool.observe(pool.recent_tpot, sent_before, 0.5)  # a stream that started under the old split
+    assert pool.recent_tpot.count == 0
+    pool.observe(pool.recent_tpot, pool.recent_since, 0.02)
+    assert (pool.recent_tpot.count, pool.recent_tpot.value) == (1, 0.02)

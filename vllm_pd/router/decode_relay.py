@@ -89,7 +89,7 @@ class DecodeRelay:
                 state.timings.json_tpot = elapsed / tokens
             if tokens > 1:
                 decode.tpot.add(elapsed / tokens)
-                self.pool.recent_tpot.add(elapsed / tokens)
+                self.pool.observe(self.pool.recent_tpot, state.timings.started, elapsed / tokens)
         except ValueError:
             pass
         return HttpResponse(raw, resp.status, headers={"X-Request-Id": state.request_id})
@@ -113,7 +113,7 @@ class DecodeRelay:
         timings = state.timings
         timings.first_token = timings.last_event = t_first
         state.first_token()
-        self.pool.recent_ttft.add(t_first - timings.started)
+        self.pool.observe(self.pool.recent_ttft, timings.started, t_first - timings.started)
         inter_token = self.metrics.legs.inter_token.child(decode.url)
         out = StreamResponse(200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
         n_events = first.count(b"data:")
@@ -149,7 +149,7 @@ class DecodeRelay:
                     await out.write(data)
                     if n_events - sample_n >= TPOT_WINDOW:
                         now = time.monotonic()
-                        self._record_tpot(decode, (now - sample_t) / (n_events - sample_n))
+                        self._record_tpot(decode, timings.started, (now - sample_t) / (n_events - sample_n))
                         sample_t, sample_n = now, n_events
             tail = events.flush()
             if tail:
@@ -161,12 +161,13 @@ class DecodeRelay:
             logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
             return out
         if n_events - sample_n > 2:  # the tail since the last sample, minus the [DONE] event
-            self._record_tpot(decode, (time.monotonic() - sample_t) / (n_events - sample_n - 1))
+            self._record_tpot(decode, timings.started,
+                              (time.monotonic() - sample_t) / (n_events - sample_n - 1))
         return out
 
-    def _record_tpot(self, decode: Instance, tpot: float) -> None:
+    def _record_tpot(self, decode: Instance, sent: float, tpot: float) -> None:
         decode.tpot.add(tpot)
-        self.pool.recent_tpot.add(tpot)
+        self.pool.observe(self.pool.recent_tpot, sent, tpot)
 
     async def _end_with_error(self, out: StreamResponse, events: SseSplitter, decode: Instance,
                               e: BaseException) -> None:

@@ -109,13 +109,21 @@ class InstancePool:
         # what clients saw recently (all instances): the supervisor's signals
         self.recent_ttft = Ewma(0.1)
         self.recent_tpot = Ewma(0.1)
+        self.recent_since = 0.0  # requests sent before this do not count in them
         for ic in config.instances:
             self.add(ic)
 
     def restart_recent(self) -> None:
-        """Forget what clients saw so far (the supervisor, after changing the split those samples describe)."""
+        """Forget what clients saw so far (the supervisor, after changing the split those samples describe);
+        requests sent before now no longer count (they still run where the old split sent them)."""
         self.recent_ttft = Ewma(self.recent_ttft.alpha)
         self.recent_tpot = Ewma(self.recent_tpot.alpha)
+        self.recent_since = time.monotonic()
+
+    def observe(self, signal: Ewma, sent: float, value: float) -> None:
+        """A client-side latency of a request sent at ``sent`` (monotonic), for ``recent_ttft``/``recent_tpot``."""
+        if sent >= self.recent_since:
+            signal.add(value)
 
     def add(self, ic: InstanceConfig) -> Instance:
         if ic.url in self._instances:

@@ -130,7 +130,8 @@ class Supervisor(PeriodicTask):
             move = (min(prefill_side, key=lambda i: i.outstanding["prefill"]), "decode")
         receiving = prefill_p if move is not None and move[1] == "prefill" else decode_p
         if move is not None and self.profile is not None and \
-                not move_helps(self.profile, self.split_load(), move[1], self.ttft_slo, self.tpot_slo, receiving):
+                not move_helps(self.profile, self.split_load(), move[1], self.ttft_slo, self.tpot_slo, receiving,
+                                DEAD_BAND):
             logger.debug("supervisor: moving %s to %s would not help (cost model)", move[0].url, move[1])
             move = None
         if move is not None:
