@@ -23,12 +23,21 @@ from vllm_pd.router.mock_backend import MockBackend, start_backend
 
 @pytest.fixture
 def mock_url() -> Iterator[str]:
+    yield from _serve_mock(0.05, 0.02)
+
+
+@pytest.fixture
+def slow_mock_url() -> Iterator[str]:
+    yield from _serve_mock(0.1, 0.04)
+
+
+def _serve_mock(ttft: float, itl: float) -> Iterator[str]:
     loop = asyncio.new_event_loop()
     started = threading.Event()
     box: dict = {}
 
     async def serve() -> None:
-        box["server"], box["url"] = await start_backend(MockBackend(ttft=0.05, itl=0.02, record=False))
+        box["server"], box["url"] = await start_backend(MockBackend(ttft=ttft, itl=itl, record=False))
         started.set()
 
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -44,7 +53,7 @@ def mock_url() -> Iterator[str]:
 def test_profile_measures_the_mock_delays(mock_url: str, tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     rc = cli.main(["profile", mock_url, "--out", str(out), "--prefill-tokens", "16,64", "--decode-batches", "1,2",
-                   "--decode-contexts", "32,64", "--repeats", "1", "--kv-fixed-ms", "7"])
+                   "--decode-contexts", "32,64", "--repeats", "1", "--decode-repeats", "2", "--kv-fixed-ms", "7"])
     assert rc == 0
     prof = load_profile(out)
     inst = prof.for_tp(1)
@@ -53,11 +62,23 @@ def test_profile_measures_the_mock_delays(mock_url: str, tmp_path: Path) -> None
     assert 45 <= inst.prefill_ms(64) <= 200
     assert 18 <= inst.decode_ms(2, 128) <= 80
     assert inst.kv_ms(0) == pytest.approx(7)
-    assert len(inst.prefill_samples) == 6 and len(inst.decode_samples) == 4
+    assert len(inst.prefill_samples) == 6 and len(inst.decode_samples) == 8
+    # the decode points' scatter is the spread, over the second half of each stream (ignore_eos: 12 gaps)
+    assert len(inst.decode_spread) == 8 and inst.decode_spread_window_ms > 0
     # a second TP size joins the same file
     rc = cli.main(["profile", mock_url, "--out", str(out), "--append", "--tp", "2", "--prefill-tokens", "16,64",
                    "--decode-batches", "1,2", "--decode-contexts", "32", "--repeats", "1"])
     assert rc == 0 and load_profile(out).tps() == [1, 2]
+
+
+def test_profile_measures_through_the_relay(mock_url: str, slow_mock_url: str, tmp_path: Path) -> None:
+    # the "relay" mock is twice as slow as the instance: what the profile holds must be the relay's
+    out = tmp_path / "p.json"
+    rc = cli.main(["profile", mock_url, "--relay-url", slow_mock_url, "--out", str(out), "--prefill-tokens", "16,64",
+                   "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1", "--decode-repeats", "1"])
+    assert rc == 0
+    inst = load_profile(out).for_tp(1)
+    assert 95 <= inst.prefill_ms(64) <= 250 and 38 <= inst.decode_ms(1, 32) <= 120
 
 
 def test_profile_of_a_dead_server_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -108,6 +129,10 @@ def test_plan_yaml_for_disaggregated_and_colocated(tmp_path: Path) -> None:
     assert [i.role for i in co.instances] == ["decode", "decode"] and not any(i.kv_endpoint for i in co.instances)
     args = cli.build_parser().parse_args(shlex.split(up_command(Deployment(0, 2)))[1:])
     assert (args.prefill, args.decode, args.connector) == (0, 2, "none")
+    args = cli.build_parser().parse_args(shlex.split(up_command(Deployment(1, 2, tp_prefill=2, tp_decode=2)))[1:])
+    assert (args.prefill, args.decode, args.gpus_per_instance) == (1, 2, 2)
+    assert args.vllm_args == ["--tensor-parallel-size", "2"]
+    assert "--tensor-parallel-size" not in up_command(Deployment(1, 1, tp_prefill=2, tp_decode=1))
 
 
 @pytest.mark.parametrize("argv, message", [

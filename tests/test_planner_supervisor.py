@@ -10,7 +10,7 @@ import pytest
 from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, Poly, save_profile
 from vllm_pd.planner.role_pressure import SplitLoad, move_helps, predicted_tpot, predicted_ttft
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig
-from vllm_pd.router.instance_pool import InstancePool, LegLease
+from vllm_pd.router.instance_pool import InstancePool, InFlightLeg
 from vllm_pd.router.supervisor import Supervisor, supervisor_profile
 
 # 1 ms per prompt token, decode steps 10 ms + 10 ms per running request
@@ -43,7 +43,7 @@ def test_a_queued_backlog_moves_an_instance_only_with_the_model() -> None:
         sup.rebalance()  # decode, prefill, decode
         prefiller = next(i for i in pool.all() if i.active_role == "prefill")
         for _ in range(4):
-            LegLease(prefiller, "prefill", 3000)  # 12 s of prefill queued, no TTFT reported yet
+            InFlightLeg(prefiller, "prefill", 3000)  # 12 s of prefill queued, no TTFT reported yet
         sup.rebalance()
         states[profile is not None] = Counter(i.active_role for i in pool.all())["prefill"]
     assert states == {False: 1, True: 2}
@@ -60,7 +60,7 @@ def test_the_model_keeps_a_decoder_that_decode_cannot_spare() -> None:
         for inst in (i for i in pool.all() if i.active_role == "decode"):
             for _ in range(10):
                 # ...but one decoder would take 210 ms a step: TPOT at 2.1x
-                LegLease(inst, "decode", 100).first_token()
+                InFlightLeg(inst, "decode", 100).first_token()
         sup.rebalance()
         moved[profile is not None] = sup.moves
     assert moved == {False: 1, True: 0}
@@ -107,7 +107,7 @@ def test_no_prefill_instance_is_no_prefill_backlog() -> None:
             pool.recent_ttft.add(0.1)  # TTFT a tenth of its target
             pool.recent_tpot.add(0.05)
         for inst in pool.all():
-            LegLease(inst, "decode", 400).first_token()
+            InFlightLeg(inst, "decode", 400).first_token()
         sup.rebalance()
         sup.rebalance()
         assert sup.moves == 0, profile
@@ -125,7 +125,7 @@ def test_prompts_computed_between_decode_steps_are_not_decode_pressure_with_the_
             pool.recent_tpot.add(0.5)
         for inst in pool.all():
             for _ in range(2):
-                LegLease(inst, "decode", 1000).first_token()
+                InFlightLeg(inst, "decode", 1000).first_token()
         sup.rebalance()
         prefillers[profile is not None] = sum(1 for i in pool.all() if i.active_role == "prefill")
         # the next tick: the TPOT observed before the move (prompts between steps) no longer counts - it
@@ -174,21 +174,21 @@ def test_decode_legs_waiting_for_their_prompt_are_not_decoding() -> None:
     sup.rebalance()  # decode, prefill, decode
     prefiller = next(i for i in pool.all() if i.active_role == "prefill")
     decoders = [i for i in pool.all() if i.active_role == "decode"]
-    leases = []
+    legs = []
     for n in range(4):  # 4 prompts of 1000 tokens queued: 4 s predicted TTFT, 2 x its target
-        LegLease(prefiller, "prefill", 1000)
-        leases.append(LegLease(decoders[n % 2], "decode", 1000))
+        InFlightLeg(prefiller, "prefill", 1000)
+        legs.append(InFlightLeg(decoders[n % 2], "decode", 1000))
     assert sup.split_load().decoding == 0
     # counted as decoding, the 4 waiting legs made one decoder's step 250 ms (TPOT 2.5 x) and vetoed the move
     sup.rebalance()
     assert Counter(i.active_role for i in pool.all()) == {"prefill": 2, "decode": 1}
-    leases[0].first_token()
-    leases[0].first_token()  # once only
+    legs[0].first_token()
+    legs[0].first_token()  # once only
     assert (sup.split_load().decoding, sup.split_load().decoding_context_tokens) == (1, 1000)
-    leases[0].release()
-    leases[1].release()  # released before its first token (an error, a client gone)
+    legs[0].finish()
+    legs[1].finish()  # released before its first token (an error, a client gone)
     assert (sup.split_load().decoding, sup.split_load().decoding_context_tokens) == (0, 0)
-    assert [i.awaiting_first for i in decoders] == [[1, 1000], [1, 1000]]  # leases 2 and 3 still wait
+    assert [i.awaiting_first for i in decoders] == [[1, 1000], [1, 1000]]  # legs 2 and 3 still wait
 
 
 def test_no_move_that_only_swaps_which_side_misses() -> None:
@@ -202,7 +202,7 @@ def test_no_move_that_only_swaps_which_side_misses() -> None:
         pool.recent_tpot.add(0.09)
     for inst in pool.all():
         for _ in range(8):
-            LegLease(inst, "decode", 0).first_token()
+            InFlightLeg(inst, "decode", 0).first_token()
     sup.rebalance()
     assert sup.moves == 0
     for _ in range(20):

@@ -10,7 +10,7 @@ import pytest
 from vllm_pd.planner.deployment_search import (Slo, distributions_at, enumerate_deployments, goodput, search,
                                                summarise, trace_at)
 from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, ProfileError, fit_instance,
-                                             fit_poly, load_profile, refit, save_profile)
+                                             fit_poly, load_profile, refit, save_profile, spread_of)
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.workload import (TraceRequest, WorkloadError, load_trace, parse_distributions, write_trace)
 
@@ -19,8 +19,9 @@ PREFILL, DECODE, KV = Poly(20.0, 0.1, 0.0), Poly(10.0, 0.5, 0.001), Poly(5.0, 0.
 
 
 def make_profile(prefill: Poly = PREFILL, decode: Poly = DECODE, kv: Poly = KV, chunk: int = 2048,
-                 tp: int = 1) -> LatencyProfile:
-    return LatencyProfile("m", [InstanceProfile(tp, prefill, decode, kv, max_num_batched_tokens=chunk)])
+                 tp: int = 1, spread: list[float] | None = None, window_ms: float = 0.0) -> LatencyProfile:
+    return LatencyProfile("m", [InstanceProfile(tp, prefill, decode, kv, max_num_batched_tokens=chunk,
+                                                decode_spread=spread or [], decode_spread_window_ms=window_ms)])
 
 
 def test_fit_recovers_known_coefficients() -> None:
@@ -46,8 +47,20 @@ def test_fit_with_one_sample_is_a_constant_and_with_none_an_error() -> None:
         fit_poly([])
 
 
+def test_fit_separates_the_per_prompt_cost_from_the_per_step_one() -> None:
+    # a step of n prompts of t tokens: 6 + 0.05*T + 1e-5*sum(t^2) + 2.5*n, measured at batches 1, 2, 4
+    truth = Poly(6.0, 0.05, 1e-5, 2.5)
+    samples = [(t, b, truth.at(t * b, t * t * b, b)) for t in (32, 128, 512, 1024) for b in (1, 2, 4)
+               if t * b <= 2048]
+    inst = fit_instance(1, samples, [(1, 64, 5.0), (2, 128, 6.0)], [(128, 1.0)])
+    assert inst.prefill.d == pytest.approx(2.5, rel=1e-3) and inst.prefill.a == pytest.approx(6.0, rel=1e-3)
+    # four 32-token prompts cost more than one 128-token prompt: three more prompts, less attention
+    assert inst.prefill_ms(128, 4) - inst.prefill_ms(128) == pytest.approx(3 * 2.5 - 1e-5 * (128 ** 2 - 4 * 32 ** 2))
+    assert inst.mixed_ms([32] * 4, 0, 0) == pytest.approx(inst.prefill_ms(128, 4))
+
+
 def test_profile_file_round_trip_and_bad_file(tmp_path) -> None:
-    inst = fit_instance(1, [(t, 3 + 0.1 * t) for t in (16, 256, 1024)],
+    inst = fit_instance(1, [(t, 1, 3 + 0.1 * t) for t in (16, 256, 1024)],
                         [(n, n * k, 8 + n + 0.01 * n * k) for n in (1, 4) for k in (64, 512)], [(128, 4.0)])
     prof = LatencyProfile("m", [inst], source="http://x")
     save_profile(prof, tmp_path / "p.json")
@@ -58,6 +71,26 @@ def test_profile_file_round_trip_and_bad_file(tmp_path) -> None:
     (tmp_path / "bad.json").write_text('{"model": "m", "instances": [{"tp": "one"}]}')
     with pytest.raises(ProfileError, match="bad.json"):
         load_profile(tmp_path / "bad.json")
+    (tmp_path / "new.json").write_text('{"format": 3, "model": "m", "instances": []}')
+    with pytest.raises(ProfileError, match="format: 3 is not one this vllm-pd reads"):
+        load_profile(tmp_path / "new.json")
+
+
+FORMAT_1 = """{"model": "m", "instances": [{"tp": 1, "prefill": {"a": 10.0, "b": 0.05, "c": 1e-6},
+  "decode": {"a": 5.0, "b": 0.5, "c": 0.001}, "kv": {"a": 0.5, "b": 0.0, "c": 0.0},
+  "max_num_batched_tokens": 2048, "max_num_seqs": 128, "prefill_samples": [[128, 17.0], [512, 36.0]],
+  "decode_samples": [[1, 82, 4.9]], "kv_samples": [[128, 0.5]]}], "source": "http://x"}"""
+
+
+def test_a_format_1_profile_reads_as_format_2(tmp_path) -> None:
+    (tmp_path / "v1.json").write_text(FORMAT_1)
+    inst = load_profile(tmp_path / "v1.json").for_tp(1)
+    # the same prefill and decode costs; kv now ends at the first token, so it holds format 1's decode step
+    assert inst.prefill_ms(512) == pytest.approx(10 + 0.05 * 512 + 1e-6 * 512 ** 2)
+    assert inst.kv_ms(128) == pytest.approx(0.5 + inst.decode_ms(1, 128))
+    assert inst.transfer_ms(128) == pytest.approx(0.5)
+    assert inst.prefill_samples == [(128, 1, 17.0), (512, 1, 36.0)] and inst.decode_spread == []
+    assert inst.kv_samples == [(128, pytest.approx(0.5 + inst.decode_ms(1, 128)))]
 
 
 def test_distributions_parse_and_sample_with_seed() -> None:
@@ -90,8 +123,8 @@ def test_single_request_latencies_are_the_profiles_costs() -> None:
     inst = prof.for_tp(1)
     req = [TraceRequest(1.0, 500, 5)]
     (pd,) = simulate(prof, Deployment(1, 1), req)
-    first_decode = inst.decode_ms(1, 500)
-    assert pd.ttft * 1e3 == pytest.approx(inst.prefill_ms(500) + inst.kv_ms(500) + first_decode)
+    # an idle decode instance loads layer-wise: the first token comes kv_ms after prefill's end
+    assert pd.ttft * 1e3 == pytest.approx(inst.prefill_ms(500) + inst.kv_ms(500))
     # later steps read one more token of context each
     steps = [inst.decode_ms(1, 500 + i) for i in range(1, 5)]
     assert pd.tpot * 1e3 == pytest.approx(sum(steps) / 4)
@@ -100,6 +133,49 @@ def test_single_request_latencies_are_the_profiles_costs() -> None:
     # a prompt longer than the chunk budget takes two steps
     (chunked,) = simulate(make_profile(chunk=300), Deployment(0, 1), req)
     assert chunked.ttft * 1e3 == pytest.approx(inst.prefill_ms(300) + inst.prefill_ms(200))
+
+
+def test_a_busy_decode_instance_loads_async_and_takes_the_request_at_a_step() -> None:
+    # the first request decodes 200 long steps; the second's KV arrives mid-step and waits for the next
+    prof = make_profile(prefill=Poly(50.0, 0, 0), decode=Poly(30.0, 0, 0), kv=Poly(40.0, 0))
+    inst = prof.for_tp(1)
+    first, second = simulate(prof, Deployment(1, 1), [TraceRequest(0.0, 100, 200), TraceRequest(0.5, 100, 3)])
+    assert first.ttft * 1e3 == pytest.approx(90.0)  # 50 prefill + 40 layer-wise hand-over
+    kv_at = 0.5 + (50.0 + inst.transfer_ms(100)) / 1e3  # transfer = 40 - 30: kv less the step it included
+    steps = [0.09 + 0.03 * k for k in range(1, 40)]  # the first request's step ends
+    joins = next(t for t in steps if t >= kv_at)
+    assert second.ttft == pytest.approx(joins + 0.03 - 0.5)
+    # announced while the decode instance is held by another's layer-wise load: async, then a step
+    a, b = simulate(prof, Deployment(1, 1), [TraceRequest(0.0, 100, 2), TraceRequest(0.01, 100, 2)])
+    assert a.ttft == pytest.approx(0.09) and a.finish == pytest.approx(0.12)
+    # b's KV is there at 0.11, during a's last step (0.09-0.12); b's first step is 0.12-0.15
+    assert b.ttft == pytest.approx(0.15 - 0.01)
+
+
+def test_decode_spread_is_seeded_and_its_window_makes_the_tpot_tail() -> None:
+    # alone on the instance (no prefill in a step): a TPOT differs from another only by the spread
+    reqs = parse_distributions("poisson:0.2,in=100,out=20").sample(200, seed=3)
+    spread = [0.9] * 8 + [1.4, 1.5]
+
+    def tpot(window_ms: float, seed: int = 1) -> list[float]:
+        prof = make_profile(decode=Poly(10.0, 0, 0), spread=spread, window_ms=window_ms)
+        return [r.tpot for r in simulate(prof, Deployment(0, 1), reqs, seed=seed)]
+
+    slo = Slo(10.0, 10.0)
+    assert tpot(1000.0) == tpot(1000.0) and tpot(1000.0, seed=2) != tpot(1000.0)
+    base = summarise(simulate(make_profile(decode=Poly(10.0, 0, 0)), Deployment(0, 1), reqs), slo).tpot_p90
+    assert base == pytest.approx(0.010)
+
+    def p90(xs: list[float]) -> float:
+        return sorted(xs)[int(0.9 * len(xs))]
+
+    # drawn every step, 19 draws average out near the mean (1.01); held for a request's life they do not
+    assert p90(tpot(0.0)) < 0.0112
+    assert p90(tpot(1000.0)) > 0.0135
+
+
+def test_spread_is_each_point_over_the_fit() -> None:
+    assert spread_of(Poly(4.0, 1.0), [(1, 10, 10.0), (2, 10, 3.0), (1, 5, 5.0)]) == [0.5, 1.0, 2.0]
 
 
 def test_queueing_raises_ttft_with_rate() -> None:
@@ -119,7 +195,7 @@ def test_prefill_queue_matches_md1_mean_wait() -> None:
     reqs = [TraceRequest(r.arrival, 100, 1) for r in
             parse_distributions(f"poisson:{rho / (service_ms / 1e3)},in=100,out=1").sample(20000, seed=5)]
     sims = simulate(prof, Deployment(1, 1), reqs)
-    mean_wait = sum(r.ttft for r in sims) / len(sims) - (service_ms + 1.0) / 1e3
+    mean_wait = sum(r.ttft for r in sims) / len(sims) - service_ms / 1e3
     expected = rho * service_ms / 1e3 / (2 * (1 - rho))
     assert mean_wait == pytest.approx(expected, rel=0.1)
 
@@ -170,7 +246,9 @@ def test_fit_ignores_a_sample_far_off_the_rest() -> None:
 
 
 def test_refit_uses_the_stored_samples() -> None:
-    decode = [(n, k, 8.0 + n) for n in (1, 4) for k in (64, 512)]
-    inst = fit_instance(1, [(t, 3 + 0.1 * t) for t in (16, 256, 1024)], decode, [(128, 4.0)])
+    decode = [(n, k, (8.0 + n) * f) for n in (1, 4) for k in (64, 512) for f in (0.9, 1.1)]
+    inst = fit_instance(1, [(t, b, 3 + 0.1 * t * b + b) for t in (16, 256, 1024) for b in (1, 2)], decode,
+                        [(128, 4.0)], spread_window_ms=60.0)
+    assert inst.decode.at(4, 0) == pytest.approx(12.0) and inst.decode_spread == [0.9] * 4 + [1.1] * 4
     stale = msgspec.structs.replace(inst, prefill=Poly(0, 0, 0))
     assert refit(stale) == inst

@@ -122,3 +122,23 @@ def test_strip_only_touches_kv_fields() -> None:
     assert not strip_client_kv(body) and body == {"prompt": "x", "vllm_xargs": {"a": 1}, "temperature": 0.5}
     body = {"prompt": "x", "kv_transfer_params": {}, "remote_port": 1, "vllm_xargs": {"kv_transfer_params": 1}}
     assert strip_client_kv(body) and body == {"prompt": "x", "vllm_xargs": {}}
+
+
+def test_a_client_does_not_pick_the_data_parallel_engine() -> None:
+    """vLLM sends a request to the DP engine its ``X-data-parallel-rank`` names and refuses one out of
+    range (400): forwarded to both legs, a client's rank could fail one leg after the other computed
+    (instances of each role may run another DP size) or pile load on one engine. The proxy places legs;
+    each instance balances its own engines."""
+    async def go() -> None:
+        async with harness() as h:
+            status, answer = await h.post("/v1/completions", {"prompt": "hello " * 20, "max_tokens": 3},
+                                          headers={"X-Data-Parallel-Rank": "3", "traceparent": "00-" + "ab" * 16
+                                                   + "-" + "cd" * 8 + "-01"})
+            assert status == 200, answer
+            legs = [s for b in h.prefills + h.decodes for s in b.seen]
+            assert len(legs) == 2
+            for leg in legs:
+                names = {k.lower() for k in leg.headers}
+                assert "x-data-parallel-rank" not in names, leg.headers
+                assert "traceparent" in names  # the other forwarded headers still pass
+    run(go)

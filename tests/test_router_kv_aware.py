@@ -242,3 +242,16 @@ def test_kv_events_from_flags_and_yaml(tmp_path: Path, small_model_dir: Path) ->
     yml = tmp_path / "proxy.yaml"
     yml.write_text("instances:\n  - {url: 'http://p:1', role: prefill, kv_events: 'tcp://p:5557'}\n")
     assert load_yaml(yml)["instances"][0].kv_events == "tcp://p:5557"
+
+
+def test_kv_aware_tokenizes_off_the_event_loop_only(small_model_dir: Path) -> None:
+    """With kv_aware the exact count comes from KvRouting's worker thread; the loop keeps the estimate
+    (tokenizing a 33K-token prompt there would stall every other request ~10 ms)."""
+    from vllm_pd.router.app import ProxyServer
+    from vllm_pd.router.request_body import estimate_tokens
+
+    tok = str(small_model_dir)
+    assert ProxyServer(ProxyConfig(prefill_policy="kv_aware", tokenizer=tok)).count_tokens is estimate_tokens
+    assert ProxyServer(ProxyConfig(decode_policy="kv_aware", tokenizer=tok)).count_tokens is estimate_tokens
+    exact = ProxyServer(ProxyConfig(tokenizer=tok)).count_tokens  # other policies: exact, as configured
+    assert exact is not estimate_tokens and exact("hello world") > 0

@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
-from vllm_pd.router.instance_pool import InstancePool, LegLease
+from vllm_pd.router.instance_pool import InstancePool, InFlightLeg
 from vllm_pd.router.policies import LeastOutstanding, PowerOfTwo, PrefixAware, RoundRobin
 from vllm_pd.router.supervisor import Supervisor
 
@@ -25,16 +25,16 @@ def test_round_robin_cycles() -> None:
 def test_least_outstanding_counts_requests_then_tokens() -> None:
     pool = _pool(3)
     a, b, c = pool.all()
-    LegLease(a, "prefill", 10)
-    LegLease(b, "prefill", 5000)
+    InFlightLeg(a, "prefill", 10)
+    InFlightLeg(b, "prefill", 5000)
     lo = LeastOutstanding()
     assert lo.choose(pool.all(), "prefill", "", 1) is c
-    LegLease(c, "prefill", 100)
+    InFlightLeg(c, "prefill", 100)
     assert lo.choose(pool.all(), "prefill", "", 1) is a  # equal requests: fewer tokens wins
-    lease = LegLease(a, "decode", 1)
+    leg = InFlightLeg(a, "decode", 1)
     assert lo.choose(pool.all(), "prefill", "", 1) is c  # decode legs load the instance too
-    lease.release()
-    lease.release()  # idempotent
+    leg.finish()
+    leg.finish()  # idempotent
     assert a.outstanding["decode"] == 0
 
 
@@ -42,7 +42,7 @@ def test_power_of_two_avoids_the_busiest() -> None:
     pool = _pool(2)
     busy, idle = pool.all()
     for _ in range(5):
-        LegLease(busy, "decode", 1)
+        InFlightLeg(busy, "decode", 1)
     p2 = PowerOfTwo(random.Random(0))
     assert {p2.choose(pool.all(), "decode", "", 1).url for _ in range(20)} == {idle.url}
 
@@ -63,7 +63,7 @@ def test_prefix_aware_sticks_to_prefix_owner_and_spreads_others() -> None:
     assert len(picks) == 4
     # an overloaded owner is bypassed
     for _ in range(10):
-        LegLease(first_a, "prefill", 1)
+        InFlightLeg(first_a, "prefill", 1)
     assert pa.choose(pool.all(), "prefill", sys_a + "question 99", 10) is not first_a
 
 
@@ -116,7 +116,7 @@ def test_supervisor_reads_the_prefill_queue_before_completions_do() -> None:
     prefiller = next(i for i in pool.all() if i.active_role == "prefill")
     prefiller.ttft.add(0.5)
     for _ in range(8):
-        LegLease(prefiller, "prefill", 1000)  # 8 queued x 0.5 s = 4 s predicted TTFT
+        InFlightLeg(prefiller, "prefill", 1000)  # 8 queued x 0.5 s = 4 s predicted TTFT
     assert sup.pressures()[0] > 3
     sup.rebalance()
     assert Counter(i.active_role for i in pool.all())["prefill"] == 2

@@ -107,3 +107,41 @@ def test_vllm_arguments_after_the_separator_pass_through_but_not_ups_own() -> No
 def test_more_gpus_asked_than_visible_stops_before_any_server(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(local_cluster, "visible_gpus", lambda: ["0"])
     assert command_up.run(_parse("--gpus-per-instance", "1")) == 2  # 2 servers, 1 GPU
+
+
+def test_kv_aware_turns_on_kv_events_and_gives_the_proxy_the_tokenizer(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # no process is started: only what `up` hands the servers and the proxy is checked
+    from vllm_pd.router import command_proxy
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    for name, value in (("start", lambda self: self), ("alive", lambda self: True),
+                        ("healthy", lambda self: True), ("stop", lambda self: None)):
+        monkeypatch.setattr(VllmServer, name, value)
+    configs: list = []
+
+    async def serve(cfg: object) -> None:
+        configs.append(cfg)
+
+    monkeypatch.setattr(command_proxy, "serve_until_signal", serve)
+    monkeypatch.setattr(command_proxy, "install_uvloop", lambda: None)
+    monkeypatch.setattr(command_up.signal, "signal", lambda *a: None)  # keep pytest's own SIGTERM handler
+    argv = ("--model", str(model), "--prefill", "2", "--log-dir", str(tmp_path / "logs"), "--policy", "kv_aware")
+    assert command_up.run(_parse(*argv)) == 0
+    (cfg,) = configs
+    assert (cfg.prefill_policy, cfg.decode_policy, cfg.tokenizer) == ("kv_aware", "kv_aware", str(model))
+    assert len(cfg.instances) == 3 and all(ic.kv_events and ic.kv_events.startswith("tcp://") for ic in cfg.instances)
+
+    assert command_up.run(_parse(*argv[:-2])) == 0  # the default policy: no events, no tokenizer
+    assert configs[1].prefill_policy == "prefix_aware" and configs[1].tokenizer is None
+    assert not any(ic.kv_events for ic in configs[1].instances)
+
+
+def test_kv_aware_needs_a_local_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(command_up.signal, "signal", lambda *a: None)  # keep pytest's own SIGTERM handler
+    assert command_up.routing_settings("round_robin", "org/some-hf-model")["tokenizer"] is None
+    with pytest.raises(ValueError, match="--policy kv_aware needs the model as a local folder"):
+        command_up.routing_settings("kv_aware", "org/some-hf-model")
+    assert command_up.run(_parse("--model", "org/some-hf-model", "--policy", "kv_aware")) == 2

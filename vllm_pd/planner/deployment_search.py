@@ -91,10 +91,10 @@ def distributions_at(dist: Distributions, n: int, seed: int) -> tuple[float, Req
 
 
 def goodput(profile: LatencyProfile, deployment: Deployment, requests_at: RequestsAt, slo: Slo,
-            start_rate: float, iterations: int = 12) -> float:
+            start_rate: float, iterations: int = 12, seed: int = 0) -> float:
     """The highest rate whose simulated SLO attainment is >= ``slo.attainment`` (0 if none)."""
     def ok(rate: float) -> bool:
-        sims = simulate(profile, deployment, requests_at(rate))
+        sims = simulate(profile, deployment, requests_at(rate), seed)
         return sum(slo.met(r) for r in sims) / len(sims) >= slo.attainment
 
     lo, hi = 0.0, start_rate
@@ -117,12 +117,15 @@ def goodput(profile: LatencyProfile, deployment: Deployment, requests_at: Reques
 
 
 def search(profile: LatencyProfile, deployments: list[Deployment], requests_at: RequestsAt, own_rate: float,
-           slo: Slo) -> list[Candidate]:
-    """Every deployment's goodput, best goodput per device first (fewer devices break ties)."""
+           slo: Slo, seed: int = 0) -> list[Candidate]:
+    """Every deployment's goodput, best goodput per device first (fewer devices break ties).
+
+    ``seed`` seeds the simulated decode spread (the same draws for every deployment and rate).
+    """
     out = []
     for d in deployments:
-        g = goodput(profile, d, requests_at, slo, own_rate)
-        at = summarise(simulate(profile, d, requests_at(own_rate)), slo)
+        g = goodput(profile, d, requests_at, slo, own_rate, seed=seed)
+        at = summarise(simulate(profile, d, requests_at(own_rate), seed), slo)
         logger.info("%s: goodput %.3f req/s (%.3f per device)", d.label, g, g / d.devices)
         out.append(Candidate(d, g, at))
     return sorted(out, key=lambda c: (-c.per_device, c.deployment.devices, c.deployment.label))

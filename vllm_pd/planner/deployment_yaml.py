@@ -29,7 +29,16 @@ def proxy_yaml(d: Deployment, host: str = "127.0.0.1", port: int = 8000) -> str:
 
 
 def up_command(d: Deployment) -> str:
-    """The ``vllm-pd up`` line that starts ``d`` on one machine (TP is the servers' own setting)."""
-    if d.colocated:
-        return f"vllm-pd up --prefill 0 --decode {d.decode} --connector none"
-    return f"vllm-pd up --prefill {d.prefill} --decode {d.decode}"
+    """The ``vllm-pd up`` line that starts ``d`` on one machine. ``up`` gives every server one TP size:
+    a plan with another TP per role gets its TP 1 line (see :func:`up_runs_tp`)."""
+    line = (f"vllm-pd up --prefill 0 --decode {d.decode} --connector none" if d.colocated
+            else f"vllm-pd up --prefill {d.prefill} --decode {d.decode}")
+    tp = d.tp_decode
+    if up_runs_tp(d) and tp > 1:
+        line += f" --gpus-per-instance {tp} -- --tensor-parallel-size {tp}"
+    return line
+
+
+def up_runs_tp(d: Deployment) -> bool:
+    """Whether ``vllm-pd up`` can start ``d``'s TP sizes (one size for every server)."""
+    return d.colocated or d.tp_prefill == d.tp_decode

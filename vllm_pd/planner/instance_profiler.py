@@ -4,11 +4,18 @@ Prompts are token-id lists (exact lengths, every one unique so the prefix cache 
 streaming completions with ``ignore_eos``:
 
 - prefill: ``batch`` concurrent one-token requests of ``tokens`` each (batch x tokens within one
-  step's token budget); the slowest TTFT is one step of batch x tokens prompt tokens.
-- decode: ``batch`` concurrent requests of ``context`` prompt tokens; the mean gap between tokens in
-  the second half of each stream (when every request of the batch is decoding) is one step.
-- KV transfer: through a PD proxy (``pd_url``), TTFT minus the fitted prefill and one decode step is
-  the hand-over from prefill to decode (transfer and second hop); without one, a fixed model.
+  step's token budget); the slowest TTFT is one step of ``batch`` prompts of ``tokens``.
+- decode: ``batch`` concurrent requests of ``context`` prompt tokens, ``decode_repeats`` times; the mean
+  gap between tokens in the second half of each stream (when every request of the batch is decoding)
+  is one step. The points' scatter around the fit is the decode spread, over windows as long as those
+  second halves.
+
+With ``relay_url`` (a proxy in front of this instance alone) prefill and decode are measured through it,
+as a client of the deployment sees them: the proxy's hop and its relaying of every token then count, on
+the cores they share with the instance. Without one, decode goes through ``pd_url`` if given.
+- KV hand-over: through a PD proxy (``pd_url``), a lone request's TTFT minus a lone prefill's measured
+  here is prefill's end to decode's first token (transfer tail, decode's last layer, second hop);
+  without one, a fixed model.
 
 HTTP and detokenisation costs stay inside the fitted constants, as a client of the deployment sees them.
 """
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, Poly, fit_instance, fit_poly
+from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, fit_instance
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +44,7 @@ class ProfilePlan:
     decode_contexts: tuple[int, ...] = (64, 512, 1024)
     decode_tokens: int = 24
     repeats: int = 2
+    decode_repeats: int = 3
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int = 2048
@@ -90,9 +98,10 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, model: str
 
 
 class InstanceProfiler:
-    def __init__(self, url: str, plan: ProfilePlan, pd_url: str | None = None) -> None:
+    def __init__(self, url: str, plan: ProfilePlan, pd_url: str | None = None, relay_url: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.pd_url = pd_url.rstrip("/") if pd_url else None
+        self.relay_url = relay_url.rstrip("/") if relay_url else None
         self.plan = plan
         self._prompts = UniquePrompts(plan.max_token_id)
 
@@ -100,14 +109,14 @@ class InstanceProfiler:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             model = await model_name(session, self.url)
             # the first requests pay one-off costs (graph warm-up, connections): keep them out
-            await self._batch(session, self.url, model, [64, 64], 4)
+            await self._batch(session, self.relay_url or self.url, model, [64, 64], 4)
             prefill = await self._prefill(session, model)
-            decode = await self._decode(session, model)
-            kv = await self._kv(session, model, fit_poly([(t, t * t, ms) for t, ms in prefill]),
-                                fit_poly([(n, k, ms) for n, k, ms in decode])) if self.pd_url else []
+            decode, window_ms = await self._decode(session, model)
+            kv = await self._kv(session, model, prefill) if self.pd_url else []
         # no PD pair measured: two points of the fixed model stand in for samples
         kv = kv or [(0, self.plan.kv_fixed_ms), (1000, self.plan.kv_fixed_ms + 1000 * self.plan.kv_ms_per_token)]
-        inst = fit_instance(tp, prefill, decode, kv, self.plan.max_num_batched_tokens, self.plan.max_num_seqs)
+        inst = fit_instance(tp, prefill, decode, kv, self.plan.max_num_batched_tokens, self.plan.max_num_seqs,
+                            window_ms)
         return model, inst
 
     async def _batch(self, session: aiohttp.ClientSession, url: str, model: str, lengths: list[int],
@@ -115,40 +124,45 @@ class InstanceProfiler:
         return list(await asyncio.gather(*(stream_completion(session, url, model, self._prompts.make(n), max_tokens)
                                            for n in lengths)))
 
-    async def _prefill(self, session: aiohttp.ClientSession, model: str) -> list[tuple[int, float]]:
+    async def _prefill(self, session: aiohttp.ClientSession, model: str) -> list[tuple[int, int, float]]:
         p = self.plan
         out = []
         for tokens in (t for t in p.prefill_tokens if t < p.max_model_len):
             for batch in (b for b in p.prefill_batches if b * tokens <= p.max_num_batched_tokens):
-                ms = [max(s.ttft for s in await self._batch(session, self.url, model, [tokens] * batch, 1)) * 1e3
+                url = self.relay_url or self.url
+                ms = [max(s.ttft for s in await self._batch(session, url, model, [tokens] * batch, 1)) * 1e3
                       for _ in range(p.repeats)]
-                out.append((tokens * batch, statistics.median(ms)))
-                logger.info("prefill %d x %d tokens: %.1f ms", batch, tokens, out[-1][1])
+                out.append((tokens, batch, statistics.median(ms)))
+                logger.info("prefill %d x %d tokens: %.1f ms", batch, tokens, out[-1][2])
         return out
 
-    async def _decode(self, session: aiohttp.ClientSession, model: str) -> list[tuple[int, int, float]]:
+    async def _decode(self, session: aiohttp.ClientSession,
+                      model: str) -> tuple[list[tuple[int, int, float]], float]:
+        """([(batch, summed context, mean step ms)], the median window those means span in ms)."""
         p = self.plan
-        out = []
-        for context in (c for c in p.decode_contexts if c + p.decode_tokens < p.max_model_len):
-            for batch in (b for b in p.decode_batches if b <= p.max_num_seqs):
-                streams = await self._batch(session, self.url, model, [context] * batch, p.decode_tokens)
-                half = p.decode_tokens // 2
-                gaps = [(s.stamps[-1] - s.stamps[half]) / (len(s.stamps) - 1 - half) for s in streams]
-                mean_context = context + (half + p.decode_tokens) // 2
-                out.append((batch, batch * mean_context, statistics.median(gaps) * 1e3))
-                logger.info("decode batch %d context %d: %.2f ms/step", batch, context, out[-1][2])
-        return out
+        url = self.relay_url or self.pd_url or self.url
+        out, windows = [], []
+        half = p.decode_tokens // 2
+        for _ in range(p.decode_repeats):
+            for context in (c for c in p.decode_contexts if c + p.decode_tokens < p.max_model_len):
+                for batch in (b for b in p.decode_batches if b <= p.max_num_seqs):
+                    streams = await self._batch(session, url, model, [context] * batch, p.decode_tokens)
+                    gaps = [(s.stamps[-1] - s.stamps[half]) / (len(s.stamps) - 1 - half) for s in streams]
+                    mean_context = context + (half + p.decode_tokens) // 2
+                    out.append((batch, batch * mean_context, statistics.median(gaps) * 1e3))
+                    windows.append(statistics.median(s.stamps[-1] - s.stamps[half] for s in streams) * 1e3)
+                    logger.info("decode batch %d context %d: %.2f ms/step", batch, context, out[-1][2])
+        return out, statistics.median(windows) if windows else 0.0
 
-    async def _kv(self, session: aiohttp.ClientSession, model: str, prefill: Poly,
-                  decode: Poly) -> list[tuple[int, float]]:
+    async def _kv(self, session: aiohttp.ClientSession, model: str,
+                  prefill: list[tuple[int, int, float]]) -> list[tuple[int, float]]:
         assert self.pd_url is not None
-        p = self.plan
+        alone = {t: ms for t, b, ms in prefill if b == 1}
         out = []
-        for tokens in (t for t in p.prefill_tokens if t < p.max_model_len):
+        for tokens in sorted(alone):
             ms = [(await self._batch(session, self.pd_url, model, [tokens], 2))[0].ttft * 1e3
-                  for _ in range(p.repeats)]
-            # what prefill and decode's first step (one request, the prompt as context) cost on their own
-            own = prefill.at(tokens, tokens * tokens) + decode.at(1, tokens)
-            out.append((tokens, max(0.0, statistics.median(ms) - own)))
+                  for _ in range(self.plan.repeats)]
+            # decode's first forward overlaps prefill's (layer-wise load): what is left after prefill's end
+            out.append((tokens, max(0.0, statistics.median(ms) - alone[tokens])))
             logger.info("PD hand-over %d tokens: %.1f ms", tokens, out[-1][1])
         return out

@@ -1,22 +1,34 @@
-"""The latency profile of one vLLM instance: fitted prefill, decode and KV-transfer cost models.
+"""The latency profile of one vLLM instance: fitted prefill, decode and KV hand-over cost models.
 
 A profile file is JSON (msgspec) holding one :class:`InstanceProfile` per tensor-parallel size it
 covers. Each keeps the raw samples it was fitted from, so a profile can be re-fitted or inspected.
 
-- prefill: the time of one engine step that prefills ``t`` batched tokens, ``a + b*t + c*t^2`` ms
-  (the square term is attention over the prompt).
+- prefill: the time of one engine step that prefills ``n`` prompts of ``t_i`` tokens (``T`` in all),
+  ``a + b*T + c*sum(t_i^2) + d*n`` ms (the square term is attention over each prompt; ``d`` is what
+  every prompt costs on its own - its own sampling, output and HTTP work).
 - decode: the time of one decode step of ``n`` running requests whose contexts sum to ``k`` tokens,
-  ``a + b*n + c*k`` ms (``c*k`` is attention reading the KV of every request).
-- kv: the time from prefill's end until decode can start a request of ``t`` prompt tokens,
-  ``a + b*t`` ms (the transfer plus the proxy's second hop).
+  ``a + b*n + c*k`` ms (``c*k`` is attention reading the KV of every request), times a factor that
+  holds for ``decode_spread_window_ms`` and is then drawn again from ``decode_spread``: each measured
+  point (the mean step over a window of that length) over the fit. Step times drift - the proxy, the
+  client and the API server take turns on the same cores - and slow windows, not single slow steps,
+  are what make one request's TPOT differ from another's.
+- kv: prefill's end to the first token on an idle decode instance, for ``t`` prompt tokens, ``a + b*t``
+  ms (the layer-wise load overlaps decode's first forward with prefill's, so this is the tail of the
+  transfer, the last layer's forward and the proxy's second hop).
+
+Format 2 (this one) replaced format 1's prefill model (``a + b*T + c*T^2`` over the whole step) and its
+kv (the hand-over before a full decode step); :func:`load_profile` reads format 1 files as format 2.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence
 
 import msgspec
+
+PROFILE_FORMAT = 2
 
 
 class ProfileError(ValueError):
@@ -24,49 +36,67 @@ class ProfileError(ValueError):
 
 
 class Poly(msgspec.Struct, frozen=True):
-    """``a + b*x + c*y`` with non-negative coefficients, in milliseconds."""
+    """``a + b*x + c*y + d*w`` with non-negative coefficients, in milliseconds."""
 
     a: float = 0.0
     b: float = 0.0
     c: float = 0.0
+    d: float = 0.0
 
-    def at(self, x: float, y: float = 0.0) -> float:
-        return self.a + self.b * x + self.c * y
+    def at(self, x: float, y: float = 0.0, w: float = 0.0) -> float:
+        return self.a + self.b * x + self.c * y + self.d * w
 
 
 class InstanceProfile(msgspec.Struct, frozen=True):
     tp: int
-    prefill: Poly  # x = batched prompt tokens, y = x^2
+    prefill: Poly  # x = batched prompt tokens, y = the sum of each prompt's tokens squared, w = prompts
     decode: Poly  # x = running requests, y = the sum of their context lengths
-    kv: Poly  # x = prompt tokens (c unused)
+    kv: Poly  # x = prompt tokens: prefill's end -> first token on an idle decode instance
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    prefill_samples: list[tuple[int, float]] = []  # (batched tokens, ms)
-    decode_samples: list[tuple[int, int, float]] = []  # (batch, summed context, ms)
+    decode_spread: list[float] = []  # measured decode point / its fit, sorted; empty = no spread
+    decode_spread_window_ms: float = 0.0  # how long one factor holds (0: a new one every step)
+    prefill_samples: list[tuple[int, int, float]] = []  # (tokens per prompt, prompts, ms)
+    decode_samples: list[tuple[int, int, float]] = []  # (batch, summed context, mean ms per step)
     kv_samples: list[tuple[int, float]] = []  # (prompt tokens, ms)
 
-    def prefill_ms(self, tokens: int) -> float:
-        return self.prefill.at(tokens, tokens * tokens)
+    def prefill_ms(self, tokens: int, prompts: int = 1, square: int | None = None) -> float:
+        """``prompts`` prompts, ``tokens`` in all; ``square`` = the sum of their squares (default: equal)."""
+        if tokens <= 0:
+            return 0.0
+        sq = square if square is not None else tokens * tokens // max(1, prompts)
+        return self.prefill.at(tokens, sq, prompts)
 
     def decode_ms(self, batch: int, context: int) -> float:
         return self.decode.at(batch, context)
 
-    def mixed_ms(self, prefill_tokens: int, batch: int, context: int) -> float:
-        """A colocated step: a prefill chunk and a decode batch in one forward pass (one fixed cost)."""
+    def mixed_ms(self, chunks: Sequence[int], batch: int, context: int, spread: float = 1.0) -> float:
+        """One step: prompt chunks of these sizes and a decode batch in one forward (one fixed cost).
+
+        ``spread`` scales the decode part (a factor from ``decode_spread``).
+        """
+        tokens = sum(chunks)
+        prefill = self.prefill_ms(tokens, len(chunks), sum(t * t for t in chunks))
         if batch == 0:
-            return self.prefill_ms(prefill_tokens)
-        if prefill_tokens == 0:
-            return self.decode_ms(batch, context)
-        return self.prefill_ms(prefill_tokens) + self.decode.b * batch + self.decode.c * context
+            return prefill
+        if tokens == 0:
+            return self.decode_ms(batch, context) * spread
+        return prefill + (self.decode.b * batch + self.decode.c * context) * spread
 
     def kv_ms(self, tokens: int) -> float:
+        """Prefill's end to the first token on an idle decode instance (layer-wise load)."""
         return self.kv.at(tokens)
+
+    def transfer_ms(self, tokens: int) -> float:
+        """Prefill's end to the KV being usable on a busy decode instance (an async load, no forward)."""
+        return max(0.0, self.kv_ms(tokens) - self.decode_ms(1, tokens))
 
 
 class LatencyProfile(msgspec.Struct, frozen=True):
     model: str
     instances: list[InstanceProfile]
     source: str = ""  # the URL(s) it was measured on
+    format: int = PROFILE_FORMAT
 
     def for_tp(self, tp: int) -> InstanceProfile:
         for inst in self.instances:
@@ -78,23 +108,68 @@ class LatencyProfile(msgspec.Struct, frozen=True):
         return sorted(i.tp for i in self.instances)
 
 
+class _InstanceV1(msgspec.Struct, frozen=True):
+    tp: int
+    prefill: Poly
+    decode: Poly
+    kv: Poly
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    prefill_samples: list[tuple[int, float]] = []  # (batched tokens, ms): the prompts per step were not kept
+    decode_samples: list[tuple[int, int, float]] = []
+    kv_samples: list[tuple[int, float]] = []
+
+
+class _ProfileV1(msgspec.Struct, frozen=True):
+    model: str
+    instances: list[_InstanceV1]
+    source: str = ""
+
+
+def _from_v1(old: _ProfileV1) -> LatencyProfile:
+    """Format 1 as format 2: each prefill sample one prompt (its ``T^2`` is then the sum of squares),
+    no per-prompt term, no decode spread; kv gains the decode step format 1 added after it."""
+    def convert(i: _InstanceV1) -> InstanceProfile:
+        kv = Poly(i.kv.a + i.decode.a + i.decode.b, i.kv.b + i.decode.c)
+        kv_samples = [(t, ms + i.decode.at(1, t)) for t, ms in i.kv_samples]
+        return InstanceProfile(i.tp, i.prefill, i.decode, kv, i.max_num_batched_tokens, i.max_num_seqs,
+                               prefill_samples=[(t, 1, ms) for t, ms in i.prefill_samples],
+                               decode_samples=list(i.decode_samples), kv_samples=kv_samples)
+    return LatencyProfile(old.model, [convert(i) for i in old.instances], old.source)
+
+
 def save_profile(profile: LatencyProfile, path: str | Path) -> None:
     Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(profile)) + b"\n")
 
 
 def load_profile(path: str | Path) -> LatencyProfile:
+    """A profile file of format 2, or of format 1 converted (:func:`_from_v1`)."""
     try:
-        profile = msgspec.json.decode(Path(path).read_bytes(), type=LatencyProfile)
+        raw = Path(path).read_bytes()
+        head = json.loads(raw)
+        version = head.get("format", 1) if isinstance(head, dict) else PROFILE_FORMAT
+        if version not in (1, PROFILE_FORMAT):
+            raise ProfileError(f"profile {path}: format: {version!r} is not one this vllm-pd reads (1, "
+                               f"{PROFILE_FORMAT}); profile the instance again with this version")
+        if version == 1:
+            profile = _from_v1(msgspec.json.decode(raw, type=_ProfileV1))
+        else:
+            profile = msgspec.json.decode(raw, type=LatencyProfile)
     except OSError as e:
         raise ProfileError(f"profile {path}: {e}") from None
-    except msgspec.ValidationError as e:
+    except (msgspec.ValidationError, ValueError) as e:
+        if isinstance(e, ProfileError):
+            raise
         raise ProfileError(f"profile {path}: {e}") from None
     if not profile.instances:
         raise ProfileError(f"profile {path}: instances: empty")
     return profile
 
 
-def fit_poly(rows: Sequence[tuple[float, float, float]]) -> Poly:
+Row = Sequence[float]  # (x, z), (x, y, z) or (x, y, w, z): the features, then the measured ms
+
+
+def fit_poly(rows: Sequence[Row]) -> Poly:
     """:func:`fit_terms` without the samples far off what the others predict.
 
     A sample whose leave-one-out residual is over 4 x the median one (and over 1 ms) was hit by
@@ -102,22 +177,29 @@ def fit_poly(rows: Sequence[tuple[float, float, float]]) -> Poly:
     """
     if len(rows) < 5:
         return fit_terms(rows)
-    loo = [abs(z - fit_terms([r for j, r in enumerate(rows) if j != i]).at(x, y)) for i, (x, y, z) in enumerate(rows)]
+    loo = [abs(r[-1] - _predict(fit_terms([o for j, o in enumerate(rows) if j != i]), r))
+           for i, r in enumerate(rows)]
     limit = max(1.0, 4 * sorted(loo)[len(loo) // 2])
     return fit_terms([row for row, r in zip(rows, loo) if r <= limit])
 
 
-def fit_terms(rows: Sequence[tuple[float, float, float]]) -> Poly:
-    """Least squares ``z = a + b*x + c*y`` over (x, y, z) rows, dropping any term that fits negative.
+def _predict(p: Poly, row: Row) -> float:
+    return p.at(*row[:-1])
+
+
+def fit_terms(rows: Sequence[Row]) -> Poly:
+    """Least squares ``z = a + b*x + c*y + d*w`` over the rows, dropping any term that fits negative.
 
     A negative coefficient is noise (a cost cannot shrink with more work) and would make the
     simulator predict negative step times far outside the measured range.
     """
-    terms = [0, 1, 2]
+    if not rows:
+        raise ProfileError("fit: no samples")
+    terms = list(range(len(rows[0])))  # the constant and one per feature
     while terms:
         coef = _least_squares(rows, terms)
         if coef is not None and all(v >= 0 for v in coef.values()):
-            return Poly(coef.get(0, 0.0), coef.get(1, 0.0), coef.get(2, 0.0))
+            return Poly(*(coef.get(t, 0.0) for t in range(4)))
         if coef is None:
             terms.pop()  # singular: the samples do not vary this term
         else:
@@ -125,15 +207,13 @@ def fit_terms(rows: Sequence[tuple[float, float, float]]) -> Poly:
     raise ProfileError("fit: no non-negative fit")
 
 
-def _least_squares(rows: Sequence[tuple[float, float, float]], terms: list[int]) -> dict[int, float] | None:
-    if not rows:
-        raise ProfileError("fit: no samples")
+def _least_squares(rows: Sequence[Row], terms: list[int]) -> dict[int, float] | None:
     if len(rows) < len(terms):
         return None
-    feats = [[(1.0, x, y)[t] for t in terms] for x, y, _ in rows]
+    feats = [[(1.0, *r[:-1])[t] for t in terms] for r in rows]
     # normal equations: (F^T F) w = F^T z, solved by Gaussian elimination with partial pivoting
     n = len(terms)
-    m = [[sum(f[i] * f[j] for f in feats) for j in range(n)] + [sum(f[i] * r[2] for f, r in zip(feats, rows))]
+    m = [[sum(f[i] * f[j] for f in feats) for j in range(n)] + [sum(f[i] * r[-1] for f, r in zip(feats, rows))]
          for i in range(n)]
     for col in range(n):
         piv = max(range(col, n), key=lambda r: abs(m[r][col]))
@@ -150,17 +230,29 @@ def _least_squares(rows: Sequence[tuple[float, float, float]], terms: list[int])
 def refit(inst: InstanceProfile) -> InstanceProfile:
     """The same instance fitted again from its stored samples (after a change to the fit)."""
     return fit_instance(inst.tp, inst.prefill_samples, inst.decode_samples, inst.kv_samples,
-                        inst.max_num_batched_tokens, inst.max_num_seqs)
+                        inst.max_num_batched_tokens, inst.max_num_seqs, inst.decode_spread_window_ms)
 
 
-def fit_instance(tp: int, prefill: list[tuple[int, float]], decode: list[tuple[int, int, float]],
+def spread_of(decode: Poly, points: Sequence[tuple[int, int, float]]) -> list[float]:
+    """Each measured point over what ``decode`` predicts for it, sorted (3 decimals: a compact file)."""
+    return sorted(round(ms / decode.at(n, k), 3) for n, k, ms in points if decode.at(n, k) > 0)
+
+
+def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tuple[int, int, float]],
                  kv: list[tuple[int, float]], max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256) -> InstanceProfile:
-    """Fit the three models from raw samples (kv: at least one sample, or a fixed model in ``kv``)."""
+                 max_num_seqs: int = 256, spread_window_ms: float = 0.0) -> InstanceProfile:
+    """Fit the models from raw samples (kv: at least one sample, or a fixed model in ``kv``).
+
+    prefill: (tokens per prompt, prompts in the step, ms); decode: (batch, summed context, the mean ms
+    per step over a window of ``spread_window_ms``; 0 = no spread: one sample per point is the fit's own).
+    """
+    dec = fit_poly([(n, k, ms) for n, k, ms in decode])
     return InstanceProfile(
         tp=tp,
-        prefill=fit_poly([(t, t * t, ms) for t, ms in prefill]),
-        decode=fit_poly([(n, k, ms) for n, k, ms in decode]),
-        kv=fit_poly([(t, 0.0, ms) for t, ms in kv]),
+        prefill=fit_poly([(t * b, t * t * b, b, ms) for t, b, ms in prefill]),
+        decode=dec,
+        kv=fit_poly([(t, ms) for t, ms in kv]),
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        decode_spread=spread_of(dec, decode) if spread_window_ms > 0 else [],
+        decode_spread_window_ms=spread_window_ms,
         prefill_samples=list(prefill), decode_samples=list(decode), kv_samples=list(kv))

@@ -3,15 +3,21 @@
 Each instance runs engine steps back to back while it has work, roughly as vLLM's scheduler does:
 
 - prefill instances: FCFS over their queue, up to ``max_num_batched_tokens`` prompt tokens per step
-  (a long prompt is split into chunks); a finished prompt's KV reaches the least loaded decode
-  instance ``kv_ms(prompt)`` later.
-- decode instances: continuous batching, every running request gains one token per step; a request
-  joins at the next step after its KV arrived, and that step yields its first token.
+  (a long prompt is split into chunks).
+- decode instances: continuous batching, every running request gains one token per step. The proxy
+  sends both legs at once, so a request is live on its decode instance from its arrival. As prefill's
+  last step starts, a decode instance with no other live request takes a layer-wise load: its forward
+  runs beside prefill's and the first token comes ``kv_ms(prompt)`` after prefill's end (the instance
+  is held meanwhile). Otherwise the load is async: the KV is usable ``transfer_ms(prompt)`` after
+  prefill's end and the request joins the next step, which yields its first token. (Our connector's
+  ``load_mode: auto``.)
 - colocated instances: running requests decode first, the rest of the step's token budget goes to
   waiting prompts (chunked prefill); a prompt's last chunk yields its first token.
 
-Step times come from the :class:`~vllm_pd.planner.latency_profile.InstanceProfile`. Requests reach
-the instance with the fewest outstanding requests, as the proxy's least_outstanding policy does.
+Step times come from the :class:`~vllm_pd.planner.latency_profile.InstanceProfile`; the decode part of a
+step is scaled by the instance's current factor from the profile's decode spread, drawn again (seeded)
+once it has held for the profile's spread window. Requests reach the instance with the fewest
+outstanding requests, as the proxy's least_outstanding policy does.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -59,6 +66,7 @@ class SimRequest:
     generated: int = 0
     first_token: float | None = None
     finish: float | None = None
+    decoder: "_Instance | None" = None  # disaggregated: the decode instance the proxy picked at arrival
 
     @property
     def context(self) -> int:
@@ -80,15 +88,29 @@ class SimRequest:
 class _Instance:
     profile: InstanceProfile
     role: str  # prefill | decode | both
+    rng: random.Random
     waiting: deque[SimRequest] = field(default_factory=deque)  # prompts to prefill
     running: list[SimRequest] = field(default_factory=list)  # decoding
+    awaiting: int = 0  # decode: live requests whose KV is not here yet
     busy: bool = False
+    factor: float = 1.0  # the decode spread's current draw
+    factor_until: float = float("-inf")
 
     @property
     def outstanding(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + self.awaiting
 
-    def plan_step(self) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
+    def spread(self, t: float) -> float:
+        """The decode spread's factor at ``t``: the current draw until its window ends."""
+        s = self.profile.decode_spread
+        if not s:
+            return 1.0
+        if t >= self.factor_until:
+            self.factor = s[self.rng.randrange(len(s))]
+            self.factor_until = t + self.profile.decode_spread_window_ms / 1e3
+        return self.factor
+
+    def plan_step(self, t: float) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
         """(duration in s, prompt chunks [(request, tokens)], decoding requests) of the next step."""
         decoding = self.running[:self.profile.max_num_seqs] if self.role != "prefill" else []
         budget = self.profile.max_num_batched_tokens - len(decoding)
@@ -100,9 +122,10 @@ class _Instance:
                 take = min(budget, req.spec.input_tokens - req.prefilled)
                 chunks.append((req, take))
                 budget -= take
-        tokens = sum(t for _, t in chunks)
         context = sum(r.context for r in decoding)
-        return self.profile.mixed_ms(tokens, len(decoding), context) / 1e3, chunks, decoding
+        spread = self.spread(t) if decoding else 1.0
+        ms = self.profile.mixed_ms([t for _, t in chunks], len(decoding), context, spread)
+        return ms / 1e3, chunks, decoding
 
 
 @dataclass
@@ -111,19 +134,21 @@ class Simulation:
 
     profile: LatencyProfile
     deployment: Deployment
+    seed: int = 0  # the decode spread's draws
     _events: list = field(default_factory=list)
     _seq: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         d = self.deployment
+        rngs = (random.Random(self.seed * 1000 + i) for i in itertools.count())
         if d.colocated:
             both = self.profile.for_tp(d.tp_decode)
-            self.prefillers = [_Instance(both, "both") for _ in range(d.decode)]
+            self.prefillers = [_Instance(both, "both", next(rngs)) for _ in range(d.decode)]
             self.decoders = self.prefillers
         else:
             p, dec = self.profile.for_tp(d.tp_prefill), self.profile.for_tp(d.tp_decode)
-            self.prefillers = [_Instance(p, "prefill") for _ in range(d.prefill)]
-            self.decoders = [_Instance(dec, "decode") for _ in range(d.decode)]
+            self.prefillers = [_Instance(p, "prefill", next(rngs)) for _ in range(d.prefill)]
+            self.decoders = [_Instance(dec, "decode", next(rngs)) for _ in range(d.decode)]
         if not self.decoders:
             raise ValueError(f"deployment {d.label}: needs at least one decode instance")
 
@@ -140,24 +165,51 @@ class Simulation:
         return sims
 
     def _arrive(self, t: float, req: SimRequest) -> None:
+        if not self.deployment.colocated:
+            req.decoder = min(self.decoders, key=lambda i: i.outstanding)
+            req.decoder.awaiting += 1
         inst = min(self.prefillers, key=lambda i: i.outstanding)
         inst.waiting.append(req)
         self._kick(t, inst)
 
     def _kv_ready(self, t: float, req: SimRequest) -> None:
-        inst = min(self.decoders, key=lambda i: i.outstanding)
+        """An async load is done: the request joins its decode instance's next step."""
+        inst = req.decoder
+        assert inst is not None
+        inst.awaiting -= 1
         inst.running.append(req)
+        self._kick(t, inst)
+
+    def _layerwise_done(self, t: float, req: SimRequest) -> None:
+        """Decode's forward beside prefill's is done: the first token, and the instance is free."""
+        inst = req.decoder
+        assert inst is not None
+        inst.awaiting -= 1
+        inst.busy = False
+        inst.running.append(req)
+        self._emit_token(t, inst, req)
         self._kick(t, inst)
 
     def _kick(self, t: float, inst: _Instance) -> None:
         if inst.busy or not (inst.waiting or (inst.running and inst.role != "prefill")):
             return
-        duration, chunks, decoding = inst.plan_step()
+        duration, chunks, decoding = inst.plan_step(t)
         inst.busy = True
-        self._at(t + duration, lambda t_end: self._step_done(t_end, inst, chunks, decoding))
+        # prefill announces a prompt as its last chunk's step starts; an idle decode then loads layer-wise
+        layerwise = [r for r, n in chunks if inst.role == "prefill" and r.prefilled + n >= r.spec.input_tokens
+                     and self._takes_layerwise(r)]
+        for req in layerwise:
+            assert req.decoder is not None
+            req.decoder.busy = True
+        self._at(t + duration, lambda t_end: self._step_done(t_end, inst, chunks, decoding, layerwise))
+
+    @staticmethod
+    def _takes_layerwise(req: SimRequest) -> bool:
+        dec = req.decoder
+        return dec is not None and not dec.busy and not dec.running and dec.awaiting == 1
 
     def _step_done(self, t: float, inst: _Instance, chunks: list[tuple[SimRequest, int]],
-                   decoding: list[SimRequest]) -> None:
+                   decoding: list[SimRequest], layerwise: list[SimRequest]) -> None:
         inst.busy = False
         for req in decoding:
             self._emit_token(t, inst, req)
@@ -167,8 +219,10 @@ class Simulation:
                 continue
             inst.waiting.remove(req)
             if inst.role == "prefill":
-                self._at(t + inst.profile.kv_ms(req.spec.input_tokens) / 1e3,
-                         functools.partial(self._kv_ready, req=req))
+                n = req.spec.input_tokens
+                done, ms = ((self._layerwise_done, inst.profile.kv_ms(n)) if req in layerwise
+                            else (self._kv_ready, inst.profile.transfer_ms(n)))
+                self._at(t + ms / 1e3, functools.partial(done, req=req))
             else:  # colocated: the last chunk samples the first token
                 inst.running.append(req)
                 self._emit_token(t, inst, req)
@@ -184,5 +238,6 @@ class Simulation:
             inst.running.remove(req)
 
 
-def simulate(profile: LatencyProfile, deployment: Deployment, requests: list[TraceRequest]) -> list[SimRequest]:
-    return Simulation(profile, deployment).run(requests)
+def simulate(profile: LatencyProfile, deployment: Deployment, requests: list[TraceRequest],
+             seed: int = 0) -> list[SimRequest]:
+    return Simulation(profile, deployment, seed).run(requests)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from vllm_pd.planner.deployment_search import (Candidate, Slo, distributions_at, enumerate_deployments, search,
                                                trace_at)
-from vllm_pd.planner.deployment_yaml import proxy_yaml, up_command
+from vllm_pd.planner.deployment_yaml import proxy_yaml, up_command, up_runs_tp
 from vllm_pd.planner.latency_profile import load_profile
 from vllm_pd.planner.workload import load_trace, parse_distributions
 
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
     p.add_argument("--devices", type=int, default=4, help="instance budget, in devices (instances x TP)")
     p.add_argument("--requests", type=int, default=400, help="requests simulated from a distribution")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampled workload and the simulated decode spread")
     p.add_argument("--deployments", help="only these, comma-separated labels (e.g. 1P1D,colocated x2)")
     p.add_argument("--yaml", type=Path, default=Path("vllm-pd-plan.yaml"), help="proxy YAML for the winner")
     p.add_argument("--json", type=Path, help="also write every candidate's figures here")
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{[d.label for d in deployments]}", file=sys.stderr)
             return 2
         deployments = [d for d in deployments if d.label in wanted]
-    ranked = search(profile, deployments, at, own, slo)
+    ranked = search(profile, deployments, at, own, slo, args.seed)
     best = ranked[0]
     print(f"workload at {own:.3f} req/s; SLO TTFT {slo.ttft * 1e3:.0f} ms, TPOT {slo.tpot * 1e3:.0f} ms, "
           f"{slo.attainment * 100:.0f} % attainment; figures at the workload's rate\n")
@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     args.yaml.write_text(proxy_yaml(best.deployment, args.host))
     print(f"best: {best.deployment.label} ({best.per_device:.3f} req/s per device)\n"
           f"proxy config: {args.yaml}\none machine: {up_command(best.deployment)}")
-    if (best.deployment.tp_prefill, best.deployment.tp_decode) != (1, 1):
-        print("(vllm-pd up starts TP 1 servers: start the TP servers yourself and use the proxy config)")
+    if not up_runs_tp(best.deployment):
+        print("(vllm-pd up gives every server one TP size: start the TP servers yourself and use the proxy config)")
     if args.json:
         args.json.write_text(json.dumps({"rate": own, "slo": asdict(slo), "candidates": [
             {"label": c.deployment.label, "deployment": asdict(c.deployment), "goodput": c.goodput,

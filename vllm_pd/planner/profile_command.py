@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add this TP size to an existing --out (replacing its entry for the same TP)")
     p.add_argument("--pd-url", help="a PD proxy over a prefill/decode pair of such instances: measures the "
                                     "KV hand-over (else --kv-fixed-ms/--kv-ms-per-token)")
+    p.add_argument("--relay-url", help="a proxy in front of this instance alone: prefill and decode are measured "
+                                       "through it, the proxy's hop and token relaying included")
     p.add_argument("--kv-fixed-ms", type=float, default=d.kv_fixed_ms)
     p.add_argument("--kv-ms-per-token", type=float, default=d.kv_ms_per_token)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -41,17 +43,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens", type=_ints, default=d.prefill_tokens, help="prompt lengths, comma-separated")
     p.add_argument("--decode-batches", type=_ints, default=d.decode_batches)
     p.add_argument("--decode-contexts", type=_ints, default=d.decode_contexts)
-    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--repeats", type=int, default=d.repeats, help="prefill and KV hand-over points")
+    p.add_argument("--decode-repeats", type=int, default=d.decode_repeats,
+                   help="decode points (their scatter around the fit is the decode spread)")
 
 
 def run(args: argparse.Namespace) -> int:
     plan = ProfilePlan(prefill_tokens=args.prefill_tokens, decode_batches=args.decode_batches,
                        decode_contexts=args.decode_contexts, repeats=args.repeats,
+                       decode_repeats=args.decode_repeats,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len, kv_fixed_ms=args.kv_fixed_ms,
                        kv_ms_per_token=args.kv_ms_per_token)
     try:
-        model, inst = asyncio.run(InstanceProfiler(args.url, plan, args.pd_url).run(args.tp))
+        model, inst = asyncio.run(InstanceProfiler(args.url, plan, args.pd_url, args.relay_url).run(args.tp))
         if args.append and args.out.exists():
             old = load_profile(args.out)
             if old.model != model:
@@ -64,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"vllm-pd profile: {e}", file=sys.stderr)
         return 1
     save_profile(profile, args.out)
-    print(f"wrote {args.out}: tp={inst.tp} prefill_ms = {inst.prefill.a:.2f} + {inst.prefill.b:.4f}*t + "
-          f"{inst.prefill.c:.2e}*t^2; decode_step_ms = {inst.decode.a:.2f} + {inst.decode.b:.3f}*batch + "
-          f"{inst.decode.c:.2e}*context; kv_ms = {inst.kv.a:.2f} + {inst.kv.b:.4f}*t")
+    spread = inst.decode_spread
+    tail = (f" (spread p50 {spread[len(spread) // 2]:.2f}, p90 {spread[int(0.9 * len(spread))]:.2f} x the fit, "
+            f"over {inst.decode_spread_window_ms:.0f} ms)" if spread else "")
+    print(f"wrote {args.out}: tp={inst.tp} prefill_ms = {inst.prefill.a:.2f} + {inst.prefill.b:.4f}*tokens + "
+          f"{inst.prefill.c:.2e}*sum(prompt^2) + {inst.prefill.d:.2f}*prompts; decode_step_ms = "
+          f"{inst.decode.a:.2f} + {inst.decode.b:.3f}*batch + {inst.decode.c:.2e}*context{tail}; "
+          f"kv_ms = {inst.kv.a:.2f} + {inst.kv.b:.4f}*t")
     return 0

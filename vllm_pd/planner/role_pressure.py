@@ -24,7 +24,8 @@ class SplitLoad:
 
 
 def predicted_ttft(profile: InstanceProfile, load: SplitLoad) -> float:
-    """Seconds until a new prompt's first token: the queue ahead of it in chunks, the hand-over, one step."""
+    """Seconds until a new prompt's first token: the queue ahead of it in chunks, then the hand-over (to an
+    idle decode instance: ``kv_ms``; to a busy one: the async load and one decode step at this load)."""
     if load.prefillers < 1:
         return float("inf")
     per = load.queued_prompt_tokens / load.prefillers
@@ -32,7 +33,9 @@ def predicted_ttft(profile: InstanceProfile, load: SplitLoad) -> float:
     full, rest = divmod(per, chunk)
     ms = full * profile.prefill_ms(chunk) + (profile.prefill_ms(int(rest)) if rest else 0.0)
     mean_prompt = load.queued_prompt_tokens / load.queued_prompts if load.queued_prompts else 0.0
-    return (ms + profile.kv_ms(int(mean_prompt)) + predicted_tpot(profile, load) * 1e3) / 1e3
+    if load.decoding == 0:
+        return (ms + profile.kv_ms(int(mean_prompt))) / 1e3
+    return (ms + profile.transfer_ms(int(mean_prompt)) + predicted_tpot(profile, load) * 1e3) / 1e3
 
 
 def predicted_tpot(profile: InstanceProfile, load: SplitLoad) -> float:

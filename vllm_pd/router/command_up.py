@@ -9,6 +9,9 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from vllm_pd.router.config import PREFILL_POLICIES, ProxyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-instance", type=int,
                    help="GPUs of each server, its own (CUDA_VISIBLE_DEVICES); default 1 where torch sees GPUs, "
                         "else 0")
+    p.add_argument("--policy", choices=PREFILL_POLICIES, default=ProxyConfig.prefill_policy,
+                   help=f"prefill routing (default {ProxyConfig.prefill_policy}); kv_aware turns on the servers' "
+                        "KV events and sends a prompt where its KV is (decode too: a prompt decode holds skips "
+                        "prefill)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the servers")
     p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARG",
                    help="after --: more `vllm serve` arguments for every server (e.g. -- --enable-prefix-caching)")
@@ -61,6 +68,16 @@ def check_vllm_args(vllm_args: list[str]) -> None:
         flag = arg.split("=", 1)[0]
         if flag in OWN_FLAGS:
             raise ValueError(f"vllm-pd up sets {flag} for every server; use {OWN_FLAGS[flag]} instead")
+
+
+def routing_settings(policy: str, model: str) -> dict[str, Any]:
+    """The proxy's routing keys for ``--policy``: kv_aware needs the model's own tokenizer (a local folder).
+    Other policies keep the byte estimate: the proxy's exact count tokenizes on its event loop."""
+    if policy != "kv_aware":
+        return {"prefill_policy": policy, "decode_policy": ProxyConfig.decode_policy, "tokenizer": None}
+    if not (Path(model) / "tokenizer.json").is_file():
+        raise ValueError(f"--policy kv_aware needs the model as a local folder with tokenizer.json, not {model!r}")
+    return {"prefill_policy": policy, "decode_policy": "kv_aware", "tokenizer": model}
 
 
 def _vllm_cli_installed() -> bool:
@@ -95,7 +112,6 @@ def _progress(states: dict[str, str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vllm_pd.router.command_proxy import install_uvloop, serve_until_signal
-    from vllm_pd.router.config import ProxyConfig
     from vllm_pd.router.local_cluster import LocalCluster, gpu_bindings, visible_gpus
 
     if args.prefill < 0 or args.decode < 0 or args.both < 0 or args.decode + args.both < 1:
@@ -112,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM must stop the servers too (they run in their own sessions)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     model = args.model or _default_model()
+    try:
+        routing = routing_settings(args.policy, model)
+    except ValueError as e:
+        print(f"vllm-pd up: {e}", file=sys.stderr)
+        return 2
     name = served_name(args.model, args.served_model_name)
     kw = {"log_dir": args.log_dir} if args.log_dir else {}
     cluster = LocalCluster(model=model, n_prefill=args.prefill, n_decode=args.decode, n_both=args.both,
@@ -119,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
                            connector=None if args.connector == "none" else args.connector,
                            max_model_len=args.max_model_len, served_model_name=name,
                            extra_args=list(args.vllm_args), gpus_per_instance=per_instance, gpus=gpus,
-                           serve_cli=_vllm_cli_installed(), **kw)
+                           serve_cli=_vllm_cli_installed(), kv_events=args.policy == "kv_aware", **kw)
     print(f"starting {args.prefill} prefill + {args.decode} decode + {args.both} both vLLM servers for {model}"
           f" (logs: {cluster.log_dir})", file=sys.stderr)
     t0 = time.monotonic()
@@ -128,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.wait_healthy(args.timeout, _progress)
         print(f"\nall servers ready in {time.monotonic() - t0:.0f}s", file=sys.stderr)
         cfg = ProxyConfig(host=args.host, port=args.port, instances=cluster.instances(), kv_mode=args.kv_mode,
-                          supervisor=args.both > 0)
+                          supervisor=args.both > 0, **routing)
         url = f"http://{args.host}:{args.port}"
         print(f"\nvllm-pd proxy: {url}   (Ctrl-C stops everything)\n\n"
               f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"

@@ -17,7 +17,7 @@ from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.backend_response import BackendError, BackendResponse
 from vllm_pd.router.errors import upstream_error
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
-from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
+from vllm_pd.router.instance_pool import Instance, InstancePool, InFlightLeg
 from vllm_pd.router.leg_timings import LegTimings
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
@@ -52,12 +52,12 @@ class FlowState:
     timings: LegTimings = field(default_factory=lambda: LegTimings(time.monotonic()))
     trace: RequestTrace | None = None
     stage: str = "prefill"  # prefill | decode | stream (bytes reached the client): where a disconnect hit
-    leases: list[LegLease] = field(default_factory=list)
+    in_flight: list[InFlightLeg] = field(default_factory=list)
 
     def first_token(self) -> None:
-        """Decode answered with its first token: its lease counts as decoding (the supervisor's model)."""
-        for lease in self.leases:
-            lease.first_token()
+        """Decode answered with its first token: its leg counts as decoding (the supervisor's model)."""
+        for leg in self.in_flight:
+            leg.first_token()
 
 
 class DecodeRelay:

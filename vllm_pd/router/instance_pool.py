@@ -73,15 +73,17 @@ class Instance:
         }
 
 
-class LegLease:
-    """Counts one leg's load on an instance; ``release()`` is idempotent."""
+class InFlightLeg:
+    """One leg in flight: counts its load on an instance until ``finish()`` (idempotent).
+
+    Not a "lease" (that word names prefill holding a request's KV for decode, README "Names")."""
 
     def __init__(self, instance: Instance, role: str, tokens: int) -> None:
         self.instance, self.role, self.tokens = instance, role, tokens
         instance.outstanding[role] += 1
         instance.outstanding_tokens[role] += tokens
         instance.breaker.on_send()
-        self._released = False
+        self._finished = False
         self._awaiting = role == "decode"
         if self._awaiting:
             instance.awaiting_first[0] += 1
@@ -94,9 +96,9 @@ class LegLease:
             self.instance.awaiting_first[0] -= 1
             self.instance.awaiting_first[1] -= self.tokens
 
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
+    def finish(self) -> None:
+        if not self._finished:
+            self._finished = True
             self.first_token()
             self.instance.outstanding[self.role] -= 1
             self.instance.outstanding_tokens[self.role] -= self.tokens

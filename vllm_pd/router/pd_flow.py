@@ -41,7 +41,7 @@ from vllm_pd.router.decode_relay import DecodeFailed, DecodeRelay, FlowState
 from vllm_pd.router.errors import ProxyError, unavailable, upstream_error
 from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
-from vllm_pd.router.instance_pool import Instance, InstancePool, LegLease
+from vllm_pd.router.instance_pool import Instance, InstancePool, InFlightLeg
 from vllm_pd.router.kv_locations import KvLocations
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.partition_watch import InstanceUnreachable, PartitionWatch
@@ -52,7 +52,8 @@ from vllm_pd.router.tracing import RequestTrace, Tracer
 
 logger = logging.getLogger(__name__)
 
-FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "x-data-parallel-rank")
+# not x-data-parallel-rank: the proxy places legs; a client's rank could fail one leg (see test_proxy_client_kv)
+FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate")
 
 ReleaseFn = Callable[[dict], bool]
 
@@ -141,8 +142,8 @@ class PDFlow:
             raise
         finally:
             self.metrics.in_flight -= 1
-            for lease in state.leases:
-                lease.release()
+            for leg in state.in_flight:
+                leg.finish()
             if state.kv_pending and state.kv_params:
                 self._release_in_background(state.kv_params)
             self._finish(state, trace, status, req.path)
@@ -306,8 +307,8 @@ class PDFlow:
                             transfer_id: str | None, headers: dict[str, str], state: FlowState,
                             mode: TransferMode) -> bool:
         body = prefill_body(req.body, remote_decode_params(decode, transfer_id, mode))
-        lease = LegLease(prefill, "prefill", self._prefill_work(req, prefill))
-        state.leases.append(lease)
+        leg = InFlightLeg(prefill, "prefill", self._prefill_work(req, prefill))
+        state.in_flight.append(leg)
         span = state.trace.leg("prefill", prefill.url)  # type: ignore[union-attr]
         failed: str | None = "cancelled"
         t0 = time.monotonic()
@@ -333,7 +334,7 @@ class PDFlow:
             logger.warning("prefill on %s failed: %r", prefill.url, e)
             return False
         finally:
-            lease.release()
+            leg.finish()
             span.end(failed)
         now = time.monotonic()
         elapsed = now - t0
@@ -371,8 +372,8 @@ class PDFlow:
     async def _decode(self, req: ParsedRequest, decode: Instance, headers: dict[str, str], state: FlowState,
                       http_request: HttpRequest, kv_params: dict | None) -> HttpResponse | StreamResponse:
         body = decode_body(req, kv_params)
-        lease = LegLease(decode, "decode", req.prompt_tokens + req.max_tokens)
-        state.leases.append(lease)
+        leg = InFlightLeg(decode, "decode", req.prompt_tokens + req.max_tokens)
+        state.in_flight.append(leg)
         state.stage = "decode"
         span = state.trace.leg("decode", decode.url)  # type: ignore[union-attr]
         failed: str | None = "cancelled"
@@ -386,15 +387,15 @@ class PDFlow:
                 head_timeout=self.config.decode_timeout, read_timeout=self.config.decode_idle_timeout,
                 connect_timeout=self.config.connect_timeout))
         except InstanceUnreachable as e:
-            lease.release()
+            leg.finish()
             raise DecodeFailed(f"unreachable: {e}", sent=True, kind="unreachable") from None
         except BackendConnectError as e:
             state.kv_pending = state.kv_params is not None
-            lease.release()
+            leg.finish()
             span.end("connect")
             raise DecodeFailed(str(e), sent=False, kind="connect") from None
         except (BackendError, TimeoutError) as e:
-            lease.release()
+            leg.finish()
             kind = "timeout" if isinstance(e, TimeoutError) else "connection"
             span.end(kind)
             raise DecodeFailed(repr(e), sent=True, kind=kind) from None
@@ -424,7 +425,7 @@ class PDFlow:
             raise
         finally:
             resp.close()  # aborts decode in vLLM if we got here early (client gone, error)
-            lease.release()
+            leg.finish()
             span.end(failed)
 
     # ---------------------------------------------------------------- release
