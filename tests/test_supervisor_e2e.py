@@ -1,9 +1,10 @@
 """End-to-end: the supervisor, with the planner's profile, moves kv_both vLLM servers between roles.
 
 Two kv_both servers with the PD connector (conftest's ``pd_pair``, one core each) behind the proxy with
-the supervisor on and ``--supervisor-profile`` set to a profile of these servers, made first by the
-planner's profiler (``vllm-pd profile``'s code, fewer points; benchmarks/plan_profile.json was made on
-servers with other cores and a different load, and its one-stream step is slower than these servers' TPOT).
+the supervisor on and ``--supervisor-profile`` set to a profile of these very servers, made first by the
+planner's profiler (``vllm-pd profile``'s code, fewer points): the SLOs come from it, and a profile from
+other runs (benchmarks/plan_profile.json as it was in session 8) had a one-stream step slower than these
+servers' TPOT.
 SLOs are set from that profile as an operator would. The supervisor starts them at 1P1D.
 
 1. Output-heavy (16 clients, 16-token prompts, 64 tokens out): one decoder is behind on TPOT, so the
