@@ -5,8 +5,16 @@ takes prompt_tokens x PREFILL_S_PER_TOKEN of exclusive compute (it pauses the
 instance's decode batch, as a prefill does on a real engine), a decode step
 takes STEP_S for up to BATCH streams (more streams -> more steps per token).
 Traffic: phase A long prompts / short outputs, then phase B short prompts /
-long outputs, open-loop Poisson arrivals. Goodput = requests/s that meet both
+long outputs, then phase C = A again (the way back from an all-decode split),
+open-loop Poisson arrivals. Goodput = requests/s that meet both
 TTFT <= TTFT_SLO and TPOT <= TPOT_SLO.
+
+Cases, in one run: a fixed 2P2D split; four ``both`` instances under the
+supervisor on what clients saw (TTFT/TPOT, queue depth); the same with
+``supervisor_profile`` - a latency profile fitted to the simulator's own costs
+(:func:`sim_profile`), so the supervisor's cost model knows these engines as the
+planner's profile knows a real one. Each case reports the split over time and
+how often an instance changed role.
 
     flock /tmp/vllm-pd-heavy.lock python3 benchmarks/supervisor.py
 """
@@ -16,7 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import math
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,6 +37,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, fit_instance, save_profile  # noqa: E402
 from vllm_pd.router.app import ProxyServer, serve  # noqa: E402
 from vllm_pd.router.config import InstanceConfig, ProxyConfig  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402
@@ -36,6 +47,17 @@ STEP_S = 0.02
 BATCH = 8
 TTFT_SLO = 1.5
 TPOT_SLO = 0.05
+
+
+def sim_profile() -> InstanceProfile:
+    """The simulated engine as the planner's profile describes an instance: fitted to samples of its own costs.
+
+    Prefill is exactly linear; the decode step (STEP_S per BATCH streams, a staircase) gets the best line
+    a + b*n, as a real profile fits a real engine; the hand-over is the proxy's second HTTP hop (~1 ms).
+    A prompt is one prefill here (no chunking), so the chunk is larger than any prompt."""
+    prefill = [(t, t * PREFILL_S_PER_TOKEN * 1e3) for t in (100, 500, 1000, 2000, 3000, 4000)]
+    decode = [(n, 0, STEP_S * 1e3 * math.ceil(n / BATCH)) for n in range(1, 4 * BATCH + 1)]
+    return fit_instance(1, prefill, decode, [(t, 1.0) for t in (100, 1000, 3000)], max_num_batched_tokens=8192)
 
 
 @dataclass
@@ -137,7 +159,29 @@ async def one_request(session: aiohttp.ClientSession, url: str, ph: Phase, out: 
         out.append((ph.name, first - t0, (last - first) / max(1, n - 1)))
 
 
-async def run_case(name: str, roles: list[str], supervisor: bool, phases: list[Phase], seed: int) -> None:
+def _split(proxy: ProxyServer) -> str:
+    roles = Counter(i.active_role or i.role for i in proxy.pool.all())
+    unassigned = f"{roles['both']}B" if roles.get("both") else ""  # both instances the supervisor has not placed
+    return f"{roles.get('prefill', 0)}P{roles.get('decode', 0)}D{unassigned}"
+
+
+async def _watch_split(proxy: ProxyServer, t0: float, timeline: list[tuple[float, str]]) -> None:
+    """Every 0.25 s: the split, kept where it changed (the role moves as the clients' traffic saw them)."""
+    while True:
+        split = _split(proxy)
+        if not timeline or timeline[-1][1] != split:
+            timeline.append((time.monotonic() - t0, split))
+        await asyncio.sleep(0.25)
+
+
+def _timeline(timeline: list[tuple[float, str]], limit: int = 14) -> str:
+    shown = [f"{t:.0f}s {split}" for t, split in timeline[:limit]]
+    more = f" ... (+{len(timeline) - limit} changes)" if len(timeline) > limit else ""
+    return " > ".join(shown) + more
+
+
+async def run_case(name: str, roles: list[str], supervisor: bool, phases: list[Phase], seed: int,
+                   profile: str | None = None) -> None:
     sims, runners, instances = [], [], []
     for role in roles:
         sim = SimInstance()
@@ -151,13 +195,15 @@ async def run_case(name: str, roles: list[str], supervisor: bool, phases: list[P
         instances.append(InstanceConfig(f"http://127.0.0.1:{port}", role))
     cfg = ProxyConfig(port=free_port(), instances=instances, prefill_policy="least_outstanding",
                       decode_policy="least_outstanding", supervisor=supervisor, supervisor_interval=1.0,
-                      supervisor_ttft_slo=TTFT_SLO, supervisor_tpot_slo=TPOT_SLO)
+                      supervisor_ttft_slo=TTFT_SLO, supervisor_tpot_slo=TPOT_SLO, supervisor_profile=profile)
     proxy = ProxyServer(cfg)
     prunner = await serve(proxy)
     url = f"http://127.0.0.1:{cfg.port}"
     rng = random.Random(seed)
     results: list[tuple[str, float, float]] = []
-    splits: dict[str, Counter] = {}
+    splits: dict[str, str] = {}
+    timeline: list[tuple[float, str]] = []
+    watch = asyncio.create_task(_watch_split(proxy, time.monotonic(), timeline))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         tasks = []
         for ph in phases:
@@ -165,15 +211,17 @@ async def run_case(name: str, roles: list[str], supervisor: bool, phases: list[P
             while time.monotonic() < end:
                 tasks.append(asyncio.create_task(one_request(session, url, ph, results)))
                 await asyncio.sleep(rng.expovariate(ph.rate))
-            splits[ph.name] = Counter(i.active_role or i.role for i in proxy.pool.all())
+            splits[ph.name] = _split(proxy)
         await asyncio.gather(*tasks)
+    watch.cancel()
+    moves = proxy.supervisor.moves if proxy.supervisor is not None else 0
     await prunner.cleanup()
     for r in runners:
         await r.cleanup()
     for s in sims:
         assert s.task is not None
         s.task.cancel()
-    print(f"  {name}")
+    print(f"  {name}: {moves} role moves; split over time: {_timeline(timeline)}")
     total_good = 0
     total_time = 0.0
     for ph in phases:
@@ -181,19 +229,22 @@ async def run_case(name: str, roles: list[str], supervisor: bool, phases: list[P
         good = sum(1 for _, ttft, tpot in rs if ttft <= TTFT_SLO and tpot <= TPOT_SLO)
         ttfts = sorted(r[1] for r in rs)
         tpots = sorted(r[2] for r in rs)
-        split = splits[ph.name]
         total_good += good
         total_time += ph.seconds
-        print(f"    {ph.name:28s} split at end {split.get('prefill', 0)}P{split.get('decode', 0)}D  "
+        print(f"    {ph.name:28s} split at end {splits[ph.name]}  "
               f"goodput {good / ph.seconds:5.2f} req/s ({good}/{len(rs)} in SLO)  "
               f"TTFT p50 {ttfts[len(ttfts) // 2]:6.2f} s  TPOT p50 {tpots[len(tpots) // 2] * 1e3:6.1f} ms")
     print(f"    overall goodput {total_good / total_time:.2f} req/s")
+
+
+CASES = ("fixed", "supervisor", "profile")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cases", default=",".join(CASES), help=f"which of {','.join(CASES)} to run (comma list)")
     args = ap.parse_args()
     try:
         import uvloop
@@ -201,13 +252,26 @@ def main() -> None:
     except ImportError:
         pass
     phases = [Phase("A long prompts (3000/16)", 4.0, 3000, 16, args.seconds),
-              Phase("B long outputs (200/200)", 5.0, 200, 200, args.seconds)]
+              Phase("B long outputs (200/200)", 5.0, 200, 200, args.seconds),
+              Phase("C long prompts again", 4.0, 3000, 16, args.seconds)]
+    profile = sim_profile()
     print(f"sim: prefill {PREFILL_S_PER_TOKEN * 1e3:.1f} ms/token, decode step {STEP_S * 1e3:.0f} ms for up to "
           f"{BATCH} streams; SLO TTFT <= {TTFT_SLO} s, TPOT <= {TPOT_SLO * 1e3:.0f} ms; 4 instances")
+    print(f"profile of the sim: prefill_ms = {profile.prefill.b:.3f}*t, decode_ms = {profile.decode.a:.1f} + "
+          f"{profile.decode.b:.2f}*batch, kv_ms = {profile.kv.a:.1f}")
     for ph in phases:
         print(f"  phase {ph.name}: {ph.rate} req/s for {ph.seconds:.0f} s")
-    asyncio.run(run_case("fixed 2P2D", ["prefill", "prefill", "decode", "decode"], False, phases, args.seed))
-    asyncio.run(run_case("supervisor, 4 x both", ["both"] * 4, True, phases, args.seed))
+    cases = args.cases.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "sim_profile.json")
+        save_profile(LatencyProfile("sim", [profile], source="benchmarks/supervisor.py sim_profile()"), path)
+        if "fixed" in cases:
+            asyncio.run(run_case("fixed 2P2D", ["prefill", "prefill", "decode", "decode"], False, phases,
+                                 args.seed))
+        if "supervisor" in cases:
+            asyncio.run(run_case("supervisor, 4 x both", ["both"] * 4, True, phases, args.seed))
+        if "profile" in cases:
+            asyncio.run(run_case("supervisor + profile, 4 x both", ["both"] * 4, True, phases, args.seed, path))
 
 
 if __name__ == "__main__":

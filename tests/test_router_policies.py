@@ -75,6 +75,13 @@ def test_prefix_aware_memory_is_bounded() -> None:
     assert len(pa) == 100
 
 
+def _clients_see(pool: InstancePool, ttft: float, tpot: float, n: int = 5) -> None:
+    """Samples of what clients saw (after a move the supervisor counts only samples taken since)."""
+    for _ in range(n):
+        pool.recent_ttft.add(ttft)
+        pool.recent_tpot.add(tpot)
+
+
 def test_supervisor_moves_both_instances_with_the_mix() -> None:
     pool = InstancePool(ProxyConfig(instances=[InstanceConfig(f"http://b{i}:1", "both") for i in range(4)]
                                     + [InstanceConfig("http://fixed:1", "prefill")]))
@@ -82,25 +89,22 @@ def test_supervisor_moves_both_instances_with_the_mix() -> None:
     roles = Counter(sup.rebalance().values())
     assert roles == {"decode": 2, "prefill": 2}  # first split: alternate
     # long prompts: TTFT misses its target while TPOT is fine -> instances move to prefill, one per call
-    for _ in range(20):
-        pool.recent_ttft.add(3.0)
-        pool.recent_tpot.add(0.01)
+    _clients_see(pool, 3.0, 0.01, 20)
     assert Counter(sup.rebalance().values()) == {"prefill": 3, "decode": 1}
+    _clients_see(pool, 3.0, 0.01)
     assert Counter(sup.rebalance().values()) == {"prefill": 3, "decode": 1}  # the last decoder stays
     # long outputs: TPOT misses, TTFT fine -> back to decode
-    for _ in range(40):
-        pool.recent_ttft.add(0.2)
-        pool.recent_tpot.add(0.2)
     for _ in range(3):
+        _clients_see(pool, 0.2, 0.2)
         sup.rebalance()
+    _clients_see(pool, 0.2, 0.2)
     assert Counter(sup.rebalance().values()) == {"decode": 4}
     assert sup.moves == 4
     flex = [i for i in pool.all() if i.role == "both"]
     assert all(i.serves("decode") and not i.serves("prefill") for i in flex)
     assert [i.url for i in pool.eligible("prefill")] == ["http://fixed:1"]
     # both within target: nothing moves
-    for _ in range(60):
-        pool.recent_tpot.add(0.03)
+    _clients_see(pool, 0.2, 0.03, 60)
     sup.rebalance()
     assert sup.moves == 4
 

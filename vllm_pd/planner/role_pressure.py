@@ -42,6 +42,10 @@ def predicted_tpot(profile: InstanceProfile, load: SplitLoad) -> float:
     """Seconds per decode step of one decoder's share of the running requests."""
     if load.decoders < 1:
         return float("inf")
+    if load.decoding == 0:
+        # nothing decoding is nothing late: one stream's step time over an SLO tighter than it would
+        # otherwise read as pressure on an idle decode side (and move an instance there for nothing)
+        return 0.0
     batch = max(1, round(load.decoding / load.decoders))
     return profile.decode_ms(batch, int(load.decoding_context_tokens / load.decoders)) / 1e3
 
@@ -52,14 +56,17 @@ def pressures(profile: InstanceProfile, load: SplitLoad, ttft_slo: float, tpot_s
 
 
 def move_helps(profile: InstanceProfile, load: SplitLoad, to_role: str, ttft_slo: float, tpot_slo: float,
-               receiving_pressure: float) -> bool:
+               receiving_pressure: float, dead_band: float = 1.2) -> bool:
     """Whether one instance may move to ``to_role``: the side it leaves must, by the model, still meet its
-    SLO afterwards or at least stay below the pressure the receiving side is under now (else the move
-    only makes the other side the bottleneck)."""
+    SLO afterwards or stay below the pressure the receiving side is under now by ``dead_band`` (else the
+    move only makes the other side the bottleneck)."""
     step = 1 if to_role == "prefill" else -1
     after = replace(load, prefillers=load.prefillers + step, decoders=load.decoders - step)
     if after.prefillers < 1:
         return True  # decode computes prompts itself then (the proxy's fallback): outside this model
     prefill_after, decode_after = pressures(profile, after, ttft_slo, tpot_slo)
     leaving = decode_after if to_role == "prefill" else prefill_after
-    return leaving < max(1.0, receiving_pressure)
+    # over its SLO afterwards, the side it leaves must end clearly (the supervisor's dead band) below the
+    # pressure that asks for the move: else the move only swaps which side misses, and the next tick moves
+    # the instance back (seen on real servers: 16 streams on one decoder vs TTFT 1.1 x its target)
+    return leaving < 1.0 or leaving * dead_band < receiving_pressure

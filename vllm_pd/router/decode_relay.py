@@ -54,6 +54,11 @@ class FlowState:
     stage: str = "prefill"  # prefill | decode | stream (bytes reached the client): where a disconnect hit
     in_flight: list[InFlightLeg] = field(default_factory=list)
 
+    def first_token(self) -> None:
+        """Decode answered with its first token: its leg counts as decoding (the supervisor's model)."""
+        for leg in self.in_flight:
+            leg.first_token()
+
 
 class DecodeRelay:
     def __init__(self, metrics: ProxyMetrics, pool: InstancePool, prefill_timeout: float) -> None:
@@ -71,6 +76,7 @@ class DecodeRelay:
         now = time.monotonic()
         elapsed = now - t0
         state.timings.first_token = state.timings.last_event = now
+        state.first_token()
         if state.prefill_leg is not None and not state.prefill_leg.done():
             # decode answered before prefill's answer (with its usage) came back
             await asyncio.wait({state.prefill_leg}, timeout=self.prefill_timeout)
@@ -83,7 +89,7 @@ class DecodeRelay:
                 state.timings.json_tpot = elapsed / tokens
             if tokens > 1:
                 decode.tpot.add(elapsed / tokens)
-                self.pool.recent_tpot.add(elapsed / tokens)
+                self.pool.observe(self.pool.recent_tpot, state.timings.started, elapsed / tokens)
         except ValueError:
             pass
         return HttpResponse(raw, resp.status, headers={"X-Request-Id": state.request_id})
@@ -106,7 +112,8 @@ class DecodeRelay:
         t_first = time.monotonic()
         timings = state.timings
         timings.first_token = timings.last_event = t_first
-        self.pool.recent_ttft.add(t_first - timings.started)
+        state.first_token()
+        self.pool.observe(self.pool.recent_ttft, timings.started, t_first - timings.started)
         inter_token = self.metrics.legs.inter_token.child(decode.url)
         out = StreamResponse(200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
         n_events = first.count(b"data:")
@@ -142,7 +149,7 @@ class DecodeRelay:
                     await out.write(data)
                     if n_events - sample_n >= TPOT_WINDOW:
                         now = time.monotonic()
-                        self._record_tpot(decode, (now - sample_t) / (n_events - sample_n))
+                        self._record_tpot(decode, timings.started, (now - sample_t) / (n_events - sample_n))
                         sample_t, sample_n = now, n_events
             tail = events.flush()
             if tail:
@@ -154,12 +161,13 @@ class DecodeRelay:
             logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
             return out
         if n_events - sample_n > 2:  # the tail since the last sample, minus the [DONE] event
-            self._record_tpot(decode, (time.monotonic() - sample_t) / (n_events - sample_n - 1))
+            self._record_tpot(decode, timings.started,
+                              (time.monotonic() - sample_t) / (n_events - sample_n - 1))
         return out
 
-    def _record_tpot(self, decode: Instance, tpot: float) -> None:
+    def _record_tpot(self, decode: Instance, sent: float, tpot: float) -> None:
         decode.tpot.add(tpot)
-        self.pool.recent_tpot.add(tpot)
+        self.pool.observe(self.pool.recent_tpot, sent, tpot)
 
     async def _end_with_error(self, out: StreamResponse, events: SseSplitter, decode: Instance,
                               e: BaseException) -> None:

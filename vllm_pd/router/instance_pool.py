@@ -24,9 +24,11 @@ class Ewma:
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
         self.value: float | None = None
+        self.count = 0  # samples added
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.alpha * x + (1 - self.alpha) * self.value
+        self.count += 1
 
 
 @dataclass(eq=False)
@@ -41,6 +43,9 @@ class Instance:
     active_role: str | None = None
     outstanding: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     outstanding_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    # decode legs (and their tokens) that have not yet produced a token: their prompt is still being
+    # computed, here or on prefill (a decode leg goes out beside its prefill leg) - not decoding yet
+    awaiting_first: list[int] = field(default_factory=lambda: [0, 0])
     ttft: Ewma = field(default_factory=Ewma)  # seconds, prefill leg (or decode-only first token)
     tpot: Ewma = field(default_factory=Ewma)  # seconds per output token on decode
     models: list[str] = field(default_factory=list)
@@ -79,10 +84,22 @@ class InFlightLeg:
         instance.outstanding_tokens[role] += tokens
         instance.breaker.on_send()
         self._finished = False
+        self._awaiting = role == "decode"
+        if self._awaiting:
+            instance.awaiting_first[0] += 1
+            instance.awaiting_first[1] += tokens
+
+    def first_token(self) -> None:
+        """The leg produced its first token: a decode leg is decoding from now on. Idempotent."""
+        if self._awaiting:
+            self._awaiting = False
+            self.instance.awaiting_first[0] -= 1
+            self.instance.awaiting_first[1] -= self.tokens
 
     def finish(self) -> None:
         if not self._finished:
             self._finished = True
+            self.first_token()
             self.instance.outstanding[self.role] -= 1
             self.instance.outstanding_tokens[self.role] -= self.tokens
 
@@ -94,8 +111,21 @@ class InstancePool:
         # what clients saw recently (all instances): the supervisor's signals
         self.recent_ttft = Ewma(0.1)
         self.recent_tpot = Ewma(0.1)
+        self.recent_since = 0.0  # requests sent before this do not count in them
         for ic in config.instances:
             self.add(ic)
+
+    def restart_recent(self) -> None:
+        """Forget what clients saw so far (the supervisor, after changing the split those samples describe);
+        requests sent before now no longer count (they still run where the old split sent them)."""
+        self.recent_ttft = Ewma(self.recent_ttft.alpha)
+        self.recent_tpot = Ewma(self.recent_tpot.alpha)
+        self.recent_since = time.monotonic()
+
+    def observe(self, signal: Ewma, sent: float, value: float) -> None:
+        """A client-side latency of a request sent at ``sent`` (monotonic), for ``recent_ttft``/``recent_tpot``."""
+        if sent >= self.recent_since:
+            signal.add(value)
 
     def add(self, ic: InstanceConfig) -> Instance:
         if ic.url in self._instances:

@@ -8,13 +8,16 @@ and moves one ``both`` instance from the side with headroom to the side that
 is behind. So the prefill/decode split follows the traffic mix: long prompts
 pull instances to prefill, long outputs pull them to decode. One move per
 interval and a 20 % dead band keep it from flapping; a move affects new
-requests only, in-flight legs finish where they are. Dedicated prefill/decode
+requests only, in-flight legs finish where they are, and after a move the observed
+latencies count again only from samples taken under the new split. Dedicated prefill/decode
 instances keep their role, and at least one decoder always remains.
 
 Given the planner's latency profile (``supervisor_profile``), it also predicts both sides from the
 current queues with the planner's cost model (vllm_pd.planner.role_pressure), acting on a backlog
 before completions report it, and moves an instance only if the model predicts that the side it
-leaves can spare it.
+leaves can spare it. With no prefill instance (every ``both`` decoding and computing its own prompts)
+the model's TPOT replaces the observed one, which prompt computation between decode steps inflates:
+so a prompt-heavy load can take an instance back to prefill.
 """
 
 from __future__ import annotations
@@ -25,12 +28,17 @@ from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, load_
 from vllm_pd.planner.role_pressure import SplitLoad, move_helps
 from vllm_pd.planner.role_pressure import pressures as predicted_pressures
 from vllm_pd.router.config import ConfigError
-from vllm_pd.router.instance_pool import Instance, InstancePool
+from vllm_pd.router.instance_pool import Ewma, Instance, InstancePool
 from vllm_pd.router.periodic_task import PeriodicTask
 
 logger = logging.getLogger(__name__)
 
 DEAD_BAND = 1.2
+MIN_SAMPLES = 3  # an observed latency counts once this many samples were taken since the last move
+
+
+def _fresh(signal: Ewma) -> float:
+    return (signal.value or 0.0) if signal.count >= MIN_SAMPLES else 0.0
 
 
 def supervisor_profile(path: str | None) -> InstanceProfile | None:
@@ -65,8 +73,8 @@ class Supervisor(PeriodicTask):
 
     def pressures(self) -> tuple[float, float]:
         """(prefill, decode): each side's recent latency over its target (> 1 = missing it)."""
-        ttft = self._pool.recent_ttft.value or 0.0
-        tpot = self._pool.recent_tpot.value or 0.0
+        ttft = _fresh(self._pool.recent_ttft)
+        tpot = _fresh(self._pool.recent_tpot)
         prefillers = self._pool.eligible("prefill")
         queued = sum(i.outstanding["prefill"] for i in self._pool.all())
         # a deep prefill queue predicts TTFT before completions report it
@@ -75,7 +83,15 @@ class Supervisor(PeriodicTask):
         observed = max(ttft, queue_ttft) / self.ttft_slo, tpot / self.tpot_slo
         if self.profile is None:
             return observed
-        predicted = predicted_pressures(self.profile, self.split_load(), self.ttft_slo, self.tpot_slo)
+        load = self.split_load()
+        predicted = predicted_pressures(self.profile, load, self.ttft_slo, self.tpot_slo)
+        if load.prefillers < 1:
+            # No prefill instance: decoders compute prompts themselves (the proxy's fallback). The model has
+            # no such path - its "infinite TTFT" would pull a decoder back every interval (flapping) - so
+            # TTFT is the observed one. TPOT observed there is slowed by the prompts computed between decode
+            # steps as much as by decoding: taken as decode pressure, a prompt-heavy load would keep every
+            # instance decoding. The model's TPOT is decode's own work, so it stands for decode alone.
+            return observed[0], predicted[1]
         return max(observed[0], predicted[0]), max(observed[1], predicted[1])
 
     def split_load(self) -> SplitLoad:
@@ -85,9 +101,13 @@ class Supervisor(PeriodicTask):
         def total(counter: str, role: str) -> int:
             return sum(getattr(i, counter)[role] for i in insts)
 
+        # decode legs still waiting for their prompt (on prefill, or computed by decode itself) are not
+        # decoding: counted, a prompt-heavy queue read as a big decode batch and kept decoders from moving
+        waiting = [sum(i.awaiting_first[k] for i in insts) for k in (0, 1)]
         return SplitLoad(len(self._pool.eligible("prefill")), len(self._pool.eligible("decode")),
                          total("outstanding", "prefill"), total("outstanding_tokens", "prefill"),
-                         total("outstanding", "decode"), total("outstanding_tokens", "decode"))
+                         total("outstanding", "decode") - waiting[0],
+                         total("outstanding_tokens", "decode") - waiting[1])
 
     def rebalance(self) -> dict[str, str]:
         """Assign every flexible instance a role; returns url -> role."""
@@ -110,7 +130,8 @@ class Supervisor(PeriodicTask):
             move = (min(prefill_side, key=lambda i: i.outstanding["prefill"]), "decode")
         receiving = prefill_p if move is not None and move[1] == "prefill" else decode_p
         if move is not None and self.profile is not None and \
-                not move_helps(self.profile, self.split_load(), move[1], self.ttft_slo, self.tpot_slo, receiving):
+                not move_helps(self.profile, self.split_load(), move[1], self.ttft_slo, self.tpot_slo, receiving,
+                                DEAD_BAND):
             logger.debug("supervisor: moving %s to %s would not help (cost model)", move[0].url, move[1])
             move = None
         if move is not None:
@@ -119,4 +140,7 @@ class Supervisor(PeriodicTask):
                         prefill_p, decode_p)
             inst.active_role = role
             self.moves += 1
+            # what clients saw so far describes the split that was: TPOT taken while every instance also
+            # computed prompts would, kept, move the instance straight back (flapping)
+            self._pool.restart_recent()
         return {i.url: i.active_role or "decode" for i in flexible}
