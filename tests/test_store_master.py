@@ -101,6 +101,8 @@ def test_scheduler_publishes_commits_and_resyncs_after_master_restart(tmp_path):
         wait_ready(address)
         cfg = StoreConfig(cpu_bytes=64 * 1024, master=address, master_timeout_s=2.0, node_id="p0")
         sched = StoreScheduler(cfg, SALT, slot_nbytes=1024, endpoint="tcp://p0:1")
+        assert sched.master is not None
+        sched.master.stop_heartbeat()  # this test is about the engine's own path (the idle one: below)
         reader = MasterClient(address, "d0", "", lambda: [], timeout_s=2.0)
         toks = list(range(12))
         op = sched.plan_save("r", toks, [0, 1, 2])
@@ -120,6 +122,53 @@ def test_scheduler_publishes_commits_and_resyncs_after_master_restart(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def _serve(address: str, node_ttl_s: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "from vllm_pd.connector.store.master import serve; "
+                             f"serve('{address}', node_ttl_s={node_ttl_s})"])
+
+
+def test_an_idle_node_keeps_its_keys_on_the_master_and_resyncs_a_restarted_one():
+    """An engine with no requests makes no steps and so never flushes: without the heartbeat thread
+    the master forgets its keys after node_ttl_s (the control node below), and a chat's next turn
+    minutes later would be routed and fetched as if nothing were stored."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc = _serve(address, node_ttl_s=1.0)
+    chain = [(k, KEYS[i - 1] if i else None) for i, k in enumerate(KEYS[:4])]
+    idle = MasterClient(address, "idle", "tcp://idle:1", lambda: chain, timeout_s=2.0, heartbeat_s=0.3)
+    control = MasterClient(address, "control", "tcp://control:1", lambda: chain[:2], timeout_s=2.0)
+    reader = MasterClient(address, "reader", "", lambda: [], timeout_s=2.0, retry_after_s=0.0)
+    try:
+        wait_ready(address)
+        assert idle.flush() and control.flush()  # each engine's last step, then nothing
+        idle.start_heartbeat()
+        time.sleep(2.5)  # > node_ttl_s: the master expires silent nodes on lookups
+        hit = reader.lookup(KEYS)
+        assert hit is not None and (hit.node, hit.blocks) == ("idle", 4)
+        assert reader.call(Holders(KEYS[:4])).held == {"idle": 4}  # the control node expired
+        proc.kill()
+        proc.wait()
+        proc = _serve(address, node_ttl_s=1.0)  # a fresh master knows nothing; the idle node tells it all
+        hit = eventually(lambda: reader.lookup(KEYS))
+        assert (hit.node, hit.blocks) == ("idle", 4)
+    finally:
+        for client in (idle, control, reader):
+            client.close()
+        proc.kill()
+        proc.wait()
+
+
+def test_a_heartbeat_never_waits_for_the_engine_publishing():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    node = MasterClient(address, "n", "", lambda: [], timeout_s=0.1)
+    link = MasterLink(address, timeout_s=0.1)
+    with node._sending:  # the engine's flush holds it
+        t0 = time.monotonic()
+        assert node.beat(link) is False
+        assert time.monotonic() - t0 < 0.05
+    node.close()
+    link.close()
 
 
 # ---- protocol version 2: what the proxy's kv_aware routing asks ------------------------------------

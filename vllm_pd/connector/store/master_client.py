@@ -11,6 +11,7 @@ checksum-verified by the transport before they count.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -109,7 +110,13 @@ class MasterLink:
 
 
 class MasterClient(MasterLink):
-    """A store node's side: publishes its index in batches, asks for the longest remote prefix."""
+    """A store node's side: publishes its index in batches, asks for the longest remote prefix.
+
+    The engine's scheduler thread publishes once per step (``flush``); an idle engine makes no
+    steps, so :meth:`start_heartbeat` keeps its keys alive on the master from a thread of its own
+    (else the master drops them after ``node_ttl_s`` and a chat's next turn, minutes later, finds
+    them nowhere).
+    """
 
     def __init__(
         self,
@@ -130,6 +137,10 @@ class MasterClient(MasterLink):
         self._need_snapshot = True
         self._inserts: list[tuple[BlockKey, BlockKey | None]] = []
         self._removes: list[BlockKey] = []
+        # one sender at a time: the engine's flush, or the idle heartbeat (which never waits for it)
+        self._sending = threading.Lock()
+        self._heartbeat: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
         self._inserts.append((key, parent))
@@ -139,6 +150,10 @@ class MasterClient(MasterLink):
 
     def flush(self, force: bool = False) -> bool:
         """Publish queued changes (call once per step). False: master unreachable."""
+        with self._sending:
+            return self._flush(force)
+
+    def _flush(self, force: bool = False) -> bool:
         if not self.available:
             self._inserts.clear()
             self._removes.clear()
@@ -163,9 +178,65 @@ class MasterClient(MasterLink):
                 return False
             if not reply.known:  # master restarted and lost us
                 self._need_snapshot = True
-                return self.flush()
+                return self._flush()
         self._need_snapshot = False
         return True
+
+    def start_heartbeat(self) -> None:
+        """Beat every ``heartbeat_s`` from a daemon thread while the engine does not publish."""
+        if self._heartbeat is None:
+            link = MasterLink(self.address, self.timeout_s, self.retry_after_s, what="idle heartbeats paused")
+            self._heartbeat = threading.Thread(target=self._beat_while_idle, args=(link,), daemon=True,
+                                               name="store-master-heartbeat")
+            self._heartbeat.start()
+
+    def _beat_while_idle(self, link: MasterLink) -> None:
+        try:
+            while not self._stopping.wait(self.heartbeat_s / 2):
+                if time.monotonic() - self._last_contact >= self.heartbeat_s and link.available:
+                    self.beat(link)
+        finally:
+            link.close()
+
+    def beat(self, link: MasterLink) -> bool:
+        """One idle heartbeat over ``link`` (a socket of the calling thread): the node's index whole
+        if the master lost it (restarted), else an empty publish. Skipped (False) while the engine
+        is publishing, which is a heartbeat too. Changes the engine queued stay queued: a snapshot
+        only adds what its next flush sends again, and the master applies both alike."""
+        if not self._sending.acquire(blocking=False):
+            return False
+        try:
+            for _ in range(2):
+                if self._need_snapshot:
+                    try:
+                        chains = self._snapshot()
+                    except Exception:  # the engine changed the index while it was read: it is not idle
+                        return False
+                    msg = Publish(self.node, self.endpoint, chains, [], snapshot=True, salt=self.salt,
+                                  instance_url=self.instance_url)
+                else:
+                    msg = Publish(self.node, self.endpoint, [], [])
+                reply = link.call(msg)
+                if reply is None:
+                    return False
+                self._last_contact = time.monotonic()
+                if reply.known or msg.snapshot:
+                    self._need_snapshot = False
+                    return True
+                self._need_snapshot = True  # the master restarted: send the index whole
+            return False
+        finally:
+            self._sending.release()
+
+    def stop_heartbeat(self) -> None:
+        self._stopping.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(self.timeout_s + 1.0)
+            self._heartbeat = None
+
+    def close(self) -> None:
+        self.stop_heartbeat()
+        super().close()
 
     def lookup(self, keys: Sequence[BlockKey]) -> RemoteHit | None:
         """Longest prefix of ``keys`` held by another node, or None (also when the master is down)."""

@@ -59,6 +59,7 @@ class StoreScheduler:
             self.master = MasterClient(config.master, node, endpoint, self.placement.servable_chains,
                                        config.master_timeout_s, salt=salt, instance_url=config.instance_url or "")
             self.placement.master = self.master
+            self.master.start_heartbeat()
             # announce this node (salt, instance_url) now, not at its first engine step: a router
             # can then tell an instance that never ran a request which node to fetch from
             self.master.flush()
