@@ -145,3 +145,62 @@ def test_kv_aware_needs_a_local_tokenizer(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValueError, match="--policy kv_aware needs the model as a local folder"):
         command_up.routing_settings("kv_aware", "org/some-hf-model")
     assert command_up.run(_parse("--model", "org/some-hf-model", "--policy", "kv_aware")) == 2
+
+
+def test_store_gives_every_server_a_store_and_the_proxy_the_master(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # no vLLM server is started (only what `up` hands them is checked); the store master is a real process
+    from vllm_pd.router import command_proxy
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    specs: list[VllmServerSpec] = []
+
+    def start(self: VllmServer) -> VllmServer:
+        specs.append(self.spec)
+        return self
+
+    for name, value in (("start", start), ("alive", lambda self: True),
+                        ("healthy", lambda self: True), ("stop", lambda self: None)):
+        monkeypatch.setattr(VllmServer, name, value)
+    configs: list = []
+    masters: list = []
+    spawn = command_up._start_store_master
+
+    def recording_spawn(host: str) -> tuple:
+        masters.append(spawn(host))
+        assert masters[-1][0].poll() is None  # running while the servers start
+        return masters[-1]
+
+    async def serve(cfg: object) -> None:
+        configs.append(cfg)
+
+    monkeypatch.setattr(command_up, "_start_store_master", recording_spawn)
+    monkeypatch.setattr(command_proxy, "serve_until_signal", serve)
+    monkeypatch.setattr(command_proxy, "install_uvloop", lambda: None)
+    monkeypatch.setattr(command_up.signal, "signal", lambda *a: None)  # keep pytest's own SIGTERM handler
+    argv = ["--model", str(model), "--log-dir", str(tmp_path / "logs"), "--store", "64m", "--policy", "kv_aware"]
+    assert command_up.run(_parse(*argv)) == 0
+    ((proc, address),) = masters
+    assert proc.poll() is not None  # stopped with the servers
+    for spec in specs:
+        store = spec.kv_transfer_config["kv_connector_extra_config"]["store"]
+        assert store == {"cpu_bytes": "64m", "master": address, "instance_url": f"http://127.0.0.1:{spec.port}"}
+    assert configs[0].store_master == address
+    assert command_up.run(_parse(*argv[:-2])) == 0  # another policy: the stores, but the proxy does not read them
+    assert configs[1].store_master is None and len(masters) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--store", "lots"], "--store: not a size"),
+    (["--store", "0"], "--store: must be > 0"),
+    (["--store", "1g", "--connector", "none"], "--store needs the KV connector"),
+])
+def test_a_bad_store_flag_stops_before_any_server(argv: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(command_up.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(VllmServer, "start", lambda self: pytest.fail("a server was started"))
+    assert command_up.run(_parse("--model", str(tmp_path), *argv)) == 2
+    assert message in capsys.readouterr().err

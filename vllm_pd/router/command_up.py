@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"prefill routing (default {ProxyConfig.prefill_policy}); kv_aware turns on the servers' "
                         "KV events and sends a prompt where its KV is (decode too: a prompt decode holds skips "
                         "prefill)")
+    p.add_argument("--store", metavar="SIZE",
+                   help="a KV store of SIZE CPU memory (e.g. 1g) in every server, and one store master on this "
+                        "machine: prefixes are reused across requests and fetched between servers; with --policy "
+                        "kv_aware the proxy routes by the stores too")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the servers")
     p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARG",
                    help="after --: more `vllm serve` arguments for every server (e.g. -- --enable-prefix-caching)")
@@ -80,6 +85,21 @@ def routing_settings(policy: str, model: str) -> dict[str, Any]:
     return {"prefill_policy": policy, "decode_policy": "kv_aware", "tokenizer": model}
 
 
+def store_settings(size: str, connector: str) -> dict[str, Any]:
+    """The servers' ``store`` config for ``--store SIZE`` (the master's address is added once it runs)."""
+    from vllm_pd.connector.config import parse_size
+    from vllm_pd.connector.exceptions import ConfigError as ConnectorConfigError
+
+    if connector == "none":
+        raise ValueError("--store needs the KV connector (not --connector none)")
+    try:
+        if parse_size("--store", size) <= 0:
+            raise ValueError(f"--store: must be > 0, got {size!r}")
+    except ConnectorConfigError as e:
+        raise ValueError(str(e)) from None
+    return {"cpu_bytes": size}
+
+
 def _vllm_cli_installed() -> bool:
     # `vllm serve` reads the version of the distribution "vllm" (the CPU wheel gets it from install.sh)
     from importlib import metadata
@@ -91,6 +111,15 @@ def _vllm_cli_installed() -> bool:
                        "starting servers with python -m vllm.entrypoints.openai.api_server")
         return False
     return True
+
+
+def _start_store_master(host: str) -> tuple[subprocess.Popen, str]:
+    from vllm_pd.connector.store.master_command import spawn_master
+    from vllm_pd.vllm_server import free_port
+
+    proc, address = spawn_master(free_port(), host=host)
+    print(f"store master: {address}", file=sys.stderr)
+    return proc, address
 
 
 def _default_model() -> str:
@@ -130,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or _default_model()
     try:
         routing = routing_settings(args.policy, model)
+        store = None if args.store is None else store_settings(args.store, args.connector)
     except ValueError as e:
         print(f"vllm-pd up: {e}", file=sys.stderr)
         return 2
@@ -144,7 +174,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting {args.prefill} prefill + {args.decode} decode + {args.both} both vLLM servers for {model}"
           f" (logs: {cluster.log_dir})", file=sys.stderr)
     t0 = time.monotonic()
+    master: subprocess.Popen | None = None
     try:
+        if store is not None:
+            master, store["master"] = _start_store_master(args.host)
+            cluster.connector_extra = {**cluster.connector_extra, "store": store}
+            if args.policy == "kv_aware":
+                routing["store_master"] = store["master"]
         cluster.start()
         cluster.wait_healthy(args.timeout, _progress)
         print(f"\nall servers ready in {time.monotonic() - t0:.0f}s", file=sys.stderr)
@@ -170,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print("stopping vLLM servers...", file=sys.stderr)
         cluster.stop()
+        if master is not None:
+            master.kill()
+            master.wait()
 
 
 if __name__ == "__main__":
