@@ -102,12 +102,8 @@ def cluster() -> Iterator[LocalCluster]:
     c = LocalCluster(model=_model_dir(), n_prefill=1, n_decode=1, n_both=1, max_model_len=1024,
                      connector_extra={"lease_s": 15.0},
                      connector=None if not _connector_mode() else "PDConnector")
-    try:
-        c.start()
-        c.wait_healthy(600)
+    with c.running(600):
         yield c
-    finally:
-        c.stop()
 
 
 def _as(cluster: LocalCluster, **roles: str) -> list[InstanceConfig]:

@@ -30,12 +30,8 @@ MAX_TOKENS = 8
 def cluster() -> Iterator[LocalCluster]:
     c = LocalCluster(model=_model_dir(), n_prefill=2, n_decode=1, max_model_len=1024, kv_events=True,
                      connector_extra={"lease_s": 15.0})
-    try:
-        c.start()
-        c.wait_healthy(600)
+    with c.running(600):
         yield c
-    finally:
-        c.stop()
 
 
 def _body(messages: list[dict[str, Any]]) -> dict[str, Any]:

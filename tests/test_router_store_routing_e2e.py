@@ -51,12 +51,8 @@ def cluster(master: str) -> Iterator[LocalCluster]:
     c = LocalCluster(model=_model_dir(), n_prefill=2, n_decode=1, max_model_len=1024,
                      extra_args=["--no-enable-prefix-caching"],
                      connector_extra={"lease_s": 15.0, "store": {"cpu_bytes": "64m", "master": master}})
-    try:
-        c.start()
-        c.wait_healthy(600)
+    with c.running(600):
         yield c
-    finally:
-        c.stop()
 
 
 def _body(messages: list[dict[str, Any]]) -> dict[str, Any]:

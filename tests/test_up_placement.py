@@ -204,3 +204,18 @@ def test_a_bad_store_flag_stops_before_any_server(argv: list[str], message: str,
     monkeypatch.setattr(VllmServer, "start", lambda self: pytest.fail("a server was started"))
     assert command_up.run(_parse("--model", str(tmp_path), *argv)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_running_cluster_is_stopped_also_when_its_start_fails(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    # no process is started: a server that dies during start-up is played by alive() -> False
+    stopped: list[str] = []
+    monkeypatch.setattr(VllmServer, "start", lambda self: self)
+    monkeypatch.setattr(VllmServer, "alive", lambda self: False)
+    monkeypatch.setattr(VllmServer, "log_tail", lambda self: "")
+    monkeypatch.setattr(VllmServer, "stop", lambda self: stopped.append(self.url))
+    cluster = LocalCluster(model="m", n_prefill=1, n_decode=1, log_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="exited during start-up"):
+        with cluster.running(5):
+            pytest.fail("the block ran without healthy servers")
+    assert len(stopped) == 2

@@ -8,6 +8,7 @@ the same core's OpenMP threads, and its own GPUs where asked (CUDA_VISIBLE_DEVIC
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 from vllm_pd import CONNECTOR_NAME
 from vllm_pd.router.config import InstanceConfig
@@ -166,6 +167,16 @@ class LocalCluster:
 
     def instances(self) -> list[InstanceConfig]:
         return [s.instance_config() for s in self.servers]
+
+    @contextlib.contextmanager
+    def running(self, timeout: float = 900.0) -> Iterator[LocalCluster]:
+        """Started and healthy inside the ``with`` block; stopped after it, also when the start fails."""
+        try:
+            self.start()
+            self.wait_healthy(timeout)
+            yield self
+        finally:
+            self.stop()
 
     def stop(self) -> None:
         for s in self.servers:
