@@ -43,10 +43,9 @@ from vllm_pd.router.http_client import BackendClient
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, InFlightLeg
 from vllm_pd.router.kv_locations import KvLocations
-from vllm_pd.router.policies import held_tokens
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.partition_watch import InstanceUnreachable, PartitionWatch
-from vllm_pd.router.policies import Policy
+from vllm_pd.router.policies import Policy, held_tokens
 from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_body, prefill_body
 from vllm_pd.router.request_log import RequestLog
 from vllm_pd.router.tracing import RequestTrace, Tracer

@@ -91,8 +91,8 @@ class StoreLocations:
         self.refresh_s = refresh_s
         self._nodes: list[NodeInfo] = []
         self._nodes_at = float("-inf")
-        # instance URL -> its store's salt, kept when its node drops off the master: an idle node stops
-        # heartbeating (it publishes on engine steps) and expires, but its salt, which a hint needs, stays
+        # instance URL -> its store's salt, kept when its node drops off the master (a restarted master,
+        # a node that missed heartbeats under load): a hint to that instance still needs it
         self._salts: dict[str, KeySalt] = {}
 
     def locate(self, token_ids: Sequence[int]) -> StorePrompt | None:
