@@ -10,7 +10,8 @@ import pytest
 from vllm_pd.planner.deployment_search import (Slo, distributions_at, enumerate_deployments, goodput, search,
                                                summarise, trace_at)
 from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, ProfileError, fit_instance,
-                                             fit_poly, load_profile, refit, save_profile, spread_of)
+                                             fit_poly, load_profile, neighbour_factor, refit, save_profile,
+                                             spread_of)
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.workload import (TraceRequest, WorkloadError, load_trace, parse_distributions, write_trace)
 
@@ -19,9 +20,11 @@ PREFILL, DECODE, KV = Poly(20.0, 0.1, 0.0), Poly(10.0, 0.5, 0.001), Poly(5.0, 0.
 
 
 def make_profile(prefill: Poly = PREFILL, decode: Poly = DECODE, kv: Poly = KV, chunk: int = 2048,
-                 tp: int = 1, spread: list[float] | None = None, window_ms: float = 0.0) -> LatencyProfile:
+                 tp: int = 1, spread: list[float] | None = None, window_ms: float = 0.0,
+                 beside_prefill: float = 1.0, beside_decode: float = 1.0) -> LatencyProfile:
     return LatencyProfile("m", [InstanceProfile(tp, prefill, decode, kv, max_num_batched_tokens=chunk,
-                                                decode_spread=spread or [], decode_spread_window_ms=window_ms)])
+                                                decode_spread=spread or [], decode_spread_window_ms=window_ms,
+                                                beside_prefill=beside_prefill, beside_decode=beside_decode)])
 
 
 def test_fit_recovers_known_coefficients() -> None:
@@ -252,3 +255,68 @@ def test_refit_uses_the_stored_samples() -> None:
     assert inst.decode.at(4, 0) == pytest.approx(12.0) and inst.decode_spread == [0.9] * 4 + [1.1] * 4
     stale = msgspec.structs.replace(inst, prefill=Poly(0, 0, 0))
     assert refit(stale) == inst
+
+
+FORMAT_2_NO_NEIGHBOURS = """{"format": 2, "model": "m", "instances": [{"tp": 1, "prefill": {"a": 10.0, "b": 0.05},
+  "decode": {"a": 5.0, "b": 0.5, "c": 0.001}, "kv": {"a": 3.0, "b": 0.01}}]}"""
+
+
+def test_neighbour_factors_default_to_one_and_a_file_without_them_loads(tmp_path) -> None:
+    (tmp_path / "old.json").write_text(FORMAT_2_NO_NEIGHBOURS)
+    inst = load_profile(tmp_path / "old.json").for_tp(1)
+    assert (inst.beside_prefill, inst.beside_decode, inst.neighbour_samples) == (1.0, 1.0, [])
+    assert fit_instance(1, [(16, 1, 3.0)], [(1, 64, 5.0)], [(128, 1.0)]).beside_prefill == 1.0
+    # the factors: median beside / median alone per kind, floored at 1.0, and they survive a round trip
+    samples = [("decode", 10.0, 12.0), ("decode", 11.0, 14.0), ("decode", 9.0, 13.0),
+               ("prefill", 100.0, 95.0), ("prefill", 100.0, 99.0)]
+    assert neighbour_factor(samples, "decode") == pytest.approx(1.3) and neighbour_factor(samples, "prefill") == 1.0
+    measured = fit_instance(1, [(16, 1, 3.0)], [(1, 64, 5.0)], [(128, 1.0)], neighbour=samples)
+    assert (measured.beside_prefill, measured.beside_decode) == (pytest.approx(1.3), 1.0)
+    save_profile(LatencyProfile("m", [measured]), tmp_path / "new.json")
+    assert load_profile(tmp_path / "new.json").for_tp(1) == measured
+    # refit keeps them: recomputed from the samples, or as set where there are none
+    assert refit(measured) == measured
+    by_hand = msgspec.structs.replace(measured, beside_decode=1.2, neighbour_samples=samples[:3])
+    assert refit(by_hand) == by_hand
+
+
+def test_mixed_step_scales_each_part_by_its_neighbour_factor() -> None:
+    inst = make_profile().for_tp(1)
+    decode_part = DECODE.b * 2 + DECODE.c * 300
+    assert inst.mixed_ms([100], 2, 300, 1.1, 1.3, 1.5) == pytest.approx(inst.prefill_ms(100) * 1.5
+                                                                       + decode_part * 1.1 * 1.3)
+    assert inst.mixed_ms([], 2, 300, 1.0, 1.3, 1.5) == pytest.approx(inst.decode_ms(2, 300) * 1.3)
+    assert inst.mixed_ms([100], 0, 0, 1.0, 1.3, 1.5) == pytest.approx(inst.prefill_ms(100) * 1.5)
+
+
+NEIGHBOURS = dict(prefill=Poly(50.0, 0, 0), decode=Poly(30.0, 0, 0), kv=Poly(40.0, 0))
+
+
+def test_decode_steps_beside_a_prefill_are_slower() -> None:
+    # A decodes 30 ms steps from 0.09 on; B's prefill runs 0.5-0.55 on the prefill instance
+    reqs = [TraceRequest(0.0, 100, 40), TraceRequest(0.5, 100, 3)]
+    a, _ = simulate(make_profile(**NEIGHBOURS), Deployment(1, 1), reqs)
+    slow_a, _ = simulate(make_profile(**NEIGHBOURS, beside_prefill=1.3), Deployment(1, 1), reqs)
+    assert a.tpot == pytest.approx(0.030)
+    # the steps starting at 0.51 and 0.549 (B's prefill running) take 39 ms; none other does
+    assert slow_a.finish - a.finish == pytest.approx(2 * 0.3 * 0.030)
+    assert slow_a.ttft == a.ttft
+    # a lone request never has a neighbour at work: unchanged, disaggregated or colocated
+    lone = [TraceRequest(1.0, 500, 5)]
+    for d in (Deployment(1, 1), Deployment(0, 2)):
+        (base,) = simulate(make_profile(), d, lone)
+        (beside,) = simulate(make_profile(beside_prefill=1.3, beside_decode=1.5), d, lone)
+        assert (beside.ttft, beside.tpot) == (base.ttft, base.tpot)
+
+
+def test_a_prefill_beside_a_decoding_neighbour_is_slower() -> None:
+    reqs = [TraceRequest(0.0, 100, 40), TraceRequest(0.5, 100, 3)]
+    # colocated x2: B lands on the idle instance; its prefill starts while A's instance decodes
+    a, b = simulate(make_profile(**NEIGHBOURS), Deployment(0, 2), reqs)
+    slow_a, slow_b = simulate(make_profile(**NEIGHBOURS, beside_decode=1.5), Deployment(0, 2), reqs)
+    assert b.ttft == pytest.approx(0.050) and slow_b.ttft == pytest.approx(0.075)
+    assert (slow_a.ttft, slow_a.finish) == (a.ttft, a.finish)  # decode is not what beside_decode scales
+    # 1P1D: the prefill ends at 0.575 instead of 0.55; KV 10 ms later, B joins A's step at 0.60, not 0.57
+    _, b = simulate(make_profile(**NEIGHBOURS), Deployment(1, 1), reqs)
+    _, slow_b = simulate(make_profile(**NEIGHBOURS, beside_decode=1.5), Deployment(1, 1), reqs)
+    assert b.ttft == pytest.approx(0.10) and slow_b.ttft == pytest.approx(0.13)

@@ -15,6 +15,12 @@ covers. Each keeps the raw samples it was fitted from, so a profile can be re-fi
 - kv: prefill's end to the first token on an idle decode instance, for ``t`` prompt tokens, ``a + b*t``
   ms (the layer-wise load overlaps decode's first forward with prefill's, so this is the tail of the
   transfer, the last layer's forward and the proxy's second hop).
+- neighbours: instances on one host slow each other (shared memory bandwidth and caches), so
+  ``beside_prefill`` is the factor on this instance's decode step time while another instance on the
+  same host runs a prefill, and ``beside_decode`` the factor on its prefill time while another instance
+  on the same host decodes. Each is the median of the measurements beside the neighbour over the median
+  alone (``neighbour_samples``: (``"decode"`` or ``"prefill"``, alone ms, beside ms)), floored at 1.0.
+  1.0 = not measured, or instances on separate hosts (or GPUs) that do not share those.
 
 Format 2 (this one) replaced format 1's prefill model (``a + b*T + c*T^2`` over the whole step) and its
 kv (the hand-over before a full decode step); :func:`load_profile` reads format 1 files as format 2.
@@ -23,6 +29,7 @@ kv (the hand-over before a full decode step); :func:`load_profile` reads format 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Sequence
 
@@ -59,6 +66,9 @@ class InstanceProfile(msgspec.Struct, frozen=True):
     prefill_samples: list[tuple[int, int, float]] = []  # (tokens per prompt, prompts, ms)
     decode_samples: list[tuple[int, int, float]] = []  # (batch, summed context, mean ms per step)
     kv_samples: list[tuple[int, float]] = []  # (prompt tokens, ms)
+    beside_prefill: float = 1.0  # decode step time x this while a same-host neighbour prefills
+    beside_decode: float = 1.0  # prefill time x this while a same-host neighbour decodes
+    neighbour_samples: list[tuple[str, float, float]] = []  # ("decode" | "prefill", alone ms, beside ms)
 
     def prefill_ms(self, tokens: int, prompts: int = 1, square: int | None = None) -> float:
         """``prompts`` prompts, ``tokens`` in all; ``square`` = the sum of their squares (default: equal)."""
@@ -70,18 +80,21 @@ class InstanceProfile(msgspec.Struct, frozen=True):
     def decode_ms(self, batch: int, context: int) -> float:
         return self.decode.at(batch, context)
 
-    def mixed_ms(self, chunks: Sequence[int], batch: int, context: int, spread: float = 1.0) -> float:
+    def mixed_ms(self, chunks: Sequence[int], batch: int, context: int, spread: float = 1.0,
+                 beside_prefill: float = 1.0, beside_decode: float = 1.0) -> float:
         """One step: prompt chunks of these sizes and a decode batch in one forward (one fixed cost).
 
-        ``spread`` scales the decode part (a factor from ``decode_spread``).
+        ``spread`` scales the decode part (a factor from ``decode_spread``), and so does ``beside_prefill``
+        (pass :attr:`beside_prefill` while a neighbour prefills, else 1.0); ``beside_decode`` scales the
+        prefill part (pass :attr:`beside_decode` while a neighbour decodes, else 1.0).
         """
         tokens = sum(chunks)
-        prefill = self.prefill_ms(tokens, len(chunks), sum(t * t for t in chunks))
+        prefill = self.prefill_ms(tokens, len(chunks), sum(t * t for t in chunks)) * beside_decode
         if batch == 0:
             return prefill
         if tokens == 0:
-            return self.decode_ms(batch, context) * spread
-        return prefill + (self.decode.b * batch + self.decode.c * context) * spread
+            return self.decode_ms(batch, context) * spread * beside_prefill
+        return prefill + (self.decode.b * batch + self.decode.c * context) * spread * beside_prefill
 
     def kv_ms(self, tokens: int) -> float:
         """Prefill's end to the first token on an idle decode instance (layer-wise load)."""
@@ -228,9 +241,30 @@ def _least_squares(rows: Sequence[Row], terms: list[int]) -> dict[int, float] | 
 
 
 def refit(inst: InstanceProfile) -> InstanceProfile:
-    """The same instance fitted again from its stored samples (after a change to the fit)."""
-    return fit_instance(inst.tp, inst.prefill_samples, inst.decode_samples, inst.kv_samples,
-                        inst.max_num_batched_tokens, inst.max_num_seqs, inst.decode_spread_window_ms)
+    """The same instance fitted again from its stored samples (after a change to the fit).
+
+    A neighbour factor with no samples of its kind (set by hand) is kept as it is.
+    """
+    new = fit_instance(inst.tp, inst.prefill_samples, inst.decode_samples, inst.kv_samples,
+                       inst.max_num_batched_tokens, inst.max_num_seqs, inst.decode_spread_window_ms,
+                       inst.neighbour_samples)
+    kinds = {kind for kind, _, _ in inst.neighbour_samples}
+    return msgspec.structs.replace(
+        new, beside_prefill=new.beside_prefill if "decode" in kinds else inst.beside_prefill,
+        beside_decode=new.beside_decode if "prefill" in kinds else inst.beside_decode)
+
+
+def neighbour_factor(samples: Sequence[tuple[str, float, float]], kind: str) -> float:
+    """median(beside) / median(alone) over the samples of ``kind``, floored at 1.0 (1.0 without any).
+
+    ``"decode"``: a decode step beside a prefilling neighbour (:attr:`InstanceProfile.beside_prefill`);
+    ``"prefill"``: a prefill beside a decoding neighbour (:attr:`InstanceProfile.beside_decode`).
+    """
+    alone = [a for k, a, _ in samples if k == kind]
+    beside = [b for k, _, b in samples if k == kind]
+    if not alone or statistics.median(alone) <= 0:
+        return 1.0
+    return max(1.0, round(statistics.median(beside) / statistics.median(alone), 3))
 
 
 def spread_of(decode: Poly, points: Sequence[tuple[int, int, float]]) -> list[float]:
@@ -240,11 +274,13 @@ def spread_of(decode: Poly, points: Sequence[tuple[int, int, float]]) -> list[fl
 
 def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tuple[int, int, float]],
                  kv: list[tuple[int, float]], max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, spread_window_ms: float = 0.0) -> InstanceProfile:
+                 max_num_seqs: int = 256, spread_window_ms: float = 0.0,
+                 neighbour: Sequence[tuple[str, float, float]] = ()) -> InstanceProfile:
     """Fit the models from raw samples (kv: at least one sample, or a fixed model in ``kv``).
 
     prefill: (tokens per prompt, prompts in the step, ms); decode: (batch, summed context, the mean ms
-    per step over a window of ``spread_window_ms``; 0 = no spread: one sample per point is the fit's own).
+    per step over a window of ``spread_window_ms``; 0 = no spread: one sample per point is the fit's own);
+    neighbour: (kind, alone ms, beside ms), see :func:`neighbour_factor` (none: factors 1.0).
     """
     dec = fit_poly([(n, k, ms) for n, k, ms in decode])
     return InstanceProfile(
@@ -255,4 +291,6 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         decode_spread=spread_of(dec, decode) if spread_window_ms > 0 else [],
         decode_spread_window_ms=spread_window_ms,
-        prefill_samples=list(prefill), decode_samples=list(decode), kv_samples=list(kv))
+        prefill_samples=list(prefill), decode_samples=list(decode), kv_samples=list(kv),
+        beside_prefill=neighbour_factor(neighbour, "decode"), beside_decode=neighbour_factor(neighbour, "prefill"),
+        neighbour_samples=list(neighbour))

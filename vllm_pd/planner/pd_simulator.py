@@ -16,7 +16,13 @@ Each instance runs engine steps back to back while it has work, roughly as vLLM'
 
 Step times come from the :class:`~vllm_pd.planner.latency_profile.InstanceProfile`; the decode part of a
 step is scaled by the instance's current factor from the profile's decode spread, drawn again (seeded)
-once it has held for the profile's spread window. Requests reach the instance with the fewest
+once it has held for the profile's spread window. Instances on one host slow each other: a step's decode
+part is scaled by the profile's ``beside_prefill`` if any other instance of the simulation is, as the step
+starts, in a step with prompt chunks, and its prefill part by ``beside_decode`` if any other instance is
+then in a step that decodes. Sampling the neighbours' state at the step's start is the approximation: a
+neighbour's step that begins or ends midway does not change a step already planned (and a decode
+instance held by a layer-wise load counts as neither). With both factors 1.0 (the default, and instances
+on separate hosts) nothing changes. Requests reach the instance with the fewest
 outstanding requests, as the proxy's least_outstanding policy does.
 """
 
@@ -95,6 +101,8 @@ class _Instance:
     busy: bool = False
     factor: float = 1.0  # the decode spread's current draw
     factor_until: float = float("-inf")
+    step_prefill: bool = False  # the current step has prompt chunks
+    step_decode: bool = False  # the current step decodes
 
     @property
     def outstanding(self) -> int:
@@ -110,8 +118,13 @@ class _Instance:
             self.factor_until = t + self.profile.decode_spread_window_ms / 1e3
         return self.factor
 
-    def plan_step(self, t: float) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
-        """(duration in s, prompt chunks [(request, tokens)], decoding requests) of the next step."""
+    def plan_step(self, t: float, neighbour_prefills: bool = False,
+                  neighbour_decodes: bool = False) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
+        """(duration in s, prompt chunks [(request, tokens)], decoding requests) of the next step.
+
+        ``neighbour_prefills``/``neighbour_decodes``: another instance is in a step with prompt chunks /
+        that decodes (the profile's ``beside_prefill``/``beside_decode`` then apply).
+        """
         decoding = self.running[:self.profile.max_num_seqs] if self.role != "prefill" else []
         budget = self.profile.max_num_batched_tokens - len(decoding)
         chunks: list[tuple[SimRequest, int]] = []
@@ -124,7 +137,9 @@ class _Instance:
                 budget -= take
         context = sum(r.context for r in decoding)
         spread = self.spread(t) if decoding else 1.0
-        ms = self.profile.mixed_ms([t for _, t in chunks], len(decoding), context, spread)
+        p = self.profile
+        ms = p.mixed_ms([t for _, t in chunks], len(decoding), context, spread,
+                        p.beside_prefill if neighbour_prefills else 1.0, p.beside_decode if neighbour_decodes else 1.0)
         return ms / 1e3, chunks, decoding
 
 
@@ -151,6 +166,7 @@ class Simulation:
             self.decoders = [_Instance(dec, "decode", next(rngs)) for _ in range(d.decode)]
         if not self.decoders:
             raise ValueError(f"deployment {d.label}: needs at least one decode instance")
+        self.instances = self.decoders if d.colocated else self.prefillers + self.decoders
 
     def _at(self, t: float, fn: Callable[[float], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
@@ -193,8 +209,9 @@ class Simulation:
     def _kick(self, t: float, inst: _Instance) -> None:
         if inst.busy or not (inst.waiting or (inst.running and inst.role != "prefill")):
             return
-        duration, chunks, decoding = inst.plan_step(t)
+        duration, chunks, decoding = inst.plan_step(t, *self._neighbours_of(inst))
         inst.busy = True
+        inst.step_prefill, inst.step_decode = bool(chunks), bool(decoding)
         # prefill announces a prompt as its last chunk's step starts; an idle decode then loads layer-wise
         layerwise = [r for r, n in chunks if inst.role == "prefill" and r.prefilled + n >= r.spec.input_tokens
                      and self._takes_layerwise(r)]
@@ -202,6 +219,13 @@ class Simulation:
             assert req.decoder is not None
             req.decoder.busy = True
         self._at(t + duration, lambda t_end: self._step_done(t_end, inst, chunks, decoding, layerwise))
+
+    def _neighbours_of(self, inst: _Instance) -> tuple[bool, bool]:
+        """(another instance is in a step with prompt chunks, another is in a step that decodes)."""
+        if inst.profile.beside_prefill == 1.0 and inst.profile.beside_decode == 1.0:
+            return False, False  # nothing to scale: skip the look
+        others = [i for i in self.instances if i is not inst]
+        return any(i.step_prefill for i in others), any(i.step_decode for i in others)
 
     @staticmethod
     def _takes_layerwise(req: SimRequest) -> bool:
@@ -211,6 +235,7 @@ class Simulation:
     def _step_done(self, t: float, inst: _Instance, chunks: list[tuple[SimRequest, int]],
                    decoding: list[SimRequest], layerwise: list[SimRequest]) -> None:
         inst.busy = False
+        inst.step_prefill = inst.step_decode = False
         for req in decoding:
             self._emit_token(t, inst, req)
         for req, tokens in chunks:
