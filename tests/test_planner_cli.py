@@ -1,7 +1,9 @@
 """``vllm-pd profile`` against a mock server and ``vllm-pd plan`` end to end (no vLLM).
 
 The mock (vllm_pd.router.mock_backend) streams with a fixed TTFT and inter-token latency whatever
-the prompt, standing in for vLLM: the profiler must measure those delays back.
+the prompt, standing in for vLLM: the profiler must measure those delays back. Its delays never depend
+on another server, so the neighbour measurement has its own fake: two aiohttp apps on one "host"
+(:class:`FakeHost`), the instance answering slower while the neighbour is at work.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from vllm_pd import cli
 from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, Poly, load_profile, save_profile
@@ -79,6 +82,136 @@ def test_profile_measures_through_the_relay(mock_url: str, slow_mock_url: str, t
     assert rc == 0
     inst = load_profile(out).for_tp(1)
     assert 95 <= inst.prefill_ms(64) <= 250 and 38 <= inst.decode_ms(1, 32) <= 120
+
+
+class FakeHost:
+    """An instance and its neighbour: the instance's tokens come ``beside_prefill`` x slower while the
+    neighbour runs a one-token request (a prefill), its first token ``beside_decode`` x later while the
+    neighbour streams a longer one (decoding); ``fail`` makes the neighbour answer HTTP 500."""
+
+    def __init__(self, beside_prefill: float, beside_decode: float, fail: bool = False) -> None:
+        self.ttft, self.itl, self.prefill_s = 0.04, 0.01, 0.03
+        self.beside_prefill, self.beside_decode, self.fail = beside_prefill, beside_decode, fail
+        self.prefilling = self.decoding = 0
+        self.peak_decoding = 0
+        self.prompts: list[tuple[int, ...]] = []  # every prompt either server saw
+
+    def apps(self) -> tuple[web.Application, web.Application]:
+        return self._app(self._instance), self._app(self._neighbour)
+
+    @staticmethod
+    def _app(completions) -> web.Application:
+        async def models(request: web.Request) -> web.Response:
+            return web.json_response({"data": [{"id": "fake-model"}]})
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        return app
+
+    @staticmethod
+    async def _token(resp: web.StreamResponse) -> None:
+        await resp.write(b'data: {"choices": [{"index": 0, "text": " t"}]}\n\n')
+
+    async def _instance(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["stream"] and body["ignore_eos"]
+        self.prompts.append(tuple(body["prompt"]))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(self.ttft * (self.beside_decode if self.decoding else 1.0))
+        for i in range(body["max_tokens"]):
+            if i:
+                await asyncio.sleep(self.itl * (self.beside_prefill if self.prefilling else 1.0))
+            await self._token(resp)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def _neighbour(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.prompts.append(tuple(body["prompt"]))
+        if self.fail:
+            return web.json_response({"error": "injected"}, status=500)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        prefill = body["max_tokens"] == 1
+        if prefill:
+            self.prefilling += 1
+        else:
+            self.decoding += 1
+            self.peak_decoding = max(self.peak_decoding, self.decoding)
+        try:
+            await asyncio.sleep(self.prefill_s if prefill else self.ttft)
+            for i in range(body["max_tokens"]):
+                if i:
+                    await asyncio.sleep(self.itl)
+                await self._token(resp)
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            pass  # the profiler cancelled the stream
+        finally:
+            if prefill:
+                self.prefilling -= 1
+            else:
+                self.decoding -= 1
+        return resp
+
+
+def _serve_apps(*apps: web.Application) -> Iterator[list[str]]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runners = [web.AppRunner(app) for app in apps]
+
+    async def start(runner: web.AppRunner) -> str:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    urls = [asyncio.run_coroutine_threadsafe(start(r), loop).result(10) for r in runners]
+    yield urls
+    for runner in runners:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+SMALL_PLAN = ["--prefill-tokens", "16", "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1",
+              "--decode-repeats", "1"]
+
+
+def test_profile_measures_how_a_neighbour_slows_the_instance(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    host = FakeHost(beside_prefill=1.3, beside_decode=1.5)
+    out = tmp_path / "p.json"
+    for instance_url, neighbour_url in _serve_apps(*host.apps()):
+        rc = cli.main(["profile", instance_url, "--neighbour-url", neighbour_url, "--out", str(out), *SMALL_PLAN])
+    assert rc == 0
+    inst = load_profile(out).for_tp(1)
+    # the injected factors, give or take the timer and event-loop noise of a busy 2-core box
+    assert inst.beside_prefill == pytest.approx(1.3, abs=0.12) and inst.beside_decode == pytest.approx(1.5, abs=0.12)
+    kinds = [k for k, _, _ in inst.neighbour_samples]
+    assert kinds == ["decode"] * 4 + ["prefill"] * 4 and host.peak_decoding == 4
+    assert host.prefilling == host.decoding == 0  # the loop stopped, the streams were cancelled
+    assert len(set(host.prompts)) == len(host.prompts)  # no prefix cache hit on either instance
+    assert (f"beside a neighbour: decode step x{inst.beside_prefill:.2f} while it prefills, "
+            f"prefill x{inst.beside_decode:.2f} while it decodes") in capsys.readouterr().out
+
+
+def test_profile_without_a_neighbour_keeps_the_factors_neutral(mock_url: str, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    rc = cli.main(["profile", mock_url, "--out", str(tmp_path / "p.json"), *SMALL_PLAN])
+    inst = load_profile(tmp_path / "p.json").for_tp(1)
+    assert rc == 0 and (inst.beside_prefill, inst.beside_decode, inst.neighbour_samples) == (1.0, 1.0, [])
+    assert "neighbour" not in capsys.readouterr().out
+
+
+def test_profile_with_a_failing_neighbour_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    for instance_url, neighbour_url in _serve_apps(*FakeHost(1.0, 1.0, fail=True).apps()):
+        rc = cli.main(["profile", instance_url, "--neighbour-url", neighbour_url, "--out", str(tmp_path / "p.json"),
+                       *SMALL_PLAN])
+    assert rc == 1 and f"{neighbour_url}/v1/completions: HTTP 500" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_profile_of_a_dead_server_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -16,6 +16,11 @@ the cores they share with the instance. Without one, decode goes through ``pd_ur
 - KV hand-over: through a PD proxy (``pd_url``), a lone request's TTFT minus a lone prefill's measured
   here is prefill's end to decode's first token (transfer tail, decode's last layer, second hop);
   without one, a fixed model.
+- neighbours (with ``neighbour_url``, another instance on the same host - on a PD pair the prefill
+  instance): a lone request's steady decode step (as decode measures it) alone and while the neighbour
+  runs back-to-back prefills, and a lone prefill's TTFT alone and while the neighbour decodes a batch of
+  long streams, interleaved ``neighbour_repeats`` times; the medians' ratios are the profile's
+  ``beside_prefill`` and ``beside_decode``.
 
 HTTP and detokenisation costs stay inside the fitted constants, as a client of the deployment sees them.
 """
@@ -23,11 +28,14 @@ HTTP and detokenisation costs stay inside the fitted constants, as a client of t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -51,6 +59,13 @@ class ProfilePlan:
     max_token_id: int = 4000  # prompt ids are drawn below this (inside any vocabulary we serve)
     kv_fixed_ms: float = 5.0  # the KV model when no PD proxy is measured
     kv_ms_per_token: float = 0.005
+    neighbour_repeats: int = 4  # alone/beside pairs per neighbour factor
+    neighbour_context: int = 512  # the lone decoding request's prompt
+    neighbour_prefill_tokens: int = 1024  # the neighbour's back-to-back prompts
+    neighbour_probe_tokens: int = 512  # the lone prefill measured beside the decoding neighbour
+    neighbour_streams: int = 4  # the neighbour's decode batch
+    neighbour_stream_tokens: int = 64  # the prompt of each of those streams
+    neighbour_settle_s: float = 0.1  # after cancelling the neighbour's streams, before the next measurement
 
 
 @dataclass
@@ -81,7 +96,8 @@ async def model_name(session: aiohttp.ClientSession, url: str) -> str:
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
-                            max_tokens: int) -> _Stream:
+                            max_tokens: int, first: asyncio.Event | None = None) -> _Stream:
+    """One streamed completion; ``first`` is set as its first token arrives."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
@@ -92,16 +108,20 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, model: str
         async for line in r.content:
             if line.startswith(b"data: {"):
                 stamps.append(time.perf_counter())
+                if first is not None:
+                    first.set()
     if not stamps:
         raise ProfileError(f"{url}/v1/completions: the stream carried no token")
     return _Stream(stamps[0] - t0, stamps)
 
 
 class InstanceProfiler:
-    def __init__(self, url: str, plan: ProfilePlan, pd_url: str | None = None, relay_url: str | None = None) -> None:
+    def __init__(self, url: str, plan: ProfilePlan, pd_url: str | None = None, relay_url: str | None = None,
+                 neighbour_url: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.pd_url = pd_url.rstrip("/") if pd_url else None
         self.relay_url = relay_url.rstrip("/") if relay_url else None
+        self.neighbour_url = neighbour_url.rstrip("/") if neighbour_url else None
         self.plan = plan
         self._prompts = UniquePrompts(plan.max_token_id)
 
@@ -113,10 +133,11 @@ class InstanceProfiler:
             prefill = await self._prefill(session, model)
             decode, window_ms = await self._decode(session, model)
             kv = await self._kv(session, model, prefill) if self.pd_url else []
+            neighbour = await self._neighbour(session, model) if self.neighbour_url else []
         # no PD pair measured: two points of the fixed model stand in for samples
         kv = kv or [(0, self.plan.kv_fixed_ms), (1000, self.plan.kv_fixed_ms + 1000 * self.plan.kv_ms_per_token)]
         inst = fit_instance(tp, prefill, decode, kv, self.plan.max_num_batched_tokens, self.plan.max_num_seqs,
-                            window_ms)
+                            window_ms, neighbour)
         return model, inst
 
     async def _batch(self, session: aiohttp.ClientSession, url: str, model: str, lengths: list[int],
@@ -166,3 +187,87 @@ class InstanceProfiler:
             out.append((tokens, max(0.0, statistics.median(ms) - alone[tokens])))
             logger.info("PD hand-over %d tokens: %.1f ms", tokens, out[-1][1])
         return out
+
+    async def _neighbour(self, session: aiohttp.ClientSession, model: str) -> list[tuple[str, float, float]]:
+        """[(kind, alone ms, beside ms)]: ``"decode"`` a lone request's step alone / beside the neighbour's
+        prefills, ``"prefill"`` a lone prefill alone / beside the neighbour's decoding, interleaved."""
+        assert self.neighbour_url is not None
+        other = await model_name(session, self.neighbour_url)
+        out: list[tuple[str, float, float]] = []
+        for _ in range(self.plan.neighbour_repeats):
+            alone = await self._lone_step(session, model)
+            async with self._neighbour_prefilling(session, other):
+                beside = await self._lone_step(session, model)
+            out.append(("decode", alone, beside))
+            logger.info("decode step beside a prefilling neighbour: %.2f ms (alone %.2f ms)", beside, alone)
+        for _ in range(self.plan.neighbour_repeats):
+            alone = await self._lone_prefill(session, model)
+            async with self._neighbour_decoding(session, other):
+                beside = await self._lone_prefill(session, model)
+            out.append(("prefill", alone, beside))
+            logger.info("prefill beside a decoding neighbour: %.1f ms (alone %.1f ms)", beside, alone)
+        return out
+
+    async def _lone_step(self, session: aiohttp.ClientSession, model: str) -> float:
+        """A lone request's mean step (ms) over the second half of its stream, measured as :meth:`_decode` does."""
+        p = self.plan
+        context = min(p.neighbour_context, p.max_model_len - p.decode_tokens - 1)
+        (s,) = await self._batch(session, self.relay_url or self.pd_url or self.url, model, [context],
+                                 p.decode_tokens)
+        half = p.decode_tokens // 2
+        return (s.stamps[-1] - s.stamps[half]) / (len(s.stamps) - 1 - half) * 1e3
+
+    async def _lone_prefill(self, session: aiohttp.ClientSession, model: str) -> float:
+        """A lone prefill's TTFT (ms), measured as :meth:`_prefill` does."""
+        tokens = min(self.plan.neighbour_probe_tokens, self.plan.max_model_len - 2)
+        (s,) = await self._batch(session, self.relay_url or self.url, model, [tokens], 1)
+        return s.ttft * 1e3
+
+    @contextlib.asynccontextmanager
+    async def _neighbour_prefilling(self, session: aiohttp.ClientSession, model: str) -> AsyncIterator[None]:
+        """The neighbour prefills one-token requests back to back until the block ends (the last one is
+        let finish: one step, not an abort to wait out)."""
+        assert self.neighbour_url is not None
+        url, tokens = self.neighbour_url, min(self.plan.neighbour_prefill_tokens, self.plan.max_model_len - 2)
+        stop = asyncio.Event()
+
+        async def loop() -> None:
+            while not stop.is_set():
+                await stream_completion(session, url, model, self._prompts.make(tokens), 1)
+
+        task = asyncio.create_task(loop())
+        try:
+            yield
+        finally:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+        await task  # the neighbour failed: its error, not a measurement without it
+
+    @contextlib.asynccontextmanager
+    async def _neighbour_decoding(self, session: aiohttp.ClientSession, model: str) -> AsyncIterator[None]:
+        """The neighbour decodes a batch of long streams from before the block (each has its first token)
+        to its end; they are then cancelled."""
+        assert self.neighbour_url is not None
+        p = self.plan
+        tokens = min(p.neighbour_stream_tokens, p.max_model_len // 2)
+        firsts = [asyncio.Event() for _ in range(p.neighbour_streams)]
+        streams = [asyncio.create_task(stream_completion(session, self.neighbour_url, model, self._prompts.make(tokens),
+                                                         p.max_model_len - tokens - 1, first=e)) for e in firsts]
+        ready: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in firsts)))
+        waits: list[asyncio.Future[Any]] = [ready, *streams]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            self._check_streams(streams, "before decoding")
+            yield
+            self._check_streams(streams, "during the measurement: lower neighbour_probe_tokens")
+        finally:
+            for task in waits:
+                task.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        await asyncio.sleep(p.neighbour_settle_s)  # the neighbour aborts them at its next step
+
+    def _check_streams(self, streams: list[asyncio.Task[_Stream]], when: str) -> None:
+        for task in streams:
+            if task.done():
+                task.result()  # its error, if it failed
+                raise ProfileError(f"{self.neighbour_url}: a neighbour stream ended {when}")

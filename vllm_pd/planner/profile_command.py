@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "KV hand-over (else --kv-fixed-ms/--kv-ms-per-token)")
     p.add_argument("--relay-url", help="a proxy in front of this instance alone: prefill and decode are measured "
                                        "through it, the proxy's hop and token relaying included")
+    p.add_argument("--neighbour-url", help="another instance on the same host (on a PD pair, the prefill instance): "
+                                           "measures how they slow each other; leave out for instances on "
+                                           "separate hosts/GPUs")
     p.add_argument("--kv-fixed-ms", type=float, default=d.kv_fixed_ms)
     p.add_argument("--kv-ms-per-token", type=float, default=d.kv_ms_per_token)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
                        max_model_len=args.max_model_len, kv_fixed_ms=args.kv_fixed_ms,
                        kv_ms_per_token=args.kv_ms_per_token)
     try:
-        model, inst = asyncio.run(InstanceProfiler(args.url, plan, args.pd_url, args.relay_url).run(args.tp))
+        profiler = InstanceProfiler(args.url, plan, args.pd_url, args.relay_url, args.neighbour_url)
+        model, inst = asyncio.run(profiler.run(args.tp))
         if args.append and args.out.exists():
             old = load_profile(args.out)
             if old.model != model:
@@ -72,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
     spread = inst.decode_spread
     tail = (f" (spread p50 {spread[len(spread) // 2]:.2f}, p90 {spread[int(0.9 * len(spread))]:.2f} x the fit, "
             f"over {inst.decode_spread_window_ms:.0f} ms)" if spread else "")
+    neighbours = (f"; beside a neighbour: decode step x{inst.beside_prefill:.2f} while it prefills, prefill "
+                  f"x{inst.beside_decode:.2f} while it decodes" if inst.neighbour_samples else "")
     print(f"wrote {args.out}: tp={inst.tp} prefill_ms = {inst.prefill.a:.2f} + {inst.prefill.b:.4f}*tokens + "
           f"{inst.prefill.c:.2e}*sum(prompt^2) + {inst.prefill.d:.2f}*prompts; decode_step_ms = "
           f"{inst.decode.a:.2f} + {inst.decode.b:.3f}*batch + {inst.decode.c:.2e}*context{tail}; "
-          f"kv_ms = {inst.kv.a:.2f} + {inst.kv.b:.4f}*t")
+          f"kv_ms = {inst.kv.a:.2f} + {inst.kv.b:.4f}*t{neighbours}")
     return 0
