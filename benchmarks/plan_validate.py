@@ -1,42 +1,50 @@
 """`vllm-pd plan`'s simulator against real vLLM CPU servers: TTFT/TPOT p50/p90, simulated vs measured.
 
-    PYTHONPATH=. flock /tmp/e2e.lock python3 benchmarks/plan_validate.py --config 1p1d colocated2
+    PYTHONPATH=. flock /tmp/e2e.lock python3 benchmarks/plan_validate.py --run
     PYTHONPATH=. python3 benchmarks/plan_validate.py --report
 
-Both configurations use this machine's 2 cores, one per vLLM instance (whole process trees pinned),
-the built-in small model (`vllm-pd up`'s default), and our proxy in front:
+One pair of kv_both vLLM instances (the built-in small model, `vllm-pd up`'s default; a on core 0, b on
+core 1, whole process trees pinned; our connector over shm) serves both deployments, each behind a proxy
+of its own:
 
-- 1p1d: a prefill and a decode instance with our connector (shm transport, kv_mode auto). This run
-  also writes the profile: `vllm-pd profile` on the decode instance (a kv_consumer serves plain
-  requests like any instance) with --pd-url on the proxy for the KV hand-over.
-- colocated2: two plain instances behind the proxy (decode-only, least outstanding). This run profiles
-  one of them too (benchmarks/plan_profile_colocated2.json): instances differ from launch to launch.
+- 1P1D: prefill on a, decode on b (push, layer-wise).
+- colocated x2: every request whole on a or b (the proxy's decode-only path, least outstanding; the
+  connector is idle for requests that carry no KV parameters).
 
-Profiles are measured through a proxy in front of the profiled instance alone (`--relay-url`), so the
-proxy's hop and its relaying of every token count as in the deployments.
+Why one pair: instances relaunched step 10-20 % faster or slower, and this machine's speed drifts by
+more than 15 % within minutes (session 9's runs); with one pair and the deployments taking turns,
+both deployments are measured on the same instances in the same minutes.
 
-The same seeded traces are replayed open-loop against both, one per load (LOADS: benchmarks/
-plan_trace.jsonl at ~1.1 req/s, plan_trace_3x.jsonl at ~3.6, plan_trace_8x.jsonl at ~10.7): prompts are
-unique token ids of the trace's lengths, outputs forced to the trace's lengths (ignore_eos). Each request's
-token arrival gaps are kept, and the proxy's request log (which instance served it) goes beside the results.
---report simulates both deployments on each trace with that profile and prints the comparison.
+`vllm-pd profile` measures b through a proxy in front of b alone (`--relay-url`: the proxy's hop and its
+relaying of every token count, as in the deployments), the KV hand-over through the 1P1D proxy, and
+how a and b slow each other (`--neighbour-url` a). It is taken before the replays (the figure a user of
+`vllm-pd plan` has) and again after them (benchmarks/plan_profile_end.json), bracketing the drift.
+
+Seeded traces (LOADS: benchmarks/plan_trace.jsonl at ~1.1 req/s, plan_trace_3x.jsonl at ~3.6,
+plan_trace_8x.jsonl at ~10.7) are replayed open-loop, ``--repeats`` times per deployment, the
+deployments alternating: prompts are unique token ids of the trace's lengths, outputs forced to the
+trace's lengths (ignore_eos). Each request's token gaps and both proxies' request logs are kept in
+--results. --report simulates both deployments on each trace (5 seeds of the decode spread, pooled, as
+the repeats are) and prints the comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import aiohttp
 
 from pd_e2e import machine_busy, own_cpu, proxy_process
-from vllm_pd.planner.deployment_search import Slo, percentile, summarise
+from vllm_pd.planner.deployment_search import percentile
 from vllm_pd.planner.instance_profiler import InstanceProfiler, ProfilePlan, UniquePrompts, stream_completion
 from vllm_pd.planner.latency_profile import LatencyProfile, load_profile, save_profile
 from vllm_pd.planner.pd_simulator import Deployment, simulate
@@ -52,8 +60,9 @@ LOADS = {"1x": ("plan_trace.jsonl", 40, 1.5, 16), "3x": ("plan_trace_3x.jsonl", 
          "8x": ("plan_trace_8x.jsonl", 100, 9.0, 18)}
 
 
-async def replay(url: str, model: str, trace: list[TraceRequest]) -> list[dict[str, float]]:
-    prompts = UniquePrompts(4000, seed=11)
+async def replay(url: str, model: str, trace: list[TraceRequest], seed: int) -> list[dict[str, float]]:
+    """Open loop; every replay needs a ``seed`` of its own: the pair's prefix caches outlive a replay."""
+    prompts = UniquePrompts(4000, seed=seed)
 
     async def one(session: aiohttp.ClientSession, req: TraceRequest, t_start: float) -> dict[str, float]:
         await asyncio.sleep(max(0.0, t_start + req.arrival - time.perf_counter()))
@@ -68,70 +77,93 @@ async def replay(url: str, model: str, trace: list[TraceRequest]) -> list[dict[s
         return list(await asyncio.gather(*(one(session, r, t_start) for r in trace)))
 
 
-def run_config(args: argparse.Namespace, config: str, traces: dict[str, list[TraceRequest]]) -> dict:
+def run_pair(args: argparse.Namespace, traces: dict[str, list[TraceRequest]]) -> dict:
+    """One pair of kv_both instances serves both deployments, each behind a proxy of its own; the replays
+    alternate between them, so the same instances and the same minutes of this machine's drift are in both."""
     model = str(ensure_default_model())
-    both = config == "1p1d"
-    cluster = LocalCluster(model=model, n_prefill=1 if both else 0, n_decode=1 if both else 2, transport="shm",
-                           connector="PDConnector" if both else None, log_dir=args.log_dir)
+    cluster = LocalCluster(model=model, n_prefill=0, n_decode=0, n_both=2, transport="shm",
+                           connector="PDConnector", log_dir=args.log_dir)
     procs: list[subprocess.Popen] = []
-    out: dict = {}
-    try:
-        t0 = time.monotonic()
-        cluster.start()
-        cluster.wait_healthy(600)
-        inst = cluster.instances()
-        flags = [f for i in inst for f in (f"--{i.role}", i.url + (f"@{i.kv_endpoint}" if i.kv_endpoint else ""))]
-        request_log = args.log_dir / f"requests-{config}.jsonl"
-        request_log.unlink(missing_ok=True)
-        proxy, url = proxy_process(flags + ["--request-log", str(request_log)])
-        procs.append(proxy)
+    out: dict = {"loads": {}}
+    t0 = time.monotonic()
+    with cluster.running(600):
+        a, b = cluster.instances()
         servers = [s.server for s in cluster.servers]
-        print(f"{config}: up in {time.monotonic() - t0:.0f} s; proxy {url}; "
-              f"instances {[(i.role, i.url) for i in inst]}", flush=True)
-        # profile a decode instance through a proxy in front of it alone (its hop and token relaying count);
-        # 1p1d also measures the KV hand-over through the pair's proxy
-        decode_url = next(i.url for i in inst if i.role == "decode")
-        relay, relay_url = proxy_process(["--decode", decode_url])
+        urls, logs = {}, {}
+        for name, flags in (("1p1d", ["--prefill", a.url, "--decode", f"{b.url}@{b.kv_endpoint}"]),
+                            ("colocated2", ["--decode", a.url, "--decode", b.url])):
+            logs[name] = args.log_dir / f"requests-{name}.jsonl"
+            logs[name].unlink(missing_ok=True)
+            proxy, urls[name] = proxy_process(flags + ["--request-log", str(logs[name])])
+            procs.append(proxy)
+        # the profiled instance, b, through a proxy in front of it alone (its hop and token relaying count);
+        # the KV hand-over through the pair's PD proxy
+        relay, relay_url = proxy_process(["--decode", b.url])
         procs.append(relay)
-        path = args.profile if both else own_profile_path(args.profile, config)
-        check = {"before profiling": asyncio.run(decode_check(url, decode_url, model))}
-        busy0, ours0, t_p = machine_busy(), own_cpu(servers, procs), time.monotonic()
-        name, prof = asyncio.run(InstanceProfiler(decode_url, ProfilePlan(repeats=3), pd_url=url if both else None,
-                                                  relay_url=relay_url).run(1))
-        out["profile_foreign_cpu_pct"] = foreign_cpu(busy0, ours0, t_p, servers, procs)
-        source = f"{decode_url} (relay: {relay_url}" + (f", pd: {url})" if both else ")")
-        save_profile(LatencyProfile(name, [prof], source=source), path)
-        print(f"  profile written to {path}; other processes {out['profile_foreign_cpu_pct']:.0f} % of a core "
-              f"meanwhile", flush=True)
-        # warm-up: the proxy's and connector's first connections stay out of the figures
-        asyncio.run(replay(url, model, [TraceRequest(0.0, 128, 4), TraceRequest(0.1, 512, 4)]))
-        check["after profiling"] = asyncio.run(decode_check(url, decode_url, model))
-        for load, trace in traces.items():
-            busy0, ours0, t1 = machine_busy(), own_cpu(servers, procs), time.monotonic()
-            rows = asyncio.run(replay(url, model, trace))
-            foreign = foreign_cpu(busy0, ours0, t1, servers, procs)
-            out[load] = {"requests": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                         "foreign_cpu_pct": foreign, "loadavg": os.getloadavg()[0]}
-            print(f"  {load}: replayed {len(rows)} requests in {time.monotonic() - t1:.0f} s; other processes "
-                  f"{foreign:.0f} % of a core", flush=True)
-        check["after the replays"] = asyncio.run(decode_check(url, decode_url, model))
-        out["decode_check"] = check
-        print(f"  decode check (ms/step, batch 1, median of 6): {check}", flush=True)
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
-        cluster.stop()
-    out["instances"] = {i.url: i.role for i in inst}
-    if request_log.exists():
-        out["proxy_log"] = [slim(json.loads(line)) for line in request_log.read_text().splitlines() if line.strip()]
+        print(f"pair up in {time.monotonic() - t0:.0f} s; proxies {urls}; instances a={a.url} b={b.url}", flush=True)
+        try:
+            check = {"before profiling": asyncio.run(decode_check(urls["1p1d"], b.url, model))}
+            out["profile_foreign_cpu_pct"] = profile_to(args.profile, b.url, urls["1p1d"], relay_url, a.url,
+                                                        servers, procs)
+            # warm-up: the proxies' and connector's first connections stay out of the figures
+            for seed, url in enumerate(urls.values(), start=1000):
+                asyncio.run(replay(url, model, [TraceRequest(0.0, 128, 4), TraceRequest(0.1, 512, 4)], seed))
+            check["after profiling"] = asyncio.run(decode_check(urls["1p1d"], b.url, model))
+            seeds = itertools.count(2000)
+            for load, trace in traces.items():
+                out["loads"][load] = replay_alternating(urls, model, trace, args.repeats, servers, procs, load, seeds)
+            check["after the replays"] = asyncio.run(decode_check(urls["1p1d"], b.url, model))
+            out["decode_check"] = check
+            print(f"  decode check (ms/step, batch 1, median of 6): {check}", flush=True)
+            if args.profile_end:
+                out["profile_end_foreign_cpu_pct"] = profile_to(end_profile_path(args.profile), b.url, urls["1p1d"],
+                                                                relay_url, a.url, servers, procs)
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(10)
+    out["instances"] = {"a (prefill in 1P1D)": a.url, "b (decode in 1P1D, profiled)": b.url}
+    out["proxy_log"] = {name: [slim(json.loads(line)) for line in log.read_text().splitlines() if line.strip()]
+                        for name, log in logs.items() if log.exists()}
     return out
+
+
+def profile_to(path: Path, url: str, pd_url: str, relay_url: str, neighbour_url: str, servers: list,
+               procs: list[subprocess.Popen]) -> float:
+    """`vllm-pd profile` of ``url`` written to ``path``; returns the CPU share other processes took meanwhile."""
+    busy0, ours0, t0 = machine_busy(), own_cpu(servers, procs), time.monotonic()
+    profiler = InstanceProfiler(url, ProfilePlan(repeats=3), pd_url=pd_url, relay_url=relay_url,
+                                neighbour_url=neighbour_url)
+    name, prof = asyncio.run(profiler.run(1))
+    foreign = foreign_cpu(busy0, ours0, t0, servers, procs)
+    save_profile(LatencyProfile(name, [prof], source=f"{url} (relay: {relay_url}, pd: {pd_url}, neighbour: "
+                                                     f"{neighbour_url})"), path)
+    print(f"  profile written to {path} in {time.monotonic() - t0:.0f} s; other processes {foreign:.0f} % of a "
+          f"core meanwhile", flush=True)
+    return foreign
+
+
+def replay_alternating(urls: dict[str, str], model: str, trace: list[TraceRequest], repeats: int, servers: list,
+                       procs: list[subprocess.Popen], load: str, seeds: Iterator[int]) -> dict[str, list[dict]]:
+    """``repeats`` replays of ``trace`` per deployment, taking turns (the order flips every round)."""
+    runs: dict[str, list[dict]] = {name: [] for name in urls}
+    for i in range(repeats):
+        for name in (list(urls) if i % 2 == 0 else list(reversed(urls))):
+            busy0, ours0, t1 = machine_busy(), own_cpu(servers, procs), time.monotonic()
+            rows = asyncio.run(replay(urls[name], model, trace, next(seeds)))
+            foreign = foreign_cpu(busy0, ours0, t1, servers, procs)
+            runs[name].append({"requests": rows, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                               "foreign_cpu_pct": foreign, "loadavg": os.getloadavg()[0]})
+            print(f"  {load} {name} #{i + 1}: {len(rows)} requests in {time.monotonic() - t1:.0f} s; other "
+                  f"processes {foreign:.0f} % of a core", flush=True)
+            time.sleep(1.0)  # let the last streams' teardown settle before the next replay
+    return runs
 
 
 async def decode_check(proxy_url: str, instance_url: str, model: str) -> dict[str, float]:
     """Lone requests' steady decode step, straight to a decode instance and through the proxy: the same
     numbers for both configurations tell apart the instance kind and the path."""
-    prompts = UniquePrompts(4000, seed=12)
+    prompts = UniquePrompts(4000, seed=next(CHECK_SEEDS))  # prompts of their own: no prefix-cache hit
     out = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         for name, url in (("direct", instance_url), ("proxy", proxy_url)):
@@ -170,39 +202,59 @@ def wait_quiet(limit_s: float, share: float = 0.1) -> float:
             return used
 
 
-def own_profile_path(profile: Path, config: str) -> Path:
-    """Where a configuration other than 1p1d keeps the profile of its own instance."""
-    return profile.with_name(f"{profile.stem}_{config}{profile.suffix}")
+def end_profile_path(profile: Path) -> Path:
+    """Where the profile taken again after the replays goes (it brackets the machine's drift)."""
+    return profile.with_name(f"{profile.stem}_end{profile.suffix}")
 
 
-def report(results: dict, profile: LatencyProfile, traces: dict[str, list[TraceRequest]],
-           own: dict[str, LatencyProfile]) -> None:
-    """One table per profile choice: 1p1d's profile for every deployment (as `vllm-pd plan` is used),
-    then each deployment with the profile of its own instances (the instances differ from launch to launch)."""
-    for title, pick in (("one profile (1P1D's decode instance) for both", lambda name: profile),
-                        ("each deployment with its own instances' profile", lambda name: own.get(name, profile))):
-        print(f"\n{title}:\n")
-        report_table(results, pick, traces)
+CHECK_SEEDS = itertools.count(100)
+SEEDS = range(5)  # the simulator's decode-spread draws: every seed's requests are pooled, as the repeats are
 
 
-def report_table(results: dict, pick, traces: dict[str, list[TraceRequest]]) -> None:
-    slo = Slo(1e9, 1e9)
-    print("| deployment | load | metric | simulated (ms) | measured (ms) | error |\n|---|---|---|---|---|---|")
+def simulated(profile: LatencyProfile, deployment: Deployment, trace: list[TraceRequest]) -> dict[str, list[float]]:
+    sims = [r for seed in SEEDS for r in simulate(profile, deployment, trace, seed=seed)]
+    return {"ttft": [r.ttft for r in sims], "tpot": [r.tpot for r in sims if r.spec.output_tokens > 1]}
+
+
+def measured(runs: list[dict]) -> dict[str, list[float]]:
+    rows = [r for run in runs for r in run["requests"]]
+    return {"ttft": [r["ttft"] for r in rows], "tpot": [r["tpot"] for r in rows if r["tokens"] > 1]}
+
+
+def report(results: dict, profile: LatencyProfile, end: LatencyProfile | None,
+           traces: dict[str, list[TraceRequest]]) -> None:
+    """Simulated (the profile taken before the replays; the one taken after them beside it) vs measured
+    (every repeat's requests pooled), per deployment, load and metric."""
+    loads = results.get("loads", {})
+    head = "| deployment | load | metric | simulated (ms) | measured (ms) | error |"
+    if end is not None:
+        head += " simulated, end profile (ms) | error |"
+    print(head + "\n|" + "---|" * (head.count("|") - 1))
+    within = total = 0
     for name, d in DEPLOYMENTS.items():
         for load, trace in traces.items():
-            run = results.get(name, {}).get(load)
-            if not run:
+            runs = loads.get(load, {}).get(name)
+            if not runs:
                 continue
-            sim = summarise(simulate(pick(name), d, trace), slo)
-            rows = run["requests"]
-            meas = {"ttft": [r["ttft"] for r in rows], "tpot": [r["tpot"] for r in rows if r["tokens"] > 1]}
+            meas, sim = measured(runs), simulated(profile, d, trace)
+            sim_end = simulated(end, d, trace) if end is not None else None
             rate = (len(trace) - 1) / (trace[-1].arrival - trace[0].arrival)
+            foreign = max(run["foreign_cpu_pct"] for run in runs)
+            where = (f"{load} ({rate:.1f} req/s, {len(runs)} x {len(trace)} requests; other processes "
+                     f"<= {foreign:.0f} %)")
             for metric in ("ttft", "tpot"):
                 for q in (50, 90):
-                    s, m = getattr(sim, f"{metric}_p{q}") * 1e3, percentile(meas[metric], q / 100) * 1e3
-                    print(f"| {d.label} | {load} ({rate:.1f} req/s; {run['when']}, other processes "
-                          f"{run['foreign_cpu_pct']:.0f} %) | {metric.upper()} p{q} | {s:.1f} | {m:.1f} "
-                          f"| {(s - m) / m * 100:+.0f} % |")
+                    m = percentile(meas[metric], q / 100) * 1e3
+                    s = percentile(sim[metric], q / 100) * 1e3
+                    err = (s - m) / m * 100
+                    within += abs(err) <= 15
+                    total += 1
+                    line = f"| {d.label} | {where} | {metric.upper()} p{q} | {s:.1f} | {m:.1f} | {err:+.0f} % |"
+                    if sim_end is not None:
+                        e = percentile(sim_end[metric], q / 100) * 1e3
+                        line += f" {e:.1f} | {(e - m) / m * 100:+.0f} % |"
+                    print(line)
+    print(f"\n{within} of {total} figures within 15 % (the profile taken before the replays)")
 
 
 def load_traces(names: list[str]) -> dict[str, list[TraceRequest]]:
@@ -218,29 +270,28 @@ def load_traces(names: list[str]) -> dict[str, list[TraceRequest]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", nargs="+", choices=sorted(DEPLOYMENTS), default=[],
-                    help="run these, one after the other (1p1d first: it writes the profile)")
+    ap.add_argument("--run", action="store_true", help="start the pair, profile it and replay the traces")
     ap.add_argument("--load", nargs="+", choices=sorted(LOADS), default=sorted(LOADS),
-                    help="replay these traces on each configuration (default: all)")
+                    help="replay these traces (default: all)")
+    ap.add_argument("--repeats", type=int, default=3, help="replays of each trace per deployment (default 3)")
+    ap.add_argument("--no-profile-end", dest="profile_end", action="store_false",
+                    help="skip profiling again after the replays")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--profile", type=Path, default=HERE / "plan_profile.json")
     ap.add_argument("--results", type=Path, default=HERE / "plan_validate_results.json")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-plan-logs"))
     ap.add_argument("--quiet-wait", type=float, default=60.0,
-                    help="before the runs, wait at most this long for the machine to be quiet (s)")
+                    help="before the run, wait at most this long for the machine to be quiet (s)")
     args = ap.parse_args()
     traces = load_traces(args.load)
-    results = json.loads(args.results.read_text()) if args.results.exists() else {}
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    if args.config:
+    if args.run:
         wait_quiet(args.quiet_wait)
-    for config in args.config:
-        results[config] = run_config(args, config, traces)
-        args.results.write_text(json.dumps(results, indent=1) + "\n")
+        args.results.write_text(json.dumps(run_pair(args, traces), indent=1) + "\n")
     if args.report:
-        own = {c: load_profile(own_profile_path(args.profile, c)) for c in DEPLOYMENTS
-               if own_profile_path(args.profile, c).exists() and c != "1p1d"}
-        report(results, load_profile(args.profile), traces, own)
+        end = end_profile_path(args.profile)
+        report(json.loads(args.results.read_text()), load_profile(args.profile),
+               load_profile(end) if end.exists() else None, traces)
     return 0
 
 

@@ -11,7 +11,7 @@ from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, Pol
 from vllm_pd.planner.role_pressure import SplitLoad, move_helps, predicted_tpot, predicted_ttft
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig
 from vllm_pd.router.instance_pool import InstancePool, InFlightLeg
-from vllm_pd.router.supervisor import Supervisor, supervisor_profile
+from vllm_pd.router.supervisor import REVERSAL_MEMORY, Supervisor, supervisor_profile
 
 # 1 ms per prompt token, decode steps 10 ms + 10 ms per running request
 PROFILE = InstanceProfile(1, prefill=Poly(0.0, 1.0, 0.0), decode=Poly(10.0, 10.0, 0.0), kv=Poly(0.0, 0.0),
@@ -146,12 +146,42 @@ def test_after_a_move_observed_latency_counts_from_new_samples() -> None:
     sup.rebalance()
     assert sup.moves == 1 and sup.pressures() == (0.0, 0.0)  # 1P1D -> 0P2D; the old TPOT is forgotten
     for _ in range(2):
-        pool.recent_ttft.add(3.0)
+        pool.recent_ttft.add(7.0)
     assert sup.pressures() == (0.0, 0.0)  # two samples are not yet a signal
-    pool.recent_ttft.add(3.0)
-    assert sup.pressures() == (pytest.approx(3.0), 0.0)
-    sup.rebalance()
+    pool.recent_ttft.add(7.0)
+    assert sup.pressures() == (pytest.approx(7.0), 0.0)
+    sup.rebalance()  # TTFT 7 x its target outweighs the TPOT 5 x that made the last move (by the dead band)
     assert sup.moves == 2 and Counter(i.active_role for i in pool.all()) == {"prefill": 1, "decode": 1}
+
+
+def test_a_move_back_needs_a_greater_pressure_than_made_the_move() -> None:
+    # both sides miss whichever split is in place (16 streams on two single-core servers): 1P1D misses TPOT
+    # by 5 x, 0P2D TTFT by 3 x. Moving back on the TTFT alone alternated the split every few seconds.
+    pool = _pool(2)
+    sup = Supervisor(pool, ttft_slo=1.0, tpot_slo=0.1)
+    sup.rebalance()
+    for _ in range(20):
+        pool.recent_tpot.add(0.5)
+    sup.rebalance()
+    assert sup.moves == 1  # 1P1D -> 0P2D
+    for _ in range(20):
+        pool.recent_ttft.add(3.0)
+    for _ in range(REVERSAL_MEMORY - 1):
+        sup.rebalance()
+    assert sup.moves == 1 and all(i.active_role == "decode" for i in pool.all())
+    sup.rebalance()  # the last move is REVERSAL_MEMORY intervals old: what made it no longer counts
+    assert sup.moves == 2 and Counter(i.active_role for i in pool.all()) == {"prefill": 1, "decode": 1}
+    # a move on in the same direction is never held back: only undoing one is
+    pool3 = _pool(3)
+    sup3 = Supervisor(pool3, ttft_slo=1.0, tpot_slo=0.1)
+    sup3.rebalance()  # decode, prefill, decode
+    for _ in range(20):
+        pool3.recent_ttft.add(3.0)
+    sup3.rebalance()
+    for _ in range(20):
+        pool3.recent_ttft.add(2.0)
+    sup3.rebalance()
+    assert Counter(i.active_role for i in pool3.all()) == {"prefill": 2, "decode": 1}
 
 
 def test_an_idle_pool_stays_put_under_an_slo_tighter_than_one_step() -> None:

@@ -7,7 +7,13 @@ that says more), decode by the recent time per output token (TPOT / tpot_slo) -
 and moves one ``both`` instance from the side with headroom to the side that
 is behind. So the prefill/decode split follows the traffic mix: long prompts
 pull instances to prefill, long outputs pull them to decode. One move per
-interval and a 20 % dead band keep it from flapping; a move affects new
+interval and a 20 % dead band keep it from flapping. When both sides miss
+their targets, whichever split is in place, each move makes the other side
+miss: a move undoing the last one within ``REVERSAL_MEMORY`` intervals must
+then be asked for by a pressure above the one that made that move, by the
+dead band - the supervisor keeps the split whose worst miss is smaller instead
+of alternating between the two (seen on real servers: 16 streams on two
+single-core instances, 0P2D <-> 1P1D every few seconds). A move affects new
 requests only, in-flight legs finish where they are, and after a move the observed
 latencies count again only from samples taken under the new split. Dedicated prefill/decode
 instances keep their role, and at least one decoder always remains.
@@ -34,6 +40,7 @@ from vllm_pd.router.periodic_task import PeriodicTask
 logger = logging.getLogger(__name__)
 
 DEAD_BAND = 1.2
+REVERSAL_MEMORY = 10  # intervals during which undoing the last move needs a greater pressure than made it
 MIN_SAMPLES = 3  # an observed latency counts once this many samples were taken since the last move
 
 
@@ -63,6 +70,8 @@ class Supervisor(PeriodicTask):
         self.ttft_slo = ttft_slo
         self.tpot_slo = tpot_slo
         self.moves = 0
+        self._ticks = 0
+        self._last_move: tuple[str, float, int] | None = None  # (role moved to, the pressure asking, tick)
 
     async def tick(self) -> None:
         self.rebalance()
@@ -111,6 +120,7 @@ class Supervisor(PeriodicTask):
 
     def rebalance(self) -> dict[str, str]:
         """Assign every flexible instance a role; returns url -> role."""
+        self._ticks += 1
         flexible = self._flexible()
         if not flexible:
             return {}
@@ -134,8 +144,13 @@ class Supervisor(PeriodicTask):
                                 DEAD_BAND):
             logger.debug("supervisor: moving %s to %s would not help (cost model)", move[0].url, move[1])
             move = None
+        if move is not None and self._undoes_a_stronger_move(move[1], receiving):
+            logger.debug("supervisor: not moving %s back to %s yet (%.2f does not outweigh the last move's "
+                         "pressure)", move[0].url, move[1], receiving)
+            move = None
         if move is not None:
             inst, role = move
+            self._last_move = (role, receiving, self._ticks)
             logger.info("supervisor: %s now serves %s (ttft/slo=%.2f tpot/slo=%.2f)", inst.url, role,
                         prefill_p, decode_p)
             inst.active_role = role
@@ -144,3 +159,10 @@ class Supervisor(PeriodicTask):
             # computed prompts would, kept, move the instance straight back (flapping)
             self._pool.restart_recent()
         return {i.url: i.active_role or "decode" for i in flexible}
+
+    def _undoes_a_stronger_move(self, role: str, pressure: float) -> bool:
+        """Whether a move to ``role`` undoes a recent move that a pressure this one does not outweigh asked for."""
+        if self._last_move is None:
+            return False
+        last_role, last_pressure, tick = self._last_move
+        return last_role != role and self._ticks - tick < REVERSAL_MEMORY and pressure <= DEAD_BAND * last_pressure
