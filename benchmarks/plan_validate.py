@@ -35,18 +35,19 @@ import asyncio
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import aiohttp
+import msgspec
 
 from pd_e2e import machine_busy, own_cpu, proxy_process
 from vllm_pd.planner.deployment_search import percentile
 from vllm_pd.planner.instance_profiler import InstanceProfiler, ProfilePlan, UniquePrompts, stream_completion
-from vllm_pd.planner.latency_profile import LatencyProfile, load_profile, save_profile
+from vllm_pd.planner.latency_profile import LatencyProfile, Poly, load_profile, save_profile
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.workload import TraceRequest, load_trace, parse_distributions, write_trace
 from vllm_pd.router.local_cluster import LocalCluster
@@ -109,9 +110,8 @@ def run_pair(args: argparse.Namespace, traces: dict[str, list[TraceRequest]]) ->
             for seed, url in enumerate(urls.values(), start=1000):
                 asyncio.run(replay(url, model, [TraceRequest(0.0, 128, 4), TraceRequest(0.1, 512, 4)], seed))
             check["after profiling"] = asyncio.run(decode_check(urls["1p1d"], b.url, model))
-            seeds = itertools.count(2000)
-            for load, trace in traces.items():
-                out["loads"][load] = replay_alternating(urls, model, trace, args.repeats, servers, procs, load, seeds)
+            out["speed_at_profile"] = asyncio.run(speed_probe(relay_url, model))
+            out["loads"] = replay_rounds(urls, relay_url, model, traces, args.repeats, servers, procs)
             check["after the replays"] = asyncio.run(decode_check(urls["1p1d"], b.url, model))
             out["decode_check"] = check
             print(f"  decode check (ms/step, batch 1, median of 6): {check}", flush=True)
@@ -143,21 +143,40 @@ def profile_to(path: Path, url: str, pd_url: str, relay_url: str, neighbour_url:
     return foreign
 
 
-def replay_alternating(urls: dict[str, str], model: str, trace: list[TraceRequest], repeats: int, servers: list,
-                       procs: list[subprocess.Popen], load: str, seeds: Iterator[int]) -> dict[str, list[dict]]:
-    """``repeats`` replays of ``trace`` per deployment, taking turns (the order flips every round)."""
-    runs: dict[str, list[dict]] = {name: [] for name in urls}
+def replay_rounds(urls: dict[str, str], relay_url: str, model: str, traces: dict[str, list[TraceRequest]],
+                  repeats: int, servers: list, procs: list[subprocess.Popen]) -> dict[str, dict[str, list[dict]]]:
+    """``repeats`` rounds; each replays every trace once per deployment (the deployments' order flips every
+    round), so the machine's drift is spread over every load and deployment alike. Before each replay a
+    speed probe of the profiled instance."""
+    runs: dict[str, dict[str, list[dict]]] = {load: {name: [] for name in urls} for load in traces}
+    seeds = itertools.count(2000)
     for i in range(repeats):
-        for name in (list(urls) if i % 2 == 0 else list(reversed(urls))):
-            busy0, ours0, t1 = machine_busy(), own_cpu(servers, procs), time.monotonic()
-            rows = asyncio.run(replay(urls[name], model, trace, next(seeds)))
-            foreign = foreign_cpu(busy0, ours0, t1, servers, procs)
-            runs[name].append({"requests": rows, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                               "foreign_cpu_pct": foreign, "loadavg": os.getloadavg()[0]})
-            print(f"  {load} {name} #{i + 1}: {len(rows)} requests in {time.monotonic() - t1:.0f} s; other "
-                  f"processes {foreign:.0f} % of a core", flush=True)
-            time.sleep(1.0)  # let the last streams' teardown settle before the next replay
+        for load, trace in traces.items():
+            for name in (list(urls) if i % 2 == 0 else list(reversed(urls))):
+                speed = asyncio.run(speed_probe(relay_url, model))
+                busy0, ours0, t1 = machine_busy(), own_cpu(servers, procs), time.monotonic()
+                rows = asyncio.run(replay(urls[name], model, trace, next(seeds)))
+                foreign = foreign_cpu(busy0, ours0, t1, servers, procs)
+                runs[load][name].append({"requests": rows, "speed": speed, "foreign_cpu_pct": foreign,
+                                         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                                         "loadavg": os.getloadavg()[0]})
+                print(f"  round {i + 1} {load} {name}: {len(rows)} requests in {time.monotonic() - t1:.0f} s; "
+                      f"speed probe {speed}; other processes {foreign:.0f} % of a core", flush=True)
+                time.sleep(1.0)  # let the last streams' teardown settle before the next replay
     return runs
+
+
+async def speed_probe(url: str, model: str, n: int = 3) -> dict[str, float]:
+    """The machine's speed now: a lone 512-token prefill (TTFT) and a lone request's steady decode step,
+    medians of ``n``, back to back (ms)."""
+    prompts = UniquePrompts(4000, seed=next(CHECK_SEEDS))
+    prefill, decode = [], []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for _ in range(n):
+            s = await stream_completion(session, url, model, prompts.make(512), 24)
+            prefill.append(s.ttft * 1e3)
+            decode.append((s.stamps[-1] - s.stamps[12]) / (len(s.stamps) - 13) * 1e3)
+    return {"prefill_ms": round(statistics.median(prefill), 2), "decode_ms": round(statistics.median(decode), 3)}
 
 
 async def decode_check(proxy_url: str, instance_url: str, model: str) -> dict[str, float]:
@@ -216,6 +235,29 @@ def simulated(profile: LatencyProfile, deployment: Deployment, trace: list[Trace
     return {"ttft": [r.ttft for r in sims], "tpot": [r.tpot for r in sims if r.spec.output_tokens > 1]}
 
 
+def at_speed(profile: LatencyProfile, speed: dict[str, float], reference: dict[str, float]) -> LatencyProfile:
+    """``profile`` scaled to the machine's speed when ``speed`` was probed (``reference``: when profiled):
+    prefill by the lone prefill's ratio, decode and the hand-over by the lone decode step's."""
+    fp, fd = speed["prefill_ms"] / reference["prefill_ms"], speed["decode_ms"] / reference["decode_ms"]
+
+    def scaled(p: Poly, f: float) -> Poly:
+        return Poly(p.a * f, p.b * f, p.c * f, p.d * f)
+
+    return msgspec.structs.replace(profile, instances=[
+        msgspec.structs.replace(i, prefill=scaled(i.prefill, fp), decode=scaled(i.decode, fd), kv=scaled(i.kv, fd))
+        for i in profile.instances])
+
+
+def simulated_at_speed(profile: LatencyProfile, deployment: Deployment, trace: list[TraceRequest], runs: list[dict],
+                       reference: dict[str, float]) -> dict[str, list[float]]:
+    """Each replay simulated with the profile scaled to the speed probed just before it, pooled."""
+    out: dict[str, list[float]] = {"ttft": [], "tpot": []}
+    for run in runs:
+        for metric, values in simulated(at_speed(profile, run["speed"], reference), deployment, trace).items():
+            out[metric] += values
+    return out
+
+
 def measured(runs: list[dict]) -> dict[str, list[float]]:
     rows = [r for run in runs for r in run["requests"]]
     return {"ttft": [r["ttft"] for r in rows], "tpot": [r["tpot"] for r in rows if r["tokens"] > 1]}
@@ -223,38 +265,47 @@ def measured(runs: list[dict]) -> dict[str, list[float]]:
 
 def report(results: dict, profile: LatencyProfile, end: LatencyProfile | None,
            traces: dict[str, list[TraceRequest]]) -> None:
-    """Simulated (the profile taken before the replays; the one taken after them beside it) vs measured
-    (every repeat's requests pooled), per deployment, load and metric."""
-    loads = results.get("loads", {})
-    head = "| deployment | load | metric | simulated (ms) | measured (ms) | error |"
-    if end is not None:
-        head += " simulated, end profile (ms) | error |"
-    print(head + "\n|" + "---|" * (head.count("|") - 1))
-    within = total = 0
+    """Simulated vs measured (every repeat's requests pooled) per deployment, load and metric: with the
+    profile as taken before the replays (what a user of `vllm-pd plan` has), and with it scaled to the
+    speed probed before each replay (the model without the machine's drift)."""
+    reference = results["speed_at_profile"]
+    print("| deployment | load | metric | measured (ms) | simulated (ms) | error | simulated at the probed speed (ms) "
+          "| error |\n|---|---|---|---|---|---|---|---|")
+    within = {"profile": 0, "speed": 0}
+    total = 0
     for name, d in DEPLOYMENTS.items():
         for load, trace in traces.items():
-            runs = loads.get(load, {}).get(name)
+            runs = results["loads"].get(load, {}).get(name)
             if not runs:
                 continue
             meas, sim = measured(runs), simulated(profile, d, trace)
-            sim_end = simulated(end, d, trace) if end is not None else None
+            adjusted = simulated_at_speed(profile, d, trace, runs, reference)
             rate = (len(trace) - 1) / (trace[-1].arrival - trace[0].arrival)
             foreign = max(run["foreign_cpu_pct"] for run in runs)
-            where = (f"{load} ({rate:.1f} req/s, {len(runs)} x {len(trace)} requests; other processes "
-                     f"<= {foreign:.0f} %)")
+            where = f"{load} ({rate:.1f} req/s, {len(runs)} x {len(trace)}; other processes <= {foreign:.0f} %)"
             for metric in ("ttft", "tpot"):
                 for q in (50, 90):
                     m = percentile(meas[metric], q / 100) * 1e3
-                    s = percentile(sim[metric], q / 100) * 1e3
-                    err = (s - m) / m * 100
-                    within += abs(err) <= 15
+                    s, a = (percentile(v[metric], q / 100) * 1e3 for v in (sim, adjusted))
+                    es, ea = (s - m) / m * 100, (a - m) / m * 100
+                    within["profile"] += abs(es) <= 15
+                    within["speed"] += abs(ea) <= 15
                     total += 1
-                    line = f"| {d.label} | {where} | {metric.upper()} p{q} | {s:.1f} | {m:.1f} | {err:+.0f} % |"
-                    if sim_end is not None:
-                        e = percentile(sim_end[metric], q / 100) * 1e3
-                        line += f" {e:.1f} | {(e - m) / m * 100:+.0f} % |"
-                    print(line)
-    print(f"\n{within} of {total} figures within 15 % (the profile taken before the replays)")
+                    print(f"| {d.label} | {where} | {metric.upper()} p{q} | {m:.1f} | {s:.1f} | {es:+.0f} % | {a:.1f} "
+                          f"| {ea:+.0f} % |")
+    print(f"\nwithin 15 %: {within['profile']} of {total} with the profile as taken, {within['speed']} of {total} "
+          f"at the probed speed")
+    speeds = [run["speed"] for d in results["loads"].values() for runs in d.values() for run in runs]
+    for key in ("prefill_ms", "decode_ms"):
+        xs = sorted(sp[key] for sp in speeds)
+        print(f"speed probe {key}: at profiling {reference[key]}, before the replays {xs[0]}-{xs[-1]} "
+              f"(median {xs[len(xs) // 2]})")
+    if end is not None:
+        start_i, end_i = profile.instances[0], end.instances[0]
+        print(f"profile before / after the replays: a lone decode step {start_i.decode_ms(1, 512):.2f} / "
+              f"{end_i.decode_ms(1, 512):.2f} ms, a lone 512-token prefill {start_i.prefill_ms(512):.1f} / "
+              f"{end_i.prefill_ms(512):.1f} ms; neighbour factors {start_i.beside_prefill} / {end_i.beside_prefill} "
+              f"(decode beside a prefill), {start_i.beside_decode} / {end_i.beside_decode} (prefill beside decode)")
 
 
 def load_traces(names: list[str]) -> dict[str, list[TraceRequest]]:
