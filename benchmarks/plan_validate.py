@@ -17,21 +17,27 @@ both deployments are measured on the same instances in the same minutes.
 
 `vllm-pd profile` measures b through a proxy in front of b alone (`--relay-url`: the proxy's hop and its
 relaying of every token count, as in the deployments), the KV hand-over through the 1P1D proxy, and
-how a and b slow each other (`--neighbour-url` a). It is taken before the replays (the figure a user of
-`vllm-pd plan` has) and again after them (benchmarks/plan_profile_end.json), bracketing the drift.
+how a and b slow each other (`--neighbour-url` a). It is taken in slices: before the replays
+(benchmarks/plan_profile.json: the profile a user of `vllm-pd plan` has) and after each round; every
+slice's samples pooled (as `vllm-pd profile --merge` pools them) are the profile over the run
+(benchmarks/plan_profile_run.json), the machine's drift over the run averaged.
 
 Seeded traces (LOADS: benchmarks/plan_trace.jsonl at ~1.1 req/s, plan_trace_3x.jsonl at ~3.6,
-plan_trace_8x.jsonl at ~10.7) are replayed open-loop, ``--repeats`` times per deployment, the
-deployments alternating: prompts are unique token ids of the trace's lengths, outputs forced to the
-trace's lengths (ignore_eos). Each request's token gaps and both proxies' request logs are kept in
---results. --report simulates both deployments on each trace (5 seeds of the decode spread, pooled, as
-the repeats are) and prints the comparison.
+plan_trace_8x.jsonl at ~10.7) are replayed open-loop in ``--repeats`` rounds; each round replays every
+trace once per deployment (their order flips every round), so drift lands on every load and deployment
+alike. Prompts are unique token ids of the trace's lengths (a seed per replay: the prefix caches outlive
+a replay), outputs forced to the trace's lengths (ignore_eos). A speed probe (a lone prefill and a lone
+decode step of b) runs before each replay. --results keeps each request's TTFT and TPOT (token gaps and
+the proxies' request logs: --log-dir's plan_validate_full.json). --report simulates both deployments on
+each trace (5 seeds of the decode spread, pooled, as the rounds are) with each profile and prints the
+comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -40,14 +46,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
-import msgspec
 
 from pd_e2e import machine_busy, own_cpu, proxy_process
 from vllm_pd.planner.deployment_search import percentile
 from vllm_pd.planner.instance_profiler import InstanceProfiler, ProfilePlan, UniquePrompts, stream_completion
-from vllm_pd.planner.latency_profile import LatencyProfile, Poly, load_profile, save_profile
+from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, load_profile, merge_samples,
+                                             save_profile)
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.workload import TraceRequest, load_trace, parse_distributions, write_trace
 from vllm_pd.router.local_cluster import LocalCluster
@@ -103,21 +110,19 @@ def run_pair(args: argparse.Namespace, traces: dict[str, list[TraceRequest]]) ->
         procs.append(relay)
         print(f"pair up in {time.monotonic() - t0:.0f} s; proxies {urls}; instances a={a.url} b={b.url}", flush=True)
         try:
-            check = {"before profiling": asyncio.run(decode_check(urls["1p1d"], b.url, model))}
-            out["profile_foreign_cpu_pct"] = profile_to(args.profile, b.url, urls["1p1d"], relay_url, a.url,
-                                                        servers, procs)
+            profile = Profiling(b.url, urls["1p1d"], relay_url, a.url, servers, procs)
+            first = profile.slice("before the replays")
+            save_profile(LatencyProfile(profile.model, [first], source=profile.source), args.profile)
             # warm-up: the proxies' and connector's first connections stay out of the figures
             for seed, url in enumerate(urls.values(), start=1000):
                 asyncio.run(replay(url, model, [TraceRequest(0.0, 128, 4), TraceRequest(0.1, 512, 4)], seed))
-            check["after profiling"] = asyncio.run(decode_check(urls["1p1d"], b.url, model))
             out["speed_at_profile"] = asyncio.run(speed_probe(relay_url, model))
-            out["loads"] = replay_rounds(urls, relay_url, model, traces, args.repeats, servers, procs)
-            check["after the replays"] = asyncio.run(decode_check(urls["1p1d"], b.url, model))
-            out["decode_check"] = check
-            print(f"  decode check (ms/step, batch 1, median of 6): {check}", flush=True)
-            if args.profile_end:
-                out["profile_end_foreign_cpu_pct"] = profile_to(end_profile_path(args.profile), b.url, urls["1p1d"],
-                                                                relay_url, a.url, servers, procs)
+            out["loads"] = replay_rounds(urls, relay_url, model, traces, args.repeats, servers, procs,
+                                         lambda i: profile.slice(f"after round {i + 1}"))
+            over_run = functools.reduce(merge_samples, profile.slices)
+            save_profile(LatencyProfile(profile.model, [over_run], source=profile.source),
+                         run_profile_path(args.profile))
+            out["profile_slices"] = profile.summaries
         finally:
             for p in procs:
                 p.terminate()
@@ -128,23 +133,36 @@ def run_pair(args: argparse.Namespace, traces: dict[str, list[TraceRequest]]) ->
     return out
 
 
-def profile_to(path: Path, url: str, pd_url: str, relay_url: str, neighbour_url: str, servers: list,
-               procs: list[subprocess.Popen]) -> float:
-    """`vllm-pd profile` of ``url`` written to ``path``; returns the CPU share other processes took meanwhile."""
-    busy0, ours0, t0 = machine_busy(), own_cpu(servers, procs), time.monotonic()
-    profiler = InstanceProfiler(url, ProfilePlan(repeats=3), pd_url=pd_url, relay_url=relay_url,
-                                neighbour_url=neighbour_url)
-    name, prof = asyncio.run(profiler.run(1))
-    foreign = foreign_cpu(busy0, ours0, t0, servers, procs)
-    save_profile(LatencyProfile(name, [prof], source=f"{url} (relay: {relay_url}, pd: {pd_url}, neighbour: "
-                                                     f"{neighbour_url})"), path)
-    print(f"  profile written to {path} in {time.monotonic() - t0:.0f} s; other processes {foreign:.0f} % of a "
-          f"core meanwhile", flush=True)
-    return foreign
+class Profiling:
+    """`vllm-pd profile` of the pair's instance b, taken in slices: before the replays and after each round."""
+
+    def __init__(self, url: str, pd_url: str, relay_url: str, neighbour_url: str, servers: list,
+                 procs: list[subprocess.Popen]) -> None:
+        self.profiler = InstanceProfiler(url, ProfilePlan(repeats=3), pd_url=pd_url, relay_url=relay_url,
+                                         neighbour_url=neighbour_url)
+        self.source = f"{url} (relay: {relay_url}, pd: {pd_url}, neighbour: {neighbour_url})"
+        self.servers, self.procs = servers, procs
+        self.model = ""
+        self.slices: list[InstanceProfile] = []
+        self.summaries: list[dict] = []
+
+    def slice(self, when: str) -> InstanceProfile:
+        busy0, ours0, t0 = machine_busy(), own_cpu(self.servers, self.procs), time.monotonic()
+        self.model, inst = asyncio.run(self.profiler.run(1))
+        foreign = foreign_cpu(busy0, ours0, t0, self.servers, self.procs)
+        self.slices.append(inst)
+        self.summaries.append({"when": when, "foreign_cpu_pct": foreign, "decode_ms_1x512": inst.decode_ms(1, 512),
+                               "prefill_ms_512": inst.prefill_ms(512), "beside_prefill": inst.beside_prefill,
+                               "beside_decode": inst.beside_decode})
+        print(f"  profile {when} in {time.monotonic() - t0:.0f} s: a lone decode step {inst.decode_ms(1, 512):.2f} ms, "
+              f"a lone 512-token prefill {inst.prefill_ms(512):.1f} ms; other processes {foreign:.0f} % of a core",
+              flush=True)
+        return inst
 
 
 def replay_rounds(urls: dict[str, str], relay_url: str, model: str, traces: dict[str, list[TraceRequest]],
-                  repeats: int, servers: list, procs: list[subprocess.Popen]) -> dict[str, dict[str, list[dict]]]:
+                  repeats: int, servers: list, procs: list[subprocess.Popen],
+                  after_round: Callable[[int], object]) -> dict[str, dict[str, list[dict]]]:
     """``repeats`` rounds; each replays every trace once per deployment (the deployments' order flips every
     round), so the machine's drift is spread over every load and deployment alike. Before each replay a
     speed probe of the profiled instance."""
@@ -163,6 +181,7 @@ def replay_rounds(urls: dict[str, str], relay_url: str, model: str, traces: dict
                 print(f"  round {i + 1} {load} {name}: {len(rows)} requests in {time.monotonic() - t1:.0f} s; "
                       f"speed probe {speed}; other processes {foreign:.0f} % of a core", flush=True)
                 time.sleep(1.0)  # let the last streams' teardown settle before the next replay
+        after_round(i)
     return runs
 
 
@@ -177,21 +196,6 @@ async def speed_probe(url: str, model: str, n: int = 3) -> dict[str, float]:
             prefill.append(s.ttft * 1e3)
             decode.append((s.stamps[-1] - s.stamps[12]) / (len(s.stamps) - 13) * 1e3)
     return {"prefill_ms": round(statistics.median(prefill), 2), "decode_ms": round(statistics.median(decode), 3)}
-
-
-async def decode_check(proxy_url: str, instance_url: str, model: str) -> dict[str, float]:
-    """Lone requests' steady decode step, straight to a decode instance and through the proxy: the same
-    numbers for both configurations tell apart the instance kind and the path."""
-    prompts = UniquePrompts(4000, seed=next(CHECK_SEEDS))  # prompts of their own: no prefix-cache hit
-    out = {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        for name, url in (("direct", instance_url), ("proxy", proxy_url)):
-            steps = []
-            for _ in range(6):
-                s = await stream_completion(session, url, model, prompts.make(512), 24)
-                steps.append((s.stamps[-1] - s.stamps[12]) / (len(s.stamps) - 13) * 1e3)
-            out[name] = round(sorted(steps)[3], 2)
-    return out
 
 
 def foreign_cpu(busy0: float, ours0: float, t0: float, servers: list, procs: list[subprocess.Popen]) -> float:
@@ -209,6 +213,16 @@ def slim(line: dict) -> dict:
     return {k: round(v, 5) if isinstance(v, float) else v for k, v in line.items() if k in PROXY_LOG_KEYS}
 
 
+def without_raw(results: dict) -> dict:
+    """The results less each request's token gaps and the proxies' logs (they stay in --log-dir's
+    plan_validate_full.json): what --report reads, small enough to keep in the repository."""
+    out = {k: v for k, v in results.items() if k != "proxy_log"}
+    out["loads"] = {load: {name: [{**run, "requests": [{k: v for k, v in r.items() if k != "gaps_ms"}
+                                                         for r in run["requests"]]} for run in runs]
+                           for name, runs in d.items()} for load, d in results["loads"].items()}
+    return out
+
+
 def wait_quiet(limit_s: float, share: float = 0.1) -> float:
     """Wait (at most ``limit_s``) until the machine uses < ``share`` of a core over 5 s; returns the last share."""
     deadline = time.monotonic() + limit_s
@@ -221,9 +235,9 @@ def wait_quiet(limit_s: float, share: float = 0.1) -> float:
             return used
 
 
-def end_profile_path(profile: Path) -> Path:
-    """Where the profile taken again after the replays goes (it brackets the machine's drift)."""
-    return profile.with_name(f"{profile.stem}_end{profile.suffix}")
+def run_profile_path(profile: Path) -> Path:
+    """Where the profile over the run goes: the samples of every slice (before the replays, after each round)."""
+    return profile.with_name(f"{profile.stem}_run{profile.suffix}")
 
 
 CHECK_SEEDS = itertools.count(100)
@@ -235,77 +249,52 @@ def simulated(profile: LatencyProfile, deployment: Deployment, trace: list[Trace
     return {"ttft": [r.ttft for r in sims], "tpot": [r.tpot for r in sims if r.spec.output_tokens > 1]}
 
 
-def at_speed(profile: LatencyProfile, speed: dict[str, float], reference: dict[str, float]) -> LatencyProfile:
-    """``profile`` scaled to the machine's speed when ``speed`` was probed (``reference``: when profiled):
-    prefill by the lone prefill's ratio, decode and the hand-over by the lone decode step's."""
-    fp, fd = speed["prefill_ms"] / reference["prefill_ms"], speed["decode_ms"] / reference["decode_ms"]
-
-    def scaled(p: Poly, f: float) -> Poly:
-        return Poly(p.a * f, p.b * f, p.c * f, p.d * f)
-
-    return msgspec.structs.replace(profile, instances=[
-        msgspec.structs.replace(i, prefill=scaled(i.prefill, fp), decode=scaled(i.decode, fd), kv=scaled(i.kv, fd))
-        for i in profile.instances])
-
-
-def simulated_at_speed(profile: LatencyProfile, deployment: Deployment, trace: list[TraceRequest], runs: list[dict],
-                       reference: dict[str, float]) -> dict[str, list[float]]:
-    """Each replay simulated with the profile scaled to the speed probed just before it, pooled."""
-    out: dict[str, list[float]] = {"ttft": [], "tpot": []}
-    for run in runs:
-        for metric, values in simulated(at_speed(profile, run["speed"], reference), deployment, trace).items():
-            out[metric] += values
-    return out
-
-
 def measured(runs: list[dict]) -> dict[str, list[float]]:
     rows = [r for run in runs for r in run["requests"]]
     return {"ttft": [r["ttft"] for r in rows], "tpot": [r["tpot"] for r in rows if r["tokens"] > 1]}
 
 
-def report(results: dict, profile: LatencyProfile, end: LatencyProfile | None,
+def report(results: dict, before: LatencyProfile, over_run: LatencyProfile | None,
            traces: dict[str, list[TraceRequest]]) -> None:
-    """Simulated vs measured (every repeat's requests pooled) per deployment, load and metric: with the
-    profile as taken before the replays (what a user of `vllm-pd plan` has), and with it scaled to the
-    speed probed before each replay (the model without the machine's drift)."""
-    reference = results["speed_at_profile"]
-    print("| deployment | load | metric | measured (ms) | simulated (ms) | error | simulated at the probed speed (ms) "
-          "| error |\n|---|---|---|---|---|---|---|---|")
-    within = {"profile": 0, "speed": 0}
+    """Simulated vs measured (every round's requests pooled) per deployment, load and metric: with the
+    profile taken before the replays (what a user of `vllm-pd plan` has), and with the profile over the
+    run (the samples of every slice pooled: the machine's drift over the run, averaged)."""
+    profiles = {"profile before the replays": before} | ({"profile over the run": over_run} if over_run else {})
+    columns = " | ".join(f"simulated, {k} (ms) | error" for k in profiles)
+    print(f"| deployment | load | metric | measured (ms) | {columns} |\n|---|---|---|---|" + "---|---|" * len(profiles))
+    within = dict.fromkeys(profiles, 0)
     total = 0
     for name, d in DEPLOYMENTS.items():
         for load, trace in traces.items():
             runs = results["loads"].get(load, {}).get(name)
             if not runs:
                 continue
-            meas, sim = measured(runs), simulated(profile, d, trace)
-            adjusted = simulated_at_speed(profile, d, trace, runs, reference)
+            meas = measured(runs)
+            sims = {k: simulated(prof, d, trace) for k, prof in profiles.items()}
             rate = (len(trace) - 1) / (trace[-1].arrival - trace[0].arrival)
             foreign = max(run["foreign_cpu_pct"] for run in runs)
             where = f"{load} ({rate:.1f} req/s, {len(runs)} x {len(trace)}; other processes <= {foreign:.0f} %)"
             for metric in ("ttft", "tpot"):
                 for q in (50, 90):
                     m = percentile(meas[metric], q / 100) * 1e3
-                    s, a = (percentile(v[metric], q / 100) * 1e3 for v in (sim, adjusted))
-                    es, ea = (s - m) / m * 100, (a - m) / m * 100
-                    within["profile"] += abs(es) <= 15
-                    within["speed"] += abs(ea) <= 15
+                    cells = []
+                    for k, sim in sims.items():
+                        s = percentile(sim[metric], q / 100) * 1e3
+                        within[k] += abs(s - m) / m <= 0.15
+                        cells.append(f"{s:.1f} | {(s - m) / m * 100:+.0f} %")
                     total += 1
-                    print(f"| {d.label} | {where} | {metric.upper()} p{q} | {m:.1f} | {s:.1f} | {es:+.0f} % | {a:.1f} "
-                          f"| {ea:+.0f} % |")
-    print(f"\nwithin 15 %: {within['profile']} of {total} with the profile as taken, {within['speed']} of {total} "
-          f"at the probed speed")
+                    print(f"| {d.label} | {where} | {metric.upper()} p{q} | {m:.1f} | " + " | ".join(cells) + " |")
+    print("\nwithin 15 %: " + ", ".join(f"{n} of {total} with the {k}" for k, n in within.items()))
+    for sl in results.get("profile_slices", []):
+        print(f"profile slice {sl['when']}: a lone decode step {sl['decode_ms_1x512']:.2f} ms, a lone 512-token "
+              f"prefill {sl['prefill_ms_512']:.1f} ms, beside a neighbour x{sl['beside_prefill']} (decode) / "
+              f"x{sl['beside_decode']} (prefill); other processes {sl['foreign_cpu_pct']:.0f} % of a core")
     speeds = [run["speed"] for d in results["loads"].values() for runs in d.values() for run in runs]
+    reference = results["speed_at_profile"]
     for key in ("prefill_ms", "decode_ms"):
         xs = sorted(sp[key] for sp in speeds)
-        print(f"speed probe {key}: at profiling {reference[key]}, before the replays {xs[0]}-{xs[-1]} "
+        print(f"speed probe {key}: {reference[key]} after the first profile, {xs[0]}-{xs[-1]} before the replays "
               f"(median {xs[len(xs) // 2]})")
-    if end is not None:
-        start_i, end_i = profile.instances[0], end.instances[0]
-        print(f"profile before / after the replays: a lone decode step {start_i.decode_ms(1, 512):.2f} / "
-              f"{end_i.decode_ms(1, 512):.2f} ms, a lone 512-token prefill {start_i.prefill_ms(512):.1f} / "
-              f"{end_i.prefill_ms(512):.1f} ms; neighbour factors {start_i.beside_prefill} / {end_i.beside_prefill} "
-              f"(decode beside a prefill), {start_i.beside_decode} / {end_i.beside_decode} (prefill beside decode)")
 
 
 def load_traces(names: list[str]) -> dict[str, list[TraceRequest]]:
@@ -324,9 +313,8 @@ def main() -> int:
     ap.add_argument("--run", action="store_true", help="start the pair, profile it and replay the traces")
     ap.add_argument("--load", nargs="+", choices=sorted(LOADS), default=sorted(LOADS),
                     help="replay these traces (default: all)")
-    ap.add_argument("--repeats", type=int, default=3, help="replays of each trace per deployment (default 3)")
-    ap.add_argument("--no-profile-end", dest="profile_end", action="store_false",
-                    help="skip profiling again after the replays")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds: replays of each trace per deployment, a profile slice after each (default 3)")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--profile", type=Path, default=HERE / "plan_profile.json")
     ap.add_argument("--results", type=Path, default=HERE / "plan_validate_results.json")
@@ -338,11 +326,13 @@ def main() -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     if args.run:
         wait_quiet(args.quiet_wait)
-        args.results.write_text(json.dumps(run_pair(args, traces), indent=1) + "\n")
+        full = run_pair(args, traces)
+        (args.log_dir / "plan_validate_full.json").write_text(json.dumps(full) + "\n")
+        args.results.write_text(json.dumps(without_raw(full), indent=1) + "\n")
     if args.report:
-        end = end_profile_path(args.profile)
+        over_run = run_profile_path(args.profile)
         report(json.loads(args.results.read_text()), load_profile(args.profile),
-               load_profile(end) if end.exists() else None, traces)
+               load_profile(over_run) if over_run.exists() else None, traces)
     return 0
 
 

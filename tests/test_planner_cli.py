@@ -18,7 +18,8 @@ import pytest
 from aiohttp import web
 
 from vllm_pd import cli
-from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, Poly, load_profile, save_profile
+from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, fit_instance, load_profile,
+                                             save_profile)
 from vllm_pd.planner.workload import TraceRequest, write_trace
 from vllm_pd.router.config import ProxyConfig, load_yaml
 from vllm_pd.router.mock_backend import MockBackend, start_backend
@@ -72,6 +73,25 @@ def test_profile_measures_the_mock_delays(mock_url: str, tmp_path: Path) -> None
     rc = cli.main(["profile", mock_url, "--out", str(out), "--append", "--tp", "2", "--prefill-tokens", "16,64",
                    "--decode-batches", "1,2", "--decode-contexts", "32", "--repeats", "1"])
     assert rc == 0 and load_profile(out).tps() == [1, 2]
+
+
+def test_profile_merge_pools_the_samples_of_two_runs(mock_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    flags = ["--out", str(out), "--prefill-tokens", "16,64", "--decode-batches", "1,2", "--decode-contexts", "32",
+             "--repeats", "1", "--decode-repeats", "1", "--merge"]
+    assert cli.main(["profile", mock_url, *flags]) == 0  # nothing to merge into yet: a fresh file
+    first = load_profile(out).for_tp(1)
+    assert cli.main(["profile", mock_url, *flags]) == 0
+    merged = load_profile(out).for_tp(1)
+    assert len(merged.prefill_samples) == 2 * len(first.prefill_samples) == 12
+    assert merged.decode_samples[:len(first.decode_samples)] == first.decode_samples
+    assert len(merged.decode_samples) == 2 * len(first.decode_samples)
+    assert merged == fit_instance(1, merged.prefill_samples, merged.decode_samples, merged.kv_samples,
+                                  merged.max_num_batched_tokens, merged.max_num_seqs,
+                                  merged.decode_spread_window_ms)
+    # another instance kind is refused, naming it; the file is left as it was
+    assert cli.main(["profile", mock_url, *flags, "--max-num-batched-tokens", "4096"]) == 1
+    assert load_profile(out).for_tp(1) == merged
 
 
 def test_profile_measures_through_the_relay(mock_url: str, slow_mock_url: str, tmp_path: Path) -> None:

@@ -254,6 +254,24 @@ def refit(inst: InstanceProfile) -> InstanceProfile:
         beside_decode=new.beside_decode if "prefill" in kinds else inst.beside_decode)
 
 
+def merge_samples(old: InstanceProfile, new: InstanceProfile) -> InstanceProfile:
+    """One instance profiled twice (or more): every sample of both, fitted again.
+
+    A profile taken at one moment holds the machine's speed of that moment; on a shared host or VM,
+    profiles taken minutes apart differ by 10-20 %, and their samples pooled describe it better.
+    """
+    if (old.tp, old.max_num_batched_tokens, old.max_num_seqs) != (new.tp, new.max_num_batched_tokens,
+                                                                   new.max_num_seqs):
+        raise ProfileError(f"instances: cannot merge tp={new.tp} (max_num_batched_tokens="
+                           f"{new.max_num_batched_tokens}, max_num_seqs={new.max_num_seqs}) into tp={old.tp} "
+                           f"({old.max_num_batched_tokens}, {old.max_num_seqs}): not the same instance kind")
+    windows = [w for w in (old.decode_spread_window_ms, new.decode_spread_window_ms) if w > 0]
+    return fit_instance(old.tp, old.prefill_samples + new.prefill_samples, old.decode_samples + new.decode_samples,
+                        old.kv_samples + new.kv_samples, old.max_num_batched_tokens, old.max_num_seqs,
+                        sum(windows) / len(windows) if windows else 0.0,
+                        old.neighbour_samples + new.neighbour_samples)
+
+
 def neighbour_factor(samples: Sequence[tuple[str, float, float]], kind: str) -> float:
     """median(beside) / median(alone) over the samples of ``kind``, floored at 1.0 (1.0 without any).
 

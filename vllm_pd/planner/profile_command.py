@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 
 from vllm_pd.planner.instance_profiler import InstanceProfiler, ProfilePlan
-from vllm_pd.planner.latency_profile import LatencyProfile, ProfileError, load_profile, save_profile
+from vllm_pd.planner.latency_profile import LatencyProfile, ProfileError, load_profile, merge_samples, save_profile
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="the instance's tensor-parallel size (default 1)")
     p.add_argument("--append", action="store_true",
                    help="add this TP size to an existing --out (replacing its entry for the same TP)")
+    p.add_argument("--merge", action="store_true",
+                   help="add this measurement's samples to --out's entry for the same TP and fit them all again "
+                        "(profiles taken minutes apart on a shared host differ; pooled they describe it better)")
     p.add_argument("--pd-url", help="a PD proxy over a prefill/decode pair of such instances: measures the "
                                     "KV hand-over (else --kv-fixed-ms/--kv-ms-per-token)")
     p.add_argument("--relay-url", help="a proxy in front of this instance alone: prefill and decode are measured "
@@ -61,10 +64,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         profiler = InstanceProfiler(args.url, plan, args.pd_url, args.relay_url, args.neighbour_url)
         model, inst = asyncio.run(profiler.run(args.tp))
-        if args.append and args.out.exists():
+        if (args.append or args.merge) and args.out.exists():
             old = load_profile(args.out)
             if old.model != model:
                 raise ProfileError(f"{args.out}: model {old.model!r}, but {args.url} serves {model!r}")
+            if args.merge and args.tp in old.tps():
+                inst = merge_samples(old.for_tp(args.tp), inst)
             profile = LatencyProfile(model, sorted([i for i in old.instances if i.tp != args.tp] + [inst],
                                                    key=lambda i: i.tp), source=f"{old.source} {args.url}".strip())
         else:
