@@ -69,6 +69,8 @@ def test_profile_measures_the_mock_delays(mock_url: str, tmp_path: Path) -> None
     assert len(inst.prefill_samples) == 6 and len(inst.decode_samples) == 8
     # the decode points' scatter is the spread, over the second half of each stream (ignore_eos: 12 gaps)
     assert len(inst.decode_spread) == 8 and inst.decode_spread_window_ms > 0
+    # each lone stream's first gap less its steady step (the mock's gaps are alike: ~0)
+    assert len(inst.first_step_samples) == 4 and 0 <= inst.first_step_ms < 15
     # a second TP size joins the same file
     rc = cli.main(["profile", mock_url, "--out", str(out), "--append", "--tp", "2", "--prefill-tokens", "16,64",
                    "--decode-batches", "1,2", "--decode-contexts", "32", "--repeats", "1"])
@@ -88,7 +90,7 @@ def test_profile_merge_pools_the_samples_of_two_runs(mock_url: str, tmp_path: Pa
     assert len(merged.decode_samples) == 2 * len(first.decode_samples)
     assert merged == fit_instance(1, merged.prefill_samples, merged.decode_samples, merged.kv_samples,
                                   merged.max_num_batched_tokens, merged.max_num_seqs,
-                                  merged.decode_spread_window_ms)
+                                  merged.decode_spread_window_ms, first_step=merged.first_step_samples)
     # another instance kind is refused, naming it; the file is left as it was
     assert cli.main(["profile", mock_url, *flags, "--max-num-batched-tokens", "4096"]) == 1
     assert load_profile(out).for_tp(1) == merged

@@ -320,3 +320,21 @@ def test_a_prefill_beside_a_decoding_neighbour_is_slower() -> None:
     _, b = simulate(make_profile(**NEIGHBOURS), Deployment(1, 1), reqs)
     _, slow_b = simulate(make_profile(**NEIGHBOURS, beside_decode=1.5), Deployment(1, 1), reqs)
     assert b.ttft == pytest.approx(0.10) and slow_b.ttft == pytest.approx(0.13)
+
+
+def test_a_requests_first_decode_step_costs_first_step_ms_more() -> None:
+    # a lone stream's first gap less its steady step: the median of the samples, never negative
+    inst = fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0), (2, 128, 6.0)], [(128, 1.0)], first_step=[1.0, 1.4, 9.0])
+    assert inst.first_step_ms == pytest.approx(1.4)
+    assert fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)], first_step=[-0.5]).first_step_ms == 0.0
+    assert refit(inst).first_step_ms == pytest.approx(1.4)
+    # colocated x1, one request of 11 tokens: its 10 gaps are 10 steps, the first of them first_step_ms longer
+    req = [TraceRequest(0.0, 100, 11)]
+    base = make_profile()
+    slow = LatencyProfile("m", [msgspec.structs.replace(base.instances[0], first_step_ms=5.0)])
+    (a,), (b,) = simulate(base, Deployment(0, 1), req), simulate(slow, Deployment(0, 1), req)
+    assert a.ttft == pytest.approx(b.ttft)
+    assert (b.tpot - a.tpot) * 10 == pytest.approx(0.005)
+    # 1P1D: the same on the decode instance
+    (a,), (b,) = simulate(base, Deployment(1, 1), req), simulate(slow, Deployment(1, 1), req)
+    assert (b.tpot - a.tpot) * 10 == pytest.approx(0.005)

@@ -131,13 +131,13 @@ class InstanceProfiler:
             # the first requests pay one-off costs (graph warm-up, connections): keep them out
             await self._batch(session, self.relay_url or self.url, model, [64, 64], 4)
             prefill = await self._prefill(session, model)
-            decode, window_ms = await self._decode(session, model)
+            decode, window_ms, first_step = await self._decode(session, model)
             kv = await self._kv(session, model, prefill) if self.pd_url else []
             neighbour = await self._neighbour(session, model) if self.neighbour_url else []
         # no PD pair measured: two points of the fixed model stand in for samples
         kv = kv or [(0, self.plan.kv_fixed_ms), (1000, self.plan.kv_fixed_ms + 1000 * self.plan.kv_ms_per_token)]
         inst = fit_instance(tp, prefill, decode, kv, self.plan.max_num_batched_tokens, self.plan.max_num_seqs,
-                            window_ms, neighbour)
+                            window_ms, neighbour, first_step)
         return model, inst
 
     async def _batch(self, session: aiohttp.ClientSession, url: str, model: str, lengths: list[int],
@@ -158,11 +158,12 @@ class InstanceProfiler:
         return out
 
     async def _decode(self, session: aiohttp.ClientSession,
-                      model: str) -> tuple[list[tuple[int, int, float]], float]:
-        """([(batch, summed context, mean step ms)], the median window those means span in ms)."""
+                      model: str) -> tuple[list[tuple[int, int, float]], float, list[float]]:
+        """([(batch, summed context, mean step ms)], the median window those means span in ms, [a lone
+        stream's first gap less its steady step, ms])."""
         p = self.plan
         url = self.relay_url or self.pd_url or self.url
-        out, windows = [], []
+        out, windows, first_steps = [], [], []
         half = p.decode_tokens // 2
         for _ in range(p.decode_repeats):
             for context in (c for c in p.decode_contexts if c + p.decode_tokens < p.max_model_len):
@@ -172,8 +173,10 @@ class InstanceProfiler:
                     mean_context = context + (half + p.decode_tokens) // 2
                     out.append((batch, batch * mean_context, statistics.median(gaps) * 1e3))
                     windows.append(statistics.median(s.stamps[-1] - s.stamps[half] for s in streams) * 1e3)
+                    if batch == 1:  # alone, its first gap is its own first decode step (in a batch, others' prompts)
+                        first_steps.append((streams[0].stamps[1] - streams[0].stamps[0] - gaps[0]) * 1e3)
                     logger.info("decode batch %d context %d: %.2f ms/step", batch, context, out[-1][2])
-        return out, statistics.median(windows) if windows else 0.0
+        return out, statistics.median(windows) if windows else 0.0, first_steps
 
     async def _kv(self, session: aiohttp.ClientSession, model: str,
                   prefill: list[tuple[int, int, float]]) -> list[tuple[int, float]]:

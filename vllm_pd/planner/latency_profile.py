@@ -15,6 +15,10 @@ covers. Each keeps the raw samples it was fitted from, so a profile can be re-fi
 - kv: prefill's end to the first token on an idle decode instance, for ``t`` prompt tokens, ``a + b*t``
   ms (the layer-wise load overlaps decode's first forward with prefill's, so this is the tail of the
   transfer, the last layer's forward and the proxy's second hop).
+- first step: a request's first decode step (its second token) takes longer than its later ones
+  (~1-1.5 ms here, in PD and colocated alike): ``first_step_ms`` is added to a step once per request
+  taking its first decode step, the median of ``first_step_samples`` (a lone stream's first gap less
+  its steady step). TPOT spans every gap, so leaving it out made short outputs' TPOT ~4 % low.
 - neighbours: instances on one host slow each other (shared memory bandwidth and caches), so
   ``beside_prefill`` is the factor on this instance's decode step time while another instance on the
   same host runs a prefill, and ``beside_decode`` the factor on its prefill time while another instance
@@ -69,6 +73,8 @@ class InstanceProfile(msgspec.Struct, frozen=True):
     beside_prefill: float = 1.0  # decode step time x this while a same-host neighbour prefills
     beside_decode: float = 1.0  # prefill time x this while a same-host neighbour decodes
     neighbour_samples: list[tuple[str, float, float]] = []  # ("decode" | "prefill", alone ms, beside ms)
+    first_step_ms: float = 0.0  # what a step adds per request taking its first decode step (its second token)
+    first_step_samples: list[float] = []  # a lone stream's first gap less its steady step (ms)
 
     def prefill_ms(self, tokens: int, prompts: int = 1, square: int | None = None) -> float:
         """``prompts`` prompts, ``tokens`` in all; ``square`` = the sum of their squares (default: equal)."""
@@ -247,7 +253,7 @@ def refit(inst: InstanceProfile) -> InstanceProfile:
     """
     new = fit_instance(inst.tp, inst.prefill_samples, inst.decode_samples, inst.kv_samples,
                        inst.max_num_batched_tokens, inst.max_num_seqs, inst.decode_spread_window_ms,
-                       inst.neighbour_samples)
+                       inst.neighbour_samples, inst.first_step_samples)
     kinds = {kind for kind, _, _ in inst.neighbour_samples}
     return msgspec.structs.replace(
         new, beside_prefill=new.beside_prefill if "decode" in kinds else inst.beside_prefill,
@@ -269,7 +275,7 @@ def merge_samples(old: InstanceProfile, new: InstanceProfile) -> InstanceProfile
     return fit_instance(old.tp, old.prefill_samples + new.prefill_samples, old.decode_samples + new.decode_samples,
                         old.kv_samples + new.kv_samples, old.max_num_batched_tokens, old.max_num_seqs,
                         sum(windows) / len(windows) if windows else 0.0,
-                        old.neighbour_samples + new.neighbour_samples)
+                        old.neighbour_samples + new.neighbour_samples, old.first_step_samples + new.first_step_samples)
 
 
 def neighbour_factor(samples: Sequence[tuple[str, float, float]], kind: str) -> float:
@@ -293,12 +299,14 @@ def spread_of(decode: Poly, points: Sequence[tuple[int, int, float]]) -> list[fl
 def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tuple[int, int, float]],
                  kv: list[tuple[int, float]], max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, spread_window_ms: float = 0.0,
-                 neighbour: Sequence[tuple[str, float, float]] = ()) -> InstanceProfile:
+                 neighbour: Sequence[tuple[str, float, float]] = (),
+                 first_step: Sequence[float] = ()) -> InstanceProfile:
     """Fit the models from raw samples (kv: at least one sample, or a fixed model in ``kv``).
 
     prefill: (tokens per prompt, prompts in the step, ms); decode: (batch, summed context, the mean ms
     per step over a window of ``spread_window_ms``; 0 = no spread: one sample per point is the fit's own);
-    neighbour: (kind, alone ms, beside ms), see :func:`neighbour_factor` (none: factors 1.0).
+    neighbour: (kind, alone ms, beside ms), see :func:`neighbour_factor` (none: factors 1.0); first_step: a lone
+    stream's first gap less its steady step, ms (none: 0).
     """
     dec = fit_poly([(n, k, ms) for n, k, ms in decode])
     return InstanceProfile(
@@ -311,4 +319,6 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
         decode_spread_window_ms=spread_window_ms,
         prefill_samples=list(prefill), decode_samples=list(decode), kv_samples=list(kv),
         beside_prefill=neighbour_factor(neighbour, "decode"), beside_decode=neighbour_factor(neighbour, "prefill"),
-        neighbour_samples=list(neighbour))
+        neighbour_samples=list(neighbour),
+        first_step_ms=max(0.0, round(statistics.median(first_step), 3)) if first_step else 0.0,
+        first_step_samples=list(first_step))

@@ -22,7 +22,8 @@ starts, in a step with prompt chunks, and its prefill part by ``beside_decode`` 
 then in a step that decodes. Sampling the neighbours' state at the step's start is the approximation: a
 neighbour's step that begins or ends midway does not change a step already planned (and a decode
 instance held by a layer-wise load counts as neither). With both factors 1.0 (the default, and instances
-on separate hosts) nothing changes. Requests reach the instance with the fewest
+on separate hosts) nothing changes. A step holding requests' first decode steps
+takes the profile's ``first_step_ms`` longer per such request. Requests reach the instance with the fewest
 outstanding requests, as the proxy's least_outstanding policy does.
 """
 
@@ -140,6 +141,7 @@ class _Instance:
         p = self.profile
         ms = p.mixed_ms([t for _, t in chunks], len(decoding), context, spread,
                         p.beside_prefill if neighbour_prefills else 1.0, p.beside_decode if neighbour_decodes else 1.0)
+        ms += p.first_step_ms * sum(1 for r in decoding if r.generated == 1)
         return ms / 1e3, chunks, decoding
 
 

@@ -86,5 +86,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: tp={inst.tp} prefill_ms = {inst.prefill.a:.2f} + {inst.prefill.b:.4f}*tokens + "
           f"{inst.prefill.c:.2e}*sum(prompt^2) + {inst.prefill.d:.2f}*prompts; decode_step_ms = "
           f"{inst.decode.a:.2f} + {inst.decode.b:.3f}*batch + {inst.decode.c:.2e}*context{tail}; "
-          f"kv_ms = {inst.kv.a:.2f} + {inst.kv.b:.4f}*t{neighbours}")
+          f"kv_ms = {inst.kv.a:.2f} + {inst.kv.b:.4f}*t; a request's first decode step +{inst.first_step_ms:.2f} ms"
+          f"{neighbours}")
     return 0
