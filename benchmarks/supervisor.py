@@ -55,7 +55,7 @@ def sim_profile() -> InstanceProfile:
     Prefill is exactly linear; the decode step (STEP_S per BATCH streams, a staircase) gets the best line
     a + b*n, as a real profile fits a real engine; the hand-over is the proxy's second HTTP hop (~1 ms).
     A prompt is one prefill here (no chunking), so the chunk is larger than any prompt."""
-    prefill = [(t, t * PREFILL_S_PER_TOKEN * 1e3) for t in (100, 500, 1000, 2000, 3000, 4000)]
+    prefill = [(t, 1, t * PREFILL_S_PER_TOKEN * 1e3) for t in (100, 500, 1000, 2000, 3000, 4000)]
     decode = [(n, 0, STEP_S * 1e3 * math.ceil(n / BATCH)) for n in range(1, 4 * BATCH + 1)]
     return fit_instance(1, prefill, decode, [(t, 1.0) for t in (100, 1000, 3000)], max_num_batched_tokens=8192)
 
