@@ -11,7 +11,7 @@ from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, Pol
 from vllm_pd.planner.role_pressure import SplitLoad, move_helps, predicted_tpot, predicted_ttft
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig
 from vllm_pd.router.instance_pool import InstancePool, InFlightLeg
-from vllm_pd.router.supervisor import REVERSAL_MEMORY, Supervisor, supervisor_profile
+from vllm_pd.router.supervisor import REVERSAL_CONFIRM, REVERSAL_MEMORY, Supervisor, supervisor_profile
 
 # 1 ms per prompt token, decode steps 10 ms + 10 ms per running request
 PROFILE = InstanceProfile(1, prefill=Poly(0.0, 1.0, 0.0), decode=Poly(10.0, 10.0, 0.0), kv=Poly(0.0, 0.0),
@@ -150,7 +150,12 @@ def test_after_a_move_observed_latency_counts_from_new_samples() -> None:
     assert sup.pressures() == (0.0, 0.0)  # two samples are not yet a signal
     pool.recent_ttft.add(7.0)
     assert sup.pressures() == (pytest.approx(7.0), 0.0)
-    sup.rebalance()  # TTFT 7 x its target outweighs the TPOT 5 x that made the last move (by the dead band)
+    # TTFT 7 x its target outweighs the TPOT 5 x that made the last move (by the dead band): on the
+    # REVERSAL_CONFIRM-th interval in a row it moves back
+    for _ in range(REVERSAL_CONFIRM - 1):
+        sup.rebalance()
+    assert sup.moves == 1
+    sup.rebalance()
     assert sup.moves == 2 and Counter(i.active_role for i in pool.all()) == {"prefill": 1, "decode": 1}
 
 
@@ -171,6 +176,19 @@ def test_a_move_back_needs_a_greater_pressure_than_made_the_move() -> None:
     assert sup.moves == 1 and all(i.active_role == "decode" for i in pool.all())
     sup.rebalance()  # the last move is REVERSAL_MEMORY intervals old: what made it no longer counts
     assert sup.moves == 2 and Counter(i.active_role for i in pool.all()) == {"prefill": 1, "decode": 1}
+    # a burst that outweighs the last move's pressure for fewer than REVERSAL_CONFIRM intervals in a row
+    for _ in range(20):
+        pool.recent_ttft.add(0.0)
+        pool.recent_tpot.add(0.5)
+    sup.rebalance()  # TPOT 5 x again: back to 0P2D (the memory of the TTFT 3 x move: 5 > 1.2 x 3 - confirm)
+    sup.rebalance()
+    sup.rebalance()
+    assert sup.moves == 3 and all(i.active_role == "decode" for i in pool.all())
+    for burst in (8.0, 1.0, 8.0, 1.0, 8.0):  # never 3 intervals in a row over 1.2 x 5
+        for _ in range(20):
+            pool.recent_ttft.add(burst)
+        sup.rebalance()
+    assert sup.moves == 3
     # a move on in the same direction is never held back: only undoing one is
     pool3 = _pool(3)
     sup3 = Supervisor(pool3, ttft_slo=1.0, tpot_slo=0.1)

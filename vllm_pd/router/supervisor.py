@@ -11,7 +11,8 @@ interval and a 20 % dead band keep it from flapping. When both sides miss
 their targets, whichever split is in place, each move makes the other side
 miss: a move undoing the last one within ``REVERSAL_MEMORY`` intervals must
 then be asked for by a pressure above the one that made that move, by the
-dead band - the supervisor keeps the split whose worst miss is smaller instead
+dead band, on ``REVERSAL_CONFIRM`` intervals in a row - the supervisor keeps
+the split whose worst miss is smaller instead
 of alternating between the two (seen on real servers: 16 streams on two
 single-core instances, 0P2D <-> 1P1D every few seconds). A move affects new
 requests only, in-flight legs finish where they are, and after a move the observed
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 DEAD_BAND = 1.2
 REVERSAL_MEMORY = 10  # intervals during which undoing the last move needs a greater pressure than made it
+REVERSAL_CONFIRM = 3  # ... on this many intervals in a row (one burst of slow first tokens is not a trend)
 MIN_SAMPLES = 3  # an observed latency counts once this many samples were taken since the last move
 
 
@@ -72,6 +74,7 @@ class Supervisor(PeriodicTask):
         self.moves = 0
         self._ticks = 0
         self._last_move: tuple[str, float, int] | None = None  # (role moved to, the pressure asking, tick)
+        self._reversal_asked = 0  # intervals in a row a move back has outweighed the last move's pressure
 
     async def tick(self) -> None:
         self.rebalance()
@@ -144,13 +147,14 @@ class Supervisor(PeriodicTask):
                                 DEAD_BAND):
             logger.debug("supervisor: moving %s to %s would not help (cost model)", move[0].url, move[1])
             move = None
-        if move is not None and self._undoes_a_stronger_move(move[1], receiving):
+        if move is not None and self._holds_back(move[1], receiving):
             logger.debug("supervisor: not moving %s back to %s yet (%.2f does not outweigh the last move's "
                          "pressure)", move[0].url, move[1], receiving)
             move = None
         if move is not None:
             inst, role = move
             self._last_move = (role, receiving, self._ticks)
+            self._reversal_asked = 0
             logger.info("supervisor: %s now serves %s (ttft/slo=%.2f tpot/slo=%.2f)", inst.url, role,
                         prefill_p, decode_p)
             inst.active_role = role
@@ -160,9 +164,13 @@ class Supervisor(PeriodicTask):
             self._pool.restart_recent()
         return {i.url: i.active_role or "decode" for i in flexible}
 
-    def _undoes_a_stronger_move(self, role: str, pressure: float) -> bool:
-        """Whether a move to ``role`` undoes a recent move that a pressure this one does not outweigh asked for."""
+    def _holds_back(self, role: str, pressure: float) -> bool:
+        """Whether a move to ``role`` undoes a recent move and has not yet outweighed the pressure that made it
+        (by the dead band) on ``REVERSAL_CONFIRM`` intervals in a row."""
         if self._last_move is None:
             return False
         last_role, last_pressure, tick = self._last_move
-        return last_role != role and self._ticks - tick < REVERSAL_MEMORY and pressure <= DEAD_BAND * last_pressure
+        if last_role == role or self._ticks - tick >= REVERSAL_MEMORY:
+            return False
+        self._reversal_asked = self._reversal_asked + 1 if pressure > DEAD_BAND * last_pressure else 0
+        return self._reversal_asked < REVERSAL_CONFIRM
