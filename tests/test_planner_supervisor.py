@@ -267,3 +267,30 @@ def test_requests_sent_before_a_move_do_not_count_after_it() -> None:
     assert pool.recent_tpot.count == 0
     pool.observe(pool.recent_tpot, pool.recent_since, 0.02)
     assert (pool.recent_tpot.count, pool.recent_tpot.value) == (1, 0.02)
+
+
+def test_a_changed_traffic_mix_lifts_the_reversal_memory() -> None:
+    # output-heavy (16-token prompts in flight): 1P1D misses TPOT 5 x, the move to 0P2D is remembered. Then the
+    # traffic turns prompt-heavy (1200-token prompts): TTFT 3 x is a new situation, not a flap - it moves back
+    # at once, though 3 < 1.2 x 5
+    pool = _pool(2)
+    sup = Supervisor(pool, ttft_slo=1.0, tpot_slo=0.1)
+    sup.rebalance()
+    decoder = next(i for i in pool.all() if i.active_role == "decode")
+    short = [InFlightLeg(decoder, "decode", 16) for _ in range(8)]
+    for _ in range(20):
+        pool.recent_tpot.add(0.5)
+    sup.rebalance()
+    assert sup.moves == 1
+    for _ in range(20):
+        pool.recent_ttft.add(3.0)
+    sup.rebalance()
+    sup.rebalance()
+    assert sup.moves == 1  # the same mix: held back
+    for leg in short:
+        leg.finish()
+    for inst in pool.all():
+        for _ in range(4):
+            InFlightLeg(inst, "decode", 1200)
+    sup.rebalance()
+    assert sup.moves == 2 and Counter(i.active_role for i in pool.all()) == {"prefill": 1, "decode": 1}

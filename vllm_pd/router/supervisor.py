@@ -11,8 +11,9 @@ interval and a 20 % dead band keep it from flapping. When both sides miss
 their targets, whichever split is in place, each move makes the other side
 miss: a move undoing the last one within ``REVERSAL_MEMORY`` intervals must
 then be asked for by a pressure above the one that made that move, by the
-dead band, on ``REVERSAL_CONFIRM`` intervals in a row - the supervisor keeps
-the split whose worst miss is smaller instead
+dead band, on ``REVERSAL_CONFIRM`` intervals in a row, unless the traffic
+changed since (prompts in flight ``MIX_CHANGE`` x longer or shorter) - the
+supervisor keeps the split whose worst miss is smaller instead
 of alternating between the two (seen on real servers: 16 streams on two
 single-core instances, 0P2D <-> 1P1D every few seconds). A move affects new
 requests only, in-flight legs finish where they are, and after a move the observed
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 DEAD_BAND = 1.2
 REVERSAL_MEMORY = 10  # intervals during which undoing the last move needs a greater pressure than made it
 REVERSAL_CONFIRM = 3  # ... on this many intervals in a row (one burst of slow first tokens is not a trend)
+MIX_CHANGE = 2.0  # ... unless the prompts in flight have grown or shrunk this much since: the traffic changed
 MIN_SAMPLES = 3  # an observed latency counts once this many samples were taken since the last move
 
 
@@ -73,7 +75,8 @@ class Supervisor(PeriodicTask):
         self.tpot_slo = tpot_slo
         self.moves = 0
         self._ticks = 0
-        self._last_move: tuple[str, float, int] | None = None  # (role moved to, the pressure asking, tick)
+        # (role moved to, the pressure asking, tick, mean prompt tokens in flight then)
+        self._last_move: tuple[str, float, int, float | None] | None = None
         self._reversal_asked = 0  # intervals in a row a move back has outweighed the last move's pressure
 
     async def tick(self) -> None:
@@ -153,7 +156,7 @@ class Supervisor(PeriodicTask):
             move = None
         if move is not None:
             inst, role = move
-            self._last_move = (role, receiving, self._ticks)
+            self._last_move = (role, receiving, self._ticks, self._prompt_mix())
             self._reversal_asked = 0
             logger.info("supervisor: %s now serves %s (ttft/slo=%.2f tpot/slo=%.2f)", inst.url, role,
                         prefill_p, decode_p)
@@ -166,11 +169,21 @@ class Supervisor(PeriodicTask):
 
     def _holds_back(self, role: str, pressure: float) -> bool:
         """Whether a move to ``role`` undoes a recent move and has not yet outweighed the pressure that made it
-        (by the dead band) on ``REVERSAL_CONFIRM`` intervals in a row."""
+        (by the dead band) on ``REVERSAL_CONFIRM`` intervals in a row. That pressure describes the other split
+        under the traffic of its time: once the prompts in flight are ``MIX_CHANGE`` x longer or shorter, it no
+        longer holds anything back."""
         if self._last_move is None:
             return False
-        last_role, last_pressure, tick = self._last_move
+        last_role, last_pressure, tick, mix_then = self._last_move
         if last_role == role or self._ticks - tick >= REVERSAL_MEMORY:
+            return False
+        mix_now = self._prompt_mix()
+        if mix_then and mix_now and not 1 / MIX_CHANGE < mix_now / mix_then < MIX_CHANGE:
             return False
         self._reversal_asked = self._reversal_asked + 1 if pressure > DEAD_BAND * last_pressure else 0
         return self._reversal_asked < REVERSAL_CONFIRM
+
+    def _prompt_mix(self) -> float | None:
+        """Mean prompt tokens of the requests in flight (each has one decode leg), None with none in flight."""
+        legs = sum(i.outstanding["decode"] for i in self._pool.all())
+        return sum(i.outstanding_tokens["decode"] for i in self._pool.all()) / legs if legs else None
