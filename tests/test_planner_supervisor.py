@@ -293,4 +293,9 @@ def test_a_changed_traffic_mix_lifts_the_reversal_memory() -> None:
         for _ in range(4):
             InFlightLeg(inst, "decode", 1200)
     sup.rebalance()
+    # the short prompts' latencies said nothing of the long ones': forgotten, nothing moves on them
+    assert sup.moves == 1 and pool.recent_ttft.count == 0
+    for _ in range(20):
+        pool.recent_ttft.add(3.0)
+    sup.rebalance()
     assert sup.moves == 2 and Counter(i.active_role for i in pool.all()) == {"prefill": 1, "decode": 1}

@@ -78,6 +78,7 @@ class Supervisor(PeriodicTask):
         # (role moved to, the pressure asking, tick, mean prompt tokens in flight then)
         self._last_move: tuple[str, float, int, float | None] | None = None
         self._reversal_asked = 0  # intervals in a row a move back has outweighed the last move's pressure
+        self._mix_observed: float | None = None  # the prompt mix the observed latencies were taken under
 
     async def tick(self) -> None:
         self.rebalance()
@@ -133,7 +134,10 @@ class Supervisor(PeriodicTask):
         for n, inst in enumerate(i for i in flexible if i.active_role is None):
             # first assignment: alternate, decode first (a decoder must always exist)
             inst.active_role = "decode" if n % 2 == 0 else "prefill"
+        self._follow_the_mix()
         prefill_p, decode_p = self.pressures()
+        logger.debug("supervisor tick %d: ttft/slo=%.2f tpot/slo=%.2f, %s, mean prompt in flight %s, last move %s",
+                     self._ticks, prefill_p, decode_p, self.split_load(), self._prompt_mix(), self._last_move)
         prefill_side = [i for i in flexible if i.active_role == "prefill"]
         decode_side = [i for i in flexible if i.active_role == "decode"]
         fixed_decoders = sum(1 for i in self._pool.all() if i.role == "decode" and i.healthy and not i.draining)
@@ -158,6 +162,7 @@ class Supervisor(PeriodicTask):
             inst, role = move
             self._last_move = (role, receiving, self._ticks, self._prompt_mix())
             self._reversal_asked = 0
+            self._mix_observed = self._prompt_mix()
             logger.info("supervisor: %s now serves %s (ttft/slo=%.2f tpot/slo=%.2f)", inst.url, role,
                         prefill_p, decode_p)
             inst.active_role = role
@@ -183,7 +188,24 @@ class Supervisor(PeriodicTask):
         self._reversal_asked = self._reversal_asked + 1 if pressure > DEAD_BAND * last_pressure else 0
         return self._reversal_asked < REVERSAL_CONFIRM
 
+    def _follow_the_mix(self) -> None:
+        """Once the prompts in flight are ``MIX_CHANGE`` x longer or shorter than when the observed latencies
+        started, forget those: short prompts' first tokens said nothing about long prompts' (an EWMA full of
+        them lagged a prompt-heavy burst until it was over)."""
+        mix = self._prompt_mix()
+        if mix is None:
+            return
+        if self._mix_observed is None:
+            self._mix_observed = mix
+        elif not 1 / MIX_CHANGE < mix / self._mix_observed < MIX_CHANGE:
+            logger.debug("supervisor: prompts in flight %.0f tokens on average, were %.0f: observed latencies restart",
+                         mix, self._mix_observed)
+            self._pool.restart_recent()
+            self._mix_observed = mix
+
     def _prompt_mix(self) -> float | None:
-        """Mean prompt tokens of the requests in flight (each has one decode leg), None with none in flight."""
+        """Mean prompt tokens of the requests in flight (each has one decode leg; its tokens: prompt and
+        max_tokens), None with none in flight."""
         legs = sum(i.outstanding["decode"] for i in self._pool.all())
-        return sum(i.outstanding_tokens["decode"] for i in self._pool.all()) / legs if legs else None
+        tokens = sum(i.outstanding_tokens["decode"] for i in self._pool.all())
+        return tokens / legs if legs and tokens else None
