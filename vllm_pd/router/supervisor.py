@@ -52,6 +52,13 @@ def _fresh(signal: Ewma) -> float:
     return (signal.value or 0.0) if signal.count >= MIN_SAMPLES else 0.0
 
 
+def _mix_changed(then: float | None, now: float | None) -> bool:
+    """Whether the mean prompt in flight grew or shrank ``MIX_CHANGE`` x (unknown on either side: no)."""
+    if not then or not now:
+        return False
+    return not 1 / MIX_CHANGE < now / then < MIX_CHANGE
+
+
 def supervisor_profile(path: str | None) -> InstanceProfile | None:
     """The instance profile the supervisor predicts with (the file's smallest TP: how ``both`` servers run)."""
     if path is None:
@@ -136,8 +143,9 @@ class Supervisor(PeriodicTask):
             inst.active_role = "decode" if n % 2 == 0 else "prefill"
         self._follow_the_mix()
         prefill_p, decode_p = self.pressures()
-        logger.debug("supervisor tick %d: ttft/slo=%.2f tpot/slo=%.2f, %s, mean prompt in flight %s, last move %s",
-                     self._ticks, prefill_p, decode_p, self.split_load(), self._prompt_mix(), self._last_move)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("supervisor tick %d: ttft/slo=%.2f tpot/slo=%.2f, %s, mean prompt in flight %s, last move %s",
+                         self._ticks, prefill_p, decode_p, self.split_load(), self._prompt_mix(), self._last_move)
         prefill_side = [i for i in flexible if i.active_role == "prefill"]
         decode_side = [i for i in flexible if i.active_role == "decode"]
         fixed_decoders = sum(1 for i in self._pool.all() if i.role == "decode" and i.healthy and not i.draining)
@@ -182,8 +190,7 @@ class Supervisor(PeriodicTask):
         last_role, last_pressure, tick, mix_then = self._last_move
         if last_role == role or self._ticks - tick >= REVERSAL_MEMORY:
             return False
-        mix_now = self._prompt_mix()
-        if mix_then and mix_now and not 1 / MIX_CHANGE < mix_now / mix_then < MIX_CHANGE:
+        if _mix_changed(mix_then, self._prompt_mix()):
             return False
         self._reversal_asked = self._reversal_asked + 1 if pressure > DEAD_BAND * last_pressure else 0
         return self._reversal_asked < REVERSAL_CONFIRM
@@ -197,7 +204,7 @@ class Supervisor(PeriodicTask):
             return
         if self._mix_observed is None:
             self._mix_observed = mix
-        elif not 1 / MIX_CHANGE < mix / self._mix_observed < MIX_CHANGE:
+        elif _mix_changed(self._mix_observed, mix):
             logger.debug("supervisor: prompts in flight %.0f tokens on average, were %.0f: observed latencies restart",
                          mix, self._mix_observed)
             self._pool.restart_recent()
