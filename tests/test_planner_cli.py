@@ -57,7 +57,8 @@ def _serve_mock(ttft: float, itl: float) -> Iterator[str]:
 def test_profile_measures_the_mock_delays(mock_url: str, tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     rc = cli.main(["profile", mock_url, "--out", str(out), "--prefill-tokens", "16,64", "--decode-batches", "1,2",
-                   "--decode-contexts", "32,64", "--repeats", "1", "--decode-repeats", "2", "--kv-fixed-ms", "7"])
+                   "--decode-contexts", "32,64", "--repeats", "1", "--decode-repeats", "2", "--kv-fixed-ms", "7",
+                   "--wake-idle-ms", "20,50", "--wake-repeats", "2"])
     assert rc == 0
     prof = load_profile(out)
     inst = prof.for_tp(1)
@@ -71,16 +72,20 @@ def test_profile_measures_the_mock_delays(mock_url: str, tmp_path: Path) -> None
     assert len(inst.decode_spread) == 8 and inst.decode_spread_window_ms > 0
     # each lone stream's first gap less its steady step (the mock's gaps are alike: ~0)
     assert len(inst.first_step_samples) == 4 and 0 <= inst.first_step_ms < 15
+    # lone prefills back to back and after 20 / 50 ms idle, in pairs (the mock does not sleep: ~0)
+    assert [idle for idle, _, _ in inst.wake_samples] == [20.0, 50.0, 20.0, 50.0]
+    assert [idle for idle, _ in inst.wake_after_idle] == [20.0, 50.0]
+    assert all(0 <= ms < 15 for _, ms in inst.wake_after_idle)
     # a second TP size joins the same file
     rc = cli.main(["profile", mock_url, "--out", str(out), "--append", "--tp", "2", "--prefill-tokens", "16,64",
-                   "--decode-batches", "1,2", "--decode-contexts", "32", "--repeats", "1"])
-    assert rc == 0 and load_profile(out).tps() == [1, 2]
+                   "--decode-batches", "1,2", "--decode-contexts", "32", "--repeats", "1", "--wake-repeats", "0"])
+    assert rc == 0 and load_profile(out).tps() == [1, 2] and load_profile(out).for_tp(2).wake_after_idle == []
 
 
 def test_profile_merge_pools_the_samples_of_two_runs(mock_url: str, tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     flags = ["--out", str(out), "--prefill-tokens", "16,64", "--decode-batches", "1,2", "--decode-contexts", "32",
-             "--repeats", "1", "--decode-repeats", "1", "--merge"]
+             "--repeats", "1", "--decode-repeats", "1", "--wake-repeats", "1", "--merge"]
     assert cli.main(["profile", mock_url, *flags]) == 0  # nothing to merge into yet: a fresh file
     first = load_profile(out).for_tp(1)
     assert cli.main(["profile", mock_url, *flags]) == 0
@@ -90,7 +95,9 @@ def test_profile_merge_pools_the_samples_of_two_runs(mock_url: str, tmp_path: Pa
     assert len(merged.decode_samples) == 2 * len(first.decode_samples)
     assert merged == fit_instance(1, merged.prefill_samples, merged.decode_samples, merged.kv_samples,
                                   merged.max_num_batched_tokens, merged.max_num_seqs,
-                                  merged.decode_spread_window_ms, first_step=merged.first_step_samples)
+                                  merged.decode_spread_window_ms, first_step=merged.first_step_samples,
+                                  wake=merged.wake_samples)
+    assert len(merged.wake_samples) == 2 * len(first.wake_samples) == 6
     # another instance kind is refused, naming it; the file is left as it was
     assert cli.main(["profile", mock_url, *flags, "--max-num-batched-tokens", "4096"]) == 1
     assert load_profile(out).for_tp(1) == merged
@@ -100,10 +107,25 @@ def test_profile_measures_through_the_relay(mock_url: str, slow_mock_url: str, t
     # the "relay" mock is twice as slow as the instance: what the profile holds must be the relay's
     out = tmp_path / "p.json"
     rc = cli.main(["profile", mock_url, "--relay-url", slow_mock_url, "--out", str(out), "--prefill-tokens", "16,64",
-                   "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1", "--decode-repeats", "1"])
+                   "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1", "--decode-repeats", "1",
+                   "--wake-repeats", "1"])
     assert rc == 0
     inst = load_profile(out).for_tp(1)
     assert 95 <= inst.prefill_ms(64) <= 250 and 38 <= inst.decode_ms(1, 32) <= 120
+
+
+def test_profile_measures_the_hand_over_through_a_pd_proxy(mock_url: str, slow_mock_url: str,
+                                                            tmp_path: Path) -> None:
+    # the "PD proxy" mock answers its first token 50 ms after the instance's: the hand-over, once the lone
+    # prefill (back to back) and the wake-up after the idle time (~0 on the mocks) are taken off
+    out = tmp_path / "p.json"
+    rc = cli.main(["profile", mock_url, "--pd-url", slow_mock_url, "--out", str(out), "--prefill-tokens", "16,64",
+                   "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1", "--decode-repeats", "1",
+                   "--wake-idle-ms", "20", "--wake-repeats", "2"])
+    assert rc == 0
+    inst = load_profile(out).for_tp(1)
+    assert [t for t, _ in inst.kv_samples] == [16, 64]
+    assert all(35 <= ms <= 65 for _, ms in inst.kv_samples) and 35 <= inst.kv_ms(40) <= 65
 
 
 class FakeHost:
@@ -200,7 +222,7 @@ def _serve_apps(*apps: web.Application) -> Iterator[list[str]]:
 
 
 SMALL_PLAN = ["--prefill-tokens", "16", "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1",
-              "--decode-repeats", "1"]
+              "--decode-repeats", "1", "--wake-repeats", "0"]
 
 
 def test_profile_measures_how_a_neighbour_slows_the_instance(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

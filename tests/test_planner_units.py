@@ -10,9 +10,9 @@ import pytest
 from vllm_pd.planner.deployment_search import (Slo, distributions_at, enumerate_deployments, goodput, search,
                                                summarise, trace_at)
 from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, ProfileError, fit_instance,
-                                             fit_poly, load_profile, neighbour_factor, refit, save_profile,
-                                             spread_of)
-from vllm_pd.planner.pd_simulator import Deployment, simulate
+                                             fit_poly, load_profile, merge_samples, neighbour_factor, refit,
+                                             save_profile, spread_of)
+from vllm_pd.planner.pd_simulator import Deployment, Simulation, simulate
 from vllm_pd.planner.workload import (TraceRequest, WorkloadError, load_trace, parse_distributions, write_trace)
 
 
@@ -338,3 +338,60 @@ def test_a_requests_first_decode_step_costs_first_step_ms_more() -> None:
     # 1P1D: the same on the decode instance
     (a,), (b,) = simulate(base, Deployment(1, 1), req), simulate(slow, Deployment(1, 1), req)
     assert (b.tpot - a.tpot) * 10 == pytest.approx(0.005)
+
+
+def test_wake_points_are_the_median_difference_per_idle_time_and_interpolate() -> None:
+    # (idle ms, back to back ms, after idle ms): medians per idle time, their difference never negative
+    samples = [(30.0, 7.0, 8.0), (300.0, 7.0, 10.0), (30.0, 7.2, 8.0), (300.0, 7.4, 11.0), (300.0, 6.8, 9.9),
+               (100.0, 8.0, 7.0)]
+    inst = fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)], wake=samples)
+    assert inst.wake_after_idle == [(30.0, pytest.approx(0.9)), (100.0, 0.0), (300.0, pytest.approx(3.0))]
+    assert inst.wake_ms(0) == 0.0 and inst.wake_ms(15) == pytest.approx(0.45)
+    assert inst.wake_ms(200) == pytest.approx(1.5) and inst.wake_ms(5000) == pytest.approx(3.0)
+    assert refit(inst).wake_after_idle == inst.wake_after_idle
+    assert merge_samples(inst, inst).wake_samples == samples + samples
+    assert fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)]).wake_ms(1000) == 0.0
+
+
+def test_a_prefill_after_idle_takes_the_wake_up_longer() -> None:
+    base = make_profile()
+    woken = LatencyProfile("m", [msgspec.structs.replace(base.instances[0], wake_after_idle=[(100.0, 4.0)])])
+    # colocated x1: A reaches an instance idle since the start: the whole wake-up, on its TTFT only
+    (a,) = simulate(woken, Deployment(0, 1), [TraceRequest(0.0, 100, 3)])
+    assert a.ttft == pytest.approx(0.034) and a.finish is not None
+    # B 50 ms after A's last step: half of it; C while B decodes (no idling: none of its own, only B's 2 ms
+    # shift of the step it joins)
+    reqs = [TraceRequest(0.0, 100, 3), TraceRequest(a.finish + 0.05, 100, 40), TraceRequest(a.finish + 0.09, 100, 2)]
+    plain, wake = simulate(base, Deployment(0, 1), reqs), simulate(woken, Deployment(0, 1), reqs)
+    assert [w.ttft - p.ttft for p, w in zip(plain, wake)] == pytest.approx([0.004, 0.002, 0.002])
+    assert [w.tpot for w in wake] == pytest.approx([p.tpot for p in plain])
+    # 1P1D: on the prefill instance only (the decode instance wakes as the request arrives, beside the prefill)
+    (p1,), (w1,) = simulate(base, Deployment(1, 1), reqs[:1]), simulate(woken, Deployment(1, 1), reqs[:1])
+    assert w1.ttft - p1.ttft == pytest.approx(0.004) and w1.tpot == pytest.approx(p1.tpot)
+
+
+def test_requests_take_turns_among_equally_loaded_instances_as_the_proxy_does() -> None:
+    sim = Simulation(make_profile(), Deployment(0, 2))
+    lone = sim.run([TraceRequest(float(i), 100, 4) for i in range(4)])
+    first, second = sim.decoders
+    assert [r.decoder for r in lone] == [first, second, first, second]
+    # not tied: the one with fewer outstanding requests, whoever's turn it is (C's turn is the first's, but
+    # A still decodes there)
+    sim = Simulation(make_profile(), Deployment(1, 2))
+    a, b, c = sim.run([TraceRequest(0.0, 100, 400), TraceRequest(0.001, 100, 2), TraceRequest(1.0, 100, 4)])
+    assert (a.decoder, b.decoder, c.decoder) == (sim.decoders[0], sim.decoders[1], sim.decoders[1])
+    assert a.finish is not None and a.finish > 1.0
+
+
+def test_each_requests_first_steps_are_a_draw_from_the_samples() -> None:
+    # colocated x1, lone requests of 11 tokens (10 gaps): each one's first steps take a draw from the
+    # samples (a negative one counts as 0), so their TPOTs differ by 0 or 3 ms / 10 gaps
+    base = make_profile()
+    drawn = LatencyProfile("m", [msgspec.structs.replace(base.instances[0], first_step_samples=[-1.0, 3.0],
+                                                         first_step_ms=1.0)])
+    reqs = [TraceRequest(float(i), 100, 11) for i in range(40)]
+    plain = simulate(base, Deployment(0, 1), reqs)
+    extra = [round((d.tpot - p.tpot) * 10 * 1e3, 6) for p, d in zip(plain, simulate(drawn, Deployment(0, 1), reqs))]
+    assert set(extra) == {0.0, 3.0}
+    assert extra == [round((d.tpot - p.tpot) * 10 * 1e3, 6)
+                     for p, d in zip(plain, simulate(drawn, Deployment(0, 1), reqs))]  # seeded: the same again

@@ -8,14 +8,19 @@ streaming completions with ``ignore_eos``:
 - decode: ``batch`` concurrent requests of ``context`` prompt tokens, ``decode_repeats`` times; the mean
   gap between tokens in the second half of each stream (when every request of the batch is decoding)
   is one step. The points' scatter around the fit is the decode spread, over windows as long as those
-  second halves.
+  second halves. A lone stream's first half less as many such steps is its first steps' extra time.
 
 With ``relay_url`` (a proxy in front of this instance alone) prefill and decode are measured through it,
 as a client of the deployment sees them: the proxy's hop and its relaying of every token then count, on
 the cores they share with the instance. Without one, decode goes through ``pd_url`` if given.
-- KV hand-over: through a PD proxy (``pd_url``), a lone request's TTFT minus a lone prefill's measured
-  here is prefill's end to decode's first token (transfer tail, decode's last layer, second hop);
-  without one, a fixed model.
+- wake-up after idle: a lone prefill right after another request and one after ``wake_idle_ms`` of
+  idleness, pairs interleaved; the difference of their medians per idle time.
+- KV hand-over: through a PD proxy (``pd_url``), a lone request's TTFT after the longest idle time of
+  the wake-up, less the lone prefill's measured here and the wake-up after that idle time, is prefill's
+  end to decode's first token (transfer tail, decode's last layer, second hop): the simulator adds those
+  three to a lone request, so it comes to the TTFT measured through the pair (the wake-up on the PD path is
+  not the relay's: taking it off a prefill measured through the relay after idleness left 1P1D 8-10 % high).
+  Without a PD proxy, a fixed model.
 - neighbours (with ``neighbour_url``, another instance on the same host - on a PD pair the prefill
   instance): a lone request's steady decode step (as decode measures it) alone and while the neighbour
   runs back-to-back prefills, and a lone prefill's TTFT alone and while the neighbour decodes a batch of
@@ -39,7 +44,7 @@ from typing import Any
 
 import aiohttp
 
-from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, fit_instance
+from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, fit_instance, wake_points
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,9 @@ class ProfilePlan:
     neighbour_streams: int = 4  # the neighbour's decode batch
     neighbour_stream_tokens: int = 64  # the prompt of each of those streams
     neighbour_settle_s: float = 0.1  # after cancelling the neighbour's streams, before the next measurement
+    wake_idle_ms: tuple[int, ...] = (30, 100, 300)  # idle times before a lone prefill (wake-up cost)
+    wake_repeats: int = 6  # back to back / after idle pairs per idle time (0: not measured)
+    wake_tokens: int = 128  # the lone prefill's prompt
 
 
 @dataclass
@@ -132,12 +140,13 @@ class InstanceProfiler:
             await self._batch(session, self.relay_url or self.url, model, [64, 64], 4)
             prefill = await self._prefill(session, model)
             decode, window_ms, first_step = await self._decode(session, model)
-            kv = await self._kv(session, model, prefill) if self.pd_url else []
+            wake = await self._wake(session, model)
+            kv = await self._kv(session, model, prefill, wake) if self.pd_url else []
             neighbour = await self._neighbour(session, model) if self.neighbour_url else []
         # no PD pair measured: two points of the fixed model stand in for samples
         kv = kv or [(0, self.plan.kv_fixed_ms), (1000, self.plan.kv_fixed_ms + 1000 * self.plan.kv_ms_per_token)]
         inst = fit_instance(tp, prefill, decode, kv, self.plan.max_num_batched_tokens, self.plan.max_num_seqs,
-                            window_ms, neighbour, first_step)
+                            window_ms, neighbour, first_step, wake)
         return model, inst
 
     async def _batch(self, session: aiohttp.ClientSession, url: str, model: str, lengths: list[int],
@@ -173,21 +182,42 @@ class InstanceProfiler:
                     mean_context = context + (half + p.decode_tokens) // 2
                     out.append((batch, batch * mean_context, statistics.median(gaps) * 1e3))
                     windows.append(statistics.median(s.stamps[-1] - s.stamps[half] for s in streams) * 1e3)
-                    if batch == 1:  # alone, its first gap is its own first decode step (in a batch, others' prompts)
-                        first_steps.append((streams[0].stamps[1] - streams[0].stamps[0] - gaps[0]) * 1e3)
+                    if batch == 1:  # alone, its first gaps are its own first steps (in a batch, others' prompts)
+                        s = streams[0]
+                        first_steps.append((s.stamps[half] - s.stamps[0] - half * gaps[0]) * 1e3)
                     logger.info("decode batch %d context %d: %.2f ms/step", batch, context, out[-1][2])
         return out, statistics.median(windows) if windows else 0.0, first_steps
 
-    async def _kv(self, session: aiohttp.ClientSession, model: str,
-                  prefill: list[tuple[int, int, float]]) -> list[tuple[int, float]]:
+    async def _wake(self, session: aiohttp.ClientSession, model: str) -> list[tuple[float, float, float]]:
+        """[(idle ms, a lone prefill's TTFT back to back, its TTFT after that idle time)], pairs interleaved."""
+        p = self.plan
+        url = self.relay_url or self.url
+        tokens = min(p.wake_tokens, p.max_model_len - 2)
+        out = []
+        for _ in range(p.wake_repeats):
+            for idle in p.wake_idle_ms:
+                (hot,) = await self._batch(session, url, model, [tokens], 1)
+                await asyncio.sleep(idle / 1e3)
+                (cold,) = await self._batch(session, url, model, [tokens], 1)
+                out.append((float(idle), hot.ttft * 1e3, cold.ttft * 1e3))
+        for idle_ms, hot_ms, cold_ms in out[-len(p.wake_idle_ms):]:
+            logger.info("a lone prefill after %.0f ms idle: %.1f ms (back to back %.1f ms)", idle_ms, cold_ms, hot_ms)
+        return out
+
+    async def _kv(self, session: aiohttp.ClientSession, model: str, prefill: list[tuple[int, int, float]],
+                  wake: list[tuple[float, float, float]]) -> list[tuple[int, float]]:
         assert self.pd_url is not None
         alone = {t: ms for t, b, ms in prefill if b == 1}
+        points = wake_points(wake)
+        idle_ms, wake_ms = points[-1] if points else (0.0, 0.0)
         out = []
         for tokens in sorted(alone):
-            ms = [(await self._batch(session, self.pd_url, model, [tokens], 2))[0].ttft * 1e3
-                  for _ in range(self.plan.repeats)]
+            ms = []
+            for _ in range(self.plan.repeats):
+                await asyncio.sleep(idle_ms / 1e3)
+                ms.append((await self._batch(session, self.pd_url, model, [tokens], 2))[0].ttft * 1e3)
             # decode's first forward overlaps prefill's (layer-wise load): what is left after prefill's end
-            out.append((tokens, max(0.0, statistics.median(ms) - alone[tokens])))
+            out.append((tokens, max(0.0, statistics.median(ms) - alone[tokens] - wake_ms)))
             logger.info("PD hand-over %d tokens: %.1f ms", tokens, out[-1][1])
         return out
 

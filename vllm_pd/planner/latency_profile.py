@@ -15,10 +15,19 @@ covers. Each keeps the raw samples it was fitted from, so a profile can be re-fi
 - kv: prefill's end to the first token on an idle decode instance, for ``t`` prompt tokens, ``a + b*t``
   ms (the layer-wise load overlaps decode's first forward with prefill's, so this is the tail of the
   transfer, the last layer's forward and the proxy's second hop).
-- first step: a request's first decode step (its second token) takes longer than its later ones
-  (~1-1.5 ms here, in PD and colocated alike): ``first_step_ms`` is added to a step once per request
-  taking its first decode step, the median of ``first_step_samples`` (a lone stream's first gap less
-  its steady step). TPOT spans every gap, so leaving it out made short outputs' TPOT ~4 % low.
+- first steps: a request's first decode steps (its second token most, the next two a little) take
+  longer than its later ones (~1-1.7 ms in all here, in PD and colocated alike, varying from request to
+  request): the simulator adds to a step, per request taking its first decode step, a draw from
+  ``first_step_samples`` (a lone stream's gaps in its first half less as many of its steady steps);
+  ``first_step_ms`` is their median. TPOT spans every gap, so leaving it out made short outputs' TPOT ~4 %
+  low, and a constant made requests' TPOTs too alike (p90 low).
+- wake-up after idle: a request reaching an instance that has been idle waits for the processes on its
+  path (and, on a VM, their cores) to wake: ~2-4 ms here on a lone 128-token prefill of 7 ms after 0.3 s
+  idle, about nothing back to back. ``wake_after_idle`` holds (idle ms, extra ms) points, each the median
+  lone prefill after that much idleness less the median back to back (``wake_samples``: (idle ms, back
+  to back ms, after idle ms)); :meth:`InstanceProfile.wake_ms` interpolates them (0 at no idleness, the
+  last point's beyond it). Profiles measure back to back, so without it every request of a light load
+  came out 2-5 ms early.
 - neighbours: instances on one host slow each other (shared memory bandwidth and caches), so
   ``beside_prefill`` is the factor on this instance's decode step time while another instance on the
   same host runs a prefill, and ``beside_decode`` the factor on its prefill time while another instance
@@ -74,7 +83,9 @@ class InstanceProfile(msgspec.Struct, frozen=True):
     beside_decode: float = 1.0  # prefill time x this while a same-host neighbour decodes
     neighbour_samples: list[tuple[str, float, float]] = []  # ("decode" | "prefill", alone ms, beside ms)
     first_step_ms: float = 0.0  # what a step adds per request taking its first decode step (its second token)
-    first_step_samples: list[float] = []  # a lone stream's first gap less its steady step (ms)
+    first_step_samples: list[float] = []  # a lone stream's first-half gaps less as many steady steps (ms)
+    wake_after_idle: list[tuple[float, float]] = []  # (idle ms, what a prefill step then takes longer, ms)
+    wake_samples: list[tuple[float, float, float]] = []  # (idle ms, back to back ms, after idle ms)
 
     def prefill_ms(self, tokens: int, prompts: int = 1, square: int | None = None) -> float:
         """``prompts`` prompts, ``tokens`` in all; ``square`` = the sum of their squares (default: equal)."""
@@ -85,6 +96,16 @@ class InstanceProfile(msgspec.Struct, frozen=True):
 
     def decode_ms(self, batch: int, context: int) -> float:
         return self.decode.at(batch, context)
+
+    def wake_ms(self, idle_ms: float) -> float:
+        """What a step with prompt work takes longer after the instance idled ``idle_ms``: linear between
+        (0, 0) and the measured points, the last point's value beyond it."""
+        x0, y0 = 0.0, 0.0
+        for x, y in self.wake_after_idle:
+            if idle_ms <= x:
+                return y0 + (y - y0) * (idle_ms - x0) / (x - x0) if x > x0 else y
+            x0, y0 = x, y
+        return y0
 
     def mixed_ms(self, chunks: Sequence[int], batch: int, context: int, spread: float = 1.0,
                  beside_prefill: float = 1.0, beside_decode: float = 1.0) -> float:
@@ -253,7 +274,7 @@ def refit(inst: InstanceProfile) -> InstanceProfile:
     """
     new = fit_instance(inst.tp, inst.prefill_samples, inst.decode_samples, inst.kv_samples,
                        inst.max_num_batched_tokens, inst.max_num_seqs, inst.decode_spread_window_ms,
-                       inst.neighbour_samples, inst.first_step_samples)
+                       inst.neighbour_samples, inst.first_step_samples, inst.wake_samples)
     kinds = {kind for kind, _, _ in inst.neighbour_samples}
     return msgspec.structs.replace(
         new, beside_prefill=new.beside_prefill if "decode" in kinds else inst.beside_prefill,
@@ -275,7 +296,17 @@ def merge_samples(old: InstanceProfile, new: InstanceProfile) -> InstanceProfile
     return fit_instance(old.tp, old.prefill_samples + new.prefill_samples, old.decode_samples + new.decode_samples,
                         old.kv_samples + new.kv_samples, old.max_num_batched_tokens, old.max_num_seqs,
                         sum(windows) / len(windows) if windows else 0.0,
-                        old.neighbour_samples + new.neighbour_samples, old.first_step_samples + new.first_step_samples)
+                        old.neighbour_samples + new.neighbour_samples, old.first_step_samples + new.first_step_samples,
+                        old.wake_samples + new.wake_samples)
+
+
+def wake_points(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float]]:
+    """[(idle ms, median after idle - median back to back, floored at 0)] per idle time measured, sorted."""
+    by_idle: dict[float, list[tuple[float, float]]] = {}
+    for idle, hot, cold in samples:
+        by_idle.setdefault(idle, []).append((hot, cold))
+    return [(idle, max(0.0, round(statistics.median(c for _, c in pairs) - statistics.median(h for h, _ in pairs), 3)))
+            for idle, pairs in sorted(by_idle.items())]
 
 
 def neighbour_factor(samples: Sequence[tuple[str, float, float]], kind: str) -> float:
@@ -300,13 +331,15 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
                  kv: list[tuple[int, float]], max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, spread_window_ms: float = 0.0,
                  neighbour: Sequence[tuple[str, float, float]] = (),
-                 first_step: Sequence[float] = ()) -> InstanceProfile:
+                 first_step: Sequence[float] = (),
+                 wake: Sequence[tuple[float, float, float]] = ()) -> InstanceProfile:
     """Fit the models from raw samples (kv: at least one sample, or a fixed model in ``kv``).
 
     prefill: (tokens per prompt, prompts in the step, ms); decode: (batch, summed context, the mean ms
     per step over a window of ``spread_window_ms``; 0 = no spread: one sample per point is the fit's own);
     neighbour: (kind, alone ms, beside ms), see :func:`neighbour_factor` (none: factors 1.0); first_step: a lone
-    stream's first gap less its steady step, ms (none: 0).
+    stream's first-half gaps less as many steady steps, ms (none: 0); wake: (idle ms, back to back ms, after
+    idle ms), see :func:`wake_points` (none: no wake-up cost).
     """
     dec = fit_poly([(n, k, ms) for n, k, ms in decode])
     return InstanceProfile(
@@ -321,4 +354,5 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
         beside_prefill=neighbour_factor(neighbour, "decode"), beside_decode=neighbour_factor(neighbour, "prefill"),
         neighbour_samples=list(neighbour),
         first_step_ms=max(0.0, round(statistics.median(first_step), 3)) if first_step else 0.0,
-        first_step_samples=list(first_step))
+        first_step_samples=list(first_step),
+        wake_after_idle=wake_points(wake), wake_samples=list(wake))

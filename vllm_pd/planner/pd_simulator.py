@@ -22,9 +22,13 @@ starts, in a step with prompt chunks, and its prefill part by ``beside_decode`` 
 then in a step that decodes. Sampling the neighbours' state at the step's start is the approximation: a
 neighbour's step that begins or ends midway does not change a step already planned (and a decode
 instance held by a layer-wise load counts as neither). With both factors 1.0 (the default, and instances
-on separate hosts) nothing changes. A step holding requests' first decode steps
-takes the profile's ``first_step_ms`` longer per such request. Requests reach the instance with the fewest
-outstanding requests, as the proxy's least_outstanding policy does.
+on separate hosts) nothing changes. A step holding requests' first decode steps takes longer by each
+such request's draw from the profile's ``first_step_samples`` (floored at 0; requests vary: their first
+gaps ran 0.5-14 ms here; ``first_step_ms`` without samples). A step with prompt chunks that starts after
+its instance idled takes the profile's ``wake_ms`` of that idle time longer (a decode instance's wake-up
+happens as the request arrives, beside the prefill, so it costs nothing). Requests reach the instance
+with the fewest outstanding requests, taking turns among ties, as the proxy's least_outstanding policy
+does (one turn counter per role).
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ class SimRequest:
     generated: int = 0
     first_token: float | None = None
     finish: float | None = None
-    decoder: "_Instance | None" = None  # disaggregated: the decode instance the proxy picked at arrival
+    decoder: "_Instance | None" = None  # the decode instance the proxy picked at arrival (colocated: its one)
 
     @property
     def context(self) -> int:
@@ -104,6 +108,7 @@ class _Instance:
     factor_until: float = float("-inf")
     step_prefill: bool = False  # the current step has prompt chunks
     step_decode: bool = False  # the current step decodes
+    idle_since: float = float("-inf")  # when its last step ended (idle since the start: a full wake-up)
 
     @property
     def outstanding(self) -> int:
@@ -118,6 +123,11 @@ class _Instance:
             self.factor = s[self.rng.randrange(len(s))]
             self.factor_until = t + self.profile.decode_spread_window_ms / 1e3
         return self.factor
+
+    def first_steps(self) -> float:
+        """A request's first decode steps' extra time: a draw from the profile's samples (never below 0)."""
+        samples = self.profile.first_step_samples
+        return max(0.0, samples[self.rng.randrange(len(samples))]) if samples else self.profile.first_step_ms
 
     def plan_step(self, t: float, neighbour_prefills: bool = False,
                   neighbour_decodes: bool = False) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
@@ -141,7 +151,9 @@ class _Instance:
         p = self.profile
         ms = p.mixed_ms([t for _, t in chunks], len(decoding), context, spread,
                         p.beside_prefill if neighbour_prefills else 1.0, p.beside_decode if neighbour_decodes else 1.0)
-        ms += p.first_step_ms * sum(1 for r in decoding if r.generated == 1)
+        ms += sum(self.first_steps() for r in decoding if r.generated == 1)
+        if chunks:
+            ms += p.wake_ms((t - self.idle_since) * 1e3)
         return ms / 1e3, chunks, decoding
 
 
@@ -154,6 +166,7 @@ class Simulation:
     seed: int = 0  # the decode spread's draws
     _events: list = field(default_factory=list)
     _seq: itertools.count = field(default_factory=itertools.count)
+    _turns: dict[str, itertools.count] = field(default_factory=dict)  # least_outstanding's tie-breaks, per role
 
     def __post_init__(self) -> None:
         d = self.deployment
@@ -184,11 +197,18 @@ class Simulation:
 
     def _arrive(self, t: float, req: SimRequest) -> None:
         if not self.deployment.colocated:
-            req.decoder = min(self.decoders, key=lambda i: i.outstanding)
+            req.decoder = self._least_outstanding(self.decoders, "decode")
             req.decoder.awaiting += 1
-        inst = min(self.prefillers, key=lambda i: i.outstanding)
+        inst = self._least_outstanding(self.prefillers, "prefill")
+        if self.deployment.colocated:
+            req.decoder = inst
         inst.waiting.append(req)
         self._kick(t, inst)
+
+    def _least_outstanding(self, instances: list[_Instance], role: str) -> _Instance:
+        best = min(i.outstanding for i in instances)
+        tied = [i for i in instances if i.outstanding == best]
+        return tied[next(self._turns.setdefault(role, itertools.count())) % len(tied)]
 
     def _kv_ready(self, t: float, req: SimRequest) -> None:
         """An async load is done: the request joins its decode instance's next step."""
@@ -237,6 +257,7 @@ class Simulation:
     def _step_done(self, t: float, inst: _Instance, chunks: list[tuple[SimRequest, int]],
                    decoding: list[SimRequest], layerwise: list[SimRequest]) -> None:
         inst.busy = False
+        inst.idle_since = t
         inst.step_prefill = inst.step_decode = False
         for req in decoding:
             self._emit_token(t, inst, req)
