@@ -70,12 +70,14 @@ STORE_CASES: dict[str, dict[str, Any]] = {
 
 # The supervisor (tests/test_supervisor_e2e.py): an output-heavy load (short prompts, long outputs; these
 # may repeat) and a prompt-heavy one (long prompts, 1 token out; each prompt once, so no prefix cache
-# takes the prompt work away). Every output runs to max_tokens, so the load is what it says.
+# takes the prompt work away: enough of them for the phase to last until the move and its hold under a
+# slow CI machine - 96 ran out there, the move unmade). Every output runs to max_tokens, so the load is
+# what it says.
 _sup_rng = random.Random(16)
 SUPERVISOR_OUTPUT_HEAVY = {f"sup_out{i}": completion_body([_sup_rng.randrange(5, 4000) for _ in range(16)],
                                                           max_tokens=64, ignore_eos=True) for i in range(12)}
 SUPERVISOR_PROMPT_HEAVY = {f"sup_long{i}": completion_body([_sup_rng.randrange(5, 4000) for _ in range(1200)],
-                                                           max_tokens=1, ignore_eos=True) for i in range(96)}
+                                                           max_tokens=1, ignore_eos=True) for i in range(288)}
 
 # Other areas add their own dicts here; the reference phase runs all of them.
 CATALOGUE: dict[str, dict[str, Any]] = {**CONNECTOR_CASES, **STORE_CASES, **SUPERVISOR_OUTPUT_HEAVY,

@@ -179,7 +179,8 @@ async def _follows_the_mix(pd_pair: list, reference_outputs: dict[str, list[int]
                             lambda: watch.held(target, HOLD_S, t0) or time.monotonic() > deadline, answers)
                 starts.append(started)
                 phase_s.append(time.monotonic() - t0 - started)
-                assert watch.split == target, f"never reached {target}: {watch.timeline}"
+                assert watch.split == target, \
+                    f"never reached {target} ({len(answers) - before} answers in {phase_s[-1]:.1f} s): {watch.timeline}"
                 print(f"{clients} clients from {started:.1f} s: {target} at {watch.timeline[-1][0]:.1f} s, "
                       f"{len(answers) - before} answers")
         finally:
