@@ -20,7 +20,9 @@ relaying of every token count, as in the deployments), the KV hand-over through 
 how a and b slow each other (`--neighbour-url` a). It is taken in slices: before the replays
 (benchmarks/plan_profile.json: the profile a user of `vllm-pd plan` has) and after each round; every
 slice's samples pooled (as `vllm-pd profile --merge` pools them) are the profile over the run
-(benchmarks/plan_profile_run.json), the machine's drift over the run averaged.
+(benchmarks/plan_profile_run.json), the machine's drift over the run averaged into one fit; every slice is
+also kept as a profile of its own (benchmarks/plan_profile_slices.json), and their simulations pooled keep
+that drift (each slice is the machine at its minutes, as each round's replays are).
 
 Seeded traces (LOADS: benchmarks/plan_trace.jsonl at ~1.1 req/s, plan_trace_3x.jsonl at ~3.6,
 plan_trace_8x.jsonl at ~10.7) are replayed open-loop in ``--repeats`` rounds; each round replays every
@@ -49,6 +51,7 @@ from pathlib import Path
 from typing import Callable
 
 import aiohttp
+import msgspec
 
 from pd_e2e import machine_busy, own_cpu, proxy_process
 from vllm_pd.planner.deployment_search import percentile
@@ -122,6 +125,8 @@ def run_pair(args: argparse.Namespace, traces: dict[str, list[TraceRequest]]) ->
             over_run = functools.reduce(merge_samples, profile.slices)
             save_profile(LatencyProfile(profile.model, [over_run], source=profile.source),
                          run_profile_path(args.profile))
+            slices = [LatencyProfile(profile.model, [inst], source=profile.source) for inst in profile.slices]
+            slices_path(args.profile).write_bytes(msgspec.json.encode(slices))
             out["profile_slices"] = profile.summaries
         finally:
             for p in procs:
@@ -153,7 +158,8 @@ class Profiling:
         self.slices.append(inst)
         self.summaries.append({"when": when, "foreign_cpu_pct": foreign, "decode_ms_1x512": inst.decode_ms(1, 512),
                                "prefill_ms_512": inst.prefill_ms(512), "beside_prefill": inst.beside_prefill,
-                               "beside_decode": inst.beside_decode})
+                               "beside_decode": inst.beside_decode, "wake_after_idle": inst.wake_after_idle,
+                               "first_step_ms": inst.first_step_ms})
         print(f"  profile {when} in {time.monotonic() - t0:.0f} s: a lone decode step {inst.decode_ms(1, 512):.2f} ms, "
               f"a lone 512-token prefill {inst.prefill_ms(512):.1f} ms; other processes {foreign:.0f} % of a core",
               flush=True)
@@ -240,12 +246,23 @@ def run_profile_path(profile: Path) -> Path:
     return profile.with_name(f"{profile.stem}_run{profile.suffix}")
 
 
+def slices_path(profile: Path) -> Path:
+    """Where every slice goes as a profile of its own (a JSON list of profiles)."""
+    return profile.with_name(f"{profile.stem}_slices{profile.suffix}")
+
+
+def load_slices(path: Path) -> list[LatencyProfile]:
+    return msgspec.json.decode(path.read_bytes(), type=list[LatencyProfile]) if path.exists() else []
+
+
 CHECK_SEEDS = itertools.count(100)
 SEEDS = range(5)  # the simulator's decode-spread draws: every seed's requests are pooled, as the repeats are
 
 
-def simulated(profile: LatencyProfile, deployment: Deployment, trace: list[TraceRequest]) -> dict[str, list[float]]:
-    sims = [r for seed in SEEDS for r in simulate(profile, deployment, trace, seed=seed)]
+def simulated(profiles: list[LatencyProfile], deployment: Deployment,
+              trace: list[TraceRequest]) -> dict[str, list[float]]:
+    """Every profile's simulation with every seed, pooled."""
+    sims = [r for profile in profiles for seed in SEEDS for r in simulate(profile, deployment, trace, seed=seed)]
     return {"ttft": [r.ttft for r in sims], "tpot": [r.tpot for r in sims if r.spec.output_tokens > 1]}
 
 
@@ -254,12 +271,18 @@ def measured(runs: list[dict]) -> dict[str, list[float]]:
     return {"ttft": [r["ttft"] for r in rows], "tpot": [r["tpot"] for r in rows if r["tokens"] > 1]}
 
 
-def report(results: dict, before: LatencyProfile, over_run: LatencyProfile | None,
+def report(results: dict, before: LatencyProfile, over_run: LatencyProfile | None, slices: list[LatencyProfile],
            traces: dict[str, list[TraceRequest]]) -> None:
     """Simulated vs measured (every round's requests pooled) per deployment, load and metric: with the
-    profile taken before the replays (what a user of `vllm-pd plan` has), and with the profile over the
-    run (the samples of every slice pooled: the machine's drift over the run, averaged)."""
-    profiles = {"profile before the replays": before} | ({"profile over the run": over_run} if over_run else {})
+    profile taken before the replays (what a user of `vllm-pd plan` has); with the profile over the run
+    (the samples of every slice fitted together: the machine's drift over the run, averaged into one fit);
+    and with every slice's own profile, their simulations pooled (the drift kept: each slice is the
+    machine at its minutes, as each round's replays are)."""
+    profiles = {"profile before the replays": [before]}
+    if over_run:
+        profiles["profile over the run"] = [over_run]
+    if slices:
+        profiles["slices pooled"] = slices
     columns = " | ".join(f"simulated, {k} (ms) | error" for k in profiles)
     print(f"| deployment | load | metric | measured (ms) | {columns} |\n|---|---|---|---|" + "---|---|" * len(profiles))
     within = dict.fromkeys(profiles, 0)
@@ -288,13 +311,19 @@ def report(results: dict, before: LatencyProfile, over_run: LatencyProfile | Non
     for sl in results.get("profile_slices", []):
         print(f"profile slice {sl['when']}: a lone decode step {sl['decode_ms_1x512']:.2f} ms, a lone 512-token "
               f"prefill {sl['prefill_ms_512']:.1f} ms, beside a neighbour x{sl['beside_prefill']} (decode) / "
-              f"x{sl['beside_decode']} (prefill); other processes {sl['foreign_cpu_pct']:.0f} % of a core")
+              f"x{sl['beside_decode']} (prefill), after idle {wake_text(sl.get('wake_after_idle', []))}, first "
+              f"decode steps +{sl.get('first_step_ms', 0.0):.2f} ms; other processes {sl['foreign_cpu_pct']:.0f} % "
+              "of a core")
     speeds = [run["speed"] for d in results["loads"].values() for runs in d.values() for run in runs]
     reference = results["speed_at_profile"]
     for key in ("prefill_ms", "decode_ms"):
         xs = sorted(sp[key] for sp in speeds)
         print(f"speed probe {key}: {reference[key]} after the first profile, {xs[0]}-{xs[-1]} before the replays "
               f"(median {xs[len(xs) // 2]})")
+
+
+def wake_text(points: list) -> str:
+    return ", ".join(f"+{ms:.1f} ms ({idle:.0f} ms)" for idle, ms in points) or "not measured"
 
 
 def load_traces(names: list[str]) -> dict[str, list[TraceRequest]]:
@@ -332,7 +361,7 @@ def main() -> int:
     if args.report:
         over_run = run_profile_path(args.profile)
         report(json.loads(args.results.read_text()), load_profile(args.profile),
-               load_profile(over_run) if over_run.exists() else None, traces)
+               load_profile(over_run) if over_run.exists() else None, load_slices(slices_path(args.profile)), traces)
     return 0
 
 
