@@ -11,7 +11,7 @@ import torch
 
 from vllm_pd.connector.config import PDConnectorConfig, parse_size
 from vllm_pd.connector.control import PrefillDoneMessage, ReleaseMessage, decode_control
-from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.connector.exceptions import ConfigError, TransferTimeout
 from vllm_pd.connector.outgoing import OutgoingTransfers
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.block_copies import BlockCopies
@@ -223,6 +223,36 @@ def test_load_job_of_awaited_push_checks_the_announcement_then_copies_and_releas
     assert bytes(regions[1].tensor[3].numpy()) == b"\x0b" * 8 and bytes(regions[0].tensor[1].numpy()) == b"\x0a" * 8
     assert transport.notified == [("tcp://10.0.0.1:5000", ReleaseMessage("k").encode())]
     assert len(st) == 0
+
+
+class _UnansweredOnceTransport(_RecordingTransport):
+    """The first release goes unanswered (a prefill rank too busy to answer in time)."""
+
+    def notify(self, peer: str, message: bytes, timeout: float) -> Future:
+        fut = super().notify(peer, message, timeout)
+        if len(self.notified) == 1:
+            fut = Future()
+            fut.set_exception(TransferTimeout(f"NOTIFY to {peer} timed out"))
+        return fut
+
+
+def test_load_job_retries_its_release_when_prefill_does_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One lost answer must not leave prefill holding the blocks (and stepping) for its whole lease."""
+    from vllm_pd.connector import release
+
+    monkeypatch.setattr(release, "RELEASE_BACKOFF_S", 0.05)
+    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    job, _, _ = _awaited_job(st, [5, 6, 7])
+    transport = job._transport = _UnansweredOnceTransport()
+    for layer in range(2):
+        _land(st, "k", layer, (0, 1), fill=1, last=True)
+    st.announce("k", _remote(mode="push", transfer_id="k", block_ids=(8, 9), num_tokens=3, block_size=2,
+                             prompt_hash=prompt_hash([5, 6, 7])).to_params())
+    job.run()
+    deadline = time.monotonic() + 5
+    while len(transport.notified) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert transport.notified == [("tcp://10.0.0.1:5000", ReleaseMessage("k").encode())] * 2
 
 
 @pytest.mark.parametrize("transfer_id, prompt, problem", [

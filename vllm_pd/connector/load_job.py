@@ -17,7 +17,8 @@ import time
 from concurrent.futures import Future
 
 
-from vllm_pd.connector.control import PingMessage, ReleaseMessage
+from vllm_pd.connector.control import PingMessage
+from vllm_pd.connector.release import release_rank_share
 from vllm_pd.connector.kv_access import KVAccess
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
 from vllm_pd.connector.step_specs import LoadSpec
@@ -208,18 +209,8 @@ class LoadJob:
         self.layer_done[layer].set()
 
     def _release_remote(self, remote: RemotePrefill) -> None:
-        # with equal TP sizes our rank's share is the prefill rank we loaded from, released after the load;
-        # with other sizes nothing was loaded (refused) and the shares together cover every prefill rank
-        message = ReleaseMessage(remote.transfer_id).encode()
-        for peer in remote.release_endpoints(self._rank, self._tp_size):
-            try:
-                fut = self._transport.notify(peer, message, timeout=5.0)
-                fut.add_done_callback(_log_release_failure)
-            except Exception as e:  # noqa: BLE001 - prefill's lease frees it anyway
-                logger.warning("could not ask %s to release transfer %s: %s", peer, remote.transfer_id, e)
-
-
-def _log_release_failure(fut: Future[bytes | None]) -> None:
-    exc = fut.exception()
-    if exc is not None:
-        logger.warning("release notification failed (%s); prefill frees the KV when its lease ends", exc)
+        # With equal TP sizes our rank's share is the prefill rank we loaded from, released after the
+        # load; with other sizes nothing was loaded (refused) and the shares together cover every
+        # prefill rank. Retried: one lost answer from a busy prefill rank would hold its blocks - and
+        # keep its engine stepping - for the whole lease.
+        release_rank_share(self._transport, remote, self._rank, self._tp_size)

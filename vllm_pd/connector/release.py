@@ -68,6 +68,13 @@ def send_release(transport: Transport, peer: str, transfer_id: str, attempt: int
     fut.add_done_callback(lambda f: retry_or_give_up(f, None))
 
 
+def release_rank_share(transport: Transport, remote: RemotePrefill, rank: int, tp_size: int) -> None:
+    """Decode's TP rank ``rank`` (of ``tp_size``) tells its share of prefill's ranks to free ``remote``'s
+    KV (see :meth:`RemotePrefill.release_endpoints`); never blocks, each release retried."""
+    for peer in remote.release_endpoints(rank, tp_size):
+        send_release(transport, peer, remote.transfer_id)
+
+
 def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float = 2.0) -> bool:
     """Tell every TP rank of the prefill instance named in ``kv_transfer_params`` to free that
     request's KV.

@@ -18,7 +18,7 @@ import torch
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.control import PingMessage, ReleaseMessage, decode_control
-from vllm_pd.connector.release import send_release
+from vllm_pd.connector.release import release_rank_share
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
 from vllm_pd.connector.kv_device import KVDevice, kv_device_for
@@ -141,8 +141,7 @@ class PDConnectorWorker:
 
     def _release(self, remote: RemotePrefill) -> None:
         """Tell this rank's share of prefill's ranks that ``remote``'s KV is not needed."""
-        for peer in remote.release_endpoints(self.tp_rank, self.tp_size):
-            send_release(self.transport, peer, remote.transfer_id)
+        release_rank_share(self.transport, remote, self.tp_rank, self.tp_size)
 
     # ---- each step ------------------------------------------------------------------------------
     def begin_step(self, meta: WorkerStep) -> None:
