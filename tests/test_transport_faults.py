@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from vllm_pd.connector.exceptions import (
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.framing import Checksum, Frame, Kind, Status, read_frame, send_buffers
+from vllm_pd.connector.transport.wire import Wire
 from vllm_pd.vllm_server import free_port
 
 
@@ -231,3 +233,35 @@ def test_revoke_cuts_a_stalled_reader_instead_of_hanging() -> None:
             assert got < 80 << 20  # cut (EOF or reset), not served to the end
     finally:
         t.close()
+
+
+def test_a_control_frame_stalled_past_its_deadline_fails_alone(receiver, monkeypatch) -> None:
+    """A NOTIFY whose sending thread is held up past the deadline (a starved core: seen on the TP=2
+    e2e pair) times out by itself; the connection and the fetch queued behind it carry on."""
+    b, sink, ep, regions = receiver  # b's blocks are zeros
+    mine = make_regions(2, 16, seed=3)
+    a, _, _ = started("tcp", mine)
+    try:
+        b.allow_fetch("held", [3, 5])
+        a.fetch(ep, "held", 1, [3, 5], [0, 1], timeout=5).result(5)  # connected
+        channel = a._link(ep).channel
+        send_frame = Wire.send_frame
+
+        def stalled(wire: Wire, frame: Frame) -> None:
+            if frame.kind is Kind.NOTIFY:
+                time.sleep(0.8)
+            send_frame(wire, frame)
+
+        monkeypatch.setattr(Wire, "send_frame", stalled)
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(a.notify, ep, b"late", 0.2)
+            time.sleep(0.1)  # the NOTIFY's thread holds the link's send lock now
+            assert mine[0].tensor[2].any()
+            fetch = a.fetch(ep, "held", 0, [3, 5], [2, 3], timeout=5)
+            with pytest.raises(TransferTimeout):
+                sent.result(5).result(5)
+        fetch.result(5)
+        assert not mine[0].tensor[2].any() and not mine[0].tensor[3].any()
+        assert a._link(ep).channel is channel, "the connection was torn down for a control frame"
+    finally:
+        a.close()

@@ -160,12 +160,15 @@ class PeerLink:
         with self._lock:
             if self._pending.get(op.req_id) is not op:
                 return
-            if op.state in ("sending", "receiving"):
-                # Its bytes are moving right now; abort the connection so that the
+            if op.state == "receiving" or (op.state == "sending" and op.send_views):
+                # Its block bytes are moving right now; abort the connection so that the
                 # moving thread stops touching the op's memory, then it settles it.
                 op.timed_out = True
                 wire = self._wire
             else:
+                # Nothing of its own in flight (a control frame, however late its sender
+                # thread is): it fails alone. Aborting here cost every other transfer on
+                # the link when a starved thread sat on a NOTIFY past its deadline.
                 del self._pending[op.req_id]
                 wire = None
         if wire is not None:
