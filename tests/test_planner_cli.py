@@ -133,15 +133,21 @@ class FakeHost:
     neighbour runs a one-token request (a prefill), its first token ``beside_decode`` x later while the
     neighbour streams a longer one (decoding); ``fail`` makes the neighbour answer HTTP 500."""
 
-    def __init__(self, beside_prefill: float, beside_decode: float, fail: bool = False) -> None:
+    def __init__(self, beside_prefill: float, beside_decode: float, fail: bool = False, join_s: float = 0.0) -> None:
         self.ttft, self.itl, self.prefill_s = 0.04, 0.01, 0.03
         self.beside_prefill, self.beside_decode, self.fail = beside_prefill, beside_decode, fail
+        self.join_s = join_s  # what each PD request joining the instance adds to its next token gap
+        self.joins_due = 0.0
         self.prefilling = self.decoding = 0
         self.peak_decoding = 0
         self.prompts: list[tuple[int, ...]] = []  # every prompt either server saw
 
     def apps(self) -> tuple[web.Application, web.Application]:
         return self._app(self._instance), self._app(self._neighbour)
+
+    def pd_app(self) -> web.Application:
+        """A PD proxy over the pair: prefill on the neighbour, then the request decodes on the instance."""
+        return self._app(self._pd)
 
     @staticmethod
     def _app(completions) -> web.Application:
@@ -166,7 +172,27 @@ class FakeHost:
         await asyncio.sleep(self.ttft * (self.beside_decode if self.decoding else 1.0))
         for i in range(body["max_tokens"]):
             if i:
-                await asyncio.sleep(self.itl * (self.beside_prefill if self.prefilling else 1.0))
+                due, self.joins_due = self.joins_due, 0.0
+                await asyncio.sleep(self.itl * (self.beside_prefill if self.prefilling else 1.0) + due)
+            await self._token(resp)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def _pd(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.prompts.append(tuple(body["prompt"]))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.prefilling += 1
+        try:
+            await asyncio.sleep(self.prefill_s)
+        finally:
+            self.prefilling -= 1
+        self.joins_due += self.join_s
+        for i in range(body["max_tokens"]):
+            if i:  # the running streams (the profiler's lone stream) pay for the joins, not the joiners
+                due, self.joins_due = (self.joins_due, 0.0) if body["max_tokens"] > 2 else (0.0, self.joins_due)
+                await asyncio.sleep(self.itl + due)
             await self._token(resp)
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -240,6 +266,27 @@ def test_profile_measures_how_a_neighbour_slows_the_instance(tmp_path: Path, cap
     assert len(set(host.prompts)) == len(host.prompts)  # no prefix cache hit on either instance
     assert (f"beside a neighbour: decode step x{inst.beside_prefill:.2f} while it prefills, "
             f"prefill x{inst.beside_decode:.2f} while it decodes") in capsys.readouterr().out
+
+
+def test_profile_measures_what_a_join_costs_the_running_steps(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Each PD request joining the instance delays its running stream by 5 ms: the profile's join cost."""
+    host = FakeHost(beside_prefill=1.0, beside_decode=1.0, join_s=0.005)
+    out = tmp_path / "p.json"
+    for instance_url, neighbour_url, pd_url in _serve_apps(*host.apps(), host.pd_app()):
+        rc = cli.main(["profile", instance_url, "--neighbour-url", neighbour_url, "--pd-url", pd_url, "--out",
+                       str(out), *SMALL_PLAN, "--join-tokens", "16,64", "--join-repeats", "3"])
+    assert rc == 0
+    inst = load_profile(out).for_tp(1)
+    assert [t for t, *_ in inst.join_samples] == [16, 64] * 3
+    assert all(rate > 5 for *_, rate in inst.join_samples)  # ~25 joins/s: one per 30 ms prefill
+    # 5 ms per join, give or take a window of a few joins and the event loop of a busy 2-core box
+    assert 2.5 <= inst.join_ms(40) <= 9
+    assert "a decode leg joining costs the running steps" in capsys.readouterr().out
+    # without a PD proxy (or a neighbour) nothing is measured and a join costs nothing
+    for instance_url, neighbour_url in _serve_apps(*FakeHost(1.0, 1.0).apps()):
+        assert cli.main(["profile", instance_url, "--neighbour-url", neighbour_url, "--out", str(out),
+                         *SMALL_PLAN]) == 0
+    assert load_profile(out).for_tp(1).join_samples == [] and load_profile(out).for_tp(1).join_ms(500) == 0
 
 
 def test_profile_without_a_neighbour_keeps_the_factors_neutral(mock_url: str, tmp_path: Path,

@@ -10,8 +10,8 @@ import pytest
 from vllm_pd.planner.deployment_search import (Slo, distributions_at, enumerate_deployments, goodput, search,
                                                summarise, trace_at)
 from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, ProfileError, fit_instance,
-                                             fit_poly, load_profile, merge_samples, neighbour_factor, refit,
-                                             save_profile, spread_of)
+                                             fit_poly, join_points, load_profile, merge_samples, neighbour_factor,
+                                             refit, save_profile, spread_of)
 from vllm_pd.planner.pd_simulator import Deployment, Simulation, simulate
 from vllm_pd.planner.workload import (TraceRequest, WorkloadError, load_trace, parse_distributions, write_trace)
 
@@ -395,3 +395,27 @@ def test_each_requests_first_steps_are_a_draw_from_the_samples() -> None:
     assert set(extra) == {0.0, 3.0}
     assert extra == [round((d.tpot - p.tpot) * 10 * 1e3, 6)
                      for p, d in zip(plain, simulate(drawn, Deployment(0, 1), reqs))]  # seeded: the same again
+
+
+def test_join_points_are_the_steps_extra_share_over_the_joins_per_second() -> None:
+    # beside 20 joins/s the lone stream's step went 4.0 -> 5.0 ms: a fifth of each step, 10 ms per join
+    samples = [(128, 4.0, 5.0, 20.0), (640, 4.0, 6.0, 10.0), (640, 4.0, 3.9, 10.0), (128, 4.0, 4.5, 0.0)]
+    assert join_points(samples) == [(128, 10.0), (640, pytest.approx(33.333)), (640, 0.0), (128, 0.0)]
+    inst = fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)], join=samples[:2])
+    assert inst.join_ms(128) == pytest.approx(10.0) and inst.join_ms(640) == pytest.approx(33.333, abs=1e-3)
+    assert refit(inst).join == inst.join and merge_samples(inst, inst).join_samples == samples[:2] * 2
+    assert fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)]).join_ms(640) == 0.0
+
+
+def test_a_decode_leg_joining_a_busy_decode_instance_slows_its_running_steps() -> None:
+    base = make_profile(prefill=Poly(50.0, 0, 0), decode=Poly(30.0, 0, 0), kv=Poly(40.0, 0))
+    joined = LatencyProfile("m", [msgspec.structs.replace(base.instances[0], join=Poly(7.0, 0.01))])
+    trace = [TraceRequest(0.0, 100, 50), TraceRequest(0.5, 200, 3)]
+    (a1, _), (a2, _) = simulate(base, Deployment(1, 1), trace), simulate(joined, Deployment(1, 1), trace)
+    # the first request was alone on decode when it arrived: its hand-over is as measured
+    assert a2.ttft == pytest.approx(a1.ttft)
+    # the second arrived while it decoded: one of its steps took 7 + 0.01 x 200 ms longer
+    assert (a2.finish - a1.finish) * 1e3 == pytest.approx(9.0)
+    # colocated: no decode legs, no joins
+    assert [r.finish for r in simulate(joined, Deployment(0, 1), trace)] == \
+        [r.finish for r in simulate(base, Deployment(0, 1), trace)]

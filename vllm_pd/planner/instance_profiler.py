@@ -26,6 +26,10 @@ the cores they share with the instance. Without one, decode goes through ``pd_ur
   runs back-to-back prefills, and a lone prefill's TTFT alone and while the neighbour decodes a batch of
   long streams, interleaved ``neighbour_repeats`` times; the medians' ratios are the profile's
   ``beside_prefill`` and ``beside_decode``.
+- joins (with ``neighbour_url`` and ``pd_url``): the lone request's steady step while the neighbour runs
+  back-to-back plain prefills of ``t`` tokens, and while back-to-back PD requests of ``t`` tokens (two out:
+  prefill on the neighbour, the KV pushed here, one decode step) join this instance, with how many joined
+  in the measured window; interleaved ``join_repeats`` times per ``join_tokens`` length.
 
 HTTP and detokenisation costs stay inside the fitted constants, as a client of the deployment sees them.
 """
@@ -74,6 +78,8 @@ class ProfilePlan:
     wake_idle_ms: tuple[int, ...] = (30, 100, 300)  # idle times before a lone prefill (wake-up cost)
     wake_repeats: int = 6  # back to back / after idle pairs per idle time (0: not measured)
     wake_tokens: int = 128  # the lone prefill's prompt
+    join_tokens: tuple[int, ...] = (128, 640)  # prompts of the PD requests joining decode (join cost)
+    join_repeats: int = 4  # beside-plain-prefills / beside-joins pairs per prompt length (0: not measured)
 
 
 @dataclass
@@ -143,10 +149,11 @@ class InstanceProfiler:
             wake = await self._wake(session, model)
             kv = await self._kv(session, model, prefill, wake) if self.pd_url else []
             neighbour = await self._neighbour(session, model) if self.neighbour_url else []
+            join = await self._joins(session, model) if self.neighbour_url and self.pd_url else []
         # no PD pair measured: two points of the fixed model stand in for samples
         kv = kv or [(0, self.plan.kv_fixed_ms), (1000, self.plan.kv_fixed_ms + 1000 * self.plan.kv_ms_per_token)]
         inst = fit_instance(tp, prefill, decode, kv, self.plan.max_num_batched_tokens, self.plan.max_num_seqs,
-                            window_ms, neighbour, first_step, wake)
+                            window_ms, neighbour, first_step, wake, join)
         return model, inst
 
     async def _batch(self, session: aiohttp.ClientSession, url: str, model: str, lengths: list[int],
@@ -241,13 +248,57 @@ class InstanceProfiler:
             logger.info("prefill beside a decoding neighbour: %.1f ms (alone %.1f ms)", beside, alone)
         return out
 
-    async def _lone_step(self, session: aiohttp.ClientSession, model: str) -> float:
-        """A lone request's mean step (ms) over the second half of its stream, measured as :meth:`_decode` does."""
+    async def _joins(self, session: aiohttp.ClientSession, model: str) -> list[tuple[int, float, float, float]]:
+        """[(prompt tokens, the lone step beside the neighbour's plain prefills ms, beside PD joins ms, joins per
+        second in that step's window)], interleaved."""
+        assert self.neighbour_url is not None and self.pd_url is not None
+        other = await model_name(session, self.neighbour_url)
+        p = self.plan
+        out: list[tuple[int, float, float, float]] = []
+        for _ in range(p.join_repeats):
+            for tokens in (t for t in p.join_tokens if t < p.max_model_len - 2):
+                async with self._back_to_back(session, self.neighbour_url, other, tokens, 1, []):
+                    plain = await self._lone_step(session, model)
+                done: list[float] = []
+                window: list[float] = []
+                async with self._back_to_back(session, self.pd_url, model, tokens, 2, done):
+                    joins = await self._lone_step(session, model, window)
+                rate = sum(window[0] <= t < window[1] for t in done) / (window[1] - window[0])
+                out.append((tokens, plain, joins, rate))
+                logger.info("decode step beside %.1f joins/s of %d tokens: %.2f ms (beside plain prefills %.2f ms)",
+                            rate, tokens, joins, plain)
+        return out
+
+    @contextlib.asynccontextmanager
+    async def _back_to_back(self, session: aiohttp.ClientSession, url: str, model: str, tokens: int, out: int,
+                            done: list[float]) -> AsyncIterator[None]:
+        """Requests of ``tokens`` prompt tokens, ``out`` out, one after the other until the block ends (the last
+        one is let finish); each one's end (time.perf_counter) goes to ``done``."""
+        stop = asyncio.Event()
+
+        async def loop() -> None:
+            while not stop.is_set():
+                await stream_completion(session, url, model, self._prompts.make(tokens), out)
+                done.append(time.perf_counter())
+
+        task = asyncio.create_task(loop())
+        try:
+            yield
+        finally:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+        await task  # the load failed: its error, not a measurement without it
+
+    async def _lone_step(self, session: aiohttp.ClientSession, model: str, window: list[float] | None = None) -> float:
+        """A lone request's mean step (ms) over the second half of its stream, measured as :meth:`_decode` does;
+        ``window`` gets that half's start and end (time.perf_counter)."""
         p = self.plan
         context = min(p.neighbour_context, p.max_model_len - p.decode_tokens - 1)
         (s,) = await self._batch(session, self.relay_url or self.pd_url or self.url, model, [context],
                                  p.decode_tokens)
         half = p.decode_tokens // 2
+        if window is not None:
+            window[:] = [s.stamps[half], s.stamps[-1]]
         return (s.stamps[-1] - s.stamps[half]) / (len(s.stamps) - 1 - half) * 1e3
 
     async def _lone_prefill(self, session: aiohttp.ClientSession, model: str) -> float:
@@ -261,20 +312,9 @@ class InstanceProfiler:
         """The neighbour prefills one-token requests back to back until the block ends (the last one is
         let finish: one step, not an abort to wait out)."""
         assert self.neighbour_url is not None
-        url, tokens = self.neighbour_url, min(self.plan.neighbour_prefill_tokens, self.plan.max_model_len - 2)
-        stop = asyncio.Event()
-
-        async def loop() -> None:
-            while not stop.is_set():
-                await stream_completion(session, url, model, self._prompts.make(tokens), 1)
-
-        task = asyncio.create_task(loop())
-        try:
+        tokens = min(self.plan.neighbour_prefill_tokens, self.plan.max_model_len - 2)
+        async with self._back_to_back(session, self.neighbour_url, model, tokens, 1, []):
             yield
-        finally:
-            stop.set()
-            await asyncio.gather(task, return_exceptions=True)
-        await task  # the neighbour failed: its error, not a measurement without it
 
     @contextlib.asynccontextmanager
     async def _neighbour_decoding(self, session: aiohttp.ClientSession, model: str) -> AsyncIterator[None]:

@@ -34,6 +34,13 @@ covers. Each keeps the raw samples it was fitted from, so a profile can be re-fi
   on the same host decodes. Each is the median of the measurements beside the neighbour over the median
   alone (``neighbour_samples``: (``"decode"`` or ``"prefill"``, alone ms, beside ms)), floored at 1.0.
   1.0 = not measured, or instances on separate hosts (or GPUs) that do not share those.
+- joins: a request's decode leg arriving at a decode instance that is decoding others costs their steps
+  time of its own - its HTTP leg, the scheduling, its KV's intake (the layer plan's reads, copies and
+  checks) on the instance's core - ~2-4 of its steps per request here, far more than the beside-prefill
+  factor (the neighbour's plain prefills push nothing). ``join`` (``a + b*t`` ms, ``t`` prompt tokens) is
+  fitted from ``join_samples``: a lone stream's step beside the neighbour's plain prefills and beside
+  back-to-back PD requests of ``t`` tokens, with the joins per second of that window; per join, the
+  steps' extra share over the joins per second (:func:`join_points`). Zero: not measured.
 
 Format 2 (this one) replaced format 1's prefill model (``a + b*T + c*T^2`` over the whole step) and its
 kv (the hand-over before a full decode step); :func:`load_profile` reads format 1 files as format 2.
@@ -82,6 +89,9 @@ class InstanceProfile(msgspec.Struct, frozen=True):
     beside_prefill: float = 1.0  # decode step time x this while a same-host neighbour prefills
     beside_decode: float = 1.0  # prefill time x this while a same-host neighbour decodes
     neighbour_samples: list[tuple[str, float, float]] = []  # ("decode" | "prefill", alone ms, beside ms)
+    join: Poly = Poly()  # x = prompt tokens: what a request joining this decode instance costs its running steps
+    # (prompt tokens, a lone stream's step ms beside the neighbour's plain prefills, beside PD joins, joins per s)
+    join_samples: list[tuple[int, float, float, float]] = []
     first_step_ms: float = 0.0  # what a step adds per request taking its first decode step (its second token)
     first_step_samples: list[float] = []  # a lone stream's first-half gaps less as many steady steps (ms)
     wake_after_idle: list[tuple[float, float]] = []  # (idle ms, what a prefill step then takes longer, ms)
@@ -122,6 +132,10 @@ class InstanceProfile(msgspec.Struct, frozen=True):
         if tokens == 0:
             return self.decode_ms(batch, context) * spread * beside_prefill
         return prefill + (self.decode.b * batch + self.decode.c * context) * spread * beside_prefill
+
+    def join_ms(self, tokens: int) -> float:
+        """What a decode leg of ``tokens`` prompt tokens arriving here costs the steps of requests decoding here."""
+        return self.join.at(tokens)
 
     def kv_ms(self, tokens: int) -> float:
         """Prefill's end to the first token on an idle decode instance (layer-wise load)."""
@@ -274,7 +288,7 @@ def refit(inst: InstanceProfile) -> InstanceProfile:
     """
     new = fit_instance(inst.tp, inst.prefill_samples, inst.decode_samples, inst.kv_samples,
                        inst.max_num_batched_tokens, inst.max_num_seqs, inst.decode_spread_window_ms,
-                       inst.neighbour_samples, inst.first_step_samples, inst.wake_samples)
+                       inst.neighbour_samples, inst.first_step_samples, inst.wake_samples, inst.join_samples)
     kinds = {kind for kind, _, _ in inst.neighbour_samples}
     return msgspec.structs.replace(
         new, beside_prefill=new.beside_prefill if "decode" in kinds else inst.beside_prefill,
@@ -297,7 +311,7 @@ def merge_samples(old: InstanceProfile, new: InstanceProfile) -> InstanceProfile
                         old.kv_samples + new.kv_samples, old.max_num_batched_tokens, old.max_num_seqs,
                         sum(windows) / len(windows) if windows else 0.0,
                         old.neighbour_samples + new.neighbour_samples, old.first_step_samples + new.first_step_samples,
-                        old.wake_samples + new.wake_samples)
+                        old.wake_samples + new.wake_samples, old.join_samples + new.join_samples)
 
 
 def wake_points(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float]]:
@@ -322,6 +336,13 @@ def neighbour_factor(samples: Sequence[tuple[str, float, float]], kind: str) -> 
     return max(1.0, round(statistics.median(beside) / statistics.median(alone), 3))
 
 
+def join_points(samples: Sequence[tuple[int, float, float, float]]) -> list[tuple[int, float]]:
+    """[(prompt tokens, decode ms per join)]: per sample, the share of each step the joins add over the
+    neighbour's plain prefills, over the joins per second (floored at 0)."""
+    return [(t, max(0.0, round((joins - plain) / joins / rate * 1e3, 3)) if joins > 0 and rate > 0 else 0.0)
+            for t, plain, joins, rate in samples]
+
+
 def spread_of(decode: Poly, points: Sequence[tuple[int, int, float]]) -> list[float]:
     """Each measured point over what ``decode`` predicts for it, sorted (3 decimals: a compact file)."""
     return sorted(round(ms / decode.at(n, k), 3) for n, k, ms in points if decode.at(n, k) > 0)
@@ -332,14 +353,15 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
                  max_num_seqs: int = 256, spread_window_ms: float = 0.0,
                  neighbour: Sequence[tuple[str, float, float]] = (),
                  first_step: Sequence[float] = (),
-                 wake: Sequence[tuple[float, float, float]] = ()) -> InstanceProfile:
+                 wake: Sequence[tuple[float, float, float]] = (),
+                 join: Sequence[tuple[int, float, float, float]] = ()) -> InstanceProfile:
     """Fit the models from raw samples (kv: at least one sample, or a fixed model in ``kv``).
 
     prefill: (tokens per prompt, prompts in the step, ms); decode: (batch, summed context, the mean ms
     per step over a window of ``spread_window_ms``; 0 = no spread: one sample per point is the fit's own);
     neighbour: (kind, alone ms, beside ms), see :func:`neighbour_factor` (none: factors 1.0); first_step: a lone
     stream's first-half gaps less as many steady steps, ms (none: 0); wake: (idle ms, back to back ms, after
-    idle ms), see :func:`wake_points` (none: no wake-up cost).
+    idle ms), see :func:`wake_points` (none: no wake-up cost); join: see :func:`join_points` (none: no cost).
     """
     dec = fit_poly([(n, k, ms) for n, k, ms in decode])
     return InstanceProfile(
@@ -355,4 +377,5 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
         neighbour_samples=list(neighbour),
         first_step_ms=max(0.0, round(statistics.median(first_step), 3)) if first_step else 0.0,
         first_step_samples=list(first_step),
-        wake_after_idle=wake_points(wake), wake_samples=list(wake))
+        wake_after_idle=wake_points(wake), wake_samples=list(wake),
+        join=fit_poly(join_points(join)) if join else Poly(), join_samples=list(join))

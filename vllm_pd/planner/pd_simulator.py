@@ -26,7 +26,10 @@ on separate hosts) nothing changes. A step holding requests' first decode steps 
 such request's draw from the profile's ``first_step_samples`` (floored at 0; requests vary: their first
 gaps ran 0.5-14 ms here; ``first_step_ms`` without samples). A step with prompt chunks that starts after
 its instance idled takes the profile's ``wake_ms`` of that idle time longer (a decode instance's wake-up
-happens as the request arrives, beside the prefill, so it costs nothing). Requests reach the instance
+happens as the request arrives, beside the prefill, so it costs nothing). A decode leg arriving at a decode
+instance that is decoding others adds the profile's ``join_ms`` of its prompt to that instance's next step
+that decodes (its HTTP leg, scheduling and KV intake take the instance's core; on an idle instance that is
+part of the measured hand-over). Requests reach the instance
 with the fewest outstanding requests, taking turns among ties, as the proxy's least_outstanding policy
 does (one turn counter per role).
 """
@@ -109,6 +112,7 @@ class _Instance:
     step_prefill: bool = False  # the current step has prompt chunks
     step_decode: bool = False  # the current step decodes
     idle_since: float = float("-inf")  # when its last step ended (idle since the start: a full wake-up)
+    joins_ms: float = 0.0  # decode: what arriving decode legs cost, not yet charged to a step that decodes
 
     @property
     def outstanding(self) -> int:
@@ -152,6 +156,8 @@ class _Instance:
         ms = p.mixed_ms([t for _, t in chunks], len(decoding), context, spread,
                         p.beside_prefill if neighbour_prefills else 1.0, p.beside_decode if neighbour_decodes else 1.0)
         ms += sum(self.first_steps() for r in decoding if r.generated == 1)
+        if decoding:
+            ms, self.joins_ms = ms + self.joins_ms, 0.0
         if chunks:
             ms += p.wake_ms((t - self.idle_since) * 1e3)
         return ms / 1e3, chunks, decoding
@@ -197,8 +203,10 @@ class Simulation:
 
     def _arrive(self, t: float, req: SimRequest) -> None:
         if not self.deployment.colocated:
-            req.decoder = self._least_outstanding(self.decoders, "decode")
-            req.decoder.awaiting += 1
+            req.decoder = dec = self._least_outstanding(self.decoders, "decode")
+            dec.awaiting += 1
+            if dec.running:  # an idle decode instance's intake is in the request's own hand-over (kv)
+                dec.joins_ms += dec.profile.join_ms(req.spec.input_tokens)
         inst = self._least_outstanding(self.prefillers, "prefill")
         if self.deployment.colocated:
             req.decoder = inst

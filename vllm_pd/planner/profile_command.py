@@ -56,13 +56,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="idle times before a lone prefill, to measure what waking the instance costs")
     p.add_argument("--wake-repeats", type=int, default=d.wake_repeats,
                    help="back to back / after idle pairs per --wake-idle-ms value (0: not measured)")
+    p.add_argument("--join-tokens", type=_ints, default=d.join_tokens,
+                   help="prompts of the PD requests joining decode, to measure what a join costs its running steps "
+                        "(needs --pd-url and --neighbour-url)")
+    p.add_argument("--join-repeats", type=int, default=d.join_repeats,
+                   help="beside plain prefills / beside joins pairs per --join-tokens value (0: not measured)")
 
 
 def run(args: argparse.Namespace) -> int:
     plan = ProfilePlan(prefill_tokens=args.prefill_tokens, decode_batches=args.decode_batches,
                        decode_contexts=args.decode_contexts, repeats=args.repeats,
                        decode_repeats=args.decode_repeats, wake_idle_ms=args.wake_idle_ms,
-                       wake_repeats=args.wake_repeats,
+                       wake_repeats=args.wake_repeats, join_tokens=args.join_tokens, join_repeats=args.join_repeats,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len, kv_fixed_ms=args.kv_fixed_ms,
                        kv_ms_per_token=args.kv_ms_per_token)
@@ -90,9 +95,11 @@ def run(args: argparse.Namespace) -> int:
                   f"x{inst.beside_decode:.2f} while it decodes" if inst.neighbour_samples else "")
     points = ", ".join(f"+{ms:.1f} ms after {idle:.0f} ms" for idle, ms in inst.wake_after_idle)
     wake = f"; a prefill after idle {points}" if points else ""
+    joins = (f"; a decode leg joining costs the running steps {inst.join.a:.2f} + {inst.join.b:.4f}*t ms"
+             if inst.join_samples else "")
     print(f"wrote {args.out}: tp={inst.tp} prefill_ms = {inst.prefill.a:.2f} + {inst.prefill.b:.4f}*tokens + "
           f"{inst.prefill.c:.2e}*sum(prompt^2) + {inst.prefill.d:.2f}*prompts; decode_step_ms = "
           f"{inst.decode.a:.2f} + {inst.decode.b:.3f}*batch + {inst.decode.c:.2e}*context{tail}; "
           f"kv_ms = {inst.kv.a:.2f} + {inst.kv.b:.4f}*t; a request's first decode steps +{inst.first_step_ms:.2f} ms"
-          f"{wake}{neighbours}")
+          f"{wake}{neighbours}{joins}")
     return 0
