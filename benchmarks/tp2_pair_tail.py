@@ -9,7 +9,7 @@ prompts in pull and push-beside mode for --rounds rounds, one at a time, and pri
 p50 / p90 / max beside the connector's warnings in the servers' logs (release failures, load failures,
 recomputes). A request over 300 s is what failed the test (its HTTP timeout).
 
-  flock /tmp/e2e.lock python benchmarks/tp2_pair_tail.py --rounds 10 --logs /tmp/tp2-logs
+  PYTHONPATH=. flock /tmp/e2e.lock python3 benchmarks/tp2_pair_tail.py --rounds 10 --logs /tmp/tp2-logs
 """
 
 from __future__ import annotations
