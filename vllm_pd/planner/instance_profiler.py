@@ -263,7 +263,8 @@ class InstanceProfiler:
                 window: list[float] = []
                 async with self._back_to_back(session, self.pd_url, model, tokens, 2, done):
                     joins = await self._lone_step(session, model, window)
-                rate = sum(window[0] <= t < window[1] for t in done) / (window[1] - window[0])
+                span = window[1] - window[0]  # 0 only from a server that sends every token at once
+                rate = sum(window[0] <= t < window[1] for t in done) / span if span > 0 else 0.0
                 out.append((tokens, plain, joins, rate))
                 logger.info("decode step beside %.1f joins/s of %d tokens: %.2f ms (beside plain prefills %.2f ms)",
                             rate, tokens, joins, plain)
