@@ -85,7 +85,7 @@ def test_profile_measures_the_mock_delays(mock_url: str, tmp_path: Path) -> None
 def test_profile_merge_pools_the_samples_of_two_runs(mock_url: str, tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     flags = ["--out", str(out), "--prefill-tokens", "16,64", "--decode-batches", "1,2", "--decode-contexts", "32",
-             "--repeats", "1", "--decode-repeats", "1", "--wake-repeats", "1", "--merge"]
+             "--repeats", "1", "--decode-repeats", "1", "--wake-idle-ms", "20,50,80", "--wake-repeats", "1", "--merge"]
     assert cli.main(["profile", mock_url, *flags]) == 0  # nothing to merge into yet: a fresh file
     first = load_profile(out).for_tp(1)
     assert cli.main(["profile", mock_url, *flags]) == 0
@@ -108,7 +108,7 @@ def test_profile_measures_through_the_relay(mock_url: str, slow_mock_url: str, t
     out = tmp_path / "p.json"
     rc = cli.main(["profile", mock_url, "--relay-url", slow_mock_url, "--out", str(out), "--prefill-tokens", "16,64",
                    "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1", "--decode-repeats", "1",
-                   "--wake-repeats", "1"])
+                   "--wake-idle-ms", "20", "--wake-repeats", "1", "--kv-idle-ms", "20"])
     assert rc == 0
     inst = load_profile(out).for_tp(1)
     assert 95 <= inst.prefill_ms(64) <= 250 and 38 <= inst.decode_ms(1, 32) <= 120
@@ -121,7 +121,7 @@ def test_profile_measures_the_hand_over_through_a_pd_proxy(mock_url: str, slow_m
     out = tmp_path / "p.json"
     rc = cli.main(["profile", mock_url, "--pd-url", slow_mock_url, "--out", str(out), "--prefill-tokens", "16,64",
                    "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1", "--decode-repeats", "1",
-                   "--wake-idle-ms", "20", "--wake-repeats", "2"])
+                   "--wake-idle-ms", "20", "--wake-repeats", "2", "--kv-idle-ms", "20"])
     assert rc == 0
     inst = load_profile(out).for_tp(1)
     assert [t for t, _ in inst.kv_samples] == [16, 64]

@@ -129,7 +129,7 @@ async def profile_server(url: str, path: Path) -> InstanceProfile:
     """The planner's profile of one of the pair (both run alike, one core each), made as `vllm-pd profile`
     makes it, with fewer points (seconds, not minutes), saved where ``--supervisor-profile`` reads it."""
     plan = ProfilePlan(prefill_tokens=(128, 512, 1200), prefill_batches=(1, 2), decode_batches=(1, 4, 8, 16),
-                       decode_contexts=(64, 512), repeats=1)
+                       decode_contexts=(64, 512), repeats=1, wake_repeats=3)
     model, inst = await InstanceProfiler(url, plan).run(tp=1)
     save_profile(LatencyProfile(model, [inst], source=url), path)
     return inst

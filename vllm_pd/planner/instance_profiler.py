@@ -15,8 +15,8 @@ as a client of the deployment sees them: the proxy's hop and its relaying of eve
 the cores they share with the instance. Without one, decode goes through ``pd_url`` if given.
 - wake-up after idle: a lone prefill right after another request and one after ``wake_idle_ms`` of
   idleness, pairs interleaved; the difference of their medians per idle time.
-- KV hand-over: through a PD proxy (``pd_url``), a lone request's TTFT after the longest idle time of
-  the wake-up, less the lone prefill's measured here and the wake-up after that idle time, is prefill's
+- KV hand-over: through a PD proxy (``pd_url``), a lone request's TTFT after ``kv_idle_ms`` of idleness,
+  less the lone prefill's measured here and the wake-up after that idle time, is prefill's
   end to decode's first token (transfer tail, decode's last layer, second hop): the simulator adds those
   three to a lone request, so it comes to the TTFT measured through the pair (the wake-up on the PD path is
   not the relay's: taking it off a prefill measured through the relay after idleness left 1P1D 8-10 % high).
@@ -48,7 +48,7 @@ from typing import Any
 
 import aiohttp
 
-from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, fit_instance, wake_points
+from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, fit_instance, wake_at, wake_points
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +75,11 @@ class ProfilePlan:
     neighbour_streams: int = 4  # the neighbour's decode batch
     neighbour_stream_tokens: int = 64  # the prompt of each of those streams
     neighbour_settle_s: float = 0.1  # after cancelling the neighbour's streams, before the next measurement
-    wake_idle_ms: tuple[int, ...] = (30, 100, 300)  # idle times before a lone prefill (wake-up cost)
+    # idle times before a lone prefill (wake-up cost); past 1 s too: vLLM's processes stop spinning and block
+    wake_idle_ms: tuple[int, ...] = (30, 100, 300, 1000, 3000)
     wake_repeats: int = 6  # back to back / after idle pairs per idle time (0: not measured)
     wake_tokens: int = 128  # the lone prefill's prompt
+    kv_idle_ms: int = 300  # idleness before each PD hand-over sample (the wake-up's value there is taken off)
     join_tokens: tuple[int, ...] = (128, 640)  # prompts of the PD requests joining decode (join cost)
     join_repeats: int = 4  # beside-plain-prefills / beside-joins pairs per prompt length (0: not measured)
 
@@ -216,7 +218,8 @@ class InstanceProfiler:
         assert self.pd_url is not None
         alone = {t: ms for t, b, ms in prefill if b == 1}
         points = wake_points(wake)
-        idle_ms, wake_ms = points[-1] if points else (0.0, 0.0)
+        idle_ms = float(self.plan.kv_idle_ms) if points else 0.0  # no wake-up measured: back to back
+        wake_ms = wake_at(points, idle_ms)
         out = []
         for tokens in sorted(alone):
             ms = []

@@ -23,11 +23,13 @@ covers. Each keeps the raw samples it was fitted from, so a profile can be re-fi
   low, and a constant made requests' TPOTs too alike (p90 low).
 - wake-up after idle: a request reaching an instance that has been idle waits for the processes on its
   path (and, on a VM, their cores) to wake: ~2-4 ms here on a lone 128-token prefill of 7 ms after 0.3 s
-  idle, about nothing back to back. ``wake_after_idle`` holds (idle ms, extra ms) points, each the median
-  lone prefill after that much idleness less the median back to back (``wake_samples``: (idle ms, back
-  to back ms, after idle ms)); :meth:`InstanceProfile.wake_ms` interpolates them (0 at no idleness, the
-  last point's beyond it). Profiles measure back to back, so without it every request of a light load
-  came out 2-5 ms early.
+  idle, about nothing back to back, and more again after a second or more (vLLM's executor spins for a
+  second after each message, then blocks: +5 ms at 0.3-1 s, +7 at 2.5 s, +8.5 at 5 s on a 10 ms prefill
+  of a slower VM; a colocated x2 at 1.1 req/s idles each instance ~1.8 s on average).
+  ``wake_after_idle`` holds (idle ms, extra ms) points, each the median lone prefill after that much
+  idleness less the median back to back (``wake_samples``: (idle ms, back to back ms, after idle ms));
+  :meth:`InstanceProfile.wake_ms` interpolates them (0 at no idleness, the last point's beyond it).
+  Profiles measure back to back, so without it every request of a light load came out 2-5 ms early.
 - neighbours: instances on one host slow each other (shared memory bandwidth and caches), so
   ``beside_prefill`` is the factor on this instance's decode step time while another instance on the
   same host runs a prefill, and ``beside_decode`` the factor on its prefill time while another instance
@@ -108,14 +110,9 @@ class InstanceProfile(msgspec.Struct, frozen=True):
         return self.decode.at(batch, context)
 
     def wake_ms(self, idle_ms: float) -> float:
-        """What a step with prompt work takes longer after the instance idled ``idle_ms``: linear between
-        (0, 0) and the measured points, the last point's value beyond it."""
-        x0, y0 = 0.0, 0.0
-        for x, y in self.wake_after_idle:
-            if idle_ms <= x:
-                return y0 + (y - y0) * (idle_ms - x0) / (x - x0) if x > x0 else y
-            x0, y0 = x, y
-        return y0
+        """What a step with prompt work takes longer after the instance idled ``idle_ms``
+        (:func:`wake_at` of :attr:`wake_after_idle`)."""
+        return wake_at(self.wake_after_idle, idle_ms)
 
     def mixed_ms(self, chunks: Sequence[int], batch: int, context: int, spread: float = 1.0,
                  beside_prefill: float = 1.0, beside_decode: float = 1.0) -> float:
@@ -321,6 +318,17 @@ def wake_points(samples: Sequence[tuple[float, float, float]]) -> list[tuple[flo
         by_idle.setdefault(idle, []).append((hot, cold))
     return [(idle, max(0.0, round(statistics.median(c for _, c in pairs) - statistics.median(h for h, _ in pairs), 3)))
             for idle, pairs in sorted(by_idle.items())]
+
+
+def wake_at(points: Sequence[tuple[float, float]], idle_ms: float) -> float:
+    """The wake-up after ``idle_ms`` of idleness from sorted (idle ms, extra ms) points: linear between (0, 0)
+    and the points, the last point's value beyond it (0 without points)."""
+    x0, y0 = 0.0, 0.0
+    for x, y in points:
+        if idle_ms <= x:
+            return y0 + (y - y0) * (idle_ms - x0) / (x - x0) if x > x0 else y
+        x0, y0 = x, y
+    return y0
 
 
 def neighbour_factor(samples: Sequence[tuple[str, float, float]], kind: str) -> float:

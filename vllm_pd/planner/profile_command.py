@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="idle times before a lone prefill, to measure what waking the instance costs")
     p.add_argument("--wake-repeats", type=int, default=d.wake_repeats,
                    help="back to back / after idle pairs per --wake-idle-ms value (0: not measured)")
+    p.add_argument("--kv-idle-ms", type=int, default=d.kv_idle_ms,
+                   help="idleness before each KV hand-over sample (with --pd-url)")
     p.add_argument("--join-tokens", type=_ints, default=d.join_tokens,
                    help="prompts of the PD requests joining decode, to measure what a join costs its running steps "
                         "(needs --pd-url and --neighbour-url)")
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     plan = ProfilePlan(prefill_tokens=args.prefill_tokens, decode_batches=args.decode_batches,
                        decode_contexts=args.decode_contexts, repeats=args.repeats,
                        decode_repeats=args.decode_repeats, wake_idle_ms=args.wake_idle_ms,
-                       wake_repeats=args.wake_repeats, join_tokens=args.join_tokens, join_repeats=args.join_repeats,
+                       wake_repeats=args.wake_repeats, kv_idle_ms=args.kv_idle_ms, join_tokens=args.join_tokens,
+                       join_repeats=args.join_repeats,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len, kv_fixed_ms=args.kv_fixed_ms,
                        kv_ms_per_token=args.kv_ms_per_token)
