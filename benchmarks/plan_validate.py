@@ -159,6 +159,7 @@ class Profiling:
         self.summaries.append({"when": when, "foreign_cpu_pct": foreign, "decode_ms_1x512": inst.decode_ms(1, 512),
                                "prefill_ms_512": inst.prefill_ms(512), "beside_prefill": inst.beside_prefill,
                                "beside_decode": inst.beside_decode, "wake_after_idle": inst.wake_after_idle,
+                               "pd_wake_after_idle": inst.pd_wake_after_idle,
                                "first_step_ms": inst.first_step_ms, "join_ms_640": inst.join_ms(640)})
         print(f"  profile {when} in {time.monotonic() - t0:.0f} s: a lone decode step {inst.decode_ms(1, 512):.2f} ms, "
               f"a lone 512-token prefill {inst.prefill_ms(512):.1f} ms; other processes {foreign:.0f} % of a core",
@@ -311,7 +312,8 @@ def report(results: dict, before: LatencyProfile, over_run: LatencyProfile | Non
     for sl in results.get("profile_slices", []):
         print(f"profile slice {sl['when']}: a lone decode step {sl['decode_ms_1x512']:.2f} ms, a lone 512-token "
               f"prefill {sl['prefill_ms_512']:.1f} ms, beside a neighbour x{sl['beside_prefill']} (decode) / "
-              f"x{sl['beside_decode']} (prefill), after idle {wake_text(sl.get('wake_after_idle', []))}, first "
+              f"x{sl['beside_decode']} (prefill), after idle {wake_text(sl.get('wake_after_idle', []))} "
+              f"(through the pair {wake_text(sl.get('pd_wake_after_idle', []))}), first "
               f"decode steps +{sl.get('first_step_ms', 0.0):.2f} ms, a 640-token join "
               f"{sl.get('join_ms_640', 0.0):.1f} ms of decode's steps; other processes {sl['foreign_cpu_pct']:.0f} % "
               "of a core")

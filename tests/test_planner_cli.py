@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import statistics
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,6 +127,11 @@ def test_profile_measures_the_hand_over_through_a_pd_proxy(mock_url: str, slow_m
     inst = load_profile(out).for_tp(1)
     assert [t for t, _ in inst.kv_samples] == [16, 64]
     assert all(35 <= ms <= 65 for _, ms in inst.kv_samples) and 35 <= inst.kv_ms(40) <= 65
+    # the wake-up through the pair as well as straight: the "pair" answers 50 ms later either way
+    assert [idle for idle, _, _ in inst.pd_wake_samples] == [20.0, 20.0]
+    pair_ttft = statistics.median(hot for _, hot, _ in inst.pd_wake_samples)
+    direct_ttft = statistics.median(hot for _, hot, _ in inst.wake_samples)
+    assert 35 <= pair_ttft - direct_ttft <= 65
 
 
 class FakeHost:

@@ -351,6 +351,13 @@ def test_wake_points_are_the_median_difference_per_idle_time_and_interpolate() -
     assert refit(inst).wake_after_idle == inst.wake_after_idle
     assert merge_samples(inst, inst).wake_samples == samples + samples
     assert fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)]).wake_ms(1000) == 0.0
+    # through a PD pair: a curve of its own, pooled and refitted alike; without one, the relay's
+    assert inst.pd_wake_ms(5000) == pytest.approx(3.0)
+    pd = fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)], wake=samples,
+                      pd_wake=[(1000.0, 20.0, 21.0), (3000.0, 20.0, 22.5)])
+    assert pd.pd_wake_after_idle == [(1000.0, 1.0), (3000.0, 2.5)] and pd.wake_ms(3000) == pytest.approx(3.0)
+    assert pd.pd_wake_ms(500) == pytest.approx(0.5) and pd.pd_wake_ms(2000) == pytest.approx(1.75)
+    assert refit(pd) == pd and merge_samples(pd, pd).pd_wake_samples == pd.pd_wake_samples * 2
 
 
 def test_a_prefill_after_idle_takes_the_wake_up_longer() -> None:
@@ -368,6 +375,11 @@ def test_a_prefill_after_idle_takes_the_wake_up_longer() -> None:
     # 1P1D: on the prefill instance only (the decode instance wakes as the request arrives, beside the prefill)
     (p1,), (w1,) = simulate(base, Deployment(1, 1), reqs[:1]), simulate(woken, Deployment(1, 1), reqs[:1])
     assert w1.ttft - p1.ttft == pytest.approx(0.004) and w1.tpot == pytest.approx(p1.tpot)
+    # the pair's own curve, where measured, for 1P1D's prefill; colocated keeps the relay's
+    pair = LatencyProfile("m", [msgspec.structs.replace(woken.instances[0], pd_wake_after_idle=[(100.0, 1.0)])])
+    (w2,) = simulate(pair, Deployment(1, 1), reqs[:1])
+    assert w2.ttft - p1.ttft == pytest.approx(0.001)
+    assert [w.ttft for w in simulate(pair, Deployment(0, 1), reqs)] == pytest.approx([w.ttft for w in wake])
 
 
 def test_requests_take_turns_among_equally_loaded_instances_as_the_proxy_does() -> None:

@@ -15,12 +15,13 @@ as a client of the deployment sees them: the proxy's hop and its relaying of eve
 the cores they share with the instance. Without one, decode goes through ``pd_url`` if given.
 - wake-up after idle: a lone prefill right after another request and one after ``wake_idle_ms`` of
   idleness, pairs interleaved; the difference of their medians per idle time.
+- the same wake-up through a PD proxy (``pd_url``): a lone request's TTFT through the pair (two out), back
+  to back and after each idle time (the pair's path wakes otherwise than the relay's).
 - KV hand-over: through a PD proxy (``pd_url``), a lone request's TTFT after ``kv_idle_ms`` of idleness,
-  less the lone prefill's measured here and the wake-up after that idle time, is prefill's
+  less the lone prefill's measured here and the pair's wake-up after that idle time, is prefill's
   end to decode's first token (transfer tail, decode's last layer, second hop): the simulator adds those
-  three to a lone request, so it comes to the TTFT measured through the pair (the wake-up on the PD path is
-  not the relay's: taking it off a prefill measured through the relay after idleness left 1P1D 8-10 % high).
-  Without a PD proxy, a fixed model.
+  three to a lone request, so it comes to the TTFT measured through the pair. Without a PD proxy, a fixed
+  model.
 - neighbours (with ``neighbour_url``, another instance on the same host - on a PD pair the prefill
   instance): a lone request's steady decode step (as decode measures it) alone and while the neighbour
   runs back-to-back prefills, and a lone prefill's TTFT alone and while the neighbour decodes a batch of
@@ -148,14 +149,15 @@ class InstanceProfiler:
             await self._batch(session, self.relay_url or self.url, model, [64, 64], 4)
             prefill = await self._prefill(session, model)
             decode, window_ms, first_step = await self._decode(session, model)
-            wake = await self._wake(session, model)
-            kv = await self._kv(session, model, prefill, wake) if self.pd_url else []
+            wake = await self._wake(session, model, self.relay_url or self.url, 1)
+            pd_wake = await self._wake(session, model, self.pd_url, 2) if self.pd_url else []
+            kv = await self._kv(session, model, prefill, pd_wake or wake) if self.pd_url else []
             neighbour = await self._neighbour(session, model) if self.neighbour_url else []
             join = await self._joins(session, model) if self.neighbour_url and self.pd_url else []
         # no PD pair measured: two points of the fixed model stand in for samples
         kv = kv or [(0, self.plan.kv_fixed_ms), (1000, self.plan.kv_fixed_ms + 1000 * self.plan.kv_ms_per_token)]
         inst = fit_instance(tp, prefill, decode, kv, self.plan.max_num_batched_tokens, self.plan.max_num_seqs,
-                            window_ms, neighbour, first_step, wake, join)
+                            window_ms, neighbour, first_step, wake, join, pd_wake)
         return model, inst
 
     async def _batch(self, session: aiohttp.ClientSession, url: str, model: str, lengths: list[int],
@@ -197,20 +199,22 @@ class InstanceProfiler:
                     logger.info("decode batch %d context %d: %.2f ms/step", batch, context, out[-1][2])
         return out, statistics.median(windows) if windows else 0.0, first_steps
 
-    async def _wake(self, session: aiohttp.ClientSession, model: str) -> list[tuple[float, float, float]]:
-        """[(idle ms, a lone prefill's TTFT back to back, its TTFT after that idle time)], pairs interleaved."""
+    async def _wake(self, session: aiohttp.ClientSession, model: str, url: str,
+                    max_tokens: int) -> list[tuple[float, float, float]]:
+        """[(idle ms, a lone request's TTFT back to back, its TTFT after that idle time)] through ``url``,
+        ``max_tokens`` out, pairs interleaved."""
         p = self.plan
-        url = self.relay_url or self.url
         tokens = min(p.wake_tokens, p.max_model_len - 2)
         out = []
         for _ in range(p.wake_repeats):
             for idle in p.wake_idle_ms:
-                (hot,) = await self._batch(session, url, model, [tokens], 1)
+                (hot,) = await self._batch(session, url, model, [tokens], max_tokens)
                 await asyncio.sleep(idle / 1e3)
-                (cold,) = await self._batch(session, url, model, [tokens], 1)
+                (cold,) = await self._batch(session, url, model, [tokens], max_tokens)
                 out.append((float(idle), hot.ttft * 1e3, cold.ttft * 1e3))
         for idle_ms, hot_ms, cold_ms in out[-len(p.wake_idle_ms):]:
-            logger.info("a lone prefill after %.0f ms idle: %.1f ms (back to back %.1f ms)", idle_ms, cold_ms, hot_ms)
+            logger.info("%s: a lone request's TTFT after %.0f ms idle: %.1f ms (back to back %.1f ms)", url, idle_ms,
+                        cold_ms, hot_ms)
         return out
 
     async def _kv(self, session: aiohttp.ClientSession, model: str, prefill: list[tuple[int, int, float]],

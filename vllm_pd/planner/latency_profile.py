@@ -30,6 +30,11 @@ covers. Each keeps the raw samples it was fitted from, so a profile can be re-fi
   idleness less the median back to back (``wake_samples``: (idle ms, back to back ms, after idle ms));
   :meth:`InstanceProfile.wake_ms` interpolates them (0 at no idleness, the last point's beyond it).
   Profiles measure back to back, so without it every request of a light load came out 2-5 ms early.
+  Through a PD pair the path wakes differently (the proxy's two legs, the prefill instance's connector, the
+  decode instance beside it): ``pd_wake_after_idle`` (``pd_wake_samples``) is the same measurement of a
+  lone request's TTFT through the pair, used for prefill instances of a disaggregated deployment
+  (:meth:`InstanceProfile.pd_wake_ms`; the relay's curve when not measured). On a slow VM the relay's
+  wake-up grew from +5 ms at 0.3 s to +10 ms at 3 s idle while 1P1D's replays grew ~2-3 ms less.
 - neighbours: instances on one host slow each other (shared memory bandwidth and caches), so
   ``beside_prefill`` is the factor on this instance's decode step time while another instance on the
   same host runs a prefill, and ``beside_decode`` the factor on its prefill time while another instance
@@ -98,6 +103,8 @@ class InstanceProfile(msgspec.Struct, frozen=True):
     first_step_samples: list[float] = []  # a lone stream's first-half gaps less as many steady steps (ms)
     wake_after_idle: list[tuple[float, float]] = []  # (idle ms, what a prefill step then takes longer, ms)
     wake_samples: list[tuple[float, float, float]] = []  # (idle ms, back to back ms, after idle ms)
+    pd_wake_after_idle: list[tuple[float, float]] = []  # the same through a PD pair (its prefill instance's steps)
+    pd_wake_samples: list[tuple[float, float, float]] = []
 
     def prefill_ms(self, tokens: int, prompts: int = 1, square: int | None = None) -> float:
         """``prompts`` prompts, ``tokens`` in all; ``square`` = the sum of their squares (default: equal)."""
@@ -113,6 +120,10 @@ class InstanceProfile(msgspec.Struct, frozen=True):
         """What a step with prompt work takes longer after the instance idled ``idle_ms``
         (:func:`wake_at` of :attr:`wake_after_idle`)."""
         return wake_at(self.wake_after_idle, idle_ms)
+
+    def pd_wake_ms(self, idle_ms: float) -> float:
+        """The same for a prefill instance of a PD pair: :attr:`pd_wake_after_idle`, else the relay's curve."""
+        return wake_at(self.pd_wake_after_idle or self.wake_after_idle, idle_ms)
 
     def mixed_ms(self, chunks: Sequence[int], batch: int, context: int, spread: float = 1.0,
                  beside_prefill: float = 1.0, beside_decode: float = 1.0) -> float:
@@ -285,7 +296,8 @@ def refit(inst: InstanceProfile) -> InstanceProfile:
     """
     new = fit_instance(inst.tp, inst.prefill_samples, inst.decode_samples, inst.kv_samples,
                        inst.max_num_batched_tokens, inst.max_num_seqs, inst.decode_spread_window_ms,
-                       inst.neighbour_samples, inst.first_step_samples, inst.wake_samples, inst.join_samples)
+                       inst.neighbour_samples, inst.first_step_samples, inst.wake_samples, inst.join_samples,
+                       inst.pd_wake_samples)
     kinds = {kind for kind, _, _ in inst.neighbour_samples}
     return msgspec.structs.replace(
         new, beside_prefill=new.beside_prefill if "decode" in kinds else inst.beside_prefill,
@@ -308,7 +320,8 @@ def merge_samples(old: InstanceProfile, new: InstanceProfile) -> InstanceProfile
                         old.kv_samples + new.kv_samples, old.max_num_batched_tokens, old.max_num_seqs,
                         sum(windows) / len(windows) if windows else 0.0,
                         old.neighbour_samples + new.neighbour_samples, old.first_step_samples + new.first_step_samples,
-                        old.wake_samples + new.wake_samples, old.join_samples + new.join_samples)
+                        old.wake_samples + new.wake_samples, old.join_samples + new.join_samples,
+                        old.pd_wake_samples + new.pd_wake_samples)
 
 
 def wake_points(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float]]:
@@ -362,14 +375,16 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
                  neighbour: Sequence[tuple[str, float, float]] = (),
                  first_step: Sequence[float] = (),
                  wake: Sequence[tuple[float, float, float]] = (),
-                 join: Sequence[tuple[int, float, float, float]] = ()) -> InstanceProfile:
+                 join: Sequence[tuple[int, float, float, float]] = (),
+                 pd_wake: Sequence[tuple[float, float, float]] = ()) -> InstanceProfile:
     """Fit the models from raw samples (kv: at least one sample, or a fixed model in ``kv``).
 
     prefill: (tokens per prompt, prompts in the step, ms); decode: (batch, summed context, the mean ms
     per step over a window of ``spread_window_ms``; 0 = no spread: one sample per point is the fit's own);
     neighbour: (kind, alone ms, beside ms), see :func:`neighbour_factor` (none: factors 1.0); first_step: a lone
     stream's first-half gaps less as many steady steps, ms (none: 0); wake: (idle ms, back to back ms, after
-    idle ms), see :func:`wake_points` (none: no wake-up cost); join: see :func:`join_points` (none: no cost).
+    idle ms), see :func:`wake_points` (none: no wake-up cost); join: see :func:`join_points` (none: no cost);
+    pd_wake: as wake, through a PD pair (none: prefill instances of a pair wake as ``wake`` says).
     """
     dec = fit_poly([(n, k, ms) for n, k, ms in decode])
     return InstanceProfile(
@@ -386,4 +401,5 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
         first_step_ms=max(0.0, round(statistics.median(first_step), 3)) if first_step else 0.0,
         first_step_samples=list(first_step),
         wake_after_idle=wake_points(wake), wake_samples=list(wake),
+        pd_wake_after_idle=wake_points(pd_wake), pd_wake_samples=list(pd_wake),
         join=fit_poly(join_points(join)) if join else Poly(), join_samples=list(join))

@@ -25,8 +25,9 @@ instance held by a layer-wise load counts as neither). With both factors 1.0 (th
 on separate hosts) nothing changes. A step holding requests' first decode steps takes longer by each
 such request's draw from the profile's ``first_step_samples`` (floored at 0; requests vary: their first
 gaps ran 0.5-14 ms here; ``first_step_ms`` without samples). A step with prompt chunks that starts after
-its instance idled takes the profile's ``wake_ms`` of that idle time longer (a decode instance's wake-up
-happens as the request arrives, beside the prefill, so it costs nothing). A decode leg arriving at a decode
+its instance idled takes the profile's ``wake_ms`` of that idle time longer, ``pd_wake_ms`` on a prefill
+instance (the pair's path, measured through it; a decode instance's wake-up happens as the request arrives,
+beside the prefill, so it costs nothing of its own). A decode leg arriving at a decode
 instance that is decoding others adds the profile's ``join_ms`` of its prompt to that instance's next step
 that decodes (its HTTP leg, scheduling and KV intake take the instance's core; on an idle instance that is
 part of the measured hand-over). Requests reach the instance
@@ -159,7 +160,8 @@ class _Instance:
         if decoding:
             ms, self.joins_ms = ms + self.joins_ms, 0.0
         if chunks:
-            ms += p.wake_ms((t - self.idle_since) * 1e3)
+            idle_ms = (t - self.idle_since) * 1e3
+            ms += p.pd_wake_ms(idle_ms) if self.role == "prefill" else p.wake_ms(idle_ms)
         return ms / 1e3, chunks, decoding
 
 
