@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import functools
 import itertools
 import json
@@ -309,6 +310,7 @@ def report(results: dict, before: LatencyProfile, over_run: LatencyProfile | Non
                     total += 1
                     print(f"| {d.label} | {where} | {metric.upper()} p{q} | {m:.1f} | " + " | ".join(cells) + " |")
     print("\nwithin 15 %: " + ", ".join(f"{n} of {total} with the {k}" for k, n in within.items()))
+    ttft_by_gap(results, over_run or before, traces)
     for sl in results.get("profile_slices", []):
         print(f"profile slice {sl['when']}: a lone decode step {sl['decode_ms_1x512']:.2f} ms, a lone 512-token "
               f"prefill {sl['prefill_ms_512']:.1f} ms, beside a neighbour x{sl['beside_prefill']} (decode) / "
@@ -323,6 +325,31 @@ def report(results: dict, before: LatencyProfile, over_run: LatencyProfile | Non
         xs = sorted(sp[key] for sp in speeds)
         print(f"speed probe {key}: {reference[key]} after the first profile, {xs[0]}-{xs[-1]} before the replays "
               f"(median {xs[len(xs) // 2]})")
+
+
+GAPS_S = (0.0, 0.3, 0.6, 1.0, 2.0, float("inf"))
+
+
+def ttft_by_gap(results: dict, profile: LatencyProfile, traces: dict[str, list[TraceRequest]]) -> None:
+    """Per request of the lightest load, measured (median of the rounds) less simulated (mean of the seeds)
+    TTFT, by the gap since the trace's previous arrival: what idleness costs that the profile's wake-up
+    curves do not give (a trend with the gap is a wake-up the simulation misses or overcharges)."""
+    load = next(iter(traces))
+    trace = traces[load]
+    for name, d in DEPLOYMENTS.items():
+        runs = results["loads"].get(load, {}).get(name)
+        if not runs:
+            continue
+        sims = [simulate(profile, d, trace, seed=seed) for seed in SEEDS]
+        by_gap: dict[int, list[float]] = {}
+        for i, req in enumerate(trace):
+            gap = req.arrival - trace[i - 1].arrival if i else float("inf")
+            diff = statistics.median(run["requests"][i]["ttft"] for run in runs) - statistics.mean(
+                sim[i].ttft for sim in sims)
+            by_gap.setdefault(min(bisect.bisect_right(GAPS_S, gap), len(GAPS_S) - 1) - 1, []).append(diff * 1e3)
+        cells = [f"{GAPS_S[k]:g}-{GAPS_S[k + 1]:g} s {statistics.median(v):+.1f} ms (n={len(v)})"
+                 for k, v in sorted(by_gap.items())]
+        print(f"{d.label} {load}, measured - simulated TTFT by the gap since the previous arrival: " + ", ".join(cells))
 
 
 def wake_text(points: list) -> str:
