@@ -15,6 +15,7 @@ import socket
 import msgspec
 import torch
 
+from vllm_pd.connector.amx_tiles import request_amx_tiles
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.control import PingMessage, ReleaseMessage, decode_control
@@ -83,6 +84,8 @@ class PDConnectorWorker:
         self.regions = [MemoryRegion(name, t, dims.get(name, 0)) for name, t in kv_caches.items()]
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.device = device or kv_device_for([r.tensor for r in self.regions])
+        if self.regions and self.regions[0].tensor.device.type == "cpu":
+            request_amx_tiles()  # before this worker's first forward, which may be a step of loaded KV
         self.access = self._access(BlockCopies(self.regions, self.device))
         self.sender = KVSender(self.config, self.transport, self.access, len(self.regions), self.block_size,
                                self.tp_rank, self.stats)
