@@ -38,7 +38,6 @@ import array
 import sys
 from typing import Annotated, Any, Literal, get_args
 
-import blake3
 import msgspec
 
 from vllm_pd.vllm_logging import vllm_logger
@@ -317,4 +316,8 @@ def prompt_hash(token_ids: "list[int] | tuple[int, ...]") -> str:
     ids = array.array("q", token_ids)
     if sys.byteorder != "little":
         ids.byteswap()  # the digest is of little-endian int64s everywhere
+    # imported here, not at the top: the GPU data path imports this module, and a bare GPU
+    # machine (benchmarks/gpu_check.py) has no blake3; only the scheduler side hashes prompts
+    import blake3
+
     return blake3.blake3(ids.tobytes()).hexdigest()[:32]
