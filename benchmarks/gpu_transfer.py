@@ -91,14 +91,23 @@ def main() -> None:
 
 
 def _report(transport: str, mode: str, bare: list, full: list, limits: dict[str, float]) -> None:  # noqa: ANN401
-    exact = all(r.exact and r.load_ok for r in bare + full)
-    rate = statistics.median(r.nbytes / max(1e-9, r.landed_at - r.first_save_at) for r in bare) / 1e9
-    hidden = statistics.median(
-        1 - max(0.0, r.landed_at - r.forward_end_at) / max(1e-9, r.landed_at - r.first_save_at) for r in full)
-    slowdown = statistics.median(r.forward_s / r.baseline_forward_s for r in full) - 1
-    peers = ", ".join(f"{rate / v:.2f} x {k}" for k, v in limits.items())
-    print(f"  {transport:5s} {mode:4s}: exact {exact}, KV {rate:6.2f} GB/s = {peers}; "
-          f"hidden {hidden * 100:5.1f} % (target >= 90), forward slowdown {slowdown * 100:+.1f} % (target <= 3)")
+    f = transfer_figures(bare, full)
+    peers = ", ".join(f"{f['gbps'] / v:.2f} x {k}" for k, v in limits.items())
+    print(f"  {transport:5s} {mode:4s}: exact {f['exact']}, KV {f['gbps']:6.2f} GB/s = {peers}; "
+          f"hidden {f['hidden'] * 100:5.1f} % (target >= 90), "
+          f"forward slowdown {f['slowdown'] * 100:+.1f} % (target <= 3)")
+
+
+def transfer_figures(bare: list, full: list) -> dict[str, float | bool]:
+    """One mode's figures (see the module docstring) from its requests of the run without compute
+    (``bare``) and with it (``full``): exact, gbps, hidden (a share), slowdown (a share)."""
+    return {
+        "exact": all(r.exact and r.load_ok for r in bare + full),
+        "gbps": statistics.median(r.nbytes / max(1e-9, r.landed_at - r.first_save_at) for r in bare) / 1e9,
+        "hidden": statistics.median(
+            1 - max(0.0, r.landed_at - r.forward_end_at) / max(1e-9, r.landed_at - r.first_save_at) for r in full),
+        "slowdown": statistics.median(r.forward_s / r.baseline_forward_s for r in full) - 1,
+    }
 
 
 if __name__ == "__main__":
