@@ -116,8 +116,8 @@ def wheels_step(ctx: Context) -> dict[str, Any]:
 
 
 def build_step(ctx: Context) -> dict[str, Any]:
-    kernels = _kernels()
     if ctx.device != "cuda":
+        kernels = _kernels()
         if kernels.get("cpu"):
             return {"status": "ok", "key": "vllm_pd._C present with CPU kernels (not rebuilt off the GPU)", **kernels}
         rc, seconds, tail = _setup_build(gpu=False)
@@ -229,7 +229,8 @@ def _setup_build(gpu: bool) -> tuple[int, float, str]:
 # ---- the parent: one child per step, the report -------------------------------------------------------
 
 
-def run_all(device: str, wheel_folder: Path | None, out: Path, budget_s: float) -> list[dict[str, Any]]:
+def run_all(device: str, wheel_folder: Path, out: Path, budget_s: float,
+            only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "gpu_check.log"
     log_path.write_text("")
@@ -237,7 +238,7 @@ def run_all(device: str, wheel_folder: Path | None, out: Path, budget_s: float) 
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         site = Path(tmp) / "site"
-        for step in STEPS:
+        for step in (s for s in STEPS if not only or s.name in only):
             left = deadline - time.monotonic()
             if left < MIN_STEP_S:
                 result = {"status": "timeout", "key": "not started", "seconds": 0.0,
@@ -252,13 +253,12 @@ def run_all(device: str, wheel_folder: Path | None, out: Path, budget_s: float) 
     return results
 
 
-def _run_child(step: Step, device: str, wheel_folder: Path | None, site: Path, tmp: Path, log_path: Path,
+def _run_child(step: Step, device: str, wheel_folder: Path, site: Path, tmp: Path, log_path: Path,
                timeout_s: float) -> dict[str, Any]:
     result_path = tmp / f"{step.name}.json"
+    # the folder as given, present or not: the child must not fall back to the default one
     cmd = [sys.executable, str(Path(__file__).resolve()), "--step", step.name, "--device", device,
-           "--site", str(site), "--result", str(result_path)]
-    if wheel_folder is not None:
-        cmd += ["--wheels", str(wheel_folder)]
+           "--wheels", str(wheel_folder.resolve()), "--site", str(site), "--result", str(result_path)]
     with log_path.open("a") as log:
         log.write(f"\n===== {step.name} ({device}, timeout {timeout_s:.0f} s) =====\n")
         log.flush()
@@ -371,13 +371,15 @@ def main() -> int:
     ap.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="the carried wheel folder (default .whl)")
     ap.add_argument("--fetch-wheels", type=Path, metavar="DIR", help="download the wheels to carry into DIR, and stop")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S)
+    ap.add_argument("--only", nargs="+", choices=[s.name for s in STEPS], default=(),
+                    help="run these steps alone (a rerun: wheels and build are needed again on a fresh machine)")
     ap.add_argument("--step", help=argparse.SUPPRESS)
     ap.add_argument("--site", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    wheel_folder = args.wheels if args.wheels.is_dir() else None
     if args.step:
-        run_step(args.step, Context(args.device, wheel_folder, args.site), args.result)
+        run_step(args.step, Context(args.device, args.wheels if args.wheels.is_dir() else None, args.site),
+                 args.result)
         return 0
     if args.fetch_wheels:
         for line in wheels.fetch(args.fetch_wheels, ROOT):
@@ -386,7 +388,7 @@ def main() -> int:
               f"--wheels {args.fetch_wheels}")
         return 0
     out = args.out or Path(os.environ.get("OUT") or "gpu_check_out")
-    results = run_all(args.device, wheel_folder, out, args.budget_s)
+    results = run_all(args.device, args.wheels, out, args.budget_s, tuple(args.only))
     print(f"\ngpu_check on {args.device}: {sum(r['status'] == 'ok' for r in results)}/{len(results)} steps ok; "
           f"{out / 'gpu_check.md'}")
     for r in results:

@@ -42,10 +42,11 @@ class Wheel:
 
 
 # Top-level modules the bare GPU machine has that our code may reach (beside the standard library):
-# torch with its own requirements, Triton, numpy, uvloop, PyYAML. The rehearsal allows these alone.
+# torch with its own requirements, Triton, numpy, uvloop, PyYAML, and pip (which installs the wheels).
+# The rehearsal allows these alone.
 GPU_MACHINE_MODULES = ("torch", "torchgen", "functorch", "triton", "numpy", "uvloop", "yaml", "_yaml",
                        "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "filelock", "fsspec",
-                       "typing_extensions", "setuptools", "pkg_resources", "_distutils_hack")
+                       "typing_extensions", "setuptools", "pkg_resources", "_distutils_hack", "pip")
 
 WHEELS = (
     Wheel("msgspec", "0.22.0", ("msgspec",)),
