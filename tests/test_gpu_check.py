@@ -121,6 +121,23 @@ def test_a_wrong_kernel_fails_its_ops_step(monkeypatch: pytest.MonkeyPatch) -> N
     assert fp8["status"] == "failed" and [r["kind"] for r in failed] == ["masked"], fp8["rows"]
 
 
+def test_a_step_past_its_timeout_is_killed_and_reported(tmp_path: Path) -> None:
+    """The env step imports torch: half a second is not enough, and the step says so instead of hanging."""
+    step = next(s for s in gpu_check.STEPS if s.name == "env")
+    log = tmp_path / "log"
+    log.write_text("")
+    result = gpu_check._run_child(step, "cpu", tmp_path / "no-wheels", tmp_path / "site", tmp_path, log, 0.5)
+    assert result["status"] == "timeout" and result["seconds"] < 30, result
+
+
+def test_no_step_starts_once_the_budget_is_spent(tmp_path: Path) -> None:
+    results = gpu_check.run_all("cpu", tmp_path / "no-wheels", tmp_path / "out", budget_s=gpu_check.MIN_STEP_S - 1)
+    assert [r["status"] for r in results] == ["timeout"] * len(gpu_check.STEPS)
+    assert all(r["detail"].startswith("not started") for r in results)
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert not report["ok"] and "NOT all ok" in (tmp_path / "out" / "gpu_check.md").read_text()
+
+
 def test_dropping_entries_keeps_a_consistent_wheel(tmp_path: Path) -> None:
     path = tmp_path / "pkg-1.0-py3-none-any.whl"
     record = "pkg/__init__.py,sha256=x,1\nextra/big.so,sha256=y,2\npkg-1.0.dist-info/RECORD,,\n"
