@@ -4,8 +4,8 @@ The interpreter run (test_ops_triton.py) covers only the CPU-safe variants: fp32
 stores, no FP8 MMA. These tests compile what a GPU launches - FP8 `tl.dot`, bf16 / fp16
 stores, bf16 MMA - with Triton's compiler for GPUTarget("cuda", 90, 32) and the ptxas of the
 Triton wheel, on DeepSeek-V3 MLA decode and DeepGEMM shapes, and look at the PTX; only running
-the cubin needs a GPU (one test mocks the device's target to check the op path's fnuz refusal). `python -m pytest tests/test_ops_triton_aot.py`
-must not run with TRITON_INTERPRET=1 (the kernels would be interpreter objects)."""
+the cubin needs a GPU (one test mocks the device's target to check the op path's fnuz refusal).
+They must not run with TRITON_INTERPRET=1 (the kernels would be interpreter objects)."""
 
 from __future__ import annotations
 
