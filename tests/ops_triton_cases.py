@@ -62,3 +62,16 @@ def test_grouped_masked():
     reference.m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, ref, masked_m)
     assert calc_diff(d[1], ref[1]) < 1e-3 and calc_diff(d[2, :7], ref[2, :7]) < 1e-3
     assert torch.all(d[0] == 3.0) and torch.all(d[2, 7:] == 3.0)
+
+
+def test_numerics_cases_run_the_triton_backend():
+    """vllm_pd.ops.numerics (what gpu_check calls on a GPU) through the Triton backend."""
+    from vllm_pd.ops import numerics
+
+    cpu = torch.device("cpu")
+    assert numerics.backends_to_check(cpu)["triton"] is None
+    mla = numerics.mla_case("triton", numerics.MlaShape(batch=2, context=70, h_q=16), cpu)
+    assert mla.ok, mla.detail
+    gemm = numerics.fp8_gemm_case("triton", numerics.GemmShape(m=8, n=128, k=256), cpu)
+    assert gemm.ok, gemm.detail
+    gemm.run()

@@ -6,14 +6,21 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <algorithm>
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "launch.h"
 
 namespace vllm_pd {
 namespace {
+
+// Every launch of csrc/cuda/kernels.cu ends here: a failed call becomes a torch error naming it.
+void check(const gpu::LaunchResult& result, const char* op) {
+  TORCH_CHECK(result.error == VLLM_PD_SUCCESS, "vllm_pd ", op, ": ", result.call, " failed: ",
+              vllm_pd_error_string(result.error));
+}
 
 gpu::DType dtype_of(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
@@ -33,11 +40,18 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_cuda(const at::Tensor& q_in, const
   at::Tensor out = at::empty({b, s_q, h_q, head_dim_v}, q.options());
   at::Tensor lse = at::empty({b, h_q, s_q}, q.options().dtype(at::kFloat));
   if (b == 0) return {out, lse};
-  // Split count from the longest possible sequence (the block table's capacity), so no host
-  // sync on cache_seqlens is needed; unused splits cost an early exit.
-  const int64_t capacity = block_table.size(1) * k_cache.size(1);
-  const int64_t split_len = gpu::kMlaMaxSplitLen;
-  const int64_t splits = std::max<int64_t>(1, (capacity + split_len - 1) / split_len);
+  // Splits from shapes and the SM count only (see csrc/cuda/mla_plan.h): no host sync on
+  // cache_seqlens, a workspace bounded by the batch, not by the block table's capacity.
+  int sms = 0;
+  check(gpu::multiprocessor_count(q.get_device(), &sms), "mla_decode");
+  const int64_t max_tokens = block_table.size(1) * k_cache.size(1);
+  const gpu::MlaPlan plan = gpu::plan_mla_decode(b, rows, q.size(3), head_dim_v, max_tokens, sms);
+  int64_t cap = 0;
+  const std::string bad_cap = gpu::parse_workspace_cap(std::getenv(gpu::kMlaWorkspaceEnv), &cap);
+  TORCH_CHECK(bad_cap.empty(), bad_cap);
+  const std::string too_big = gpu::mla_workspace_error(plan, b, rows, head_dim_v, cap);
+  TORCH_CHECK(too_big.empty(), too_big);
+  const int64_t splits = plan.splits;
   auto f32 = q.options().dtype(at::kFloat);
   at::Tensor part_out = at::empty({b, splits, rows, head_dim_v}, f32);
   at::Tensor part_max = at::empty({b, splits, rows}, f32);
@@ -63,11 +77,10 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_cuda(const at::Tensor& q_in, const
   p.dim_v = head_dim_v;
   p.block_size = k_cache.size(1);
   p.splits = splits;
-  p.split_len = split_len;
   p.scale = static_cast<float>(softmax_scale);
   p.causal = causal && s_q > 1;
   p.dtype = dtype_of(q, "q");
-  gpu::launch_mla_decode(p, c10::cuda::getCurrentCUDAStream());
+  check(gpu::launch_mla_decode(p, c10::cuda::getCurrentCUDAStream()), "mla_decode");
   return {out, lse};
 }
 
@@ -111,7 +124,7 @@ void fp8_gemm_nt_cuda(const at::Tensor& a, const at::Tensor& sfa, const at::Tens
     p.ldc = cc.stride(0);
   }
   p.mode = gpu::GemmMode::kPlain;
-  gpu::launch_fp8_gemm(p, c10::cuda::getCurrentCUDAStream());
+  check(gpu::launch_fp8_gemm(p, c10::cuda::getCurrentCUDAStream()), "fp8_gemm_nt");
 }
 
 void contiguous_cuda(const at::Tensor& a, const at::Tensor& sfa, const at::Tensor& b, const at::Tensor& sfb,
@@ -121,7 +134,7 @@ void contiguous_cuda(const at::Tensor& a, const at::Tensor& sfa, const at::Tenso
   gpu::GemmParams p = gemm_params(a, sfa, b, sfb, d);
   p.grouped_layout = layout.data_ptr<int32_t>();
   p.mode = gpu::GemmMode::kContiguous;
-  gpu::launch_fp8_gemm(p, c10::cuda::getCurrentCUDAStream());
+  check(gpu::launch_fp8_gemm(p, c10::cuda::getCurrentCUDAStream()), "m_grouped_fp8_gemm_nt_contiguous");
 }
 
 void masked_cuda(const at::Tensor& a, const at::Tensor& sfa, const at::Tensor& b, const at::Tensor& sfb,
@@ -131,7 +144,7 @@ void masked_cuda(const at::Tensor& a, const at::Tensor& sfa, const at::Tensor& b
   gpu::GemmParams p = gemm_params(a, sfa, b, sfb, d);
   p.masked_m = mm.data_ptr<int32_t>();
   p.mode = gpu::GemmMode::kMasked;
-  gpu::launch_fp8_gemm(p, c10::cuda::getCurrentCUDAStream());
+  check(gpu::launch_fp8_gemm(p, c10::cuda::getCurrentCUDAStream()), "m_grouped_fp8_gemm_nt_masked");
 }
 
 }  // namespace

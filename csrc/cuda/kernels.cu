@@ -3,6 +3,8 @@
 // Plain SIMT kernels, written for correctness and portability (no CUTLASS, no TMA/WGMMA, no
 // vendor FP8 types: FP8 bytes are decoded by bit arithmetic for both e4m3fn and e4m3fnuz).
 // They are compiled by tests/test_ops_build.py but have never run here (no GPU in this task).
+// Every runtime call and launch is checked (VLLM_PD_CHECK / VLLM_PD_CHECK_LAUNCH): the first
+// failure is returned to bindings.cu, which raises it as a torch error naming the call.
 #include <cfloat>
 #include <cmath>
 
@@ -22,6 +24,19 @@ constexpr int kWarp = 32;
 
 #include "launch.h"
 
+#ifdef VLLM_PD_HIP
+#define vllm_pd_last_error hipGetLastError
+#else
+#define vllm_pd_last_error cudaGetLastError
+#endif
+#define VLLM_PD_CHECK(expr, what)                                      \
+  do {                                                                 \
+    const vllm_pd_error_t vllm_pd_error_ = (expr);                     \
+    if (vllm_pd_error_ != VLLM_PD_SUCCESS) return {vllm_pd_error_, what}; \
+  } while (0)
+// After a <<<...>>> launch: a bad configuration (grid, block, shared memory) is reported here.
+#define VLLM_PD_CHECK_LAUNCH(what) VLLM_PD_CHECK(vllm_pd_last_error(), what)
+
 namespace vllm_pd {
 namespace gpu {
 namespace {
@@ -40,10 +55,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// MLA decode: one CTA per (sequence, 16 query rows, split of <= 256 tokens). Pass 1 scores
-// the split's tokens into shared memory (a warp per token, a dot product per row), pass 2
-// has each thread own output channels and sum p * V over the tokens. Splits are merged by
-// mla_combine with their max and sum of exponentials.
+// MLA decode: one CTA per (sequence, 16 query rows, split). A split takes its mla_split_range
+// of the sequence's real length and walks them in chunks of kMlaChunk: pass 1 scores a chunk
+// into shared memory (a warp per token, a dot product per row), pass 2 turns scores into
+// exp(s - running max) and rescales what earlier chunks summed, pass 3 has each thread own
+// output channels and add p * V. Splits are merged by mla_combine with their max and sum.
 // ---------------------------------------------------------------------------------------------
 constexpr int kMlaThreads = 256;
 
@@ -54,75 +70,94 @@ __global__ void __launch_bounds__(kMlaThreads) mla_split(MlaParams p) {
   const int rows_total = p.s_q * p.h_q;
   const int rows = min(kMlaRowsPerCta, rows_total - row0);
   const int seq_len = p.seqlens[b];
-  const int t_begin = split * p.split_len, t_end = min(seq_len, t_begin + p.split_len);
+  int64_t begin, end;
+  mla_split_range(seq_len, p.splits, split, &begin, &end);
+  const int t_begin = static_cast<int>(begin), t_end = static_cast<int>(end);
   float* q_s = smem;                                 // [16][dim]
-  float* s_s = q_s + kMlaRowsPerCta * p.dim;         // [16][split_len]
-  float* stat = s_s + kMlaRowsPerCta * p.split_len;  // [16] max, [16] sum
+  float* s_s = q_s + kMlaRowsPerCta * p.dim;         // [16][kMlaChunk]
+  float* run_max = s_s + kMlaRowsPerCta * kMlaChunk;  // [16] over the chunks so far
+  float* run_sum = run_max + kMlaRowsPerCta;         // [16]
+  float* rescale = run_sum + kMlaRowsPerCta;         // [16] factor for the output of earlier chunks
   const T* q = static_cast<const T*>(p.q) + ((int64_t)b * rows_total + row0) * p.dim;
   for (int i = threadIdx.x; i < rows * p.dim; i += blockDim.x) q_s[i] = to_f(q[i]);
+  if (threadIdx.x < kMlaRowsPerCta) {
+    run_max[threadIdx.x] = -INFINITY;
+    run_sum[threadIdx.x] = 0.f;
+  }
   __syncthreads();
 
   const T* cache = static_cast<const T*>(p.k_cache);
   const int32_t* table = p.block_table + (int64_t)b * p.table_stride;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
-  const int n = max(0, t_end - t_begin);
-  for (int t = warp; t < n; t += warps) {
-    const int tok = t_begin + t;
-    const T* k = cache + table[tok / p.block_size] * p.cache_block_stride + (tok % p.block_size) * p.cache_token_stride;
-    float acc[kMlaRowsPerCta];
+  const int64_t part = ((int64_t)b * p.splits + split) * rows_total + row0;
+  for (int c0 = t_begin; c0 < t_end; c0 += kMlaChunk) {
+    const int n = min(kMlaChunk, t_end - c0);
+    for (int t = warp; t < n; t += warps) {
+      const int tok = c0 + t;
+      const T* k = cache + table[tok / p.block_size] * p.cache_block_stride + (tok % p.block_size) * p.cache_token_stride;
+      float acc[kMlaRowsPerCta];
 #pragma unroll
-    for (int r = 0; r < kMlaRowsPerCta; ++r) acc[r] = 0.f;
-    for (int d = lane; d < p.dim; d += kWarp) {
-      const float kv = to_f(k[d]);
+      for (int r = 0; r < kMlaRowsPerCta; ++r) acc[r] = 0.f;
+      for (int d = lane; d < p.dim; d += kWarp) {
+        const float kv = to_f(k[d]);
 #pragma unroll
-      for (int r = 0; r < kMlaRowsPerCta; ++r) acc[r] += q_s[r * p.dim + d] * kv;
-    }
+        for (int r = 0; r < kMlaRowsPerCta; ++r) acc[r] += q_s[r * p.dim + d] * kv;
+      }
 #pragma unroll
-    for (int r = 0; r < kMlaRowsPerCta; ++r) {
-      const float s = warp_sum(acc[r]);
-      if (lane == 0 && r < rows) {
-        const int visible = p.causal ? seq_len - p.s_q + (row0 + r) / p.h_q + 1 : seq_len;
-        s_s[r * p.split_len + t] = tok < visible ? s * p.scale : -INFINITY;
+      for (int r = 0; r < kMlaRowsPerCta; ++r) {
+        const float s = warp_sum(acc[r]);
+        if (lane == 0 && r < rows) {
+          const int visible = p.causal ? seq_len - p.s_q + (row0 + r) / p.h_q + 1 : seq_len;
+          s_s[r * kMlaChunk + t] = tok < visible ? s * p.scale : -INFINITY;
+        }
       }
     }
-  }
-  __syncthreads();
-  // Per row: max, then p = exp(s - max) in place and its sum (a warp per row).
-  for (int r = warp; r < rows; r += warps) {
-    float m = -INFINITY;
-    for (int t = lane; t < n; t += kWarp) m = fmaxf(m, s_s[r * p.split_len + t]);
-    for (int o = kWarp / 2; o > 0; o >>= 1) m = fmaxf(m, VLLM_PD_SHFL_XOR(m, o));
-    float l = 0.f;
-    for (int t = lane; t < n; t += kWarp) {
-      const float s = s_s[r * p.split_len + t];
-      const float e = (m == -INFINITY) ? 0.f : __expf(s - m);
-      s_s[r * p.split_len + t] = e;
-      l += e;
+    __syncthreads();
+    // Per row (a warp each): the new running max, p = exp(s - max) in place, the running sum.
+    for (int r = warp; r < rows; r += warps) {
+      const float before = run_max[r];
+      float m = before;
+      for (int t = lane; t < n; t += kWarp) m = fmaxf(m, s_s[r * kMlaChunk + t]);
+      for (int o = kWarp / 2; o > 0; o >>= 1) m = fmaxf(m, VLLM_PD_SHFL_XOR(m, o));
+      float l = 0.f;
+      for (int t = lane; t < n; t += kWarp) {
+        const float s = s_s[r * kMlaChunk + t];
+        const float e = (m == -INFINITY) ? 0.f : __expf(s - m);
+        s_s[r * kMlaChunk + t] = e;
+        l += e;
+      }
+      l = warp_sum(l);
+      if (lane == 0) {
+        const float a = (before == -INFINITY) ? 0.f : __expf(before - m);
+        rescale[r] = a;
+        run_sum[r] = run_sum[r] * a + l;
+        run_max[r] = m;
+      }
     }
-    l = warp_sum(l);
-    if (lane == 0) {
-      stat[r] = m;
-      stat[kMlaRowsPerCta + r] = l;
-    }
-  }
-  __syncthreads();
-  const int64_t part = ((int64_t)b * p.splits + split) * rows_total + row0;
-  for (int d = threadIdx.x; d < p.dim_v; d += blockDim.x) {
-    float acc[kMlaRowsPerCta];
+    __syncthreads();
+    for (int d = threadIdx.x; d < p.dim_v; d += blockDim.x) {
+      float acc[kMlaRowsPerCta];
 #pragma unroll
-    for (int r = 0; r < kMlaRowsPerCta; ++r) acc[r] = 0.f;
-    for (int t = 0; t < n; ++t) {
-      const int tok = t_begin + t;
-      const float v = to_f(cache[table[tok / p.block_size] * p.cache_block_stride +
-                                 (tok % p.block_size) * p.cache_token_stride + d]);
+      for (int r = 0; r < kMlaRowsPerCta; ++r) acc[r] = 0.f;
+      for (int t = 0; t < n; ++t) {
+        const int tok = c0 + t;
+        const float v = to_f(cache[table[tok / p.block_size] * p.cache_block_stride +
+                                   (tok % p.block_size) * p.cache_token_stride + d]);
 #pragma unroll
-      for (int r = 0; r < kMlaRowsPerCta; ++r) acc[r] += s_s[r * p.split_len + t] * v;
+        for (int r = 0; r < kMlaRowsPerCta; ++r) acc[r] += s_s[r * kMlaChunk + t] * v;
+      }
+      // The thread owns these elements in every chunk, so its earlier writes are visible to it.
+      for (int r = 0; r < rows; ++r) {
+        float* o = p.part_out + (part + r) * p.dim_v + d;
+        *o = c0 == t_begin ? acc[r] : *o * rescale[r] + acc[r];
+      }
     }
-    for (int r = 0; r < rows; ++r) p.part_out[(part + r) * p.dim_v + d] = acc[r];
+    __syncthreads();  // s_s and rescale are rewritten by the next chunk
   }
+  // An empty split (short sequence) reports max -inf: mla_combine skips it unread.
   if (threadIdx.x < rows) {
-    p.part_max[part + threadIdx.x] = stat[threadIdx.x];
-    p.part_sum[part + threadIdx.x] = stat[kMlaRowsPerCta + threadIdx.x];
+    p.part_max[part + threadIdx.x] = run_max[threadIdx.x];
+    p.part_sum[part + threadIdx.x] = run_sum[threadIdx.x];
   }
 }
 
@@ -130,21 +165,21 @@ __global__ void __launch_bounds__(kMlaThreads) mla_split(MlaParams p) {
 template <typename T>
 __global__ void mla_combine(MlaParams p) {
   const int b = blockIdx.x, row = blockIdx.y, rows_total = p.s_q * p.h_q;
-  const int used = (p.seqlens[b] + p.split_len - 1) / p.split_len;
+  const int64_t first = (int64_t)b * p.splits * rows_total + row;  // split s: first + s * rows_total
   float m = -INFINITY;
-  for (int s = 0; s < used; ++s) m = fmaxf(m, p.part_max[((int64_t)b * p.splits + s) * rows_total + row]);
+  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.part_max[first + (int64_t)s * rows_total]);
   float l = 0.f;
-  for (int s = 0; s < used; ++s) {
-    const int64_t i = ((int64_t)b * p.splits + s) * rows_total + row;
-    if (m != -INFINITY) l += p.part_sum[i] * __expf(p.part_max[i] - m);
+  for (int s = 0; s < p.splits; ++s) {
+    const float ms = p.part_max[first + (int64_t)s * rows_total];
+    if (ms != -INFINITY) l += p.part_sum[first + (int64_t)s * rows_total] * __expf(ms - m);
   }
   T* out = static_cast<T*>(p.out) + ((int64_t)b * rows_total + row) * p.dim_v;
   for (int d = threadIdx.x; d < p.dim_v; d += blockDim.x) {
     float acc = 0.f;
     if (l > 0.f) {
-      for (int s = 0; s < used; ++s) {
-        const int64_t i = ((int64_t)b * p.splits + s) * rows_total + row;
-        acc += p.part_out[i * p.dim_v + d] * __expf(p.part_max[i] - m);
+      for (int s = 0; s < p.splits; ++s) {
+        const int64_t i = first + (int64_t)s * rows_total;
+        if (p.part_max[i] != -INFINITY) acc += p.part_out[i * p.dim_v + d] * __expf(p.part_max[i] - m);
       }
       acc /= l;
     }
@@ -157,15 +192,21 @@ __global__ void mla_combine(MlaParams p) {
 }
 
 template <typename T>
-void mla_decode_typed(const MlaParams& p, vllm_pd_stream_t stream) {
+LaunchResult mla_decode_typed(const MlaParams& p, vllm_pd_stream_t stream) {
   const int rows_total = p.s_q * p.h_q;
   const dim3 grid(p.batch, (rows_total + kMlaRowsPerCta - 1) / kMlaRowsPerCta, p.splits);
-  const size_t smem = sizeof(float) * (kMlaRowsPerCta * (p.dim + p.split_len) + 2 * kMlaRowsPerCta);
+  const int64_t smem = mla_smem_bytes(p.dim);  // 53 KB for DeepSeek's 576 channels
 #ifndef VLLM_PD_HIP
-  cudaFuncSetAttribute(mla_split<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (smem > kDefaultSmemBytes) {
+    VLLM_PD_CHECK(cudaFuncSetAttribute(mla_split<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                  "cudaFuncSetAttribute(mla_split, cudaFuncAttributeMaxDynamicSharedMemorySize)");
+  }
 #endif
   mla_split<T><<<grid, kMlaThreads, smem, stream>>>(p);
+  VLLM_PD_CHECK_LAUNCH("mla_split<<<>>>");
   mla_combine<T><<<dim3(p.batch, rows_total), 128, 0, stream>>>(p);
+  VLLM_PD_CHECK_LAUNCH("mla_combine<<<>>>");
+  return {};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -257,25 +298,45 @@ __global__ void __launch_bounds__(kGemmThreads) fp8_gemm(GemmParams p) {
   }
 }
 
-}  // namespace
-
-void launch_mla_decode(const MlaParams& p, vllm_pd_stream_t stream) {
-  switch (p.dtype) {
-    case DType::kBF16: mla_decode_typed<vllm_pd_bf16>(p, stream); break;
-    case DType::kFP16: mla_decode_typed<__half>(p, stream); break;
-    case DType::kFP32: mla_decode_typed<float>(p, stream); break;
-  }
+template <typename T>
+LaunchResult fp8_gemm_typed(const GemmParams& p, const dim3& grid, vllm_pd_stream_t stream) {
+  fp8_gemm<T><<<grid, kGemmThreads, 0, stream>>>(p);
+  VLLM_PD_CHECK_LAUNCH("fp8_gemm<<<>>>");
+  return {};
 }
 
-void launch_fp8_gemm(const GemmParams& p, vllm_pd_stream_t stream) {
+}  // namespace
+
+LaunchResult launch_mla_decode(const MlaParams& p, vllm_pd_stream_t stream) {
+  switch (p.dtype) {
+    case DType::kBF16: return mla_decode_typed<vllm_pd_bf16>(p, stream);
+    case DType::kFP16: return mla_decode_typed<__half>(p, stream);
+    case DType::kFP32: return mla_decode_typed<float>(p, stream);
+  }
+  return {};
+}
+
+LaunchResult multiprocessor_count(int device, int* count) {
+#ifdef VLLM_PD_HIP
+  VLLM_PD_CHECK(hipDeviceGetAttribute(count, hipDeviceAttributeMultiprocessorCount, device),
+                "hipDeviceGetAttribute(hipDeviceAttributeMultiprocessorCount)");
+#else
+  VLLM_PD_CHECK(cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device),
+                "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
+#endif
+  return {};
+}
+
+LaunchResult launch_fp8_gemm(const GemmParams& p, vllm_pd_stream_t stream) {
   const int m_tiles = (p.m + kTile - 1) / kTile, n_tiles = (p.n + kTile - 1) / kTile;
-  if (m_tiles == 0 || n_tiles == 0) return;
+  if (m_tiles == 0 || n_tiles == 0) return {};
   const dim3 grid(n_tiles, m_tiles, p.mode == GemmMode::kMasked ? p.groups : 1);
   switch (p.out_dtype) {
-    case DType::kBF16: fp8_gemm<vllm_pd_bf16><<<grid, kGemmThreads, 0, stream>>>(p); break;
-    case DType::kFP16: fp8_gemm<__half><<<grid, kGemmThreads, 0, stream>>>(p); break;
-    case DType::kFP32: fp8_gemm<float><<<grid, kGemmThreads, 0, stream>>>(p); break;
+    case DType::kBF16: return fp8_gemm_typed<vllm_pd_bf16>(p, grid, stream);
+    case DType::kFP16: return fp8_gemm_typed<__half>(p, grid, stream);
+    case DType::kFP32: return fp8_gemm_typed<float>(p, grid, stream);
   }
+  return {};
 }
 
 }  // namespace gpu

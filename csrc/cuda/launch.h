@@ -8,13 +8,28 @@
 #ifdef VLLM_PD_HIP
 #include <hip/hip_runtime.h>
 typedef hipStream_t vllm_pd_stream_t;
+typedef hipError_t vllm_pd_error_t;
+#define VLLM_PD_SUCCESS hipSuccess
+#define vllm_pd_error_string hipGetErrorString
 #else
 #include <cuda_runtime.h>
 typedef cudaStream_t vllm_pd_stream_t;
+typedef cudaError_t vllm_pd_error_t;
+#define VLLM_PD_SUCCESS cudaSuccess
+#define vllm_pd_error_string cudaGetErrorString
 #endif
+
+#include "mla_plan.h"
 
 namespace vllm_pd {
 namespace gpu {
+
+// What a launch function reports: the first runtime call or kernel launch that failed
+// (`call` names it), or VLLM_PD_SUCCESS. bindings.cu turns a failure into a torch error.
+struct LaunchResult {
+  vllm_pd_error_t error = VLLM_PD_SUCCESS;
+  const char* call = "";
+};
 
 enum class DType : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 enum class Fp8 : int { kE4M3FN = 0, kE4M3FNUZ = 1 };
@@ -26,21 +41,20 @@ struct MlaParams {
   const int32_t* seqlens;
   void* out;            // [b, s_q, h_q, dim_v]
   float* lse;           // [b, h_q, s_q]
-  float* part_out;      // workspace [b, splits, rows, dim_v]
+  float* part_out;      // workspace [b, splits, rows, dim_v] (splits and size from plan_mla_decode)
   float* part_max;      // workspace [b, splits, rows]
   float* part_sum;      // workspace [b, splits, rows]
   int64_t cache_block_stride, cache_token_stride, table_stride;
-  int batch, s_q, h_q, dim, dim_v, block_size, splits, split_len;
+  int batch, s_q, h_q, dim, dim_v, block_size, splits;
   float scale;
   bool causal;
   DType dtype;
 };
 
-// Rows per CTA and tokens per split the workspace must be sized for.
-constexpr int kMlaRowsPerCta = 16;
-constexpr int kMlaMaxSplitLen = 256;
+LaunchResult launch_mla_decode(const MlaParams& p, vllm_pd_stream_t stream);
 
-void launch_mla_decode(const MlaParams& p, vllm_pd_stream_t stream);
+// The SM (CU) count of `device`, which plan_mla_decode sizes the grid for.
+LaunchResult multiprocessor_count(int device, int* count);
 
 enum class GemmMode : int { kPlain = 0, kContiguous = 1, kMasked = 2 };
 
@@ -62,7 +76,7 @@ struct GemmParams {
   DType out_dtype;
 };
 
-void launch_fp8_gemm(const GemmParams& p, vllm_pd_stream_t stream);
+LaunchResult launch_fp8_gemm(const GemmParams& p, vllm_pd_stream_t stream);
 
 }  // namespace gpu
 }  // namespace vllm_pd

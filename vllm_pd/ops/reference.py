@@ -34,26 +34,28 @@ def mla_decode(
     block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float32, device=q.device)
+    group = h_q // h_kv  # query head j reads KV head j // group
     lens = cache_seqlens.tolist()
     for i in range(b):
         seq_len = int(lens[i])
         if seq_len == 0:
             continue
         n_blocks = (seq_len + block_size - 1) // block_size
-        kv = k_cache[block_table[i, :n_blocks].long()].reshape(-1, h_kv, d)[:seq_len].float()
-        kv = kv.repeat_interleave(h_q // h_kv, dim=1).transpose(0, 1)  # [h_q, L, d]
-        qi = q[i].float().transpose(0, 1)  # [h_q, s_q, d]
-        scores = (qi @ kv.transpose(1, 2)) * softmax_scale  # [h_q, s_q, L]
+        kv = k_cache[block_table[i, :n_blocks].long()].reshape(-1, h_kv, d)[:seq_len].float()  # [L, h_kv, d]
+        qi = q[i].float().reshape(s_q, h_kv, group, d)
+        # [h_kv, group, s_q, L]: each KV head is read once, not copied for every query head
+        scores = torch.einsum("skgd,lkd->kgsl", qi, kv) * softmax_scale
         if causal and s_q > 1:
             # query j sees keys 0 .. L - s_q + j (the queries are the last s_q tokens)
             keep = torch.ones(s_q, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - s_q)
             scores = scores.masked_fill(~keep, -math.inf)
-        row_lse = torch.logsumexp(scores, dim=-1)  # [h_q, s_q]
+        row_lse = torch.logsumexp(scores, dim=-1)  # [h_kv, group, s_q]
         probs = torch.exp(scores - row_lse.unsqueeze(-1)).nan_to_num(0.0)
-        o = probs @ kv[..., :head_dim_v]  # [h_q, s_q, dv]
-        empty = torch.isneginf(row_lse)
+        o = torch.einsum("kgsl,lkd->skgd", probs, kv[..., :head_dim_v]).reshape(s_q, h_q, head_dim_v)
+        row_lse = row_lse.reshape(h_q, s_q)
+        empty = torch.isneginf(row_lse)  # [h_q, s_q]
         lse[i] = torch.where(empty, math.inf, row_lse)
-        out[i] = o.masked_fill(empty.unsqueeze(-1), 0.0).transpose(0, 1).to(q.dtype)
+        out[i] = o.masked_fill(empty.t().unsqueeze(-1), 0.0).to(q.dtype)
     return out, lse
 
 

@@ -40,41 +40,53 @@ def flash_mla_mismatch(name: str, ans: torch.Tensor, ref: torch.Tensor, abs_tol:
 
 
 def mla_inputs(seqlens: list[int], s_q: int, h_q: int, block_size: int, dtype: torch.dtype,
-               seed: int = 0, dim: int = 576) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               seed: int = 0, dim: int = 576, device: torch.device | str = "cpu",
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashMLA-style data: q, k ~ randn/10 clamped to [-1, 1]; blocks in random order; every
     unused cache slot is NaN and unused block-table entries are out of range, so a kernel that
-    reads past a sequence shows it."""
-    g = torch.Generator().manual_seed(seed)
+    reads past a sequence shows it. Built on `device` (DeepSeek-sized caches are gigabytes)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     b = len(seqlens)
     per_seq = [max(1, -(-n // block_size)) for n in seqlens]
-    max_blocks = max(per_seq)
-    num_blocks = sum(per_seq) + 2
-    q = (torch.randn(b, s_q, h_q, dim, generator=g) / 10).clamp(-1, 1).to(dtype)
-    cache = torch.full((num_blocks, block_size, 1, dim), float("nan"), dtype=dtype)
-    order = torch.randperm(num_blocks, generator=g).int()
-    table = torch.full((b, max_blocks), BAD_BLOCK, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(seqlens):
-        ids = order[used: used + per_seq[i]]
-        used += per_seq[i]
-        table[i, : len(ids)] = ids
-        if n:
-            kv = (torch.randn(n, dim, generator=g) / 10).clamp(-1, 1).to(dtype)
-            flat = cache[ids.long()].view(-1, dim)
-            flat[:n] = kv
-            cache[ids.long()] = flat.view(len(ids), block_size, 1, dim)
-    return q, cache, table, torch.tensor(seqlens, dtype=torch.int32)
+    max_blocks, used = max(per_seq), sum(per_seq)
+    num_blocks = used + 2
+    q = torch.randn(b, s_q, h_q, dim, generator=g, device=device).div_(10).clamp_(-1, 1).to(dtype)
+    cache = torch.randn(num_blocks, block_size, 1, dim, generator=g, device=device).div_(10).clamp_(-1, 1).to(dtype)
+    order = torch.randperm(num_blocks, generator=g, device=device)
+    counts = torch.tensor(per_seq, device=device)
+    cols = torch.arange(max_blocks, device=device)
+    owned = cols[None, :] < counts[:, None]  # [b, max_blocks]: sequence i owns its first counts[i] entries
+    first = torch.cumsum(counts, 0) - counts
+    table = torch.where(owned, order[(first[:, None] + cols[None, :]).clamp(max=used - 1)], BAD_BLOCK)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    offsets = torch.arange(block_size, device=device)
+    position = cols[:, None] * block_size + offsets[None, :]  # [max_blocks, block_size]
+    stale = owned[:, :, None] & (position[None] >= lens[:, None, None])
+    # Counted per slot rather than boolean-indexed, so no data-dependent shape (FakeTensor-safe);
+    # entries a sequence does not own point at one extra slot past the cache.
+    flat = cache.view(-1, dim)
+    slots = torch.where(owned[:, :, None], table[:, :, None] * block_size + offsets, flat.shape[0])
+    marks = torch.zeros(flat.shape[0] + 1, dtype=torch.int32, device=device)
+    marks.index_put_((slots.flatten(),), stale.flatten().to(torch.int32), accumulate=True)
+    flat.masked_fill_(marks[:-1, None] > 0, float("nan"))
+    cache[order[used:]] = float("nan")  # the spare blocks nobody owns
+    return q, cache, table.to(torch.int32), lens
 
 
 def fp8_operands(m: int, n: int, k: int, dtype: torch.dtype = torch.float8_e4m3fn, groups: int | None = None,
-                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 seed: int = 0, device: torch.device | str = "cpu",
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepGEMM-style quantised operands: a [(G,) m, k] 1x128-scaled, b [(G,) n, k] 128x128-scaled."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(rows: int) -> torch.Tensor:
+        return torch.randn(rows, k, generator=g, device=device)
+
     if groups is None:
-        a, sfa = per_token_cast_to_fp8(torch.randn(m, k, generator=g), dtype)
-        b, sfb = per_block_cast_to_fp8(torch.randn(n, k, generator=g), dtype)
+        a, sfa = per_token_cast_to_fp8(randn(m), dtype)
+        b, sfb = per_block_cast_to_fp8(randn(n), dtype)
         return a, sfa, b, sfb
-    pairs_a = [per_token_cast_to_fp8(torch.randn(m, k, generator=g), dtype) for _ in range(groups)]
-    pairs_b = [per_block_cast_to_fp8(torch.randn(n, k, generator=g), dtype) for _ in range(groups)]
+    pairs_a = [per_token_cast_to_fp8(randn(m), dtype) for _ in range(groups)]
+    pairs_b = [per_block_cast_to_fp8(randn(n), dtype) for _ in range(groups)]
     return (torch.stack([p[0] for p in pairs_a]), torch.stack([p[1] for p in pairs_a]),
             torch.stack([p[0] for p in pairs_b]), torch.stack([p[1] for p in pairs_b]))
