@@ -25,7 +25,7 @@ from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import StagedAccess
-from vllm_pd.connector.kv_device import COMPLETED
+from vllm_pd.connector.kv_device import COMPLETED, HostDevice
 from vllm_pd.connector.kv_loader import KVLoader
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.push_staging import PushStaging
@@ -288,3 +288,37 @@ def test_staging_arena_takes_runs_first_fit_and_merges_them_back() -> None:
     assert arena.take(5) is None
     arena.give_back(0, 4)
     assert arena.take(8) == 0 and arena.free_rows == 0
+
+
+@pytest.mark.parametrize("shape, dtype, block_dim", [
+    ((2, 8, 4, 4), torch.bfloat16, 1),  # K and V apart, 8-byte rows: copied as int64
+    ((2, 8, 4, 3), torch.bfloat16, 1),  # 6-byte rows: int16
+    ((8, 3, 2), torch.bfloat16, 0),  # 12-byte blocks: int32
+    ((8, 5), torch.uint8, 0),  # 5-byte blocks: bytes
+])
+@pytest.mark.parametrize("device", ["cpu", "standin"])
+def test_block_copies_move_exact_bytes_whatever_element_width_the_layout_allows(
+        shape: tuple[int, ...], dtype: torch.dtype, block_dim: int, device: str) -> None:
+    """Blocks are gathered and scattered as the widest integer elements their layout allows;
+    runs of rows at any row offset land byte for byte."""
+    dev = standin(compute_delay_s=0.0, copy_delay_s=0.0) if device == "standin" else HostDevice()
+    g = torch.Generator().manual_seed(7)
+    if dtype == torch.uint8:
+        src = torch.randint(0, 1 << 8, shape, generator=g, dtype=torch.uint8)
+    else:
+        src = torch.randn(shape, generator=g).to(dtype)
+    dst = torch.zeros_like(src)
+    if isinstance(dev, AsyncStandInDevice):
+        dev.adopt(src)
+        dev.adopt(dst)
+    out = BlockCopies([MemoryRegion("s", src, block_dim)], dev)
+    back = BlockCopies([MemoryRegion("d", dst, block_dim)], dev)
+    nbytes = out.regions[0].block_nbytes
+    rows = dev.host_empty(5 * nbytes).view(5, nbytes)
+    out.to_rows(0, [([6, 1], rows[1:3]), ([3], rows[4:5])]).synchronize()
+    back.from_rows(0, [([6, 1], rows[1:3]), ([3], rows[4:5])]).synchronize()
+    if isinstance(dev, AsyncStandInDevice):
+        dev.finish()
+    for b in (6, 1, 3):
+        assert torch.equal(dst.select(block_dim, b), src.select(block_dim, b))
+    assert not dst.select(block_dim, 0).view(torch.uint8).any()
