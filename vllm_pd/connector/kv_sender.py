@@ -190,6 +190,9 @@ class KVSender:
     def collect(self) -> set[str]:
         """Requests whose blocks vLLM may free now (their transfers' reads revoked, staging given back)."""
         for t in self.outgoing.take_reportable():
+            if t.first_push_at is not None and t.computed_at is not None and t.last_push_done_at is not None:
+                self.stats.record_push_overlap(tail_s=max(0.0, t.last_push_done_at - t.computed_at),
+                                               span_s=t.last_push_done_at - t.first_push_at)
             # behind every send queued so far - a grant still queued behind its copy must not
             # re-open reads after the revoke - on the send thread if one is queued (the next
             # collect reports it), never waiting here for the device; at once on the CPU
@@ -207,9 +210,6 @@ class KVSender:
             if t.granted:
                 self.transport.allow_fetch(t.transfer_id, None)  # waits for reads in flight
             self.access.release(t.transfer_id)
-            if t.first_push_at is not None and t.computed_at is not None and t.last_push_done_at is not None:
-                self.stats.record_push_overlap(tail_s=max(0.0, t.last_push_done_at - t.computed_at),
-                                               span_s=t.last_push_done_at - t.first_push_at)
         finally:
             with self._retire_lock:
                 self._retiring -= 1
