@@ -90,6 +90,13 @@ def _device(spec: HarnessSpec) -> tuple[torch.device, Any]:
     return device, kv_device_for([torch.empty(0, device=device)])
 
 
+def _host_syncs_fail(device: torch.device, on: bool) -> None:
+    """On CUDA, while on, a synchronising op raises: the connector's hooks and copies must never
+    make the host wait (the harness's own set-up and checks run outside)."""
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error" if on else "default")
+
+
 def block_contents(spec: HarnessSpec, layer: int, request: int, n: int, block_nbytes: int,
                    device: torch.device) -> torch.Tensor:
     """What prefill writes into a request's ``n`` blocks of ``layer``: [n, block_nbytes] bytes."""
@@ -187,6 +194,7 @@ def _step(worker: Any, forward: _Forward, names: list[str], send: Any, views: li
 
     forward.finish()
     started = time.monotonic()
+    _host_syncs_fail(idx.device, True)
     worker.begin_step(WorkerStep(sends=[send] if send is not None else []))
     first_save = 0.0
     for i, name in enumerate(names):
@@ -195,6 +203,7 @@ def _step(worker: Any, forward: _Forward, names: list[str], send: Any, views: li
             worker.save_kv_layer(name)
             first_save = first_save or time.monotonic()
     worker.wait_for_save()
+    _host_syncs_fail(idx.device, False)
     forward.finish()
     ended = time.monotonic()
     return first_save, ended - started, ended
@@ -217,6 +226,7 @@ def _decode_main(spec: HarnessSpec, conn: Any) -> None:
         assert remote is not None, f"no usable announcement for {transfer_id}: {params}"
         local_ids = _block_ids(spec, r, side=1)
         load = LoadSpec(f"d{r}", transfer_id, remote, 0, tuple(local_ids), layerwise=True)
+        _host_syncs_fail(device, True)
         worker.begin_step(WorkerStep(loads=[load]))
         worker.start_loads()
         job = worker.loader.job(f"d{r}")
@@ -225,6 +235,7 @@ def _decode_main(spec: HarnessSpec, conn: Any) -> None:
             worker.wait_for_layer_load(name)
             forward.layer()
         bad = worker.block_ids_with_load_errors()
+        _host_syncs_fail(device, False)
         forward.finish()
         idx = torch.tensor(local_ids, device=device)
         exact = all(torch.equal(v.index_select(0, idx).reshape(n, -1),

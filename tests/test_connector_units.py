@@ -120,6 +120,12 @@ def _land(st: PushStaging, transfer_id: str, layer: int, positions: tuple[int, .
     return batch
 
 
+def _landed(st: PushStaging, transfer_id: str, layer: int, position: int, nbytes: int = 8) -> bytes | None:
+    """The landed bytes of one position, or None."""
+    runs, missing = st.landed_runs(transfer_id, layer, [position], nbytes)
+    return None if missing else bytes(runs[0][1][0].numpy())
+
+
 def test_staging_complete_only_after_each_layers_last_batch() -> None:
     st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
     _land(st, "t", 0, (0, 1), fill=1, last=False)  # first chunk; block 1 partly filled
@@ -129,16 +135,42 @@ def test_staging_complete_only_after_each_layers_last_batch() -> None:
     assert not st.wait_layer("t", 1, deadline=time.monotonic())
     _land(st, "t", 1, (0, 1, 2), fill=3, last=True)
     assert st.wait_layer("t", 1, deadline=time.monotonic())
-    assert bytes(st.landed_block("t", 0, 1).numpy()) == b"\x02" * 8  # the final version
-    assert bytes(st.landed_block("t", 0, 0).numpy()) == b"\x01" * 8
+    assert _landed(st, "t", 0, 1) == b"\x02" * 8  # the final version
+    assert _landed(st, "t", 0, 0) == b"\x01" * 8
     st.drop("t")
     assert st.used_bytes == 0 and len(st) == 0
+
+
+def test_staging_lands_a_layer_as_runs_of_rows_placed_by_one_copy_each() -> None:
+    """A layer pushed in one batch is one run of rows (one copy and one scatter on decode); a
+    partial block re-sent by the next chunk comes from that chunk."""
+    st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    _land(st, "t", 0, (0, 1, 2, 3), fill=1, last=True)
+    runs, missing = st.landed_runs("t", 0, [0, 1, 2, 3], 8)
+    assert missing == [] and [idxs for idxs, _ in runs] == [[0, 1, 2, 3]]
+    assert runs[0][1].shape == (4, 8) and runs[0][1].is_contiguous()
+    _land(st, "t", 1, (0, 1), fill=1, last=False)
+    _land(st, "t", 1, (1, 2), fill=2, last=True)
+    runs, missing = st.landed_runs("t", 1, [0, 1, 2, 5], 8)
+    assert missing == [3] and [idxs for idxs, _ in runs] == [[0], [1, 2]]
+    assert bytes(runs[1][1].flatten().numpy()) == b"\x02" * 16
+    assert st.landed_runs("t", 1, [0], 16) == ([], [0])  # blocks of another size are not ours
+
+
+def test_staging_drops_a_batch_a_newer_one_re_sends_whole() -> None:
+    """Bounded memory: a batch whose every position a newer batch carries is freed at once."""
+    st = PushStaging(capacity_bytes=32, ttl_s=60)
+    _land(st, "t", 0, (0, 1), fill=1, last=False)
+    _land(st, "t", 0, (1, 2), fill=2, last=False)  # position 0 still from the first: both kept
+    assert st.used_bytes == 32
+    assert st.destinations(BlockBatch("t", 0, (0, 1, 2), 8)) is not None  # fits: it frees both
+    assert st.used_bytes == 24
 
 
 def test_staging_failed_batch_is_not_landed() -> None:
     st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
     _land(st, "t", 0, (0,), fill=1, last=True, ok=False)
-    assert st.landed_block("t", 0, 0) is None
+    assert _landed(st, "t", 0, 0) is None
 
 
 def test_staging_capacity_rejects_and_expiry_frees() -> None:
@@ -158,7 +190,7 @@ def test_staging_views_write_into_its_buffers() -> None:
     [view] = st.destinations(batch)
     view[:] = b"abcd"
     st.landed(batch, True)
-    assert torch.equal(st.landed_block("t", 0, 0), torch.tensor(list(b"abcd"), dtype=torch.uint8))
+    assert _landed(st, "t", 0, 0, nbytes=4) == b"abcd"
 
 
 # ---- decode leg sent beside the prefill leg (awaited push) -----------------------------------------

@@ -1,11 +1,14 @@
 """The connector's device data path on an asynchronous stand-in GPU (tests/async_device.py).
 
-No GPU runs here, so the device is a stand-in whose "kernels" and copies run later
-on their streams' threads: a send that does not wait for the layer's write, or an
-attention that does not wait for the layer's landing, reads stale bytes and fails
-byte for byte. The KV is in vLLM's CUDA FlashAttention layout
+No GPU runs here, so the device is a stand-in - mocked - whose "kernels" and copies run
+later on their streams' threads: a send that does not wait for the layer's write, or an
+attention that does not wait for the layer's landing, reads stale bytes and fails byte
+for byte. It also fails every operation that would make a real GPU's host wait (a copy
+from pageable memory, a device value read on the host, an event waited for on the
+forward's thread): the connector's hooks run under it as vLLM calls them, on the
+"forward's thread". The KV is in vLLM's CUDA FlashAttention layout
 ``[2, num_blocks, block_size, kv_heads, head_size]`` (K and V apart), staged through
-pinned-host-style rows for the host transports, as on a GPU.
+pinned host rows for the host transports, as on a GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import StagedAccess
-from vllm_pd.connector.kv_device import COMPLETED
+from vllm_pd.connector.kv_device import COMPLETED, HostDevice
 from vllm_pd.connector.kv_loader import KVLoader
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.push_staging import PushStaging
@@ -37,8 +40,15 @@ LAYERS, NUM_BLOCKS, BS, HEADS, HEAD = 3, 8, 16, 2, 32
 BLOCK_NBYTES = 2 * BS * HEADS * HEAD * 2  # bf16 K and V of one block
 
 
-def fa_cache() -> dict[str, torch.Tensor]:
-    return {f"l{i}": torch.zeros(2, NUM_BLOCKS, BS, HEADS, HEAD, dtype=torch.bfloat16) for i in range(LAYERS)}
+def fa_cache(dev: AsyncStandInDevice | None = None) -> dict[str, torch.Tensor]:
+    """A KV cache, in ``dev``'s device memory if given."""
+    kv = {f"l{i}": torch.zeros(2, NUM_BLOCKS, BS, HEADS, HEAD, dtype=torch.bfloat16) for i in range(LAYERS)}
+    return {name: dev.adopt(t) for name, t in kv.items()} if dev is not None else kv
+
+
+def standin(compute_delay_s: float = 0.02, copy_delay_s: float = 0.005) -> AsyncStandInDevice:
+    """The stand-in GPU with its host-sync checks on."""
+    return AsyncStandInDevice(compute_delay_s, copy_delay_s, checked=True)
 
 
 def block_bytes(values: torch.Tensor, j: int) -> torch.Tensor:
@@ -60,15 +70,15 @@ def write_layer(kv: torch.Tensor, block_ids: list[int], values: torch.Tensor):  
 
 def test_stand_in_catches_a_copy_that_does_not_wait_for_the_write() -> None:
     """The negative control: without the event, the copy reads the blocks before the write."""
-    dev = AsyncStandInDevice(compute_delay_s=0.05, copy_delay_s=0.0)
-    kv = fa_cache()["l0"]
+    dev = standin(compute_delay_s=0.05, copy_delay_s=0.0)
+    kv = fa_cache(dev)["l0"]
     copies = BlockCopies([MemoryRegion("l0", kv, block_dim=1)], dev)
     values = random_kv(2, seed=1)
-    rows_early, rows_ordered = torch.zeros(2, BLOCK_NBYTES, dtype=torch.uint8), torch.zeros(2, BLOCK_NBYTES,
-                                                                                            dtype=torch.uint8)
-    dev.launch(dev.compute, write_layer(kv, [3, 5], values))
-    copies.to_rows(0, [3, 5], rows_early, after=COMPLETED).synchronize()
-    copies.to_rows(0, [3, 5], rows_ordered, after=copies.record_compute()).synchronize()
+    rows_early = dev.host_empty(2 * BLOCK_NBYTES).view(2, BLOCK_NBYTES)
+    rows_ordered = dev.host_empty(2 * BLOCK_NBYTES).view(2, BLOCK_NBYTES)
+    dev.kernel(dev.compute, write_layer(kv, [3, 5], values))
+    copies.to_rows(0, [([3, 5], rows_early)], after=COMPLETED).synchronize()
+    copies.to_rows(0, [([3, 5], rows_ordered)], after=copies.record_compute()).synchronize()
     dev.finish()
     assert not torch.equal(rows_early[0], block_bytes(values, 0))
     assert torch.equal(rows_ordered[0], block_bytes(values, 0)) and torch.equal(rows_ordered[1], block_bytes(values, 1))
@@ -78,7 +88,7 @@ def _prefill_worker(transport: str, dev: AsyncStandInDevice) -> tuple[PDConnecto
     config = PDConnectorConfig.from_extra_config({"transport": transport, "host": "127.0.0.1",
                                                   "host_staging_bytes": 64 * BLOCK_NBYTES * LAYERS})
     worker = PDConnectorWorker(config, block_size=BS, tp_rank=0, base_port=0, is_producer=True, is_consumer=False)
-    kv = fa_cache()
+    kv = fa_cache(dev)
     worker.register_kv_caches(kv, {name: 1 for name in kv}, device=dev)
     assert isinstance(worker.access, StagedAccess)
     return worker, kv
@@ -86,7 +96,7 @@ def _prefill_worker(transport: str, dev: AsyncStandInDevice) -> tuple[PDConnecto
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_prefill_pushes_each_layer_only_after_its_write_and_holds_it_for_reads(transport: str) -> None:
-    dev = AsyncStandInDevice()
+    dev = standin()
     prefill, kv = _prefill_worker(transport, dev)
     decode_regions = make_regions(LAYERS, NUM_BLOCKS, seed=None, block_shape=(2, BS, HEADS * HEAD))
     decode, sink, decode_endpoint = started(transport, decode_regions)
@@ -96,14 +106,13 @@ def test_prefill_pushes_each_layer_only_after_its_write_and_holds_it_for_reads(t
     spec = SendSpec(transfer_id="t1", block_ids=tuple(block_ids), first_block=0, end_token=3 * BS,
                     num_prompt_tokens=3 * BS, push_endpoint=decode_endpoint)
     try:
-        prefill.begin_step(WorkerStep(sends=[spec]))
-        written = []
-        for i in range(LAYERS):
-            values = random_kv(3, seed=10 + i)
-            written.append(values)
-            dev.launch(dev.compute, write_layer(kv[f"l{i}"], block_ids, values))
-            prefill.save_kv_layer(f"l{i}")
-        prefill.wait_for_save()
+        written = [random_kv(3, seed=10 + i) for i in range(LAYERS)]
+        with dev.forward():
+            prefill.begin_step(WorkerStep(sends=[spec]))
+            for i in range(LAYERS):
+                dev.kernel(dev.compute, write_layer(kv[f"l{i}"], block_ids, written[i]))
+                prefill.save_kv_layer(f"l{i}")
+            prefill.wait_for_save()
         landed = sink.wait_landed(LAYERS, timeout=20)
         assert all(ok for _, ok in landed)
         for i in range(LAYERS):  # RecordingSink lands position p at its block p
@@ -134,7 +143,7 @@ class _AnnouncedSink(RecordingSink):
 
 
 def test_prefill_announces_pulled_kv_only_once_it_is_staged_for_reads() -> None:
-    dev = AsyncStandInDevice(compute_delay_s=0.03)
+    dev = standin(compute_delay_s=0.03)
     prefill, kv = _prefill_worker("tcp", dev)
     reader_regions = make_regions(LAYERS, NUM_BLOCKS, seed=None, block_shape=(2, BS, HEADS * HEAD))
     reader = create_transport("tcp")
@@ -146,12 +155,13 @@ def test_prefill_announces_pulled_kv_only_once_it_is_staged_for_reads() -> None:
                     num_prompt_tokens=2 * BS, push_endpoint=None, announcement={"do_remote_prefill": True},
                     announce_endpoint=reader_endpoint)
     try:
-        prefill.begin_step(WorkerStep(sends=[spec]))
         written = [random_kv(2, seed=30 + i) for i in range(LAYERS)]
-        for i in range(LAYERS):
-            dev.launch(dev.compute, write_layer(kv[f"l{i}"], block_ids, written[i]))
-            prefill.save_kv_layer(f"l{i}")
-        prefill.wait_for_save()
+        with dev.forward():
+            prefill.begin_step(WorkerStep(sends=[spec]))
+            for i in range(LAYERS):
+                dev.kernel(dev.compute, write_layer(kv[f"l{i}"], block_ids, written[i]))
+                prefill.save_kv_layer(f"l{i}")
+            prefill.wait_for_save()
         assert sink.announced.wait(20)
         for i in range(LAYERS):  # decode reads as soon as it hears: the bytes must be final by then
             reader.fetch(prefill.endpoint, "t2", i, block_ids, [0, 1], timeout=10).result(timeout=15)
@@ -164,9 +174,9 @@ def test_prefill_announces_pulled_kv_only_once_it_is_staged_for_reads() -> None:
 
 
 def _staged_decode(dev: AsyncStandInDevice) -> tuple[list[MemoryRegion], StagedAccess]:
-    regions = [MemoryRegion(name, t, block_dim=1) for name, t in fa_cache().items()]
+    regions = [MemoryRegion(name, t, block_dim=1) for name, t in fa_cache(dev).items()]
     arena = StagingArena(dev, [r.block_nbytes for r in regions], 16 * BLOCK_NBYTES * LAYERS)
-    return regions, StagedAccess(BlockCopies(regions, dev), arena)
+    return regions, StagedAccess(BlockCopies(regions, dev), arena, BlockCopies(regions, dev))
 
 
 def _attend_layer_by_layer(loader: KVLoader, job: LoadJob, dev: AsyncStandInDevice, regions: list[MemoryRegion],
@@ -176,12 +186,13 @@ def _attend_layer_by_layer(loader: KVLoader, job: LoadJob, dev: AsyncStandInDevi
     seen: list[torch.Tensor] = []
     for i, region in enumerate(regions):
         if stream_wait:
-            loader.wait_for_layer(i)
+            with dev.forward():
+                loader.wait_for_layer(i)
         else:
             assert job.layer_done[i].wait(20)
         out = torch.empty(2, len(block_ids), BS, HEADS, HEAD, dtype=torch.bfloat16)
         seen.append(out)
-        dev.launch(dev.compute, lambda out=out, t=region.tensor: out.copy_(t[:, block_ids]))
+        dev.kernel(dev.compute, lambda out=out, t=region.tensor: out.copy_(t[:, block_ids]))
     return seen
 
 
@@ -193,7 +204,7 @@ def _remote(mode: str, endpoint: str, block_ids: list[int]) -> RemotePrefill:
 
 @pytest.mark.parametrize("wait", [True, False], ids=["stream-waits", "host-waits-only"])
 def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool) -> None:
-    dev = AsyncStandInDevice(compute_delay_s=0.0, copy_delay_s=0.03)
+    dev = standin(compute_delay_s=0.0, copy_delay_s=0.03)
     regions, access = _staged_decode(dev)
     transport = create_transport("tcp")
     config = PDConnectorConfig.from_extra_config({"transfer_timeout_s": 5, "push_wait_s": 1})
@@ -207,15 +218,18 @@ def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool
         loader.staging.landed(batch, True)
     spec = LoadSpec(request_id="d-1", transfer_id="p-1", remote=_remote("push", "tcp://127.0.0.1:1", [9, 9]),
                     first_position=0, local_block_ids=(6, 1), layerwise=True)
-    loader.begin_step(WorkerStep(loads=[spec]))
+    with dev.forward():
+        loader.begin_step(WorkerStep(loads=[spec]))
     # vLLM zeroes the step's new blocks on the compute stream just before start_load_kv; the
     # stand-in runs it late, so a landing that does not wait for it would be zeroed over
-    dev.launch(dev.compute, lambda: [r.tensor[:, [6, 1]].zero_() for r in regions] and None)
-    loader.start_loads()
+    dev.kernel(dev.compute, lambda: [r.tensor[:, [6, 1]].zero_() for r in regions] and None)
+    with dev.forward():
+        loader.start_loads()
     job = loader.job("d-1")
     assert job is not None
     seen = _attend_layer_by_layer(loader, job, dev, regions, [6, 1], stream_wait=wait)
-    assert loader.block_ids_with_load_errors() == set()
+    with dev.forward():
+        assert loader.block_ids_with_load_errors() == set()
     dev.finish()
     loader.close()
     transport.close()
@@ -226,7 +240,7 @@ def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool
 
 
 def test_decode_pull_lands_through_staging_rows_into_device_blocks() -> None:
-    dev = AsyncStandInDevice(compute_delay_s=0.0, copy_delay_s=0.01)
+    dev = standin(compute_delay_s=0.0, copy_delay_s=0.01)
     regions, access = _staged_decode(dev)
     prefill_regions = make_regions(LAYERS, NUM_BLOCKS, seed=3, block_shape=(2, BS, HEADS * HEAD))
     prefill, _, prefill_endpoint = started("tcp", prefill_regions)
@@ -274,3 +288,37 @@ def test_staging_arena_takes_runs_first_fit_and_merges_them_back() -> None:
     assert arena.take(5) is None
     arena.give_back(0, 4)
     assert arena.take(8) == 0 and arena.free_rows == 0
+
+
+@pytest.mark.parametrize("shape, dtype, block_dim", [
+    ((2, 8, 4, 4), torch.bfloat16, 1),  # K and V apart, 8-byte rows: copied as int64
+    ((2, 8, 4, 3), torch.bfloat16, 1),  # 6-byte rows: int16
+    ((8, 3, 2), torch.bfloat16, 0),  # 12-byte blocks: int32
+    ((8, 5), torch.uint8, 0),  # 5-byte blocks: bytes
+])
+@pytest.mark.parametrize("device", ["cpu", "standin"])
+def test_block_copies_move_exact_bytes_whatever_element_width_the_layout_allows(
+        shape: tuple[int, ...], dtype: torch.dtype, block_dim: int, device: str) -> None:
+    """Blocks are gathered and scattered as the widest integer elements their layout allows;
+    runs of rows at any row offset land byte for byte."""
+    dev = standin(compute_delay_s=0.0, copy_delay_s=0.0) if device == "standin" else HostDevice()
+    g = torch.Generator().manual_seed(7)
+    if dtype == torch.uint8:
+        src = torch.randint(0, 1 << 8, shape, generator=g, dtype=torch.uint8)
+    else:
+        src = torch.randn(shape, generator=g).to(dtype)
+    dst = torch.zeros_like(src)
+    if isinstance(dev, AsyncStandInDevice):
+        dev.adopt(src)
+        dev.adopt(dst)
+    out = BlockCopies([MemoryRegion("s", src, block_dim)], dev)
+    back = BlockCopies([MemoryRegion("d", dst, block_dim)], dev)
+    nbytes = out.regions[0].block_nbytes
+    rows = dev.host_empty(5 * nbytes).view(5, nbytes)
+    out.to_rows(0, [([6, 1], rows[1:3]), ([3], rows[4:5])]).synchronize()
+    back.from_rows(0, [([6, 1], rows[1:3]), ([3], rows[4:5])]).synchronize()
+    if isinstance(dev, AsyncStandInDevice):
+        dev.finish()
+    for b in (6, 1, 3):
+        assert torch.equal(dst.select(block_dim, b), src.select(block_dim, b))
+    assert not dst.select(block_dim, 0).view(torch.uint8).any()

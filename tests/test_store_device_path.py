@@ -4,19 +4,19 @@ The GPU is the asynchronous stand-in of tests/async_device.py: "kernels" and cop
 run later on their streams' threads and events complete only when reached, so a save
 that copies before the forward's write, a block committed before its copy completed,
 or an attention that does not wait for its layer's load reads stale bytes and fails
-byte for byte. The KV is in vLLM's CUDA FlashAttention layout
-``[2, num_blocks, block_size, kv_heads, head_size]`` (block_dim=1: K and V apart).
+byte for byte; and anything that would make a real GPU's host wait - on the forward's
+thread, where the store's hooks run, or inside launched copies - fails the test. The
+KV is in vLLM's CUDA FlashAttention layout ``[2, num_blocks, block_size, kv_heads,
+head_size]`` (block_dim=1: K and V apart).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -24,7 +24,7 @@ import torch
 from tests.async_device import AsyncStandInDevice
 from tests.test_kv_device_path import BLOCK_NBYTES, BS, LAYERS, block_bytes, fa_cache, random_kv, write_layer
 from vllm_pd.connector.exceptions import ConfigError
-from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent, HostDevice, KVDevice
+from vllm_pd.connector.kv_device import COMPLETED, HostDevice, KVDevice
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
@@ -38,22 +38,11 @@ TOKENS = list(range(3 * BS + 1))  # three full blocks (and one token vLLM comput
 
 
 class WatchedStandIn(AsyncStandInDevice):
-    """The stand-in GPU that fails a host wait on any of its events by the forward's thread
-    while that thread runs the store's hooks: the forward may only make streams wait."""
+    """The stand-in GPU with its host-sync checks on: the forward's thread may only make
+    streams wait, launched copies never make the host wait."""
 
     def __init__(self, compute_delay_s: float = 0.02, copy_delay_s: float = 0.005) -> None:
-        super().__init__(compute_delay_s, copy_delay_s)
-        self.forward: threading.Thread | None = None
-
-    def record(self, stream: Any) -> DeviceEvent:
-        event = super().record(stream)
-        host_wait = event.synchronize
-
-        def synchronize() -> None:
-            assert threading.current_thread() is not self.forward, "the forward's thread waited for the device"
-            host_wait()
-        event.synchronize = synchronize  # type: ignore[method-assign]
-        return event
+        super().__init__(compute_delay_s, copy_delay_s, checked=True)
 
 
 class Node:
@@ -62,7 +51,7 @@ class Node:
     def __init__(self, dev: KVDevice, bounce_blocks: int = 8) -> None:
         self.dev = dev
         self.cfg = StoreConfig(cpu_bytes=16 * SLOT, host_bounce_bytes=bounce_blocks * SLOT)
-        self.kv = fa_cache()
+        self.kv = fa_cache(dev if isinstance(dev, AsyncStandInDevice) else None)
         self.sched = StoreScheduler(self.cfg, SALT, SLOT)
         self.bridge = StoreBridgeWorker(self.cfg, vllm_config=None, tp_rank=0)
         self.bridge.store = StoreWorker(self.cfg, SALT, list(self.kv.values()), block_dims=[1] * LAYERS, device=dev)
@@ -72,19 +61,24 @@ class Node:
     @contextmanager
     def forward_thread(self) -> Iterator[None]:
         """The calling thread is the forward's (vLLM calls the connector's hooks on it)."""
-        if isinstance(self.dev, WatchedStandIn):
-            self.dev.forward = threading.current_thread()
-        try:
+        if isinstance(self.dev, AsyncStandInDevice):
+            with self.dev.forward():
+                yield
+        else:
             yield
-        finally:
-            if isinstance(self.dev, WatchedStandIn):
-                self.dev.forward = None
+
+    def kernel(self, work: Callable[[], None]) -> None:
+        """Fake compute on the compute stream (the forward's KV writes, attention)."""
+        if isinstance(self.dev, AsyncStandInDevice):
+            self.dev.kernel(self.dev.compute_stream(), work)
+        else:
+            self.dev.launch(self.dev.compute_stream(), work)
 
     def forward_writes(self, block_ids: list[int], seed: int) -> list[torch.Tensor]:
         """The forward's KV writes of every layer, launched on the compute stream (not yet run)."""
         written = [random_kv(len(block_ids), seed + i) for i in range(LAYERS)]
         for name, values in zip(self.kv, written):
-            self.dev.launch(self.dev.compute_stream(), write_layer(self.kv[name], block_ids, values))
+            self.kernel(write_layer(self.kv[name], block_ids, values))
         return written
 
     def save(self) -> None:
@@ -104,7 +98,7 @@ class Node:
         op, missing = self.sched.plan_load("r2", TOKENS, 0, 3 * BS, LOADED)
         assert op is not None and not missing
         for kv in self.kv.values():  # vLLM zeroes the step's new blocks before start_load_kv
-            self.dev.launch(self.dev.compute_stream(), write_layer(kv, LOADED, torch.zeros_like(kv[:, LOADED])))
+            self.kernel(write_layer(kv, LOADED, torch.zeros(2, len(LOADED), *kv.shape[2:], dtype=kv.dtype)))
         with self.forward_thread():
             self.worker.execute(self.sched.build_plan())
         seen: list[torch.Tensor] = [torch.empty(0)] * LAYERS
@@ -114,7 +108,7 @@ class Node:
 
             def attention(i: int = i, kv: torch.Tensor = self.kv[name]) -> None:
                 seen[i] = kv[:, LOADED].clone()
-            self.dev.launch(self.dev.compute_stream(), attention)
+            self.kernel(attention)
         self.dev.record(self.dev.compute_stream()).synchronize()
         assert self.bridge.load_errors() == set()
         return seen
@@ -207,8 +201,8 @@ def test_attention_reads_a_loaded_layer_only_after_its_copy(stream_wait: bool) -
 
 def test_settings_that_cannot_work_with_device_kv_stop_the_start() -> None:
     too_small = StoreConfig(cpu_bytes=16 * SLOT, host_bounce_bytes=SLOT - 1)
-    kv = list(fa_cache().values())
-    dev = AsyncStandInDevice()
+    dev = AsyncStandInDevice(checked=True)
+    kv = list(fa_cache(dev).values())
     try:
         with pytest.raises(ConfigError, match="store.host_bounce_bytes"):
             StoreWorker(too_small, SALT, kv, block_dims=[1] * LAYERS, device=dev)

@@ -90,6 +90,24 @@ class PDConnectorConfig:
         return cfg
 
 
+def needs_layer_hooks(config: PDConnectorConfig) -> bool:
+    """Whether an instance with these settings may do work inside its forward, between layers,
+    that must run for its KV to be right - so a replayed FULL CUDA graph, which runs no Python
+    between layers, must not be used (PIECEWISE graphs call the hooks):
+
+    * a layer-wise load (``load_mode`` ``auto`` or ``layerwise``): the forward's
+      ``wait_for_layer_load`` orders each layer's attention after that layer landed;
+    * the store's loads, always layer-wise.
+
+    Not prefill's per-layer pushes: in a step replayed as a FULL graph they leave from
+    ``wait_for_save``, after the forward (kv_sender.py). So a decode instance that loads whole
+    requests before its step (``load_mode: async``, no store) keeps FULL graphs, whatever its
+    role; the scheduler then never chooses a layer-wise load, even when a request asks for one.
+    vLLM asks this before it knows the role (``requires_piecewise_for_cudagraph`` gets only
+    ``kv_connector_extra_config``), hence a decision from the settings alone."""
+    return config.load_mode != "async" or config.store is not None
+
+
 def _coerce(key: str, type_name: Any, value: object) -> Any:
     literal = {"TransferMode": TransferMode, "LoadMode": LoadMode, "TransportName": TransportName}.get(str(type_name))
     if literal is not None:

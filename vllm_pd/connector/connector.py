@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from vllm_pd.connector.config import PDConnectorConfig
+from vllm_pd.connector.config import PDConnectorConfig, needs_layer_hooks
 from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, PDWorkerMeta
 from vllm_pd.connector.scheduler import PDConnectorScheduler
 from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
@@ -240,10 +240,11 @@ class PDConnector(KVConnectorBase_V1):
     # ---- class-level hooks ----------------------------------------------------------------------
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Our ``save_kv_layer`` (prefill's per-layer send) and ``wait_for_layer_load`` (decode's
-        layer-wise load) do real work between layers; replayed FULL CUDA graphs would skip them
-        and attention would read KV that has not landed. PIECEWISE graphs run them."""
-        return True
+        """PIECEWISE CUDA graphs where a layer-wise load may run inside the forward (a replayed
+        FULL graph would skip ``wait_for_layer_load`` and attention would read KV that has not
+        landed); FULL graphs kept for a decode that loads whole requests before its step
+        (``config.needs_layer_hooks``). A bad setting raises here, naming its key."""
+        return needs_layer_hooks(PDConnectorConfig.from_extra_config(extra_config))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PDConnectorStats | None:

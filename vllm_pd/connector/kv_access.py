@@ -9,7 +9,8 @@
 
 Both hand out *transport ids* (the block ids the transport reads or writes) and the
 event after which those bytes are final, so the sender and the loader never ask
-which kind they have.
+which kind they have. Sends and landings copy on streams of their own
+(``send_copies``, ``land_copies``): a layer's send never queues behind landings.
 """
 
 from __future__ import annotations
@@ -19,17 +20,25 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from vllm_pd.connector.block_copies import BlockCopies
+from vllm_pd.connector.block_copies import BlockCopies, Run
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
 from vllm_pd.connector.transport.base import MemoryRegion
 
 
 class KVAccess(abc.ABC):
-    def __init__(self, copies: BlockCopies) -> None:
-        self.copies = copies
+    def __init__(self, send_copies: BlockCopies, land_copies: BlockCopies | None = None) -> None:
+        self.send_copies = send_copies
+        self.land_copies = land_copies or BlockCopies(send_copies.regions, send_copies.device)
+
+    @property
+    def regions(self) -> list[MemoryRegion]:
+        """The KV cache, one region per layer."""
+        return self.send_copies.regions
+
+    def record_compute(self) -> DeviceEvent:
+        """An event after everything the forward launched so far."""
+        return self.send_copies.record_compute()
 
     @property
     @abc.abstractmethod
@@ -65,10 +74,10 @@ class KVAccess(abc.ABC):
         """A read into ``landing_ids(key, ...)`` of ``layer`` is complete: place it in
         ``block_ids`` once ``after`` is (vLLM's zeroing of new blocks); the event marks them final."""
 
-    def land_buffers(self, layer: int, block_ids: Sequence[int], buffers: Sequence[torch.Tensor],
-                     after: DeviceEvent) -> DeviceEvent:
-        """Place host buffers (pushed KV) into ``block_ids`` of ``layer`` once ``after`` is complete."""
-        return self.copies.from_buffers(layer, block_ids, buffers, after)
+    def land_pushed(self, layer: int, runs: Sequence[Run], after: DeviceEvent) -> DeviceEvent:
+        """Place runs of host rows (pushed KV) into their blocks of ``layer`` once ``after`` is
+        complete; the rows stay untouched until the returned event."""
+        return self.land_copies.from_rows(layer, runs, after)
 
     def release_landing(self, key: str) -> None:
         """The load ``key`` is over and its events complete."""
@@ -77,7 +86,7 @@ class KVAccess(abc.ABC):
 class DirectAccess(KVAccess):
     @property
     def transport_regions(self) -> list[MemoryRegion]:
-        return self.copies.regions
+        return self.regions
 
     def send_ids(self, transfer_id: str, block_ids: Sequence[int]) -> list[int] | None:
         return list(block_ids)
@@ -105,8 +114,8 @@ class _Staged:
 
 
 class StagedAccess(KVAccess):
-    def __init__(self, copies: BlockCopies, arena: StagingArena) -> None:
-        super().__init__(copies)
+    def __init__(self, send_copies: BlockCopies, arena: StagingArena, land_copies: BlockCopies | None = None) -> None:
+        super().__init__(send_copies, land_copies)
         self.arena = arena
         self._lock = threading.Lock()
         self._sends: dict[str, _Staged] = {}
@@ -139,11 +148,11 @@ class StagedAccess(KVAccess):
             for layer in layers:
                 done = st.copied.setdefault(layer, set())
                 todo = [b for b in block_ids if b not in done]
-                for first, ids in _runs(todo, st.rows):
-                    self.copies.to_rows(layer, ids, self.arena.tensors[layer][first:first + len(ids)], after)
+                if todo:
+                    self.send_copies.to_rows(layer, self._arena_runs(layer, todo, st), after)
                 done.update(todo)
             # also covers blocks an earlier send copied out and whose copy may still run
-            return rows, self.copies.fence()
+            return rows, self.send_copies.fence()
 
     def _map(self, st: _Staged, block_ids: Sequence[int]) -> bool:
         new = [b for b in dict.fromkeys(block_ids) if b not in st.rows]
@@ -170,11 +179,13 @@ class StagedAccess(KVAccess):
 
     def land_read(self, key: str, layer: int, block_ids: Sequence[int], after: DeviceEvent) -> DeviceEvent:
         with self._lock:
-            st = self._landings[key]
-            event: DeviceEvent = COMPLETED
-            for first, ids in _runs(block_ids, st.rows):
-                event = self.copies.from_rows(layer, ids, self.arena.tensors[layer][first:first + len(ids)], after)
-            return event  # one copy stream: the last copy's event covers the earlier ones
+            runs = self._arena_runs(layer, block_ids, self._landings[key])
+        return self.land_copies.from_rows(layer, runs, after) if runs else COMPLETED
+
+    def _arena_runs(self, layer: int, block_ids: Sequence[int], st: _Staged) -> list[Run]:
+        """``block_ids`` with their arena rows of ``layer``, cut where the rows stop being consecutive."""
+        rows = self.arena.tensors[layer]
+        return [(ids, rows[first:first + len(ids)]) for first, ids in _runs(block_ids, st.rows)]
 
     def release_landing(self, key: str) -> None:
         with self._lock:

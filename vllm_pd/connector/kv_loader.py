@@ -99,7 +99,7 @@ class KVLoader:
     def start_loads(self) -> None:
         """Called by vLLM after it launched the zeroing of this step's new blocks: what lands is
         copied in after that (an event on the compute stream), so nothing overwrites it."""
-        zeroed = self.access.copies.record_compute() if self._step_jobs else None
+        zeroed = self.access.record_compute() if self._step_jobs else None
         for job in self._step_jobs:
             if job.spec.request_id in self._jobs:
                 continue
@@ -183,7 +183,9 @@ class KVLoader:
         for job in self._step_jobs:
             if not job.spec.layerwise:
                 continue
-            job.done.wait(timeout=self.config.transfer_timeout_s + 5.0)
+            # settled, not done: its last copies may still run (the forward already waits for them
+            # on the compute stream); the forward's thread never waits for the device
+            job.settled.wait(timeout=self.config.transfer_timeout_s + 5.0)
             self._jobs.pop(job.spec.request_id, None)
             self.stats.record_load(job)
             if not job.ok:

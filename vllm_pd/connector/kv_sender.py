@@ -7,18 +7,25 @@ host rows copied on the copy stream), and the push queued behind that event
 (``SendQueue``). After the forward (``wait_for_save``), a finished prompt is held
 for decode's reads - granted once staged, then announced - until decode releases it
 or its lease ends (``OutgoingTransfers``). vLLM-free: the GPU harness drives it.
+
+The forward's thread never waits for the device: sends, grants and the release of a
+finished transfer run on the ``pd-send`` thread behind the events they need
+(``SendQueue``). Only a preempted transfer waits on it (its blocks are reused by the
+very step that begins), which is rare. A step replayed as a FULL CUDA graph calls no
+``save_kv_layer``: its layers are pushed from ``wait_for_save``, after the forward.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.control import PrefillDoneMessage
 from vllm_pd.connector.kv_access import KVAccess
-from vllm_pd.connector.kv_device import DeviceEvent
-from vllm_pd.connector.outgoing import OutgoingTransfers
+from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
+from vllm_pd.connector.outgoing import OutgoingTransfer, OutgoingTransfers
 from vllm_pd.connector.send_queue import SendQueue
 from vllm_pd.connector.step_specs import SendSpec, WorkerStep
 from vllm_pd.connector.transfer_counters import TransferCounters
@@ -49,7 +56,12 @@ class KVSender:
         self.sends = SendQueue()
         self.outgoing = OutgoingTransfers(config.lease_s)
         self._step_sends: list[SendSpec] = []
+        self._step_pushes: list[SendSpec] = []  # of the step's sends, those pushed layer by layer
+        self._step_saved = False  # a save_kv_layer ran this step (none does in a replayed FULL graph)
         self._step_plans: dict[int, LayerPush] = {}  # id(spec) -> its layers' push, made as the step starts
+        self._retire_lock = threading.Lock()
+        self._retiring = 0  # finished transfers queued for release behind the sends before them
+        self._retired: set[str] = set()  # their requests, released: vLLM may free the blocks
 
     def begin_step(self, meta: WorkerStep) -> None:
         for transfer_id in meta.preempted_transfers:
@@ -62,13 +74,14 @@ class KVSender:
         for fs in meta.finished_sends:
             self.outgoing.finish(fs.transfer_id, fs.request_id, fs.held)
         self._step_sends = list(meta.sends)
+        self._step_pushes = [spec for spec in self._step_sends if spec.push_endpoint is not None]
+        self._step_saved = False
         self._step_plans = {}
-        for spec in self._step_sends:
-            if spec.push_endpoint is not None:
-                # Pushed KV is announced as its last forward starts: decode may then run its own
-                # forward beside ours, taking each layer as it lands (a layer-wise load).
-                self._announce(spec)
-                self._plan_push(spec)
+        for spec in self._step_pushes:
+            # Pushed KV is announced as its last forward starts: decode may then run its own
+            # forward beside ours, taking each layer as it lands (a layer-wise load).
+            self._announce(spec)
+            self._plan_push(spec)
 
     def _push_blocks(self, spec: SendSpec) -> tuple[tuple[int, ...], list[int]]:
         """(positions, block ids) of what this step computes of ``spec``'s prompt."""
@@ -97,17 +110,17 @@ class KVSender:
             return
         self._step_plans[id(spec)] = plan
         n = len(block_ids) * self.num_layers
-        self.stats.record_push(n, n * self.access.copies.regions[0].block_nbytes)
+        self.stats.record_push(n, n * self.access.regions[0].block_nbytes)
         self.outgoing.add_push(spec.transfer_id, plan.future)
 
     def save_kv_layer(self, layer: int) -> None:
         """Layer ``layer``'s KV write is launched: its blocks leave once it is done."""
-        if not any(spec.push_endpoint is not None for spec in self._step_sends):
+        if not self._step_pushes:
             return
-        written = self.access.copies.record_compute()
-        for spec in self._step_sends:
-            if spec.push_endpoint is not None:
-                self._push_layer(spec, layer, written)
+        self._step_saved = True
+        written = self.access.record_compute()
+        for spec in self._step_pushes:
+            self._push_layer(spec, layer, written)
 
     def _push_layer(self, spec: SendSpec, layer: int, written: DeviceEvent) -> None:
         positions, block_ids = self._push_blocks(spec)
@@ -121,7 +134,7 @@ class KVSender:
         if plan is not None:
             self.sends.after(ready, lambda: plan.ready(layer))
             return
-        block_nbytes = self.access.copies.regions[layer].block_nbytes
+        block_nbytes = self.access.regions[layer].block_nbytes
         batch = BlockBatch(spec.transfer_id, layer, positions, block_nbytes,
                            last=spec.prefill_done)
         peer = rank_endpoint(spec.push_endpoint or "", self.rank)
@@ -136,11 +149,13 @@ class KVSender:
     def wait_for_save(self) -> None:
         """The step's forward is launched: hold each finished prompt for decode's reads."""
         done = [spec for spec in self._step_sends if spec.prefill_done]
-        self._step_sends = []
-        self._step_plans = {}
-        if not done:
-            return
-        written = self.access.copies.record_compute()
+        # a replayed FULL graph ran no save_kv_layer: its layers leave after the whole forward
+        replayed = [] if self._step_saved else self._step_pushes
+        written = self.access.record_compute() if done or replayed else COMPLETED
+        for spec in replayed:
+            for layer in range(self.num_layers):
+                self._push_layer(spec, layer, written)
+        self._step_sends, self._step_pushes, self._step_plans = [], [], {}
         for spec in done:
             blocks = list(spec.block_ids[:-(-spec.num_prompt_tokens // self.block_size)])
             held = self.access.stage_hold(spec.transfer_id, blocks, written)
@@ -174,20 +189,38 @@ class KVSender:
 
     def collect(self) -> set[str]:
         """Requests whose blocks vLLM may free now (their transfers' reads revoked, staging given back)."""
-        reportable = self.outgoing.take_reportable()
-        if reportable:
-            self.sends.drain(self.config.transfer_timeout_s)  # no grant is still queued behind its copy
-        sent: set[str] = set()
-        for t in reportable:
-            if t.granted:
-                self.transport.allow_fetch(t.transfer_id, None)  # waits for reads in flight
-            self.access.release(t.transfer_id)
-            sent.add(t.request_id)
+        for t in self.outgoing.take_reportable():
             if t.first_push_at is not None and t.computed_at is not None and t.last_push_done_at is not None:
                 self.stats.record_push_overlap(tail_s=max(0.0, t.last_push_done_at - t.computed_at),
                                                span_s=t.last_push_done_at - t.first_push_at)
+            # behind every send queued so far - a grant still queued behind its copy must not
+            # re-open reads after the revoke - on the send thread if one is queued (the next
+            # collect reports it), never waiting here for the device; at once on the CPU
+            with self._retire_lock:
+                self._retiring += 1
+            self.sends.after(COMPLETED, functools.partial(self._retire, t))
+        with self._retire_lock:
+            sent, self._retired = self._retired, set()
         self.stats.expired = self.outgoing.expired_total
         return sent
+
+    def _retire(self, t: OutgoingTransfer) -> None:
+        """Revoke reads of a finished transfer and give back its staging; then vLLM may free it."""
+        try:
+            if t.granted:
+                self.transport.allow_fetch(t.transfer_id, None)  # waits for reads in flight
+            self.access.release(t.transfer_id)
+        finally:
+            with self._retire_lock:
+                self._retiring -= 1
+                self._retired.add(t.request_id)
+            self.outgoing.changed.set()  # an idle step reports it at once
+
+    def pending(self) -> bool:
+        """Transfers still held, sending, or being released."""
+        with self._retire_lock:
+            retiring = self._retiring > 0 or bool(self._retired)
+        return retiring or self.outgoing.pending() > 0
 
     def close(self) -> None:
         self.sends.close()

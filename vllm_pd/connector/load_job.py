@@ -59,6 +59,9 @@ class LoadJob:
         # set before layer_done: the device copy that placed the layer in our blocks
         self.layer_events: list[DeviceEvent] = [COMPLETED] * len(regions)
         self.layer_ok = [False] * len(regions)
+        # settled: ok and error are final (a layer-wise forward's thread waits for this much only);
+        # done: also every copy into our blocks is complete and the staging they read is free
+        self.settled = threading.Event()
         self.done = threading.Event()
         self.ok = False
         self.error: str | None = None
@@ -85,6 +88,7 @@ class LoadJob:
             self.ok = self.error is None and all(self.layer_ok)
             for ev in self.layer_done:
                 ev.set()
+            self.settled.set()
             # done means in our blocks (async loads are reported on it), and the staging
             # the copies read from is free once they are
             for event in self.layer_events:
@@ -188,18 +192,16 @@ class LoadJob:
         return remote
 
     def _copy_staged(self, transfer_id: str, layer: int, region: MemoryRegion) -> list[int]:
-        missing, block_ids, buffers = [], [], []
-        for i, (pos, block_id) in enumerate(zip(self.spec.positions, self.spec.local_block_ids)):
-            buf = self._staging.landed_block(transfer_id, layer, pos)
-            if buf is None or buf.numel() != region.block_nbytes:
-                missing.append(i)
-                continue
-            block_ids.append(block_id)
-            buffers.append(buf)
-        if buffers:
-            self.layer_events[layer] = self._access.land_buffers(layer, block_ids, buffers, self.blocks_ready)
-            self.blocks_from_push += len(buffers)
-            self.bytes_landed += len(buffers) * region.block_nbytes
+        """Place what was pushed of ``layer`` in our blocks (one scatter); the indexes into
+        ``spec.positions`` that did not land."""
+        runs, missing = self._staging.landed_runs(transfer_id, layer, self.spec.positions, region.block_nbytes)
+        if runs:
+            ids = self.spec.local_block_ids
+            self.layer_events[layer] = self._access.land_pushed(
+                layer, [([ids[i] for i in idxs], rows) for idxs, rows in runs], self.blocks_ready)
+            n = sum(len(idxs) for idxs, _ in runs)
+            self.blocks_from_push += n
+            self.bytes_landed += n * region.block_nbytes
         return missing
 
     def _layer_landed(self, layer: int, ok: bool, placed: DeviceEvent | None = None) -> None:

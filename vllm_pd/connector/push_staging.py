@@ -4,9 +4,16 @@ Prefill pushes each layer while it computes, usually before the proxy has even
 sent the request to decode, so the bytes land here first (bounded memory) and
 are copied into the request's blocks when decode admits it.
 
+Each pushed batch lands in one host buffer of its own, ``[blocks, block_nbytes]``
+indexed by the batch's positions (pinned where the KV cache is on a GPU): a layer of
+a request pushed in one step is one contiguous run of rows, placed into the
+request's blocks by one host-to-device copy and one scatter (``landed_runs``).
+
 A layer counts as complete only once the batch prefill marked ``last`` for it
 has landed: pushes to one peer land in order, so by then every earlier version
-of a re-sent partial block has been overwritten by its final one.
+of a re-sent partial block has been superseded by its final one (a position's
+bytes are those of the newest batch that carried it; a batch whose every position
+a newer one carries is dropped at once, so memory stays bounded).
 
 When our proxy sends the decode leg beside the prefill leg, decode learns what
 was pushed (prefill's ``RemotePrefill`` params) from prefill's announcement,
@@ -18,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +37,19 @@ from vllm_pd.vllm_logging import vllm_logger
 logger = vllm_logger(__name__)
 
 
+@dataclass(eq=False)  # compared by identity
+class _Chunk:
+    """One pushed batch's bytes: row i holds position ``positions[i]``."""
+
+    positions: tuple[int, ...]
+    rows: torch.Tensor  # [len(positions), block_nbytes]
+    landed: bool = False  # arrived and verified
+
+
 @dataclass
 class _StagedTransfer:
-    blocks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, pos) -> bytes
-    landed: dict[tuple[int, int], bool] = field(default_factory=dict)
+    chunks: dict[int, list[_Chunk]] = field(default_factory=dict)  # layer -> its batches, oldest first
+    receiving: dict[int, _Chunk] = field(default_factory=dict)  # id(batch) -> its chunk, until it landed
     last_landed: set[int] = field(default_factory=set)  # layers whose final batch landed
     announcement: dict[str, Any] | None = None  # prefill's RemotePrefill params
     abandoned: bool = False
@@ -56,8 +72,10 @@ class PushStaging:
         with self._cond:
             self._expire_locked()
             st = self._transfers.get(batch.transfer_id)
-            new = [p for p in batch.positions if st is None or (batch.layer, p) not in st.blocks]
-            need = len(new) * batch.block_nbytes
+            layer = st.chunks.get(batch.layer, []) if st is not None else []
+            n = len(batch.positions)
+            superseded = _superseded(layer, set(batch.positions))
+            need = n * batch.block_nbytes - sum(c.rows.numel() for c in superseded)
             if self.used_bytes + need > self.capacity_bytes:
                 self.rejected_total += 1
                 logger.warning("push staging full (%d/%d bytes): rejecting transfer %s layer %d",
@@ -67,27 +85,21 @@ class PushStaging:
                 st = self._transfers[batch.transfer_id] = _StagedTransfer()
             if st.abandoned:
                 return None
-            views = []
-            for p in batch.positions:
-                key = (batch.layer, p)
-                buf = st.blocks.get(key)
-                if buf is None or buf.numel() != batch.block_nbytes:
-                    if buf is not None:
-                        self.used_bytes -= buf.numel()
-                    buf = st.blocks[key] = self.alloc(batch.block_nbytes)
-                    self.used_bytes += batch.block_nbytes
-                st.landed[key] = False
-                views.append(memoryview(buf.numpy()))
+            chunk = _Chunk(tuple(batch.positions), self.alloc(n * batch.block_nbytes).view(n, batch.block_nbytes))
+            st.chunks[batch.layer] = [c for c in layer if c not in superseded] + [chunk]
+            st.receiving[id(batch)] = chunk
+            self.used_bytes += need
             st.touched = time.monotonic()
-            return views
+            return [memoryview(chunk.rows[i].numpy()) for i in range(n)]
 
     def landed(self, batch: BlockBatch, ok: bool) -> None:
         with self._cond:
             st = self._transfers.get(batch.transfer_id)
             if st is None:
                 return
-            for p in batch.positions:
-                st.landed[(batch.layer, p)] = ok
+            chunk = st.receiving.pop(id(batch), None)
+            if chunk is not None:
+                chunk.landed = ok
             if batch.last:
                 st.last_landed.add(batch.layer)
             st.touched = time.monotonic()
@@ -146,12 +158,32 @@ class PushStaging:
                     return None
                 self._cond.wait(timeout=min(remaining, 0.5))
 
-    def landed_block(self, transfer_id: str, layer: int, position: int) -> torch.Tensor | None:
+    def landed_runs(self, transfer_id: str, layer: int, positions: Sequence[int],
+                    block_nbytes: int) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
+        """What of ``positions`` landed for ``layer``: (runs, missing). A run is (indexes into
+        ``positions``, their rows): consecutive rows of one batch. ``missing``: indexes of
+        positions with no landed ``block_nbytes`` bytes. The rows are read by copies after
+        this returns: they stay allocated until ``drop`` (or the transfer's expiry)."""
         with self._cond:
             st = self._transfers.get(transfer_id)
-            if st is None or not st.landed.get((layer, position)):
-                return None
-            return st.blocks[(layer, position)]
+            where: dict[int, tuple[_Chunk, int]] = {}
+            for chunk in st.chunks.get(layer, []) if st is not None else []:  # oldest first: newest wins
+                where.update((p, (chunk, row)) for row, p in enumerate(chunk.positions))
+        runs: list[tuple[list[int], _Chunk, int]] = []  # (indexes, chunk, first row)
+        missing: list[int] = []
+        for i, p in enumerate(positions):
+            found = where.get(p)
+            if found is None:
+                missing.append(i)
+                continue
+            chunk, row = found
+            if not chunk.landed or chunk.rows.shape[1] != block_nbytes:
+                missing.append(i)
+            elif runs and runs[-1][1] is chunk and runs[-1][2] + len(runs[-1][0]) == row:
+                runs[-1][0].append(i)
+            else:
+                runs.append(([i], chunk, row))
+        return [(idxs, chunk.rows[row:row + len(idxs)]) for idxs, chunk, row in runs], missing
 
     def drop(self, transfer_id: str) -> None:
         with self._cond:
@@ -160,7 +192,7 @@ class PushStaging:
     def _drop_locked(self, transfer_id: str) -> None:
         st = self._transfers.pop(transfer_id, None)
         if st is not None:
-            self.used_bytes -= sum(b.numel() for b in st.blocks.values())
+            self.used_bytes -= sum(c.rows.numel() for chunks in st.chunks.values() for c in chunks)
 
     def _expire_locked(self) -> None:
         now = time.monotonic()
@@ -179,3 +211,15 @@ class PushStaging:
     def __len__(self) -> int:
         with self._cond:
             return len(self._transfers)
+
+
+def _superseded(chunks: list[_Chunk], newer: set[int]) -> list[_Chunk]:
+    """The chunks (oldest first) whose every position ``newer`` - a new batch's positions -
+    or a chunk after them carries."""
+    covered = set(newer)
+    out = []
+    for chunk in reversed(chunks):
+        if covered.issuperset(chunk.positions):
+            out.append(chunk)
+        covered.update(chunk.positions)
+    return out

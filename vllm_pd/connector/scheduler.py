@@ -68,12 +68,22 @@ class _OutgoingRequest:
         return self.ask.transfer_id or self.request.request_id
 
 
+def full_cudagraphs(vllm_config: "VllmConfig") -> bool:
+    """Whether vLLM may replay this instance's forward as a FULL CUDA graph (no Python between layers)."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    return bool(mode is not None and mode.has_full_cudagraphs())
+
+
 class PDConnectorScheduler:
     def __init__(self, vllm_config: "VllmConfig", config: PDConnectorConfig, engine_id: str) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        # FULL CUDA graphs replay decode steps without our per-layer waits: whole-request loads only
+        # (vLLM keeps them only where config.needs_layer_hooks said no layer-wise load would run)
+        self.layerwise_loads = not full_cudagraphs(vllm_config)
+        self._layerwise_refused = False
         self._kv_cache_manager: Any = None
         self._endpoints: tuple[str, ...] = ()
         self._host = ""
@@ -181,8 +191,16 @@ class PDConnectorScheduler:
         return mode == "layerwise" or (mode == "auto" and self._live <= {request.request_id})
 
     def _load_mode(self, request: "Request") -> str:
-        """The instance's load_mode, unless the request's kv_transfer_params ask for another."""
-        return requested_load_mode(request.kv_transfer_params, self.config.load_mode)
+        """The instance's load_mode, unless the request's kv_transfer_params ask for another;
+        async under FULL CUDA graphs."""
+        mode = requested_load_mode(request.kv_transfer_params, self.config.load_mode)
+        if mode == "async" or self.layerwise_loads:
+            return mode
+        if not self._layerwise_refused:
+            self._layerwise_refused = True
+            logger.warning("request %s asks for a %s KV load, but this instance runs FULL CUDA graphs "
+                           "(load_mode async): its KV loads before its step instead", request.request_id, mode)
+        return "async"
 
     def _local_prompt(self, prompt: list[int]) -> LocalPrompt:
         return LocalPrompt(prompt_hash(prompt), len(prompt), self.block_size, self.tp_size)

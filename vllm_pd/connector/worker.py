@@ -86,7 +86,7 @@ class PDConnectorWorker:
         self.device = device or kv_device_for([r.tensor for r in self.regions])
         if self.regions and self.regions[0].tensor.device.type == "cpu":
             request_amx_tiles()  # before this worker's first forward, which may be a step of loaded KV
-        self.access = self._access(BlockCopies(self.regions, self.device))
+        self.access = self._access()
         self.sender = KVSender(self.config, self.transport, self.access, len(self.regions), self.block_size,
                                self.tp_rank, self.stats)
         self.loader = KVLoader(self.config, self.transport, self.access, self.device, self.regions, self.tp_rank,
@@ -103,13 +103,15 @@ class PDConnectorWorker:
                     self.tp_rank, len(self.regions), r0.num_blocks, r0.block_nbytes, r0.tensor.device,
                     type(self.access).__name__, self.endpoint)
 
-    def _access(self, copies: BlockCopies) -> KVAccess:
-        """Direct where the transport can read the KV itself, else through pinned host staging."""
+    def _access(self) -> KVAccess:
+        """Direct where the transport can read the KV itself, else through pinned host staging;
+        sends and landings copy on a stream each."""
+        sends, landings = BlockCopies(self.regions, self.device), BlockCopies(self.regions, self.device)
         if self.transport.device_memory or (self.device.host_accessible
                                             and all(r.block_contiguous for r in self.regions)):
-            return DirectAccess(copies)
+            return DirectAccess(sends, landings)
         arena = StagingArena(self.device, [r.block_nbytes for r in self.regions], self.config.host_staging_bytes)
-        return StagedAccess(copies, arena)
+        return StagedAccess(sends, arena, landings)
 
     @property
     def staging(self) -> PushStaging:
@@ -176,7 +178,7 @@ class PDConnectorWorker:
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving)."""
         sent, recvd, failed = self._collect()
-        if self._idle and not (sent or recvd) and (self.sender.outgoing.pending() or self.loader.busy):
+        if self._idle and not (sent or recvd) and (self.sender.pending() or self.loader.busy):
             self.sender.outgoing.changed.wait(IDLE_WAIT_S)
             sent, recvd, failed = self._collect()
         self.stats.set_gauges(held=self.sender.outgoing.held(), loading=self.loader.loading,

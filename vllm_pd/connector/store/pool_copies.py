@@ -9,7 +9,9 @@ block back to back, so one layer's rows of several slots are never contiguous.
 * :class:`StreamPoolCopies` - KV on a GPU (any :class:`KVDevice` that the host may not
   touch directly): whole blocks go through :class:`BlockCopies` on copy streams of
   their own, into or out of pinned bounce rows (one contiguous ``[rows, block_nbytes]``
-  run per layer), and the host moves the bytes between those rows and the slots.
+  run per layer: one gather or scatter and one copy per layer and pass, the block
+  index reused across layers), and the host moves the bytes between those rows and
+  the slots (host memory only: ``cpu_pool``'s index tensors never meet the device).
 
 Ordering (the connector's rules, kv_device.py):
 
@@ -20,6 +22,8 @@ Ordering (the connector's rules, kv_device.py):
 * A load's copies wait on the compute stream's mark taken when the loads started
   (vLLM zeroes new blocks on it before ``start_load_kv``), and return the event
   the layer's attention waits on with a stream wait (:meth:`PoolCopies.wait`).
+* The host waits for a copy (``synchronize``) only on the store's own threads, never
+  on the forward's.
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ class StreamPoolCopies(PoolCopies):
             ids, run = block_ids[start:start + self.bounce_rows], slots[start:start + self.bounce_rows]
             copied: DeviceEvent = COMPLETED
             for layer in range(len(self.regions)):
-                copied = self._save_copies.to_rows(layer, ids, self._save_rows[layer, :len(ids)], after=after)
+                copied = self._save_copies.to_rows(layer, [(ids, self._save_rows[layer, :len(ids)])], after=after)
             copied.synchronize()  # one stream: the last layer's event follows every layer's copy
             for layer in range(len(self.regions)):
                 self.pool.write_rows(layer, run, self._save_rows[layer, :len(ids)])
@@ -126,7 +130,7 @@ class StreamPoolCopies(PoolCopies):
             rows = self._load_rows[layer, :len(ids)]
             self._load_rows_busy[layer].synchronize()  # the rows' previous copy has read them
             self.pool.read_rows(layer, run, out=rows)
-            placed = self._load_rows_busy[layer] = self._load_copies.from_rows(layer, ids, rows)
+            placed = self._load_rows_busy[layer] = self._load_copies.from_rows(layer, [(ids, rows)])
         return placed
 
     def fence(self) -> DeviceEvent:
