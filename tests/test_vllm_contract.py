@@ -115,6 +115,53 @@ def test_pdconnector_fits_the_base_class(surface: Any) -> None:
     assert vs.check_connector(PDConnector, surface(), "KVConnectorBase_V1", DECISIONS) == []
 
 
+# our classes that vLLM builds, passes or calls, beside the connector: (ours, vLLM's base, decisions)
+def _types() -> list[tuple[type, str, dict[str, str]]]:
+    from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, PDWorkerMeta
+    from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
+
+    hma = vllm_base.SupportsHMA
+    declared = issubclass(PDConnector, hma)
+    return [
+        (PDConnector, "SupportsHMA", {"request_finished_all_groups":
+                                      "ours" if declared else "PDConnector does not declare SupportsHMA"}),
+        (PDWorkerMeta, "KVConnectorWorkerMetadata", {"aggregate": "ours"}),
+        (PDHandshake, "KVConnectorHandshakeMetadata", {}),
+        (PDConnectorMetadata, "KVConnectorMetadata", {}),
+        (PDConnectorStats, "KVConnectorStats", {"__init__": "ours", "data": "the dataclass field",
+                                                "to_dict": "data as it is",
+                                                "reset": "ours", "aggregate": "ours", "reduce": "ours",
+                                                "is_empty": "ours"}),
+        (PDPromMetrics, "KVConnectorPromMetrics", {"__init__": "ours", "observe": "ours"}),
+    ]
+
+
+def type_surfaces() -> list[Any]:
+    cases = []
+    for ours, base, decisions in _types():
+        module = vs.METRICS_MODULE if "Stats" in base or "Prom" in base else vs.BASE_MODULE
+        cases += [pytest.param(ours, base, decisions, p, id=f"{base}-{p.name.split('-connector')[0]}")
+                  for p in MANIFESTS]
+        live = getattr(__import__(module, fromlist=[base]), base)
+        cases.append(pytest.param(ours, base, decisions, live, id=f"{base}-0.32-live"))
+    return cases
+
+
+@pytest.mark.parametrize("ours,base,decisions,source", type_surfaces())
+def test_our_types_fit_vllms(ours: type, base: str, decisions: dict[str, str], source: Any) -> None:
+    if isinstance(source, Path):
+        module = vs.METRICS_MODULE if "Stats" in base or "Prom" in base else vs.BASE_MODULE
+        surface = manifest(source)["classes"][f"{module}.{base}"]
+    else:
+        surface = {"members": vs.live_class_surface(source)}
+        if base == "KVConnectorStats":
+            surface["members"]["data"] = {"kind": "field", "abstract": False}
+    if base == "SupportsHMA" and not issubclass(ours, vllm_base.SupportsHMA):
+        # not declared: nothing of it is required, and nothing of it may be half there (the check below)
+        surface = {"members": {k: {**m, "abstract": False} for k, m in surface["members"].items()}}
+    assert vs.check_connector(ours, surface, base, decisions) == []
+
+
 def test_decisions_name_only_members_vllm_has() -> None:
     known = set(live_032()["members"]) | {m for p in MANIFESTS for m in manifest(p)["classes"][BASE]["members"]}
     assert set(DECISIONS) - known == set()
