@@ -41,6 +41,8 @@ CLASSES = {
     "vllm.v1.core.sched.output.NewRequestData",
     "vllm.v1.core.sched.output.CachedRequestData",
     "vllm.v1.core.kv_cache_manager.KVCacheBlocks",
+    "vllm.v1.core.kv_cache_manager.KVCacheManager",
+    "vllm.v1.request.Request",
     "vllm.v1.kv_cache_interface.KVCacheConfig",
     "vllm.config.kv_transfer.KVTransferConfig",
 }
@@ -104,6 +106,13 @@ def _ast_class(node: ast.ClassDef) -> dict[str, Any]:
             for t in item.targets:
                 if isinstance(t, ast.Name):
                     members[t.id] = {"kind": "attribute", "abstract": False}
+    init = next((i for i in node.body if isinstance(i, ast.FunctionDef) and i.name == "__init__"), None)
+    for stmt in ast.walk(init) if init is not None else ():  # what instances get: self.x = ...
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(
+            stmt, ast.AnnAssign) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                members.setdefault(t.attr, {"kind": "instance_attribute", "abstract": False})
     bases = [b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", ast.unparse(b)) for b in node.bases]
     return {"bases": bases, "members": members}
 
@@ -273,8 +282,8 @@ def check_connector(cls: type, base: dict[str, Any], base_name: str,
     it, else why the base's default is right for us)."""
     problems = []
     for name, spec in sorted(base["members"].items()):
-        if name.startswith("__") and name != "__init__":
-            continue
+        if name.startswith("__") and name != "__init__" or spec["kind"] == "instance_attribute":
+            continue  # the base's __init__ sets these on every instance: state, not hooks
         where = defined_on(cls, name, base_name)
         decision = decisions.get(name)
         if decision is None:
