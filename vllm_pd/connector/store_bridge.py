@@ -82,7 +82,10 @@ class StoreBridgeScheduler:
 
     def on_handshake(self, num_layers: int, block_nbytes: int, endpoint: str) -> None:
         """``endpoint``: where peers fetch this node's blocks (store endpoints of
-        the TP ranks, comma-separated; "" when no master is configured)."""
+        the TP ranks, comma-separated; "" when no master is configured). Once: vLLM >= 0.33 hands
+        the handshake again after a sleep mode wake-up, and the store's pool outlived the sleep."""
+        if self.store is not None:
+            return
         salt = make_salt(self.vllm_config, num_layers, block_nbytes)
         world = self.vllm_config.parallel_config.tensor_parallel_size
         self.store = StoreScheduler(self.config, salt, num_layers * block_nbytes, world_size=world, endpoint=endpoint)

@@ -71,6 +71,7 @@ class PDConnectorWorker:
         self.regions: list[MemoryRegion] = []
         self._layer_index: dict[str, int] = {}
         self._idle = False
+        self._unregistered = False  # vLLM's sleep mode freed the KV's pages (unregister_kv_caches)
         self.endpoint = ""
         self.host = ""
         self.port = 0
@@ -103,6 +104,25 @@ class PDConnectorWorker:
                     self.tp_rank, len(self.regions), r0.num_blocks, r0.block_nbytes, r0.tensor.device,
                     type(self.access).__name__, self.endpoint)
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM's sleep mode is about to free the KV cache's pages (their contents are lost; the
+        addresses come back, with new pages, at :meth:`restore_kv_caches`): the transport lets go of
+        them and pushes into them are refused meanwhile. Host staging is our own pinned memory,
+        which sleep leaves alone. Idempotent."""
+        if not self.regions or self._unregistered:
+            return
+        self._unregistered = True
+        self.transport.unregister_regions()
+        logger.info("PD connector worker %d: KV cache unregistered (sleep)", self.tp_rank)
+
+    def restore_kv_caches(self) -> None:
+        """The KV cache is mapped again, at the same addresses: register it again. Idempotent."""
+        if not self._unregistered:
+            return
+        self.transport.restore_regions()
+        self._unregistered = False
+        logger.info("PD connector worker %d: KV cache registered again (wake-up)", self.tp_rank)
+
     def _access(self) -> KVAccess:
         """Direct where the transport can read the KV itself, else through pinned host staging;
         sends and landings copy on a stream each."""
@@ -119,7 +139,7 @@ class PDConnectorWorker:
 
     # ---- BlockSink (transport threads) ----------------------------------------------------------
     def destinations(self, batch: BlockBatch):  # noqa: ANN201 - see BlockSink
-        if not self.is_consumer or not 0 <= batch.layer < len(self.regions):
+        if not self.is_consumer or self._unregistered or not 0 <= batch.layer < len(self.regions):
             return None
         if batch.block_nbytes != self.regions[batch.layer].block_nbytes:
             logger.warning("push of transfer %s has %d-byte blocks, ours are %d: rejected",

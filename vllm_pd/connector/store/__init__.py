@@ -105,10 +105,10 @@ blocks each node holds, sends prefill where its own store (or prefix cache) hold
 the most, skips prefill when decode's store holds every full block, and names in
 the prefill leg's ``store_fetch`` the node to fetch a longer prefix from.
 
-Composing with LMCache - not run here, and it cannot be on these CPU machines: the
-registry's lmcache 0.5.6 wheel (checked 2026-11-22, installed aside with --no-deps)
-loads its ``cuda_ops`` extension, linked against libc10_cuda.so, which the CPU torch
-build lacks (ImportError), and it requires cupy-cuda13x, nvtx and cufile-python. On a
+Composing with LMCache - not run here: lmcache 0.5.6 on vLLM CPU 0.32 (installed aside
+with --no-deps, 2026-11-28) imports and starts, but has no CPU connector for vLLM
+("No supported cpu connector found", degraded mode: it stores and loads nothing; see
+benchmarks/RESULTS.md, issue 26), and it requires cupy-cuda13x, nvtx and cufile-python. On a
 GPU machine with the regular vllm wheel: vLLM's
 MultiConnector takes a list of connectors; loads come from the first one that
 reports a hit, saves go to all. ``{"kv_connector": "MultiConnector",

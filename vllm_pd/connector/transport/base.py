@@ -151,6 +151,15 @@ class Transport(abc.ABC):
         """Declare the local memory peers may fetch from or push into (all layers,
         in layer order). Called once, before ``start``."""
 
+    def unregister_regions(self) -> None:
+        """The registered memory is about to lose its physical pages, to get new ones at the same
+        addresses later (vLLM's sleep mode): drop whatever ties the transport to the old pages, and
+        neither serve nor move it until :meth:`restore_regions`. Transfers have ended (vLLM drains
+        them first). Idempotent."""
+
+    def restore_regions(self) -> None:
+        """The registered memory is mapped again, at the same addresses: serve it again. Idempotent."""
+
     @abc.abstractmethod
     def start(self, sink: BlockSink, host: str, port: int) -> str:
         """Start serving (port 0 = any free port); returns this side's endpoint

@@ -53,7 +53,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -110,6 +110,7 @@ class NixlSide:
     connect_timeout: float
     agent: LocalAgent | None = None  # None: a client that only notifies (no regions)
     regions: NixlRegions | None = None
+    region_handles: list[Any] = field(default_factory=list)  # the regions' registrations (none while unregistered)
     pump: ProgressPump | None = None
 
 
@@ -432,12 +433,31 @@ class NixlTransport(TcpTransport):
             self._checksum = Checksum.NONE
         agent = LocalAgent(f"vllm-pd-{os.getpid()}-{secrets.token_hex(4)}", host_only=not kv.has_vram)
         try:
-            agent.register_layouts(kv.layouts)
+            handles = agent.register_layouts(kv.layouts)
         except BaseException:
             agent.close()
             raise
         self._side.agent, self._side.regions, self._side.pump = agent, kv, ProgressPump(agent.progress)
+        self._side.region_handles = handles
         self._regions = kv  # type: ignore[assignment]  # what ServeSession checks fetches against
+
+    def unregister_regions(self) -> None:
+        """Also deregister the regions from NIXL: its registration (the NIC's, for RDMA) pins the
+        old physical pages. The links closed first make peers drop our agent, keys and all."""
+        super().unregister_regions()
+        agent, handles = self._side.agent, self._side.region_handles
+        self._side.region_handles = []
+        for handle in handles:
+            assert agent is not None
+            agent.deregister(handle)
+
+    def restore_regions(self) -> None:
+        """Register the regions again (the new pages): peers dialled from now on get our agent's
+        new metadata in the handshake."""
+        agent, kv = self._side.agent, self._side.regions
+        if agent is not None and kv is not None and not self._side.region_handles:
+            self._side.region_handles = agent.register_layouts(kv.layouts)
+        super().restore_regions()
 
     # -- endpoints -------------------------------------------------------------------------------
 

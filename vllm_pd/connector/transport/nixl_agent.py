@@ -134,10 +134,13 @@ class LocalAgent:
             self._registrations.remove(handle)
         self._call("deregister", lambda: self._agent.deregister_memory(handle))
 
-    def register_layouts(self, layouts: list[RegionLayout]) -> None:
+    def register_layouts(self, layouts: list[RegionLayout]) -> list[Any]:
+        """Register each region's extent; the handles, for ``deregister``."""
+        handles = []
         for lay in layouts:
             start, nbytes = lay.extent
-            self.register(np.array([start]), np.array([nbytes]), lay.mem, lay.device)
+            handles.append(self.register(np.array([start]), np.array([nbytes]), lay.mem, lay.device))
+        return handles
 
     # -- peers --------------------------------------------------------------------------
 

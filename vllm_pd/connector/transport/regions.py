@@ -119,6 +119,11 @@ class FetchGrants:
                 self._cond.wait(left)
             return True
 
+    def transfer_ids(self) -> list[str]:
+        """The transfers granted now."""
+        with self._cond:
+            return list(self._grants)
+
     def serving(self, transfer_id: str) -> bool:
         with self._cond:
             return transfer_id in self._serving

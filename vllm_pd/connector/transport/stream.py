@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd.connector.exceptions import PeerClosed, TransportError
+from vllm_pd.connector.exceptions import PeerClosed, TransferRejected, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink, MemoryRegion, Transport
 from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, read_frame
 from vllm_pd.connector.transport.layer_plan import LayerPlan
@@ -105,6 +105,7 @@ class StreamTransport(Transport):
         self._req_ids = itertools.count(1)
         self._timer = DeadlineTimer()
         self._closed = False
+        self._unregistered = False  # between unregister_regions and restore_regions
 
     # -- what a subclass provides --------------------------------------------------
 
@@ -160,7 +161,7 @@ class StreamTransport(Transport):
     def push_layers(self, peer: str, transfer_id: str, layers: Sequence[int], positions: Sequence[int],
                     block_ids: Sequence[int], timeout: float, last: bool = False) -> LayerPlan | None:
         regions = self._require_regions()
-        if not layers or not block_ids:
+        if not layers or not block_ids or self._unregistered:
             return None
         if len(block_ids) != len(positions):
             raise ValueError(f"push_layers: {len(block_ids)} block ids but {len(positions)} positions")
@@ -213,6 +214,38 @@ class StreamTransport(Transport):
                 s.close()
             self._grants.revoke(transfer_id, self._revoke_wait)
 
+    def unregister_regions(self) -> None:
+        """Revoke every grant left (a read of memory being unmapped must not start) and close the
+        connections we dialled: the peers on their other end drop what our handshake told them
+        (nixl: our memory registration), and a later request dials anew."""
+        with self._lock:
+            if self._unregistered:
+                return
+            self._unregistered = True
+        self._close_links()
+        granted = self._grants.transfer_ids()
+        if granted:
+            logger.warning("%s transport: KV unregistered while %d transfers still granted: revoked",
+                           self.name, len(granted))
+        for transfer_id in granted:
+            self.allow_fetch(transfer_id, None)
+
+    def restore_regions(self) -> None:
+        """Also close the connections dialled meanwhile (control messages): their handshake told
+        the peer about memory that was not registered then."""
+        with self._lock:
+            if not self._unregistered:
+                return
+            self._unregistered = False
+        self._close_links()
+
+    def _close_links(self) -> None:
+        with self._lock:
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            link.close()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -256,6 +289,9 @@ class StreamTransport(Transport):
         future: Future[Any] = Future()
         future.set_running_or_notify_cancel()  # not cancellable: bytes may be moving
         op = PendingOp(frame, future, time.monotonic() + timeout, send_views or [], recv_views or [], keep=keep)
+        if self._unregistered and frame.kind is not Kind.NOTIFY:  # control messages (releases) still go
+            settle(future, error=TransferRejected(f"{frame.kind.name}: the KV cache is unregistered (vLLM sleeps)"))
+            return future
         try:
             link = self._link(peer)
         except TransportError as e:
