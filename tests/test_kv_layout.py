@@ -259,3 +259,67 @@ def test_block_format_says_what_the_bytes_mean() -> None:
     # MLA has one head: every layout, split or not, is the same bytes
     assert {fmt("deepseek-v3", b, layout, 128) for b in ("FLASHMLA", "TRITON_MLA", "CUTLASS_MLA")
             for layout in KVLayout} == {"bfloat16:N128.C576"}
+
+
+# -- the layout the connector asks for, and what its worker registers ---------------------------
+
+
+@pytest.mark.parametrize("name", list(BACKEND_MODULES))
+def test_vllm_resolves_what_the_harness_builds_with_our_connector(name: str) -> None:
+    """vLLM's resolve_kv_cache_layout with PDConnector configured and the backend's own supported set:
+    LBHNC for attention backends that run it, the backend's first choice for MLA."""
+    from vllm.config import CacheConfig, KVTransferConfig
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+
+    backend, ours = backend_class(name), replay.BACKENDS[name]
+    config: Any = SimpleNamespace(
+        cache_config=CacheConfig(block_size=16), model_config=SimpleNamespace(use_mla=ours.mla),
+        kv_transfer_config=KVTransferConfig(kv_connector="PDConnector", kv_role="kv_both",
+                                            kv_connector_module_path="vllm_pd.connector.connector"))
+    supported = [layout.name for layout in get_supported_kv_cache_layouts([backend])]
+    assert resolve_kv_cache_layout(config, [supported]).name == replay.resolved_layout(ours).name
+    assert config.cache_config.kv_cache_layout == replay.resolved_layout(ours).name  # what the workers adopt
+
+
+def test_where_lbhnc_is_not_run_vllm_takes_the_backends_choice() -> None:
+    from vllm.config import CacheConfig, KVTransferConfig
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    config: Any = SimpleNamespace(
+        cache_config=CacheConfig(block_size=16), model_config=SimpleNamespace(use_mla=False),
+        kv_transfer_config=KVTransferConfig(kv_connector="PDConnector", kv_role="kv_both",
+                                            kv_connector_module_path="vllm_pd.connector.connector"))
+    assert resolve_kv_cache_layout(config, [["BLHNC", "BLNHC"]]).name == "BLHNC"
+
+
+def _worker() -> Any:
+    from vllm_pd.connector.config import PDConnectorConfig
+    from vllm_pd.connector.worker import PDConnectorWorker
+
+    config = PDConnectorConfig.from_extra_config({"transport": "tcp", "host": "127.0.0.1", "bind_host": "127.0.0.1"})
+    return PDConnectorWorker(config, block_size=128, tp_rank=0, base_port=0, is_producer=True, is_consumer=False)
+
+
+def test_the_worker_registers_the_schedulers_blocks_and_reports_their_format(
+        caplog: pytest.LogCaptureFixture) -> None:
+    m = replay.model("deepseek-v3", layers=2, block_size=128)
+    cache = replay.allocate(m, replay.BACKENDS["FLASHMLA"], KVLayout.LBNHC, 6)
+    worker = _worker()
+    try:
+        with caplog.at_level("WARNING"):
+            worker.register_kv_caches(cache.views, 6, kv_layout="LBNHC")
+        assert [r.num_blocks for r in worker.regions] == [6, 6]  # not the 12 kernel blocks
+        assert worker.regions[0].block_nbytes == m.page_nbytes()
+        assert worker.kv_format == "bfloat16:N128.C576"
+        assert "not in vLLM's" not in caplog.text
+    finally:
+        worker.shutdown()
+    llama = replay.allocate(replay.model("llama3-8b", layers=2), replay.BACKENDS["FLASH_ATTN"], KVLayout.LBNHC, 4)
+    worker = _worker()
+    try:
+        with caplog.at_level("WARNING"):
+            worker.register_kv_caches(llama.views, 4, kv_layout="LBHNC")  # not what the strides say
+        assert "is not in vLLM's LBHNC layout" in caplog.text
+        assert worker.kv_format == "bfloat16:N16.H8.C256"  # the strides rule
+    finally:
+        worker.shutdown()
