@@ -2,10 +2,10 @@
 
 A transport moves whole KV blocks, as opaque bytes, between *registered memory
 regions* of two processes. A region is one KV layer's paged cache: a tensor whose
-first dimension is the block index and whose blocks are contiguous pages of
-``block_nbytes`` bytes (vLLM's CPU layout [num_blocks, heads, block_size, 2*head]
-is such a tensor; on GPU a region is a device pointer + stride, which is what
-RDMA / CUDA IPC / NIXL register).
+first dimension is the block index, each block ``block_nbytes`` bytes that travel in
+memory order (vLLM 0.32's per-layer ``[num_blocks, heads, block_size, K|V]`` view in
+its LBHNC layout is one contiguous page per block; on GPU a region is a device pointer
++ stride, which is what RDMA / CUDA IPC / NIXL register).
 
 Two data operations, each per region (= per layer) and asynchronous, so the
 connector can start layer i while layer i+1 computes and wait per layer:
@@ -31,6 +31,7 @@ import abc
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # torch is imported where tensors are used: the proxy sends releases without it
@@ -54,7 +55,7 @@ class MemoryRegion:
     tensor: torch.Tensor
     block_dim: int = 0
 
-    @property
+    @cached_property
     def blocks(self) -> torch.Tensor:
         """The tensor as ``[num_blocks, ...]`` with each block's dims in memory order, outermost
         first (a view): ``blocks[b]``'s elements in index order are block b's bytes in memory order."""
@@ -67,7 +68,7 @@ class MemoryRegion:
     def num_blocks(self) -> int:
         return int(self.tensor.shape[self.block_dim])
 
-    @property
+    @cached_property
     def block_nbytes(self) -> int:
         return int(self.blocks[0].numel() * self.tensor.element_size())
 
