@@ -35,9 +35,9 @@ RATE_GOAL, HIDDEN_GOAL, SLOWDOWN_GOAL = 0.8, 0.9, 0.03
 
 @dataclass(frozen=True)
 class Model:
-    name: str  # as tests/gpu_harness.py's model presets on the gpu-layouts branch name it
+    name: str  # tests/gpu_harness.py's model preset
     backend: str  # vLLM's attention backend on Hopper
-    layout: str  # the current harness's layout of that backend
+    layout: str  # "flash" or "mla": how many bytes a token takes (bytes_per_token)
     layers: int
     kv_heads: int
     head_size: int
@@ -60,9 +60,9 @@ def harness_spec(device: str, transport: str, model: Model, size: str, compute: 
     """The one place gpu_check builds the harness's spec (its fields follow tests/gpu_harness.py)."""
     blocks = TOKENS[size] // model.block_size
     return HarnessSpec(
-        device=device, transport=transport, layout=model.layout, layers=layers(model, size),
-        num_blocks=4 * blocks, block_size=model.block_size, kv_heads=model.kv_heads, head_size=model.head_size,
-        dtype="bfloat16", blocks_per_request=blocks, modes=("push", "pull"), rounds=ROUNDS[size],
+        device=device, transport=transport, backend=model.backend, model=model.name,
+        layers=0 if size == "full" else LAYERS_SMALL,
+        num_blocks=4 * blocks, blocks_per_request=blocks, modes=("push", "pull"), rounds=ROUNDS[size],
         hidden=(model.hidden if size == "full" else HIDDEN_SMALL) if compute else 0,
         host_staging_bytes=1 << 30, timeout_s=60.0)
 
@@ -73,7 +73,7 @@ def layers(model: Model, size: str) -> int:
 
 def sync_debug_enforced() -> bool:
     """Whether the harness runs the connector's hooks under torch.cuda.set_sync_debug_mode("error") on CUDA
-    (branch gpu-datapath adds it as tests/gpu_harness.py's ``_host_syncs_fail``; a sync then fails the run)."""
+    (tests/gpu_harness.py's ``_host_syncs_fail``; a sync then fails the run)."""
     return hasattr(gpu_harness, "_host_syncs_fail")
 
 

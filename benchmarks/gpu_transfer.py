@@ -1,8 +1,8 @@
 """The connector's GPU data path measured: transfer rate, overlap and forward slowdown.
 
 Runs tests/gpu_harness.py (prefill and decode processes, the connector's worker on a KV
-cache in vLLM's layout, a synthetic forward per layer) and prints, per transport and
-mode, beside the limits measured in the same run on the same device:
+cache built as vLLM 0.32 allocates it for an attention backend, a synthetic forward per
+layer) and prints, per transport and mode, beside the limits measured in the same run on the same device:
 
 * KV rate, from a run whose forward only writes the KV (no compute, so the forward does
   not bound it): bytes landed / (first layer handed to the sender -> last layer in
@@ -15,7 +15,9 @@ mode, beside the limits measured in the same run on the same device:
   request so the host's drift cancels. Target <= 3 %.
 
 Usage: python3 benchmarks/gpu_transfer.py [--device cuda|cpu|standin] [--transports tcp shm]
-           [--layouts flash mla] [--layers 32] [--blocks 32] [--hidden 4096] [--rounds 5]
+           [--backends FLASH_ATTN FLASHMLA] [--kv-layout LBHNC] [--layers 0] [--blocks 32]
+           [--block-size 0] [--hidden 4096] [--rounds 5]
+(MLA backends get a DeepSeek-V3 shape, the others a Llama-3-8B one; 0 = the model's own.)
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.gpu_harness import HarnessSpec, kv_shape, run  # noqa: E402
+from tests import vllm_kv_cache as replay  # noqa: E402
+from tests.gpu_harness import HarnessSpec, run  # noqa: E402
 
 
 def copy_gbps(device: str, nbytes: int, kind: str) -> float:
@@ -60,24 +63,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--transports", nargs="+", default=["tcp", "shm"])
-    ap.add_argument("--layouts", nargs="+", default=["flash"])
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--backends", nargs="+", default=["FLASH_ATTN"], choices=sorted(replay.BACKENDS))
+    ap.add_argument("--kv-layout", default="", help="vLLM's KV cache layout (default: what vLLM resolves with us)")
+    ap.add_argument("--layers", type=int, default=0, help="0: the model's (32 / 61)")
     ap.add_argument("--blocks", type=int, default=32, help="blocks per request")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=0, help="0: the model's (16 / 64)")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     print(f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'host'}), "
-          f"{args.layers} layers, {args.blocks} blocks x {args.block_size} tokens per request, hidden {args.hidden}")
-    for layout in args.layouts:
-        spec0 = HarnessSpec(device=args.device, layout=layout, layers=args.layers, num_blocks=4 * args.blocks,
-                            block_size=args.block_size, blocks_per_request=args.blocks, hidden=args.hidden,
-                            rounds=args.rounds, host_staging_bytes=1 << 30)
-        shape, _ = kv_shape(spec0)
-        nbytes = args.layers * args.blocks * torch.Size(shape).numel() // spec0.num_blocks * 2
+          f"{args.blocks} blocks per request, hidden {args.hidden}")
+    for backend in args.backends:
+        model = "deepseek-v3" if replay.BACKENDS[backend].mla else "llama3-8b"
+        spec0 = HarnessSpec(device=args.device, backend=backend, kv_layout=args.kv_layout, model=model,
+                            layers=args.layers, num_blocks=4 * args.blocks, block_size=args.block_size,
+                            blocks_per_request=args.blocks, hidden=args.hidden, rounds=args.rounds,
+                            host_staging_bytes=1 << 30)
+        nbytes = spec0.request_nbytes()
         kinds = ("d2h", "h2d", "d2d") if args.device == "cuda" else ("memcpy",)
         limits = {k: copy_gbps(args.device, nbytes, k) for k in kinds}
-        print(f"\nlayout {layout}: {nbytes / 2**20:.1f} MiB of KV per request; limits (same run): "
+        m = spec0.kv_model()
+        print(f"\n{backend} {spec0.layout().name}, {model} ({m.num_layers} layers, {m.block_size}-token blocks): "
+              f"{nbytes / 2**20:.1f} MiB of KV per request; limits (same run): "
               + ", ".join(f"{k} {v:.2f} GB/s" for k, v in limits.items()))
         for transport in args.transports:
             bare = run(HarnessSpec(**{**spec0.__dict__, "transport": transport, "hidden": 0}))

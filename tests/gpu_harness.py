@@ -1,18 +1,38 @@
 """The connector's data path between two processes, without vLLM: the GPU harness.
 
 A prefill process and a decode process each run the connector's worker
-(``PDConnectorWorker``: sender, loader, transport) on a KV cache in one of vLLM's
-layouts, driven as vLLM drives it: per step ``begin_step``, per layer a synthetic
-forward (a matmul the size of a layer's, then the layer's KV write) on the compute
-stream followed by ``save_kv_layer``; decode's forward calls ``wait_for_layer_load``
-before reading each layer. Decode's blocks are then compared byte for byte with
-what prefill wrote (deterministic contents, regenerated on decode's side).
+(``PDConnectorWorker``: sender, loader, transport) on a KV cache built exactly as vLLM
+0.32 allocates it for one of its attention backends (tests/vllm_kv_cache.py: one flat
+buffer, a ``[B, H, N, C]`` view per layer in the resolved layout, kernel blocks where the
+backend splits a block), registered as vLLM registers it, and driven as vLLM drives it:
+per step ``begin_step``, per layer a synthetic forward (a matmul the size of a layer's,
+then the layer's KV write) on the compute stream followed by ``save_kv_layer``; decode's
+forward calls ``wait_for_layer_load`` before reading each layer. Decode's blocks are then
+compared byte for byte with what prefill wrote (deterministic contents, regenerated on
+decode's side), and decode checks prefill announced its own block format.
 
-Devices: ``cuda`` (a GPU machine, which has CUDA torch but no vLLM), ``cpu`` (vLLM's
-CPU case: direct access, events complete at once) and ``standin`` (tests/async_device.py:
-KV staged through host rows and every device operation run later on stream threads,
-so CI covers the GPU ordering on a CPU). Used by tests/test_gpu_harness.py and
-benchmarks/gpu_transfer.py.
+``HarnessSpec`` (``run(HarnessSpec(...))`` -> ``HarnessResult``):
+
+* ``device``: ``cuda`` (a GPU machine, which has CUDA torch but no vLLM), ``cpu`` (vLLM's
+  CPU case: direct access where the layout keeps blocks back to back, events complete at
+  once) or ``standin`` (tests/async_device.py: KV staged through host rows and every device
+  operation run later on stream threads, so CI covers the GPU ordering on a CPU).
+* ``transport``: tcp | shm | nixl.
+* ``backend``: FLASH_ATTN | FLASHINFER | FLASHMLA | CUTLASS_MLA | TRITON_MLA (Hopper) |
+  CPU_ATTN (vLLM's CPU backend: LBHNC, blocks of a multiple of 32 tokens).
+* ``kv_layout``: LBHNC | LBNHC | LHBNC | BLHNC | BLNHC | BHLNC, one the backend runs; ""
+  (default) = what vLLM resolves with this connector: LBHNC for attention, the backend's
+  first choice (LBNHC) for MLA.
+* ``model``: ``llama3-8b`` (8 KV heads of 128, bf16, 16-token blocks) or ``deepseek-v3``
+  (MLA: one 576-wide latent, bf16, 64-token blocks). ``layers`` / ``kv_heads`` /
+  ``block_size``: 0 = the model's own (32 / 8 / 16 and 61 / 1 / 64: full size, for a GPU);
+  the defaults keep CPU runs small (4 layers). ``block_size=128`` with FLASHMLA (or
+  FLASHINFER) splits each block into two 64-token kernel blocks.
+* ``num_blocks`` (blocks in the cache), ``blocks_per_request``, ``modes`` (one request each,
+  in turn), ``rounds``, ``hidden`` (the synthetic forward: [tokens, hidden] @ [hidden,
+  hidden] per layer; 0 = the KV write alone), ``host_staging_bytes``, ``timeout_s``.
+
+Used by tests/test_gpu_harness.py, benchmarks/gpu_transfer.py and benchmarks/gpu_check.py.
 """
 
 from __future__ import annotations
@@ -24,26 +44,38 @@ from typing import Any
 
 import torch
 
-LAYOUTS = ("flash", "mla", "cpu")
+from tests import vllm_kv_cache as replay
+from vllm_pd.connector.kv_layout import KVLayout
 
 
 @dataclass(frozen=True)
 class HarnessSpec:
     device: str = "cpu"  # cuda | cpu | standin
     transport: str = "tcp"
-    layout: str = "flash"  # flash [2, nb, bs, h, d] | mla [nb, bs, 576] | cpu [nb, h, bs, 2d]
-    layers: int = 4
+    backend: str = "FLASH_ATTN"  # tests/vllm_kv_cache.py BACKENDS
+    kv_layout: str = ""  # "" = what vLLM resolves with this connector
+    model: str = "llama3-8b"  # llama3-8b | deepseek-v3
+    layers: int = 4  # 0 = the model's
+    kv_heads: int = 0  # 0 = the model's
+    block_size: int = 0  # 0 = the model's
     num_blocks: int = 64
-    block_size: int = 16
-    kv_heads: int = 8
-    head_size: int = 128
-    dtype: str = "bfloat16"
     blocks_per_request: int = 8
     modes: tuple[str, ...] = ("push", "pull")  # one request each, in turn
     rounds: int = 1
     hidden: int = 1024  # the synthetic forward: [tokens, hidden] @ [hidden, hidden] per layer
     host_staging_bytes: int = 256 << 20
     timeout_s: float = 60.0
+
+    def kv_model(self) -> replay.KVModel:
+        return replay.model(self.model, layers=self.layers, block_size=self.block_size, kv_heads=self.kv_heads)
+
+    def layout(self) -> KVLayout:
+        return replay.resolved_layout(replay.BACKENDS[self.backend], self.kv_layout)
+
+    def request_nbytes(self) -> int:
+        """KV bytes one request moves (every layer's blocks)."""
+        m = self.kv_model()
+        return m.num_layers * self.blocks_per_request * m.page_nbytes()
 
 
 @dataclass
@@ -68,18 +100,6 @@ class HarnessResult:
     errors: list[str] = field(default_factory=list)
 
 
-def kv_shape(spec: HarnessSpec) -> tuple[tuple[int, ...], int]:
-    """(per-layer KV shape, block dimension) of ``spec.layout``."""
-    nb, bs, h, d = spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_size
-    if spec.layout == "flash":
-        return (2, nb, bs, h, d), 1
-    if spec.layout == "mla":
-        return (nb, bs, 576), 0
-    if spec.layout == "cpu":
-        return (nb, h, bs, 2 * d), 0
-    raise ValueError(f"layout: {spec.layout!r} is not one of {LAYOUTS}")
-
-
 def _device(spec: HarnessSpec) -> tuple[torch.device, Any]:
     """(where the tensors live, the KVDevice to run them on)."""
     if spec.device == "standin":
@@ -99,7 +119,8 @@ def _host_syncs_fail(device: torch.device, on: bool) -> None:
 
 def block_contents(spec: HarnessSpec, layer: int, request: int, n: int, block_nbytes: int,
                    device: torch.device) -> torch.Tensor:
-    """What prefill writes into a request's ``n`` blocks of ``layer``: [n, block_nbytes] bytes."""
+    """What prefill writes into a request's ``n`` blocks of ``layer``: [n, block_nbytes] bytes,
+    each row a block's bytes in memory order."""
     g = torch.Generator().manual_seed(1_000_003 * request + layer)
     return torch.randint(0, 256, (n, block_nbytes), generator=g, dtype=torch.uint8).to(device)
 
@@ -113,7 +134,7 @@ class _Forward:
     """A layer's compute, launched on the device's compute stream."""
 
     def __init__(self, spec: HarnessSpec, device: torch.device, kv_device: Any) -> None:
-        tokens = spec.blocks_per_request * spec.block_size
+        tokens = spec.blocks_per_request * spec.kv_model().block_size
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         self.hidden = spec.hidden  # 0: no compute, the KV write alone (to measure the transfer by itself)
         self.x = torch.randn(tokens, spec.hidden, dtype=dtype, device=device)
@@ -135,22 +156,21 @@ class _Forward:
 def _worker(spec: HarnessSpec, producer: bool):  # noqa: ANN202 - (worker, kv, byte views, device, kv_device)
     from vllm_pd.connector.block_copies import byte_blocks
     from vllm_pd.connector.config import PDConnectorConfig
-    from vllm_pd.connector.transport.base import MemoryRegion
     from vllm_pd.connector.worker import PDConnectorWorker
 
     device, kv_device = _device(spec)
-    shape, block_dim = kv_shape(spec)
-    dtype = getattr(torch, spec.dtype)
-    kv = {f"layer.{i}": torch.zeros(shape, dtype=dtype, device=device) for i in range(spec.layers)}
+    layout = spec.layout()
+    cache = replay.allocate(spec.kv_model(), replay.BACKENDS[spec.backend], layout, spec.num_blocks, device)
     config = PDConnectorConfig.from_extra_config({
         "transport": spec.transport, "host": "127.0.0.1", "bind_host": "127.0.0.1",
         "transfer_timeout_s": spec.timeout_s, "host_staging_bytes": spec.host_staging_bytes,
         "load_mode": "layerwise"})
-    worker = PDConnectorWorker(config, block_size=spec.block_size, tp_rank=0, base_port=0,
+    worker = PDConnectorWorker(config, block_size=spec.kv_model().block_size, tp_rank=0, base_port=0,
                                is_producer=producer, is_consumer=not producer)
-    worker.register_kv_caches(kv, {name: block_dim for name in kv}, device=kv_device)
-    views = [byte_blocks(MemoryRegion(name, t, block_dim)) for name, t in kv.items()]
-    return worker, kv, views, device, kv_device
+    # as PDConnector.register_kv_caches: vLLM's views, the scheduler's block count, the resolved layout
+    worker.register_kv_caches(cache.views, spec.num_blocks, device=kv_device, kv_layout=layout.name)
+    views = [byte_blocks(r) for r in worker.regions]  # [num_blocks, ...] bytes, each block in memory order
+    return worker, cache.views, views, device, kv_device
 
 
 def _prefill_main(spec: HarnessSpec, conn: Any) -> None:
@@ -171,9 +191,10 @@ def _prefill_main(spec: HarnessSpec, conn: Any) -> None:
         baseline = _step(worker, forward, names, None, views, idx, contents)
         transfer_id, request_id = f"t{r}", f"p{r}"
         host, port = worker.endpoint.split("://", 1)[1].rsplit(":", 1)
+        bs = worker.block_size
         announcement = RemotePrefill(transfer_id, "harness", worker.endpoint, host, int(port), tuple(block_ids),
-                                     n * spec.block_size, spec.block_size, mode).to_params()
-        send = SendSpec(transfer_id, tuple(block_ids), 0, n * spec.block_size, n * spec.block_size,
+                                     n * bs, bs, mode, kv_format=worker.kv_format).to_params()
+        send = SendSpec(transfer_id, tuple(block_ids), 0, n * bs, n * bs,
                         decode_endpoint if mode == "push" else None,
                         announcement=announcement, announce_endpoint=decode_endpoint)
         first_save, forward_s, forward_end = _step(worker, forward, names, send, views, idx, contents)
@@ -224,6 +245,7 @@ def _decode_main(spec: HarnessSpec, conn: Any) -> None:
         params = worker.staging.wait_announced(transfer_id, time.monotonic() + spec.timeout_s)
         remote = RemotePrefill.from_params(params)
         assert remote is not None, f"no usable announcement for {transfer_id}: {params}"
+        assert remote.kv_format == worker.kv_format, f"prefill's blocks are {remote.kv_format}, ours {worker.kv_format}"
         local_ids = _block_ids(spec, r, side=1)
         load = LoadSpec(f"d{r}", transfer_id, remote, 0, tuple(local_ids), layerwise=True)
         _host_syncs_fail(device, True)

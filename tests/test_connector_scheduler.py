@@ -154,6 +154,22 @@ def test_prefill_of_another_tp_size_is_refused_and_every_rank_released() -> None
         assert meta.remote_releases == [RemoteRelease(remote)] and not meta.loads
 
 
+def test_prefill_answers_with_its_workers_block_format_and_decode_refuses_another() -> None:
+    """The format comes from the workers' handshake; KV laid out otherwise is recomputed (logged)."""
+    prefill = make_prefill_scheduler(kv_format="bfloat16:N16.H8.C256")
+    req = prefill_leg("cmpl-1")
+    compute_prompt(prefill, req)
+    answer = RemotePrefill.parse(prefill.request_finished(req, [7, 8, 9])[1])
+    assert answer is not None and answer.kv_format == "bfloat16:N16.H8.C256"
+    for decode_format, loads in (("bfloat16:N16.H8.C256", True), ("bfloat16:H8.N16.C256", False)):
+        decode = make_scheduler()
+        decode.set_handshake({0: PDHandshake("tcp://d:6000", "d", 6000, num_layers=2, block_nbytes=64,
+                                             kv_format=decode_format)})
+        leg = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(40)), num_prompt_tokens=40,
+                              kv_transfer_params=answer.to_params(), status=RequestStatus.WAITING)
+        assert (ask(decode, leg)[0] > 0) is loads
+
+
 def test_a_malformed_prefill_leg_is_computed_but_not_held() -> None:
     sched = make_scheduler()
     # a transfer_id but nowhere to announce it: refused (TransferParamsError), logged
@@ -165,10 +181,11 @@ def test_a_malformed_prefill_leg_is_computed_but_not_held() -> None:
 
 
 # ---- prefill side: the transfer's one name ---------------------------------------------------------
-def make_prefill_scheduler() -> PDConnectorScheduler:
+def make_prefill_scheduler(kv_format: str = "") -> PDConnectorScheduler:
     sched = make_scheduler()
     sched.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: ([7, 8, 9],)))
-    sched.set_handshake({0: PDHandshake("tcp://p:5000", "p", 5000, num_layers=2, block_nbytes=64)})
+    sched.set_handshake({0: PDHandshake("tcp://p:5000", "p", 5000, num_layers=2, block_nbytes=64,
+                                        kv_format=kv_format)})
     return sched
 
 

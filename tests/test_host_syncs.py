@@ -25,13 +25,13 @@ from tests.test_kv_device_path import (
     BS,
     LAYERS,
     _AnnouncedSink,
-    fa_cache,
     _prefill_worker,
     _remote,
     _staged_decode,
     block_bytes,
     random_kv,
     standin,
+    vllm_cache,
     write_layer,
 )
 from tests.test_store_device_path import Node, WatchedStandIn
@@ -111,8 +111,8 @@ def test_launched_work_runs_later_in_stream_order_and_its_host_code_at_once() ->
     """The positive case: an ordered copy through pinned rows passes and moves the right bytes;
     launched host code ran at the launch, the device operations when the stream got there."""
     dev = standin(compute_delay_s=0.05, copy_delay_s=0.0)
-    kv = fa_cache(dev)["l0"]
-    copies = BlockCopies([MemoryRegion("l0", kv, block_dim=1)], dev)
+    kv = vllm_cache(dev)["l0"]
+    copies = BlockCopies([MemoryRegion("l0", kv)], dev)
     values = random_kv(2, seed=3)
     dev.kernel(dev.compute, write_layer(kv, [3, 5], values))
     rows = dev.host_empty(2 * BLOCK_NBYTES).view(2, BLOCK_NBYTES)
@@ -249,7 +249,7 @@ def test_decode_lands_each_layer_with_one_copy_and_one_scatter_and_one_index() -
     dev.finish()
     for i in range(LAYERS):
         for p, block in enumerate((6, 1)):
-            assert torch.equal(regions[i].tensor[:, block].contiguous().view(torch.uint8).flatten(),
+            assert torch.equal(regions[i].blocks[block].contiguous().view(torch.uint8).flatten(),
                                block_bytes(pushed[i], p))
     assert indexes == 1
     assert ops == {"aten.copy_.default": LAYERS + 1, "aten.index_copy_.default": LAYERS}

@@ -6,9 +6,10 @@ attention that does not wait for the layer's landing, reads stale bytes and fail
 for byte. It also fails every operation that would make a real GPU's host wait (a copy
 from pageable memory, a device value read on the host, an event waited for on the
 forward's thread): the connector's hooks run under it as vLLM calls them, on the
-"forward's thread". The KV is in vLLM's CUDA FlashAttention layout
-``[2, num_blocks, block_size, kv_heads, head_size]`` (K and V apart), staged through
-pinned host rows for the host transports, as on a GPU.
+"forward's thread". The KV is built as vLLM 0.32 allocates it for FlashAttention
+(tests/vllm_kv_cache.py) in its default layout LBNHC - token-major pages, so a block's
+bytes in memory order (what moves) are not its logical ``[H, N, C]`` order - and staged
+through pinned host rows for the host transports, as on a GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import pytest
 import torch
 
+from tests import vllm_kv_cache as replay
 from tests.async_device import AsyncStandInDevice
 from tests.transport_harness import RecordingSink, make_regions, started
 from vllm_pd.connector.block_copies import BlockCopies
@@ -26,6 +28,7 @@ from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import StagedAccess
 from vllm_pd.connector.kv_device import COMPLETED, HostDevice
+from vllm_pd.connector.kv_layout import KVLayout
 from vllm_pd.connector.kv_loader import KVLoader
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.push_staging import PushStaging
@@ -38,11 +41,15 @@ from vllm_pd.connector.worker import PDConnectorWorker
 
 LAYERS, NUM_BLOCKS, BS, HEADS, HEAD = 3, 8, 16, 2, 32
 BLOCK_NBYTES = 2 * BS * HEADS * HEAD * 2  # bf16 K and V of one block
+LAYOUT = KVLayout.LBNHC
 
 
-def fa_cache(dev: AsyncStandInDevice | None = None) -> dict[str, torch.Tensor]:
-    """A KV cache, in ``dev``'s device memory if given."""
-    kv = {f"l{i}": torch.zeros(2, NUM_BLOCKS, BS, HEADS, HEAD, dtype=torch.bfloat16) for i in range(LAYERS)}
+def vllm_cache(dev: AsyncStandInDevice | None = None) -> dict[str, torch.Tensor]:
+    """vLLM 0.32's per-layer ``[B, H, N, C]`` views (C: K and V side by side) in LAYOUT, in
+    ``dev``'s device memory if given."""
+    m = replay.KVModel("small", LAYERS, HEADS, HEAD, HEAD, torch.bfloat16, BS)
+    cache = replay.allocate(m, replay.BACKENDS["FLASH_ATTN"], LAYOUT, NUM_BLOCKS)
+    kv = {f"l{i}": t for i, t in enumerate(cache.views.values())}
     return {name: dev.adopt(t) for name, t in kv.items()} if dev is not None else kv
 
 
@@ -52,27 +59,28 @@ def standin(compute_delay_s: float = 0.02, copy_delay_s: float = 0.005) -> Async
 
 
 def block_bytes(values: torch.Tensor, j: int) -> torch.Tensor:
-    """Wire bytes of the j-th block of ``values`` [2, n, BS, HEADS, HEAD]: K then V."""
-    return values[:, j].contiguous().view(torch.uint8).flatten()
+    """Wire bytes of the j-th block of ``values`` [n, HEADS, BS, 2 * HEAD]: its bytes in LBNHC's
+    memory order (token-major)."""
+    return values[j].transpose(0, 1).contiguous().view(torch.uint8).flatten()
 
 
 def random_kv(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, n, BS, HEADS, HEAD, generator=g).to(torch.bfloat16)
+    return torch.randn(n, HEADS, BS, 2 * HEAD, generator=g).to(torch.bfloat16)
 
 
 def write_layer(kv: torch.Tensor, block_ids: list[int], values: torch.Tensor):  # noqa: ANN201
     """The forward's KV write of one layer, as a kernel on the compute stream."""
     def kernel() -> None:
-        kv[:, block_ids] = values
+        kv[block_ids] = values
     return kernel
 
 
 def test_stand_in_catches_a_copy_that_does_not_wait_for_the_write() -> None:
     """The negative control: without the event, the copy reads the blocks before the write."""
     dev = standin(compute_delay_s=0.05, copy_delay_s=0.0)
-    kv = fa_cache(dev)["l0"]
-    copies = BlockCopies([MemoryRegion("l0", kv, block_dim=1)], dev)
+    kv = vllm_cache(dev)["l0"]
+    copies = BlockCopies([MemoryRegion("l0", kv)], dev)
     values = random_kv(2, seed=1)
     rows_early = dev.host_empty(2 * BLOCK_NBYTES).view(2, BLOCK_NBYTES)
     rows_ordered = dev.host_empty(2 * BLOCK_NBYTES).view(2, BLOCK_NBYTES)
@@ -88,8 +96,8 @@ def _prefill_worker(transport: str, dev: AsyncStandInDevice) -> tuple[PDConnecto
     config = PDConnectorConfig.from_extra_config({"transport": transport, "host": "127.0.0.1",
                                                   "host_staging_bytes": 64 * BLOCK_NBYTES * LAYERS})
     worker = PDConnectorWorker(config, block_size=BS, tp_rank=0, base_port=0, is_producer=True, is_consumer=False)
-    kv = fa_cache(dev)
-    worker.register_kv_caches(kv, {name: 1 for name in kv}, device=dev)
+    kv = vllm_cache(dev)
+    worker.register_kv_caches(kv, NUM_BLOCKS, device=dev, kv_layout=LAYOUT.name)
     assert isinstance(worker.access, StagedAccess)
     return worker, kv
 
@@ -174,7 +182,7 @@ def test_prefill_announces_pulled_kv_only_once_it_is_staged_for_reads() -> None:
 
 
 def _staged_decode(dev: AsyncStandInDevice) -> tuple[list[MemoryRegion], StagedAccess]:
-    regions = [MemoryRegion(name, t, block_dim=1) for name, t in fa_cache(dev).items()]
+    regions = [MemoryRegion(name, t) for name, t in vllm_cache(dev).items()]
     arena = StagingArena(dev, [r.block_nbytes for r in regions], 16 * BLOCK_NBYTES * LAYERS)
     return regions, StagedAccess(BlockCopies(regions, dev), arena, BlockCopies(regions, dev))
 
@@ -190,9 +198,9 @@ def _attend_layer_by_layer(loader: KVLoader, job: LoadJob, dev: AsyncStandInDevi
                 loader.wait_for_layer(i)
         else:
             assert job.layer_done[i].wait(20)
-        out = torch.empty(2, len(block_ids), BS, HEADS, HEAD, dtype=torch.bfloat16)
+        out = torch.empty(len(block_ids), HEADS, BS, 2 * HEAD, dtype=torch.bfloat16)
         seen.append(out)
-        dev.kernel(dev.compute, lambda out=out, t=region.tensor: out.copy_(t[:, block_ids]))
+        dev.kernel(dev.compute, lambda out=out, t=region.tensor: out.copy_(t[block_ids]))
     return seen
 
 
@@ -222,7 +230,7 @@ def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool
         loader.begin_step(WorkerStep(loads=[spec]))
     # vLLM zeroes the step's new blocks on the compute stream just before start_load_kv; the
     # stand-in runs it late, so a landing that does not wait for it would be zeroed over
-    dev.kernel(dev.compute, lambda: [r.tensor[:, [6, 1]].zero_() for r in regions] and None)
+    dev.kernel(dev.compute, lambda: [r.tensor.index_fill_(0, torch.tensor([6, 1]), 0) for r in regions] and None)
     with dev.forward():
         loader.start_loads()
     job = loader.job("d-1")
@@ -233,7 +241,7 @@ def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool
     dev.finish()
     loader.close()
     transport.close()
-    exact = all(torch.equal(seen[i][:, p].contiguous().view(torch.uint8).flatten(), block_bytes(pushed[i], p))
+    exact = all(torch.equal(block_bytes(seen[i], p), block_bytes(pushed[i], p))
                 for i in range(LAYERS) for p in range(2))
     assert job.ok and job.blocks_from_push == 2 * LAYERS
     assert exact is wait  # forgetting the wait must show as wrong bytes
@@ -259,7 +267,7 @@ def test_decode_pull_lands_through_staging_rows_into_device_blocks() -> None:
         # an async load is reported done only with the bytes in the device blocks: read them at once
         for i in range(LAYERS):
             for remote, local in ((4, 7), (2, 3)):
-                got = regions[i].tensor[:, local].contiguous().view(torch.uint8).flatten()
+                got = block_bytes(regions[i].tensor, local)
                 assert torch.equal(got, prefill_regions[i].tensor[remote].view(torch.uint8).flatten())
         assert access.arena.free_rows == access.arena.rows  # the landing rows came back
     finally:

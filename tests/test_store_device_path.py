@@ -5,9 +5,9 @@ run later on their streams' threads and events complete only when reached, so a 
 that copies before the forward's write, a block committed before its copy completed,
 or an attention that does not wait for its layer's load reads stale bytes and fails
 byte for byte; and anything that would make a real GPU's host wait - on the forward's
-thread, where the store's hooks run, or inside launched copies - fails the test. The
-KV is in vLLM's CUDA FlashAttention layout ``[2, num_blocks, block_size, kv_heads,
-head_size]`` (block_dim=1: K and V apart).
+thread, where the store's hooks run, or inside launched copies - fails the test. The KV
+is vLLM 0.32's, for FlashAttention in its default layout LBNHC (tests/test_kv_device_path.py
+``vllm_cache``: a block's bytes in memory order are not its logical order).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.async_device import AsyncStandInDevice
-from tests.test_kv_device_path import BLOCK_NBYTES, BS, LAYERS, block_bytes, fa_cache, random_kv, write_layer
+from tests.test_kv_device_path import BLOCK_NBYTES, BS, LAYERS, block_bytes, random_kv, vllm_cache, write_layer
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.connector.kv_device import COMPLETED, HostDevice, KVDevice
 from vllm_pd.connector.store.config import StoreConfig
@@ -51,10 +51,10 @@ class Node:
     def __init__(self, dev: KVDevice, bounce_blocks: int = 8) -> None:
         self.dev = dev
         self.cfg = StoreConfig(cpu_bytes=16 * SLOT, host_bounce_bytes=bounce_blocks * SLOT)
-        self.kv = fa_cache(dev if isinstance(dev, AsyncStandInDevice) else None)
+        self.kv = vllm_cache(dev if isinstance(dev, AsyncStandInDevice) else None)
         self.sched = StoreScheduler(self.cfg, SALT, SLOT)
         self.bridge = StoreBridgeWorker(self.cfg, vllm_config=None, tp_rank=0)
-        self.bridge.store = StoreWorker(self.cfg, SALT, list(self.kv.values()), block_dims=[1] * LAYERS, device=dev)
+        self.bridge.store = StoreWorker(self.cfg, SALT, list(self.kv.values()), device=dev)
         self.bridge._layer_index = {name: i for i, name in enumerate(self.kv)}
         self.worker = self.bridge.store
 
@@ -98,7 +98,7 @@ class Node:
         op, missing = self.sched.plan_load("r2", TOKENS, 0, 3 * BS, LOADED)
         assert op is not None and not missing
         for kv in self.kv.values():  # vLLM zeroes the step's new blocks before start_load_kv
-            self.kernel(write_layer(kv, LOADED, torch.zeros(2, len(LOADED), *kv.shape[2:], dtype=kv.dtype)))
+            self.kernel(write_layer(kv, LOADED, torch.zeros_like(kv[LOADED])))
         with self.forward_thread():
             self.worker.execute(self.sched.build_plan())
         seen: list[torch.Tensor] = [torch.empty(0)] * LAYERS
@@ -107,7 +107,7 @@ class Node:
                 self.bridge.wait_for_layer_load(name)
 
             def attention(i: int = i, kv: torch.Tensor = self.kv[name]) -> None:
-                seen[i] = kv[:, LOADED].clone()
+                seen[i] = kv[LOADED].clone()
             self.kernel(attention)
         self.dev.record(self.dev.compute_stream()).synchronize()
         assert self.bridge.load_errors() == set()
@@ -120,7 +120,7 @@ class Node:
 
 
 def same_blocks(seen: torch.Tensor, written: torch.Tensor) -> bool:
-    return all(torch.equal(block_bytes(seen, p), block_bytes(written, p)) for p in range(written.shape[1]))
+    return all(torch.equal(block_bytes(seen, p), block_bytes(written, p)) for p in range(written.shape[0]))
 
 
 @pytest.mark.parametrize("make_device, bounce_blocks", [
@@ -202,35 +202,36 @@ def test_attention_reads_a_loaded_layer_only_after_its_copy(stream_wait: bool) -
 def test_settings_that_cannot_work_with_device_kv_stop_the_start() -> None:
     too_small = StoreConfig(cpu_bytes=16 * SLOT, host_bounce_bytes=SLOT - 1)
     dev = AsyncStandInDevice(checked=True)
-    kv = list(fa_cache(dev).values())
+    kv = list(vllm_cache(dev).values())
     try:
         with pytest.raises(ConfigError, match="store.host_bounce_bytes"):
-            StoreWorker(too_small, SALT, kv, block_dims=[1] * LAYERS, device=dev)
+            StoreWorker(too_small, SALT, kv, device=dev)
     finally:
         dev.finish()
-    StoreWorker(too_small, SALT, kv, block_dims=[1] * LAYERS).close()  # CPU KV: no bounce needed
+    StoreWorker(too_small, SALT, kv).close()  # CPU KV: no bounce needed
     assert StoreConfig.from_dict({"host_bounce_bytes": "1m"}).host_bounce_bytes == 1 << 20
     on_gpu = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in kv]  # stands for CUDA tensors
     with pytest.raises(ValueError, match="host device"):
-        StoreWorker(StoreConfig(cpu_bytes=16 * SLOT), SALT, on_gpu, block_dims=[1] * LAYERS, device=HostDevice())
+        StoreWorker(StoreConfig(cpu_bytes=16 * SLOT), SALT, on_gpu, device=HostDevice())
 
 
-def test_the_bridge_takes_the_connectors_block_dims_and_device(tmp_path: Path) -> None:
-    """connector.register_kv_caches hands the store the block dimension it read from vLLM's layout
-    and the worker's KVDevice: a FlashAttention block is ``[:, block]``, not ``[block]``, and the
-    worker's salt (its disk directory) is the scheduler side's, made from the handshake's block size."""
+def test_the_bridge_takes_the_connectors_block_format_and_device(tmp_path: Path) -> None:
+    """connector.register_kv_caches hands the store vLLM's views grouped into blocks, the worker's
+    KVDevice and its block format; the worker's salt (its disk directory) is the scheduler side's,
+    made from the handshake's block size and format."""
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
                                   cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
                                   parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
     bridge = StoreBridgeWorker(StoreConfig(cpu_bytes=16 * SLOT, disk_path=str(tmp_path)), vllm_config, tp_rank=0)
     dev = WatchedStandIn()
-    kv = fa_cache()
+    kv = vllm_cache()
     try:
-        bridge.register_kv_caches(kv, "127.0.0.1", "127.0.0.1", block_dims={name: 1 for name in kv}, device=dev)
+        bridge.register_kv_caches(kv, "127.0.0.1", "127.0.0.1", device=dev, kv_format="bfloat16:N16.H2.C64")
         assert bridge.store is not None and bridge.store.device is dev
         assert bridge.store.slot_nbytes == SLOT
         assert bridge.store.disk is not None
-        assert bridge.store.disk.salt == make_salt(vllm_config, LAYERS, BLOCK_NBYTES).digest()
+        assert bridge.store.disk.salt == make_salt(vllm_config, LAYERS, BLOCK_NBYTES, "bfloat16:N16.H2.C64").digest()
+        assert bridge.store.disk.salt != make_salt(vllm_config, LAYERS, BLOCK_NBYTES, "bfloat16:H2.N16.C64").digest()
     finally:
         bridge.shutdown()
         dev.finish()

@@ -214,6 +214,18 @@ def test_local_prompt_mismatch_names_the_reason() -> None:
     assert "prefill TP 2 != ours 1" in mine.mismatch(remote_prefill(**TP2))
 
 
+def test_kv_of_another_block_format_is_refused() -> None:
+    """Same sizes, other meaning (LBNHC's token-major page against LBHNC's head-major one): used, it
+    would be wrong KV. A side that does not know its format (hand-built params) is not checked."""
+    ours = "bfloat16:H8.N16.C256"
+    mine = LocalPrompt(prompt_hash([1, 2, 3]), 3, block_size=128, tp_size=1, kv_format=ours)
+    assert mine.mismatch(remote_prefill(kv_format=ours)) is None
+    why = mine.mismatch(remote_prefill(kv_format="bfloat16:N16.H8.C256"))
+    assert why == f"KV cache blocks laid out as bfloat16:N16.H8.C256, ours as {ours}"
+    assert mine.mismatch(remote_prefill()) is None
+    assert RemotePrefill.parse(remote_prefill(kv_format=ours).to_params()).kv_format == ours
+
+
 def test_prompt_hash_is_stable_and_sensitive() -> None:
     assert prompt_hash([1, 2, 3]) == prompt_hash((1, 2, 3))
     assert prompt_hash([1, 2, 3]) != prompt_hash([1, 2, 4])

@@ -1,12 +1,14 @@
-"""What only the nixl transport has: NIXL descriptors for multi-span (FlashAttention) blocks,
-pushes READ into unregistered sink buffers, fetches WRITTEN by the owner (revoke waits for
-them, a late fetch is cancelled instead of dropped), checksums over NIXL-moved bytes, a
-sender killed before its blocks were read, UCX settings that never touch the user's
-environment. The generic round trips and faults run on nixl in test_transport_roundtrip.py
-and test_transport_faults.py."""
+"""What only the nixl transport has: NIXL descriptors for vLLM 0.32's layouts (one per block, or
+per run of adjacent blocks, where the layout keeps a block of a layer together; one per head
+where it does not), pushes READ into unregistered sink buffers, fetches WRITTEN by the owner
+(revoke waits for them, a late fetch is cancelled instead of dropped), checksums over
+NIXL-moved bytes, a sender killed before its blocks were read, UCX settings that never touch
+the user's environment. The generic round trips and faults run on nixl in
+test_transport_roundtrip.py and test_transport_faults.py."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
@@ -15,33 +17,35 @@ import time
 import numpy as np
 import pytest
 import torch
+from tests import vllm_kv_cache as replay
 from tests.transport_harness import make_regions, spawn_peer, started
 
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.exceptions import ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransferTimeout
+from vllm_pd.connector.kv_layout import KVLayout, manager_blocks
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport import nixl_agent
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 from vllm_pd.connector.transport.checksum import Checksum
-from vllm_pd.connector.transport.nixl_regions import NixlRegions, RegionLayout, merge_pairs
+from vllm_pd.connector.transport.nixl_regions import NixlRegions, RegionLayout, block_pairs, merge_pairs
 
-# FlashAttention's CUDA layout, on the CPU: [2 (K/V), num_blocks, block_size, kv_heads, head_size]
-FA_SHAPE = (16, 2, 64)
+HEADS = 4  # KV heads of the small Llama-like model of these tests
 
 
-def fa_regions(num_layers: int, num_blocks: int, seed: int | None) -> list[MemoryRegion]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(num_layers):
-        shape = (2, num_blocks, *FA_SHAPE)
-        bits = (rng.integers(0, 1 << 16, size=shape, dtype=np.uint16) & 0xBFFF if seed is not None
-                else np.zeros(shape, dtype=np.uint16))
-        out.append(MemoryRegion(f"fa{i}", torch.from_numpy(bits).view(torch.bfloat16), block_dim=1))
-    return out
+def vllm_regions(layout: KVLayout, num_blocks: int, seed: int | None, model: str = "llama3-8b",
+                 backend: str = "FLASH_ATTN", block_size: int = 0, layers: int = 2) -> list[MemoryRegion]:
+    """One worker's KV as vLLM 0.32 allocates it in ``layout`` (tests/vllm_kv_cache.py), as the
+    connector registers it; random bytes, or zeros where ``seed`` is None."""
+    m = replay.model(model, layers=layers, block_size=block_size, kv_heads=HEADS if model == "llama3-8b" else 1)
+    cache = replay.allocate(m, replay.BACKENDS[backend], layout, num_blocks)
+    if seed is not None:
+        raw = cache.raw.view(torch.uint8).numpy()
+        raw[:] = np.random.default_rng(seed).integers(0, 256, size=raw.shape, dtype=np.uint8)
+    return [MemoryRegion(name, manager_blocks(t, num_blocks)) for name, t in cache.views.items()]
 
 
 def wire_bytes(region: MemoryRegion, block: int) -> bytes:
-    """A block's bytes in wire order (K then V for FlashAttention's layout)."""
+    """A block's bytes in wire (= memory) order."""
     return bytes(region.blocks[block].contiguous().view(-1).view(torch.uint8).numpy())
 
 
@@ -86,30 +90,91 @@ def staged(regions: list[MemoryRegion]):
 
 
 def test_layout_gives_every_block_the_spans_of_memory_region() -> None:
-    for region in (fa_regions(1, 9, seed=None)[0], make_regions(1, 9, seed=None)[0]):
+    for region in (vllm_regions(KVLayout.LHBNC, 9, seed=None)[1], make_regions(1, 9, seed=None)[0]):
         lay = RegionLayout.of(region)
         ids = np.arange(9)
         spans = lay.spans(ids)
         for b in ids:
             assert [(int(spans[j, b]), n) for j, n in enumerate(lay.lengths)] == region.block_spans(int(b))
-        start, nbytes = lay.extent
-        assert start == region.tensor.data_ptr() and nbytes == region.tensor.numel() * 2
-    assert len(RegionLayout.of(fa_regions(1, 4, seed=None)[0]).lengths) == 2  # K and V apart
+        start, _ = lay.extent
+        assert start == region.tensor.data_ptr()
+    assert RegionLayout.of(make_regions(1, 9, seed=None)[0]).extent[1] == 9 * make_regions(1, 1)[0].block_nbytes
+    assert len(RegionLayout.of(vllm_regions(KVLayout.LHBNC, 4, seed=None)[0]).lengths) == HEADS  # heads apart
     with pytest.raises(ValueError, match="cpu or cuda"):
         RegionLayout.of(MemoryRegion("m", torch.empty((4, 8), device="meta")))
 
 
+ADJACENT = (np.arange(4, 12), np.arange(20, 28))  # 8 blocks in a run on both sides
+SCATTERED = (np.array([0, 3, 6, 9, 13, 17, 22, 30]), np.array([1, 5, 2, 8, 12, 31, 27, 16]))
+# NIXL descriptors per layer for a request of 8 blocks, both sides in the same layout
+DESCRIPTORS = {  # layout: (adjacent ids, scattered ids)
+    KVLayout.LBHNC: (1, 8),
+    KVLayout.LBNHC: (1, 8),
+    KVLayout.BLHNC: (8, 8),  # other layers' pages lie between a layer's blocks
+    KVLayout.BLNHC: (8, 8),
+    KVLayout.LHBNC: (HEADS, 8 * HEADS),  # a block's heads lie apart: one run per head
+    KVLayout.BHLNC: (8 * HEADS, 8 * HEADS),
+}
+
+
+def descriptors(local: MemoryRegion, remote: MemoryRegion, ids: tuple[np.ndarray, np.ndarray]) -> int:
+    return len(block_pairs(RegionLayout.of(local), ids[0], RegionLayout.of(remote), ids[1])[0])
+
+
+@pytest.mark.parametrize("layout", list(KVLayout), ids=lambda m: m.name)
+def test_descriptors_per_block_in_each_of_vllms_layouts(layout: KVLayout) -> None:
+    """No NIXL agent needed: the descriptor list is what block_pairs gives the agent."""
+    here, there = vllm_regions(layout, 32, seed=None), vllm_regions(layout, 32, seed=None)
+    for layer in range(2):
+        got = (descriptors(here[layer], there[layer], ADJACENT), descriptors(here[layer], there[layer], SCATTERED))
+        assert got == DESCRIPTORS[layout], layer
+
+
+@pytest.mark.parametrize(("model", "backend", "layout"), [("llama3-8b", "FLASHINFER", KVLayout.LBHNC),
+                                                        ("deepseek-v3", "FLASHMLA", KVLayout.LBNHC),
+                                                        ("deepseek-v3", "FLASHMLA", KVLayout.LHBNC)])
+def test_split_kernel_blocks_move_as_one_descriptor_per_block(model: str, backend: str, layout: KVLayout) -> None:
+    here, there = (vllm_regions(layout, 32, None, model=model, backend=backend, block_size=128) for _ in range(2))
+    assert here[0].tensor.shape[1] == 2  # two kernel blocks per block
+    assert (descriptors(here[0], there[0], ADJACENT), descriptors(here[0], there[0], SCATTERED)) == (1, 8)
+
+
+def test_block_pairs_cut_blocks_where_either_sides_span_ends() -> None:
+    """A head-major page here, heads apart there (the same bytes in the same order, so the same
+    block format): each block's pieces pair up in wire order. Checked by doing the copies."""
+    here, there = vllm_regions(KVLayout.LBHNC, 32, seed=None), vllm_regions(KVLayout.LHBNC, 32, seed=7)
+    local, remote, lengths = block_pairs(RegionLayout.of(here[1]), SCATTERED[0], RegionLayout.of(there[1]),
+                                         SCATTERED[1])
+    assert len(local) == 8 * HEADS and set(lengths.tolist()) == {here[1].block_nbytes // HEADS}
+    for dst, src, n in zip(local.tolist(), remote.tolist(), lengths.tolist(), strict=True):
+        ctypes.memmove(dst, src, n)  # what NIXL's READ would do
+    for mine, theirs in zip(*SCATTERED, strict=True):
+        assert wire_bytes(here[1], int(mine)) == wire_bytes(there[1], int(theirs))
+    assert not here[0].tensor.any()  # the other layer untouched
+    with pytest.raises(ValueError, match="bytes here"):
+        block_pairs(RegionLayout.of(here[0]), ADJACENT[0], RegionLayout.of(make_regions(1, 32)[0]), ADJACENT[1])
+
+
+@pytest.mark.parametrize("layout", list(KVLayout), ids=lambda m: m.name)
+def test_one_registration_holds_every_layer_of_vllms_buffer(layout: KVLayout) -> None:
+    regions = vllm_regions(layout, 8, seed=None, layers=3)
+    (mem, _, start, nbytes), = NixlRegions(regions).registrations
+    raw = regions[0].tensor.untyped_storage()
+    assert (mem, start, nbytes) == ("DRAM", raw.data_ptr(), raw.nbytes())
+
+
 def test_consecutive_blocks_merge_into_one_descriptor_per_span() -> None:
-    src, dst = RegionLayout.of(fa_regions(1, 32, seed=None)[0]), RegionLayout.of(fa_regions(1, 32, seed=None)[0])
+    src, dst = RegionLayout.of(vllm_regions(KVLayout.LHBNC, 32, None)[0]), RegionLayout.of(
+        vllm_regions(KVLayout.LHBNC, 32, None)[0])
     n = np.repeat(np.asarray(src.lengths), 8)
-    # blocks 4..11 into 20..27: a run on both sides -> one descriptor for K, one for V
+    # blocks 4..11 into 20..27: a run on both sides -> one descriptor per head
     local, remote, lengths = merge_pairs(src.spans(np.arange(4, 12)).reshape(-1),
                                          dst.spans(np.arange(20, 28)).reshape(-1), n)
-    assert len(local) == 2 and list(lengths) == [8 * src.lengths[0]] * 2
+    assert len(local) == HEADS and list(lengths) == [8 * src.lengths[0]] * HEADS
     # a run here, scattered there: nothing merges
     local, _, _ = merge_pairs(src.spans(np.arange(4, 12)).reshape(-1),
                               dst.spans(np.arange(0, 16, 2)).reshape(-1), n)
-    assert len(local) == 16
+    assert len(local) == 8 * HEADS
     # two runs, and a registration boundary between contiguous halves
     local, _, lengths = merge_pairs(np.arange(6) * 10, np.arange(6) * 10, np.full(6, 10),
                                     segment=np.array([0, 0, 0, -1, -1, -1]))
@@ -122,22 +187,28 @@ def test_host_segments_find_the_region_a_buffer_lies_in() -> None:
     nbytes = regions[0].block_nbytes
     base0, base1 = regions[0].tensor.data_ptr(), regions[1].tensor.data_ptr()
     outside = torch.zeros(nbytes, dtype=torch.uint8).data_ptr()
-    got = kv.host_segments(np.array([base0, base1 + 3 * nbytes, base0 + 3 * nbytes + 1, outside]), nbytes)
-    assert list(got) == [0, 1, -1, -1]  # the third one runs past region 0's end
+    addresses = np.array([base0, base1 + 3 * nbytes, base0 + 3 * nbytes + 1, outside])
+    got = kv.host_segments(addresses, nbytes)
+    assert list(got[2:]) == [-1, -1]  # the third one runs past region 0's end
+    for k, address in zip(got[:2], addresses[:2]):  # the registration each buffer lies in
+        _, _, start, n = kv.registrations[k]
+        assert start <= address and address + nbytes <= start + n
 
 
 # -- bytes over NIXL ----------------------------------------------------------------------
 
 
-def test_flash_attention_blocks_push_into_staging_and_fetch_byte_exact() -> None:
-    src, dst = fa_regions(2, 32, seed=1), fa_regions(2, 32, seed=None)
+def test_head_split_blocks_push_into_staging_and_fetch_into_another_layout_byte_exact() -> None:
+    """The sender's blocks lie in one span per head (LHBNC), the receiver's in one (LBHNC): the
+    same bytes in the same order, moved by real NIXL (UCX over host memory)."""
+    src, dst = vllm_regions(KVLayout.LHBNC, 32, seed=1), vllm_regions(KVLayout.LBHNC, 32, seed=None)
     a, _, a_ep = staged(src)
     b, b_sink, b_ep = staged(dst)
     try:
         nbytes = RegionLayout.of(src[1]).block_nbytes
         ids = [3, 4, 5, 6, 17, 30]  # a run and two strays
-        quiet = a.push(b_ep, BlockBatch("fa", 0, (0, 1), nbytes), [8, 9], timeout=10, answer=False)
-        a.push(b_ep, BlockBatch("fa", 1, tuple(range(6)), nbytes, last=True), ids, timeout=10).result(10)
+        quiet = a.push(b_ep, BlockBatch("lh", 0, (0, 1), nbytes), [8, 9], timeout=10, answer=False)
+        a.push(b_ep, BlockBatch("lh", 1, tuple(range(6)), nbytes, last=True), ids, timeout=10).result(10)
         assert quiet.result(0) is None
         calls = b_sink.wait_landed(2)
         assert [(c[0].layer, c[1]) for c in calls] == [(0, True), (1, True)]

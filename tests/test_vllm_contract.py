@@ -74,7 +74,7 @@ DECISIONS: dict[str, str] = {
     "take_events": "no KV events",
     "has_pending_block_frees": "held blocks are freed by their transfer's end or lease, never on demand",
     "has_pending_push_work": "ours",
-    "get_required_kvcache_layout": "any layout: blocks move as the bytes of vLLM's own layout",
+    "get_required_kvcache_layout": "ours",
     "requires_piecewise_for_cudagraph": "ours",
     "get_finished_count": "every worker reports its own sends and loads",
     "build_kv_connector_stats": "ours",

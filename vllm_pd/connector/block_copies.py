@@ -1,8 +1,8 @@
 """Whole KV blocks copied between the KV cache and host memory, on a copy stream.
 
-A block's bytes are its elements in the order of ``region.blocks[block_id]`` (see
-``MemoryRegion``), whatever vLLM's layout: FlashAttention's K and V halves, MLA's
-latent rows and the CPU page all become one row of ``block_nbytes`` on the host.
+A block's bytes are its bytes in memory order (``region.blocks[block_id]``, see
+``MemoryRegion``), whatever vLLM's layout: every layout's block becomes one row of
+``block_nbytes`` on the host.
 
 One :class:`BlockCopies` is one copy stream: the connector keeps one for sends and
 one for landings, so a send never queues behind eight load threads' landings. Every
@@ -38,11 +38,13 @@ INDEX_CACHE_ENTRIES = 64
 
 
 def byte_blocks(region: MemoryRegion) -> torch.Tensor:
-    """``region`` as ``[num_blocks, ...]`` bytes (a view of the KV memory)."""
-    t = region.tensor
-    if t.dim() == 0 or t.stride(-1) != 1:
-        raise ValueError(f"region {region.name!r}: its last dimension must be dense to be moved as bytes")
-    return t.view(torch.uint8).movedim(region.block_dim, 0)
+    """``region`` as ``[num_blocks, ...]`` bytes (a view of the KV memory), each block's bytes in
+    memory order (``MemoryRegion.blocks``): ``index_select(0, ids).reshape(len(ids), -1)`` gives
+    the blocks' wire bytes, one row each, and ``index_copy_`` of such rows puts them back."""
+    t = region.blocks
+    if t.dim() < 2 or t.stride(-1) != 1:
+        raise ValueError(f"region {region.name!r}: its innermost dimension must be dense to be moved as bytes")
+    return t.view(torch.uint8)
 
 
 def widest_elements(blocks: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_pd.connector.config import PDConnectorConfig, needs_layer_hooks
+from vllm_pd.connector.kv_layout import TRANSFER_LAYOUT
 from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, PDWorkerMeta
 from vllm_pd.connector.scheduler import PDConnectorScheduler
 from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
@@ -41,19 +42,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = vllm_logger(__name__)
-
-
-def block_dim(kv_layer: torch.Tensor, num_blocks: int | None) -> int:
-    """The dimension of a layer's KV tensor that indexes blocks, read from vLLM's layout:
-    the one of size ``num_blocks`` (vLLM's CPU and MLA layouts: 0; FlashAttention's
-    ``[2, num_blocks, ...]``: 1, which also settles the tie when num_blocks == 2)."""
-    shape = tuple(kv_layer.shape)
-    dims = [d for d, n in enumerate(shape) if n == num_blocks] if num_blocks else [0]
-    if not dims:
-        raise ValueError(f"KV cache layer of shape {shape} has no dimension of {num_blocks} blocks")
-    if len(dims) > 1 and shape[0] == 2 and 1 in dims:
-        return 1
-    return dims[0]
 
 
 class PDConnector(KVConnectorBase_V1):
@@ -101,12 +89,15 @@ class PDConnector(KVConnectorBase_V1):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM 0.32's per-layer ``[B, H, N, C]`` views in the layout it resolved (kv_layout.py):
+        the worker groups kernel blocks into the scheduler's blocks and moves each block's bytes
+        in memory order; the store takes the same grouped views."""
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
-        dims = {name: block_dim(t, num_blocks) for name, t in kv_caches.items()}
-        self.worker.register_kv_caches(kv_caches, dims)
+        self.worker.register_kv_caches(kv_caches, num_blocks, kv_layout=self._vllm_config.cache_config.kv_cache_layout)
         if self._store_worker is not None:
-            self._store_worker.register_kv_caches(kv_caches, self.config.bind_host, self.worker.host,
-                                                  block_dims=dims, device=self.worker.device)
+            blocks = {r.name: r.tensor for r in self.worker.regions}
+            self._store_worker.register_kv_caches(blocks, self.config.bind_host, self.worker.host,
+                                                  device=self.worker.device, kv_format=self.worker.kv_format)
 
     def unregister_kv_caches(self) -> None:
         """vLLM >= 0.33, sleep mode: the KV cache's pages are freed next (see the worker's)."""
@@ -119,8 +110,8 @@ class PDConnector(KVConnectorBase_V1):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         w = self.worker
-        handshake = PDHandshake(endpoint=w.endpoint, host=w.host, port=w.port,
-                                num_layers=len(w.regions), block_nbytes=w.regions[0].block_nbytes)
+        handshake = PDHandshake(endpoint=w.endpoint, host=w.host, port=w.port, num_layers=len(w.regions),
+                                block_nbytes=w.regions[0].block_nbytes, kv_format=w.kv_format)
         if self._store_worker is not None:
             handshake.store_endpoint = self._store_worker.endpoint
         return handshake
@@ -202,7 +193,8 @@ class PDConnector(KVConnectorBase_V1):
             first = by_rank[min(by_rank)]
             store_endpoints = [by_rank[r].store_endpoint for r in sorted(by_rank)]
             self._store_scheduler.on_handshake(first.num_layers, first.block_nbytes,
-                                               ",".join(store_endpoints) if all(store_endpoints) else "")
+                                               ",".join(store_endpoints) if all(store_endpoints) else "",
+                                               kv_format=self.scheduler.kv_format)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self.scheduler.note_request(request.request_id)
@@ -253,6 +245,19 @@ class PDConnector(KVConnectorBase_V1):
         (unregister_kv_caches / restore_kv_caches). A peer holds our memory's registration (nixl)
         only on a connection we dialled, and those are closed at both ends of the sleep."""
         return True
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        """LBHNC, where the attention backends accept it (vLLM falls back to their first choice,
+        with a warning, where not; ``VLLM_KV_CACHE_LAYOUT`` overrides both): a block of a layer
+        is one contiguous page (one NIXL descriptor per block, or per run of adjacent blocks),
+        and a head subset of a block is contiguous too. vLLM's own default, LBNHC, is as
+        contiguous but token-major. MLA has one head: every layer-compact layout is the same
+        there, so we leave vLLM its choice (as NixlConnector does)."""
+        model_config = vllm_config.model_config
+        if model_config is not None and model_config.use_mla:
+            return None
+        return TRANSFER_LAYOUT.name
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

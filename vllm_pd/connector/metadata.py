@@ -42,6 +42,7 @@ class PDHandshake(KVConnectorHandshakeMetadata):
     num_layers: int
     block_nbytes: int
     store_endpoint: str = ""  # where other nodes fetch this worker's KV store blocks ("" = none)
+    kv_format: str = ""  # what a block's bytes mean (kv_layout.block_format): peers must match it
 
 
 class PDWorkerMeta(KVConnectorWorkerMetadata):

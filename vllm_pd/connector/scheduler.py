@@ -88,6 +88,7 @@ class PDConnectorScheduler:
         self._endpoints: tuple[str, ...] = ()
         self._host = ""
         self._port = 0
+        self.kv_format = ""  # the workers' (handshake): travels with our KV, checked against theirs
         # prefill side
         self._outgoing: dict[str, _OutgoingRequest] = {}  # by request id
         # transfer id -> request id, until vLLM frees the request's blocks (the worker's state of it is gone)
@@ -116,7 +117,9 @@ class PDConnectorScheduler:
         self._endpoints = tuple(by_rank[r].endpoint for r in ranks)
         self._host = by_rank[ranks[0]].host
         self._port = by_rank[ranks[0]].port
-        logger.info("PD connector KV endpoints: %s", ", ".join(self._endpoints))
+        self.kv_format = "|".join(sorted({by_rank[r].kv_format for r in ranks}))  # one, as ranks shard alike
+        logger.info("PD connector KV endpoints: %s; KV blocks %s", ", ".join(self._endpoints),
+                    self.kv_format or "(format not reported)")
 
     # ---- decode side: remote prefill -> load --------------------------------------------------
     def note_request(self, request_id: str) -> None:
@@ -203,7 +206,7 @@ class PDConnectorScheduler:
         return "async"
 
     def _local_prompt(self, prompt: list[int]) -> LocalPrompt:
-        return LocalPrompt(prompt_hash(prompt), len(prompt), self.block_size, self.tp_size)
+        return LocalPrompt(prompt_hash(prompt), len(prompt), self.block_size, self.tp_size, self.kv_format)
 
     def _remote_usable(self, request: "Request", remote: RemotePrefill, prompt: list[int]) -> bool:
         reason = self._local_prompt(prompt).mismatch(remote)
@@ -401,6 +404,7 @@ class PDConnectorScheduler:
             tp_size=self.tp_size,
             endpoints=self._endpoints,
             prompt_hash=out.prompt_hash,
+            kv_format=self.kv_format,
         )
 
     def has_pending_work(self) -> bool:

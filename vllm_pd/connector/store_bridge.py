@@ -36,14 +36,17 @@ if TYPE_CHECKING:
 logger = vllm_logger(__name__)
 
 
-def make_salt(vllm_config: "VllmConfig", num_layers: int, block_nbytes: int) -> KeySalt:
+def make_salt(vllm_config: "VllmConfig", num_layers: int, block_nbytes: int, kv_format: str = "") -> KeySalt:
+    """``kv_format``: what a block's bytes mean (kv_layout.block_format): stores of other layouts
+    hold other bytes for the same prompt, so their keys differ."""
     from vllm.platforms import current_platform
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    layout = f"{current_platform.device_type}:{block_nbytes}B/block" + (f":{kv_format}" if kv_format else "")
     return KeySalt(
         model=f"{mc.model}@{mc.revision or ''}",
         dtype=f"{mc.dtype}/{cc.cache_dtype}",
-        kv_layout=f"{current_platform.device_type}:{block_nbytes}B/block",
+        kv_layout=layout,
         block_size=cc.block_size,
         num_layers=num_layers,
         tp_size=pc.tensor_parallel_size,
@@ -80,13 +83,14 @@ class StoreBridgeScheduler:
         self._hints: dict[str, StoreFetch | None] = {}  # request -> the proxy's store_fetch hint
         self._meta = StoreStepMeta()
 
-    def on_handshake(self, num_layers: int, block_nbytes: int, endpoint: str) -> None:
+    def on_handshake(self, num_layers: int, block_nbytes: int, endpoint: str, kv_format: str = "") -> None:
         """``endpoint``: where peers fetch this node's blocks (store endpoints of
-        the TP ranks, comma-separated; "" when no master is configured). Once: vLLM >= 0.33 hands
-        the handshake again after a sleep mode wake-up, and the store's pool outlived the sleep."""
+        the TP ranks, comma-separated; "" when no master is configured); ``kv_format``: the
+        workers' block format (see make_salt). Once: vLLM >= 0.33 hands the handshake again after
+        a sleep mode wake-up, and the store's pool outlived the sleep."""
         if self.store is not None:
             return
-        salt = make_salt(self.vllm_config, num_layers, block_nbytes)
+        salt = make_salt(self.vllm_config, num_layers, block_nbytes, kv_format)
         world = self.vllm_config.parallel_config.tensor_parallel_size
         self.store = StoreScheduler(self.config, salt, num_layers * block_nbytes, world_size=world, endpoint=endpoint)
         logger.info("KV store: %d CPU slots of %d bytes, disk %s", self.store.slots.num_slots,
@@ -164,14 +168,15 @@ class StoreBridgeWorker:
         self._missing: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], bind_host: str, advertised_host: str,
-                           block_dims: dict[str, int] | None = None, device: KVDevice | None = None) -> None:
-        """``block_dims`` / ``device``: as the connector worker read them from vLLM's layout
-        (default: blocks along dim 0, the device of the tensors)."""
+                           block_dims: dict[str, int] | None = None, device: KVDevice | None = None,
+                           kv_format: str = "") -> None:
+        """``block_dims`` / ``device`` / ``kv_format``: as the connector worker read them from
+        vLLM's layout (default: blocks along dim 0, the device of the tensors, no format)."""
         tensors = list(kv_caches.values())
         dims = [(block_dims or {}).get(name, 0) for name in kv_caches]
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         block_nbytes = MemoryRegion("layer0", tensors[0], dims[0]).block_nbytes
-        salt = make_salt(self.vllm_config, len(tensors), block_nbytes)
+        salt = make_salt(self.vllm_config, len(tensors), block_nbytes, kv_format)
         self.store = StoreWorker(self.config, salt, tensors, rank=self.tp_rank, block_dims=dims, device=device)
         if self.config.master:  # other nodes learn of our blocks: let them fetch them
             self.endpoint = self.store.serve_peers(bind_host, advertised_host)

@@ -152,6 +152,8 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     tp_size: _Positive = 1  # prefill's tensor-parallel size: each rank holds its own shard of the KV
     endpoints: tuple[_Name, ...] = msgspec.field(default=(), name="remote_endpoints")  # per TP rank
     prompt_hash: str = ""  # of the prompt token ids: decode checks it is the same prompt
+    # what a block's bytes mean on prefill's side (kv_layout.block_format): decode checks it is its own
+    kv_format: str = ""
 
     def __post_init__(self) -> None:
         if len(self.block_ids) < -(-self.num_tokens // self.block_size):
@@ -298,11 +300,15 @@ class LocalPrompt(msgspec.Struct, frozen=True):
     num_tokens: int
     block_size: int
     tp_size: int
+    kv_format: str = ""  # what our blocks' bytes mean ("": not known, not checked)
 
     def mismatch(self, remote: RemotePrefill) -> str | None:
         """Why ``remote``'s KV cannot be used for this prompt, or None if it can."""
         if remote.block_size != self.block_size:
             return f"block size {remote.block_size} != ours {self.block_size}"
+        if self.kv_format and remote.kv_format and remote.kv_format != self.kv_format:
+            # same sizes, other meaning (another KV cache layout, kernel block or dtype): wrong KV if used
+            return f"KV cache blocks laid out as {remote.kv_format}, ours as {self.kv_format}"
         if remote.tp_size != self.tp_size:
             # rank r of each side holds the r-th shard of the heads: other TP sizes shard differently
             return f"prefill TP {remote.tp_size} != ours {self.tp_size} (PD needs equal tensor-parallel sizes)"

@@ -23,6 +23,7 @@ from vllm_pd.connector.release import release_rank_share
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
 from vllm_pd.connector.kv_device import KVDevice, kv_device_for
+from vllm_pd.connector.kv_layout import KVLayout, block_format, manager_blocks, memory_order_mismatch
 from vllm_pd.connector.kv_loader import KVLoader
 from vllm_pd.connector.kv_sender import KVSender
 from vllm_pd.connector.push_staging import PushStaging
@@ -69,6 +70,7 @@ class PDConnectorWorker:
         self.transport = create_transport(config.transport, **({} if config.checksum else {"checksum": "none"}))
         self.stats = stats if stats is not None else TransferCounters()
         self.regions: list[MemoryRegion] = []
+        self.kv_format = ""  # what a block's bytes mean (kv_layout.block_format), once registered
         self._layer_index: dict[str, int] = {}
         self._idle = False
         self._unregistered = False  # vLLM's sleep mode freed the KV's pages (unregister_kv_caches)
@@ -77,12 +79,16 @@ class PDConnectorWorker:
         self.port = 0
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_dims: dict[str, int] | None = None,
-                           device: KVDevice | None = None) -> None:
-        """``block_dims``: each layer's block dimension in vLLM's layout (default 0);
-        ``device``: where the tensors live (default: read from them)."""
-        dims = block_dims or {}
-        self.regions = [MemoryRegion(name, t, dims.get(name, 0)) for name, t in kv_caches.items()]
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None,
+                           device: KVDevice | None = None, kv_layout: str | None = None) -> None:
+        """``kv_caches``: vLLM's per-layer views (0.32: ``[num_blocks * ratio, H, N, C]`` in any
+        layout, see :mod:`kv_layout`); ``num_blocks``: the blocks the scheduler hands out
+        (default: dim 0's size); ``device``: where the tensors live (default: read from them);
+        ``kv_layout``: the layout vLLM resolved, checked against the strides (which rule)."""
+        n = num_blocks or (int(next(iter(kv_caches.values())).shape[0]) if kv_caches else 0)
+        self.regions = [MemoryRegion(name, manager_blocks(t, n)) for name, t in kv_caches.items()]
+        self.kv_format = "|".join(dict.fromkeys(block_format(r.tensor) for r in self.regions))
+        self._check_layout(kv_caches, kv_layout)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.device = device or kv_device_for([r.tensor for r in self.regions])
         if self.regions and self.regions[0].tensor.device.type == "cpu":
@@ -100,9 +106,24 @@ class PDConnectorWorker:
         # peers reach us by the advertised host, not the bind address
         self.endpoint = f"{self.endpoint.split('://', 1)[0]}://{self.host}:{self.port}"
         r0 = self.regions[0]
-        logger.info("PD connector worker %d: %d layers of %d blocks x %d bytes on %s (%s), KV endpoint %s",
-                    self.tp_rank, len(self.regions), r0.num_blocks, r0.block_nbytes, r0.tensor.device,
+        logger.info("PD connector worker %d: %d layers of %d blocks x %d bytes (%s, %s, %d span(s) a block) on "
+                    "%s (%s), KV endpoint %s", self.tp_rank, len(self.regions), r0.num_blocks, r0.block_nbytes,
+                    kv_layout or "layout not given", self.kv_format, len(r0.block_spans(0)), r0.tensor.device,
                     type(self.access).__name__, self.endpoint)
+
+    def _check_layout(self, kv_caches: dict[str, torch.Tensor], kv_layout: str | None) -> None:
+        """Warn where the strides are not those of the layout vLLM says it resolved: the
+        strides still say where each byte is (and what ``kv_format`` reports to peers)."""
+        if kv_layout is None or not kv_caches:
+            return
+        name, t = next(iter(kv_caches.items()))
+        try:
+            why = memory_order_mismatch(t, KVLayout.named(kv_layout))
+        except ValueError as e:
+            why = str(e)
+        if why is not None:
+            logger.warning("PD connector: KV cache layer %s is not in vLLM's %s layout: %s; moving its blocks "
+                           "by their strides", name, kv_layout, why)
 
     def unregister_kv_caches(self) -> None:
         """vLLM's sleep mode is about to free the KV cache's pages (their contents are lost; the

@@ -2,10 +2,10 @@
 
 A transport moves whole KV blocks, as opaque bytes, between *registered memory
 regions* of two processes. A region is one KV layer's paged cache: a tensor whose
-first dimension is the block index and whose blocks are contiguous pages of
-``block_nbytes`` bytes (vLLM's CPU layout [num_blocks, heads, block_size, 2*head]
-is such a tensor; on GPU a region is a device pointer + stride, which is what
-RDMA / CUDA IPC / NIXL register).
+first dimension is the block index, each block ``block_nbytes`` bytes that travel in
+memory order (vLLM 0.32's per-layer ``[num_blocks, heads, block_size, K|V]`` view in
+its LBHNC layout is one contiguous page per block; on GPU a region is a device pointer
++ stride, which is what RDMA / CUDA IPC / NIXL register).
 
 Two data operations, each per region (= per layer) and asynchronous, so the
 connector can start layer i while layer i+1 computes and wait per layer:
@@ -31,6 +31,7 @@ import abc
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # torch is imported where tensors are used: the proxy sends releases without it
@@ -41,47 +42,52 @@ if TYPE_CHECKING:  # torch is imported where tensors are used: the proxy sends r
 class MemoryRegion:
     """A registered span of local memory: one layer's paged KV cache.
 
-    ``block_dim`` is the dimension of ``tensor`` that indexes blocks: 0 in vLLM's CPU
-    layout ``[num_blocks, kv_heads, block_size, 2*head_size]`` and MLA's
-    ``[num_blocks, block_size, 576]``, 1 in FlashAttention's ``[2, num_blocks, block_size,
-    kv_heads, head_size]``. A block's bytes on the wire are its elements in the order of
-    ``tensor.movedim(block_dim, 0)[block_id]``, the same on both sides (same model, same
-    backend); in memory they may lie in several spans (K and V apart).
+    ``block_dim`` is the dimension of ``tensor`` that indexes blocks (0 for vLLM 0.32's
+    views, grouped into manager blocks by ``kv_layout.manager_blocks``; 1 in the older
+    FlashAttention ``[2, num_blocks, ...]``). A block's bytes on the wire are its bytes in
+    memory order (:attr:`blocks`): one contiguous span where the layout keeps a block of a
+    layer in one (vLLM's LBHNC, LBNHC, BLHNC, BLNHC), else one span per run (LHBNC and
+    BHLNC: one per head). Both sides must use the same layout and shape
+    (``kv_layout.block_format``): the same bytes then mean the same thing.
     """
 
     name: str
     tensor: torch.Tensor
     block_dim: int = 0
 
-    @property
+    @cached_property
     def blocks(self) -> torch.Tensor:
-        """The tensor as ``[num_blocks, ...]`` (a view; not contiguous when block_dim > 0)."""
-        return self.tensor.movedim(self.block_dim, 0) if self.block_dim else self.tensor
+        """The tensor as ``[num_blocks, ...]`` with each block's dims in memory order, outermost
+        first (a view): ``blocks[b]``'s elements in index order are block b's bytes in memory order."""
+        t = self.tensor.movedim(self.block_dim, 0) if self.block_dim else self.tensor
+        # dims of one element first (their stride means nothing), then by falling stride
+        inner = sorted(range(1, t.dim()), key=lambda d: (t.shape[d] != 1, -t.stride(d)))
+        return t.permute(0, *inner)
 
     @property
     def num_blocks(self) -> int:
         return int(self.tensor.shape[self.block_dim])
 
-    @property
+    @cached_property
     def block_nbytes(self) -> int:
         return int(self.blocks[0].numel() * self.tensor.element_size())
 
     @property
     def block_contiguous(self) -> bool:
         """Each block is one contiguous page, blocks back to back (what stream transports need)."""
-        return self.block_dim == 0 and self.tensor.is_contiguous()
+        return self.blocks.is_contiguous()
 
     def block_spans(self, block_id: int) -> list[tuple[int, int]]:
-        """(address, nbytes) of the contiguous byte spans of one block, in wire order:
-        one span per block in block-contiguous layouts, K and V apart in FlashAttention's.
-        What RDMA-style transports (NIXL) turn into descriptors."""
+        """(address, nbytes) of the contiguous byte spans of one block, in wire (= memory) order:
+        one span per block wherever the layout allows. What RDMA-style transports (NIXL) turn
+        into descriptors."""
         return tensor_spans(self.blocks[block_id])
 
     def block_view(self, block_id: int) -> memoryview:
-        """Zero-copy byte view of one block (CPU tensors)."""
+        """Zero-copy byte view of one block (CPU tensors, :attr:`block_contiguous`)."""
         import torch
 
-        return memoryview(self.tensor[block_id].view(torch.uint8).numpy()).cast("B")
+        return memoryview(self.blocks[block_id].view(torch.uint8).numpy()).cast("B")
 
 
 def tensor_spans(t: torch.Tensor) -> list[tuple[int, int]]:

@@ -70,7 +70,14 @@ from vllm_pd.connector.transport import cross_memory
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, Status
 from vllm_pd.connector.transport.nixl_agent import LocalAgent, ProgressPump
-from vllm_pd.connector.transport.nixl_regions import DRAM, BlockRef, NixlRegions, RegionLayout, merge_pairs
+from vllm_pd.connector.transport.nixl_regions import (
+    DRAM,
+    BlockRef,
+    NixlRegions,
+    RegionLayout,
+    block_pairs,
+    merge_pairs,
+)
 from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
 from vllm_pd.connector.transport.serve_session import ServeSession
 from vllm_pd.connector.transport.stream import DeadlineTimer
@@ -236,16 +243,15 @@ class NixlChannel:
             raise TransferRejected("fetch over nixl from a peer without a NIXL agent")
         payload = _decode(frame.payload, FetchPayload)
         layout, theirs = regions.layout(frame.layer), self._peer_layout(frame.layer)
-        if theirs.lengths != layout.lengths:
-            raise TransferRejected(f"layer {frame.layer}: the requester's blocks are laid out as {theirs.lengths}, "
-                                   f"ours as {layout.lengths}")
+        if theirs.block_nbytes != layout.block_nbytes:
+            raise TransferRejected(f"layer {frame.layer}: the requester's blocks are {theirs.block_nbytes} bytes, "
+                                   f"ours {layout.block_nbytes}")
         own = regions.check_ids(frame.layer, frame.ids)
         dest = _peer_ids(theirs, payload.block_ids, "the requester's")
         if len(dest) != len(own):
             raise TransferCorrupted(f"fetch of {len(own)} blocks into {len(dest)}")
         digests = regions.digests(frame.layer, own, checksum)
-        lengths = np.repeat(np.asarray(layout.lengths, dtype=np.int64), len(own))
-        local, remote, lengths = merge_pairs(layout.spans(own).reshape(-1), theirs.spans(dest).reshape(-1), lengths)
+        local, remote, lengths = block_pairs(layout, own, theirs, dest)
         agent.transfer("WRITE", local, lengths, layout.mem, layout.device, remote, theirs.mem, theirs.device, peer,
                        time.monotonic() + payload.timeout_s)
         return digests
@@ -433,7 +439,7 @@ class NixlTransport(TcpTransport):
             self._checksum = Checksum.NONE
         agent = LocalAgent(f"vllm-pd-{os.getpid()}-{secrets.token_hex(4)}", host_only=not kv.has_vram)
         try:
-            handles = agent.register_layouts(kv.layouts)
+            handles = agent.register_spans(kv.registrations)
         except BaseException:
             agent.close()
             raise
@@ -456,7 +462,7 @@ class NixlTransport(TcpTransport):
         new metadata in the handshake."""
         agent, kv = self._side.agent, self._side.regions
         if agent is not None and kv is not None and not self._side.region_handles:
-            self._side.region_handles = agent.register_layouts(kv.layouts)
+            self._side.region_handles = agent.register_spans(kv.registrations)
         super().restore_regions()
 
     # -- endpoints -------------------------------------------------------------------------------

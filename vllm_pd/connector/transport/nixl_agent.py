@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from vllm_pd.connector.exceptions import ConfigError, PeerClosed, TransferRejected, TransferTimeout, TransportError
-from vllm_pd.connector.transport.nixl_regions import DRAM, RegionLayout
+from vllm_pd.connector.transport.nixl_regions import DRAM
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -134,13 +134,10 @@ class LocalAgent:
             self._registrations.remove(handle)
         self._call("deregister", lambda: self._agent.deregister_memory(handle))
 
-    def register_layouts(self, layouts: list[RegionLayout]) -> list[Any]:
-        """Register each region's extent; the handles, for ``deregister``."""
-        handles = []
-        for lay in layouts:
-            start, nbytes = lay.extent
-            handles.append(self.register(np.array([start]), np.array([nbytes]), lay.mem, lay.device))
-        return handles
+    def register_spans(self, spans: list[tuple[str, int, int, int]]) -> list[Any]:
+        """Register each (mem, device, address, nbytes); the handles, for ``deregister``."""
+        return [self.register(np.array([start]), np.array([nbytes]), mem, device)
+                for mem, device, start, nbytes in spans]
 
     # -- peers --------------------------------------------------------------------------
 

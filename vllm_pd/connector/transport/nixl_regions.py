@@ -3,12 +3,18 @@
 A region's blocks are equally spaced: block ``b``'s byte spans are block 0's spans
 shifted by ``b * stride`` (the tensor's stride along its block dimension), so one
 :class:`RegionLayout` - block 0's spans and the stride - says where every block is,
-on this side and, sent in the handshake, for the peer. A transfer pairs each local
-span with the peer's span holding the same bytes of the same block, then merges
-pairs that continue each other on both sides into one descriptor: a run of
-consecutive blocks becomes one descriptor per span of a block (one in block-contiguous
-layouts, K and V in FlashAttention's), since every descriptor costs the NIC (or
-NVLink) a work request.
+on this side and, sent in the handshake, for the peer. A block's wire bytes are its
+bytes in memory order (``MemoryRegion.blocks``): one span in every vLLM 0.32 layout that
+keeps a block of a layer together (LBHNC, LBNHC, BLHNC, BLNHC, with or without kernel
+blocks), one per head where heads lie outside blocks (LHBNC, BHLNC).
+
+A transfer pairs the two sides' spans of each block (:func:`block_pairs`, cut where either
+side's span ends, so the sides' layouts may differ as long as their wire bytes mean the
+same), then merges pairs that continue each other on both sides into one descriptor: a
+run of blocks adjacent on both sides becomes one descriptor per span of a block, since
+every descriptor costs the NIC (or NVLink) a work request. The regions of one process are
+registered as the fewest spans of memory that hold them (:func:`registrations`): vLLM 0.32
+keeps every layer in one buffer, and block-outermost layouts interleave the layers.
 """
 
 from __future__ import annotations
@@ -99,6 +105,39 @@ def merge_pairs(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray,
     return local[first], remote[first], np.add.reduceat(lengths, first)
 
 
+def block_pairs(local: RegionLayout, local_ids: np.ndarray, remote: RegionLayout,
+                remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The descriptors that move block ``local_ids[i]`` <-> ``remote_ids[i]`` for every i:
+    (local addresses, remote addresses, lengths), merged. Each block's wire bytes are cut
+    where a span ends on either side; ValueError if the two sides' blocks differ in size."""
+    if local.block_nbytes != remote.block_nbytes:
+        raise ValueError(f"blocks of {local.block_nbytes} bytes here, {remote.block_nbytes} at the peer")
+    cuts = np.union1d(local.wire_offsets(), remote.wire_offsets())  # where each piece starts in a block
+    pieces = np.diff(np.append(cuts, local.block_nbytes))
+    return merge_pairs(_piece_addresses(local, local_ids, cuts).reshape(-1),
+                       _piece_addresses(remote, remote_ids, cuts).reshape(-1), np.repeat(pieces, len(local_ids)))
+
+
+def _piece_addresses(lay: RegionLayout, ids: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+    """Addresses of the pieces starting at wire offsets ``cuts`` of blocks ``ids``: (pieces, len(ids))."""
+    starts = lay.wire_offsets()
+    span = np.searchsorted(starts, cuts, side="right") - 1  # the span each piece lies in
+    return lay.spans(np.asarray(ids, dtype=np.int64))[span] + (cuts - starts[span])[:, None]
+
+
+def registrations(layouts: Sequence[RegionLayout]) -> list[tuple[str, int, int, int]]:
+    """(mem, device, address, nbytes) of the fewest spans of memory that hold every layout's
+    extent: overlapping or touching extents of the same memory become one."""
+    out: list[tuple[str, int, int, int]] = []
+    for mem, device, start, end in sorted((lay.mem, lay.device, lay.extent[0], sum(lay.extent)) for lay in layouts):
+        if out and out[-1][:2] == (mem, device) and start <= out[-1][2] + out[-1][3]:
+            first = out[-1][2]
+            out[-1] = (mem, device, first, max(end, first + out[-1][3]) - first)
+        else:
+            out.append((mem, device, start, end - start))
+    return out
+
+
 class BlockRef:
     """One block of a local region, where a byte view cannot say it (several spans, GPU
     memory): ``len()`` is its byte count, as the stream machinery asks of a block."""
@@ -125,11 +164,10 @@ class NixlRegions:
             # a ctypes array exports the buffer protocol; numpy's stubs do not list it
             np.frombuffer((ctypes.c_char * lay.extent[1]).from_address(lay.base), dtype=np.uint8)  # type: ignore[call-overload]
             if lay.mem == DRAM else None for lay in self.layouts]
-        host = sorted((lay.extent[0], lay.extent[0] + lay.extent[1], i)
-                      for i, lay in enumerate(self.layouts) if lay.mem == DRAM)
-        self._host_starts = np.array([s for s, _, _ in host], dtype=np.int64)
-        self._host_ends = np.array([e for _, e, _ in host], dtype=np.int64)
-        self._host_index = np.array([i for _, _, i in host], dtype=np.int64)
+        self.registrations = registrations(self.layouts)
+        host = [(start, start + n) for mem, _, start, n in self.registrations if mem == DRAM]
+        self._host_starts = np.array([s for s, _ in host], dtype=np.int64)
+        self._host_ends = np.array([e for _, e in host], dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.layouts)
@@ -177,9 +215,9 @@ class NixlRegions:
 
     def host_segments(self, addresses: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
         """For each buffer at ``addresses`` (``nbytes`` long, one length or one each): the
-        DRAM region holding it whole (so already registered), or -1."""
+        index of the DRAM registration holding it whole (so already registered), or -1."""
         if not len(self._host_starts):
             return np.full(len(addresses), -1, dtype=np.int64)
         k = np.maximum(np.searchsorted(self._host_starts, addresses, side="right") - 1, 0)
         inside = (addresses >= self._host_starts[k]) & (addresses + nbytes <= self._host_ends[k])
-        return np.where(inside, self._host_index[k], -1)
+        return np.where(inside, k, -1)

@@ -21,13 +21,13 @@ class RegisteredRegions:
         self.block_nbytes: list[int] = []
         self.num_blocks: list[int] = []
         for r in regions:
-            t = r.tensor
+            t = r.blocks
             if t.device.type != "cpu":
                 # device KV reaches a stream transport through the connector's pinned staging
                 raise ValueError(f"region {r.name!r}: stream transports need host memory, got {t.device}")
             if t.dim() < 1 or not r.block_contiguous:
-                raise ValueError(f"region {r.name!r}: tensor must be contiguous [num_blocks, ...]")
-            rows = t.reshape(-1).view(torch.uint8).reshape(r.num_blocks, r.block_nbytes)
+                raise ValueError(f"region {r.name!r}: its blocks must be contiguous pages, back to back")
+            rows = t.view(torch.uint8).view(r.num_blocks, r.block_nbytes)  # a view: never a copy
             self._rows.append(rows.numpy())
             self.block_nbytes.append(r.block_nbytes)
             self.num_blocks.append(r.num_blocks)
