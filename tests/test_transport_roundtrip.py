@@ -9,6 +9,7 @@ import pytest
 import torch
 from tests.transport_harness import make_regions, started
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.exceptions import TransferRejected, TransferTimeout
 from vllm_pd.connector.transport.base import BlockBatch
 
@@ -16,6 +17,9 @@ from vllm_pd.connector.transport.base import BlockBatch
 # does), else through its rings: both paths run every test. nixl: UCX over tcp + cma on this host.
 TRANSPORTS = {"tcp": ("tcp", {}), "shm": ("shm", {}), "shm-rings": ("shm", {"cross_memory": False}),
               "nixl": ("nixl", {})}
+# and each with a deployment secret: authenticated connections, sealed frames, keyed block checks
+SECRET = DeploymentSecret(b"roundtrip-test-secret-0123456789", "test")
+TRANSPORTS.update({f"{k}+secret": (name, {**opts, "secret": SECRET}) for k, (name, opts) in list(TRANSPORTS.items())})
 
 
 @pytest.fixture(params=list(TRANSPORTS))

@@ -217,3 +217,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop serving, fail every pending future with PeerClosed, free resources."""
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections refused so far because they did not prove the deployment secret."""
+        return 0
+
+    @property
+    def broken_connections(self) -> int:
+        """Authenticated connections closed so far for breaking the protocol (a bad seal, a
+        malformed or oversized frame)."""
+        return 0

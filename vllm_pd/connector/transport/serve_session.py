@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted, TransportError
+from vllm_pd.connector.exceptions import AuthFailed, PeerClosed, TransferCorrupted, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES
 from vllm_pd.connector.transport.cross_memory import PeerMemory
@@ -57,6 +57,7 @@ class ServeSession:
         grants: FetchGrants,
         checksum: Checksum,
         on_end: Callable[[ServeSession], None],
+        on_violation: Callable[[str, BaseException], None] | None = None,
     ) -> None:
         self.wire = wire
         self.peer = peer
@@ -66,6 +67,8 @@ class ServeSession:
         self._grants = grants
         self._checksum = checksum
         self._on_end = on_end
+        # the peer broke the protocol (a bad seal, a malformed or oversized frame): log and count it
+        self._on_violation = on_violation
         self.serving: set[str] = set()  # transfer ids whose DATA is being sent now
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._closed = threading.Event()
@@ -105,7 +108,13 @@ class ServeSession:
                 elif frame.kind is Kind.CREDIT:
                     self._channel.on_credit(frame)
                 else:
-                    raise TransportError(f"unexpected {frame.kind.name} frame from {self.peer}")
+                    raise TransferCorrupted(f"unexpected {frame.kind.name} frame from {self.peer}")
+        except (AuthFailed, TransferCorrupted) as e:
+            if not self._closed.is_set():
+                if self._on_violation is not None:
+                    self._on_violation(self.peer, e)
+                else:
+                    logger.warning("closing the connection with %s: %s", self.peer, e)
         except (OSError, TransportError) as e:
             if not self._closed.is_set():
                 logger.debug("session with %s ended: %s", self.peer, e)

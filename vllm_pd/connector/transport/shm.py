@@ -155,7 +155,10 @@ class ShmChannel:
     def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
         tx = self._tx
         # Each block is hashed by the copy that puts it in the ring: one read of it.
-        stream = BlockStream(frame.checksum, views)
+        check = wire.block_check(frame)
+        if check is None:
+            raise TransferCorrupted(f"{frame.checksum.name} blocks on a connection that takes keyed checks only")
+        stream = BlockStream(check, views)
         # Control frames go out together where they can: the header with the first READY,
         # the digests with the last, so a batch that fits a slot is one write and one
         # wake-up of the receiver (per-batch overhead is what small per-layer pushes pay).
@@ -216,8 +219,10 @@ class ShmChannel:
         if rx is None:
             raise PeerClosed("shm channel not attached")
         # The bytes are hashed as they leave the ring (the copy reads them once), so what is
-        # verified is exactly what landed in the destination.
-        stream = BlockStream(frame.checksum, views) if views is not None else None
+        # verified is exactly what landed in the destination. Unkeyed blocks on a connection that
+        # takes keyed ones only are drained and fail.
+        check = wire.block_check(frame)
+        stream = BlockStream(check, views) if views is not None and check is not None else None
         expected, got = sum(frame.lengths), 0
         while True:
             f = wire.reader.read_frame()
@@ -243,6 +248,8 @@ class ShmChannel:
             raise TransferCorrupted(f"block stream ended after {got} of {expected} bytes")
         if len(f.payload) != DIGEST_NBYTES * len(frame.lengths):
             raise TransferCorrupted("trailer has the wrong number of digests")
+        if views is not None and check is None:
+            return False
         if stream is None or frame.checksum is Checksum.NONE:
             return True
         return stream.digests() == f.payload
