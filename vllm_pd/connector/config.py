@@ -6,9 +6,10 @@ Validated once at start-up: an unknown key or a bad value raises
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret, check_bind, is_loopback, load_secret
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.connector.transfer_params import LoadMode, TransferMode
 
@@ -44,8 +45,15 @@ class PDConnectorConfig:
     transport: TransportName = "tcp"
     # address peers use to reach this instance's KV endpoint ("auto": this host's IP)
     host: str = "auto"
-    # address to bind the KV endpoint to
-    bind_host: str = "0.0.0.0"
+    # address to bind the KV endpoint to ("auto": every interface with a deployment secret or
+    # insecure_network, else 127.0.0.1 only)
+    bind_host: str = "auto"
+    # file holding the deployment secret (else the VLLM_PD_SECRET environment variable): every KV
+    # connection proves it holds it (auth_protocol.py); None and no variable: loopback only
+    secret_file: str | None = None
+    # listen beyond loopback without a deployment secret (anyone reaching the port can read,
+    # write and release KV): only on a network nothing else can reach
+    insecure_network: bool = False
     # mode a prefill instance uses when the proxy's kv_transfer_params don't say
     default_mode: TransferMode = "pull"
     # async: a request waits (off the batch) until its KV has landed;
@@ -69,11 +77,21 @@ class PDConnectorConfig:
     checksum: bool = True
     # settings of the KV block store (validated by vllm_pd.connector.store); None = no store
     store: dict[str, Any] | None = None
+    # the deployment secret, loaded from secret_file or VLLM_PD_SECRET (not a key of its own)
+    secret: DeploymentSecret | None = field(default=None, repr=False, compare=False, metadata={"loaded": True})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bind_host", _listen_host(self.bind_host, self.secret, self.insecure_network))
+
+    @property
+    def insecure(self) -> bool:
+        """Listening beyond loopback without a secret (allowed by insecure_network: warn about it)."""
+        return self.secret is None and not is_loopback(self.bind_host)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "PDConnectorConfig":
         extra = dict(extra or {})
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name: f for f in fields(cls) if not f.metadata.get("loaded")}
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ConfigError(
@@ -83,11 +101,21 @@ class PDConnectorConfig:
         values: dict[str, Any] = {}
         for key, value in extra.items():
             values[key] = _coerce(key, known[key].type, value)
+        values["secret"] = load_secret(values.get("secret_file"), "kv_connector_extra_config.secret_file")
         cfg = cls(**values)
         for key in ("lease_s", "transfer_timeout_s", "push_wait_s", "peer_probe_s"):
             if getattr(cfg, key) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{key}: must be > 0, got {getattr(cfg, key)!r}")
         return cfg
+
+
+def _listen_host(bind_host: str, secret: DeploymentSecret | None, insecure_network: bool) -> str:
+    """The address the KV endpoint binds to: loopback unless a secret (or insecure_network) allows more."""
+    if bind_host == "auto":
+        return "0.0.0.0" if secret is not None or insecure_network else "127.0.0.1"
+    check_bind(bind_host, secret, insecure_network, "kv_connector_extra_config.bind_host",
+               "kv_connector_extra_config.insecure_network")
+    return bind_host
 
 
 def _coerce(key: str, type_name: Any, value: object) -> Any:
@@ -100,6 +128,10 @@ def _coerce(key: str, type_name: Any, value: object) -> Any:
     if key == "store":
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"kv_connector_extra_config.{key}: expected an object, got {value!r}")
+        return value
+    if key == "secret_file":
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"kv_connector_extra_config.{key}: expected a file path, got {value!r}")
         return value
     if key in ("staging_bytes", "host_staging_bytes"):
         return parse_size(f"kv_connector_extra_config.{key}", value)

@@ -40,6 +40,7 @@ from concurrent.futures import Future
 
 import msgspec
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.exceptions import TransportError
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_staging import DiskStaging
@@ -156,13 +157,15 @@ class PoolExchange:
         timeout_s: float = 2.0,
         grant_ttl_s: float = 30.0,
         staging: DiskStaging | None = None,
+        secret: DeploymentSecret | None = None,
     ) -> None:
         self.pool = pool
         self.directory = directory
         self.staging = staging  # None: peers get blocks in CPU slots only
         self.timeout_s = timeout_s
         self.grant_ttl_s = grant_ttl_s
-        self.transport: Transport = create_transport(transport, connect_timeout=timeout_s)
+        # with the deployment secret, peers prove it before asking for a grant or a byte
+        self.transport: Transport = create_transport(transport, connect_timeout=timeout_s, secret=secret)
         # one transport block per (slot, layer): a fetch of layer 0 of every slot can land
         # (and be copied into vLLM's layer 0) before the later layers arrive
         self.transport.register_regions([MemoryRegion("kv-store-pool", pool.data.view(-1, pool.layer_block_nbytes))])
