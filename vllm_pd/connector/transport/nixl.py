@@ -171,6 +171,9 @@ class NixlChannel:
         self._one_sided = (agent.cma and all(lay.mem == DRAM for lay in layouts)
                            and cross_memory.PeerMemory.probe(remote.get("cross_memory")) is not None)
 
+    def finish_handshake(self, wire: Wire) -> None:
+        pass
+
     # -- BlockChannel -----------------------------------------------------------------------
 
     def fits_now(self, wire: Wire, nbytes: int) -> bool:

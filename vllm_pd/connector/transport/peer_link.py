@@ -265,10 +265,12 @@ class PeerLink:
             try:
                 wire.send_frame(Frame(Kind.HELLO, payload=self._hello_payload(channel)))
                 reply = wire.reader.read_frame()
-                sock.settimeout(None)
                 if reply.kind is not Kind.HELLO:
                     raise TransferRejected(f"expected HELLO from {self.endpoint}, got {reply.kind.name}")
-                channel.attach(msgspec.json.decode(reply.payload).get("channel", {}))
+                info = msgspec.json.decode(reply.payload)
+                channel.attach(info.get("channel", {}) if isinstance(info, dict) else {})
+                channel.finish_handshake(wire)
+                sock.settimeout(None)
             except BaseException:
                 channel.close()
                 raise

@@ -336,8 +336,9 @@ class StreamTransport(Transport):
             if not isinstance(info, dict):
                 raise TransferCorrupted("HELLO is not an object")
             channel.attach(info.get("channel", {}))
-            sock.settimeout(None)
             wire.send_frame(Frame(Kind.HELLO, payload=self._hello(channel)))
+            channel.finish_handshake(wire)
+            sock.settimeout(None)
         except AuthFailed as e:
             self._security.refuse(f"{self.scheme} {addr}", e)
             _close_quietly(channel, sock)

@@ -134,6 +134,11 @@ class BlockChannel(Protocol):
     def attach(self, remote_info: dict[str, Any]) -> None:
         """Connect to what the other end announced in its HELLO."""
 
+    def finish_handshake(self, wire: Wire) -> None:
+        """More of the handshake after both HELLOs, where the channel needs it (shm: who may
+        read whose memory); both ends call it, the dialler after ``attach``, the acceptor after
+        sending its HELLO."""
+
     def fits_now(self, wire: Wire, nbytes: int) -> bool:
         """Whether a message with ``nbytes`` of blocks can be sent now without waiting for
         the peer (so the thread that submits it may send it itself)."""
@@ -172,6 +177,9 @@ class SocketChannel:
         return {}
 
     def attach(self, remote_info: dict[str, Any]) -> None:
+        pass
+
+    def finish_handshake(self, wire: Wire) -> None:
         pass
 
     def fits_now(self, wire: Wire, nbytes: int) -> bool:
