@@ -90,3 +90,21 @@ def _env_without_secret() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+
+
+def test_tls_keys_come_together_and_only_for_tcp(tmp_path) -> None:
+    from tests.tls_certs import issue, make_ca
+
+    make_ca(tmp_path)
+    tls = issue(tmp_path, "node")
+    keys = {"tls_cert": tls.cert_file, "tls_key": tls.key_file, "tls_ca": tls.ca_file}
+    cfg = PDConnectorConfig.from_extra_config(keys)
+    assert cfg.tls == tls
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.tls_ca: TLS needs"):
+        PDConnectorConfig.from_extra_config({"tls_cert": tls.cert_file, "tls_key": tls.key_file})
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.tls_cert: TLS is for the tcp transport"):
+        PDConnectorConfig.from_extra_config({**keys, "transport": "shm"})
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.tls_ca"):
+        PDConnectorConfig.from_extra_config({**keys, "tls_ca": str(tmp_path / "missing.pem")})
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.tls_cert"):
+        PDConnectorConfig.from_extra_config({**keys, "tls_cert": tls.key_file})

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from tests.tls_certs import issue, make_ca
 from tests.transport_harness import TcpRelay, make_regions, raw_dial, started
 
 from vllm_pd.connector.auth_protocol import (
@@ -239,3 +240,58 @@ def test_unkeyed_blocks_are_refused_on_an_authenticated_connection() -> None:
     assert SocketChannel().recv_blocks(receiver, got, [memoryview(bytearray(64))]) is False
     a.close()
     b.close()
+
+
+# -- TLS (tcp) ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("pki")
+    make_ca(folder)
+    make_ca(folder, "other-ca")
+    return issue(folder, "member"), issue(folder, "outsider", ca="other-ca")
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "negative-control"])
+def test_tls_hides_the_kv_on_the_wire(pki, tls: bool) -> None:
+    member_tls, _ = pki
+    options = {"tls": member_tls, "secret": SECRET} if tls else {"secret": SECRET}
+    regions = make_regions(1, 4, seed=None)
+    pattern = bytes(range(256)) * (regions[0].block_nbytes // 256)
+    regions[0].blocks[2].view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(pattern), dtype=torch.uint8))
+    t, _, endpoint = started("tcp", regions, **options)
+    t.allow_fetch("held", [2])
+    relay = TcpRelay(endpoint)
+    member, _, _ = started("tcp", make_regions(1, 4, seed=None), **options)
+    try:
+        member.fetch(relay.endpoint, "held", 0, [2], [0], timeout=10).result(timeout=15)
+        assert bytes(member._regions.views(0, [0])[0]) == pattern  # type: ignore[union-attr]
+        assert (pattern[:64] in bytes(relay.recorded_back[0])) is (not tls)  # the KV, readable on the path
+    finally:
+        member.close()
+        relay.close()
+        t.close()
+
+
+@pytest.mark.parametrize("who", ["other-ca", "no-tls"])
+def test_tls_refuses_a_peer_without_a_deployment_certificate(pki, who: str) -> None:
+    member_tls, outsider_tls = pki
+    t, sink, endpoint = started("tcp", make_regions(1, 4, seed=1), tls=member_tls)
+    outsider, _, _ = started("tcp", make_regions(1, 4, seed=None), **(
+        {"tls": outsider_tls} if who == "other-ca" else {}))
+    try:
+        with pytest.raises(TransportError):
+            outsider.notify(endpoint, b"release", timeout=5).result(timeout=15)
+        assert sink.notified == [] and _wait(lambda: t.refused_connections >= 1)
+    finally:
+        outsider.close()
+        t.close()
+
+
+def test_tls_is_for_tcp_only(pki) -> None:
+    from vllm_pd.connector.exceptions import ConfigError
+    from vllm_pd.connector.transport import create_transport
+
+    with pytest.raises(ConfigError, match="tls"):
+        create_transport("shm", tls=pki[0])

@@ -190,6 +190,7 @@ class TcpRelay:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"{scheme}://127.0.0.1:{self.listener.getsockname()[1]}"
         self.recorded: list[bytearray] = []
+        self.recorded_back: list[bytearray] = []  # what the listener sent, per connection
         self.alter = None
         self.inject: bytes | None = None
         self.inject_after = 0
@@ -202,16 +203,19 @@ class TcpRelay:
             except OSError:
                 return
             server = socket.create_connection(self.target)
-            record = bytearray()
+            record, back = bytearray(), bytearray()
             self.recorded.append(record)
+            self.recorded_back.append(back)
             threading.Thread(target=self._pump, args=(client, server, record), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, back, False), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bytearray, dialler_side: bool = True) -> None:
         offset = 0
         try:
             while data := src.recv(1 << 16):
-                if record is not None:
+                if not dialler_side:
+                    record += data
+                else:
                     if self.alter is not None:
                         data = self.alter(data, offset)
                     record += data

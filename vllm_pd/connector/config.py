@@ -11,6 +11,7 @@ from typing import Any, Literal, get_args
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret, check_bind, is_loopback, load_secret
 from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transfer_params import LoadMode, TransferMode
 
 TransportName = Literal["tcp", "shm", "nixl"]
@@ -54,6 +55,11 @@ class PDConnectorConfig:
     # listen beyond loopback without a deployment secret (anyone reaching the port can read,
     # write and release KV): only on a network nothing else can reach
     insecure_network: bool = False
+    # TLS for the tcp transport and the store's node-to-node fetches (PEM files; all three or none):
+    # this instance's certificate and key, and the CA that signed every instance's certificate
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
     # mode a prefill instance uses when the proxy's kv_transfer_params don't say
     default_mode: TransferMode = "pull"
     # async: a request waits (off the batch) until its KV has landed;
@@ -79,6 +85,8 @@ class PDConnectorConfig:
     store: dict[str, Any] | None = None
     # the deployment secret, loaded from secret_file or VLLM_PD_SECRET (not a key of its own)
     secret: DeploymentSecret | None = field(default=None, repr=False, compare=False, metadata={"loaded": True})
+    # the TLS settings, from tls_cert / tls_key / tls_ca (not a key of its own)
+    tls: TlsSettings | None = field(default=None, compare=False, metadata={"loaded": True})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bind_host", _listen_host(self.bind_host, self.secret, self.insecure_network))
@@ -102,6 +110,11 @@ class PDConnectorConfig:
         for key, value in extra.items():
             values[key] = _coerce(key, known[key].type, value)
         values["secret"] = load_secret(values.get("secret_file"), "kv_connector_extra_config.secret_file")
+        values["tls"] = TlsSettings.from_keys(values.get("tls_cert"), values.get("tls_key"), values.get("tls_ca"),
+                                              "kv_connector_extra_config.")
+        if values["tls"] is not None and values.get("transport", "tcp") != "tcp":
+            raise ConfigError("kv_connector_extra_config.tls_cert: TLS is for the tcp transport (shm never leaves "
+                              "the host; nixl's RDMA cannot be encrypted by us: see the README)")
         cfg = cls(**values)
         for key in ("lease_s", "transfer_timeout_s", "push_wait_s", "peer_probe_s"):
             if getattr(cfg, key) <= 0:
@@ -129,7 +142,7 @@ def _coerce(key: str, type_name: Any, value: object) -> Any:
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"kv_connector_extra_config.{key}: expected an object, got {value!r}")
         return value
-    if key == "secret_file":
+    if key in ("secret_file", "tls_cert", "tls_key", "tls_ca"):
         if not isinstance(value, str) or not value:
             raise ConfigError(f"kv_connector_extra_config.{key}: expected a file path, got {value!r}")
         return value

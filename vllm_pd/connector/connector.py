@@ -73,7 +73,8 @@ class PDConnector(KVConnectorBase_V1):
                            ktc.kv_load_failure_policy)
         self._scheduler: PDConnectorScheduler | None = None
         self._worker: PDConnectorWorker | None = None
-        store_config = (dataclasses.replace(StoreConfig.from_dict(self.config.store), secret=self.config.secret)
+        store_config = (dataclasses.replace(StoreConfig.from_dict(self.config.store), secret=self.config.secret,
+                                            tls=self.config.tls)
                         if self.config.store is not None else None)
         self._store_scheduler: StoreBridgeScheduler | None = None
         self._store_worker: StoreBridgeWorker | None = None

@@ -71,6 +71,7 @@ class PDConnectorWorker:
         # the transport's default checksum (crc32c, fused with the copies) unless turned off; with a
         # deployment secret every connection authenticates, and blocks get the session's keyed check
         self.transport = create_transport(config.transport, secret=config.secret,
+                                          **({"tls": config.tls} if config.tls is not None else {}),
                                           **({} if config.checksum else {"checksum": "none"}))
         self.stats = stats if stats is not None else TransferCounters()
         self.regions: list[MemoryRegion] = []

@@ -7,6 +7,7 @@ from typing import Any
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.config import parse_size
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.vllm_logging import vllm_logger
 
@@ -69,6 +70,7 @@ class StoreConfig:
     # the deployment secret (the connector's, not a key of "store"): the master and the peers'
     # fetches authenticate with it
     secret: DeploymentSecret | None = field(default=None, repr=False, compare=False, metadata={"connector": True})
+    tls: TlsSettings | None = field(default=None, compare=False, metadata={"connector": True})  # the connector's
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> StoreConfig:

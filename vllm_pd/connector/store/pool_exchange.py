@@ -50,6 +50,7 @@ from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.transport import MemoryRegion, Transport, create_transport
 from vllm_pd.connector.transport.base import BlockBatch
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -161,6 +162,7 @@ class PoolExchange:
         grant_ttl_s: float = 30.0,
         staging: DiskStaging | None = None,
         secret: DeploymentSecret | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
         self.pool = pool
         self.directory = directory
@@ -168,7 +170,9 @@ class PoolExchange:
         self.timeout_s = timeout_s
         self.grant_ttl_s = grant_ttl_s
         # with the deployment secret, peers prove it before asking for a grant or a byte
-        self.transport: Transport = create_transport(transport, connect_timeout=timeout_s, secret=secret)
+        # and with TLS settings the bytes are encrypted on their way
+        self.transport: Transport = create_transport(transport, connect_timeout=timeout_s, secret=secret,
+                                                     **({"tls": tls} if tls is not None else {}))
         # one transport block per (slot, layer): a fetch of layer 0 of every slot can land
         # (and be copied into vLLM's layer 0) before the later layers arrive
         self.transport.register_regions([MemoryRegion("kv-store-pool", pool.data.view(-1, pool.layer_block_nbytes))])

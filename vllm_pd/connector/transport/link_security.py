@@ -1,17 +1,19 @@
 """How a stream transport's connections prove they belong to the deployment, before anything else.
 
-:class:`LinkSecurity` is one transport's side of it: with a deployment secret, ``dial`` and
-``accept`` run the challenge-response of auth_protocol.py on a freshly connected socket
-(before the transports' HELLO, before a shm ring or a NIXL agent is touched) and return the
-session's keys; a peer that fails it is closed by the caller, with a log line and a count
-(``refused``). A frame that breaks the protocol later on an authenticated connection (a bad
-seal, a malformed or oversized frame) also closes it, logged and counted (``violations``).
-Without a secret both return None and nothing is exchanged (loopback-only deployments).
+:class:`LinkSecurity` is one transport's side of it: with TLS settings (tcp only) ``dial`` and
+``accept`` first run TLS on a freshly connected socket (tls_stream.py); with a deployment
+secret they then run the challenge-response of auth_protocol.py (before the transports' HELLO,
+before a shm ring or a NIXL agent is touched) and return the session's keys - None under TLS,
+which already seals what follows. A peer that fails either is closed by the caller, with a log
+line and a count (``refused``). A frame that breaks the protocol later on an authenticated
+connection (a bad seal, a malformed or oversized frame) also closes it, logged and counted
+(``violations``). Without either nothing is exchanged (loopback-only deployments).
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from typing import Any
 
@@ -29,6 +31,7 @@ from vllm_pd.connector.auth_protocol import (
 )
 from vllm_pd.connector.exceptions import AuthFailed, PeerClosed
 from vllm_pd.connector.transport.framing import recv_exact
+from vllm_pd.connector.transport.tls_stream import TlsSettings, TlsSocket
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -37,43 +40,60 @@ logger = vllm_logger(__name__)
 class LinkSecurity:
     """The deployment secret of one transport, and what its connections refused."""
 
-    def __init__(self, secret: DeploymentSecret | None, service: Service = Service.KV) -> None:
+    def __init__(self, secret: DeploymentSecret | None, service: Service = Service.KV,
+                 tls: TlsSettings | None = None) -> None:
         self.secret = secret
         self.service = service
+        self.tls = tls
+        self._contexts = {side: tls.context(server=side) for side in (True, False)} if tls is not None else {}
         self._lock = threading.Lock()
         self.refused = 0  # connections that did not authenticate (cumulative)
         self.violations = 0  # authenticated connections closed for breaking the protocol (cumulative)
 
     @property
     def seals(self) -> bool:
-        """Whether frames carry seals and blocks keyed checks (a secret; TLS would make them moot)."""
-        return self.secret is not None
+        """Whether frames carry seals and blocks keyed checks (a secret, and no TLS to do it)."""
+        return self.secret is not None and self.tls is None
 
-    def dial(self, sock: socket.socket) -> SessionKeys | None:
-        """Authenticate a socket we connected (its timeout set); AuthFailed if the listener does not
-        prove the secret."""
+    def dial(self, sock: socket.socket) -> tuple[Any, SessionKeys | None]:
+        """Secure a socket we connected (its timeout set): (what to read and write instead of it,
+        the session's keys where frames are sealed); AuthFailed if the listener fails TLS or
+        does not prove the secret."""
+        conn = self._tls(sock, server=False)
         if self.secret is None:
-            return None
+            return conn, None
         shake = DiallerHandshake(self.secret, self.service)
-        sock.sendall(shake.hello())
-        challenge = _read_handshake(sock, CHALLENGE_NBYTES)
-        sock.sendall(shake.proof(challenge))
+        conn.sendall(shake.hello())
+        challenge = _read_handshake(conn, CHALLENGE_NBYTES)
+        conn.sendall(shake.proof(challenge))
         try:
-            return shake.finish(_read_handshake(sock, PROOF_MESSAGE_NBYTES))
+            keys = shake.finish(_read_handshake(conn, PROOF_MESSAGE_NBYTES))
         except (PeerClosed, ConnectionError):
             raise AuthFailed("the listener closed the connection: it refused our proof (another "
                              "deployment's secret?)") from None
+        return conn, keys if self.seals else None
 
-    def accept(self, sock: socket.socket) -> SessionKeys | None:
-        """Authenticate a socket we accepted (its timeout set); AuthFailed if the dialler does not
-        prove the secret (the caller closes it and calls :meth:`refuse`)."""
+    def accept(self, sock: socket.socket) -> tuple[Any, SessionKeys | None]:
+        """Secure a socket we accepted (its timeout set), as :meth:`dial`; AuthFailed if the
+        dialler fails TLS or does not prove the secret (the caller closes it and calls :meth:`refuse`)."""
+        conn = self._tls(sock, server=True)
         if self.secret is None:
-            return None
+            return conn, None
         shake = ListenerHandshake(self.secret, self.service)
-        sock.sendall(shake.challenge(_read_handshake(sock, HELLO_NBYTES)))
-        ours, keys = shake.verify(_read_handshake(sock, PROOF_MESSAGE_NBYTES))
-        sock.sendall(ours)
-        return keys
+        conn.sendall(shake.challenge(_read_handshake(conn, HELLO_NBYTES)))
+        ours, keys = shake.verify(_read_handshake(conn, PROOF_MESSAGE_NBYTES))
+        conn.sendall(ours)
+        return conn, keys if self.seals else None
+
+    def _tls(self, sock: socket.socket, server: bool) -> Any:
+        if self.tls is None:
+            return sock
+        conn = TlsSocket(sock, self._contexts[server], server)
+        try:
+            conn.handshake()
+        except ssl.SSLError as e:
+            raise AuthFailed(f"TLS: {e.reason or e}") from None
+        return conn
 
     def refuse(self, who: Any, error: BaseException) -> None:
         """A connection that did not authenticate: logged, counted (the caller closes it)."""
@@ -88,7 +108,7 @@ class LinkSecurity:
         logger.warning("closing the connection with %s: %s", who, error)
 
 
-def _read_handshake(sock: socket.socket, nbytes: int) -> bytes:
+def _read_handshake(sock: Any, nbytes: int) -> bytes:
     """One handshake message; AuthFailed naming what came instead (a peer without the secret
     speaks frames right away)."""
     head = bytes(recv_exact(sock, len(HANDSHAKE_MAGIC)))

@@ -256,12 +256,12 @@ class PeerLink:
             configure_socket(sock)
             sock.settimeout(timeout)
             try:
-                keys = self._security.dial(sock)
+                conn, keys = self._security.dial(sock)
             except AuthFailed as e:
                 logger.warning("connection to %s refused: %s", self.endpoint, e)
                 raise
             channel = self._make_channel()
-            wire = Wire(sock, channel.frames_only, keys)
+            wire = Wire(conn, channel.frames_only, keys)
             try:
                 wire.send_frame(Frame(Kind.HELLO, payload=self._hello_payload(channel)))
                 reply = wire.reader.read_frame()
@@ -270,7 +270,7 @@ class PeerLink:
                 info = msgspec.json.decode(reply.payload)
                 channel.attach(info.get("channel", {}) if isinstance(info, dict) else {})
                 channel.finish_handshake(wire)
-                sock.settimeout(None)
+                conn.settimeout(None)
             except BaseException:
                 channel.close()
                 raise

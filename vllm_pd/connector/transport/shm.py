@@ -318,6 +318,8 @@ class ShmTransport(TcpTransport):
 
     def __init__(self, slots: int = 4, slot_nbytes: int = 4 << 20, cross_memory: bool = True,
                  **options: Any) -> None:
+        if options.get("tls") is not None:
+            raise ValueError("tls: only the tcp transport encrypts (shm's bytes never leave the host)")
         super().__init__(**options)
         # layer plans need a checksum (it catches a block that changed before its read) and
         # stores that reach other cores in program order

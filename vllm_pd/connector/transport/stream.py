@@ -25,6 +25,7 @@ from vllm_pd.connector.transport.base import BlockBatch, BlockSink, MemoryRegion
 from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind
 from vllm_pd.connector.transport.layer_plan import LayerPlan
 from vllm_pd.connector.transport.link_security import LinkSecurity
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.serve_session import ServeSession
@@ -93,9 +94,10 @@ class StreamTransport(Transport):
         connect_timeout: float = 5.0,
         revoke_wait: float = 5.0,
         secret: DeploymentSecret | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
         self._checksum = Checksum.parse(checksum)
-        self._security = LinkSecurity(secret)
+        self._security = LinkSecurity(secret, tls=tls)
         # what PUSH and DATA blocks are checked with (layer plans: the blocks are read from the
         # authenticated peer's own memory, by the kernel; they keep the configured checksum)
         self._data_checksum = (Checksum.BLAKE3_KEYED if self._security.seals and self.keyed_blocks
@@ -326,9 +328,9 @@ class StreamTransport(Transport):
             sock.settimeout(self._connect_timeout)
             # both ends prove the deployment secret before a byte of anything else is read
             # (and before a shm ring or a NIXL peer is set up for the connection)
-            keys = self._security.accept(sock)
+            conn, keys = self._security.accept(sock)
             channel = self._new_channel()
-            wire = Wire(sock, channel.frames_only, keys)
+            wire = Wire(conn, channel.frames_only, keys)
             hello = wire.reader.read_frame()
             if hello.kind is not Kind.HELLO:
                 raise TransferCorrupted(f"expected HELLO, got {hello.kind.name}")
@@ -338,7 +340,7 @@ class StreamTransport(Transport):
             channel.attach(info.get("channel", {}))
             wire.send_frame(Frame(Kind.HELLO, payload=self._hello(channel)))
             channel.finish_handshake(wire)
-            sock.settimeout(None)
+            conn.settimeout(None)
         except AuthFailed as e:
             self._security.refuse(f"{self.scheme} {addr}", e)
             _close_quietly(channel, sock)
