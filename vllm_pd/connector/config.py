@@ -77,6 +77,9 @@ class PDConnectorConfig:
     peer_probe_s: float = 2.0
     # decode: memory for KV pushed before decode has admitted the request
     staging_bytes: int = 1 << 30
+    # decode: of that, what one pushing peer may hold (None: half of staging_bytes), so one that
+    # floods it cannot take it from the others
+    staging_peer_bytes: int | None = None
     # device KV (GPU) over a host transport (tcp, shm): pinned host memory its blocks pass through
     host_staging_bytes: int = 1 << 30
     # verify a checksum of every block (length is always verified)
@@ -90,6 +93,11 @@ class PDConnectorConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bind_host", _listen_host(self.bind_host, self.secret, self.insecure_network))
+
+    @property
+    def staging_peer_limit(self) -> int:
+        """What one pushing peer may hold of the staging."""
+        return self.staging_bytes // 2 if self.staging_peer_bytes is None else self.staging_peer_bytes
 
     @property
     def insecure(self) -> bool:
@@ -146,7 +154,7 @@ def _coerce(key: str, type_name: Any, value: object) -> Any:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"kv_connector_extra_config.{key}: expected a file path, got {value!r}")
         return value
-    if key in ("staging_bytes", "host_staging_bytes"):
+    if key in ("staging_bytes", "host_staging_bytes", "staging_peer_bytes"):
         return parse_size(f"kv_connector_extra_config.{key}", value)
     if type_name == "bool":
         if not isinstance(value, bool):

@@ -107,6 +107,7 @@ class BlockBatch:
     positions: tuple[int, ...]  # each block's index within the request (0 = first block)
     block_nbytes: int
     last: bool = False  # the sender will push no more batches for this transfer
+    peer: str = ""  # who pushed it (the sender's endpoint, set by the receiving transport): for per-peer bounds
 
 
 class LayerPush(Protocol):

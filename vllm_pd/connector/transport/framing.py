@@ -44,6 +44,9 @@ MAX_COUNT = 1 << 20
 MAX_TRANSFER_ID = 1024
 MAX_PAYLOAD = 16 << 20
 MAX_BLOCK_NBYTES = 1 << 32
+# block bytes one PUSH / DATA frame may carry (a layer of a ~1M-token request at 4 KiB per token):
+# a larger announcement is a broken or hostile peer, and its connection is closed
+MAX_DATA_NBYTES = 4 << 30
 # sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
 MAX_IOV = 512
 
@@ -190,6 +193,9 @@ def decode_rest(h: _HeaderFields, rest: bytes | bytearray | memoryview) -> Frame
     if h.kind in LENGTH_KINDS:
         lengths = struct.unpack_from(f"<{h.count}Q", rest, off)
         off += 8 * h.count
+        if h.kind in DATA_KINDS and sum(lengths) > MAX_DATA_NBYTES:
+            raise TransferCorrupted(f"oversized {h.kind.name} frame: {sum(lengths)} bytes of blocks "
+                                    f"(at most {MAX_DATA_NBYTES})")
     return Frame(
         kind=h.kind, req_id=h.req_id, status=h.status, checksum=h.checksum, flags=h.flags,
         layer=h.layer, block_nbytes=h.block_nbytes, transfer_id=transfer_id, ids=ids,

@@ -35,6 +35,11 @@ from vllm_pd.vllm_logging import vllm_logger
 logger = vllm_logger(__name__)
 
 
+# Connections accepted and not through their handshake yet: beyond this many the oldest is cut
+# (an outsider opening connections and saying nothing cannot pile up threads; a member's
+# handshake takes milliseconds, so it is never the oldest for long).
+MAX_PENDING_HANDSHAKES = 64
+
 # A deadline fires up to this late: ops answered long before their deadline still sit in
 # the heap, and a wake-up per op would land on the core that computes, so the timer wakes
 # once per window and expires everything due by then.
@@ -115,6 +120,7 @@ class StreamTransport(Transport):
         self._lock = threading.Lock()
         self._links: dict[str, PeerLink] = {}
         self._sessions: set[ServeSession] = set()
+        self._handshaking: dict[socket.socket, None] = {}  # accepted, not through the handshake (oldest first)
         self._req_ids = itertools.count(1)
         self._timer = DeadlineTimer()
         self._closed = False
@@ -318,10 +324,24 @@ class StreamTransport(Transport):
                 sock, addr = self._listener.accept()
             except OSError:
                 return  # listener closed
+            with self._lock:
+                self._handshaking[sock] = None
+                oldest = next(iter(self._handshaking)) if len(self._handshaking) > MAX_PENDING_HANDSHAKES else None
+            if oldest is not None:
+                logger.warning("%s: over %d connections in their handshake; cutting the oldest", self.scheme,
+                               MAX_PENDING_HANDSHAKES)
+                _cut(oldest)
             threading.Thread(target=self._open_session, args=(sock, addr), daemon=True,
                              name="pd-transport-handshake").start()
 
     def _open_session(self, sock: socket.socket, addr: Any) -> None:
+        try:
+            self._handshake(sock, addr)
+        finally:
+            with self._lock:
+                self._handshaking.pop(sock, None)
+
+    def _handshake(self, sock: socket.socket, addr: Any) -> None:
         channel: BlockChannel | None = None
         try:
             configure_socket(sock)
@@ -363,6 +383,14 @@ class StreamTransport(Transport):
     def _session_ended(self, session: ServeSession) -> None:
         with self._lock:
             self._sessions.discard(session)
+
+
+def _cut(sock: socket.socket) -> None:
+    """Make a blocked handshake's reads fail now (its thread closes the socket)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _close_quietly(channel: BlockChannel | None, sock: socket.socket) -> None:
