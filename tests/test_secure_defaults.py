@@ -108,3 +108,17 @@ def test_tls_keys_come_together_and_only_for_tcp(tmp_path) -> None:
         PDConnectorConfig.from_extra_config({**keys, "tls_ca": str(tmp_path / "missing.pem")})
     with pytest.raises(ConfigError, match="kv_connector_extra_config.tls_cert"):
         PDConnectorConfig.from_extra_config({**keys, "tls_cert": tls.key_file})
+
+
+def test_up_makes_a_secret_file_only_its_user_reads(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from vllm_pd.router.command_up import cluster_secret
+
+    path = cluster_secret(tmp_path / "logs")
+    assert path is not None and os.stat(path).st_mode & 0o777 == 0o600
+    assert PDConnectorConfig.from_extra_config({"secret_file": path}).secret is not None
+    again = cluster_secret(tmp_path / "logs")
+    assert again == path and open(path).read() != ""  # a new cluster, a new secret
+    monkeypatch.setenv(SECRET_ENV, "from-the-environment-0123456789ab")
+    assert cluster_secret(tmp_path / "other") is None  # the servers inherit the variable instead
