@@ -34,13 +34,9 @@ TRANSPORT = os.environ.get("VLLM_PD_TEST_TRANSPORT", "shm")
 
 def write_secret(folder: Path) -> str:
     """A fresh deployment secret in ``folder`` (mode 0600), as `vllm-pd up` makes one; its path."""
-    from vllm_pd.connector.auth_protocol import new_secret
+    from vllm_pd.connector.auth_protocol import write_new_secret
 
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "deployment-secret"
-    path.touch(mode=0o600)
-    path.write_text(new_secret())
-    return str(path)
+    return write_new_secret(folder / "deployment-secret")
 
 
 def connector_config(role: str, kv_port: int, **extra: Any) -> dict[str, Any]:

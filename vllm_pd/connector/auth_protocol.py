@@ -129,6 +129,19 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
+def write_new_secret(path: str | os.PathLike[str]) -> str:
+    """A fresh secret written to ``path``, readable by its owner only (mode 0600 from the start);
+    returns the path."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # also a file that was there before
+        os.write(fd, new_secret().encode())
+    finally:
+        os.close(fd)
+    return str(path)
+
+
 # -- where a KV endpoint may listen ------------------------------------------------------------------
 
 
@@ -333,5 +346,5 @@ __all__ = [
     "AUTH_VERSION", "CHALLENGE_NBYTES", "HELLO_NBYTES", "INSECURE_WARNING", "PROOF_MESSAGE_NBYTES", "REFUSED",
     "SECRET_ENV", "TAG_NBYTES", "DeploymentSecret", "DiallerHandshake", "ListenerHandshake", "MessageSeal",
     "Service", "SessionKeys", "StreamSeal", "check_bind", "describe_unauthenticated", "is_handshake_hello",
-    "is_loopback", "load_secret", "new_secret",
+    "is_loopback", "load_secret", "new_secret", "write_new_secret",
 ]

@@ -119,19 +119,11 @@ def cluster_secret(folder: Path) -> str | None:
     inherit that)."""
     import os
 
-    from vllm_pd.connector.auth_protocol import SECRET_ENV, new_secret
+    from vllm_pd.connector.auth_protocol import SECRET_ENV, write_new_secret
 
     if os.environ.get(SECRET_ENV):
         return None
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "deployment-secret"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # also when the file was there before
-        os.write(fd, new_secret().encode())
-    finally:
-        os.close(fd)
-    return str(path)
+    return write_new_secret(folder / "deployment-secret")
 
 
 def _start_store_master(host: str, secret_file: str | None) -> tuple[subprocess.Popen, str]:
