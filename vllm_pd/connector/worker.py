@@ -44,8 +44,8 @@ IDLE_WAIT_S = 0.005
 def advertised_host(config: PDConnectorConfig) -> str:
     if config.host != "auto":
         return config.host
-    if is_loopback(config.bind_host):
-        return "127.0.0.1"  # nothing but this host can reach it (no deployment secret)
+    if is_loopback(config.bind_host):  # nothing but this host can reach it (no deployment secret)
+        return "127.0.0.1" if config.bind_host == "localhost" else config.bind_host
     env = os.environ.get("VLLM_HOST_IP")
     if env:
         return env
