@@ -1,7 +1,9 @@
 """Checksum cost on one core, beside memcpy of the same bytes in the same run.
 
 For each size: memcpy (torch ``copy_``), crc32c fused with the copy (``copy_crc32c``, what the
-shm ring does), crc32c alone (what tcp does next to the kernel's copy), blake3 and zlib.crc32.
+shm ring does), crc32c alone (what tcp does next to the kernel's copy), blake3 and zlib.crc32, and
+the session-keyed BLAKE3 a deployment secret puts on every block (checksum.BlockCheck: copy and
+hash through the ring's python path, and hash alone).
 Sizes: a 256 KiB block (in cache) and 64 MiB (memory-bound, like a layer's KV).
 
 Usage: python3 benchmarks/checksum.py [--repeats 5]
@@ -19,6 +21,7 @@ from collections.abc import Callable
 import blake3
 import torch
 
+from vllm_pd.connector.transport.checksum import BlockCheck, BlockStream
 from vllm_pd.ops import native
 
 SIZES = (256 << 10, 64 << 20)
@@ -51,12 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         dst.copy_(src)
         s, d = src.numpy(), dst.numpy()
         rounds = max(1, (256 << 20) // nbytes)
+        keyed = BlockCheck.keyed(os.urandom(32), b"a frame")
         memcpy = _rate(lambda: dst.copy_(src), nbytes, rounds, args.repeats)
         cases = {
             "copy+crc32c (fused)": lambda: c.copy_crc32c(d, s),
             "crc32c": lambda: c.crc32c(s),
             "blake3": lambda: blake3.blake3(s).digest(8),
             "zlib.crc32": lambda: zlib.crc32(s),
+            "keyed blake3": lambda: keyed.digest(0, s),
+            "copy+keyed blake3 (ring)": lambda: BlockStream(keyed, [d]).drain(s),
         }
         line = [f"{nbytes >> 10} KiB: memcpy {memcpy:.2f} GB/s"]
         for name, fn in cases.items():

@@ -2,6 +2,7 @@
 a plain 1-core instance and with vLLM's own NixlConnector 1P1D.
 
     python3 benchmarks/pd_latency.py [--lengths 128 512 1024 2048] [--requests 5] [--rounds 3] [--no-nixl]
+        [--transports tcp tcp+secret]   # "+secret": the pair authenticates with a deployment secret
 
 Prefill is pinned to core 0 and decode to core 1; the plain instance gets core 0
 alone, in its own phase. Pinning covers each instance's whole process tree (API
@@ -181,9 +182,17 @@ def metric(client: httpx.Client, url: str, name: str) -> float:
     return total
 
 
-def ours_ktc(role: str, kv_port: int, transport: str) -> dict[str, Any]:
+def ours_ktc(role: str, kv_port: int, transport: str, secret_file: str | None = None) -> dict[str, Any]:
     return {"kv_connector": "PDConnector", "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"transport": transport, "host": "127.0.0.1"}}
+            "kv_connector_extra_config": {"transport": transport, "host": "127.0.0.1",
+                                          **({"secret_file": secret_file} if secret_file else {})}}
+
+
+def secret_file(log_dir: Path) -> str:
+    """A deployment secret for a "+secret" pair (as `vllm-pd up` makes one)."""
+    from vllm_pd.connector.auth_protocol import write_new_secret
+
+    return write_new_secret(log_dir / "deployment-secret")
 
 
 # "beside": both legs at once, decode waiting for prefill's announcement (our proxy); otherwise
@@ -216,8 +225,10 @@ def ours_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: 
                overlap: dict[str, float], transport: str) -> tuple[dict[str, Samples], float]:
     """Our 1P1D pair (prefill core 0, decode core 1), each mode in turn; adds push beside's overlap counters."""
     pk, dk = free_port(), free_port()
-    p, d = start([spec(model, "0", ours_ktc("kv_producer", pk, transport)),
-                  spec(model, "1", ours_ktc("kv_consumer", dk, transport))],
+    transport, _, secured = transport.partition("+")
+    secret = secret_file(args.log_dir) if secured else None
+    p, d = start([spec(model, "0", ours_ktc("kv_producer", pk, transport, secret)),
+                  spec(model, "1", ours_ktc("kv_consumer", dk, transport, secret))],
                  args.log_dir)
     endpoint = f"{transport}://127.0.0.1:{dk}"
     out: dict[str, Samples] = {}
@@ -232,7 +243,7 @@ def ours_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: 
                 fn = lambda pr: run_pd_beside(client, p, d, pr, endpoint, transfer_mode, load_ask)  # noqa: E731
             else:
                 fn = lambda pr: run_pd(client, p, d, pr, params, load_ask)  # noqa: E731
-            name = ours_name(args, mode, transport)
+            name = ours_name(args, mode, transport + ("+secret" if secured else ""))
             out[name] = measure(name, fn, args.lengths, args.requests, prompts, client, {"prefill": p, "decode": d})
             if mode == "push beside":
                 time.sleep(1.0)
@@ -272,8 +283,10 @@ def main() -> int:
                     help="rounds of (plain phase, our phase) one after the other: a ratio is only as good as the "
                          "host is steady between the phases it compares, so each round gives its own ratio")
     ap.add_argument("--no-nixl", action="store_true")
-    ap.add_argument("--transport", "--transports", dest="transports", nargs="+", choices=("tcp", "shm", "nixl"),
-                    default=["tcp"], help="our connector's transport(s): one pair per transport and round")
+    ap.add_argument("--transport", "--transports", dest="transports", nargs="+",
+                    choices=[t + s for t in ("tcp", "shm", "nixl") for s in ("", "+secret")], default=["tcp"],
+                    help="our connector's transport(s): one pair per transport and round (+secret: with a "
+                         "deployment secret)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="configurations of ours to run")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-bench-logs"))
     args = ap.parse_args()

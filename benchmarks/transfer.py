@@ -15,8 +15,12 @@ Both processes freeze their start-up heap (``gc.freeze()``) as vLLM's EngineCore
 objects (~50 ms) whenever the transfers' short-lived objects trigger one, stalling the core
 that copies.
 
+``--security`` compares, in the same run, connections without a deployment secret ("none"),
+authenticated ones ("secret": sealed frames, blocks checked with the session's keyed BLAKE3
+instead of ``--checksums``), TLS ("tls", tcp only; a throwaway CA made for the run) and both.
+
 Usage: python3 benchmarks/transfer.py [--transports tcp shm nixl] [--block-tokens 32 64 128]
-           [--layers 4 32] [--mib 256] [--checksums blake3]
+           [--layers 4 32] [--mib 256] [--checksums blake3] [--security none secret tls]
 """
 
 from __future__ import annotations
@@ -32,10 +36,13 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 
 KV_HEADS, HEAD_DIM = 8, 128
+BENCH_SECRET = DeploymentSecret(b"transfer-benchmark-secret-0123456789", "benchmark")
 REGION_MIB = 64  # per process, all layers together
 
 
@@ -47,6 +54,14 @@ class Case:
     layers: int
     checksum: str
     total_nbytes: int
+    security: str = "none"  # none | secret | tls | tls+secret
+    tls: TlsSettings | None = None
+
+    def options(self) -> dict:
+        """The transport's options for this case's security."""
+        return {"checksum": self.checksum,
+                **({"secret": BENCH_SECRET} if "secret" in self.security else {}),
+                **({"tls": self.tls} if "tls" in self.security else {})}
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -124,7 +139,7 @@ def _receiver(conn, core: int) -> None:
             conn.send(cpu)
             continue
         regions = _regions(case, fill=True)
-        t = create_transport(case.transport, checksum=case.checksum)
+        t = create_transport(case.transport, **case.options())
         t.register_regions(regions)
         sink = _LandingSink(regions)
         ep = t.start(sink, "127.0.0.1", 0)
@@ -171,7 +186,7 @@ def _measure(case: Case, ep: str) -> tuple[float, float]:
             s.recv(1)
             return time.perf_counter() - t0, cpu
     regions = _regions(case, fill=case.op == "push")
-    t = create_transport(case.transport, checksum=case.checksum)
+    t = create_transport(case.transport, **case.options())
     t.register_regions(regions)
     t.start(_LandingSink(regions), "127.0.0.1", 0)
     ids = list(range(case.blocks_per_layer))
@@ -210,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-tokens", nargs="+", type=int, default=[32, 64, 128])
     p.add_argument("--layers", nargs="+", type=int, default=[4, 32])
     p.add_argument("--checksums", nargs="+", default=["blake3"])
+    p.add_argument("--security", nargs="+", default=["none"], choices=["none", "secret", "tls", "tls+secret"],
+                   help="connections without a secret, authenticated (keyed block checks), TLS (tcp), both")
     p.add_argument("--mib", type=int, default=64, help="bytes moved per measurement")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
@@ -225,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     for proc in procs:
         proc.start()
     total = args.mib << 20
+    tls = _throwaway_tls() if any("tls" in sec for sec in args.security) else None
 
     def run_once(case: Case) -> tuple[float, float]:
         """(wall GB/s, cpu-bound GB/s = bytes / the busier process's CPU time)."""
@@ -255,12 +273,14 @@ def main(argv: list[str] | None = None) -> int:
             for tokens in args.block_tokens:
                 for layers in args.layers:
                     cases = [Case(raw_kind, "push", tokens, layers, "none", total)] + [
-                        Case(name, op, tokens, layers, checksum, total)
-                        for op in args.ops for checksum in args.checksums]
+                        Case(name, op, tokens, layers, checksum, total, security, tls)
+                        for op in args.ops for checksum in args.checksums for security in args.security
+                        if name == "tcp" or "tls" not in security]
                     (raw, raw_cpu), *results = best(cases)
                     for case, (gbs, cpu_gbs) in zip(cases[1:], results, strict=True):
+                        check = "keyed blake3" if case.security == "secret" else case.checksum
                         print(f"{name} {case.op} {case.block_nbytes >> 10} KiB blocks ({tokens} tok) x "
-                              f"{layers} layers, checksum {case.checksum}: {gbs:.2f} GB/s = "
+                              f"{layers} layers, {case.security}, checksum {check}: {gbs:.2f} GB/s = "
                               f"{gbs / raw:.2f} x {raw_label} ({raw:.2f} GB/s); cpu-bound "
                               f"{cpu_gbs:.2f} GB/s = {cpu_gbs / raw_cpu:.2f} x {raw_label} "
                               f"({raw_cpu:.2f})", flush=True)
@@ -270,6 +290,17 @@ def main(argv: list[str] | None = None) -> int:
         for proc in procs:
             proc.join(10)
     return 0
+
+
+def _throwaway_tls() -> TlsSettings:
+    import tempfile
+    from pathlib import Path
+
+    from tests.tls_certs import issue, make_ca
+
+    folder = Path(tempfile.mkdtemp(prefix="vllm-pd-bench-tls-"))
+    make_ca(folder)
+    return issue(folder, "bench")
 
 
 if __name__ == "__main__":

@@ -75,16 +75,22 @@ def reference_outputs(small_model_dir: Path, tmp_path_factory: pytest.TempPathFa
 @pytest.fixture(scope="session")
 def pd_pair(reference_outputs: dict[str, list[int]], small_model_dir: Path,
             tmp_path_factory: pytest.TempPathFactory):
-    """Two kv_both instances with the connector: [0] on core 0, [1] on core 1."""
+    """Two kv_both instances with the connector: [0] on core 0, [1] on core 1; their KV connections
+    authenticate with a deployment secret (VLLM_PD_TEST_SECRET=0: without one, on loopback; the TP,
+    store and router suites run that way)."""
+    import os
+
     running = _running_cluster()
     if running:
-        yield [ec.Instance(_External(r["url"]), r["kv"]) for r in running[1:]]  # type: ignore[arg-type]
+        yield [ec.Instance(_External(r["url"]), r["kv"], r.get("secret_file"))  # type: ignore[arg-type]
+               for r in running[1:]]
         return
     log_dir = tmp_path_factory.mktemp("vllm-logs")
+    secret = {} if os.environ.get("VLLM_PD_TEST_SECRET") == "0" else {"secret_file": ec.write_secret(log_dir)}
     specs = []
     for cores in ("0", "1"):
         kv_port = ec.free_port()
-        ktc = ec.connector_config("kv_both", kv_port, lease_s=20.0)
+        ktc = ec.connector_config("kv_both", kv_port, lease_s=20.0, **secret)
         specs.append((ec.server_spec(small_model_dir, cores, ktc), kv_port))
     instances = ec.start_all(specs, log_dir)
     yield instances

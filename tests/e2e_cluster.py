@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port  # noqa: F401 - re-exported
 
@@ -29,6 +30,13 @@ MAX_TOKENS = 12
 # layer plans read from prefill's memory (tcp pairs run in the router and store e2e tests).
 # VLLM_PD_TEST_TRANSPORT=nixl (or tcp) runs the connector's e2e tests over another transport.
 TRANSPORT = os.environ.get("VLLM_PD_TEST_TRANSPORT", "shm")
+
+
+def write_secret(folder: Path) -> str:
+    """A fresh deployment secret in ``folder`` (mode 0600), as `vllm-pd up` makes one; its path."""
+    from vllm_pd.connector.auth_protocol import write_new_secret
+
+    return write_new_secret(folder / "deployment-secret")
 
 
 def connector_config(role: str, kv_port: int, **extra: Any) -> dict[str, Any]:
@@ -45,6 +53,13 @@ def connector_config(role: str, kv_port: int, **extra: Any) -> dict[str, Any]:
 class Instance:
     server: VllmServer
     kv_port: int | None
+    secret_file: str | None = None  # the deployment secret its KV endpoint requires (None: loopback, none)
+
+    @property
+    def secret(self) -> "DeploymentSecret | None":
+        from vllm_pd.connector.auth_protocol import load_secret
+
+        return load_secret(self.secret_file, env={}) if self.secret_file else None
 
     @property
     def url(self) -> str:
@@ -78,7 +93,8 @@ NOISE = ("LD_PRELOAD", "Triton is not installed", "ulimit", "Enforce eager", "In
 
 def start_all(specs: list[tuple[VllmServerSpec, int | None]], log_dir: Path) -> list[Instance]:
     instances = [
-        Instance(VllmServer(spec, log_dir / f"vllm-{spec.port}.log").start(), kv_port)
+        Instance(VllmServer(spec, log_dir / f"vllm-{spec.port}.log").start(), kv_port,
+                 (spec.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("secret_file"))
         for spec, kv_port in specs
     ]
     LIVE.extend(instances)

@@ -111,8 +111,9 @@ def start_proxy(net: NetnsHosts, log_dir: Path, prefill_url: str, decode_url: st
     decode: dict[str, Any] = {"url": decode_url, "role": "decode"}
     if decode_kv is not None:
         decode["kv_endpoint"] = decode_kv
-    full = {"host": host.address, "port": port, **config,
-            "instances": [{"url": prefill_url, "role": "prefill"}, decode]}
+    secret = log_dir / "deployment-secret"  # the cluster's (multihost_cluster), for releases
+    full = {"host": host.address, "port": port, **({"secret_file": str(secret)} if secret.exists() else {}),
+            **config, "instances": [{"url": prefill_url, "role": "prefill"}, decode]}
     path = log_dir / f"proxy-{port}.yaml"
     path.write_text(yaml.safe_dump(full))
     log_path = log_dir / f"proxy-{port}.log"
@@ -135,11 +136,13 @@ def proxy_ready(url: str) -> bool:
         return False
 
 
-def _connector(address: str, kv_port: int, transport: str, times: ConnectorTimes) -> dict[str, Any]:
+def _connector(address: str, kv_port: int, transport: str, times: ConnectorTimes,
+               secret_file: str) -> dict[str, Any]:
     return {"kv_connector": "PDConnector", "kv_role": "kv_both", "kv_port": kv_port,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"transport": transport, "host": address, "lease_s": times.lease_s,
-                                          "push_wait_s": times.push_wait_s, "peer_probe_s": times.peer_probe_s}}
+                                          "push_wait_s": times.push_wait_s, "peer_probe_s": times.peer_probe_s,
+                                          "secret_file": secret_file}}
 
 
 @contextlib.contextmanager
@@ -147,13 +150,14 @@ def multihost_cluster(model: Path, log_dir: Path, transport: str = "tcp",
                       times: ConnectorTimes | None = None) -> Iterator[Cluster]:
     """The hosts and both servers (no proxy yet: ``start_proxy``); everything is torn down after."""
     times = times or ConnectorTimes()
+    secret_file = ec.write_secret(log_dir)  # across hosts the KV endpoints listen beyond loopback: with a secret
     with NetnsHosts(["prefill", "decode", "proxy"]) as net:
         servers: list[tuple[VllmServer, int]] = []
         cluster: Cluster | None = None
         try:
             for name, cores in (("prefill", "0"), ("decode", "1")):
                 host, kv_port = net[name], free_port()
-                spec = ec.server_spec(model, cores, _connector(host.address, kv_port, transport, times))
+                spec = ec.server_spec(model, cores, _connector(host.address, kv_port, transport, times, secret_file))
                 spec.host, spec.netns = host.address, host.netns
                 servers.append((VllmServer(spec, log_dir / f"vllm-{name}.log").start(), kv_port))
             for server, _ in servers:

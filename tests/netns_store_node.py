@@ -5,6 +5,7 @@ master, print ``{"endpoint", "digest"}`` and serve them to other nodes until std
 ``load NAME MASTER HOST SEED``: ask for the same tokens - found through the master on whichever
 node holds them - fetch them, and print ``{"hit", "node", "digest", "errors", "seconds"}``.
 A digest is the sha256 of the blocks' bytes, layer by layer, so the two ends compare them.
+The master and the other node are reached with the deployment secret in VLLM_PD_SECRET.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import torch
 
 from tests.test_store_peer import LAYERS, TOKS, Node, save_on
+from vllm_pd.connector.auth_protocol import load_secret
 
 SAVED_IDS = [3, 7, 9]  # where the serving node's blocks sit (save_on's default)
 LOADED_IDS = [20, 21, 22]  # where the loading node lands them
@@ -30,7 +32,7 @@ def digest(node: Node, block_ids: list[int]) -> str:
 
 
 def main(role: str, name: str, master: str, host: str, seed: str) -> None:
-    node = Node(name, master, int(seed), host=host)
+    node = Node(name, master, int(seed), host=host, secret=load_secret(None))
     try:
         if role == "serve":
             save_on(node, SAVED_IDS)

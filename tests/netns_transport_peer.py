@@ -4,6 +4,7 @@
 granted for fetching as transfer "granted"; prints the endpoint, serves until stdin closes.
 ``client NAME HOST PEER``: its own (zeroed) regions on HOST; fetches every layer from PEER, checks
 the bytes against the same seeded contents, then pushes layer 0 back (transfer "back").
+Both authenticate with the deployment secret in VLLM_PD_SECRET, where it is set.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import torch
 
 from tests.transport_harness import RecordingSink, make_regions
+from vllm_pd.connector.auth_protocol import load_secret
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch
 
@@ -23,7 +25,7 @@ LAYERS, BLOCKS = 4, 16
 def main(role: str, name: str, host: str, peer: str = "") -> None:
     seeded = make_regions(LAYERS, BLOCKS, seed=1)
     regions = seeded if role == "serve" else make_regions(LAYERS, BLOCKS, seed=None)
-    transport = create_transport(name)
+    transport = create_transport(name, secret=load_secret(None))
     transport.register_regions(regions)
     sink = RecordingSink(regions)
     endpoint = transport.start(sink, host, 0)

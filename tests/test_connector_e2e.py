@@ -154,9 +154,9 @@ def test_proxy_side_release_frees_prefill_at_once(pd_pair, client) -> None:
     prefill, decode = pd_pair
     p = ec.post(client, prefill.url, ec.prefill_leg(CONNECTOR_CASES["ids1000"], "pull", decode))
     assert held_soon(client, prefill)
-    assert release_remote_kv(p["kv_transfer_params"])
+    assert release_remote_kv(p["kv_transfer_params"], secret=prefill.secret)
     assert ec.wait_until(lambda: ec.metric(client, prefill.url, "vllm:pd_held_transfers") == 0, timeout=8)
-    assert not release_remote_kv({"do_remote_prefill": True})  # not ours: nothing to do
+    assert not release_remote_kv({"do_remote_prefill": True}, secret=prefill.secret)  # not ours: nothing to do
     assert_nothing_held(client, pd_pair)
 
 

@@ -167,3 +167,25 @@ def test_probes_resources_anti_affinity_and_rbac(variant: str) -> None:
     master = _container(objects, "vllm-pd-store-master")
     master_args = build_parser().parse_args(master["command"][1:])
     assert master_args.port == master["ports"][0]["containerPort"]
+
+
+SECRET_REF = {"name": "vllm-pd-secret", "key": "secret"}  # not optional: no pod runs without it
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_kv_plane_process_takes_the_deployment_secret_from_a_secret(variant: str, monkeypatch) -> None:
+    """The servers, the store master and the proxy all get VLLM_PD_SECRET from the same Secret; with
+    it the connector listens beyond loopback (without it, it would listen on 127.0.0.1 only)."""
+    from vllm_pd.connector.auth_protocol import SECRET_ENV
+
+    objects = _objects(variant)
+    for name in ("vllm-pd-prefill", "vllm-pd-decode", "vllm-pd-store-master", "vllm-pd-proxy"):
+        env = {v["name"]: v for v in _container(objects, name).get("env", [])}
+        assert env.get(SECRET_ENV, {}).get("valueFrom", {}).get("secretKeyRef") == SECRET_REF, name
+    raw = _kv_transfer_config(objects, "prefill")["kv_connector_extra_config"]
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    assert PDConnectorConfig.from_extra_config(raw).bind_host == "127.0.0.1"
+    monkeypatch.setenv(SECRET_ENV, "a-secret-as-kubectl-would-create-it-0123456789")
+    assert PDConnectorConfig.from_extra_config(raw).bind_host == "0.0.0.0"
+    master = _container(objects, "vllm-pd-store-master")["command"]
+    assert "--insecure-network" not in master  # it binds 0.0.0.0 because the secret is set

@@ -1,11 +1,13 @@
 """The KV store across hosts: the master on one network namespace, two store nodes on two others
-(tests/netns_store_node.py, no vLLM); a node fetches another node's blocks through the master
-across the links, byte for byte. With the master's host cut off a lookup gives up within the
-master timeout (the node recomputes), and once the link is back fetches go through again."""
+(tests/netns_store_node.py, no vLLM), all with one deployment secret; a node fetches another
+node's blocks through the master across the links, byte for byte. With the master's host cut off
+a lookup gives up within the master timeout (the node recomputes), and once the link is back
+fetches go through again."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Iterator
@@ -13,6 +15,7 @@ from typing import Iterator
 import pytest
 
 from tests.netns_hosts import NetnsHosts, netns_unavailable
+from vllm_pd.connector.auth_protocol import new_secret
 from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.vllm_server import free_port
 
@@ -22,10 +25,14 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=f"network namespaces re
 MASTER_TIMEOUT_S = 2.0  # tests/test_store_peer.Node's master_timeout_s
 
 
+SECRET = new_secret()
+
+
 def _node(net: NetnsHosts, host: str, role: str, name: str, master: str, seed: int,
           **kw: object) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "tests.netns_store_node", role, name, master, net[host].address, str(seed)]
-    return subprocess.Popen(net[host].command(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(net[host].command(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, VLLM_PD_SECRET=SECRET), **kw)
 
 
 def _load(net: NetnsHosts, name: str, master: str) -> dict:
@@ -36,9 +43,13 @@ def _load(net: NetnsHosts, name: str, master: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def store_hosts() -> Iterator[tuple[NetnsHosts, str, dict]]:
+def store_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NetnsHosts, str, dict]]:
+    secret_file = tmp_path_factory.mktemp("secret") / "secret"
+    secret_file.touch(mode=0o600)
+    secret_file.write_text(SECRET)
     with NetnsHosts(["master", "a", "b"]) as net:
-        master, address = spawn_master(free_port(), host=net["master"].address, netns=net["master"].netns)
+        master, address = spawn_master(free_port(), host=net["master"].address, netns=net["master"].netns,
+                                       secret_file=str(secret_file))
         server = None
         try:
             server = _node(net, "a", "serve", "a", address, seed=1)

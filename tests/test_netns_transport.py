@@ -1,6 +1,7 @@
 """KV transports between two hosts (network namespaces on one bridge): a fetch of every layer and
-a push back, byte for byte, over tcp and over nixl. Two namespaces of one machine still share its
-processes, so UCX may move nixl's bytes by cross-memory attach (cma, in our default UCX_TLS);
+a push back, byte for byte, over tcp and over nixl, authenticated with a deployment secret. Two
+namespaces of one machine still share its processes, so UCX may move nixl's bytes by
+cross-memory attach (cma, in our default UCX_TLS);
 "nixl-tcp" forces UCX_TLS=tcp, so they cross the veth link as between real hosts."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import pytest
 
 from tests.netns_hosts import NetnsHosts, netns_unavailable
+from vllm_pd.connector.auth_protocol import new_secret
 
 _why = netns_unavailable()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")
@@ -30,7 +32,7 @@ def _json_line(proc: subprocess.Popen[str]) -> dict:
 @pytest.mark.parametrize("case", ["tcp", "nixl", "nixl-tcp"])
 def test_fetch_and_push_across_hosts(case: str) -> None:
     name = case.split("-")[0]
-    env = dict(os.environ, UCX_TLS="tcp") if case == "nixl-tcp" else None
+    env = dict(os.environ, VLLM_PD_SECRET=new_secret(), **({"UCX_TLS": "tcp"} if case == "nixl-tcp" else {}))
     if name == "nixl" and importlib.util.find_spec("nixl") is None:
         pytest.skip("nixl is not installed (pip install 'vllm-pd[nixl]')")
     with NetnsHosts(["a", "b"]) as net:

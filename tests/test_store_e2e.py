@@ -17,6 +17,9 @@ Phase 2: A restarted on the same disk directory (empty CPU pool): the prefix
 comes back from disk; a corrupted block file is detected, recomputed, and the
 answer is still exact.
 Three server starts in all (two of them side by side).
+The nodes and the master share a deployment secret (the suite's store path with one; the TP and
+router suites run without): an outsider with our client code reads nothing of the index and
+publishes nothing into it while the nodes work as without one.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from tests.e2e_cluster import (
     server_spec,
     start_all,
     stop_all,
+    write_secret,
 )
 from tests.prompt_catalogue import (
     STORE_FROM_DISK,
@@ -67,8 +71,8 @@ def cached(resp) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
-def store_spec(model: Path, cores: str, store: dict):
-    ktc = connector_config("kv_both", free_port(), store=store)
+def store_spec(model: Path, cores: str, store: dict, secret_file: str):
+    ktc = connector_config("kv_both", free_port(), store=store, secret_file=secret_file)
     spec = server_spec(model, cores, ktc)
     spec.extra_args += ["--no-enable-prefix-caching"]
     return spec, None
@@ -80,17 +84,19 @@ def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.Te
     disk = tmp_path_factory.mktemp("store-disk")
     client = httpx.Client()
     out: dict[str, object] = {}
-    master, address = spawn_master(free_port())
+    secret_file = write_secret(log_dir)
+    master, address = spawn_master(free_port(), secret_file=secret_file)
     store_a = {"cpu_bytes": f"{A_SLOTS * 256}k", "disk_path": str(disk), "disk_bytes": "256m",
                "master": address, "node_id": "A"}
     store_b = {"cpu_bytes": f"{B_SLOTS * 256}k", "master": address, "node_id": "B"}  # 256 KiB per block
     try:
-        node_a, node_b = start_all([store_spec(small_model_dir, "0", store_a),
-                                    store_spec(small_model_dir, "1", store_b)], log_dir)
+        node_a, node_b = start_all([store_spec(small_model_dir, "0", store_a, secret_file),
+                                    store_spec(small_model_dir, "1", store_b, secret_file)], log_dir)
         try:
             a, b = node_a.url, node_b.url
             out["turn1"] = post(client, a, completion_body(TURN1))
             time.sleep(THINK_TIME_S)  # turn 1's blocks are saved asynchronously, then published
+            out["outsider"] = outsider_attacks(address, secret_file)
             out["turn2"] = post(client, b, completion_body(TURN2))  # on the other node
             out["pressure"] = [post(client, b, completion_body(p)) for p in PRESSURE]
             time.sleep(THINK_TIME_S)  # the last one's blocks commit after its answer
@@ -118,7 +124,7 @@ def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.Te
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    [restarted] = start_all([store_spec(small_model_dir, "0-1", store_a)], log_dir)
+    [restarted] = start_all([store_spec(small_model_dir, "0-1", store_a, secret_file)], log_dir)
     client = httpx.Client()
     try:
         out["turn2_disk"] = post(client, restarted.url, completion_body(TURN2))
@@ -127,6 +133,32 @@ def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.Te
         stop_all([restarted])
         client.close()
     return out
+
+
+def outsider_attacks(address: str, secret_file: str) -> dict[str, object]:
+    """An outsider (our client code, no secret) asks the live master for its nodes and who holds
+    turn 1, and publishes a node claiming turn 2's blocks; then a member lists the nodes."""
+    from vllm_pd.connector.auth_protocol import load_secret
+    from vllm_pd.connector.store.keys import KeySalt, chain_keys
+    from vllm_pd.connector.store.master import Holders, Nodes, Publish
+    from vllm_pd.connector.store.master_client import MasterLink
+
+    outsider = MasterLink(address, timeout_s=2.0, retry_after_s=0.0)
+    member = MasterLink(address, timeout_s=2.0, retry_after_s=0.0, secret=load_secret(secret_file, env={}))
+    try:
+        guess = KeySalt("small", "bfloat16", "cpu", BLOCK, 1)  # what the salt may be: the outsider cannot ask
+        answers = {
+            "nodes": outsider.call(Nodes()),
+            "holders": outsider.call(Holders(chain_keys(list(TURN1), guess))),
+            "publish": outsider.call(Publish("Z", "tcp://127.0.0.1:1", [(k, None) for k in chain_keys(list(TURN2),
+                                                                                                   guess)],
+                                             snapshot=True, salt=guess, instance_url="http://127.0.0.1:1")),
+        }
+        nodes = member.call(Nodes())
+        return {**answers, "member_nodes": None if nodes is None else sorted(n.node for n in nodes.nodes)}
+    finally:
+        outsider.close()
+        member.close()
 
 
 def late_requests_while_the_master_dies(a: str, b: str, master: subprocess.Popen) -> dict:
@@ -162,6 +194,12 @@ def test_turn2_on_another_node_fetches_turn1_through_the_master(phases, referenc
     # B never saw turn 1: its full blocks (prompt + generated tokens with KV) came from A
     assert cached(phases["turn2"]) >= (len(TURN1) // BLOCK) * BLOCK
     assert output_tokens(phases["turn2"]) == reference_outputs["store_turn2"]
+
+
+def test_an_outsider_neither_reads_nor_publishes_the_index(phases):
+    outsider = phases["outsider"]
+    assert outsider["nodes"] is None and outsider["holders"] is None and outsider["publish"] is None
+    assert outsider["member_nodes"] == ["A", "B"]  # the nodes, and no fake one
 
 
 def test_memory_pressure_evicts_within_capacity_and_never_serves_evicted_blocks(phases, reference_outputs):

@@ -66,6 +66,17 @@ def test_fetch_lands_verified_blocks_and_releases_the_grant(pair):
         b.transport.fetch(a.endpoint, "store-made-up", 0, [4], [5], 1.0).result(timeout=5)
 
 
+def test_fetched_blocks_are_rehashed_before_they_count(pair):
+    """A holder whose bytes are not what its checksums claim (broken, or forged by someone who
+    published it) gets the run before the mismatch counted, nothing after: the asker never
+    commits or advertises a peer's word. Negative control: its claims are true for slots 4, 5."""
+    a, b = pair
+    a.pool.data[6].fill_(0)  # slot 6's bytes changed after its checksum was taken
+    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3])
+    assert sums == [a.pool.checksum(4), a.pool.checksum(5)]
+    assert b.stats["fetched_blocks"] == 2
+
+
 def test_grant_covers_only_the_leading_blocks_still_held(pair):
     a, b = pair
     a.directory.drop_slots([6])  # KEYS[2] evicted on a (stale master entry)

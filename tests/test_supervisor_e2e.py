@@ -156,7 +156,8 @@ async def _follows_the_mix(pd_pair: list, reference_outputs: dict[str, list[int]
               f"TPOT {tpot_slo * 1e3:.1f} ms")
         cfg = ProxyConfig(port=free_port(), instances=instances, supervisor=True, supervisor_interval=0.5,
                           supervisor_ttft_slo=ttft_slo, supervisor_tpot_slo=tpot_slo,
-                          supervisor_profile=str(profile_path), admin_token=ADMIN["Authorization"].split()[1])
+                          supervisor_profile=str(profile_path), admin_token=ADMIN["Authorization"].split()[1],
+                          secret_file=pd_pair[0].secret_file)
         proxy = ProxyServer(cfg)
         running = await serve(proxy)
         url = f"http://127.0.0.1:{cfg.port}"

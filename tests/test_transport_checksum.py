@@ -12,7 +12,8 @@ import pytest
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport import checksum as checksum_module
-from vllm_pd.connector.transport.checksum import BlockStream, Checksum
+from vllm_pd.connector.exceptions import TransferCorrupted
+from vllm_pd.connector.transport.checksum import BlockCheck, BlockStream, Checksum
 from vllm_pd.ops import native
 
 if native.load_error() is not None:  # the CI builds it (install.sh); say so rather than pass
@@ -94,7 +95,11 @@ def _blocks(rnd: random.Random, sizes: list[int]) -> list[np.ndarray]:
     return [np.frombuffer(bytearray(rnd.randbytes(n)), dtype=np.uint8) for n in sizes]
 
 
-@pytest.mark.parametrize("checksum", list(Checksum))
+CHECKS = [BlockCheck(c) for c in Checksum if c is not Checksum.BLAKE3_KEYED] + [
+    BlockCheck.keyed(bytes(range(32)), b"a frame's encoding")]
+
+
+@pytest.mark.parametrize("checksum", CHECKS, ids=lambda c: c.checksum.name)
 @pytest.mark.parametrize("span_nbytes", [5, 4096, 10_000, 1 << 20])
 def test_block_stream_through_spans_lands_bytes_and_per_block_digests(checksum, span_nbytes) -> None:
     rnd = random.Random(span_nbytes)
@@ -112,7 +117,7 @@ def test_block_stream_through_spans_lands_bytes_and_per_block_digests(checksum, 
     assert total == sum(sizes) and receiver.done
     for a, b in zip(src, dst, strict=True):
         assert np.array_equal(a, b)
-    want = b"".join(checksum.digest(memoryview(b)) for b in src)
+    want = b"".join(checksum.digest(i, memoryview(b)) for i, b in enumerate(src))
     assert sender.digests() == want == receiver.digests()
 
 
@@ -128,6 +133,23 @@ def test_block_stream_digest_sees_a_byte_changed_in_the_span() -> None:
         receiver.drain(span[:n])
         got, sent = receiver.digests(), sender.digests()
         assert got[:8] == sent[:8] and got[8:] != sent[8:], checksum
+
+
+def test_keyed_check_depends_on_key_frame_and_position() -> None:
+    """A forger without the session's block key cannot make a block pass, and a genuine block
+    moved to another frame or another position in its frame fails too."""
+    block = memoryview(bytearray(random.Random(5).randbytes(4096)))
+    check = BlockCheck.keyed(b"k" * 32, b"frame 1")
+    digest = check.digest(0, block)
+    assert digest == check.digest(0, block)
+    assert BlockCheck.keyed(b"K" * 32, b"frame 1").digest(0, block) != digest  # another key
+    assert BlockCheck.keyed(b"k" * 32, b"frame 2").digest(0, block) != digest  # another frame
+    assert check.digest(1, block) != digest  # another position
+    assert Checksum.BLAKE3.digest(block) != digest  # the unkeyed hash anyone can compute
+    with pytest.raises(TransferCorrupted):
+        Checksum.BLAKE3_KEYED.digest(block)  # never without a key
+    with pytest.raises(ValueError, match="deployment secret"):
+        Checksum.parse("blake3_keyed")
 
 
 def test_crc32c_without_the_extension_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:

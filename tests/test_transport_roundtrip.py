@@ -4,11 +4,16 @@ transport: bytes arrive intact, in order, for many layers at once."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from tests.tls_certs import issue, make_ca
 from tests.transport_harness import make_regions, started
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.exceptions import TransferRejected, TransferTimeout
 from vllm_pd.connector.transport.base import BlockBatch
 
@@ -16,11 +21,25 @@ from vllm_pd.connector.transport.base import BlockBatch
 # does), else through its rings: both paths run every test. nixl: UCX over tcp + cma on this host.
 TRANSPORTS = {"tcp": ("tcp", {}), "shm": ("shm", {}), "shm-rings": ("shm", {"cross_memory": False}),
               "nixl": ("nixl", {})}
+# and each with a deployment secret: authenticated connections, sealed frames, keyed block checks
+SECRET = DeploymentSecret(b"roundtrip-test-secret-0123456789", "test")
+TRANSPORTS.update({f"{k}+secret": (name, {**opts, "secret": SECRET}) for k, (name, opts) in list(TRANSPORTS.items())})
+# tcp with TLS (certificates made when the case runs), without and with the secret inside it
+TRANSPORTS.update({"tcp+tls": ("tcp", {"tls": "pki"}), "tcp+tls+secret": ("tcp", {"tls": "pki", "secret": SECRET})})
+
+
+@functools.cache
+def _tls_settings():
+    folder = Path(tempfile.mkdtemp(prefix="vllm-pd-tls-"))
+    make_ca(folder)
+    return issue(folder, "node")
 
 
 @pytest.fixture(params=list(TRANSPORTS))
 def pair(request):
     name, options = TRANSPORTS[request.param]
+    if options.get("tls") == "pki":
+        options = {**options, "tls": _tls_settings()}
     src_regions = make_regions(4, 64, seed=1)
     dst_regions = make_regions(4, 64, seed=None)
     a, a_sink, a_ep = started(name, src_regions, **options)

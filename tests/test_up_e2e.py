@@ -9,6 +9,7 @@ SIGINT - as Ctrl-C - must leave no process and no shared-memory file of the serv
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -134,11 +135,17 @@ def test_servers_run_vllm_serve_with_the_connector_and_passed_through_args(up: U
     servers = [_cmdline(c) for c, parent in _parents().items() if parent == up.proc.pid]
     serve = [c for c in servers if "serve" in c and "--kv-transfer-config" in c]
     assert len(serve) == 2, servers
+    secrets = set()
     for cmd in serve:
         assert Path(cmd[cmd.index("serve") - 1]).name == "vllm"
         assert "PDConnector" in cmd[cmd.index("--kv-transfer-config") + 1]
+        extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        secrets.add(extra["secret_file"])
         assert cmd[cmd.index("--served-model-name") + 1] == SMALL_MODEL_NAME
         assert cmd[-len(PASSED_THROUGH):] == PASSED_THROUGH
+    # one secret for the cluster, made by `up`, readable by its user only
+    [secret] = secrets
+    assert os.stat(secret).st_mode & 0o777 == 0o600 and len(Path(secret).read_text()) >= 32
 
 
 def test_requests_through_the_proxy_under_the_short_name(up: Up) -> None:

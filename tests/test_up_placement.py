@@ -168,8 +168,8 @@ def test_store_gives_every_server_a_store_and_the_proxy_the_master(
     masters: list = []
     spawn = command_up._start_store_master
 
-    def recording_spawn(host: str) -> tuple:
-        masters.append(spawn(host))
+    def recording_spawn(host: str, secret_file: str | None) -> tuple:
+        masters.append(spawn(host, secret_file))
         assert masters[-1][0].poll() is None  # running while the servers start
         return masters[-1]
 
@@ -187,6 +187,9 @@ def test_store_gives_every_server_a_store_and_the_proxy_the_master(
     for spec in specs:
         store = spec.kv_transfer_config["kv_connector_extra_config"]["store"]
         assert store == {"cpu_bytes": "64m", "master": address, "instance_url": f"http://127.0.0.1:{spec.port}"}
+    # one deployment secret: every server, the proxy and the master (which its probe proved) have it
+    secrets = {spec.kv_transfer_config["kv_connector_extra_config"]["secret_file"] for spec in specs}
+    assert secrets == {configs[0].secret_file} and configs[0].secret is not None
     assert configs[0].store_master == address
     assert command_up.run(_parse(*argv[:-2])) == 0  # another policy: the stores, but the proxy does not read them
     assert configs[1].store_master is None and len(masters) == 2

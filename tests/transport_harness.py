@@ -55,6 +55,7 @@ class RecordingSink:
         self.hold.set()
         self.entered = threading.Event()
         self.notify_delay = 0.0
+        self.notified: list[bytes] = []  # every control message delivered, in order
         self.cond = threading.Condition()
 
     def destinations(self, batch: BlockBatch):
@@ -71,6 +72,7 @@ class RecordingSink:
             self.cond.notify_all()
 
     def on_notify(self, peer: str, message: bytes) -> bytes | None:
+        self.notified.append(message)
         if self.notify_delay:
             threading.Event().wait(self.notify_delay)
         if message == b"none":
@@ -166,6 +168,69 @@ class RawFetchServer:
             else:
                 send_buffers(conn, [frame.encode(), body, trailer])
             threading.Event().wait(0.5)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+# -- a relay on the path between two transports (records, alters, injects) -------------------
+
+
+class TcpRelay:
+    """Listens on 127.0.0.1 and relays each connection to ``target`` byte for byte, recording
+    what the dialler sent (``recorded``: one bytearray per connection). ``alter(data, offset)``
+    may return changed bytes of the dialler->listener direction (offset: of ``data`` in that
+    connection's stream); ``inject_after`` bytes into that direction, ``inject`` is sent once.
+    What an on-path attacker can do, minus reading the secret."""
+
+    def __init__(self, target: str) -> None:
+        scheme, _, rest = target.partition("://")
+        host, port = rest.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"{scheme}://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.recorded: list[bytearray] = []
+        self.recorded_back: list[bytearray] = []  # what the listener sent, per connection
+        self.alter = None
+        self.inject: bytes | None = None
+        self.inject_after = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            record, back = bytearray(), bytearray()
+            self.recorded.append(record)
+            self.recorded_back.append(back)
+            threading.Thread(target=self._pump, args=(client, server, record), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, back, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bytearray, dialler_side: bool = True) -> None:
+        offset = 0
+        try:
+            while data := src.recv(1 << 16):
+                if not dialler_side:
+                    record += data
+                else:
+                    if self.alter is not None:
+                        data = self.alter(data, offset)
+                    record += data
+                    offset += len(data)
+                    if self.inject is not None and offset >= self.inject_after:
+                        data, self.inject = data + self.inject, None
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def close(self) -> None:
         self.listener.close()

@@ -6,10 +6,12 @@ Validated once at start-up: an unknown key or a bad value raises
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret, check_bind, is_loopback, load_secret
 from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transfer_params import LoadMode, TransferMode
 
 TransportName = Literal["tcp", "shm", "nixl"]
@@ -44,8 +46,20 @@ class PDConnectorConfig:
     transport: TransportName = "tcp"
     # address peers use to reach this instance's KV endpoint ("auto": this host's IP)
     host: str = "auto"
-    # address to bind the KV endpoint to
-    bind_host: str = "0.0.0.0"
+    # address to bind the KV endpoint to ("auto": every interface with a deployment secret or
+    # insecure_network, else 127.0.0.1 only)
+    bind_host: str = "auto"
+    # file holding the deployment secret (else the VLLM_PD_SECRET environment variable): every KV
+    # connection proves it holds it (auth_protocol.py); None and no variable: loopback only
+    secret_file: str | None = None
+    # listen beyond loopback without a deployment secret (anyone reaching the port can read,
+    # write and release KV): only on a network nothing else can reach
+    insecure_network: bool = False
+    # TLS for the tcp transport and the store's node-to-node fetches (PEM files; all three or none):
+    # this instance's certificate and key, and the CA that signed every instance's certificate
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
     # mode a prefill instance uses when the proxy's kv_transfer_params don't say
     default_mode: TransferMode = "pull"
     # async: a request waits (off the batch) until its KV has landed;
@@ -63,17 +77,37 @@ class PDConnectorConfig:
     peer_probe_s: float = 2.0
     # decode: memory for KV pushed before decode has admitted the request
     staging_bytes: int = 1 << 30
+    # decode: of that, what one pushing peer may hold (None: half of staging_bytes), so one that
+    # floods it cannot take it from the others
+    staging_peer_bytes: int | None = None
     # device KV (GPU) over a host transport (tcp, shm): pinned host memory its blocks pass through
     host_staging_bytes: int = 1 << 30
     # verify a checksum of every block (length is always verified)
     checksum: bool = True
     # settings of the KV block store (validated by vllm_pd.connector.store); None = no store
     store: dict[str, Any] | None = None
+    # the deployment secret, loaded from secret_file or VLLM_PD_SECRET (not a key of its own)
+    secret: DeploymentSecret | None = field(default=None, repr=False, compare=False, metadata={"loaded": True})
+    # the TLS settings, from tls_cert / tls_key / tls_ca (not a key of its own)
+    tls: TlsSettings | None = field(default=None, compare=False, metadata={"loaded": True})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bind_host", _listen_host(self.bind_host, self.secret, self.insecure_network))
+
+    @property
+    def staging_peer_limit(self) -> int:
+        """What one pushing peer may hold of the staging."""
+        return self.staging_bytes // 2 if self.staging_peer_bytes is None else self.staging_peer_bytes
+
+    @property
+    def insecure(self) -> bool:
+        """Listening beyond loopback without a secret (allowed by insecure_network: warn about it)."""
+        return self.secret is None and not is_loopback(self.bind_host)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "PDConnectorConfig":
         extra = dict(extra or {})
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name: f for f in fields(cls) if not f.metadata.get("loaded")}
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ConfigError(
@@ -83,6 +117,12 @@ class PDConnectorConfig:
         values: dict[str, Any] = {}
         for key, value in extra.items():
             values[key] = _coerce(key, known[key].type, value)
+        values["secret"] = load_secret(values.get("secret_file"), "kv_connector_extra_config.secret_file")
+        values["tls"] = TlsSettings.from_keys(values.get("tls_cert"), values.get("tls_key"), values.get("tls_ca"),
+                                              "kv_connector_extra_config.")
+        if values["tls"] is not None and values.get("transport", "tcp") != "tcp":
+            raise ConfigError("kv_connector_extra_config.tls_cert: TLS is for the tcp transport (shm never leaves "
+                              "the host; nixl's RDMA cannot be encrypted by us: see the README)")
         cfg = cls(**values)
         for key in ("lease_s", "transfer_timeout_s", "push_wait_s", "peer_probe_s"):
             if getattr(cfg, key) <= 0:
@@ -108,6 +148,15 @@ def needs_layer_hooks(config: PDConnectorConfig) -> bool:
     return config.load_mode != "async" or config.store is not None
 
 
+def _listen_host(bind_host: str, secret: DeploymentSecret | None, insecure_network: bool) -> str:
+    """The address the KV endpoint binds to: loopback unless a secret (or insecure_network) allows more."""
+    if bind_host == "auto":
+        return "0.0.0.0" if secret is not None or insecure_network else "127.0.0.1"
+    check_bind(bind_host, secret, insecure_network, "kv_connector_extra_config.bind_host",
+               "kv_connector_extra_config.insecure_network")
+    return bind_host
+
+
 def _coerce(key: str, type_name: Any, value: object) -> Any:
     literal = {"TransferMode": TransferMode, "LoadMode": LoadMode, "TransportName": TransportName}.get(str(type_name))
     if literal is not None:
@@ -119,7 +168,11 @@ def _coerce(key: str, type_name: Any, value: object) -> Any:
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"kv_connector_extra_config.{key}: expected an object, got {value!r}")
         return value
-    if key in ("staging_bytes", "host_staging_bytes"):
+    if key in ("secret_file", "tls_cert", "tls_key", "tls_ca"):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"kv_connector_extra_config.{key}: expected a file path, got {value!r}")
+        return value
+    if key in ("staging_bytes", "host_staging_bytes", "staging_peer_bytes"):
         return parse_size(f"kv_connector_extra_config.{key}", value)
     if type_name == "bool":
         if not isinstance(value, bool):

@@ -10,6 +10,8 @@ serves decode legs (``do_remote_prefill``), ``kv_both`` either, per request.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +61,9 @@ class PDConnector(KVConnectorBase_V1):
                            ktc.kv_load_failure_policy)
         self._scheduler: PDConnectorScheduler | None = None
         self._worker: PDConnectorWorker | None = None
-        store_config = StoreConfig.from_dict(self.config.store) if self.config.store is not None else None
+        store_config = (dataclasses.replace(StoreConfig.from_dict(self.config.store), secret=self.config.secret,
+                                            tls=self.config.tls)
+                        if self.config.store is not None else None)
         self._store_scheduler: StoreBridgeScheduler | None = None
         self._store_worker: StoreBridgeWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -31,5 +31,10 @@ class TransferCorrupted(TransportError):
     """Length or checksum of received block bytes did not match."""
 
 
+class AuthFailed(TransportError):
+    """A connection's peer did not prove it holds the deployment secret (or a message's seal
+    was wrong): the connection is closed and nothing of it is used."""
+
+
 class TransferRejected(TransportError):
     """The peer refused the transfer (unknown transfer id, no space, released)."""

@@ -45,7 +45,8 @@ class KVLoader:
         self.stats = stats
         self._release = release  # free prefill's copy on this rank's share of its ranks
         self._changed = changed  # wakes an idle step waiting for transfer events
-        self.staging = PushStaging(config.staging_bytes, ttl_s=config.lease_s)
+        self.staging = PushStaging(config.staging_bytes, ttl_s=config.lease_s,
+                                   peer_capacity_bytes=config.staging_peer_limit)
         self.staging.alloc = device.host_empty
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pd-load")
         self._jobs: dict[str, LoadJob] = {}

@@ -19,6 +19,11 @@ When our proxy sends the decode leg beside the prefill leg, decode learns what
 was pushed (prefill's ``RemotePrefill`` params) from prefill's announcement,
 kept here with the bytes. A push no request will claim is *abandoned*: its
 bytes are dropped and, once it is announced, prefill is told to release.
+
+Bounds per peer (the pushing endpoint, ``BlockBatch.peer``): one peer holds at most
+``peer_capacity_bytes`` of the staging, so a peer that floods it cannot take it from the
+others, and a transfer's blocks come from the peer that pushed its first ones (another
+peer's batch for it is rejected, not written over it).
 """
 
 from __future__ import annotations
@@ -52,15 +57,19 @@ class _StagedTransfer:
     receiving: dict[int, _Chunk] = field(default_factory=dict)  # id(batch) -> its chunk, until it landed
     last_landed: set[int] = field(default_factory=set)  # layers whose final batch landed
     announcement: dict[str, Any] | None = None  # prefill's RemotePrefill params
+    peer: str = ""  # who pushed its blocks ("" until the first push)
     abandoned: bool = False
     touched: float = field(default_factory=time.monotonic)
 
 
 class PushStaging:
-    def __init__(self, capacity_bytes: int, ttl_s: float) -> None:
+    def __init__(self, capacity_bytes: int, ttl_s: float, peer_capacity_bytes: int | None = None) -> None:
         self.capacity_bytes = capacity_bytes
+        # what one peer may hold (None: all of it)
+        self.peer_capacity_bytes = capacity_bytes if peer_capacity_bytes is None else peer_capacity_bytes
         self.ttl_s = ttl_s
         self.used_bytes = 0
+        self._peer_bytes: dict[str, int] = {}
         self.rejected_total = 0
         self._cond = threading.Condition()
         self._transfers: dict[str, _StagedTransfer] = {}
@@ -72,23 +81,31 @@ class PushStaging:
         with self._cond:
             self._expire_locked()
             st = self._transfers.get(batch.transfer_id)
+            if st is not None and st.peer and st.peer != batch.peer:
+                self.rejected_total += 1
+                logger.warning("push of transfer %s from %s rejected: its blocks come from %s",
+                               batch.transfer_id, batch.peer, st.peer)
+                return None
             layer = st.chunks.get(batch.layer, []) if st is not None else []
             n = len(batch.positions)
             superseded = _superseded(layer, set(batch.positions))
             need = n * batch.block_nbytes - sum(c.rows.numel() for c in superseded)
-            if self.used_bytes + need > self.capacity_bytes:
+            peer_used = self._peer_bytes.get(batch.peer, 0)
+            if self.used_bytes + need > self.capacity_bytes or peer_used + need > self.peer_capacity_bytes:
                 self.rejected_total += 1
-                logger.warning("push staging full (%d/%d bytes): rejecting transfer %s layer %d",
-                               self.used_bytes, self.capacity_bytes, batch.transfer_id, batch.layer)
+                logger.warning("push staging full (%d/%d bytes; %d/%d of them from %s): rejecting transfer %s "
+                               "layer %d", self.used_bytes, self.capacity_bytes, peer_used, self.peer_capacity_bytes,
+                               batch.peer or "this peer", batch.transfer_id, batch.layer)
                 return None
             if st is None:
                 st = self._transfers[batch.transfer_id] = _StagedTransfer()
             if st.abandoned:
                 return None
+            st.peer = batch.peer
             chunk = _Chunk(tuple(batch.positions), self.alloc(n * batch.block_nbytes).view(n, batch.block_nbytes))
             st.chunks[batch.layer] = [c for c in layer if c not in superseded] + [chunk]
             st.receiving[id(batch)] = chunk
-            self.used_bytes += need
+            self._count(st.peer, need)
             st.touched = time.monotonic()
             return [memoryview(chunk.rows[i].numpy()) for i in range(n)]
 
@@ -192,7 +209,20 @@ class PushStaging:
     def _drop_locked(self, transfer_id: str) -> None:
         st = self._transfers.pop(transfer_id, None)
         if st is not None:
-            self.used_bytes -= sum(c.rows.numel() for chunks in st.chunks.values() for c in chunks)
+            self._count(st.peer, -sum(c.rows.numel() for chunks in st.chunks.values() for c in chunks))
+
+    def _count(self, peer: str, nbytes: int) -> None:
+        self.used_bytes += nbytes
+        left = self._peer_bytes.get(peer, 0) + nbytes
+        if left:
+            self._peer_bytes[peer] = left
+        else:
+            self._peer_bytes.pop(peer, None)
+
+    def peer_bytes(self, peer: str) -> int:
+        """Bytes staged for ``peer`` now."""
+        with self._cond:
+            return self._peer_bytes.get(peer, 0)
 
     def _expire_locked(self) -> None:
         now = time.monotonic()

@@ -15,25 +15,29 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.control import ReleaseMessage
 from vllm_pd.connector.transfer_params import RemotePrefill, TransferParamsError
 from vllm_pd.connector.transport import Transport, create_transport
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
 _lock = threading.Lock()
-_clients: dict[str, Transport] = {}
+_clients: dict[tuple[str, bytes | None, TlsSettings | None], Transport] = {}
 
 
-def _transport(endpoint: str) -> Transport:
-    """One client-only transport per process and endpoint scheme (connections are reused)."""
+def _transport(endpoint: str, secret: DeploymentSecret | None, tls: TlsSettings | None) -> Transport:
+    """One client-only transport per process, endpoint scheme, secret and TLS (connections are reused)."""
     scheme = endpoint.split("://", 1)[0]
+    key = (scheme, secret.value if secret is not None else None, tls if scheme == "tcp" else None)
     with _lock:
-        if scheme not in _clients:
+        if key not in _clients:
             # only control messages go out, no block bytes: no checksum, so no vllm_pd._C (and torch) loaded
-            _clients[scheme] = create_transport(scheme, checksum="none")
-        return _clients[scheme]
+            _clients[key] = create_transport(scheme, checksum="none", secret=secret,
+                                             **({"tls": key[2]} if key[2] is not None else {}))
+        return _clients[key]
 
 
 # decode's releases are sent off the model's thread and retried: a release lost to one slow
@@ -75,9 +79,10 @@ def release_rank_share(transport: Transport, remote: RemotePrefill, rank: int, t
         send_release(transport, peer, remote.transfer_id)
 
 
-def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float = 2.0) -> bool:
+def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float = 2.0,
+                      secret: DeploymentSecret | None = None, tls: TlsSettings | None = None) -> bool:
     """Tell every TP rank of the prefill instance named in ``kv_transfer_params`` to free that
-    request's KV.
+    request's KV (``secret``, ``tls``: the deployment's, which the instances' KV endpoints require).
 
     Blocking (call it from a thread in async code); the ranks are told at once. True if every
     rank acknowledged; False if the params are not ours or a rank could not be reached (its
@@ -94,7 +99,7 @@ def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float 
     ok = True
     for endpoint in remote.release_endpoints():
         try:
-            sent.append((endpoint, _transport(endpoint).notify(endpoint, message, timeout=timeout)))
+            sent.append((endpoint, _transport(endpoint, secret, tls).notify(endpoint, message, timeout=timeout)))
         except Exception as e:  # noqa: BLE001 - the lease is the backstop
             logger.warning("could not release KV of %s at %s: %s", remote.transfer_id, endpoint, e)
             ok = False

@@ -15,6 +15,9 @@ COUNTERS = (
     # (tail) vs first push to all landed (span), summed over push transfers
     "push_transfers", "push_tail_seconds", "push_span_seconds",
     "store_served_blocks_cpu", "store_served_blocks_disk",
+    # KV connections refused for not proving the deployment secret; authenticated ones closed
+    # for breaking the protocol (a bad seal, a malformed or oversized frame)
+    "connections_refused", "connections_broken",
 )
 GAUGES = ("held_transfers", "loading_requests", "staged_bytes")
 RANK_GAUGES = "gauges"  # data key: {tp rank (a str: the data crosses msgpack): {gauge: value}}, latest
@@ -32,6 +35,7 @@ class TransferCounters:
         if not self.data:
             self.reset()
         self._expired_reported = 0
+        self._connections_reported = (0, 0)
 
     def reset(self) -> None:
         self.data = {k: 0 for k in COUNTERS}
@@ -48,6 +52,13 @@ class TransferCounters:
     def record_store_served(self, cpu: int, disk: int) -> None:
         self.data["store_served_blocks_cpu"] += cpu
         self.data["store_served_blocks_disk"] += disk
+
+    def record_connections(self, refused_total: int, broken_total: int) -> None:
+        """The transport's cumulative counts; the interval gets what is new since the last call."""
+        last_refused, last_broken = self._connections_reported
+        self.data["connections_refused"] += refused_total - last_refused
+        self.data["connections_broken"] += broken_total - last_broken
+        self._connections_reported = (refused_total, broken_total)
 
     def record_load(self, job: "LoadJob") -> None:
         self.data["loaded_blocks_push"] += job.blocks_from_push

@@ -16,6 +16,7 @@ import msgspec
 import torch
 
 from vllm_pd.connector.amx_tiles import request_amx_tiles
+from vllm_pd.connector.auth_protocol import INSECURE_WARNING, SECRET_ENV, is_loopback
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.control import PingMessage, ReleaseMessage, decode_control
@@ -44,6 +45,8 @@ IDLE_WAIT_S = 0.005
 def advertised_host(config: PDConnectorConfig) -> str:
     if config.host != "auto":
         return config.host
+    if is_loopback(config.bind_host):  # nothing but this host can reach it (no deployment secret)
+        return "127.0.0.1" if config.bind_host == "localhost" else config.bind_host
     env = os.environ.get("VLLM_HOST_IP")
     if env:
         return env
@@ -66,8 +69,11 @@ class PDConnectorWorker:
         self.base_port = base_port
         self.is_producer = is_producer
         self.is_consumer = is_consumer
-        # the transport's default checksum (crc32c, fused with the copies) unless turned off
-        self.transport = create_transport(config.transport, **({} if config.checksum else {"checksum": "none"}))
+        # the transport's default checksum (crc32c, fused with the copies) unless turned off; with a
+        # deployment secret every connection authenticates, and blocks get the session's keyed check
+        self.transport = create_transport(config.transport, secret=config.secret,
+                                          **({"tls": config.tls} if config.tls is not None else {}),
+                                          **({} if config.checksum else {"checksum": "none"}))
         self.stats = stats if stats is not None else TransferCounters()
         self.regions: list[MemoryRegion] = []
         self.kv_format = ""  # what a block's bytes mean (kv_layout.block_format), once registered
@@ -100,6 +106,9 @@ class PDConnectorWorker:
                                self.tp_size, self.stats, self._release, self.sender.outgoing.changed)
         self.transport.register_regions(self.access.transport_regions)
         port = self.base_port + self.tp_rank if self.base_port else 0
+        if self.config.insecure:
+            logger.warning(INSECURE_WARNING, "the KV endpoint", self.config.bind_host, "insecure_network",
+                           SECRET_ENV)
         self.endpoint = self.transport.start(self, self.config.bind_host, port)
         self.host = advertised_host(self.config)
         self.port = int(self.endpoint.rsplit(":", 1)[1])
@@ -224,6 +233,7 @@ class PDConnectorWorker:
             sent, recvd, failed = self._collect()
         self.stats.set_gauges(held=self.sender.outgoing.held(), loading=self.loader.loading,
                               staged_bytes=self.loader.staging.used_bytes)
+        self.stats.record_connections(self.transport.refused_connections, self.transport.broken_connections)
         return sent, recvd, failed
 
     def _collect(self) -> tuple[set[str], set[str], set[str]]:

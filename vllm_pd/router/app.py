@@ -50,6 +50,9 @@ class ProxyServer:
         # for prompts kv_aware cannot reproduce
         kv_aware = "kv_aware" in (config.prefill_policy, config.decode_policy)
         self.count_tokens = count_tokens or _token_counter(None if kv_aware else config.tokenizer)
+        if release_kv is default_release_remote_kv and (config.secret is not None or config.kv_tls is not None):
+            secret, tls = config.secret, config.kv_tls
+            release_kv = lambda params: default_release_remote_kv(params, secret, tls)  # noqa: E731
         self._release_kv = release_kv
         self._run_health_checks = run_health_checks
         self.client: BackendClient | None = None

@@ -28,7 +28,8 @@ _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "
                  "request_log", "drain_grace", "api_key", "backend_api_key", "backend_networks",
                  "backend_ca_file", "backend_tls_verify", "max_header_bytes", "max_headers", "max_url_bytes",
                  "header_timeout", "body_timeout", "max_concurrent_requests", "max_queued_requests",
-                 "kv_hash_algo", "kv_load_weight", "store_master")
+                 "kv_hash_algo", "kv_load_weight", "store_master", "secret_file",
+                 "kv_tls_cert", "kv_tls_key", "kv_tls_ca")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,6 +107,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_security_and_limit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="the deployment secret (else env VLLM_PD_SECRET): KV releases and store master lookups "
+                   "authenticate with it, as the servers' connections do")
+    p.add_argument("--kv-tls-cert", metavar="PEM", help="with --kv-tls-key and --kv-tls-ca: TLS to the servers' tcp "
+                   "KV endpoints (their tls_cert/tls_key/tls_ca), for the proxy's KV releases")
+    p.add_argument("--kv-tls-key", metavar="PEM", help="the key of --kv-tls-cert")
+    p.add_argument("--kv-tls-ca", metavar="PEM", help="the CA that signed the servers' certificates")
     p.add_argument("--api-key", default=os.environ.get("VLLM_PD_API_KEY"),
                    help="clients must send 'Authorization: Bearer KEY' on /v1/* (env VLLM_PD_API_KEY)")
     p.add_argument("--backend-api-key", default=os.environ.get("VLLM_PD_BACKEND_API_KEY"),

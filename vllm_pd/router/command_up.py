@@ -113,11 +113,24 @@ def _vllm_cli_installed() -> bool:
     return True
 
 
-def _start_store_master(host: str) -> tuple[subprocess.Popen, str]:
+def cluster_secret(folder: Path) -> str | None:
+    """A fresh deployment secret for this cluster in ``folder`` (mode 0600; its path), which every
+    server, the store master and the proxy are given; None when VLLM_PD_SECRET is set (they
+    inherit that)."""
+    import os
+
+    from vllm_pd.connector.auth_protocol import SECRET_ENV, write_new_secret
+
+    if os.environ.get(SECRET_ENV):
+        return None
+    return write_new_secret(folder / "deployment-secret")
+
+
+def _start_store_master(host: str, secret_file: str | None) -> tuple[subprocess.Popen, str]:
     from vllm_pd.connector.store.master_command import spawn_master
     from vllm_pd.vllm_server import free_port
 
-    proc, address = spawn_master(free_port(), host=host)
+    proc, address = spawn_master(free_port(), host=host, secret_file=secret_file)
     print(f"store master: {address}", file=sys.stderr)
     return proc, address
 
@@ -171,13 +184,16 @@ def run(args: argparse.Namespace) -> int:
                            max_model_len=args.max_model_len, served_model_name=name,
                            extra_args=list(args.vllm_args), gpus_per_instance=per_instance, gpus=gpus,
                            serve_cli=_vllm_cli_installed(), kv_events=args.policy == "kv_aware", **kw)
+    secret_file = cluster_secret(cluster.log_dir)
+    cluster.secret_file = secret_file
     print(f"starting {args.prefill} prefill + {args.decode} decode + {args.both} both vLLM servers for {model}"
-          f" (logs: {cluster.log_dir})", file=sys.stderr)
+          f" (logs: {cluster.log_dir}; KV connections authenticate with "
+          f"{secret_file or 'VLLM_PD_SECRET'})", file=sys.stderr)
     t0 = time.monotonic()
     master: subprocess.Popen | None = None
     try:
         if store is not None:
-            master, store["master"] = _start_store_master(args.host)
+            master, store["master"] = _start_store_master(args.host, secret_file)
             cluster.connector_extra = {**cluster.connector_extra, "store": store}
             if args.policy == "kv_aware":
                 routing["store_master"] = store["master"]
@@ -185,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.wait_healthy(args.timeout, _progress)
         print(f"\nall servers ready in {time.monotonic() - t0:.0f}s", file=sys.stderr)
         cfg = ProxyConfig(host=args.host, port=args.port, instances=cluster.instances(), kv_mode=args.kv_mode,
-                          supervisor=args.both > 0, **routing)
+                          supervisor=args.both > 0, secret_file=secret_file, **routing)
         url = f"http://{args.host}:{args.port}"
         print(f"\nvllm-pd proxy: {url}   (Ctrl-C stops everything)\n\n"
               f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"

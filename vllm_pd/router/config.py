@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret, load_secret
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.router.backend_url import parse_networks
 from vllm_pd.router.client_auth import check_api_key
 from vllm_pd.router.http_limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES,
@@ -143,6 +145,16 @@ class ProxyConfig:
     # kv_aware: "tcp://host:port" of the KV store's master (`vllm-pd store-master`), read as a second
     # source of where prompts' KV lives (router/store_locations.py); None = vLLM's KV events only
     store_master: str | None = None
+    # the deployment secret's file (else VLLM_PD_SECRET): the proxy's KV releases and store master
+    # lookups authenticate with it (connector/auth_protocol.py)
+    secret_file: str | None = None
+    # TLS of the instances' tcp KV endpoints (their tls_cert / tls_key / tls_ca): the proxy's releases
+    # present this certificate and check theirs against the CA
+    kv_tls_cert: str | None = None
+    kv_tls_key: str | None = None
+    kv_tls_ca: str | None = None
+    secret: DeploymentSecret | None = field(default=None, init=False, repr=False, compare=False)  # loaded
+    kv_tls: TlsSettings | None = field(default=None, init=False, compare=False)  # loaded
 
     def __post_init__(self) -> None:
         self.validate()
@@ -181,6 +193,11 @@ class ProxyConfig:
                 ssl.create_default_context(cafile=self.backend_ca_file)
             except (OSError, ValueError) as e:  # (ssl.SSLError is an OSError)
                 raise ConfigError(f"backend_ca_file: {self.backend_ca_file!r}: {e}") from None
+        try:
+            self.secret = load_secret(self.secret_file, "secret_file")
+            self.kv_tls = TlsSettings.from_keys(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca, "kv_")
+        except ValueError as e:  # the message names the key
+            raise ConfigError(str(e)) from None
         if self.kv_hash_algo not in KV_HASH_ALGOS:
             raise ConfigError(f"kv_hash_algo: {self.kv_hash_algo!r} is not one of {KV_HASH_ALGOS}")
         if self.kv_load_weight < 0:
@@ -248,8 +265,10 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "backend_tls_verify": bool, "max_header_bytes": int, "max_headers": int, "max_url_bytes": int,
     "header_timeout": (int, float), "body_timeout": (int, float), "max_concurrent_requests": int,
     "max_queued_requests": int, "kv_hash_algo": str, "kv_load_weight": (int, float), "store_master": str,
+    "secret_file": str, "kv_tls_cert": str, "kv_tls_key": str, "kv_tls_ca": str,
 }
-assert set(_FIELD_TYPES) | {"instances", "kubernetes"} == {f.name for f in dataclasses.fields(ProxyConfig)}
+assert set(_FIELD_TYPES) | {"instances", "kubernetes", "secret", "kv_tls"} == {
+    f.name for f in dataclasses.fields(ProxyConfig)}
 
 
 def config_from_mapping(data: Any, where: str = "config") -> dict[str, Any]:

@@ -32,7 +32,7 @@ class KvRouting:
             if ic.kv_events:
                 self.feed.add(ic.url, ic.kv_events)
         # one thread: the master's socket is used from it alone
-        self.store = StoreLocations(config.store_master) if config.store_master else None
+        self.store = StoreLocations(config.store_master, secret=config.secret) if config.store_master else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     def start(self) -> None:

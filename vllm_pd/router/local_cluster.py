@@ -107,6 +107,7 @@ class LocalCluster:
     gpus: list[str] = field(default_factory=list)  # the GPUs to hand out (visible_gpus())
     serve_cli: bool = False  # start servers with `vllm serve` (see VllmServerSpec)
     kv_events: bool = False  # each server publishes its prefix cache's KV events (ZMQ) for kv_aware
+    secret_file: str | None = None  # the deployment secret every server's KV connections prove
     servers: list[LocalServer] = field(default_factory=list)
 
     def start(self) -> None:
@@ -127,6 +128,7 @@ class LocalCluster:
                 # a KV load that fails is recomputed on decode rather than failing the request
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"transport": self.transport, "host": self.host,
+                                              **({"secret_file": self.secret_file} if self.secret_file else {}),
                                               **_with_instance_url(self.connector_extra, self.host, port)}}
             events_port = _distinct_port(used) if self.kv_events else None
             extra = list(self.extra_args)

@@ -32,6 +32,8 @@ import os
 import time
 from typing import Any, Callable
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest, TransferMode
 from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.backend_response import BackendConnectError, BackendError, BackendResponse
@@ -75,11 +77,13 @@ def new_id() -> str:
     return f"{_id_prefix}{next(_id_counter):016x}"
 
 
-def default_release_remote_kv(params: dict) -> bool:
-    """The connector's release call (every prefill rank), imported on first use: most proxies never need it."""
+def default_release_remote_kv(params: dict, secret: DeploymentSecret | None = None,
+                              tls: TlsSettings | None = None) -> bool:
+    """The connector's release call (every prefill rank), imported on first use: most proxies never need it.
+    ``secret``, ``tls``: the deployment's (the proxy's config), which the instances' KV endpoints require."""
     from vllm_pd.connector.release import release_remote_kv
 
-    return release_remote_kv(params, timeout=2.0)
+    return release_remote_kv(params, timeout=2.0, secret=secret, tls=tls)
 
 
 def remote_decode_params(decode: Instance, transfer_id: str | None, mode: TransferMode) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.store.keys import KeySalt, chain_keys
 from vllm_pd.connector.store.master import Holders, NodeInfo, Nodes
 from vllm_pd.connector.store.master_client import MasterLink
@@ -86,8 +87,9 @@ class StoreLocations:
     """The proxy's view of the KV store through its master. One thread calls it (the tokenize worker)."""
 
     def __init__(self, address: str, timeout_s: float = TIMEOUT_S, refresh_s: float = NODES_REFRESH_S,
-                 retry_after_s: float = 2.0) -> None:
-        self.link = MasterLink(address, timeout_s, retry_after_s, what="kv_aware routes by KV events only")
+                 retry_after_s: float = 2.0, secret: DeploymentSecret | None = None) -> None:
+        self.link = MasterLink(address, timeout_s, retry_after_s, what="kv_aware routes by KV events only",
+                               secret=secret)
         self.refresh_s = refresh_s
         self._nodes: list[NodeInfo] = []
         self._nodes_at = float("-inf")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.config import parse_size
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.vllm_logging import vllm_logger
 
@@ -65,11 +67,15 @@ class StoreConfig:
     # pinned host memory per direction (saves, loads) that device (GPU) KV passes through on
     # its way to and from the pool's slots, whose per-layer rows are not contiguous; unused on CPU
     host_bounce_bytes: int = 64 << 20
+    # the deployment secret (the connector's, not a key of "store"): the master and the peers'
+    # fetches authenticate with it
+    secret: DeploymentSecret | None = field(default=None, repr=False, compare=False, metadata={"connector": True})
+    tls: TlsSettings | None = field(default=None, compare=False, metadata={"connector": True})  # the connector's
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> StoreConfig:
         raw = _renamed_keys(dict(raw or {}))
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if not f.metadata.get("connector")}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"store: unknown key(s) {unknown}; known: {sorted(known)}")

@@ -8,7 +8,9 @@ through here; block bytes move node to node over the connector's transports.
 pyzmq (ROUTER socket, msgpack via msgspec) rather than HTTP: keys are binary,
 requests are tiny and frequent (one publish per engine step per node, one
 lookup per new request), and a zmq round trip costs tens of microseconds with
-no web framework or event loop in the engine process. Nodes that stop
+no web framework or event loop in the engine process. With a deployment secret every peer -
+node, proxy, tool - proves it first and each request and reply is sealed (master_sessions.py):
+``Nodes`` and ``Holders`` answer no outsider, and no outsider publishes. Nodes that stop
 publishing/heartbeating for ``node_ttl_s`` are dropped with all their keys, so
 a dead node's blocks are never advertised for long; a node that finds a
 master without its keys (restart) republishes a snapshot.
@@ -22,13 +24,17 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from vllm_pd.connector.auth_protocol import REFUSED, DeploymentSecret, is_handshake_hello
 from vllm_pd.connector.store.keys import BlockKey, KeySalt
+from vllm_pd.connector.store.master_sessions import ListenerSessions
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
 
-PROTOCOL_VERSION = 2  # 2: salt and instance_url in snapshots; Nodes and Holders requests
+# 3: authenticated sessions with a deployment secret; Stats requests. 2: salt and instance_url in
+# snapshots; Nodes and Holders requests
+PROTOCOL_VERSION = 3
 
 
 class Publish(msgspec.Struct, tag="publish"):
@@ -58,6 +64,10 @@ class Holders(msgspec.Struct, tag="holders"):
     keys: list[BlockKey]
 
 
+class Stats(msgspec.Struct, tag="stats"):
+    """The master's counters (``refused``: messages from peers that did not authenticate)."""
+
+
 class NodeInfo(msgspec.Struct, frozen=True):
     node: str
     endpoint: str
@@ -74,12 +84,13 @@ class Reply(msgspec.Struct):
     known: bool = True  # False: the master has no record of the publishing node (restarted): resync
     nodes: list[NodeInfo] = []  # answer to Nodes
     held: dict[str, int] = {}  # answer to Holders: node -> leading keys held (nodes holding none left out)
+    stats: dict[str, int] = {}  # answer to Stats
     version: int = PROTOCOL_VERSION
 
 
 class Request(msgspec.Struct):
     seq: int
-    body: Publish | Lookup | Nodes | Holders
+    body: Publish | Lookup | Nodes | Holders | Stats
 
 
 @dataclass
@@ -156,9 +167,11 @@ class MasterIndex:
         return [NodeInfo(name, node.endpoint, node.instance_url, node.salt)
                 for name, node in sorted(self._nodes.items())]
 
-    def answer(self, req: Request, now: float) -> Reply:
-        """The reply to one request."""
+    def answer(self, req: Request, now: float, counters: dict[str, int] | None = None) -> Reply:
+        """The reply to one request (``counters``: the serving loop's, for Stats)."""
         body = req.body
+        if isinstance(body, Stats):
+            return Reply(req.seq, stats={"nodes": len(self._nodes), "keys": self.num_keys, **(counters or {})})
         if isinstance(body, Publish):
             return Reply(req.seq, known=self.publish(body, now))
         if isinstance(body, Nodes):
@@ -187,9 +200,12 @@ class MasterIndex:
         return len(self._owners)
 
 
-def serve(bind: str, node_ttl_s: float = 30.0, stop_after_s: float | None = None) -> None:
-    """Answer requests on ``bind`` (e.g. ``tcp://0.0.0.0:7700``) until interrupted."""
+def serve(bind: str, node_ttl_s: float = 30.0, stop_after_s: float | None = None,
+          secret: DeploymentSecret | None = None) -> None:
+    """Answer requests on ``bind`` (e.g. ``tcp://0.0.0.0:7700``) until interrupted; with ``secret``
+    only peers that proved it, in sealed sessions."""
     index = MasterIndex(node_ttl_s)
+    sessions = ListenerSessions(secret) if secret is not None else None
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -201,13 +217,35 @@ def serve(bind: str, node_ttl_s: float = 30.0, stop_after_s: float | None = None
         while deadline is None or time.monotonic() < deadline:
             if not sock.poll(500):
                 continue
-            ident, payload = sock.recv_multipart()
-            now = time.monotonic()
+            try:
+                ident, payload = sock.recv_multipart()
+            except ValueError:  # not [identity, message]
+                continue
+            seq = None
+            if sessions is not None:
+                now_reply, request = sessions.receive(ident, payload)
+                if now_reply is not None:
+                    sock.send_multipart([ident, now_reply])
+                if request is None:
+                    continue
+                seq, payload = request
+            elif is_handshake_hello(payload):
+                logger.warning("store master: a peer authenticates with a deployment secret, but this master "
+                               "has none (give it --secret-file or VLLM_PD_SECRET)")
+                sock.send_multipart([ident, REFUSED])
+                continue
             try:
                 req = decoder.decode(payload)
             except msgspec.DecodeError:
                 logger.warning("store master: undecodable request dropped")
                 continue
-            sock.send_multipart([ident, encoder.encode(index.answer(req, now))])
+            counters = {"refused": sessions.refused, "sessions": sessions.live} if sessions is not None else {}
+            reply = encoder.encode(index.answer(req, time.monotonic(), counters))
+            if sessions is not None and seq is not None:
+                sealed = sessions.seal(ident, seq, reply)
+                if sealed is None:
+                    continue
+                reply = sealed
+            sock.send_multipart([ident, reply])
     finally:
         sock.close()

@@ -19,8 +19,11 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from vllm_pd.connector.auth_protocol import REFUSED, DeploymentSecret
+from vllm_pd.connector.exceptions import AuthFailed
 from vllm_pd.connector.store.keys import BlockKey, KeySalt
-from vllm_pd.connector.store.master import Holders, Lookup, Nodes, Publish, Reply, Request
+from vllm_pd.connector.store.master import Holders, Lookup, Nodes, Publish, Reply, Request, Stats
+from vllm_pd.connector.store.master_sessions import DiallerSession
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -42,16 +45,20 @@ class MasterLink:
     A master that does not answer is retried ever more rarely (doubling from
     ``retry_after_s`` up to MAX_BACKOFF_S), back to normal on the first answer;
     its loss is logged once (``what`` names who falls back to what), its return
-    once. Not thread-safe: one thread calls it (zmq sockets are not shared).
+    once. With ``secret`` each fresh socket first authenticates (master_sessions.py) and every
+    request and reply is sealed; a master that cannot prove the secret counts as down.
+    Not thread-safe: one thread calls it (zmq sockets are not shared).
     """
 
     def __init__(self, address: str, timeout_s: float = 0.2, retry_after_s: float = 2.0,
-                 what: str = "local lookups only") -> None:
+                 what: str = "local lookups only", secret: DeploymentSecret | None = None) -> None:
         self.address, self.timeout_s, self.retry_after_s, self.what = address, timeout_s, retry_after_s, what
         self._last_contact = float("-inf")
         self._seq = itertools.count(1)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self.secret = secret
+        self._session: DiallerSession | None = None  # the socket's, with a secret
         self._down_until = 0.0
         # each failed call blocks its caller for timeout_s (in a node: the engine's scheduler)
         self._backoff_s = retry_after_s
@@ -62,17 +69,18 @@ class MasterLink:
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def call(self, body: Publish | Lookup | Nodes | Holders) -> Reply | None:
+    def call(self, body: Publish | Lookup | Nodes | Holders | Stats) -> Reply | None:
         """The master's reply, or None (no answer within timeout_s: down for a back-off)."""
-        sock = self._socket()
         seq = next(self._seq)
         try:
-            sock.send(self._encoder.encode(Request(seq, body)), zmq.NOBLOCK)
+            sock = self._socket()
+            request = self._encoder.encode(Request(seq, body))
+            sock.send(self._session.seal(seq, request) if self._session is not None else request, zmq.NOBLOCK)
             deadline = time.monotonic() + self.timeout_s
             while (left := deadline - time.monotonic()) > 0:
                 if not sock.poll(int(left * 1000) + 1):
                     break
-                reply = self._decoder.decode(sock.recv())
+                reply = self._decoder.decode(self._open(sock.recv()))
                 if reply.seq == seq:  # older replies arrived after their deadline: skip
                     self._last_contact = time.monotonic()
                     self._backoff_s = self.retry_after_s
@@ -80,7 +88,9 @@ class MasterLink:
                         self._lost = False
                         logger.info("store master %s answers again", self.address)
                     return reply
-        except (zmq.ZMQError, msgspec.DecodeError) as exc:
+        except AuthFailed as exc:
+            (logger.debug if self._lost else logger.warning)("store master %s: %s", self.address, exc)
+        except (zmq.ZMQError, msgspec.DecodeError, TimeoutError) as exc:
             logger.debug("store master call failed: %s", exc)
         wait = min(max(self._backoff_s, self.retry_after_s), MAX_BACKOFF_S)
         # once per outage: a dead master would otherwise log at every retry, for as long as it is down
@@ -98,9 +108,38 @@ class MasterLink:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.SNDHWM, 64)
             self._sock.connect(self.address)
+            if self.secret is not None:  # before any request: raises AuthFailed / TimeoutError
+                try:
+                    self._session = DiallerSession(self.secret, self._exchange)
+                except BaseException:
+                    self._reset()  # never a socket without its session
+                    raise
         return self._sock
 
+    def _exchange(self, message: bytes) -> bytes | None:
+        """One handshake message and its answer (None: none within timeout_s)."""
+        assert self._sock is not None
+        self._sock.send(message, zmq.NOBLOCK)
+        if not self._sock.poll(int(self.timeout_s * 1000) + 1):
+            return None
+        return self._sock.recv()
+
+    def _open(self, data: bytes) -> bytes:
+        """A reply's payload: unsealed in a session; AuthFailed if the master refused us."""
+        if self._session is not None:
+            return self._session.open(data)[1]
+        if data == REFUSED:
+            raise AuthFailed("the store master refused us: it requires the deployment secret (VLLM_PD_SECRET "
+                             "or secret_file)")
+        return data
+
+    def stats(self) -> dict[str, int] | None:
+        """The master's counters (refused messages, live sessions, nodes, keys), or None."""
+        reply = self.call(Stats())
+        return None if reply is None else dict(reply.stats)
+
     def _reset(self) -> None:
+        self._session = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -129,8 +168,9 @@ class MasterClient(MasterLink):
         heartbeat_s: float = 5.0,
         salt: KeySalt | None = None,
         instance_url: str = "",
+        secret: DeploymentSecret | None = None,
     ) -> None:
-        super().__init__(address, timeout_s, retry_after_s)
+        super().__init__(address, timeout_s, retry_after_s, secret=secret)
         self.node, self.endpoint, self.heartbeat_s = node, endpoint, heartbeat_s
         self.salt, self.instance_url = salt, instance_url  # published with each snapshot
         self._snapshot = snapshot
@@ -185,7 +225,8 @@ class MasterClient(MasterLink):
     def start_heartbeat(self) -> None:
         """Beat every ``heartbeat_s`` from a daemon thread while the engine does not publish."""
         if self._heartbeat is None:
-            link = MasterLink(self.address, self.timeout_s, self.retry_after_s, what="idle heartbeats paused")
+            link = MasterLink(self.address, self.timeout_s, self.retry_after_s, what="idle heartbeats paused",
+                              secret=self.secret)
             self._heartbeat = threading.Thread(target=self._beat_while_idle, args=(link,), daemon=True,
                                                name="store-master-heartbeat")
             self._heartbeat.start()

@@ -23,8 +23,11 @@ transport's ``notify``:
    the grant (every writer of a pool slot first drops it from the
    SlotDirectory, which bumps the slot's generation). A slot evicted and
    reused while it was being sent is therefore never counted as fetched; the
-   blocks before it still are. This replaces re-hashing every landed slot on
-   the asker (0.67x -> 0.90-0.96x of a bare transport fetch, benchmarks/store_fetch.py).
+   blocks before it still are.
+4. The asker re-hashes each intact slot it landed and keeps the leading run whose hash is the
+   one the holder claimed: what it commits and advertises is checked by itself, never taken on
+   a peer's word (a holder that sends other bytes than it claims - broken, or not ours - costs
+   a recompute, not wrong KV in this node and every node that fetches from it).
 
 A peer that is gone, slow or no longer holds the blocks makes ``fetch`` return
 fewer (or zero) blocks; the caller recomputes the rest.
@@ -40,12 +43,14 @@ from concurrent.futures import Future
 
 import msgspec
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.exceptions import TransportError
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.transport import MemoryRegion, Transport, create_transport
 from vllm_pd.connector.transport.base import BlockBatch
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -156,13 +161,18 @@ class PoolExchange:
         timeout_s: float = 2.0,
         grant_ttl_s: float = 30.0,
         staging: DiskStaging | None = None,
+        secret: DeploymentSecret | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
         self.pool = pool
         self.directory = directory
         self.staging = staging  # None: peers get blocks in CPU slots only
         self.timeout_s = timeout_s
         self.grant_ttl_s = grant_ttl_s
-        self.transport: Transport = create_transport(transport, connect_timeout=timeout_s)
+        # with the deployment secret, peers prove it before asking for a grant or a byte
+        # and with TLS settings the bytes are encrypted on their way
+        self.transport: Transport = create_transport(transport, connect_timeout=timeout_s, secret=secret,
+                                                     **({"tls": tls} if tls is not None else {}))
         # one transport block per (slot, layer): a fetch of layer 0 of every slot can land
         # (and be copied into vLLM's layer 0) before the later layers arrive
         self.transport.register_regions([MemoryRegion("kv-store-pool", pool.data.view(-1, pool.layer_block_nbytes))])
@@ -298,6 +308,7 @@ class PoolExchange:
             n = min(len(granted.slots), len(keys), len(local_slots))
             if n == 0:
                 return PeerFetch(self, peer, len(keys), "", [], [])
+            local = list(local_slots[:n])
             layers: list[Future[None]] = []
             try:
                 for layer in range(self.pool.num_layers):
@@ -312,7 +323,7 @@ class PoolExchange:
         except (TransportError, msgspec.MsgspecError, TimeoutError, ValueError) as exc:
             logger.warning("store: fetch of %d blocks from %s failed: %s; recomputing them", len(keys), peer, exc)
             return PeerFetch(self, peer, len(keys), "", [], [])
-        return PeerFetch(self, peer, len(keys), granted.transfer_id, list(granted.sums[:n]), layers)
+        return PeerFetch(self, peer, len(keys), granted.transfer_id, list(granted.sums[:n]), layers, local)
 
     def _rows(self, slots: Sequence[int], layer: int) -> list[int]:
         """Transport block ids of ``layer`` of pool ``slots`` (the region is [slot, layer] rows)."""
@@ -353,8 +364,9 @@ class PeerFetch:
     that step's output for the request and recomputes the block."""
 
     def __init__(self, exchange: PoolExchange, peer: str, asked: int, transfer_id: str, sums: list[bytes],
-                 layers: list[Future[None]]) -> None:
+                 layers: list[Future[None]], local_slots: Sequence[int] = ()) -> None:
         self._exchange = exchange
+        self._local_slots = list(local_slots)  # where the granted blocks land here
         self._peer = peer
         self._asked = asked
         self._transfer_id = transfer_id
@@ -402,4 +414,15 @@ class PeerFetch:
         if released.intact < self.granted:
             logger.warning("store: %d of %d blocks from %s were evicted there while being sent; recomputing them",
                            self.granted - released.intact, self.granted, self._peer)
-        return self._sums[: released.intact]
+        return self._verified(self._sums[: released.intact])
+
+    def _verified(self, claimed: list[bytes]) -> list[bytes]:
+        """The leading run of ``claimed`` whose landed bytes hash to what the holder claimed."""
+        pool = self._exchange.pool
+        for i, (slot, want) in enumerate(zip(self._local_slots, claimed)):
+            if pool.checksum(slot) != want:
+                logger.warning("store: block %d of %d from %s is not what the holder's checksum says; "
+                               "recomputing it and the %d after it", i, len(claimed), self._peer,
+                               len(claimed) - i - 1)
+                return claimed[:i]
+        return claimed

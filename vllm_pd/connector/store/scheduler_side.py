@@ -57,7 +57,8 @@ class StoreScheduler:
 
             node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
             self.master = MasterClient(config.master, node, endpoint, self.placement.servable_chains,
-                                       config.master_timeout_s, salt=salt, instance_url=config.instance_url or "")
+                                       config.master_timeout_s, salt=salt, instance_url=config.instance_url or "",
+                                       secret=config.secret)
             self.placement.master = self.master
             self.master.start_heartbeat()
             # announce this node (salt, instance_url) now, not at its first engine step: a router

@@ -113,7 +113,8 @@ class StoreWorker:
             spare = range(self.num_slots, self.pool.num_slots)
             staging = DiskStaging(self.pool, self.disk, spare) if self.disk is not None and spare else None
             self.exchange = PoolExchange(self.pool, self.directory, timeout_s=self.config.fetch_timeout_s,
-                                         grant_ttl_s=self.config.pin_ttl_s, staging=staging)
+                                         grant_ttl_s=self.config.pin_ttl_s, staging=staging, secret=self.config.secret,
+                                         tls=self.config.tls)
             self.exchange.start(bind_host, advertised_host)
         return self.exchange.endpoint
 

@@ -113,6 +113,7 @@ class BlockBatch:
     positions: tuple[int, ...]  # each block's index within the request (0 = first block)
     block_nbytes: int
     last: bool = False  # the sender will push no more batches for this transfer
+    peer: str = ""  # who pushed it (the sender's endpoint, set by the receiving transport): for per-peer bounds
 
 
 class LayerPush(Protocol):
@@ -232,3 +233,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop serving, fail every pending future with PeerClosed, free resources."""
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections refused so far because they did not prove the deployment secret."""
+        return 0
+
+    @property
+    def broken_connections(self) -> int:
+        """Authenticated connections closed so far for breaking the protocol (a bad seal, a
+        malformed or oversized frame)."""
+        return 0

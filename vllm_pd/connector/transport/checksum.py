@@ -10,17 +10,25 @@ algorithm, so the receiver verifies with the one its sender used. Algorithms:
 * ``blake3`` - the first 8 bytes of BLAKE3 (cryptographic; ~4-7 GB/s per core here).
 * ``crc32`` - zlib.crc32 (~2-5 GB/s).
 * ``none``  - no check (the digest slots carry zeros).
+* ``blake3_keyed`` - not configured: chosen where a deployment secret is set and TLS is not
+  (auth_protocol.py). The first 8 bytes of BLAKE3 keyed with the connection's block key over the
+  block's frame (its hash), the block's index in the frame and its bytes (:class:`BlockCheck`):
+  a block changed on the path - by an attacker that can write the stream or the ring, not only
+  by a fault - fails its check, and so does a genuine block moved to another frame or position.
 
 Why crc32c is strong enough (benchmarks/RESULTS.md, Transfer): it is the integrity check of
 iSCSI, SCTP, ext4 metadata and NVMe/TCP; it catches every error burst up to 32 bits and any
 other corruption (a stale ring slot, a torn or misplaced block) with probability 1 - 2^-32.
-The peers trust each other; what the digest guards against is a broken path, not an attacker.
+Unkeyed, the digest guards against a broken path, not an attacker: a deployment with a
+secret uses ``blake3_keyed`` on the paths an outsider could write.
 """
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
@@ -56,6 +64,7 @@ class Checksum(IntEnum):
     CRC32 = 1
     BLAKE3 = 2
     CRC32C = 3
+    BLAKE3_KEYED = 4  # keyed by the connection's session; set by a deployment secret (module docstring)
 
     @classmethod
     def parse(cls, name: str) -> Checksum:
@@ -66,6 +75,9 @@ class Checksum(IntEnum):
             raise ValueError(
                 f"checksum: unknown value {name!r} (one of: {', '.join(c.name.lower() for c in cls)})"
             ) from None
+        if checksum is Checksum.BLAKE3_KEYED:
+            raise ValueError("checksum: 'blake3_keyed' is not configured: a deployment secret (VLLM_PD_SECRET "
+                             "or secret_file) makes every connection without TLS use it")
         if checksum is Checksum.CRC32C:
             try:
                 _native()
@@ -85,6 +97,8 @@ class Checksum(IntEnum):
             return _Blake3Digest()
         if self is Checksum.CRC32:
             return _Crc32Digest()
+        if self is Checksum.BLAKE3_KEYED:
+            raise TransferCorrupted("a keyed block check needs its connection's key (BlockCheck)")
         return RunningDigest()
 
     def digest(self, data: Bytes) -> bytes:
@@ -149,6 +163,52 @@ class _Blake3Digest(RunningDigest):
         return self._hasher.digest(DIGEST_NBYTES)
 
 
+class _KeyedDigest(RunningDigest):
+    def __init__(self, key: bytes, context: bytes, index: int) -> None:
+        import blake3  # here: a bare GPU machine (benchmarks/gpu_check.py) has none and sets no secret
+
+        self._hasher = blake3.blake3(context, key=key)
+        self._hasher.update(_INDEX.pack(index))
+
+    def update(self, data: Bytes) -> None:
+        self._hasher.update(data)
+
+    def digest(self) -> bytes:
+        return self._hasher.digest(DIGEST_NBYTES)
+
+
+_INDEX = struct.Struct("<I")
+
+
+@dataclass(frozen=True, repr=False)
+class BlockCheck:
+    """How the blocks of one frame are checked: the algorithm and, for ``BLAKE3_KEYED``, the
+    connection's block key and the frame they belong to (the hash of its encoding)."""
+
+    checksum: Checksum
+    key: bytes | None = None
+    context: bytes = b""
+
+    @classmethod
+    def keyed(cls, key: bytes, frame_encoding: bytes) -> BlockCheck:
+        import blake3  # here: a bare GPU machine (benchmarks/gpu_check.py) has none and sets no secret
+
+        return cls(Checksum.BLAKE3_KEYED, key, blake3.blake3(frame_encoding).digest())
+
+    def running(self, index: int) -> RunningDigest:
+        """A digest of the frame's ``index``-th block, fed piecewise."""
+        if self.checksum is Checksum.BLAKE3_KEYED:
+            if self.key is None:
+                raise TransferCorrupted("a keyed block check without its connection's key")
+            return _KeyedDigest(self.key, self.context, index)
+        return self.checksum.running()
+
+    def digest(self, index: int, data: Bytes) -> bytes:
+        d = self.running(index)
+        d.update(data)
+        return d.digest()
+
+
 class BlockStream:
     """The bytes of a sequence of blocks, moved in order through contiguous spans (the ring
     slots of shm), each block's digest computed by the copy that moves it.
@@ -159,8 +219,9 @@ class BlockStream:
     built) one native call per span moves every block piece of it.
     """
 
-    def __init__(self, checksum: Checksum, blocks: Sequence[Bytes]) -> None:
-        self._checksum = checksum
+    def __init__(self, check: BlockCheck | Checksum, blocks: Sequence[Bytes]) -> None:
+        self._check = check if isinstance(check, BlockCheck) else BlockCheck(check)
+        checksum = self._checksum = self._check.checksum
         self._blocks = blocks
         self._index, self._offset = 0, 0  # next byte: blocks[index][offset]
         self._digests: list[bytes] = []
@@ -172,7 +233,7 @@ class BlockStream:
                 if checksum is Checksum.CRC32C:
                     raise TransferCorrupted("cannot verify a crc32c block: vllm_pd._C is not built") from None
         self._value = 0  # native: CRC32C of blocks[index][:offset]
-        self._running = checksum.running() if self._native is None else None
+        self._running = self._check.running(0) if self._native is None else None
 
     @property
     def done(self) -> bool:
@@ -216,9 +277,9 @@ class BlockStream:
             self._offset += take
             if self._offset == len(block):
                 self._digests.append(self._running.digest())
-                self._running = self._checksum.running()
                 self._index, self._offset = self._index + 1, 0
+                self._running = self._check.running(self._index)
         return pos
 
 
-__all__ = ["DIGEST_NBYTES", "BlockStream", "Checksum", "RunningDigest"]
+__all__ = ["DIGEST_NBYTES", "BlockCheck", "BlockStream", "Checksum", "RunningDigest"]

@@ -13,6 +13,16 @@ its pid, boot id and the address of a random token, and the reader must read
 that token back. Different hosts or boots, pid namespaces, seccomp or Yama
 refusals all fail the probe and the connection keeps the shared-memory rings.
 
+Who may read us: never any process. Under Yama ptrace_scope 1 (Ubuntu's default) only
+ancestors and the one pid named with ``PR_SET_PTRACER`` may; :func:`grant_reader` names the
+pid of a peer that proved the deployment secret (and the reader announced itself in the
+authenticated handshake), one reader at a time - a second concurrent reader's probe fails and
+its connection keeps the rings - and :func:`revoke_reader` withdraws it when that connection
+ends. Without a secret nothing is granted (the rings are used). Under scope 0, or without
+Yama, the kernel itself lets every process of our user read us (classic ptrace rules; also
+through /proc/PID/mem): nothing of ours widens or narrows that - enable Yama scope 1 on hosts
+that run other users' code under the same uid. Scopes 2 and 3 refuse without CAP_SYS_PTRACE.
+
 A read that races a change of the source (a sender that reused the blocks
 before the read) is caught by the blocks' checksums, taken by the sender when a
 layer is ready; so cross-memory reads are used only with a checksum.
@@ -24,7 +34,8 @@ import ctypes
 import errno
 import os
 import secrets
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
@@ -35,7 +46,7 @@ logger = vllm_logger(__name__)
 # process_vm_readv takes at most IOV_MAX (1024) iovecs per side and call.
 MAX_IOV = 1024
 _PR_SET_PTRACER = 0x59616D61
-_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 
 
 class _Iovec(ctypes.Structure):
@@ -63,24 +74,89 @@ def _boot_id() -> str:
         return ""
 
 
-def _allow_peer_reads() -> None:
-    """Under Yama ptrace_scope 1 only ancestors may read us; allow our peers (siblings),
-    as Open MPI does for its CMA transport. Scope 2/3: the probe fails, rings are used."""
+def yama_scope() -> int | None:
+    """The host's Yama ptrace_scope (None: no Yama, the classic same-user rules)."""
     try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = int(f.read().strip() or 0)
+        with open(YAMA_SCOPE) as f:
+            return int(f.read().strip() or 0)
     except (OSError, ValueError):
-        return
-    if scope == 1:
-        _LIBC.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
+        return None
+
+
+def _set_ptracer(pid: int) -> bool:
+    """PR_SET_PTRACER: ``pid`` (0: nobody) may read this process under Yama scope 1."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = _libc()
+    return int(_LIBC.prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)) == 0
+
+
+class ReaderGrants:
+    """Which peer process may read this one (Yama scope 1 keeps one pid): held while that
+    peer's connections last, refused to a second pid meanwhile. Thread-safe."""
+
+    def __init__(self, scope: Callable[[], int | None] = yama_scope,
+                 set_ptracer: Callable[[int], bool] = _set_ptracer) -> None:
+        self._scope, self._set_ptracer = scope, set_ptracer
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._refs = 0
+
+    def grant(self, pid: int, authenticated: bool) -> str | None:
+        """Let ``pid`` read us: "open" (the kernel lets it anyway: nothing granted), "granted"
+        (``revoke`` it when its connection ends), or None (it cannot: it keeps the rings).
+        Only a peer that proved the deployment secret (``authenticated``) is ever granted."""
+        scope = self._scope()
+        if scope is None or scope == 0:
+            return "open"
+        if scope != 1 or pid <= 0 or not authenticated:
+            return None
+        with self._lock:
+            if self._pid not in (None, pid):
+                return None  # one reader at a time
+            if self._pid is None:
+                if not self._set_ptracer(pid):
+                    return None
+                self._pid = pid
+            self._refs += 1
+            return "granted"
+
+    def revoke(self, pid: int) -> None:
+        """One of ``pid``'s connections ended; the last one withdraws its grant."""
+        with self._lock:
+            if self._pid != pid:
+                return
+            self._refs -= 1
+            if self._refs == 0:
+                self._set_ptracer(0)
+                self._pid = None
+
+    @property
+    def reader(self) -> int | None:
+        with self._lock:
+            return self._pid
+
+
+READER_GRANTS = ReaderGrants()  # this process's (the kernel keeps one ptracer per process)
+
+
+def local_identity() -> dict[str, Any]:
+    """Who we are on this host: what a peer needs to grant us reads of its memory."""
+    return {"pid": os.getpid(), "boot": _boot_id()}
+
+
+def same_host(identity: Any) -> bool:
+    """Whether a peer's :func:`local_identity` is a process of this host and boot."""
+    boot = _boot_id()
+    return isinstance(identity, dict) and bool(boot) and identity.get("boot") == boot
 
 
 def local_info() -> dict[str, Any]:
     """What a peer needs to probe (and then read) this process's memory."""
     global _LIBC, _PROBE
     if _PROBE is None:
-        _LIBC = _libc()
-        _allow_peer_reads()
+        if _LIBC is None:
+            _LIBC = _libc()
         _PROBE = ctypes.create_string_buffer(secrets.token_bytes(16), 16)
     return {"pid": os.getpid(), "boot": _boot_id(), "probe": ctypes.addressof(_PROBE),
             "token": bytes(_PROBE).hex()}
@@ -103,12 +179,12 @@ class PeerMemory:
         if its memory cannot be read from here."""
         if not isinstance(info, dict):
             return None
-        local = local_info()
+        local_info()  # loads libc
         try:
             pid, address, token = int(info["pid"]), int(info["probe"]), bytes.fromhex(info["token"])
         except (KeyError, TypeError, ValueError):
             return None
-        if info.get("boot") != local["boot"] or not local["boot"]:
+        if not same_host(info):
             return None  # another host (or boot): its pid means nothing here
         reader = cls(pid)
         got = bytearray(len(token))

@@ -14,6 +14,11 @@ followed by a trailer of one 8-byte digest per block::
 The digests trail the bytes so that each side hashes a block right next to the
 copy that moves it (the block is still in cache), and the lengths lead them so
 the receiver rejects a wrong-sized block before writing a byte of it.
+
+On a connection that authenticated with the deployment secret (and runs without TLS),
+every frame's header and variable part are followed by a 16-byte seal (auth_protocol.py,
+``StreamSeal``): a frame injected, replayed or altered on the path fails it and ends the
+connection. Its blocks are checked with a key of the session instead (checksum.py).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
+from vllm_pd.connector.auth_protocol import HANDSHAKE_MAGIC, TAG_NBYTES, StreamSeal
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, Checksum
 
@@ -38,6 +44,9 @@ MAX_COUNT = 1 << 20
 MAX_TRANSFER_ID = 1024
 MAX_PAYLOAD = 16 << 20
 MAX_BLOCK_NBYTES = 1 << 32
+# block bytes one PUSH / DATA frame may carry (a layer of a ~1M-token request at 4 KiB per token):
+# a larger announcement is a broken or hostile peer, and its connection is closed
+MAX_DATA_NBYTES = 4 << 30
 # sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
 MAX_IOV = 512
 
@@ -147,6 +156,9 @@ def decode_header(buf: bytes | bytearray | memoryview) -> _HeaderFields:
     magic, kind, status, checksum, flags, req_id, layer, count, bnb, transfer_id_len, plen = (
         _HEADER.unpack(buf)
     )
+    if magic == HANDSHAKE_MAGIC:
+        raise TransferCorrupted("the peer opened with an authentication handshake, but this side has no "
+                                "deployment secret (set VLLM_PD_SECRET or secret_file on both)")
     if magic != MAGIC:
         raise TransferCorrupted(f"bad magic {magic!r} (not a vllm-pd transport stream)")
     try:
@@ -181,6 +193,9 @@ def decode_rest(h: _HeaderFields, rest: bytes | bytearray | memoryview) -> Frame
     if h.kind in LENGTH_KINDS:
         lengths = struct.unpack_from(f"<{h.count}Q", rest, off)
         off += 8 * h.count
+        if h.kind in DATA_KINDS and sum(lengths) > MAX_DATA_NBYTES:
+            raise TransferCorrupted(f"oversized {h.kind.name} frame: {sum(lengths)} bytes of blocks "
+                                    f"(at most {MAX_DATA_NBYTES})")
     return Frame(
         kind=h.kind, req_id=h.req_id, status=h.status, checksum=h.checksum, flags=h.flags,
         layer=h.layer, block_nbytes=h.block_nbytes, transfer_id=transfer_id, ids=ids,
@@ -241,8 +256,9 @@ class FrameReader:
     """
 
     def __init__(self, sock: socket.socket, buffer_nbytes: int = READ_BUFFER_NBYTES,
-                 read_ahead: bool = False, spin_s: float = 0.0) -> None:
+                 read_ahead: bool = False, spin_s: float = 0.0, seal: StreamSeal | None = None) -> None:
         self.sock = sock
+        self.seal = seal  # checks each frame's seal (an authenticated connection without TLS)
         self.read_ahead = read_ahead
         self.spin_s = spin_s
         self._bursting = False  # the last wait for bytes was shorter than spin_s
@@ -252,8 +268,14 @@ class FrameReader:
         self._end = 0
 
     def read_frame(self) -> Frame:
-        h = decode_header(self._take(HEADER_NBYTES))
-        return decode_rest(h, self._take(h.rest_nbytes) if h.rest_nbytes else b"")
+        head = self._take(HEADER_NBYTES)
+        h = decode_header(head)
+        if self.seal is None:
+            return decode_rest(h, self._take(h.rest_nbytes) if h.rest_nbytes else b"")
+        header = bytes(head)  # the buffer's view is reused by the next take
+        rest = bytes(self._take(h.rest_nbytes)) if h.rest_nbytes else b""
+        self.seal.check(self._take(TAG_NBYTES), header, rest)
+        return decode_rest(h, rest)
 
     def read_into(self, view: memoryview) -> None:
         """Fill ``view`` (buffered bytes first, then straight from the socket)."""

@@ -59,6 +59,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.exceptions import (
     PeerClosed,
     TransferCorrupted,
@@ -177,6 +178,9 @@ class NixlChannel:
         self._peer_layouts = layouts
         self._one_sided = (agent.cma and all(lay.mem == DRAM for lay in layouts)
                            and cross_memory.PeerMemory.probe(remote.get("cross_memory")) is not None)
+
+    def finish_handshake(self, wire: Wire) -> None:
+        pass
 
     # -- BlockChannel -----------------------------------------------------------------------
 
@@ -355,8 +359,8 @@ class NixlPeerLink(PeerLink):
     dropped: the owner may be WRITEing into our blocks, so the fetch settles only once it has
     answered (or after ``cancel_wait`` more, by cutting the connection)."""
 
-    def __init__(self, *args: Any, timer: DeadlineTimer, cancel_wait: float) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, timer: DeadlineTimer, cancel_wait: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._timer = timer
         self._cancel_wait = cancel_wait
         self._cancelled: set[int] = set()
@@ -420,12 +424,14 @@ class NixlTransport(TcpTransport):
     name = "nixl"
     scheme = "nixl"
     device_memory = True  # registers VRAM itself: GPU KV is not staged through host memory
+    keyed_blocks = False  # blocks move by RDMA, which we cannot key; the control connection is sealed
 
     def __init__(self, checksum: str = "crc32c", connect_timeout: float = 5.0, revoke_wait: float = 5.0,
-                 target_progress: str = "auto") -> None:
+                 target_progress: str = "auto", secret: DeploymentSecret | None = None) -> None:
         if target_progress not in TARGET_PROGRESS:
             raise ValueError(f"target_progress: {target_progress!r} is not one of {list(TARGET_PROGRESS)}")
-        super().__init__(checksum=checksum, connect_timeout=connect_timeout, revoke_wait=revoke_wait)
+        super().__init__(checksum=checksum, connect_timeout=connect_timeout, revoke_wait=revoke_wait,
+                         secret=secret)
         self._side = NixlSide(target_progress, connect_timeout)
 
     def register_regions(self, regions: Sequence[MemoryRegion]) -> None:
@@ -537,12 +543,13 @@ class NixlTransport(TcpTransport):
 
     def _new_link(self, peer: str, address: Any, family: int) -> PeerLink:
         return NixlPeerLink(peer, address, family, lambda: NixlChannel(self._side, dialler=True), self._hello,
-                            self._connect_timeout, timer=self._timer, cancel_wait=self._revoke_wait)
+                            self._connect_timeout, timer=self._timer, cancel_wait=self._revoke_wait,
+                            security=self._security)
 
     def _new_session(self, wire: Wire, channel: Any, peer: str) -> ServeSession:
         assert self._sink is not None and self._regions is not None
         return NixlServeSession(wire, channel, peer, self._sink, self._regions, self._grants, self._checksum,
-                                self._session_ended)
+                                self._session_ended, on_violation=self._security.violated)
 
     def _after_close(self) -> None:
         if self._side.pump is not None:

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from vllm_pd.connector.exceptions import (
+    AuthFailed,
     PeerClosed,
     PeerUnreachable,
     TransferCorrupted,
@@ -43,8 +44,8 @@ from vllm_pd.connector.transport.framing import (
     Frame,
     Kind,
     Status,
-    read_frame,
 )
+from vllm_pd.connector.transport.link_security import LinkSecurity
 from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
 from vllm_pd.vllm_logging import vllm_logger
 
@@ -107,8 +108,10 @@ class PeerLink:
         make_channel: Callable[[], BlockChannel],
         hello_payload: Callable[[BlockChannel], bytes],
         connect_timeout: float,
+        security: LinkSecurity | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._security = security or LinkSecurity(None)
         self._address = address
         self._family = family
         self._make_channel = make_channel
@@ -251,16 +254,23 @@ class PeerLink:
             sock.settimeout(timeout)
             sock.connect(self._address)
             configure_socket(sock)
+            sock.settimeout(timeout)
+            try:
+                conn, keys = self._security.dial(sock)
+            except AuthFailed as e:
+                logger.warning("connection to %s refused: %s", self.endpoint, e)
+                raise
             channel = self._make_channel()
-            wire = Wire(sock, channel.frames_only)
+            wire = Wire(conn, channel.frames_only, keys)
             try:
                 wire.send_frame(Frame(Kind.HELLO, payload=self._hello_payload(channel)))
-                sock.settimeout(timeout)
-                reply = read_frame(sock)
-                sock.settimeout(None)
+                reply = wire.reader.read_frame()
                 if reply.kind is not Kind.HELLO:
                     raise TransferRejected(f"expected HELLO from {self.endpoint}, got {reply.kind.name}")
-                channel.attach(msgspec.json.decode(reply.payload).get("channel", {}))
+                info = msgspec.json.decode(reply.payload)
+                channel.attach(info.get("channel", {}) if isinstance(info, dict) else {})
+                channel.finish_handshake(wire)
+                conn.settimeout(None)
             except BaseException:
                 channel.close()
                 raise
@@ -293,6 +303,9 @@ class PeerLink:
                     self._on_answer(frame)
                 else:
                     raise TransferCorrupted(f"unexpected {frame.kind.name} frame from {self.endpoint}")
+        except (AuthFailed, TransferCorrupted) as e:
+            self._security.violated(self.endpoint, e)
+            self._lost(wire, e)
         except (OSError, TransportError) as e:
             self._lost(wire, e)
         finally:

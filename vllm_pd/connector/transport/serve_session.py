@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted, TransportError
+from vllm_pd.connector.exceptions import AuthFailed, PeerClosed, TransferCorrupted, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES
 from vllm_pd.connector.transport.cross_memory import PeerMemory
@@ -43,6 +43,10 @@ PLAN_POLL_LAZY_S = 500e-6
 # Longest single sleep before a layer is due: a closed session is noticed within it.
 PLAN_QUIET_SLICE_S = 0.005
 
+# Answers and fetches queued for the writer: a peer that keeps asking without reading the
+# answers (they back up behind a full socket) is cut off here instead of growing the queue.
+MAX_QUEUED_JOBS = 4096
+
 Job = Callable[[], None]
 
 
@@ -57,6 +61,7 @@ class ServeSession:
         grants: FetchGrants,
         checksum: Checksum,
         on_end: Callable[[ServeSession], None],
+        on_violation: Callable[[str, BaseException], None] | None = None,
     ) -> None:
         self.wire = wire
         self.peer = peer
@@ -66,8 +71,12 @@ class ServeSession:
         self._grants = grants
         self._checksum = checksum
         self._on_end = on_end
+        # the peer broke the protocol (a bad seal, a malformed or oversized frame): log and count it
+        self._on_violation = on_violation
         self.serving: set[str] = set()  # transfer ids whose DATA is being sent now
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._queued = 0  # jobs put and not yet run (the reader adds, the writer takes)
+        self._queued_lock = threading.Lock()
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, name=f"pd-serve-reader {peer}", daemon=True)
         self._writer = threading.Thread(target=self._write_loop, name=f"pd-serve-writer {peer}", daemon=True)
@@ -105,7 +114,13 @@ class ServeSession:
                 elif frame.kind is Kind.CREDIT:
                     self._channel.on_credit(frame)
                 else:
-                    raise TransportError(f"unexpected {frame.kind.name} frame from {self.peer}")
+                    raise TransferCorrupted(f"unexpected {frame.kind.name} frame from {self.peer}")
+        except (AuthFailed, TransferCorrupted) as e:
+            if not self._closed.is_set():
+                if self._on_violation is not None:
+                    self._on_violation(self.peer, e)
+                else:
+                    logger.warning("closing the connection with %s: %s", self.peer, e)
         except (OSError, TransportError) as e:
             if not self._closed.is_set():
                 logger.debug("session with %s ended: %s", self.peer, e)
@@ -116,12 +131,12 @@ class ServeSession:
 
     def _ack(self, frame: Frame, status: Status, text: str = "") -> None:
         ack = Frame(Kind.ACK, req_id=frame.req_id, status=status, payload=text.encode())
-        self._jobs.put(lambda: self.wire.send_frame(ack))
+        self._queue(lambda: self.wire.send_frame(ack))
 
     def _on_push(self, frame: Frame) -> None:
         batch = BlockBatch(
             transfer_id=frame.transfer_id, layer=frame.layer, positions=tuple(frame.ids),
-            block_nbytes=frame.block_nbytes, last=bool(frame.flags & FLAG_LAST),
+            block_nbytes=frame.block_nbytes, last=bool(frame.flags & FLAG_LAST), peer=self.peer,
         )
         if any(n != frame.block_nbytes for n in frame.lengths):
             self._channel.drop_blocks(self.wire, frame)
@@ -176,7 +191,7 @@ class ServeSession:
             self._ack(frame, Status.REJECTED, "layer plan from a peer whose memory we cannot read")
             return
         batches = [BlockBatch(frame.transfer_id, layer, tuple(frame.ids), frame.block_nbytes,
-                              last=bool(frame.flags & FLAG_LAST)) for layer in plan.layers]
+                              last=bool(frame.flags & FLAG_LAST), peer=self.peer) for layer in plan.layers]
         deadline = time.monotonic() + plan.timeout_s
         pacer = ReadyPacer()
         k = 0
@@ -253,7 +268,7 @@ class ServeSession:
         except ValueError as e:
             self._ack(frame, Status.REJECTED, str(e))
             return
-        self._jobs.put(lambda: self._serve_fetch(frame, views))
+        self._queue(lambda: self._serve_fetch(frame, views))
 
     def _serve_fetch(self, frame: Frame, views: Sequence[memoryview]) -> None:
         # Checked again here: the grant may have been revoked while queued.
@@ -283,9 +298,18 @@ class ServeSession:
             return
         out = Frame(Kind.REPLY, req_id=frame.req_id, flags=FLAG_HAS_REPLY if reply is not None else 0,
                     payload=bytes(reply or b""))
-        self._jobs.put(lambda: self.wire.send_frame(out))
+        self._queue(lambda: self.wire.send_frame(out))
 
     # -- writer ----------------------------------------------------------------------
+
+    def _queue(self, job: Job) -> None:
+        """Hand ``job`` to the writer (reader thread); TransferCorrupted if the peer has too many
+        outstanding (the read loop then closes the connection)."""
+        with self._queued_lock:
+            if self._queued >= MAX_QUEUED_JOBS:
+                raise TransferCorrupted(f"{self._queued} requests outstanding: the peer does not read its answers")
+            self._queued += 1
+        self._jobs.put(job)
 
     def _write_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -295,3 +319,6 @@ class ServeSession:
                 logger.debug("send to %s failed: %s", self.peer, e)
                 self.close()
                 return
+            finally:
+                with self._queued_lock:
+                    self._queued -= 1

@@ -21,11 +21,15 @@ and loads are unordered across cores (x86 may reorder a store with a later load)
 so a waiting sender also re-checks the count after a bounded wait: a lost wake-up
 costs at most that wait, never a stall.
 
-The handshake also probes whether each side can read the other's memory
+The handshake also probes whether the accepting side can read the dialler's memory
 (cross_memory.py): where it can, a step's layer-wise push goes as one layer plan
 (layer_plan.py) that the receiver reads from the sender's memory; block bytes of
 PUSH / DATA always go through the rings. Plans need a checksum (it catches a
-block changed before its read) and x86-64's ordered stores.
+block changed before its read) and x86-64's ordered stores. The dialler says it would
+be read; the acceptor's answer names its pid; the dialler lets that pid read it (under
+Yama scope 1: only a peer that proved the deployment secret, one at a time) and only then
+announces where its probe token is (a third HELLO); the acceptor's fourth says whether
+its probe worked.
 
 Each side unlinks the peer's ring name as soon as it has mapped it (and its own
 on close), so a killed process leaves nothing in /dev/shm: the memory goes when
@@ -41,11 +45,18 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
-from vllm_pd.connector.transport.cross_memory import PeerMemory, local_info
+from vllm_pd.connector.transport.cross_memory import (
+    READER_GRANTS,
+    PeerMemory,
+    local_identity,
+    local_info,
+    same_host,
+)
 from vllm_pd.connector.transport.framing import Frame, Kind
 from vllm_pd.connector.transport.layer_plan import ORDERED_STORES
 from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
@@ -103,10 +114,14 @@ class ShmChannel:
     # Test-only fault injection: called with each filled slot before READY.
     fault_hook: Any = None
 
-    def __init__(self, slots: int, slot_nbytes: int, cross_memory: bool = True) -> None:
+    def __init__(self, slots: int, slot_nbytes: int, cross_memory: bool = True, authenticated: bool = False) -> None:
         self._cross_memory = cross_memory
+        self._authenticated = authenticated  # the peer proved the deployment secret
         self._peer_memory: PeerMemory | None = None  # reads of the peer's memory, if it can be read
         self._peer_reads_us = False  # the peer's probe of our memory worked
+        self._peer_wants_reads = False  # acceptor: the dialler offered to be read
+        self._reader: Any = None  # dialler: the acceptor's identity, if it would read us
+        self._granted_pid: int | None = None  # dialler: the reader our ptrace grant names
         self._tx = ShmRing(f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", slots, slot_nbytes,
                            create=True)
         self._rx: ShmRing | None = None
@@ -132,9 +147,8 @@ class ShmChannel:
         info: dict[str, Any] = {"ring": self._tx.name, "slots": self._tx.slots,
                                 "slot_nbytes": self._tx.slot_nbytes}
         if self._cross_memory:
-            # the dialler's HELLO goes first: only the answer can say whether the probe worked
-            info["cross_memory"] = local_info()
-            info["reads_you"] = self._peer_memory is not None
+            # the dialler's HELLO goes first: it offers to be read; the acceptor answers who reads
+            info["reader" if self._peer_wants_reads else "plans"] = local_identity()
         return info
 
     def attach(self, remote_info: dict[str, Any]) -> None:
@@ -147,15 +161,43 @@ class ShmChannel:
         self._rx = ShmRing(str(name), int(slots), int(slot_nbytes), create=False)
         self._rx.unlink()  # both sides map it now; the name is no longer needed
         if self._cross_memory:
-            self._peer_memory = PeerMemory.probe(remote_info.get("cross_memory"))
-            self._peer_reads_us = bool(remote_info.get("reads_you"))
+            self._peer_wants_reads = same_host(remote_info.get("plans"))  # acceptor
+            self._reader = remote_info.get("reader")  # dialler
+
+    def finish_handshake(self, wire: Wire) -> None:
+        """Rounds 3 and 4 (module docstring): the dialler grants the acceptor reads of its
+        memory and says where its probe token is; the acceptor probes and says whether it worked."""
+        if self._reader is not None:  # dialler, and the acceptor would read us
+            pid = self._reader.get("pid") if same_host(self._reader) else None
+            grant = READER_GRANTS.grant(pid, self._authenticated) if isinstance(pid, int) else None
+            if grant == "granted":
+                self._granted_pid = pid
+            wire.send_frame(Frame(Kind.HELLO, payload=msgspec.json.encode(
+                {"cross_memory": local_info() if grant else None})))
+            answer = msgspec.json.decode(wire.reader.read_frame().payload)
+            self._peer_reads_us = isinstance(answer, dict) and answer.get("reads_you") is True
+            if not self._peer_reads_us:
+                self._revoke()
+        elif self._peer_wants_reads:  # acceptor, and it offered to read the dialler
+            offer = msgspec.json.decode(wire.reader.read_frame().payload)
+            self._peer_memory = PeerMemory.probe(offer.get("cross_memory") if isinstance(offer, dict) else None)
+            wire.send_frame(Frame(Kind.HELLO, payload=msgspec.json.encode(
+                {"reads_you": self._peer_memory is not None})))
+
+    def _revoke(self) -> None:
+        pid, self._granted_pid = self._granted_pid, None
+        if pid is not None:
+            READER_GRANTS.revoke(pid)
 
     # -- sending -------------------------------------------------------------------
 
     def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
         tx = self._tx
         # Each block is hashed by the copy that puts it in the ring: one read of it.
-        stream = BlockStream(frame.checksum, views)
+        check = wire.block_check(frame)
+        if check is None:
+            raise TransferCorrupted(f"{frame.checksum.name} blocks on a connection that takes keyed checks only")
+        stream = BlockStream(check, views)
         # Control frames go out together where they can: the header with the first READY,
         # the digests with the last, so a batch that fits a slot is one write and one
         # wake-up of the receiver (per-batch overhead is what small per-layer pushes pay).
@@ -216,8 +258,10 @@ class ShmChannel:
         if rx is None:
             raise PeerClosed("shm channel not attached")
         # The bytes are hashed as they leave the ring (the copy reads them once), so what is
-        # verified is exactly what landed in the destination.
-        stream = BlockStream(frame.checksum, views) if views is not None else None
+        # verified is exactly what landed in the destination. Unkeyed blocks on a connection that
+        # takes keyed ones only are drained and fail.
+        check = wire.block_check(frame)
+        stream = BlockStream(check, views) if views is not None and check is not None else None
         expected, got = sum(frame.lengths), 0
         while True:
             f = wire.reader.read_frame()
@@ -243,6 +287,8 @@ class ShmChannel:
             raise TransferCorrupted(f"block stream ended after {got} of {expected} bytes")
         if len(f.payload) != DIGEST_NBYTES * len(frame.lengths):
             raise TransferCorrupted("trailer has the wrong number of digests")
+        if views is not None and check is None:
+            return False
         if stream is None or frame.checksum is Checksum.NONE:
             return True
         return stream.digests() == f.payload
@@ -258,6 +304,7 @@ class ShmChannel:
 
     def close(self) -> None:
         self._closed = True
+        self._revoke()
         self._tx.unlink()
         with self._wake:
             self._wake.notify_all()
@@ -271,6 +318,8 @@ class ShmTransport(TcpTransport):
 
     def __init__(self, slots: int = 4, slot_nbytes: int = 4 << 20, cross_memory: bool = True,
                  **options: Any) -> None:
+        if options.get("tls") is not None:
+            raise ValueError("tls: only the tcp transport encrypts (shm's bytes never leave the host)")
         super().__init__(**options)
         # layer plans need a checksum (it catches a block that changed before its read) and
         # stores that reach other cores in program order
@@ -291,7 +340,8 @@ class ShmTransport(TcpTransport):
         return super()._dial_address("tcp://" + endpoint.removeprefix("shm://"))
 
     def _new_channel(self) -> ShmChannel:
-        return ShmChannel(self._slots, self._slot_nbytes, self._cross_memory)
+        return ShmChannel(self._slots, self._slot_nbytes, self._cross_memory,
+                          authenticated=self._security.secret is not None)
 
 
 __all__ = ["ShmChannel", "ShmRing", "ShmTransport", "parse_tcp_endpoint"]

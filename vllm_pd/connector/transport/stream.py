@@ -19,10 +19,13 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd.connector.exceptions import PeerClosed, TransferRejected, TransportError
+from vllm_pd.connector.auth_protocol import DeploymentSecret
+from vllm_pd.connector.exceptions import AuthFailed, PeerClosed, TransferCorrupted, TransferRejected, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink, MemoryRegion, Transport
-from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, read_frame
+from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind
 from vllm_pd.connector.transport.layer_plan import LayerPlan
+from vllm_pd.connector.transport.link_security import LinkSecurity
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.serve_session import ServeSession
@@ -31,6 +34,11 @@ from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
+
+# Connections accepted and not through their handshake yet: beyond this many the oldest is cut
+# (an outsider opening connections and saying nothing cannot pile up threads; a member's
+# handshake takes milliseconds, so it is never the oldest for long).
+MAX_PENDING_HANDSHAKES = 64
 
 # A deadline fires up to this late: ops answered long before their deadline still sit in
 # the heap, and a wake-up per op would land on the core that computes, so the timer wakes
@@ -81,14 +89,24 @@ class StreamTransport(Transport):
     """A Transport over one persistent stream connection per peer."""
 
     scheme = ""
+    # block bytes travel where an outsider might write them (the socket, a shm ring): with a
+    # deployment secret they get the session's keyed check (nixl: RDMA, which we cannot key)
+    keyed_blocks = True
 
     def __init__(
         self,
         checksum: str = "crc32c",
         connect_timeout: float = 5.0,
         revoke_wait: float = 5.0,
+        secret: DeploymentSecret | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
         self._checksum = Checksum.parse(checksum)
+        self._security = LinkSecurity(secret, tls=tls)
+        # what PUSH and DATA blocks are checked with (layer plans: the blocks are read from the
+        # authenticated peer's own memory, by the kernel; they keep the configured checksum)
+        self._data_checksum = (Checksum.BLAKE3_KEYED if self._security.seals and self.keyed_blocks
+                               else self._checksum)
         if connect_timeout <= 0:
             raise ValueError(f"connect_timeout must be > 0, got {connect_timeout}")
         self._connect_timeout = connect_timeout
@@ -102,6 +120,7 @@ class StreamTransport(Transport):
         self._lock = threading.Lock()
         self._links: dict[str, PeerLink] = {}
         self._sessions: set[ServeSession] = set()
+        self._handshaking: dict[socket.socket, None] = {}  # accepted, not through the handshake (oldest first)
         self._req_ids = itertools.count(1)
         self._timer = DeadlineTimer()
         self._closed = False
@@ -150,7 +169,7 @@ class StreamTransport(Transport):
             raise ValueError(f"push: batch.block_nbytes {batch.block_nbytes} != region's "
                              f"{regions.block_nbytes[batch.layer]}")
         frame = Frame(
-            Kind.PUSH, req_id=next(self._req_ids), checksum=self._checksum,
+            Kind.PUSH, req_id=next(self._req_ids), checksum=self._data_checksum,
             flags=(FLAG_LAST if batch.last else 0) | (0 if answer else FLAG_QUIET),
             layer=batch.layer, block_nbytes=batch.block_nbytes,
             transfer_id=batch.transfer_id, ids=tuple(batch.positions),
@@ -279,6 +298,14 @@ class StreamTransport(Transport):
     def endpoint(self) -> str:
         return self._endpoint
 
+    @property
+    def refused_connections(self) -> int:
+        return self._security.refused
+
+    @property
+    def broken_connections(self) -> int:
+        return self._security.violations
+
     def _require_regions(self) -> RegisteredRegions:
         if self._regions is None:
             raise RuntimeError("register_regions must be called first")
@@ -314,13 +341,14 @@ class StreamTransport(Transport):
 
     def _new_link(self, peer: str, address: Any, family: int) -> PeerLink:
         """The dialling side of a connection to ``peer`` (a subclass's own kind of link)."""
-        return PeerLink(peer, address, family, self._new_channel, self._hello, self._connect_timeout)
+        return PeerLink(peer, address, family, self._new_channel, self._hello, self._connect_timeout,
+                        security=self._security)
 
     def _new_session(self, wire: Wire, channel: BlockChannel, peer: str) -> ServeSession:
         """The serving side of an accepted connection (a subclass's own kind of session)."""
         assert self._sink is not None and self._regions is not None
-        return ServeSession(wire, channel, peer, self._sink, self._regions, self._grants, self._checksum,
-                            self._session_ended)
+        return ServeSession(wire, channel, peer, self._sink, self._regions, self._grants, self._data_checksum,
+                            self._session_ended, on_violation=self._security.violated)
 
     def _hello(self, channel: BlockChannel) -> bytes:
         return msgspec.json.encode({"endpoint": self._endpoint, "channel": channel.local_info()})
@@ -332,28 +360,54 @@ class StreamTransport(Transport):
                 sock, addr = self._listener.accept()
             except OSError:
                 return  # listener closed
+            with self._lock:
+                self._handshaking[sock] = None
+                oldest = next(iter(self._handshaking)) if len(self._handshaking) > MAX_PENDING_HANDSHAKES else None
+            if oldest is not None:
+                logger.warning("%s: over %d connections in their handshake; cutting the oldest", self.scheme,
+                               MAX_PENDING_HANDSHAKES)
+                _cut(oldest)
             threading.Thread(target=self._open_session, args=(sock, addr), daemon=True,
                              name="pd-transport-handshake").start()
 
     def _open_session(self, sock: socket.socket, addr: Any) -> None:
-        channel = self._new_channel()
+        try:
+            self._handshake(sock, addr)
+        finally:
+            with self._lock:
+                self._handshaking.pop(sock, None)
+
+    def _handshake(self, sock: socket.socket, addr: Any) -> None:
+        channel: BlockChannel | None = None
         try:
             configure_socket(sock)
             sock.settimeout(self._connect_timeout)
-            hello = read_frame(sock)
+            # both ends prove the deployment secret before a byte of anything else is read
+            # (and before a shm ring or a NIXL peer is set up for the connection)
+            conn, keys = self._security.accept(sock)
+            channel = self._new_channel()
+            wire = Wire(conn, channel.frames_only, keys)
+            hello = wire.reader.read_frame()
             if hello.kind is not Kind.HELLO:
-                raise TransportError(f"expected HELLO, got {hello.kind.name}")
+                raise TransferCorrupted(f"expected HELLO, got {hello.kind.name}")
             info = msgspec.json.decode(hello.payload)
+            if not isinstance(info, dict):
+                raise TransferCorrupted("HELLO is not an object")
             channel.attach(info.get("channel", {}))
-            sock.settimeout(None)
-            wire = Wire(sock, channel.frames_only)
             wire.send_frame(Frame(Kind.HELLO, payload=self._hello(channel)))
+            channel.finish_handshake(wire)
+            conn.settimeout(None)
+        except AuthFailed as e:
+            self._security.refuse(f"{self.scheme} {addr}", e)
+            _close_quietly(channel, sock)
+            return
         except (OSError, TransportError, msgspec.DecodeError, ValueError) as e:
             logger.warning("%s handshake with %s failed: %s", self.scheme, addr, e)
-            channel.close()
-            sock.close()
+            _close_quietly(channel, sock)
             return
-        session = self._new_session(wire, channel, info.get("endpoint") or f"{self.scheme}://{addr}")
+        endpoint = info.get("endpoint")
+        session = self._new_session(wire, channel, endpoint if isinstance(endpoint, str) and endpoint
+                                    else f"{self.scheme}://{addr}")
         with self._lock:
             if self._closed:
                 session.close()
@@ -365,3 +419,17 @@ class StreamTransport(Transport):
     def _session_ended(self, session: ServeSession) -> None:
         with self._lock:
             self._sessions.discard(session)
+
+
+def _cut(sock: socket.socket) -> None:
+    """Make a blocked handshake's reads fail now (its thread closes the socket)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _close_quietly(channel: BlockChannel | None, sock: socket.socket) -> None:
+    if channel is not None:
+        channel.close()
+    sock.close()

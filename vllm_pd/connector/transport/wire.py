@@ -16,6 +16,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from vllm_pd.connector.auth_protocol import SessionKeys, StreamSeal
+from vllm_pd.connector.exceptions import TransferCorrupted
+from vllm_pd.connector.transport.checksum import BlockCheck
 from vllm_pd.connector.transport.cross_memory import PeerMemory
 from vllm_pd.connector.transport.framing import (
     DIGEST_NBYTES,
@@ -49,12 +52,18 @@ def unsent_nbytes(sock: socket.socket) -> int:
 
 
 class Wire:
-    """A connected socket; frames are sent whole under ``lock``."""
+    """A connected socket; frames are sent whole under ``lock``.
 
-    def __init__(self, sock: socket.socket, frames_only: bool = False) -> None:
+    ``keys``: the session's keys where the connection authenticated and runs without TLS: each
+    frame then carries a seal and the blocks a keyed check (framing.py, checksum.py)."""
+
+    def __init__(self, sock: socket.socket, frames_only: bool = False, keys: SessionKeys | None = None) -> None:
         self.sock = sock
+        self.keys = keys
+        self._seal = StreamSeal(keys.send) if keys is not None else None
         # the reading thread's only way to this socket's bytes
-        self.reader = FrameReader(sock, read_ahead=frames_only, spin_s=FRAME_SPIN_S if frames_only else 0.0)
+        self.reader = FrameReader(sock, read_ahead=frames_only, spin_s=FRAME_SPIN_S if frames_only else 0.0,
+                                  seal=StreamSeal(keys.receive) if keys is not None else None)
         self.lock = threading.Lock()
         self._closed = False
         self.send_buffer_nbytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
@@ -69,16 +78,31 @@ class Wire:
             self.room = self.send_buffer_nbytes // 2 - unsent_nbytes(self.sock)
         return nbytes <= self.room
 
+    def sealed(self, encoded: bytes) -> list[bytes]:
+        """An encoded frame as it goes on the wire: with its seal where frames are sealed. Call
+        under ``lock``, in send order (the seal counts frames)."""
+        return [encoded] if self._seal is None else [encoded, self._seal.tag(encoded)]
+
+    def block_check(self, frame: Frame) -> BlockCheck | None:
+        """How ``frame``'s blocks are checked on this connection; None: its checksum is not
+        acceptable here (an authenticated connection without TLS takes keyed checks only)."""
+        if self.keys is None:
+            return BlockCheck(frame.checksum)
+        if frame.checksum is not Checksum.BLAKE3_KEYED:
+            return None
+        return BlockCheck.keyed(self.keys.blocks, frame.encode())
+
     def send_frame(self, frame: Frame) -> None:
         data = frame.encode()
         with self.lock:
-            send_buffers(self.sock, [data])
+            send_buffers(self.sock, self.sealed(data))
             self.room -= len(data)
 
     def send_frames(self, frames: Sequence[Frame]) -> None:
         """Several frames in one write (one wake-up of the reader instead of several)."""
-        data = b"".join(f.encode() for f in frames)
+        encoded = [f.encode() for f in frames]
         with self.lock:
+            data = b"".join(part for e in encoded for part in self.sealed(e))
             send_buffers(self.sock, [data])
             self.room -= len(data)
 
@@ -109,6 +133,11 @@ class BlockChannel(Protocol):
 
     def attach(self, remote_info: dict[str, Any]) -> None:
         """Connect to what the other end announced in its HELLO."""
+
+    def finish_handshake(self, wire: Wire) -> None:
+        """More of the handshake after both HELLOs, where the channel needs it (shm: who may
+        read whose memory); both ends call it, the dialler after ``attach``, the acceptor after
+        sending its HELLO."""
 
     def fits_now(self, wire: Wire, nbytes: int) -> bool:
         """Whether a message with ``nbytes`` of blocks can be sent now without waiting for
@@ -150,6 +179,9 @@ class SocketChannel:
     def attach(self, remote_info: dict[str, Any]) -> None:
         pass
 
+    def finish_handshake(self, wire: Wire) -> None:
+        pass
+
     def fits_now(self, wire: Wire, nbytes: int) -> bool:
         return wire.has_room(nbytes + 4096)  # + frame and digests
 
@@ -158,12 +190,13 @@ class SocketChannel:
 
     def send_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> None:
         digests: list[bytes] = []
+        check = _sender_check(wire, frame)
         with wire.lock:
             wire.room -= frame.data_nbytes + 4096
-            group: list[bytes | memoryview] = [frame.encode()]
+            group: list[bytes | memoryview] = [*wire.sealed(frame.encode())]
             group_nbytes = 0
-            for view in views:
-                digests.append(frame.checksum.digest(view))
+            for i, view in enumerate(views):
+                digests.append(check.digest(i, view))
                 group.append(view)
                 group_nbytes += len(view)
                 if group_nbytes >= SEND_GROUP_NBYTES:
@@ -173,10 +206,14 @@ class SocketChannel:
             send_buffers(wire.sock, group)
 
     def recv_blocks(self, wire: Wire, frame: Frame, views: Sequence[memoryview]) -> bool:
-        digests = [_recv_and_digest(wire.reader, v, frame.checksum) for v in views]
+        check = wire.block_check(frame)
+        if check is None:  # unkeyed blocks on a connection that takes keyed ones only
+            self.drop_blocks(wire, frame)
+            return False
+        digests = [_recv_and_digest(wire.reader, v, check, i) for i, v in enumerate(views)]
         trailer = bytearray(DIGEST_NBYTES * len(views))
         wire.reader.read_into(memoryview(trailer))
-        if frame.checksum is Checksum.NONE:
+        if check.checksum is Checksum.NONE:
             return True
         return b"".join(digests) == bytes(trailer)
 
@@ -190,6 +227,15 @@ class SocketChannel:
         pass
 
 
-def _recv_and_digest(reader: FrameReader, view: memoryview, checksum: Checksum) -> bytes:
+def _recv_and_digest(reader: FrameReader, view: memoryview, check: BlockCheck, index: int) -> bytes:
     reader.read_into(view)
-    return checksum.digest(view)
+    return check.digest(index, view)
+
+
+def _sender_check(wire: Wire, frame: Frame) -> BlockCheck:
+    """How the blocks this side sends in ``frame`` are checked (the transport chose the frame's
+    checksum for this kind of connection: a mismatch is a bug, never sent)."""
+    check = wire.block_check(frame)
+    if check is None:
+        raise TransferCorrupted(f"{frame.checksum.name} blocks on a connection that takes keyed checks only")
+    return check
