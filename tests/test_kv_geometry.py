@@ -1,0 +1,168 @@
+"""kv_geometry: which prefill rank's heads a decode rank takes, and the byte spans that re-cut
+blocks of one size into another. Checked against a model of the KV itself: every (head,
+token) of a prompt gets a distinct value on prefill's ranks, laid out as vLLM shards and pages
+it; decode's blocks assembled from the spans must hold exactly its heads' values, token by token."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from vllm_pd.connector.kv_geometry import (
+    BlockFormat,
+    KVGroup,
+    KVShape,
+    announced_ranks,
+    head_pieces,
+    incompatibility,
+    piece_spans,
+    plan_rank,
+    rank_heads,
+    releasers,
+    remote_positions,
+    window_positions,
+)
+
+C = 4  # elements of one head's token (K and V side by side), int32 in the model below
+
+
+def shape(tp: int, kv_heads: int, block_size: int, kinds: tuple[str, ...] = ("full",), window: int = 0,
+          layout: str = "HNC") -> KVShape:
+    heads = len(rank_heads(kv_heads, tp, 0))
+    dims = {"H": f"H{heads}", "N": f"N{block_size}", "C": f"C{C}"}
+    fmt = "int32:" + ".".join(dims[d] for d in layout if not (d == "H" and heads == 1))
+    groups = tuple(KVGroup(k, block_size, fmt, window if k == "window" else 0) for k in kinds)
+    return KVShape(tp, kv_heads, groups, tuple(range(len(groups))))
+
+
+def test_block_format_parse() -> None:
+    f = BlockFormat.parse("bfloat16:H8.N16.C256")
+    assert (f.heads, f.tokens, f.token_nbytes, f.head_nbytes, f.block_nbytes) == (8, 16, 512, 8192, 65536)
+    assert f.head_major
+    mla = BlockFormat.parse("bfloat16:N64.C576")
+    assert mla.heads == 1 and mla.head_major
+    assert not BlockFormat.parse("bfloat16:N16.H8.C256").head_major  # token-major (LBNHC)
+    assert not BlockFormat.parse("bfloat16:K2.H8.N64.C256").head_major  # kernel blocks
+    with pytest.raises(ValueError, match="bad dim"):
+        BlockFormat.parse("bfloat16:H.N16")
+
+
+@pytest.mark.parametrize("kv_heads, m, n", [
+    (8, 1, 2), (8, 2, 1), (8, 2, 4), (8, 4, 2), (8, 1, 8), (8, 8, 1), (2, 1, 4), (2, 4, 1), (2, 4, 8),
+    (1, 1, 2), (1, 2, 1), (1, 4, 2), (4, 2, 8),
+])
+def test_each_decode_rank_gets_exactly_its_heads_once(kv_heads: int, m: int, n: int) -> None:
+    for d in range(n):
+        got = []
+        for piece in head_pieces(kv_heads, m, n, d):
+            held = rank_heads(kv_heads, m, piece.source)
+            for i in range(piece.heads):
+                assert piece.src_head + i < len(held)
+                got.append(held[piece.src_head + i])
+                assert piece.dst_head + i == len(got) - 1  # in our slot order
+        assert got == list(rank_heads(kv_heads, n, d)), (d, got)
+
+
+def test_replicated_latent_is_read_once_per_decode_rank_spread_over_prefill_ranks() -> None:
+    # MLA: one head on every rank. P4 -> D2: each decode rank reads it from one prefill rank, not four
+    assert [[p.source for p in head_pieces(1, 4, 2, d)] for d in range(2)] == [[0], [1]]
+    # P1 -> D2: both from the one prefill rank, P2 -> D1: from rank 0 only
+    assert [[p.source for p in head_pieces(1, 1, 2, d)] for d in range(2)] == [[0], [0]]
+    assert [p.source for p in head_pieces(1, 2, 1, 0)] == [0]
+
+
+def test_every_prefill_rank_is_released_after_its_readers() -> None:
+    p2, d1 = shape(2, 8, 32), shape(1, 8, 32)
+    assert releasers(p2, d1) == {0: (0,), 1: (0,)}  # decode's one rank read from both
+    assert releasers(d1, p2) == {0: (0, 1)}  # both decode ranks read prefill's one rank
+    mla_p2, mla_d1 = shape(2, 1, 32), shape(1, 1, 32)
+    assert releasers(mla_p2, mla_d1) == {0: (0,), 1: (0,)}  # rank 1 held a replica nobody read
+    assert releasers(shape(4, 8, 16), shape(4, 8, 16)) == {p: (p,) for p in range(4)}
+
+
+def test_every_decode_rank_hears_one_announcement() -> None:
+    for m, n in itertools.product((1, 2, 4), repeat=2):
+        heard = sorted(d for p in range(m) for d in announced_ranks(m, n, p))
+        assert heard == list(range(n)), (m, n)
+
+
+def test_incompatibilities_are_named() -> None:
+    assert incompatibility(shape(2, 8, 32), shape(1, 8, 64)) is None
+    assert "KV heads" in (incompatibility(shape(1, 8, 32), shape(1, 4, 32)) or "")
+    assert "groups differ" in (incompatibility(shape(1, 8, 32, ("window", "full"), 64), shape(1, 8, 32)) or "")
+    assert "head-major" in (incompatibility(shape(1, 8, 32, layout="NHC"), shape(2, 8, 32, layout="NHC")) or "")
+    # equal shapes move whatever the layout
+    assert incompatibility(shape(2, 8, 32, layout="NHC"), shape(2, 8, 32, layout="NHC")) is None
+    state = KVShape(1, 8, (KVGroup("state", 1024, "int8:C4096"),), (0,))
+    assert incompatibility(state, state) is None
+    assert "equal shapes only" in (incompatibility(state, KVShape(2, 8, (KVGroup("state", 1024, "int8:C2048"),),
+                                                                  (0,))) or "")
+    other_dtype = KVShape(1, 8, (KVGroup("full", 32, "float16:H8.N32.C4"),), (0,))
+    assert "dtype" in (incompatibility(shape(1, 8, 32), other_dtype) or "")
+
+
+# ---- the spans, against a model of the KV --------------------------------------------------------
+def prefill_blocks(s: KVShape, rank: int, num_tokens: int) -> np.ndarray:
+    """[blocks, H, N, C] int32 of one prefill rank: value = head * 1e6 + token * 10 + c (0 past the prompt)."""
+    n = s.groups[0].block_size
+    heads = rank_heads(s.kv_heads, s.tp_size, rank)
+    nblocks = -(-num_tokens // n)
+    tok = np.arange(nblocks * n).reshape(nblocks, 1, n, 1)
+    val = np.array(list(heads)).reshape(1, -1, 1, 1) * 1_000_000 + tok * 10 + np.arange(C).reshape(1, 1, 1, C)
+    return np.where(tok < num_tokens, val, 0).astype(np.int32)
+
+
+@pytest.mark.parametrize("m, n, nr, nl, first", [
+    (1, 1, 32, 64, 0), (1, 1, 64, 32, 0), (1, 1, 16, 64, 0), (1, 1, 64, 16, 3),  # block sizes only
+    (1, 2, 32, 32, 0), (2, 1, 32, 32, 0), (2, 4, 32, 32, 1),  # TP only
+    (1, 2, 32, 64, 0), (2, 1, 64, 32, 2), (4, 2, 16, 64, 1),  # both
+])
+@pytest.mark.parametrize("kv_heads", [8, 2, 1])
+def test_spans_assemble_decodes_blocks_from_prefills(m: int, n: int, nr: int, nl: int, first: int,
+                                                     kv_heads: int) -> None:
+    num_tokens = 300
+    remote, local = shape(m, kv_heads, nr), shape(n, kv_heads, nl)
+    blocks = [prefill_blocks(remote, p, num_tokens) for p in range(m)]
+    nlocal = -(-num_tokens // nl) - first
+    for d in range(n):
+        plan = plan_rank(remote, local, d)
+        heads = rank_heads(kv_heads, n, d)
+        ours = np.zeros((nlocal, len(heads), nl, C), dtype=np.int32).reshape(nlocal, -1).view(np.uint8)
+        moved = 0
+        for piece in plan.groups[0].pieces:
+            src = blocks[piece.source].reshape(len(blocks[piece.source]), -1).view(np.uint8)
+            for sp in piece_spans(plan.groups[0], piece, first, nlocal, num_tokens):
+                ours[sp.dst_index, sp.dst_offset:sp.dst_offset + sp.nbytes] = \
+                    src[sp.src_index, sp.src_offset:sp.src_offset + sp.nbytes]
+                moved += sp.nbytes
+        got = ours.view(np.int32).reshape(nlocal, len(heads), nl, C)
+        tok = np.arange(first * nl, (first + nlocal) * nl).reshape(nlocal, 1, nl, 1)
+        want = np.array(list(heads)).reshape(1, -1, 1, 1) * 1_000_000 + tok * 10 + np.arange(C).reshape(1, 1, 1, C)
+        valid = np.broadcast_to(tok < num_tokens, got.shape)
+        assert np.array_equal(got[valid], want[valid]), (d, plan)
+        # exactly our heads' bytes of the tokens we load, no more (prefill's partial last block included)
+        per_token = len(heads) * C * 4
+        loaded = min(-(-num_tokens // nr) * nr, (first + nlocal) * nl) - first * nl
+        assert moved == loaded * per_token
+
+
+def test_equal_block_sizes_move_one_span_per_block() -> None:
+    plan = plan_rank(shape(1, 8, 32), shape(2, 8, 32), 1)
+    [piece] = plan.groups[0].pieces
+    spans = piece_spans(plan.groups[0], piece, 0, 4, 128)
+    assert len(spans) == 4 and all(s.src_index == s.dst_index for s in spans)
+    assert {(s.src_offset, s.nbytes) for s in spans} == {(4 * 32 * C * 4, 4 * 32 * C * 4)}  # heads 4..7
+
+
+def test_remote_positions_and_windows() -> None:
+    plan = plan_rank(shape(1, 8, 32), shape(1, 8, 64), 0)
+    assert remote_positions(plan.groups[0], 1, 2, 300) == range(2, 6)  # tokens 64..191
+    assert remote_positions(plan.groups[0], 4, 1, 300) == range(8, 10)  # tokens 256..299: prefill's 8, 9
+    # a sliding window's reads start ``window`` tokens before the prompt's last (300 tokens, window
+    # 128, blocks of 32 -> tokens 172.. -> blocks 5..9, the ones vLLM 0.32 CPU kept in a probe)
+    assert window_positions(KVGroup("window", 32, "x:C1", 128), 300) == 5
+    assert window_positions(KVGroup("window", 32, "x:C1", 32), 64) == 1
+    assert window_positions(KVGroup("window", 32, "x:C1", 128), 100) == 0
+    assert window_positions(KVGroup("full", 32, "x:C1"), 300) == 0
