@@ -44,7 +44,8 @@ def make_regions(num_layers: int, num_blocks: int, seed: int | None = 0,
 
 
 class RecordingSink:
-    """Lands a pushed batch at block ids = positions of its own regions; records
+    """Lands a pushed batch at block ids = positions of its own regions (with ``windows`` set,
+    a window's rows at the start of those blocks); records
     every landed() call in order. ``hold`` blocks destinations() until set."""
 
     def __init__(self, regions: Sequence[MemoryRegion], reject: set[str] | None = None) -> None:
@@ -56,6 +57,7 @@ class RecordingSink:
         self.entered = threading.Event()
         self.notify_delay = 0.0
         self.notified: list[bytes] = []  # every control message delivered, in order
+        self.windows = False  # take rows shorter than a block (pushes of a window of each block)
         self.cond = threading.Condition()
 
     def destinations(self, batch: BlockBatch):
@@ -64,7 +66,8 @@ class RecordingSink:
         if batch.transfer_id in self.reject:
             return None
         t = self.regions[batch.layer].tensor
-        return [memoryview(t[p].view(-1).view(torch.uint8).numpy()) for p in batch.positions]
+        views = [memoryview(t[p].view(-1).view(torch.uint8).numpy()) for p in batch.positions]
+        return [v[:batch.block_nbytes] for v in views] if self.windows else views
 
     def landed(self, batch: BlockBatch, ok: bool) -> None:
         with self.cond:

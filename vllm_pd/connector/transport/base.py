@@ -18,6 +18,12 @@ connector can start layer i while layer i+1 computes and wait per layer:
 
 plus ``notify``, a small control message (release, abort) with an optional reply.
 
+Either may move part of each block instead of all of it - a run of heads of a head-major
+block, when prefill and decode shard heads differently, or per head a run of tokens, when
+their block sizes differ (``kv_geometry``): a push takes one :class:`BlockWindow` of every
+block it sends, a fetch a :class:`FetchSpans` (one source range and destination offset per
+block id, ids repeating).
+
 Every completion is a :class:`concurrent.futures.Future` resolving to ``None`` or
 failing with a :class:`~vllm_pd.connector.exceptions.TransportError`. Each block
 travels with its length and a checksum; the receiving side verifies both before
@@ -105,6 +111,47 @@ def tensor_spans(t: torch.Tensor) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
+class BlockWindow:
+    """Bytes ``[offset, offset + nbytes)`` of every block a push sends (in wire order)."""
+
+    offset: int
+    nbytes: int
+
+    def check(self, block_nbytes: int) -> None:
+        """ValueError unless the window lies inside blocks of ``block_nbytes``."""
+        if self.offset < 0 or self.nbytes <= 0 or self.offset + self.nbytes > block_nbytes:
+            raise ValueError(f"window [{self.offset}, {self.offset + self.nbytes}) is not inside a block of "
+                             f"{block_nbytes} bytes")
+
+
+@dataclass(frozen=True)
+class FetchSpans:
+    """Part of each block of a fetch: bytes ``[src_offsets[i], src_offsets[i] + lengths[i])``
+    of the peer's block ``remote_block_ids[i]`` land at ``dst_offsets[i]`` of our block
+    ``local_block_ids[i]`` (block ids may repeat, one entry per span)."""
+
+    src_offsets: tuple[int, ...]
+    dst_offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.src_offsets) == len(self.dst_offsets) == len(self.lengths):
+            raise ValueError("FetchSpans: one source offset, destination offset and length per span")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def check(self, src_block_nbytes: int, dst_block_nbytes: int | None = None) -> None:
+        """ValueError unless every span lies inside blocks of these sizes (the destination's
+        unchecked where None)."""
+        for s, d, n in zip(self.src_offsets, self.dst_offsets, self.lengths, strict=True):
+            if s < 0 or d < 0 or n <= 0 or s + n > src_block_nbytes or (
+                    dst_block_nbytes is not None and d + n > dst_block_nbytes):
+                raise ValueError(f"span of {n} bytes at {s} -> {d} is not inside blocks of {src_block_nbytes} "
+                                 f"-> {dst_block_nbytes} bytes")
+
+
+@dataclass(frozen=True)
 class BlockBatch:
     """What a push carries besides the bytes: enough for the sink to place them."""
 
@@ -175,9 +222,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def push(
         self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float,
-        answer: bool = True,
+        answer: bool = True, window: BlockWindow | None = None,
     ) -> Future[None]:
-        """Send local blocks ``block_ids`` of region ``batch.layer`` to ``peer``.
+        """Send local blocks ``block_ids`` of region ``batch.layer`` to ``peer`` (``window``: only
+        those bytes of each block; ``batch.block_nbytes`` is then the window's size).
         The source blocks must stay untouched until the future resolves. Batches
         to one peer land in the order they were pushed. A push that times out
         after its bytes left may still land at the peer: abort it with notify.
@@ -189,7 +237,7 @@ class Transport(abc.ABC):
 
     def push_layers(
         self, peer: str, transfer_id: str, layers: Sequence[int], positions: Sequence[int],
-        block_ids: Sequence[int], timeout: float, last: bool = False,
+        block_ids: Sequence[int], timeout: float, last: bool = False, window: BlockWindow | None = None,
     ) -> LayerPush | None:
         """Announce, before a forward, a push of blocks ``block_ids`` (at ``positions``) of
         every region in ``layers``, which the peer takes itself as each layer is marked
@@ -207,11 +255,12 @@ class Transport(abc.ABC):
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         timeout: float,
+        spans: FetchSpans | None = None,
     ) -> Future[None]:
         """Read blocks ``remote_block_ids`` of the peer's region ``layer`` into our
-        region ``layer`` at ``local_block_ids``. The peer serves the read only if
-        ``transfer_id`` is one it holds and every id in ``remote_block_ids`` is in
-        its grant (see :meth:`allow_fetch`); else TransferRejected."""
+        region ``layer`` at ``local_block_ids`` (``spans``: only those parts, one per id). The
+        peer serves the read only if ``transfer_id`` is one it holds and every id in
+        ``remote_block_ids`` is in its grant (see :meth:`allow_fetch`); else TransferRejected."""
 
     @abc.abstractmethod
     def notify(self, peer: str, message: bytes, timeout: float) -> Future[bytes | None]:

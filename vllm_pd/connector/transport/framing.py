@@ -7,7 +7,8 @@ followed by a trailer of one 8-byte digest per block::
     header   magic "VPD5", kind, status, checksum kind, flags, request id, layer,
              block count, block_nbytes, transfer-id length, payload length
     variable transfer id (utf-8) | ids (u32 x count) | lengths (u64 x count,
-             data messages only) | payload
+             data messages only) | payload (a FETCH of parts of blocks: the parts'
+             offsets and lengths, u64 x count each)
     blocks   count x block_nbytes bytes                (data messages only)
     trailer  count x 8-byte digest                     (data messages only)
 
@@ -75,6 +76,21 @@ class Kind(IntEnum):
 
 DATA_KINDS = frozenset({Kind.PUSH, Kind.DATA})
 LENGTH_KINDS = frozenset({Kind.PUSH, Kind.DATA, Kind.READY})
+
+
+def encode_fetch_spans(src_offsets: Sequence[int], lengths: Sequence[int]) -> bytes:
+    """A FETCH frame's payload asking for parts of blocks: per id, where its part starts and
+    how long it is (the requester keeps where each lands)."""
+    n = len(lengths)
+    return struct.pack(f"<{2 * n}Q", *src_offsets, *lengths)
+
+
+def decode_fetch_spans(payload: bytes, count: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, lengths) of a FETCH payload for ``count`` ids; TransferCorrupted if malformed."""
+    if len(payload) != 16 * count:
+        raise TransferCorrupted(f"FETCH payload of {len(payload)} bytes for {count} spans")
+    values = struct.unpack(f"<{2 * count}Q", payload)
+    return values[:count], values[count:]
 
 
 class Status(IntEnum):

@@ -68,7 +68,7 @@ from vllm_pd.connector.exceptions import (
     TransportError,
 )
 from vllm_pd.connector.transport import cross_memory
-from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from vllm_pd.connector.transport.base import BlockBatch, BlockWindow, FetchSpans, MemoryRegion
 from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, Status
 from vllm_pd.connector.transport.nixl_agent import LocalAgent, ProgressPump
 from vllm_pd.connector.transport.nixl_regions import (
@@ -99,11 +99,28 @@ class PushPayload(msgspec.Struct, array_like=True):
     block_ids: bytes  # u32: the sender's blocks, in the order of the frame's positions
     digests: bytes  # one per block (empty without a checksum)
     timeout_s: float
+    window_offset: int = 0  # where in each block the frame's block_nbytes start (a window of it)
+    windowed: bool = False
 
 
 class FetchPayload(msgspec.Struct, array_like=True):
     block_ids: bytes  # u32: the requester's blocks the owner writes, in the order of the frame's ids
     timeout_s: float
+    # parts of blocks (FetchSpans), u64 each: where each id's part starts at the owner and at the
+    # requester, and its length; empty: whole blocks
+    src_offsets: bytes = b""
+    dst_offsets: bytes = b""
+    lengths: bytes = b""
+
+    def spans(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(source offsets, destination offsets, lengths) of a fetch of parts; None: whole blocks."""
+        if not self.lengths:
+            return None
+        arrays = tuple(np.frombuffer(b, dtype=np.uint64).astype(np.int64)
+                       for b in (self.src_offsets, self.dst_offsets, self.lengths))
+        if any(len(a) != count for a in arrays) or (arrays[2] <= 0).any():
+            raise TransferCorrupted(f"fetch of parts: {[len(a) for a in arrays]} offsets and lengths for {count} ids")
+        return arrays  # type: ignore[return-value]
 
 
 def _u32(ids: np.ndarray) -> bytes:
@@ -219,14 +236,26 @@ class NixlChannel:
         layout = self._peer_layout(frame.layer)
         ids = _peer_ids(layout, payload.block_ids, "the sender's")
         n = len(views)
-        if len(ids) != n or layout.block_nbytes != frame.block_nbytes:
-            raise TransferCorrupted(f"push of {len(ids)} blocks of {layout.block_nbytes} bytes announced as "
-                                    f"{n} of {frame.block_nbytes}")
         dests = np.array([cross_memory.address_of(v) for v in views], dtype=np.int64)
-        local = (dests[None, :] + layout.wire_offsets()[:, None]).reshape(-1)
-        lengths = np.repeat(np.asarray(layout.lengths, dtype=np.int64), n)
-        inside = np.tile(regions.host_segments(dests, layout.block_nbytes), len(layout.lengths))
-        local, remote, lengths = merge_pairs(local, layout.spans(ids).reshape(-1), lengths, inside)
+        if payload.windowed:
+            # a window of each block: one span of the sender's (head-major pages are one span a block)
+            end = payload.window_offset + frame.block_nbytes
+            if len(ids) != n or len(layout.lengths) != 1 or payload.window_offset < 0 or end > layout.block_nbytes:
+                raise TransferCorrupted(f"push of a window [{payload.window_offset}, {end}) of {len(ids)} blocks of "
+                                        f"{layout.block_nbytes} bytes in {len(layout.lengths)} span(s), announced "
+                                        f"as {n}")
+            local, remote = dests, layout.spans(ids)[0] + payload.window_offset
+            lengths = np.full(n, frame.block_nbytes, dtype=np.int64)
+            inside = regions.host_segments(dests, frame.block_nbytes)
+        else:
+            if len(ids) != n or layout.block_nbytes != frame.block_nbytes:
+                raise TransferCorrupted(f"push of {len(ids)} blocks of {layout.block_nbytes} bytes announced as "
+                                        f"{n} of {frame.block_nbytes}")
+            local = (dests[None, :] + layout.wire_offsets()[:, None]).reshape(-1)
+            remote = layout.spans(ids).reshape(-1)
+            lengths = np.repeat(np.asarray(layout.lengths, dtype=np.int64), n)
+            inside = np.tile(regions.host_segments(dests, layout.block_nbytes), len(layout.lengths))
+        local, remote, lengths = merge_pairs(local, remote, lengths, inside)
         # destinations outside our regions (the sink's staging) are registered for this READ
         fresh = regions.host_segments(local, lengths) < 0
         handle = agent.register(local[fresh], lengths[fresh], DRAM, 0) if fresh.any() else None
@@ -240,25 +269,40 @@ class NixlChannel:
             return True
         return b"".join(frame.checksum.digest(v) for v in views) == payload.digests
 
-    def write_fetched(self, frame: Frame, checksum: Checksum) -> bytes:
-        """WRITE the blocks a FETCH asks for into the requester's regions; their digests."""
+    def write_fetched(self, frame: Frame, checksum: Checksum) -> tuple[bytes, tuple[int, ...]]:
+        """WRITE the blocks (or parts) a FETCH asks for into the requester's regions; their
+        digests and lengths."""
         agent, regions, peer = self._side.agent, self._side.regions, self._peer
         if agent is None or regions is None or peer is None:
             raise TransferRejected("fetch over nixl from a peer without a NIXL agent")
         payload = _decode(frame.payload, FetchPayload)
         layout, theirs = regions.layout(frame.layer), self._peer_layout(frame.layer)
-        if theirs.block_nbytes != layout.block_nbytes:
-            raise TransferRejected(f"layer {frame.layer}: the requester's blocks are {theirs.block_nbytes} bytes, "
-                                   f"ours {layout.block_nbytes}")
         own = regions.check_ids(frame.layer, frame.ids)
         dest = _peer_ids(theirs, payload.block_ids, "the requester's")
         if len(dest) != len(own):
             raise TransferCorrupted(f"fetch of {len(own)} blocks into {len(dest)}")
-        digests = regions.digests(frame.layer, own, checksum)
-        local, remote, lengths = block_pairs(layout, own, theirs, dest)
+        parts = payload.spans(len(own))
+        if parts is not None:
+            src_off, dst_off, part_lengths = parts
+            if len(layout.lengths) != 1 or len(theirs.lengths) != 1:
+                raise TransferRejected(f"layer {frame.layer}: parts of blocks move between blocks of one span each")
+            if ((src_off + part_lengths) > layout.block_nbytes).any() or \
+                    ((dst_off + part_lengths) > theirs.block_nbytes).any():
+                raise TransferRejected(f"layer {frame.layer}: a part lies outside the blocks")
+            digests = regions.part_digests(frame.layer, own, src_off, part_lengths, checksum)
+            sizes = tuple(part_lengths.tolist())
+            local, remote, lengths = merge_pairs(layout.spans(own)[0] + src_off, theirs.spans(dest)[0] + dst_off,
+                                                 part_lengths)
+        else:
+            if theirs.block_nbytes != layout.block_nbytes:
+                raise TransferRejected(f"layer {frame.layer}: the requester's blocks are {theirs.block_nbytes} "
+                                       f"bytes, ours {layout.block_nbytes}")
+            digests = regions.digests(frame.layer, own, checksum)
+            sizes = (layout.block_nbytes,) * len(own)
+            local, remote, lengths = block_pairs(layout, own, theirs, dest)
         agent.transfer("WRITE", local, lengths, layout.mem, layout.device, remote, theirs.mem, theirs.device, peer,
                        time.monotonic() + payload.timeout_s)
-        return digests
+        return digests, sizes
 
     # -- dialling side -------------------------------------------------------------------------
 
@@ -271,6 +315,10 @@ class NixlChannel:
         if regions.layouts[layer].mem != DRAM:
             return True  # GPU memory: the link's integrity checks are all there is
         ids = np.array([v.block_id for v in views], dtype=np.int64)
+        if any(v.offset or v.nbytes != regions.block_nbytes[layer] for v in views):
+            offsets = np.array([v.offset for v in views], dtype=np.int64)
+            lengths = np.array([v.nbytes for v in views], dtype=np.int64)
+            return regions.part_digests(layer, ids, offsets, lengths, frame.checksum) == frame.payload
         return regions.digests(layer, ids, frame.checksum) == frame.payload
 
     def _peer_layout(self, layer: int) -> RegionLayout:
@@ -315,6 +363,10 @@ class NixlServeSession(ServeSession):
             return
         super()._on_fetch(frame)
 
+    def _parts(self, frame: Frame, views: list[Any], block_nbytes: int) -> list[Any]:
+        """Parts are read from the FETCH's own payload when it is served (write_fetched)."""
+        return views
+
     def _serve_fetch(self, frame: Frame, views: Sequence[Any]) -> None:
         why = self._grants.begin_serve(frame.transfer_id, frame.ids)
         if why is not None:
@@ -330,7 +382,7 @@ class NixlServeSession(ServeSession):
                 return
             assert isinstance(self._channel, NixlChannel)
             try:
-                digests = self._channel.write_fetched(frame, self._checksum)
+                digests, sizes = self._channel.write_fetched(frame, self._checksum)
             except TransferRejected as e:
                 self._answer(frame, Status.REJECTED, str(e))
                 return
@@ -342,7 +394,7 @@ class NixlServeSession(ServeSession):
             self.wire.send_frame(Frame(
                 Kind.DATA, req_id=frame.req_id, checksum=self._checksum if digests else Checksum.NONE,
                 layer=frame.layer, block_nbytes=frame.block_nbytes, transfer_id=frame.transfer_id, ids=frame.ids,
-                lengths=(frame.block_nbytes,) * len(frame.ids), payload=digests))
+                lengths=sizes, payload=digests))
         finally:
             with self._cancel_lock:
                 self._cancelled.discard(frame.req_id)  # a cancel that came while we served it
@@ -488,37 +540,59 @@ class NixlTransport(TcpTransport):
     # -- Transport ------------------------------------------------------------------------------
 
     def push(self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float,
-             answer: bool = True) -> Future[None]:
+             answer: bool = True, window: BlockWindow | None = None) -> Future[None]:
         regions = self._kv()
         if len(block_ids) != len(batch.positions):
             raise ValueError(f"push: {len(block_ids)} block ids but {len(batch.positions)} positions")
         ids = regions.check_ids(batch.layer, block_ids)
-        if batch.block_nbytes != regions.block_nbytes[batch.layer]:
-            raise ValueError(f"push: batch.block_nbytes {batch.block_nbytes} != region's "
-                             f"{regions.block_nbytes[batch.layer]}")
-        digests = regions.digests(batch.layer, ids, self._checksum)
+        full = regions.block_nbytes[batch.layer]
+        if window is not None:
+            window.check(full)
+            if len(regions.layout(batch.layer).lengths) != 1:
+                raise ValueError(f"push: a window of layer {batch.layer}'s blocks, which lie in several spans")
+        expected = window.nbytes if window is not None else full
+        if batch.block_nbytes != expected:
+            raise ValueError(f"push: batch.block_nbytes {batch.block_nbytes} != the {expected} bytes sent per block")
+        if window is not None:
+            offsets = np.full(len(ids), window.offset, dtype=np.int64)
+            digests = regions.part_digests(batch.layer, ids, offsets, np.full(len(ids), window.nbytes, dtype=np.int64),
+                                           self._checksum)
+        else:
+            digests = regions.digests(batch.layer, ids, self._checksum)
         frame = Frame(
             Kind.PUSH, req_id=next(self._req_ids), checksum=self._checksum if digests else Checksum.NONE,
             flags=(FLAG_LAST if batch.last else 0) | (0 if answer else FLAG_QUIET),
             layer=batch.layer, block_nbytes=batch.block_nbytes, transfer_id=batch.transfer_id,
             ids=tuple(batch.positions), lengths=(batch.block_nbytes,) * len(ids),
-            payload=msgspec.msgpack.encode(PushPayload(_u32(ids), digests, timeout)))
+            payload=msgspec.msgpack.encode(PushPayload(_u32(ids), digests, timeout,
+                                                       window.offset if window is not None else 0,
+                                                       window is not None)))
         return self._request(peer, frame, timeout)
 
     def push_layers(self, peer: str, transfer_id: str, layers: Sequence[int], positions: Sequence[int],
-                    block_ids: Sequence[int], timeout: float, last: bool = False) -> None:
+                    block_ids: Sequence[int], timeout: float, last: bool = False,
+                    window: BlockWindow | None = None) -> None:
         return None
 
     def fetch(self, peer: str, transfer_id: str, layer: int, remote_block_ids: Sequence[int],
-              local_block_ids: Sequence[int], timeout: float) -> Future[None]:
+              local_block_ids: Sequence[int], timeout: float, spans: FetchSpans | None = None) -> Future[None]:
         regions = self._kv()
         if len(remote_block_ids) != len(local_block_ids):
             raise ValueError(f"fetch: {len(remote_block_ids)} remote but {len(local_block_ids)} local ids")
         blocks = regions.views(layer, local_block_ids)
+        local_ids = _u32(regions.check_ids(layer, local_block_ids))
+        if spans is None:
+            payload = FetchPayload(local_ids, timeout)
+        else:
+            if len(spans) != len(blocks):
+                raise ValueError(f"fetch: {len(spans)} spans for {len(blocks)} block ids")
+            spans.check(1 << 62, regions.block_nbytes[layer])
+            blocks = [BlockRef(b.layer, b.block_id, n, d) for b, d, n in
+                      zip(blocks, spans.dst_offsets, spans.lengths, strict=True)]
+            payload = FetchPayload(local_ids, timeout, *(np.asarray(a, dtype=np.uint64).tobytes() for a in
+                                                        (spans.src_offsets, spans.dst_offsets, spans.lengths)))
         frame = Frame(Kind.FETCH, req_id=next(self._req_ids), layer=layer, block_nbytes=regions.block_nbytes[layer],
-                      transfer_id=transfer_id, ids=tuple(remote_block_ids),
-                      payload=msgspec.msgpack.encode(FetchPayload(_u32(regions.check_ids(layer, local_block_ids)),
-                                                                  timeout)))
+                      transfer_id=transfer_id, ids=tuple(remote_block_ids), payload=msgspec.msgpack.encode(payload))
         return self._request(peer, frame, timeout, blocks)
 
     # -- internals -------------------------------------------------------------------------------

@@ -142,10 +142,10 @@ class BlockRef:
     """One block of a local region, where a byte view cannot say it (several spans, GPU
     memory): ``len()`` is its byte count, as the stream machinery asks of a block."""
 
-    __slots__ = ("layer", "block_id", "nbytes")
+    __slots__ = ("layer", "block_id", "nbytes", "offset")
 
-    def __init__(self, layer: int, block_id: int, nbytes: int) -> None:
-        self.layer, self.block_id, self.nbytes = layer, block_id, nbytes
+    def __init__(self, layer: int, block_id: int, nbytes: int, offset: int = 0) -> None:
+        self.layer, self.block_id, self.nbytes, self.offset = layer, block_id, nbytes, offset
 
     def __len__(self) -> int:
         return self.nbytes
@@ -208,6 +208,16 @@ class NixlRegions:
                 d.update(host[start:start + n])
             out.append(d.digest())
         return b"".join(out)
+
+    def part_digests(self, layer: int, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+                     checksum: Checksum) -> bytes:
+        """One digest per part (bytes ``[offsets[i], offsets[i] + lengths[i])`` of block ``ids[i]``,
+        a layout of one span a block), b"" without a checksum or on a GPU."""
+        host = self._host[layer]
+        if checksum is Checksum.NONE or host is None:
+            return b""
+        starts = (self.spans_relative(layer, np.asarray(ids, dtype=np.int64))[0] + offsets).tolist()
+        return b"".join(checksum.digest(host[s:s + n]) for s, n in zip(starts, lengths.tolist(), strict=True))
 
     def spans_relative(self, layer: int, ids: np.ndarray) -> np.ndarray:
         lay = self.layouts[layer]

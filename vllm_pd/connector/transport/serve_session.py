@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from vllm_pd.connector.exceptions import AuthFailed, PeerClosed, TransferCorrupted, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink
@@ -27,6 +28,7 @@ from vllm_pd.connector.transport.framing import (
     Frame,
     Kind,
     Status,
+    decode_fetch_spans,
 )
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.wire import BlockChannel, Wire
@@ -262,13 +264,26 @@ class ServeSession:
             return
         try:
             views = self._regions.views(layer, local_ids)
-            if frame.block_nbytes != self._regions.block_nbytes[layer]:
-                raise ValueError(f"block_nbytes {frame.block_nbytes} != local "
-                                 f"{self._regions.block_nbytes[layer]} for layer {layer}")
+            nbytes = self._regions.block_nbytes[layer]
+            if frame.payload:  # parts of blocks: each within ours
+                views = self._parts(frame, views, nbytes)
+            elif frame.block_nbytes != nbytes:
+                raise ValueError(f"block_nbytes {frame.block_nbytes} != local {nbytes} for layer {layer}")
         except ValueError as e:
             self._ack(frame, Status.REJECTED, str(e))
             return
         self._queue(lambda: self._serve_fetch(frame, views))
+
+    def _parts(self, frame: Frame, views: list[Any], block_nbytes: int) -> list[Any]:
+        """The parts of ``views`` a FETCH of parts of blocks asks for (ValueError if outside them)."""
+        try:
+            offsets, lengths = decode_fetch_spans(frame.payload, frame.count)
+        except TransferCorrupted as e:
+            raise ValueError(str(e)) from None
+        for o, n in zip(offsets, lengths, strict=True):
+            if n <= 0 or o + n > block_nbytes:
+                raise ValueError(f"part [{o}, {o + n}) is not inside a block of {block_nbytes} bytes")
+        return [v[o:o + n] for v, o, n in zip(views, offsets, lengths, strict=True)]
 
     def _serve_fetch(self, frame: Frame, views: Sequence[memoryview]) -> None:
         # Checked again here: the grant may have been revoked while queued.

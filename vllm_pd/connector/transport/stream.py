@@ -21,8 +21,15 @@ import msgspec
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.exceptions import AuthFailed, PeerClosed, TransferCorrupted, TransferRejected, TransportError
-from vllm_pd.connector.transport.base import BlockBatch, BlockSink, MemoryRegion, Transport
-from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind
+from vllm_pd.connector.transport.base import (
+    BlockBatch,
+    BlockSink,
+    BlockWindow,
+    FetchSpans,
+    MemoryRegion,
+    Transport,
+)
+from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, encode_fetch_spans
 from vllm_pd.connector.transport.layer_plan import LayerPlan
 from vllm_pd.connector.transport.link_security import LinkSecurity
 from vllm_pd.connector.transport.tls_stream import TlsSettings
@@ -160,14 +167,14 @@ class StreamTransport(Transport):
         return self._endpoint
 
     def push(self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float,
-             answer: bool = True) -> Future[None]:
+             answer: bool = True, window: BlockWindow | None = None) -> Future[None]:
         regions = self._require_regions()
         if len(block_ids) != len(batch.positions):
             raise ValueError(f"push: {len(block_ids)} block ids but {len(batch.positions)} positions")
-        views = regions.views(batch.layer, block_ids)
-        if batch.block_nbytes != regions.block_nbytes[batch.layer]:
-            raise ValueError(f"push: batch.block_nbytes {batch.block_nbytes} != region's "
-                             f"{regions.block_nbytes[batch.layer]}")
+        views = _windowed(regions.views(batch.layer, block_ids), regions.block_nbytes[batch.layer], window)
+        expected = window.nbytes if window is not None else regions.block_nbytes[batch.layer]
+        if batch.block_nbytes != expected:
+            raise ValueError(f"push: batch.block_nbytes {batch.block_nbytes} != the {expected} bytes sent per block")
         frame = Frame(
             Kind.PUSH, req_id=next(self._req_ids), checksum=self._data_checksum,
             flags=(FLAG_LAST if batch.last else 0) | (0 if answer else FLAG_QUIET),
@@ -178,15 +185,17 @@ class StreamTransport(Transport):
         return self._submit(peer, frame, timeout, send_views=views)
 
     def push_layers(self, peer: str, transfer_id: str, layers: Sequence[int], positions: Sequence[int],
-                    block_ids: Sequence[int], timeout: float, last: bool = False) -> LayerPlan | None:
+                    block_ids: Sequence[int], timeout: float, last: bool = False,
+                    window: BlockWindow | None = None) -> LayerPlan | None:
         regions = self._require_regions()
         if not layers or not block_ids or self._unregistered:
             return None
         if len(block_ids) != len(positions):
             raise ValueError(f"push_layers: {len(block_ids)} block ids but {len(positions)} positions")
-        nbytes = regions.block_nbytes[layers[0]]
-        if any(regions.block_nbytes[layer] != nbytes for layer in layers):
+        full = regions.block_nbytes[layers[0]]
+        if any(regions.block_nbytes[layer] != full for layer in layers):
             return None
+        nbytes = window.nbytes if window is not None else full
         try:
             channel = self._link(peer).channel
         except TransportError:
@@ -195,7 +204,8 @@ class StreamTransport(Transport):
             # not connected yet (the first push connects), or the peer cannot read us (tcp; the
             # probe failed; shm without a checksum or ordered stores)
             return None
-        plan = LayerPlan(self._checksum, layers, [regions.views(layer, block_ids) for layer in layers])
+        plan = LayerPlan(self._checksum, layers,
+                         [_windowed(regions.views(layer, block_ids), full, window) for layer in layers])
         frame = Frame(Kind.PLAN, req_id=next(self._req_ids), checksum=self._checksum,
                       flags=FLAG_LAST if last else 0, block_nbytes=nbytes, transfer_id=transfer_id,
                       ids=tuple(positions), payload=plan.payload(timeout))
@@ -203,14 +213,22 @@ class StreamTransport(Transport):
         return plan
 
     def fetch(self, peer: str, transfer_id: str, layer: int, remote_block_ids: Sequence[int],
-              local_block_ids: Sequence[int], timeout: float) -> Future[None]:
+              local_block_ids: Sequence[int], timeout: float, spans: FetchSpans | None = None) -> Future[None]:
         regions = self._require_regions()
         if len(remote_block_ids) != len(local_block_ids):
             raise ValueError(f"fetch: {len(remote_block_ids)} remote but {len(local_block_ids)} local ids")
         views = regions.views(layer, local_block_ids)
+        payload = b""
+        if spans is not None:
+            if len(spans) != len(views):
+                raise ValueError(f"fetch: {len(spans)} spans for {len(views)} block ids")
+            spans.check(MAX_SPAN_SOURCE, regions.block_nbytes[layer])
+            views = [v[d:d + n] for v, d, n in zip(views, spans.dst_offsets, spans.lengths, strict=True)]
+            payload = encode_fetch_spans(spans.src_offsets, spans.lengths)
+        # block_nbytes: our blocks' size, which the peer checks against its own (whole blocks), or 0 (parts)
         frame = Frame(Kind.FETCH, req_id=next(self._req_ids), layer=layer,
-                      block_nbytes=regions.block_nbytes[layer], transfer_id=transfer_id,
-                      ids=tuple(remote_block_ids))
+                      block_nbytes=0 if spans is not None else regions.block_nbytes[layer], transfer_id=transfer_id,
+                      ids=tuple(remote_block_ids), payload=payload)
         return self._submit(peer, frame, timeout, recv_views=views)
 
     def notify(self, peer: str, message: bytes, timeout: float) -> Future[bytes | None]:
@@ -419,6 +437,18 @@ class StreamTransport(Transport):
     def _session_ended(self, session: ServeSession) -> None:
         with self._lock:
             self._sessions.discard(session)
+
+
+# the peer checks a part against its own blocks: here only that it is a part of something
+MAX_SPAN_SOURCE = 1 << 62
+
+
+def _windowed(views: list[memoryview], block_nbytes: int, window: BlockWindow | None) -> list[memoryview]:
+    """``window`` of each block's view (all of each, without one)."""
+    if window is None:
+        return views
+    window.check(block_nbytes)
+    return [v[window.offset:window.offset + window.nbytes] for v in views]
 
 
 def _cut(sock: socket.socket) -> None:
