@@ -141,7 +141,7 @@ def _push_one_step(transport: str, dev: AsyncStandInDevice, save_layers: bool = 
     decode_regions = make_regions(LAYERS, 8, seed=None, block_shape=(2, BS, 64))
     decode, sink, decode_endpoint = started(transport, decode_regions)
     block_ids = [5, 2, 7]
-    spec = SendSpec(transfer_id="t1", block_ids=tuple(block_ids), first_block=0, end_token=3 * BS,
+    spec = SendSpec(transfer_id="t1", block_ids=tuple(block_ids), first_token=0, end_token=3 * BS,
                     num_prompt_tokens=3 * BS, push_endpoint=decode_endpoint)
     written = [random_kv(3, seed=50 + i) for i in range(LAYERS)]
     try:
@@ -284,7 +284,7 @@ def test_the_forward_reports_finished_sends_without_waiting_for_queued_copies() 
     reader.register_regions(reader_regions)
     sink = _AnnouncedSink(reader_regions)
     reader_endpoint = reader.start(sink, "127.0.0.1", 0)
-    spec = SendSpec(transfer_id="t3", block_ids=(1, 6), first_block=0, end_token=2 * BS, num_prompt_tokens=2 * BS,
+    spec = SendSpec(transfer_id="t3", block_ids=(1, 6), first_token=0, end_token=2 * BS, num_prompt_tokens=2 * BS,
                     push_endpoint=None, announcement={"do_remote_prefill": True}, announce_endpoint=reader_endpoint)
     gate = threading.Event()
     try:

@@ -111,7 +111,7 @@ def test_prefill_pushes_each_layer_only_after_its_write_and_holds_it_for_reads(t
     reader_regions = make_regions(LAYERS, NUM_BLOCKS, seed=None, block_shape=(2, BS, HEADS * HEAD))
     reader, _, _ = started(transport, reader_regions)
     block_ids = [5, 2, 7]
-    spec = SendSpec(transfer_id="t1", block_ids=tuple(block_ids), first_block=0, end_token=3 * BS,
+    spec = SendSpec(transfer_id="t1", block_ids=tuple(block_ids), first_token=0, end_token=3 * BS,
                     num_prompt_tokens=3 * BS, push_endpoint=decode_endpoint)
     try:
         written = [random_kv(3, seed=10 + i) for i in range(LAYERS)]
@@ -159,7 +159,7 @@ def test_prefill_announces_pulled_kv_only_once_it_is_staged_for_reads() -> None:
     sink = _AnnouncedSink(reader_regions)
     reader_endpoint = reader.start(sink, "127.0.0.1", 0)
     block_ids = [1, 6]
-    spec = SendSpec(transfer_id="t2", block_ids=tuple(block_ids), first_block=0, end_token=2 * BS,
+    spec = SendSpec(transfer_id="t2", block_ids=tuple(block_ids), first_token=0, end_token=2 * BS,
                     num_prompt_tokens=2 * BS, push_endpoint=None, announcement={"do_remote_prefill": True},
                     announce_endpoint=reader_endpoint)
     try:

@@ -62,12 +62,12 @@ DECISIONS: dict[str, str] = {
     "build_connector_worker_meta": "ours",
     "bind_kv_cache_manager": "ours",
     "bind_gpu_block_pool": "bind_kv_cache_manager gets the manager (and its pool)",
-    "get_loaded_kv_cache_group_ids": "one KV cache group: the default (the prefix-cacheable groups) is it",
+    "get_loaded_kv_cache_group_ids": "ours",
     "get_num_new_matched_tokens": "ours",
     "get_external_cache_hit_sources": "see _cache_hit_source",
     "update_state_after_alloc": "ours",
     "build_connector_meta": "ours",
-    "on_new_request": "requests are noted in get_num_new_matched_tokens",
+    "on_new_request": "ours",
     "update_connector_output": "ours",
     "request_finished": "ours",
     "register_finished_partial_tail": "no partial-tail offload",
@@ -90,11 +90,11 @@ READS = {
     "KVTransferConfig": {"kv_connector_extra_config", "kv_role", "kv_port", "engine_id", "kv_load_failure_policy",
                          "is_kv_producer", "is_kv_consumer"},
     "KVCacheBlocks": {"get_block_ids"},
-    "KVCacheConfig": {"num_blocks"},
+    "KVCacheConfig": {"num_blocks", "kv_cache_groups", "transfer_group_ids"},
     "KVCacheManager": {"get_block_ids"},
     "SchedulerOutput": {"total_num_scheduled_tokens", "preempted_req_ids", "num_scheduled_tokens"},
     "Request": {"request_id", "kv_transfer_params", "num_prompt_tokens", "prompt_token_ids", "num_computed_tokens",
-                "status", "all_token_ids"},
+                "status", "all_token_ids", "_all_token_ids", "max_tokens"},
 }
 
 

@@ -106,6 +106,26 @@ class BlockCopies:
         self._blocks = [widest_elements(byte_blocks(r)) for r in self.regions]
         self._nbytes = [r.block_nbytes for r in self.regions]
         self._index = _IndexCache(device)
+        self._windows: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def window(self, layer: int, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + nbytes)`` of every block of ``layer``, as a view
+        ``[num_blocks, ...]`` (a run of heads of head-major blocks); ValueError where a block's
+        bytes are not one contiguous run."""
+        key = (layer, offset, nbytes)
+        view = self._windows.get(key)
+        if view is None:
+            region = self.regions[layer]
+            try:
+                flat = byte_blocks(region).view(region.num_blocks, region.block_nbytes)
+            except RuntimeError:
+                raise ValueError(f"region {region.name!r}: a block's bytes are not contiguous, so parts of "
+                                 "it cannot be placed") from None
+            if offset < 0 or nbytes <= 0 or offset + nbytes > region.block_nbytes:
+                raise ValueError(f"window [{offset}, {offset + nbytes}) is not inside a block of "
+                                 f"{region.block_nbytes} bytes")
+            view = self._windows[key] = widest_elements(flat[:, offset:offset + nbytes])
+        return view
 
     def record_compute(self) -> DeviceEvent:
         """An event after everything the forward launched so far (e.g. a layer's KV write)."""
@@ -126,13 +146,16 @@ class BlockCopies:
 
         return self._launch(after, work)
 
-    def from_rows(self, layer: int, runs: Sequence[Run], after: DeviceEvent = COMPLETED) -> DeviceEvent:
+    def from_rows(self, layer: int, runs: Sequence[Run], after: DeviceEvent = COMPLETED,
+                  window: tuple[int, int] | None = None) -> DeviceEvent:
         """Copy each run's host rows into its blocks of ``layer`` once ``after`` is complete (vLLM
         zeroing the blocks on the compute stream, say): one host-to-device copy per run into one
-        device buffer, then one scatter. The rows must stay untouched until the returned event."""
-        dst = self._blocks[layer]
+        device buffer, then one scatter. The rows must stay untouched until the returned event.
+        ``window``: (offset, nbytes) - the rows are that part of each block (a run of heads)."""
+        dst = self._blocks[layer] if window is None else self.window(layer, *window)
         block_ids = [b for ids, _ in runs for b in ids]
         n = len(block_ids)
+        nbytes = self._nbytes[layer] if window is None else window[1]
 
         def work() -> None:
             if len(runs) == 1:
@@ -142,7 +165,7 @@ class BlockCopies:
                     dst.index_copy_(0, self._index.get(ids), as_elements(rows, dst))
                 return
             else:
-                staged = self.device.empty((n, self._nbytes[layer]), torch.uint8)
+                staged = self.device.empty((n, nbytes), torch.uint8)
                 start = 0
                 for ids, rows in runs:
                     staged[start:start + len(ids)].copy_(rows, non_blocking=True)

@@ -6,6 +6,10 @@ worker process) to :class:`~vllm_pd.connector.worker.PDConnectorWorker`.
 
 Roles: ``kv_producer`` serves prefill legs (``do_remote_decode``), ``kv_consumer``
 serves decode legs (``do_remote_prefill``), ``kv_both`` either, per request.
+
+It supports vLLM's hybrid KV cache manager (``SupportsHMA``): a model with sliding-window and
+full-attention layers, or recurrent state beside attention, keeps one KV cache group per kind
+and moves each group's blocks (``kv_geometry``, ``layer_groups``).
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from vllm_pd.connector.config import PDConnectorConfig, needs_layer_hooks
+from vllm_pd.connector.kv_geometry import encode_shape
 from vllm_pd.connector.kv_layout import TRANSFER_LAYOUT
 from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, PDWorkerMeta
-from vllm_pd.connector.scheduler import PDConnectorScheduler
+from vllm_pd.connector.scheduler import PDConnectorScheduler, kv_cache_groups
 from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
 from vllm_pd.connector.transfer_params import asks_remote_decode, asks_remote_prefill
 from vllm_pd.connector.store.config import StoreConfig
@@ -46,7 +52,17 @@ if TYPE_CHECKING:
 logger = vllm_logger(__name__)
 
 
-class PDConnector(KVConnectorBase_V1):
+def total_kv_heads(vllm_config: "VllmConfig") -> int:
+    """The model's KV heads before TP sharding; 1 for MLA (one latent, on every rank)."""
+    model_config = vllm_config.model_config
+    if model_config is None:
+        return 0
+    if model_config.use_mla:
+        return 1
+    return int(model_config.get_total_num_kv_heads())
+
+
+class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -66,13 +82,21 @@ class PDConnector(KVConnectorBase_V1):
                         if self.config.store is not None else None)
         self._store_scheduler: StoreBridgeScheduler | None = None
         self._store_worker: StoreBridgeWorker | None = None
+        groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        if store_config is not None and len(groups) > 1:
+            # its keys and blocks are one group's: a hybrid model's other groups would be missing
+            logger.warning("PD connector: the KV store is off for this model: it has %d KV cache groups (the "
+                           "store keeps one)", len(groups))
+            store_config = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = PDConnectorScheduler(vllm_config, self.config, str(ktc.engine_id))
+            self._scheduler = PDConnectorScheduler(vllm_config, self.config, str(ktc.engine_id), kv_cache_config)
             if store_config is not None:
                 self._store_scheduler = StoreBridgeScheduler(vllm_config, store_config)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+            layer_groups = ({name: g for g, group in enumerate(kv_cache_config.kv_cache_groups)
+                             for name in group.layer_names} if kv_cache_config is not None else {})
             self._worker = PDConnectorWorker(
                 self.config,
                 block_size=vllm_config.cache_config.block_size,
@@ -82,6 +106,9 @@ class PDConnector(KVConnectorBase_V1):
                 is_consumer=self.is_consumer,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 stats=PDConnectorStats(rank=get_tensor_model_parallel_rank()),
+                kv_heads=total_kv_heads(vllm_config) if layer_groups else 0,
+                groups=groups,
+                layer_groups=layer_groups,
             )
             if store_config is not None:
                 self._store_worker = StoreBridgeWorker(store_config, vllm_config, get_tensor_model_parallel_rank())
@@ -115,7 +142,8 @@ class PDConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         w = self.worker
         handshake = PDHandshake(endpoint=w.endpoint, host=w.host, port=w.port, num_layers=len(w.regions),
-                                block_nbytes=w.regions[0].block_nbytes, kv_format=w.kv_format)
+                                block_nbytes=w.regions[0].block_nbytes, kv_format=w.kv_format,
+                                kv_shape=encode_shape(w.shape) if w.shape is not None else b"")
         if self._store_worker is not None:
             handshake.store_endpoint = self._store_worker.endpoint
         return handshake
@@ -200,6 +228,12 @@ class PDConnector(KVConnectorBase_V1):
                                                ",".join(store_endpoints) if all(store_endpoints) else "",
                                                kv_format=self.scheduler.kv_format)
 
+    def on_new_request(self, request: "Request") -> None:
+        """A prefill leg of a model with a recurrent state computes all but its last token
+        (decode computes that one: see ``PDConnectorScheduler.truncate_prefill``)."""
+        if self.is_producer:
+            self.scheduler.truncate_prefill(request)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self.scheduler.note_request(request.request_id)
         if self._store_scheduler is not None and not asks_remote_prefill(request.kv_transfer_params):
@@ -209,6 +243,11 @@ class PDConnector(KVConnectorBase_V1):
         if not self.is_consumer:
             return 0, False
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """Our loads land the request's own blocks of every KV cache group that transfers KV."""
+        assert self._kv_cache_config is not None
+        return tuple(self._kv_cache_config.transfer_group_ids)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self._store_scheduler is not None:
@@ -234,9 +273,15 @@ class PDConnector(KVConnectorBase_V1):
             self._store_scheduler.update_connector_output(meta.store)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Without the hybrid KV cache manager: one KV cache group."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """SupportsHMA: every KV cache group's blocks, held together until decode took them."""
         delay, params = self.scheduler.request_finished(request, block_ids)
         if self._store_scheduler is not None:
-            delay = self._store_scheduler.request_finished(request, block_ids, pd_holds=delay) or delay
+            delay = self._store_scheduler.request_finished(request, block_ids[0], pd_holds=delay) or delay
         return delay, params
 
     def has_pending_push_work(self) -> bool:

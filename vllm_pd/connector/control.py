@@ -6,11 +6,19 @@ from typing import Any
 
 import msgspec
 
+from vllm_pd.connector.kv_geometry import ShapeQuery
+
 
 class ReleaseMessage(msgspec.Struct, tag="release", frozen=True):
-    """Decode (or the proxy) -> prefill: the held KV of this transfer is not needed any more."""
+    """Decode (or the proxy) -> prefill: the held KV of this transfer is not needed any more.
+
+    Where several decode ranks read one prefill rank (decode of a larger TP), each says so
+    (``releaser``: its TP rank) and prefill frees its blocks once all ``of`` of them did;
+    ``releaser`` -1: free them now (the proxy; a decode rank that read nothing)."""
 
     transfer_id: str
+    releaser: int = -1
+    of: int = 1
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -36,7 +44,7 @@ class PingMessage(msgspec.Struct, tag="ping", frozen=True):
         return msgspec.msgpack.encode(self)
 
 
-ControlMessage = ReleaseMessage | PrefillDoneMessage | PingMessage
+ControlMessage = ReleaseMessage | PrefillDoneMessage | PingMessage | ShapeQuery
 
 _decoder = msgspec.msgpack.Decoder(ControlMessage)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from vllm_pd.connector.block_copies import BlockCopies, Run
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
+from vllm_pd.connector.layer_groups import union
 from vllm_pd.connector.transport.base import MemoryRegion
 
 
@@ -57,9 +58,11 @@ class KVAccess(abc.ABC):
         leave; ``after`` marks the forward's write. None: no room (do not send)."""
 
     @abc.abstractmethod
-    def stage_hold(self, transfer_id: str, block_ids: Sequence[int],
+    def stage_hold(self, transfer_id: str, block_ids_by_layer: Sequence[Sequence[int]],
                    after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
-        """As ``stage_send`` for every layer: the blocks decode may read (pull)."""
+        """As ``stage_send`` for every layer, each its own blocks (a hybrid model's groups hold
+        different ones): the blocks decode may read (pull). The transport ids come in the order of
+        :func:`layer_groups.union` of the blocks."""
 
     def release(self, transfer_id: str) -> None:
         """The transfer is over: its staging, if any, is free again."""
@@ -74,10 +77,12 @@ class KVAccess(abc.ABC):
         """A read into ``landing_ids(key, ...)`` of ``layer`` is complete: place it in
         ``block_ids`` once ``after`` is (vLLM's zeroing of new blocks); the event marks them final."""
 
-    def land_pushed(self, layer: int, runs: Sequence[Run], after: DeviceEvent) -> DeviceEvent:
+    def land_pushed(self, layer: int, runs: Sequence[Run], after: DeviceEvent,
+                    window: tuple[int, int] | None = None) -> DeviceEvent:
         """Place runs of host rows (pushed KV) into their blocks of ``layer`` once ``after`` is
-        complete; the rows stay untouched until the returned event."""
-        return self.land_copies.from_rows(layer, runs, after)
+        complete (``window``: (offset, nbytes) - the rows are that part of each block); the rows
+        stay untouched until the returned event."""
+        return self.land_copies.from_rows(layer, runs, after, window)
 
     def release_landing(self, key: str) -> None:
         """The load ``key`` is over and its events complete."""
@@ -95,9 +100,9 @@ class DirectAccess(KVAccess):
                    after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
         return list(block_ids), after
 
-    def stage_hold(self, transfer_id: str, block_ids: Sequence[int],
+    def stage_hold(self, transfer_id: str, block_ids_by_layer: Sequence[Sequence[int]],
                    after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
-        return list(block_ids), after
+        return union(block_ids_by_layer), after
 
     def landing_ids(self, key: str, block_ids: Sequence[int]) -> list[int] | None:
         return list(block_ids)
@@ -132,22 +137,22 @@ class StagedAccess(KVAccess):
 
     def stage_send(self, transfer_id: str, layer: int, block_ids: Sequence[int],
                    after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
-        return self._stage(transfer_id, [layer], block_ids, after)
+        return self._stage(transfer_id, {layer: block_ids}, block_ids, after)
 
-    def stage_hold(self, transfer_id: str, block_ids: Sequence[int],
+    def stage_hold(self, transfer_id: str, block_ids_by_layer: Sequence[Sequence[int]],
                    after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
-        return self._stage(transfer_id, range(len(self.arena.tensors)), block_ids, after)
+        return self._stage(transfer_id, dict(enumerate(block_ids_by_layer)), union(block_ids_by_layer), after)
 
-    def _stage(self, transfer_id: str, layers: Sequence[int], block_ids: Sequence[int],
+    def _stage(self, transfer_id: str, layers: dict[int, Sequence[int]], block_ids: Sequence[int],
                after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
         with self._lock:
             st = self._sends.setdefault(transfer_id, _Staged())
             if not self._map(st, block_ids):
                 return None
             rows = [st.rows[b] for b in block_ids]
-            for layer in layers:
+            for layer, layer_ids in layers.items():
                 done = st.copied.setdefault(layer, set())
-                todo = [b for b in block_ids if b not in done]
+                todo = [b for b in layer_ids if b not in done]
                 if todo:
                     self.send_copies.to_rows(layer, self._arena_runs(layer, todo, st), after)
                 done.update(todo)

@@ -20,6 +20,7 @@ from typing import Any
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.kv_access import KVAccess
 from vllm_pd.connector.kv_device import KVDevice
+from vllm_pd.connector.layer_groups import LayerGroups
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.step_specs import WorkerStep
@@ -34,7 +35,8 @@ logger = vllm_logger(__name__)
 class KVLoader:
     def __init__(self, config: PDConnectorConfig, transport: Transport, access: KVAccess, device: KVDevice,
                  regions: list[MemoryRegion], rank: int, tp_size: int, stats: TransferCounters,
-                 release: Callable[[RemotePrefill], None], changed: threading.Event) -> None:
+                 release: Callable[[RemotePrefill], None], changed: threading.Event,
+                 groups: LayerGroups | None = None) -> None:
         self.config = config
         self.transport = transport
         self.access = access
@@ -44,6 +46,7 @@ class KVLoader:
         self.tp_size = tp_size
         self.stats = stats
         self._release = release  # free prefill's copy on this rank's share of its ranks
+        self.groups = groups or LayerGroups(None, len(regions), 1)
         self._changed = changed  # wakes an idle step waiting for transfer events
         self.staging = PushStaging(config.staging_bytes, ttl_s=config.lease_s,
                                    peer_capacity_bytes=config.staging_peer_limit)
@@ -83,10 +86,12 @@ class KVLoader:
         self._step_jobs = [
             LoadJob(spec, self.transport, self.regions, self.staging, self.access, self.rank,
                     self.config.transfer_timeout_s, self.config.push_wait_s, tp_size=self.tp_size,
-                    probe_s=self.config.peer_probe_s)
+                    probe_s=self.config.peer_probe_s, groups=self.groups, host_alloc=self.device.host_empty)
             for spec in meta.loads
         ]
         for rel in meta.remote_releases:
+            if rel.refused:
+                self.stats.record_shape_refused()
             self._release(rel.remote)
         for transfer_id in meta.abandoned_pushes:
             announced = self.staging.abandon(transfer_id)
@@ -192,7 +197,7 @@ class KVLoader:
             if not job.ok:
                 logger.warning("layer-wise KV load for %s failed (%s): its blocks are recomputed",
                                job.spec.request_id, job.error)
-                bad.update(job.spec.local_block_ids)
+                bad.update(job.spec.all_local_block_ids)
         return bad
 
     def close(self) -> None:

@@ -6,28 +6,71 @@ its blocks until we release them. Pull mode: fetch every layer. A decode leg
 sent beside its prefill leg (no ``RemotePrefill`` yet) first waits for
 prefill's announcement and checks it is for this very prompt.
 
+Prefill may be of another shape (``kv_geometry``): another TP size, another block size.
+Then each layer's blocks come as *units*, one per piece of the rank plan - a run of heads
+from one prefill rank: pushed as rows of that piece of prefill's blocks (under the plan's
+staging key, placed into that part of our blocks, re-cut first where block sizes differ,
+``block_recut``), or fetched as spans straight into our blocks. Of equal shapes a layer is
+one unit of whole blocks, as always. A hybrid model's layers each take their own KV cache
+group's blocks (``LoadSpec.group``).
+
 The job always ends ``ok`` or failed - never pending forever - and always tells
-prefill to release its copy, so neither side leaks blocks.
+prefill to release its copy, so neither side leaks blocks: every prefill rank this
+rank read from (or is told to release, ``kv_geometry.releasers``), once it is done.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
+import torch
 
+from vllm_pd.connector.block_recut import recut_rows
 from vllm_pd.connector.control import PingMessage
-from vllm_pd.connector.release import release_rank_share
 from vllm_pd.connector.kv_access import KVAccess
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
-from vllm_pd.connector.step_specs import LoadSpec
+from vllm_pd.connector.kv_geometry import (
+    GroupPlan,
+    Piece,
+    RankPlan,
+    incompatibility,
+    piece_spans,
+    plan_rank,
+    remote_positions,
+)
+from vllm_pd.connector.layer_groups import LayerGroups, union
 from vllm_pd.connector.push_staging import PushStaging
+from vllm_pd.connector.release import release_plan_share, release_rank_share
+from vllm_pd.connector.step_specs import LoadSpec
 from vllm_pd.connector.transfer_params import RemotePrefill
-from vllm_pd.connector.transport.base import MemoryRegion, Transport
+from vllm_pd.connector.transport.base import FetchSpans, MemoryRegion, Transport
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What one layer takes from one prefill rank: whole blocks (``piece`` None) or a piece."""
+
+    group: int
+    source: int  # prefill TP rank
+    key: str  # what its pushes land under
+    plan: GroupPlan | None = None
+    piece: Piece | None = None
+
+    @property
+    def whole(self) -> bool:
+        return self.piece is None
+
+    @property
+    def counts_blocks(self) -> bool:
+        """A block landed counts once, with its whole or its first piece."""
+        return self.plan is None or self.piece == self.plan.pieces[0]
 
 
 class LoadJob:
@@ -43,6 +86,8 @@ class LoadJob:
         push_wait_s: float,
         tp_size: int = 1,
         probe_s: float = 2.0,
+        groups: LayerGroups | None = None,
+        host_alloc: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         self.spec = spec
         self.remote: RemotePrefill | None = spec.remote
@@ -55,6 +100,9 @@ class LoadJob:
         self._timeout_s = timeout_s
         self._push_wait_s = push_wait_s
         self._probe_s = probe_s
+        self._groups = groups or LayerGroups(None, len(regions), 1)
+        self._host_alloc = host_alloc
+        self._plan: RankPlan | None = None
         self.layer_done = [threading.Event() for _ in regions]
         # set before layer_done: the device copy that placed the layer in our blocks
         self.layer_events: list[DeviceEvent] = [COMPLETED] * len(regions)
@@ -65,6 +113,7 @@ class LoadJob:
         self.done = threading.Event()
         self.ok = False
         self.error: str | None = None
+        self.refused = False  # prefill's KV is of a shape we cannot take (counted, recomputed)
         self.bytes_landed = 0
         self.blocks_from_push = 0
         self.blocks_fetched = 0
@@ -74,9 +123,6 @@ class LoadJob:
         # set before run(): vLLM zeroed the request's new blocks on the compute stream up to
         # here; our copies into them wait for it
         self.blocks_ready: DeviceEvent = COMPLETED
-
-    def _peer(self, remote: RemotePrefill) -> str:
-        return remote.endpoint_for_rank(self._rank)
 
     def run(self) -> None:
         try:
@@ -101,72 +147,159 @@ class LoadJob:
                 announced = self._staging.abandon(self.spec.transfer_id)
                 self.remote = RemotePrefill.from_params(announced) if announced else None
             else:
-                self._staging.drop(self.spec.transfer_id)
+                for key in self._staging_keys():
+                    self._staging.drop(key)
             if self.remote is not None:
                 self._release_remote(self.remote)
 
+    # ---- the plan ---------------------------------------------------------------------------------
+    def _staging_keys(self) -> list[str]:
+        if self._plan is None or self._plan.identity:
+            return [self.spec.transfer_id]
+        return [self._plan.staging_key(self.spec.transfer_id, p) for p in self._plan.sources]
+
+    def _make_plan(self, remote: RemotePrefill) -> bool:
+        """This rank's plan for ``remote`` (None for equal shapes told by no shape); False (the
+        error set) where prefill's KV is of a shape we cannot take."""
+        local = self._groups.shape
+        if remote.shape is None or local is None:
+            return True
+        try:
+            self._plan = plan_rank(remote.shape, local, self._rank)
+        except ValueError as e:
+            self.refused = True
+            self.error = f"prefill's KV cannot be taken here: {e}"
+            return False
+        return True
+
+    def _units(self, layer: int) -> list[_Unit]:
+        group = self._groups.group(layer)
+        plan = self._plan
+        if plan is None or plan.groups[group].identity:
+            return [_Unit(group, self._rank if plan is None else plan.groups[group].pieces[0].source,
+                          self.spec.transfer_id if plan is None else
+                          plan.staging_key(self.spec.transfer_id, plan.groups[group].pieces[0].source))]
+        gp = plan.groups[group]
+        return [_Unit(group, p.source, plan.staging_key(self.spec.transfer_id, p.source), gp, p) for p in gp.pieces]
+
+    def _peer(self, remote: RemotePrefill, source: int) -> str:
+        return remote.endpoint_for_rank(source)
+
+    # ---- the load ---------------------------------------------------------------------------------
     def _run(self) -> None:
         spec = self.spec
         deadline = self.started + self._timeout_s  # a job parked for prefill's announcement counts too
         remote = self.remote or self._await_announcement(deadline)
-        if remote is None:
+        if remote is None or (self.spec.remote is not None and not self._make_plan(remote)):
             return
-        missing: dict[int, list[int]] = {}  # layer -> indexes into spec.positions
+        missing: dict[int, list[tuple[_Unit, list[int]]]] = {}  # layer -> (unit, local indexes to fetch)
         if remote.mode == "push":
             # layer by layer: announced as prefill's forward starts, the pushes land while we copy
             push_deadline = min(deadline, time.monotonic() + self._push_wait_s)
-            for layer, region in enumerate(self._regions):
-                self._staging.wait_layer(spec.transfer_id, layer, push_deadline)
-                miss = self._copy_staged(spec.transfer_id, layer, region)
+            for layer in range(len(self._regions)):
+                miss = self._land_layer_pushed(remote, layer, push_deadline)
                 if miss:
                     missing[layer] = miss
-                else:
-                    self._layer_landed(layer, True)
             if missing:
                 logger.info("request %s: %d layer(s) incomplete after push; fetching them from prefill",
                             spec.request_id, len(missing))
-                if not self._peer_answers(remote):
+                if not self._peers_answer(remote, {u.source for units in missing.values() for u, _ in units}):
                     return
         else:
-            missing = {layer: list(range(len(spec.positions))) for layer in range(len(self._regions))}
-        futures: list[tuple[int, list[int], Future[None]]] = []
-        remote_ids = spec.remote_block_ids(remote)
-        landing = self._access.landing_ids(spec.request_id, spec.local_block_ids) if missing else []
-        if landing is None:
+            for layer in range(len(self._regions)):
+                missing[layer] = [(u, list(range(len(spec.group(u.group)[1])))) for u in self._units(layer)]
+        if missing:
+            self._fetch(remote, missing, deadline)
+
+    def _fetch(self, remote: RemotePrefill, missing: dict[int, list[tuple[_Unit, list[int]]]], deadline: float) -> None:
+        spec = self.spec
+        local_ids = union([spec.group(g)[1] for g in range(self._groups.num_groups)])
+        landing_ids = self._access.landing_ids(spec.request_id, local_ids)
+        if landing_ids is None:
             self.error = "no host staging room to land the KV read from prefill"
             return
-        if missing:
-            self.blocks_ready.synchronize()  # a transport writing our blocks itself must come after the zeroing
-        for layer, idxs in missing.items():
-            fut = self._transport.fetch(self._peer(remote), remote.transfer_id, layer,
-                                        [remote_ids[i] for i in idxs], [landing[i] for i in idxs],
-                                        timeout=max(0.1, deadline - time.monotonic()))
-            futures.append((layer, idxs, fut))
-        for layer, idxs, fut in futures:
-            try:
-                fut.result(timeout=max(0.1, deadline - time.monotonic() + 1.0))
-            except Exception as e:  # noqa: BLE001 - run() turns any failure into "recompute"
-                self.error = self.error or f"fetch of layer {layer} failed: {type(e).__name__}: {e}"
+        landing = dict(zip(local_ids, landing_ids))
+        self.blocks_ready.synchronize()  # a transport writing our blocks itself must come after the zeroing
+        futures: list[tuple[int, list[tuple[Future[None], int, int]]]] = []
+        for layer, units in missing.items():
+            fetches = []
+            for unit, idxs in units:
+                fut, nbytes = self._fetch_unit(remote, layer, unit, idxs, landing, deadline)
+                fetches.append((fut, nbytes, len(idxs) if unit.counts_blocks else 0))
+            futures.append((layer, fetches))
+        for layer, fetches in futures:
+            ok = True
+            for fut, nbytes, blocks in fetches:
+                try:
+                    fut.result(timeout=max(0.1, deadline - time.monotonic() + 1.0))
+                except Exception as e:  # noqa: BLE001 - run() turns any failure into "recompute"
+                    self.error = self.error or f"fetch of layer {layer} failed: {type(e).__name__}: {e}"
+                    ok = False
+                    continue
+                self.blocks_fetched += blocks
+                self.bytes_landed += nbytes
+            if not ok:
                 self._layer_landed(layer, False)
                 continue
-            self.blocks_fetched += len(idxs)
-            self.bytes_landed += len(idxs) * self._regions[layer].block_nbytes
-            self._layer_landed(layer, True, self._access.land_read(
-                spec.request_id, layer, [spec.local_block_ids[i] for i in idxs], self.blocks_ready))
+            _, ids = spec.group(self._groups.group(layer))
+            self._layer_landed(layer, True, self._access.land_read(spec.request_id, layer, list(ids),
+                                                                   self.blocks_ready))
 
-    def _peer_answers(self, remote: RemotePrefill) -> bool:
-        """Whether prefill answers a probe within probe_s (else the error is set). Pushes that
+    def _fetch_unit(self, remote: RemotePrefill, layer: int, unit: _Unit, idxs: list[int], landing: dict[int, int],
+                    deadline: float) -> tuple[Future[None], int]:
+        """Start reading ``unit``'s part of our blocks at indexes ``idxs`` of its group; (the read, its bytes)."""
+        first, ids = self.spec.group(unit.group)
+        remote_ids = remote.group_blocks(unit.group)
+        timeout = max(0.1, deadline - time.monotonic())
+        peer = self._peer(remote, unit.source)
+        if unit.whole:
+            src = [remote_ids[first + i] for i in idxs]
+            dst = [landing[ids[i]] for i in idxs]
+            fut = self._transport.fetch(peer, remote.transfer_id, layer, src, dst, timeout=timeout)
+            return fut, len(idxs) * self._regions[layer].block_nbytes
+        assert unit.plan is not None and unit.piece is not None
+        src, dst, src_off, dst_off, lengths = [], [], [], [], []
+        for i in idxs:  # our block i, from the spans of prefill's blocks that hold its tokens
+            for s in piece_spans(unit.plan, unit.piece, first + i, 1, remote.num_tokens):
+                if s.src_index >= len(remote_ids):
+                    raise ValueError(f"prefill's {len(remote_ids)} blocks of group {unit.group} do not hold our tokens")
+                src.append(remote_ids[s.src_index])
+                dst.append(landing[ids[i]])
+                src_off.append(s.src_offset)
+                dst_off.append(s.dst_offset)
+                lengths.append(s.nbytes)
+        parts = FetchSpans(tuple(src_off), tuple(dst_off), tuple(lengths))
+        fut = self._transport.fetch(peer, remote.transfer_id, layer, src, dst, timeout=timeout, spans=parts)
+        return fut, sum(parts.lengths)
+
+    def _land_layer_pushed(self, remote: RemotePrefill, layer: int,
+                           push_deadline: float) -> list[tuple[_Unit, list[int]]]:
+        """Place what was pushed of ``layer`` in our blocks; per unit, the indexes (into its group's
+        blocks) still missing."""
+        missing = []
+        for unit in self._units(layer):
+            self._staging.wait_layer(unit.key, layer, push_deadline)
+            miss = self._copy_staged(remote, layer, unit)
+            if miss:
+                missing.append((unit, miss))
+        if not missing:
+            self._layer_landed(layer, True)
+        return missing
+
+    def _peers_answer(self, remote: RemotePrefill, sources: set[int]) -> bool:
+        """Whether the prefill ranks answer a probe within probe_s (else the error is set). Pushes that
         stall may mean prefill is cut off: fetching from it would hold this load - and a
         layer-wise load's forward - until the transfer's deadline, for bytes that won't come."""
-        peer = self._peer(remote)
-        try:
-            self._transport.notify(peer, PingMessage().encode(), timeout=self._probe_s).result(
-                timeout=self._probe_s + 1.0)
-            return True
-        except Exception as e:  # noqa: BLE001 - no answer, whatever the reason: recompute
-            self.error = (f"prefill {peer} did not answer within {self._probe_s:.1f}s after its pushes "
-                          f"stalled ({type(e).__name__}: {e})")
-            return False
+        for source in sorted(sources):
+            peer = self._peer(remote, source)
+            try:
+                self._transport.notify(peer, PingMessage().encode(), timeout=self._probe_s).result(
+                    timeout=self._probe_s + 1.0)
+            except Exception as e:  # noqa: BLE001 - no answer, whatever the reason: recompute
+                self.error = (f"prefill {peer} did not answer within {self._probe_s:.1f}s after its pushes "
+                              f"stalled ({type(e).__name__}: {e})")
+                return False
+        return True
 
     def _await_announcement(self, deadline: float) -> RemotePrefill | None:
         """The decode leg came first: wait for prefill to say what it pushed (None: error set)."""
@@ -184,25 +317,75 @@ class LoadJob:
         problem = spec.prompt.mismatch(remote) if spec.prompt is not None else "no local prompt to check"
         if problem is None and remote.transfer_id != spec.transfer_id:
             problem = f"prefill's answer names transfer {remote.transfer_id}"
-        if problem is None and len(remote.block_ids) < spec.first_position + len(spec.local_block_ids):
-            problem = f"prefill computed {remote.num_tokens} tokens, fewer than this prompt's"
         if problem is not None:
+            local = spec.prompt.shape if spec.prompt is not None else None
+            self.refused = local is not None and remote.shape is not None and \
+                incompatibility(remote.shape, local) is not None
             self.error = f"announced KV of transfer {spec.transfer_id} is not for this request: {problem}"
+            return None
+        if not self._make_plan(remote):
+            return None
+        short = self._uncovered(remote)
+        if short is not None:
+            self.error = f"announced KV of transfer {spec.transfer_id} is not for this request: {short}"
             return None
         return remote
 
-    def _copy_staged(self, transfer_id: str, layer: int, region: MemoryRegion) -> list[int]:
-        """Place what was pushed of ``layer`` in our blocks (one scatter); the indexes into
-        ``spec.positions`` that did not land."""
-        runs, missing = self._staging.landed_runs(transfer_id, layer, self.spec.positions, region.block_nbytes)
-        if runs:
-            ids = self.spec.local_block_ids
-            self.layer_events[layer] = self._access.land_pushed(
-                layer, [([ids[i] for i in idxs], rows) for idxs, rows in runs], self.blocks_ready)
-            n = sum(len(idxs) for idxs, _ in runs)
-            self.blocks_from_push += n
-            self.bytes_landed += n * region.block_nbytes
-        return missing
+    def _uncovered(self, remote: RemotePrefill) -> str | None:
+        """Why prefill's blocks do not hold the tokens we load, or None."""
+        for g in range(self._groups.num_groups):
+            first, ids = self.spec.group(g)
+            plan = self._plan.groups[g] if self._plan is not None else None
+            need = (remote_positions(plan, first, len(ids), remote.num_tokens).stop if plan is not None
+                    else first + len(ids))
+            if len(remote.group_blocks(g)) < need:
+                return f"prefill computed {remote.num_tokens} tokens, fewer than this prompt's"
+        return None
+
+    def _copy_staged(self, remote: RemotePrefill, layer: int, unit: _Unit) -> list[int]:
+        """Place what was pushed of ``unit`` of ``layer`` in our blocks; the indexes (into its
+        group's blocks) that did not land."""
+        first, ids = self.spec.group(unit.group)
+        region = self._regions[layer]
+        if unit.whole:
+            runs, missing = self._staging.landed_runs(unit.key, layer, range(first, first + len(ids)),
+                                                      region.block_nbytes)
+            if runs:
+                self._place(layer, [([ids[i] for i in idxs], rows) for idxs, rows in runs], None)
+                n = sum(len(idxs) for idxs, _ in runs)
+                self.blocks_from_push += n
+                self.bytes_landed += n * region.block_nbytes
+            return missing
+        assert unit.plan is not None and unit.piece is not None
+        plan, piece = unit.plan, unit.piece
+        src_nbytes = piece.src_window(plan.remote_format)[1]
+        dst_window = piece.dst_window(plan.local_format)
+        counted = int(unit.counts_blocks)
+        if plan.remote.block_size == plan.local.block_size:
+            runs, missing = self._staging.landed_runs(unit.key, layer, range(first, first + len(ids)), src_nbytes)
+            if runs:
+                self._place(layer, [([ids[i] for i in idxs], rows) for idxs, rows in runs], dst_window)
+                n = sum(len(idxs) for idxs, _ in runs)
+                self.blocks_from_push += n * counted
+                self.bytes_landed += n * src_nbytes
+            return missing
+        positions = remote_positions(plan, first, len(ids), remote.num_tokens)
+        runs, lost = self._staging.landed_runs(unit.key, layer, positions, src_nbytes)
+        if lost or not runs:
+            return list(range(len(ids)))  # re-cut needs every row: read the piece instead
+        rows = [r for _, chunk in runs for r in chunk]
+        fmt = plan.local_format
+        recut = recut_rows(rows, piece.heads, plan.remote.block_size, plan.local.block_size,
+                           first * plan.local.block_size, len(ids), fmt.token_nbytes, self._host_alloc)
+        self._place(layer, [(list(ids), recut)], dst_window)
+        self.blocks_from_push += len(ids) * counted
+        self.bytes_landed += len(rows) * src_nbytes
+        return []
+
+    def _place(self, layer: int, runs: list, window: tuple[int, int] | None) -> None:
+        placed = self._access.land_pushed(layer, runs, self.blocks_ready, window)
+        # the layer's copies run on one stream in order: the last one covers the earlier ones
+        self.layer_events[layer] = placed
 
     def _layer_landed(self, layer: int, ok: bool, placed: DeviceEvent | None = None) -> None:
         if placed is not None:
@@ -211,8 +394,14 @@ class LoadJob:
         self.layer_done[layer].set()
 
     def _release_remote(self, remote: RemotePrefill) -> None:
-        # With equal TP sizes our rank's share is the prefill rank we loaded from, released after the
-        # load; with other sizes nothing was loaded (refused) and the shares together cover every
-        # prefill rank. Retried: one lost answer from a busy prefill rank would hold its blocks - and
-        # keep its engine stepping - for the whole lease.
+        # Retried: one lost answer from a busy prefill rank would hold its blocks - and keep its
+        # engine stepping - for the whole lease.
+        local = self._groups.shape
+        if self._plan is not None and remote.shape is not None and local is not None:
+            # the prefill ranks we read from (and those nobody reads, shared out); each frees
+            # its blocks once every decode rank reading it is done
+            release_plan_share(self._transport, remote, remote.shape, local, self._rank)
+            return
+        # equal TP sizes: our rank's share is the prefill rank we loaded from; refused or not
+        # shaped: the shares together cover every prefill rank
         release_rank_share(self._transport, remote, self._rank, self._tp_size)

@@ -43,6 +43,7 @@ class PDHandshake(KVConnectorHandshakeMetadata):
     block_nbytes: int
     store_endpoint: str = ""  # where other nodes fetch this worker's KV store blocks ("" = none)
     kv_format: str = ""  # what a block's bytes mean (kv_layout.block_format): peers must match it
+    kv_shape: bytes = b""  # the rank's kv_geometry.KVShape, msgpack (b"": not known)
 
 
 class PDWorkerMeta(KVConnectorWorkerMetadata):

@@ -34,6 +34,7 @@ class OutgoingTransfer:
     finished: bool = False  # scheduler saw request_finished
     held: bool = False
     released: bool = False  # decode is done with it (or aborted)
+    releasers: set[int] = field(default_factory=set)  # decode ranks done with it, of several reading it
     expiry: float | None = None
     created: float = field(default_factory=time.monotonic)
     # layer-wise overlap: first push started, prompt fully computed, last push landed
@@ -103,10 +104,17 @@ class OutgoingTransfers:
                 t.released = True
         self.changed.set()
 
-    def release(self, transfer_id: str) -> None:
-        """Decode took the KV (or will never need it)."""
+    def release(self, transfer_id: str, releaser: int = -1, of: int = 1) -> None:
+        """Decode took the KV (or will never need it): at once, or (``releaser`` >= 0) once ``of``
+        decode ranks reading it each said so."""
         with self._lock:
-            self._get(transfer_id).released = True
+            t = self._get(transfer_id)
+            if releaser >= 0:
+                t.releasers.add(releaser)
+            if releaser < 0 or len(t.releasers) >= of:
+                t.released = True
+            else:
+                return
         self.changed.set()
 
     def wait_pushes(self, transfer_id: str, timeout: float) -> None:

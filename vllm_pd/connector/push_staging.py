@@ -15,6 +15,10 @@ of a re-sent partial block has been superseded by its final one (a position's
 bytes are those of the newest batch that carried it; a batch whose every position
 a newer one carries is dropped at once, so memory stays bounded).
 
+Prefill ranks of another TP size push pieces of their blocks (a run of heads), each
+rank under a key of its own (``kv_geometry.RankPlan.staging_key``, ``<transfer id>#src<rank>``):
+such keys belong to their transfer when it is abandoned or dropped.
+
 When our proxy sends the decode leg beside the prefill leg, decode learns what
 was pushed (prefill's ``RemotePrefill`` params) from prefill's announcement,
 kept here with the bytes. A push no request will claim is *abandoned*: its
@@ -36,6 +40,7 @@ from typing import Any
 
 import torch
 
+from vllm_pd.connector.kv_geometry import transfer_of_key
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.vllm_logging import vllm_logger
 
@@ -97,6 +102,9 @@ class PushStaging:
                                "layer %d", self.used_bytes, self.capacity_bytes, peer_used, self.peer_capacity_bytes,
                                batch.peer or "this peer", batch.transfer_id, batch.layer)
                 return None
+            base = self._transfers.get(transfer_of_key(batch.transfer_id))
+            if base is not None and base.abandoned:
+                return None  # a piece of an abandoned transfer
             if st is None:
                 st = self._transfers[batch.transfer_id] = _StagedTransfer()
             if st.abandoned:
@@ -137,9 +145,11 @@ class PushStaging:
             return False
 
     def abandon(self, transfer_id: str) -> dict[str, Any] | None:
-        """No request will claim this push: drop its bytes. Returns the announcement
-        if it came already (release it now); else it is released when it comes."""
+        """No request will claim this push: drop its bytes (and its pieces'). Returns the
+        announcement if it came already (release it now); else it is released when it comes."""
         with self._cond:
+            for key in [k for k in self._transfers if k != transfer_id and transfer_of_key(k) == transfer_id]:
+                self._drop_locked(key)
             st = self._transfers.get(transfer_id)
             if st is not None and st.announcement is not None:
                 self._drop_locked(transfer_id)

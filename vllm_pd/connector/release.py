@@ -17,6 +17,7 @@ from typing import Any
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.control import ReleaseMessage
+from vllm_pd.connector.kv_geometry import KVShape, releasers
 from vllm_pd.connector.transfer_params import RemotePrefill, TransferParamsError
 from vllm_pd.connector.transport import Transport, create_transport
 from vllm_pd.connector.transport.tls_stream import TlsSettings
@@ -47,8 +48,10 @@ RELEASE_TIMEOUT_S = 5.0
 RELEASE_BACKOFF_S = 1.0
 
 
-def send_release(transport: Transport, peer: str, transfer_id: str, attempt: int = 1) -> None:
-    """Tell ``peer`` (one prefill rank) to free ``transfer_id``; never blocks, retries with backoff.
+def send_release(transport: Transport, peer: str, transfer_id: str, attempt: int = 1, releaser: int = -1,
+                 of: int = 1) -> None:
+    """Tell ``peer`` (one prefill rank) to free ``transfer_id`` (``releaser`` of ``of`` decode
+    ranks reading it, see ReleaseMessage); never blocks, retries with backoff.
 
     A release is idempotent (one the peer already applied, or one for a transfer it never held,
     changes nothing), so a retry after an unanswered attempt is safe."""
@@ -60,12 +63,13 @@ def send_release(transport: Transport, peer: str, transfer_id: str, attempt: int
             logger.warning("release of %s at %s failed %d times (%s): its lease frees it", transfer_id, peer,
                            attempt, error)
             return
-        timer = threading.Timer(RELEASE_BACKOFF_S * attempt, send_release, (transport, peer, transfer_id, attempt + 1))
+        timer = threading.Timer(RELEASE_BACKOFF_S * attempt, send_release,
+                                (transport, peer, transfer_id, attempt + 1, releaser, of))
         timer.daemon = True
         timer.start()
 
     try:
-        fut = transport.notify(peer, ReleaseMessage(transfer_id).encode(), timeout=RELEASE_TIMEOUT_S)
+        fut = transport.notify(peer, ReleaseMessage(transfer_id, releaser, of).encode(), timeout=RELEASE_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - retried like a failed answer
         retry_or_give_up(None, e)
         return
@@ -77,6 +81,16 @@ def release_rank_share(transport: Transport, remote: RemotePrefill, rank: int, t
     KV (see :meth:`RemotePrefill.release_endpoints`); never blocks, each release retried."""
     for peer in remote.release_endpoints(rank, tp_size):
         send_release(transport, peer, remote.transfer_id)
+
+
+def release_plan_share(transport: Transport, remote: RemotePrefill, remote_shape: KVShape, local_shape: KVShape,
+                       rank: int) -> None:
+    """Decode's TP rank ``rank`` tells the prefill ranks it is a releaser of (``kv_geometry.releasers``:
+    those it read from, and its share of those nobody read) that it is done; each frees ``remote``'s
+    KV once all of its releasers are. Never blocks, each release retried."""
+    for source, ranks in releasers(remote_shape, local_shape).items():
+        if rank in ranks:
+            send_release(transport, remote.endpoint_for_rank(source), remote.transfer_id, releaser=rank, of=len(ranks))
 
 
 def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float = 2.0,

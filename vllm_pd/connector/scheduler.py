@@ -12,15 +12,24 @@ It decides, per request and per step, what the worker side moves:
   prompt was already in our own prefix cache. A decode leg sent beside its
   prefill leg (:class:`AwaitedPrefill`) loads asynchronously once prefill announces
   the push; if it will never load, the push is abandoned (released when announced).
+
+A hybrid model (vLLM's hybrid KV cache manager on: several KV cache groups) moves every
+group's blocks: a sliding window's those decode reads, a recurrent state once the prompt is
+computed. A state cannot take the last prompt token twice, so prefill computes all but the
+last token of such a model's prompt (``on_new_request``) and decode computes that one.
+Prefill's KV shape (``kv_geometry.KVShape``, from the workers' handshake) travels with its
+answer; decode takes KV of another TP or block size, and refuses only what cannot be re-cut.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_pd.connector.config import PDConnectorConfig
+from vllm_pd.connector.kv_geometry import KVGroup, KVShape, decode_shape, incompatibility, window_positions
 from vllm_pd.connector.metadata import (
     FinishedSend,
     LoadSpec,
@@ -52,12 +61,15 @@ if TYPE_CHECKING:
 
 logger = vllm_logger(__name__)
 
+# a prefill leg's params, once its prompt was cut short by its last token (truncate_prefill)
+_TRUNCATED = "_pd_truncated"
+
 
 @dataclass
 class _OutgoingRequest:
     request: "Request"
     ask: RemoteDecodeRequest  # resolved: its mode is the one used
-    next_block: int = 0  # first block position not yet handed to the worker
+    next_token: int = 0  # first token not yet handed to the worker (block-aligned)
     seen_by_worker: bool = False
     prompt_hash: str = ""  # hashed once: the announcement and the final params both carry it
 
@@ -74,12 +86,37 @@ def full_cudagraphs(vllm_config: "VllmConfig") -> bool:
     return bool(mode is not None and mode.has_full_cudagraphs())
 
 
+def kv_cache_groups(kv_cache_config: Any, block_size: int) -> tuple[KVGroup, ...]:
+    """vLLM's KV cache groups as kv_geometry's (their block formats come from the workers): full
+    attention (MLA too), a sliding window, a recurrent state (Mamba, linear attention)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return (KVGroup("full", block_size, ""),)
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            groups.append(KVGroup("state", spec.block_size, ""))
+        elif isinstance(spec, SlidingWindowSpec):
+            groups.append(KVGroup("window", spec.block_size, "", spec.sliding_window))
+        else:
+            groups.append(KVGroup("full", spec.block_size, ""))
+    return tuple(groups)
+
+
 class PDConnectorScheduler:
-    def __init__(self, vllm_config: "VllmConfig", config: PDConnectorConfig, engine_id: str) -> None:
+    def __init__(self, vllm_config: "VllmConfig", config: PDConnectorConfig, engine_id: str,
+                 kv_cache_config: Any = None) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.groups = kv_cache_groups(kv_cache_config, self.block_size)
+        self.has_state = any(g.kind == "state" for g in self.groups)
+        # a prompt is handed to the workers in steps of whole blocks of every group but states
+        self._token_step = math.lcm(*(g.block_size for g in self.groups if g.kind != "state")) or self.block_size
+        self.shape: KVShape | None = None  # the workers' (handshake): travels with our KV
         # FULL CUDA graphs replay decode steps without our per-layer waits: whole-request loads only
         # (vLLM keeps them only where config.needs_layer_hooks said no layer-wise load would run)
         self.layerwise_loads = not full_cudagraphs(vllm_config)
@@ -104,9 +141,13 @@ class PDConnectorScheduler:
         self._awaiting: set[str] = set()  # requests whose load waits for prefill's announcement
         self._cancelled_loads: list[str] = []
         self._live: set[str] = set()  # requests of any role not finished yet
+        self._refused: set[str] = set()  # decode legs whose remote KV was refused for its shape
         self._announced: dict[str, float] = {}  # transfer id -> when its announcement reached us
         # unscheduled decode legs waiting for prefill's announcement: request -> (since, transfer id)
         self._awaited_since: dict[str, tuple[float, str]] = {}
+        # prefill legs of a model with a recurrent state, cut short by their last token: the
+        # full prompt's hash (decode checks it) by request id, until the request is tracked
+        self._full_prompts: dict[str, str] = {}
 
     # ---- set-up ---------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -118,8 +159,29 @@ class PDConnectorScheduler:
         self._host = by_rank[ranks[0]].host
         self._port = by_rank[ranks[0]].port
         self.kv_format = "|".join(sorted({by_rank[r].kv_format for r in ranks}))  # one, as ranks shard alike
-        logger.info("PD connector KV endpoints: %s; KV blocks %s", ", ".join(self._endpoints),
-                    self.kv_format or "(format not reported)")
+        shapes = {by_rank[r].kv_shape for r in ranks}
+        self.shape = decode_shape(shapes.pop()) if len(shapes) == 1 and b"" not in shapes else None
+        logger.info("PD connector KV endpoints: %s; KV blocks %s; %s", ", ".join(self._endpoints),
+                    self.kv_format or "(format not reported)",
+                    f"TP {self.shape.tp_size}, {self.shape.kv_heads} KV heads, groups "
+                    + ", ".join(f"{g.kind}/{g.block_size}" for g in self.shape.groups)
+                    if self.shape is not None else "KV shape not reported (equal shapes only)")
+
+    def truncate_prefill(self, request: "Request") -> None:
+        """A prefill leg of a model with a recurrent state: compute all but the last prompt token,
+        whose state decode must compute itself (a state cannot take a token twice, and decode's
+        first step computes that token again). The full prompt's hash is kept for the answer."""
+        params = request.kv_transfer_params
+        ids = request.prompt_token_ids
+        if (not self.has_state or not asks_remote_decode(params) or params is None or ids is None
+                or params.get(_TRUNCATED) or request.num_prompt_tokens < 2):
+            return
+        self._full_prompts[request.request_id] = prompt_hash(ids)
+        del ids[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params[_TRUNCATED] = True
 
     # ---- decode side: remote prefill -> load --------------------------------------------------
     def note_request(self, request_id: str) -> None:
@@ -145,8 +207,14 @@ class PDConnectorScheduler:
             return 0, False
         layerwise = self._layerwise(request)
         # An async load may cover the whole prompt (vLLM then recomputes the last token);
-        # a layer-wise (sync) load must leave that token for this step's forward.
-        count = min(remote.num_tokens, len(prompt) - (1 if layerwise else 0)) - num_computed_tokens
+        # a layer-wise (sync) load must leave that token for this step's forward; a state
+        # (computed by prefill up to the token before the last) leaves it too.
+        count = min(remote.num_tokens, len(prompt) - (1 if layerwise or self.has_state else 0)) - num_computed_tokens
+        if self.has_state and remote.num_tokens >= len(prompt):
+            # its state has taken the last token, which our first step computes again
+            logger.warning("request %s: prefill's recurrent state covers the whole prompt; decode recomputes it",
+                           request.request_id)
+            return 0, False
         if count <= 0:
             return 0, False
         self._matched[request.request_id] = (remote, num_computed_tokens, layerwise)
@@ -182,8 +250,9 @@ class PDConnectorScheduler:
                 del self._awaited_since[req_id]
                 return 0, False  # update_state_after_alloc abandons the push
             layerwise = self._layerwise(request)
-        # a layer-wise load leaves the last token to the forward: nothing to load if it is the only one
-        count -= 1 if layerwise else 0
+        # a layer-wise load (and a state) leaves the last token to the forward: nothing to load if it is
+        # the only one
+        count -= 1 if layerwise or self.has_state else 0
         if count <= 0:
             return 0, False  # update_state_after_alloc abandons the push
         self._matched[req_id] = (awaited, num_computed_tokens, layerwise)
@@ -206,14 +275,34 @@ class PDConnectorScheduler:
         return "async"
 
     def _local_prompt(self, prompt: list[int]) -> LocalPrompt:
-        return LocalPrompt(prompt_hash(prompt), len(prompt), self.block_size, self.tp_size, self.kv_format)
+        return LocalPrompt(prompt_hash(prompt), len(prompt), self.groups[0].block_size, self.tp_size,
+                           self.kv_format, self.shape)
 
     def _remote_usable(self, request: "Request", remote: RemotePrefill, prompt: list[int]) -> bool:
         reason = self._local_prompt(prompt).mismatch(remote)
         if reason:
-            logger.warning("request %s: remote KV not usable (%s); decode recomputes the prompt",
-                           request.request_id, reason)
+            refused = remote.shape is not None and self.shape is not None and \
+                incompatibility(remote.shape, self.shape) is not None
+            logger.warning("request %s: remote KV not usable (%s); decode recomputes the prompt%s",
+                           request.request_id, reason, " (refused: shapes)" if refused else "")
+            if refused:
+                self._refused.add(request.request_id)
         return reason is None
+
+    def _group_loads(self, blocks: "KVCacheBlocks", num_local: int,
+                     num_tokens: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Per KV cache group, (first position, our blocks) the load of ``num_tokens`` tokens lands
+        in, past the ``num_local`` tokens of our own prefix cache: a sliding window's from the first
+        block decode reads, a state whole."""
+        out = []
+        for group, ids in zip(self.groups, blocks.get_block_ids(), strict=True):
+            if group.kind == "state":
+                first = 0
+            else:
+                first = max(num_local // group.block_size, window_positions(group, num_tokens))
+            last = -(-num_tokens // group.block_size)
+            out.append((first, tuple(ids[first:last])))
+        return tuple(out)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -233,19 +322,19 @@ class PDConnectorScheduler:
             return
         if num_external_tokens == 0 or matched is None:
             # Prompt already in our prefix cache (or unusable): prefill's copy is not needed.
-            self._releases.append(RemoteRelease(remote))
+            self._releases.append(RemoteRelease(remote, refused=request.request_id in self._refused))
+            self._refused.discard(request.request_id)
             return
         _, num_local, layerwise = matched
-        first = num_local // self.block_size
-        last = -(-min(remote.num_tokens, request.num_prompt_tokens) // self.block_size)
-        block_ids = blocks.get_block_ids()[0]
+        loads = self._group_loads(blocks, num_local, min(remote.num_tokens, request.num_prompt_tokens))
         self._loads.append(LoadSpec(
             request_id=request.request_id,
             transfer_id=remote.transfer_id,
             remote=remote,
-            first_position=first,
-            local_block_ids=tuple(block_ids[first:last]),
+            first_position=loads[0][0],
+            local_block_ids=loads[0][1],
             layerwise=layerwise,
+            group_loads=loads if len(loads) > 1 else (),
         ))
 
     def _load_awaited(self, request: "Request", awaited: AwaitedPrefill, blocks: "KVCacheBlocks",
@@ -257,18 +346,19 @@ class PDConnectorScheduler:
             self._abandoned.append(awaited.transfer_id)
             return
         _, num_local, layerwise = matched
-        first = num_local // self.block_size
-        last = -(-request.num_prompt_tokens // self.block_size)
+        # prefill of a state model computes all but the last token (truncate_prefill)
+        loads = self._group_loads(blocks, num_local, request.num_prompt_tokens - (1 if self.has_state else 0))
         if not layerwise:
             self._awaiting.add(request.request_id)
         self._loads.append(LoadSpec(
             request_id=request.request_id,
             transfer_id=awaited.transfer_id,
             remote=None,
-            first_position=first,
-            local_block_ids=tuple(blocks.get_block_ids()[0][first:last]),
+            first_position=loads[0][0],
+            local_block_ids=loads[0][1],
             layerwise=layerwise,
             prompt=self._local_prompt(request.prompt_token_ids or []),
+            group_loads=loads if len(loads) > 1 else (),
         ))
 
     # ---- prefill side ---------------------------------------------------------------------------
@@ -283,7 +373,8 @@ class PDConnectorScheduler:
             return
         if ask is None:
             return
-        out = _OutgoingRequest(request, ask.resolve(self.config.default_mode))
+        out = _OutgoingRequest(request, ask.resolve(self.config.default_mode),
+                               prompt_hash=self._full_prompts.pop(request.request_id, ""))
         if out.transfer_id in self._transfer_owners:
             # a second transfer of that id would take the first one's pushes, grants and release
             logger.warning("request %s: transfer_id %s is already in use here (request %s); its KV is not "
@@ -317,7 +408,7 @@ class PDConnectorScheduler:
             out = self._outgoing.get(req_id)
             if out is not None:
                 # Its blocks are freed: sends restart from the first block when it is rescheduled.
-                out.next_block = 0
+                out.next_token = 0
                 meta.preempted_transfers.append(out.transfer_id)
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             out = self._outgoing.get(req_id)
@@ -326,31 +417,35 @@ class PDConnectorScheduler:
             request = out.request
             end = request.num_computed_tokens + num_tokens
             prompt_len = request.num_prompt_tokens
-            if out.next_block * self.block_size >= prompt_len:
+            if out.next_token >= prompt_len:
                 continue  # prompt fully handed over; generated tokens are not transferred
-            block_ids = tuple(self._kv_cache_manager.get_block_ids(req_id)[0])
+            by_group = tuple(tuple(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
             announce = out.ask.announce_endpoint is not None and end >= prompt_len
             meta.sends.append(SendSpec(
                 transfer_id=out.transfer_id,
-                block_ids=block_ids,
-                first_block=out.next_block,
+                block_ids=by_group[0],
+                first_token=out.next_token,
                 end_token=min(end, prompt_len),
                 num_prompt_tokens=prompt_len,
                 push_endpoint=out.ask.push_endpoint,
-                announcement=self._remote_prefill(out, block_ids).to_params() if announce else None,
+                announcement=self._remote_prefill(out, by_group).to_params() if announce else None,
                 announce_endpoint=out.ask.announce_endpoint,
+                group_block_ids=by_group if len(by_group) > 1 else (),
             ))
             out.seen_by_worker = True
             # A partly filled last block is sent again with the next chunk.
-            out.next_block = min(end, prompt_len) // self.block_size
-            if end >= prompt_len:
-                out.next_block = -(-prompt_len // self.block_size)
+            out.next_token = prompt_len if end >= prompt_len else end - end % self._token_step
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "Request",
+                         block_ids: "list[int] | tuple[list[int], ...]") -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's blocks (one group), or each KV cache group's (the hybrid manager's)."""
         from vllm.v1.request import RequestStatus
 
+        by_group = tuple(tuple(ids) for ids in block_ids) if isinstance(block_ids, tuple) else (tuple(block_ids),)
         req_id = request.request_id
+        self._full_prompts.pop(req_id, None)
+        self._refused.discard(req_id)
         self._matched.pop(req_id, None)
         self._live.discard(req_id)
         self._awaited_since.pop(req_id, None)
@@ -374,7 +469,7 @@ class PDConnectorScheduler:
             return False, None
         normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         prefill_done = request.num_computed_tokens >= request.num_prompt_tokens
-        held = normal and prefill_done and bool(block_ids)
+        held = normal and prefill_done and any(by_group)
         if not out.seen_by_worker:
             del self._transfer_owners[out.transfer_id]  # no worker knows of it
             return False, None
@@ -383,12 +478,13 @@ class PDConnectorScheduler:
         self._finished_sends.append(FinishedSend(out.transfer_id, req_id, held=held))
         if not held:
             return True, None
-        return True, self._remote_prefill(out, tuple(block_ids)).to_params()
+        return True, self._remote_prefill(out, by_group).to_params()
 
-    def _remote_prefill(self, out: _OutgoingRequest, block_ids: tuple[int, ...]) -> RemotePrefill:
-        """Where decode finds this request's prompt KV."""
+    def _remote_prefill(self, out: _OutgoingRequest, by_group: tuple[tuple[int, ...], ...]) -> RemotePrefill:
+        """Where decode finds this request's prompt KV (``by_group``: each KV cache group's blocks)."""
         request = out.request
-        n = -(-request.num_prompt_tokens // self.block_size)
+        blocks = tuple(tuple(ids[:-(-request.num_prompt_tokens // g.block_size)])
+                       for g, ids in zip(self.groups, by_group, strict=False))
         if not out.prompt_hash:
             out.prompt_hash = prompt_hash(request.prompt_token_ids or [])
         return RemotePrefill(
@@ -397,14 +493,16 @@ class PDConnectorScheduler:
             endpoint=self._endpoints[0],
             host=self._host,
             port=self._port,
-            block_ids=tuple(block_ids[:n]),
+            block_ids=blocks[0],
             num_tokens=request.num_prompt_tokens,
-            block_size=self.block_size,
+            block_size=self.groups[0].block_size,
             mode=out.ask.mode or self.config.default_mode,  # resolved at admission: never None here
             tp_size=self.tp_size,
             endpoints=self._endpoints,
             prompt_hash=out.prompt_hash,
             kv_format=self.kv_format,
+            shape=self.shape,
+            group_block_ids=blocks if len(blocks) > 1 and self.shape is not None else (),
         )
 
     def has_pending_work(self) -> bool:

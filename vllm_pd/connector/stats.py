@@ -8,6 +8,7 @@ Prometheus names (in vLLM's /metrics, labelled per engine):
 ``vllm:pd_store_served_blocks_total{tier="cpu"|"disk"}`` (KV store blocks this node served to peers),
 ``vllm:pd_connections_refused_total`` (KV connections that did not prove the deployment secret),
 ``vllm:pd_connections_broken_total`` (authenticated ones closed for a bad seal or frame),
+``vllm:pd_shape_refused_total`` (transfers refused for prefill's and decode's KV shapes: recomputed),
 and gauges ``vllm:pd_held_transfers`` (prefill KV held for decode),
 ``vllm:pd_loading_requests``, ``vllm:pd_staged_bytes``, one sample per TP rank
 (label ``tp_rank``): with TP > 1 every rank holds its own shard of a transfer's KV,
@@ -55,7 +56,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
         c, g = self._counter_cls, self._gauge_cls
         self._counters: dict[str, Any] = {}
         for name in ("pushed_blocks", "pushed_bytes", "loaded_bytes", "lease_expired", "push_transfers",
-                     "push_tail_seconds", "push_span_seconds", "connections_refused", "connections_broken"):
+                     "push_tail_seconds", "push_span_seconds", "connections_refused", "connections_broken",
+                     "shape_refused"):
             self._counters[name] = c(name=f"vllm:pd_{name}", documentation=f"PD connector {name}",
                                      labelnames=labelnames)
         self._loaded_blocks = c(name="vllm:pd_loaded_blocks", documentation="KV blocks landed by source",

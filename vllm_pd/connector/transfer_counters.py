@@ -18,6 +18,8 @@ COUNTERS = (
     # KV connections refused for not proving the deployment secret; authenticated ones closed
     # for breaking the protocol (a bad seal, a malformed or oversized frame)
     "connections_refused", "connections_broken",
+    # transfers refused for prefill's and decode's KV shapes (kv_geometry.incompatibility): recomputed
+    "shape_refused",
 )
 GAUGES = ("held_transfers", "loading_requests", "staged_bytes")
 RANK_GAUGES = "gauges"  # data key: {tp rank (a str: the data crosses msgpack): {gauge: value}}, latest
@@ -60,7 +62,11 @@ class TransferCounters:
         self.data["connections_broken"] += broken_total - last_broken
         self._connections_reported = (refused_total, broken_total)
 
+    def record_shape_refused(self) -> None:
+        self.data["shape_refused"] += 1
+
     def record_load(self, job: "LoadJob") -> None:
+        self.data["shape_refused"] += int(job.refused)
         self.data["loaded_blocks_push"] += job.blocks_from_push
         self.data["loaded_blocks_fetch"] += job.blocks_fetched
         self.data["loaded_bytes"] += job.bytes_landed

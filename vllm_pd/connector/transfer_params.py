@@ -40,6 +40,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
+from vllm_pd.connector.kv_geometry import KVShape, incompatibility
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -52,7 +53,9 @@ DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
 # ours: marks params produced by this connector, and which version of them
 PROTOCOL_KEY = "vllm_pd"
-PROTOCOL_VERSION = 2  # 2: one transfer_id, no transfer_key
+# 3: prefill's KV shape (kv_shape: TP, heads, KV cache groups) and every group's blocks, so decode
+# takes KV from a prefill of another TP or block size, and of hybrid models; 2: one transfer_id
+PROTOCOL_VERSION = 3
 # ours, on a decode leg: the load mode this request asks for instead of the instance's
 LOAD_MODE = "load_mode"
 # ours, on a prefill leg: the store node to fetch the prompt's leading blocks from (StoreFetch)
@@ -86,9 +89,15 @@ def _convert(params: dict[str, Any], cls: type[msgspec.Struct], what: str) -> An
 
 
 def _require_ours(params: dict[str, Any], what: str) -> None:
-    if params.get(PROTOCOL_KEY) != PROTOCOL_VERSION:
-        raise TransferParamsError(f"kv_transfer_params ({what}): {PROTOCOL_KEY}={params.get(PROTOCOL_KEY)!r}, "
-                                  f"expected {PROTOCOL_VERSION} (made by another connector or version?)")
+    version = params.get(PROTOCOL_KEY)
+    if version == PROTOCOL_VERSION:
+        return
+    if isinstance(version, int) and not isinstance(version, bool):
+        side = "an older" if version < PROTOCOL_VERSION else "a newer"
+        raise TransferParamsError(f"kv_transfer_params ({what}): made by {side} vllm-pd ({PROTOCOL_KEY}={version}, "
+                                  f"ours {PROTOCOL_VERSION}): run the same vllm-pd version on prefill and decode")
+    raise TransferParamsError(f"kv_transfer_params ({what}): {PROTOCOL_KEY}={version!r}, "
+                              f"expected {PROTOCOL_VERSION} (made by another connector or version?)")
 
 
 class RemoteDecodeRequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -154,6 +163,10 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     prompt_hash: str = ""  # of the prompt token ids: decode checks it is the same prompt
     # what a block's bytes mean on prefill's side (kv_layout.block_format): decode checks it is its own
     kv_format: str = ""
+    # prefill's KV shape (TP, heads, KV cache groups): decode takes its share from it (kv_geometry)
+    shape: KVShape | None = msgspec.field(default=None, name="kv_shape")
+    # every KV cache group's blocks, where there are several (a hybrid model; block_ids is group 0's)
+    group_block_ids: tuple[tuple[_Count, ...], ...] = msgspec.field(default=(), name="remote_group_block_ids")
 
     def __post_init__(self) -> None:
         if len(self.block_ids) < -(-self.num_tokens // self.block_size):
@@ -163,6 +176,15 @@ class RemotePrefill(msgspec.Struct, frozen=True):
             raise ValueError(f"remote_endpoints: {len(self.endpoints)} endpoints for tp_size {self.tp_size}")
         if not self.endpoints and self.tp_size != 1:
             raise ValueError(f"remote_endpoints: missing, needed for tp_size {self.tp_size}")
+        if self.shape is not None and self.shape.tp_size != self.tp_size:
+            raise ValueError(f"kv_shape: tp_size {self.shape.tp_size} != tp_size {self.tp_size}")
+        if self.group_block_ids and (self.shape is None or len(self.group_block_ids) != len(self.shape.groups)):
+            raise ValueError(f"remote_group_block_ids: {len(self.group_block_ids)} groups, kv_shape has "
+                             f"{len(self.shape.groups) if self.shape is not None else 'none'}")
+
+    def group_blocks(self, group: int) -> tuple[int, ...]:
+        """Prefill's blocks of KV cache group ``group``, in prompt order."""
+        return self.group_block_ids[group] if self.group_block_ids else self.block_ids
 
     @property
     def rank_endpoints(self) -> tuple[str, ...]:
@@ -186,7 +208,10 @@ class RemotePrefill(msgspec.Struct, frozen=True):
         params = msgspec.to_builtins(self)
         # lists, as JSON gives them back (to_builtins keeps tuples)
         params.update({"remote_block_ids": list(self.block_ids), "remote_endpoints": list(self.endpoints),
+                       "remote_group_block_ids": [list(g) for g in self.group_block_ids],
                        DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, PROTOCOL_KEY: PROTOCOL_VERSION})
+        if self.shape is None:
+            params.pop("kv_shape", None)
         return params
 
     @classmethod
@@ -301,9 +326,15 @@ class LocalPrompt(msgspec.Struct, frozen=True):
     block_size: int
     tp_size: int
     kv_format: str = ""  # what our blocks' bytes mean ("": not known, not checked)
+    shape: KVShape | None = None  # our KV shape (None: not known, equal shapes only)
 
     def mismatch(self, remote: RemotePrefill) -> str | None:
         """Why ``remote``'s KV cannot be used for this prompt, or None if it can."""
+        if remote.prompt_hash and remote.prompt_hash != self.prompt_hash:
+            return "prompt differs from the one prefill computed"
+        if remote.shape is not None and self.shape is not None:
+            # another TP, block size or layout is taken where heads and tokens can be re-cut
+            return incompatibility(remote.shape, self.shape)
         if remote.block_size != self.block_size:
             return f"block size {remote.block_size} != ours {self.block_size}"
         if self.kv_format and remote.kv_format and remote.kv_format != self.kv_format:

@@ -24,8 +24,10 @@ from vllm_pd.connector.release import release_rank_share
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
 from vllm_pd.connector.kv_device import KVDevice, kv_device_for
+from vllm_pd.connector.kv_geometry import KVGroup, KVShape, ShapeQuery, encode_shape
 from vllm_pd.connector.kv_layout import KVLayout, block_format, manager_blocks, memory_order_mismatch
 from vllm_pd.connector.kv_loader import KVLoader
+from vllm_pd.connector.layer_groups import LayerGroups
 from vllm_pd.connector.kv_sender import KVSender
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.step_specs import WorkerStep
@@ -61,8 +63,16 @@ def advertised_host(config: PDConnectorConfig) -> str:
 class PDConnectorWorker:
     def __init__(self, config: PDConnectorConfig, block_size: int, tp_rank: int, base_port: int,
                  is_producer: bool, is_consumer: bool, tp_size: int = 1,
-                 stats: TransferCounters | None = None) -> None:
+                 stats: TransferCounters | None = None, kv_heads: int = 0, groups: tuple[KVGroup, ...] = (),
+                 layer_groups: dict[str, int] | None = None) -> None:
+        """``kv_heads`` (the model's KV heads; 1 for MLA), ``groups`` (vLLM's KV cache groups, their
+        block formats filled in at registration) and ``layer_groups`` (each layer's group, by name)
+        make this worker's :class:`KVShape`, which lets it take KV from a prefill of another TP or
+        block size and move a hybrid model's groups; without them (0): one group, equal shapes only."""
         self.config = config
+        self._kv_heads = kv_heads
+        self._group_specs = groups
+        self._layer_group_names = layer_groups or {}
         self.block_size = block_size
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -77,6 +87,7 @@ class PDConnectorWorker:
         self.stats = stats if stats is not None else TransferCounters()
         self.regions: list[MemoryRegion] = []
         self.kv_format = ""  # what a block's bytes mean (kv_layout.block_format), once registered
+        self.shape: KVShape | None = None  # this rank's KV shape, once registered (None: not known)
         self._layer_index: dict[str, int] = {}
         self._idle = False
         self._unregistered = False  # vLLM's sleep mode freed the KV's pages (unregister_kv_caches)
@@ -96,14 +107,16 @@ class PDConnectorWorker:
         self.kv_format = "|".join(dict.fromkeys(block_format(r.tensor) for r in self.regions))
         self._check_layout(kv_caches, kv_layout)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self.shape = self._shape(list(kv_caches))
+        groups = LayerGroups(self.shape, len(self.regions), self.block_size)
         self.device = device or kv_device_for([r.tensor for r in self.regions])
         if self.regions and self.regions[0].tensor.device.type == "cpu":
             request_amx_tiles()  # before this worker's first forward, which may be a step of loaded KV
         self.access = self._access()
         self.sender = KVSender(self.config, self.transport, self.access, len(self.regions), self.block_size,
-                               self.tp_rank, self.stats)
+                               self.tp_rank, self.stats, groups)
         self.loader = KVLoader(self.config, self.transport, self.access, self.device, self.regions, self.tp_rank,
-                               self.tp_size, self.stats, self._release, self.sender.outgoing.changed)
+                               self.tp_size, self.stats, self._release, self.sender.outgoing.changed, groups)
         self.transport.register_regions(self.access.transport_regions)
         port = self.base_port + self.tp_rank if self.base_port else 0
         if self.config.insecure:
@@ -116,9 +129,32 @@ class PDConnectorWorker:
         self.endpoint = f"{self.endpoint.split('://', 1)[0]}://{self.host}:{self.port}"
         r0 = self.regions[0]
         logger.info("PD connector worker %d: %d layers of %d blocks x %d bytes (%s, %s, %d span(s) a block) on "
-                    "%s (%s), KV endpoint %s", self.tp_rank, len(self.regions), r0.num_blocks, r0.block_nbytes,
+                    "%s (%s), KV endpoint %s, %s", self.tp_rank, len(self.regions), r0.num_blocks, r0.block_nbytes,
                     kv_layout or "layout not given", self.kv_format, len(r0.block_spans(0)), r0.tensor.device,
-                    type(self.access).__name__, self.endpoint)
+                    type(self.access).__name__, self.endpoint,
+                    f"TP {self.tp_size} of {self.shape.kv_heads} KV heads, groups "
+                    + ", ".join(f"{g.kind}/{g.block_size}" for g in self.shape.groups)
+                    if self.shape is not None else "shape not known (equal shapes only)")
+
+    def _shape(self, names: list[str]) -> KVShape | None:
+        """This rank's KV shape: the groups vLLM told us of, each with its layers' block format."""
+        if not self._kv_heads or not self._group_specs:
+            return None
+        try:
+            layer_groups = tuple(self._layer_group_names[name] for name in names)
+        except KeyError as e:
+            logger.warning("PD connector: layer %s is in no KV cache group; KV moves between equal shapes only", e)
+            return None
+        groups = []
+        for g, spec in enumerate(self._group_specs):
+            formats = {self.regions[i].name: block_format(self.regions[i].tensor)
+                       for i, lg in enumerate(layer_groups) if lg == g}
+            if len(set(formats.values())) != 1:
+                logger.warning("PD connector: KV cache group %d's layers have blocks %s; KV moves between equal "
+                               "shapes only", g, sorted(set(formats.values())) or "(none)")
+                return None
+            groups.append(KVGroup(spec.kind, spec.block_size, next(iter(formats.values())), spec.window))
+        return KVShape(self.tp_size, self._kv_heads, tuple(groups), layer_groups)
 
     def _check_layout(self, kv_caches: dict[str, torch.Tensor], kv_layout: str | None) -> None:
         """Warn where the strides are not those of the layout vLLM says it resolved: the
@@ -171,9 +207,11 @@ class PDConnectorWorker:
     def destinations(self, batch: BlockBatch):  # noqa: ANN201 - see BlockSink
         if not self.is_consumer or self._unregistered or not 0 <= batch.layer < len(self.regions):
             return None
-        if batch.block_nbytes != self.regions[batch.layer].block_nbytes:
+        ours = self.regions[batch.layer].block_nbytes
+        if batch.block_nbytes <= 0 or (self.shape is None and batch.block_nbytes != ours):
+            # of another shape, a push carries parts of blocks or blocks of another size: its load checks them
             logger.warning("push of transfer %s has %d-byte blocks, ours are %d: rejected",
-                           batch.transfer_id, batch.block_nbytes, self.regions[batch.layer].block_nbytes)
+                           batch.transfer_id, batch.block_nbytes, ours)
             return None
         return self.loader.staging.destinations(batch)
 
@@ -187,15 +225,18 @@ class PDConnectorWorker:
             logger.warning("unknown control message from %s ignored", peer)
             return b"unknown"
         if isinstance(msg, ReleaseMessage):
-            self.sender.release(msg.transfer_id)
+            self.sender.release(msg.transfer_id, msg.releaser, msg.of)
         elif isinstance(msg, PingMessage):
             pass  # the answer itself is what was asked for
+        elif isinstance(msg, ShapeQuery):
+            return encode_shape(self.shape) if self.shape is not None else b""
         elif self.is_consumer:
             self.loader.announce(msg.transfer_id, msg.params)
         return b"ok"
 
     def _release(self, remote: RemotePrefill) -> None:
-        """Tell this rank's share of prefill's ranks that ``remote``'s KV is not needed."""
+        """Tell this rank's share of prefill's ranks that ``remote``'s KV is not needed (nothing of
+        it was read here)."""
         release_rank_share(self.transport, remote, self.tp_rank, self.tp_size)
 
     # ---- each step ------------------------------------------------------------------------------
