@@ -13,7 +13,7 @@ import pytest
 from vllm_pd import cli
 from vllm_pd.planner.deployment_search import Candidate, LatencySummary, Slo, trace_at
 from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, fit_instance, join_notes,
-                                             kv_fit, save_profile, wake_fit)
+                                             kv_fit, resolved_wake_points, save_profile, wake_fit)
 from vllm_pd.planner.near_tie import near_tie
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.profile_spread import band_profiles, drift, profile_noise, scaled, speed_range
@@ -73,6 +73,8 @@ def test_the_pairs_wake_up_lost_in_noise_takes_the_prefill_instances_own() -> No
     # without a floor it is said, and kept as measured
     bare, notes = wake_fit(pd, "the pair's wake-up")
     assert bare[0][1] < 4.0 and "kept as measured" in notes[0]
+    # only resolved points may stand in for another curve
+    assert [idle for idle, _ in resolved_wake_points(pd)] == [3000.0]
 
 
 def test_a_join_fit_that_came_out_flat_or_zero_says_so() -> None:

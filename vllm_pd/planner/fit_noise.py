@@ -17,9 +17,13 @@ RESOLVED_SE = 2.0  # a term is resolved when it stands this many standard errors
 
 
 def robust_sigma(xs: Sequence[float]) -> float:
-    """A standard deviation that one stray sample does not inflate (0 for fewer than two samples)."""
+    """A standard deviation that one stray sample does not inflate, from five samples on (1.4826 x their median
+    absolute deviation); below five the sample standard deviation (the median deviation of three or four
+    samples can be near 0 by chance: a group weighed by it swamped every other); 0 below two."""
     if len(xs) < 2:
         return 0.0
+    if len(xs) < 5:
+        return statistics.stdev(xs)
     mid = statistics.median(xs)
     return 1.4826 * statistics.median(abs(x - mid) for x in xs)
 

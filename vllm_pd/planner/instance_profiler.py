@@ -63,7 +63,7 @@ import aiohttp
 
 from vllm_pd.planner.completion_stream import (MeasurementError, Stream, UniquePrompts, model_name,
                                                served_vocabulary, stream_completion)
-from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, fit_instance, wake_points
+from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, fit_instance, resolved_wake_points
 
 __all__ = ["InstanceProfiler", "MeasurementError", "ProfilePlan", "UniquePrompts", "stream_completion"]
 
@@ -180,7 +180,8 @@ class InstanceProfiler:
             await self._speed_check(session, model)
         # no PD pair measured: two points of the fixed model stand in for samples
         kv = kv or [(0, self.plan.kv_fixed_ms), (1000, self.plan.kv_fixed_ms + 1000 * self.plan.kv_ms_per_token)]
-        floor = wake_points(self.prefill_target.wake) if self.prefill_target is not self.main else []
+        # where the pair's wake-up is noise, the prefill instance's own (where resolved) stands in
+        floor = resolved_wake_points(self.prefill_target.wake) if self.prefill_target is not self.main else []
         p = self.plan
         return model, [fit_instance(tp, t.prefill, t.decode, kv, p.max_num_batched_tokens, p.max_num_seqs,
                                     statistics.median(t.windows) if t.windows else 0.0, neighbour, t.first_steps,

@@ -374,6 +374,12 @@ def wake_points(samples: Sequence[tuple[float, float, float]]) -> list[tuple[flo
     return [(idle, max(0.0, round(v, 3))) for (idle, *_), v in zip(by_idle, curve)]
 
 
+def resolved_wake_points(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float]]:
+    """:func:`wake_points` less those not resolved above their noise (what may stand in for another curve)."""
+    return [(idle, value) for (idle, value), (_, _, se, _) in zip(wake_points(samples), _wake_by_idle(samples))
+            if resolved(value, se)]
+
+
 def wake_fit(samples: Sequence[tuple[float, float, float]], name: str,
              floor: Sequence[tuple[float, float]] = ()) -> tuple[list[tuple[float, float]], list[str]]:
     """:func:`wake_points`, and notes on the points not resolved above their noise; where ``floor`` (a curve
@@ -415,7 +421,9 @@ def kv_fit(samples: Sequence[tuple[int, float]], decode: Poly) -> tuple[Poly, li
         by_t.setdefault(t, []).append(ms)
     rows = [(t, ms) for t, ms in samples]
     if all(len(v) >= 2 for v in by_t.values()) and any(robust_sigma(v) > 0 for v in by_t.values()):
-        var = {t: max(robust_sigma(v) ** 2, 0.01) for t, v in by_t.items()}
+        # a few samples' spread is itself noisy: none weighs more than 10 x the median length's
+        typical = statistics.median(robust_sigma(v) ** 2 for v in by_t.values())
+        var = {t: max(robust_sigma(v) ** 2, 0.1 * typical, 0.01) for t, v in by_t.items()}
         weights = [1 / var[t] for t, _ in rows]
         se = math.sqrt(1 / sum(weights))
     else:
