@@ -1,7 +1,13 @@
-"""The latency profile of one vLLM instance: fitted prefill, decode and KV hand-over cost models.
+"""The latency profile of vLLM instances: fitted prefill, decode and KV hand-over cost models.
 
-A profile file is JSON (msgspec) holding one :class:`InstanceProfile` per tensor-parallel size it
-covers. Each keeps the raw samples it was fitted from, so a profile can be re-fitted or inspected.
+A profile file is JSON (msgspec) holding an :class:`InstanceProfile` per instance measured, for each
+tensor-parallel size it covers: one, or a PD pair's two, each with its ``url`` and ``role`` ("prefill" /
+"decode"; "" for the one instance profiled) - instances on other cores or hosts differ by 10-35 %, so
+the plan takes each role's fit from the instance measured in it (:meth:`LatencyProfile.for_role`). Each
+keeps the raw samples it was fitted from, so a profile can be re-fitted or inspected; with them its
+``speed_checks`` (the same lone prefill and decode stream at the start, middle and end of its run: its
+drift), ``prefill_spread`` (each prefill sample over the fit) and ``fit_notes`` (terms that came out 0 or
+flat from noisy samples, and what stands in: see :func:`kv_fit` and :func:`wake_fit`).
 
 - prefill: the time of one engine step that prefills ``n`` prompts of ``t_i`` tokens (``T`` in all),
   ``a + b*T + c*sum(t_i^2) + d*n`` ms (the square term is attention over each prompt; ``d`` is what
@@ -14,7 +20,8 @@ covers. Each keeps the raw samples it was fitted from, so a profile can be re-fi
   are what make one request's TPOT differ from another's.
 - kv: prefill's end to the first token on an idle decode instance, for ``t`` prompt tokens, ``a + b*t``
   ms (the layer-wise load overlaps decode's first forward with prefill's, so this is the tail of the
-  transfer, the last layer's forward and the proxy's second hop).
+  transfer, the last layer's forward and the proxy's second hop, and what pushing the KV costs the
+  prefill instance's own forward): the pair's TTFT less the prefill instance's own.
 - first steps: a request's first decode steps (its second token most, the next two a little) take
   longer than its later ones (~1-1.7 ms in all here, in PD and colocated alike, varying from request to
   request): the simulator adds to a step, per request taking its first decode step, a draw from
@@ -29,7 +36,8 @@ covers. Each keeps the raw samples it was fitted from, so a profile can be re-fi
   ``wake_after_idle`` holds (idle ms, extra ms) points, each the median lone prefill after that much
   idleness less the median back to back (``wake_samples``: (idle ms, back to back ms, after idle ms));
   :meth:`InstanceProfile.wake_ms` interpolates them (0 at no idleness, the last point's beyond it).
-  Profiles measure back to back, so without it every request of a light load came out 2-5 ms early.
+  Profiles measure back to back, so without it every request of a light load came out 2-5 ms early. The
+  curve is made non-decreasing (a longer idleness cannot wake faster: a dip is noise).
   Through a PD pair the path wakes differently (the proxy's two legs, the prefill instance's connector, the
   decode instance beside it): ``pd_wake_after_idle`` (``pd_wake_samples``) is the same measurement of a
   lone request's TTFT through the pair, used for prefill instances of a disaggregated deployment
