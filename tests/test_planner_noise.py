@@ -171,6 +171,7 @@ def test_plan_prints_bands_and_a_near_tie(tmp_path: Path, capsys: pytest.Capture
     row = next(line for line in out.splitlines() if line.startswith("| colocated x1 |"))
     assert row.count("(") >= 3  # goodput and the latencies, each with its band
     assert "near-tie: " in out and "To separate them" in out
+    assert "this profile's speed moved +-30 % over its own run" in out
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["noise"] == pytest.approx(0.3, abs=0.01) and data["near_tie"]["labels"]
     assert all(c["band"] and c["goodput_band"] for c in data["candidates"])

@@ -18,6 +18,7 @@ from vllm_pd.planner.fit_noise import robust_sigma
 from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, Poly
 
 MAX_FACTOR = 2.0  # a check further off its fit than this is a broken measurement, not the machine's speed
+UNSURE = 0.15  # a profile whose speed moved more than this over its own run says its figures are as unsure
 
 
 @dataclass(frozen=True)
@@ -131,4 +132,9 @@ def describe(profile: LatencyProfile) -> list[str]:
             lines.append(text)
             lines += [f"tp={tp} {inst.url or 'instance'}: {note}" for note in inst.fit_notes if note not in seen]
             seen.update(inst.fit_notes)
+    noise = profile_noise(profile)
+    if noise > UNSURE:
+        lines.append(f"this profile's speed moved +-{noise * 100:.0f} % over its own run (other work on the machine, "
+                     "or drift): every figure from it is as unsure - profile again on a quiet machine, or pool "
+                     "several profiles (--merge)")
     return lines
