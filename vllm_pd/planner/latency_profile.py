@@ -415,14 +415,16 @@ def wake_fit(samples: Sequence[tuple[float, float, float]], name: str,
     return [(idle, round(v, 3)) for (idle, _), v in zip(out, values)], notes
 
 
-def kv_fit(samples: Sequence[tuple[int, float]], decode: Poly) -> tuple[Poly, list[str]]:
+def kv_fit(samples: Sequence[tuple[int, float]]) -> tuple[Poly, list[str]]:
     """The KV hand-over ``a + b*t`` from its samples, and a note when it is not resolved above their noise.
 
     Each sample is the TTFT through the pair less the prefill instance's own TTFT of the same prompt, two
     latencies that on a slow instance are each far longer than the hand-over; prompt lengths measured
     several times weigh by their spread (a 1.5 s prefill's 20 ms noise must not drown a 32-token one's 0.5).
-    Not resolved (under twice its standard error), the first token after prefill's end still needs a decode
-    step's fixed work (scheduling, sampling, output, the relay): ``decode.a`` then stands in, if larger.
+    Not resolved (under twice its standard error), the prompt length measured most sharply (its median's
+    standard error the smallest: the shortest prompts, as a rule) still says what a hand-over takes at least
+    there: its median stands in, flat, if larger than the fit (a fit through noise comes out 0; a decode
+    step's fixed cost stood in once, 35 ms where the short prompts' hand-over measured 1-3 ms).
     """
     by_t: dict[int, list[float]] = {}
     for t, ms in samples:
@@ -442,12 +444,14 @@ def kv_fit(samples: Sequence[tuple[int, float]], decode: Poly) -> tuple[Poly, li
     level = sum(w * fit.at(t) for (t, _), w in zip(rows, weights)) / sum(weights)
     if se == 0 or resolved(level, se):
         return fit, []
-    stand_in = max(level, decode.a)
+    sharpest = min(by_t, key=lambda t: (median_se(by_t[t]), t))
+    stand_in = max(0.0, statistics.median(by_t[sharpest]))
     ts = sorted(by_t)
     note = (f"kv hand-over: {level:+.1f} ms +- {se:.1f} ms over {len(rows)} samples ({ts[0]}-{ts[-1]} tokens) is not "
             f"resolved above the noise of the prefills it is taken from: ")
     if stand_in > level:
-        return Poly(round(stand_in, 3)), [note + f"{stand_in:.1f} ms stands in (a decode step's fixed cost)"]
+        return Poly(round(stand_in, 3)), [note + f"{stand_in:.1f} ms stands in (the median at {sharpest} tokens, "
+                                          "the length measured most sharply)"]
     return fit, [note + "kept as fitted"]
 
 
@@ -536,7 +540,7 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
     """
     dec = fit_poly([(n, k, ms) for n, k, ms in decode])
     pre = fit_poly([(t * b, t * t * b, b, ms) for t, b, ms in prefill])
-    kv_poly, notes = kv_fit(kv, dec)
+    kv_poly, notes = kv_fit(kv)
     wake_after_idle, wake_notes = wake_fit(wake, "wake-up")
     pd_wake_after_idle, pd_notes = wake_fit(pd_wake, "the pair's wake-up", pd_wake_floor)
     join_poly = fit_poly(join_points(join)) if join else Poly()
