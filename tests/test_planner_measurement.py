@@ -13,11 +13,13 @@ import asyncio
 import json
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from tests.test_planner_cli import _serve_apps
 from vllm_pd import cli
+from vllm_pd.planner.completion_stream import Stream, stream_completion
 from vllm_pd.planner.instance_profiler import InstanceProfiler
 from vllm_pd.planner.latency_profile import load_profile
 from vllm_pd.planner.pd_simulator import Deployment, simulate
@@ -33,9 +35,10 @@ class FakeServer:
     many tokens fewer than asked."""
 
     def __init__(self, vocab: int = 1 << 30, ttft: float = 0.01, itl: float = 0.005, extra_event: bytes = b"",
-                 short_by: int = 0) -> None:
+                 short_by: int = 0, merged: bool = False) -> None:
         self.vocab, self.ttft, self.itl = vocab, ttft, itl
         self.extra_event, self.short_by = extra_event, short_by
+        self.merged = merged  # as vLLM behind: the first two tokens in one event, with their ids (asked for)
         self.prompts: list[list[int]] = []
 
     def app(self) -> web.Application:
@@ -62,10 +65,18 @@ class FakeServer:
         await asyncio.sleep(self.ttft)
         if self.extra_event:
             await resp.write(b"data: " + self.extra_event + b"\n\n")
-        for i in range(max(0, body["max_tokens"] - self.short_by)):
+        n = max(0, body["max_tokens"] - self.short_by)
+        if self.merged and n >= 2:
+            assert body["return_token_ids"]
+            await resp.write(b'data: {"choices": [{"index": 0, "text": " t t", "token_ids": [7, 8]}]}\n\n')
+            n -= 2
+        for i in range(n):
             if i:
                 await asyncio.sleep(self.itl)
             await resp.write(b'data: {"choices": [{"index": 0, "text": " t", "finish_reason": null}]}\n\n')
+        if self.merged:  # vLLM's last event can carry the finish reason alone
+            await resp.write(b'data: {"choices": [{"index": 0, "text": "", "token_ids": [], '
+                             b'"finish_reason": "length"}]}\n\n')
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -105,6 +116,17 @@ def test_a_stream_that_is_not_a_measurement_fails_the_profile(tmp_path: Path, ca
     err = capsys.readouterr().err
     assert rc == 1 and message in err and "Traceback" not in err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_tokens_merged_into_one_event_count_by_their_ids() -> None:
+    """Seen on a busy machine: vLLM sent 23 events for 24 tokens, and the profile failed as a short stream."""
+    async def one(url: str) -> Stream:
+        async with aiohttp.ClientSession() as session:
+            return await stream_completion(session, url, "fake-model", [5, 6, 7], 4)
+
+    for (url,) in _serve_apps(FakeServer(merged=True).app()):
+        s = asyncio.run(one(url))
+    assert len(s.stamps) == 4 and s.stamps[0] == s.stamps[1] < s.stamps[2] < s.stamps[3]
 
 
 def test_a_failure_of_the_profiler_itself_ends_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,

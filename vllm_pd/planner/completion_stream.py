@@ -1,9 +1,11 @@
 """What the profiler sends a served model and how it reads the answer: streamed completions of token-id prompts.
 
-A measurement is a stream whose every event is a token: vLLM reports a bad request (a token id out of the
-model's vocabulary, a prompt over ``max_model_len``) as an error event *inside* a 200 stream, and such a
-stream, any event that carries no token, or fewer tokens than asked (``ignore_eos``), is a
-:class:`MeasurementError` naming what came - never a sample.
+A measurement is a stream whose every event carries tokens: vLLM reports a bad request (a token id out of
+the model's vocabulary, a prompt over ``max_model_len``) as an error event *inside* a 200 stream, and such a
+stream, any event that is not a completion chunk, or fewer tokens than asked (``ignore_eos``), is a
+:class:`MeasurementError` naming what came - never a sample. Tokens are counted by the ids each event carries
+(``return_token_ids``): vLLM merges tokens into one event when its stream falls behind; a server that sends
+no ids counts one token an event.
 
 Prompts are random ids below the served model's vocabulary size, which :func:`served_vocabulary` reads from
 the server itself: vLLM rejects a prompt holding an id past the model's vocabulary (its tokenizer's or its
@@ -86,14 +88,15 @@ def _tokens_of(event: bytes, where: str) -> int:
     if choices[0].get("finish_reason") == "error":
         raise MeasurementError(f"{where}: the stream ended in an error: {event[:200]!r}")
     ids = choices[0].get("token_ids")
-    return len(ids) if isinstance(ids, list) and ids else 1
+    return len(ids) if isinstance(ids, list) else 1  # a server not sending them: one token an event
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
                             max_tokens: int, first: asyncio.Event | None = None) -> Stream:
     """One streamed completion of exactly ``max_tokens`` tokens; ``first`` is set as its first token arrives."""
+    # token_ids: vLLM sends two tokens in one event when its stream falls behind (seen on a busy machine)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
     where = f"{url}/v1/completions"
     t0 = time.perf_counter()
     stamps: list[float] = []
@@ -113,7 +116,7 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, model: str
                 break
             n = _tokens_of(event, where)
             stamps.extend([time.perf_counter()] * n)
-            if first is not None:
+            if first is not None and stamps:
                 first.set()
     if len(stamps) != max_tokens:
         raise MeasurementError(f"{where}: the stream carried {len(stamps)} tokens, not the {max_tokens} asked "
