@@ -28,7 +28,9 @@ _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "
                  "request_log", "drain_grace", "api_key", "backend_api_key", "backend_networks",
                  "backend_ca_file", "backend_tls_verify", "max_header_bytes", "max_headers", "max_url_bytes",
                  "header_timeout", "body_timeout", "max_concurrent_requests", "max_queued_requests",
-                 "kv_hash_algo", "kv_load_weight", "store_master")
+                 "kv_hash_algo", "kv_load_weight", "store_master", "probe_after", "probe_timeout",
+                 "max_prefill_answer_bytes", "max_decode_answer_bytes", "max_sse_event_bytes",
+                 "max_error_body_bytes")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-interval", type=float, help="seconds between health checks (default 5)")
     p.add_argument("--health-timeout", type=float, help="seconds a health check may take (default 2); two failed "
                    "checks in a row mark an instance unreachable and the legs waiting on it move on")
+    p.add_argument("--probe-after", type=float, help="an instance a leg has waited on this many seconds without "
+                   "a byte from it is probed at once (default 1); no probes while no leg waits")
+    p.add_argument("--probe-timeout", type=float, help="seconds such a probe may take (default 1); two failed "
+                   "probes mark the instance unreachable and the legs waiting on it move on")
     p.add_argument("--breaker-failures", type=int, help="consecutive failures that open a breaker (default 5)")
     p.add_argument("--breaker-cooldown", type=float, help="seconds a breaker stays open (default 10)")
     p.add_argument("--admin-token", default=os.environ.get("VLLM_PD_ADMIN_TOKEN"),
@@ -125,6 +131,14 @@ def _add_security_and_limit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout", type=float, help="seconds a client has to send a body after its head "
                    "(default 60), 408 beyond")
     p.add_argument("--max-concurrent-requests", type=int, help="completions served at once (default 0: no limit)")
+    p.add_argument("--max-prefill-answer-bytes", type=int, help="a prefill answer longer than this fails its leg, "
+                   "which moves on like any failed prefill (default 16 MiB)")
+    p.add_argument("--max-decode-answer-bytes", type=int, help="a non-streamed decode answer longer than this "
+                   "ends the request with 502 (default 64 MiB)")
+    p.add_argument("--max-sse-event-bytes", type=int, help="one SSE event of decode's stream longer than this, "
+                   "finished or not, ends the stream with an error event (default 4 MiB)")
+    p.add_argument("--max-error-body-bytes", type=int, help="bytes read of a backend's error answer "
+                   "(default 64 KiB)")
     p.add_argument("--max-queued-requests", type=int, help="completions waiting beyond that limit (default 256); "
                    "more get 429 with Retry-After")
 
