@@ -130,6 +130,7 @@ class DecodeRelay:
             raise DecodeFailed(repr(e), sent=True, kind=read_failure(e)) from None
         except BadBackendStream as e:
             self.metrics.bad_stream_events.labels(e.code).inc()
+            logger.warning("decode stream from %s not relayed: %s (%r)", decode.url, str(e), e.sample)
             raise DecodeFailed(str(e), sent=True, kind="bad_stream") from None
         decode.breaker.record_success()
         t_first = time.monotonic()
@@ -200,8 +201,9 @@ class DecodeRelay:
             code = e.code
             self.metrics.bad_stream_events.labels(code).inc()
         decode.breaker.record_failure()
-        logger.warning("decode stream from %s broke after output started: %r", decode.url, e)
-        err = upstream_error(f"decode stream interrupted: {e!r}", code=code)
+        # the exception itself is no log argument: a record kept by a handler would keep its traceback's frames
+        logger.warning("decode stream from %s broke after output started: %s", decode.url, repr(e))
+        err = upstream_error(f"decode stream interrupted: {e}", code=code)
         events.drop_partial()  # the client only ever got whole events; the error is the next one
         await out.write(err.sse_event())
         await out.write_eof()

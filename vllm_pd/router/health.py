@@ -53,7 +53,7 @@ class HealthChecker(PeriodicTask):
                         data = msgspec.json.decode(raw)
                         inst.models = [m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
         except (BackendError, TimeoutError, ValueError, TypeError, KeyError, AttributeError) as e:
-            logger.debug("health check %s failed: %r", inst.url, e)
+            logger.debug("health check %s failed: %s", inst.url, repr(e))
             ok = False
         if ok:
             if not inst.healthy:

@@ -191,7 +191,7 @@ class PDFlow:
                 if e.kind != "busy":
                     decode.breaker.record_failure()
                 logger.warning("decode on %s failed before output (%s); attempt %d/%d",
-                               decode.url, e, attempt + 1, self.config.decode_attempts)
+                               decode.url, last_error[0], attempt + 1, self.config.decode_attempts)
                 tried.add(decode.url)
                 if state.kv_params is not None and not self._kv_can_follow(state, e):
                     self._drop_kv(state)
@@ -389,7 +389,7 @@ class PDFlow:
             self.metrics.leg_errors.labels("prefill", kind).inc()
             if kind != "busy":
                 prefill.breaker.record_failure()
-            logger.warning("prefill on %s failed: %r", prefill.url, e)
+            logger.warning("prefill on %s failed: %s", prefill.url, repr(e))  # not e: see decode_relay
             return False
         finally:
             leg.finish()
@@ -511,7 +511,7 @@ class PDFlow:
         try:
             ok = self.release_kv(params)
         except Exception as e:  # the release path must never take the proxy down
-            logger.warning("release_remote_kv failed: %r", e)
+            logger.warning("release_remote_kv failed: %s", repr(e))
             ok = False
         self.metrics.kv_releases.labels("ok" if ok else "failed").inc()
 

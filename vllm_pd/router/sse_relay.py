@@ -28,11 +28,13 @@ _check_object = msgspec.json.Decoder(_JsonObject).decode
 
 
 class BadBackendStream(ValueError):
-    """The backend's stream cannot be relayed as it is (``code`` says why)."""
+    """The backend's stream cannot be relayed as it is (``code`` says why; ``sample``: the start of the
+    offending line, for the log - the client is not shown the backend's bytes)."""
 
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message, code)
+    def __init__(self, message: str, code: str, sample: bytes = b"") -> None:
+        super().__init__(message, code, sample)
         self.code = code
+        self.sample = sample
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -68,10 +70,10 @@ def check_event(event: bytes, max_event_bytes: int) -> None:
             try:
                 _check_object(payload)
             except (msgspec.DecodeError, msgspec.ValidationError):
-                raise BadBackendStream(f"the backend sent a malformed SSE event: {line[:120]!r}",
-                                       "malformed_sse_event") from None
+                raise BadBackendStream("the backend sent an SSE event whose data is not a JSON object",
+                                       "malformed_sse_event", line[:120]) from None
         elif line and not line.startswith(b":") and not line.startswith(_FIELDS):
-            raise BadBackendStream(f"the backend sent a malformed SSE event: {line[:120]!r}", "malformed_sse_event")
+            raise BadBackendStream("the backend sent a line that is no SSE field", "malformed_sse_event", line[:120])
 
 
 class SseSplitter:
