@@ -98,3 +98,24 @@ def test_peer_probe_s_is_validated() -> None:
     assert PDConnectorConfig.from_extra_config({"peer_probe_s": 1}).peer_probe_s == 1.0
     with pytest.raises(ConfigError, match="peer_probe_s"):
         PDConnectorConfig.from_extra_config({"peer_probe_s": 0})
+
+
+def test_pushes_that_keep_landing_are_waited_for_and_stalled_ones_are_not() -> None:
+    """push_wait_s counts from the last push that landed, not from the load's start: a slow prefill
+    whose layers keep coming is waited for, a stalled one is given up push_wait_s after its last."""
+    import threading
+
+    staging = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    _land(staging, "k", 0, (0,), fill=1, last=False)
+    t0 = time.monotonic()
+
+    def trickle() -> None:  # a push every 0.15 s for 0.6 s, the final one after that
+        for i in range(4):
+            time.sleep(0.15)
+            _land(staging, "k", 0, (0,), fill=2 + i, last=i == 3)
+
+    threading.Thread(target=trickle).start()
+    assert staging.wait_layer("k", 0, deadline=t0 + 30, stall_s=0.3, since=t0)  # 0.6 s > stall_s: still waited
+    t1 = time.monotonic()
+    assert not staging.wait_layer("k", 1, deadline=t1 + 30, stall_s=0.3, since=t1)  # nothing more comes
+    assert 0.25 < time.monotonic() - t1 < 5

@@ -109,10 +109,11 @@ class LoadJob:
             return
         missing: dict[int, list[int]] = {}  # layer -> indexes into spec.positions
         if remote.mode == "push":
-            # layer by layer: announced as prefill's forward starts, the pushes land while we copy
-            push_deadline = min(deadline, time.monotonic() + self._push_wait_s)
+            # layer by layer: announced as prefill's forward starts, the pushes land while we copy;
+            # waited for while they keep landing, push_wait_s past the last one (then prefill is probed)
+            since = time.monotonic()
             for layer, region in enumerate(self._regions):
-                self._staging.wait_layer(spec.transfer_id, layer, push_deadline)
+                self._staging.wait_layer(spec.transfer_id, layer, deadline, stall_s=self._push_wait_s, since=since)
                 miss = self._copy_staged(spec.transfer_id, layer, region)
                 if miss:
                     missing[layer] = miss
