@@ -272,6 +272,19 @@ class PDConnectorScheduler:
         self._outgoing[request.request_id] = out
         self._transfer_owners[out.transfer_id] = request.request_id
 
+    def forget_failed_blocks(self, block_ids: "set[int]") -> None:
+        """Blocks a sync (layer-wise) load failed to fill leave vLLM's prefix cache now.
+
+        vLLM cached them when it scheduled the forward that was to fill them, and under
+        kv_load_failure_policy=recompute it leaves them cached for the failed request's
+        recompute. A request with the same prompt scheduled before that recompute - above all
+        the decode-only resend of a leg the proxy cancelled, after which no recompute comes -
+        would take them as computed and answer from KV that was never written. Uncached, they
+        are recomputed by whoever needs them (the failed request keeps its own)."""
+        if self._kv_cache_manager is not None:
+            self._kv_cache_manager.evict_blocks(set(block_ids))
+            logger.info("%d block(s) of a failed KV load removed from the prefix cache", len(block_ids))
+
     def note_sent(self, request_ids: "set[str] | frozenset[str]") -> None:
         """vLLM frees these requests' blocks: the workers are done with their transfers, whose ids
         may name new ones."""
