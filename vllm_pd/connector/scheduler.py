@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm_pd.connector.announce_probe import AnnounceProbe
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.metadata import (
     FinishedSend,
@@ -96,6 +97,7 @@ class PDConnectorScheduler:
         self._announced: dict[str, float] = {}  # transfer id -> when its announcement reached us
         # unscheduled decode legs waiting for prefill's announcement: request -> (since, transfer id)
         self._awaited_since: dict[str, tuple[float, str]] = {}
+        self._announce_probe = AnnounceProbe(config.peer_probe_s)  # is a late announcement's prefill there?
 
     # ---- set-up ---------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -162,10 +164,13 @@ class PDConnectorScheduler:
         if self._load_mode(request) != "async":
             if awaited.transfer_id not in self._announced:
                 since, _ = self._awaited_since.setdefault(req_id, (time.monotonic(), awaited.transfer_id))
-                if time.monotonic() - since < self.config.transfer_timeout_s:
-                    return None, False
-                logger.warning("request %s: prefill never announced %s within %.0fs; decode recomputes the prompt",
-                               req_id, awaited.transfer_id, self.config.transfer_timeout_s)
+                waited = time.monotonic() - since
+                if waited < self.config.transfer_timeout_s:
+                    if not self._prefill_lost(awaited, waited):
+                        return None, False
+                else:
+                    logger.warning("request %s: prefill never announced %s within %.0fs; decode recomputes the "
+                                   "prompt", req_id, awaited.transfer_id, self.config.transfer_timeout_s)
                 del self._awaited_since[req_id]
                 return 0, False  # update_state_after_alloc abandons the push
             layerwise = self._layerwise(request)
@@ -175,6 +180,17 @@ class PDConnectorScheduler:
             return 0, False  # update_state_after_alloc abandons the push
         self._matched[req_id] = (awaited, num_computed_tokens, layerwise)
         return count, not layerwise
+
+    def _prefill_lost(self, awaited: AwaitedPrefill, waited: float) -> bool:
+        """Whether the prefill of a late announcement (past push_wait_s) stopped answering pings:
+        no announcement will come from it (announce_probe.py)."""
+        if waited < self.config.push_wait_s or not awaited.prefill_endpoints:
+            return False
+        if not self._announce_probe.lost(awaited.prefill_endpoints[0]):
+            return False
+        logger.warning("transfer %s: prefill %s does not answer; decode computes the prompt", awaited.transfer_id,
+                       awaited.prefill_endpoints[0])
+        return True
 
     def _layerwise(self, request: "Request") -> bool:
         mode = self._load_mode(request)

@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from vllm_pd.connector.transfer_params import PROTOCOL_KEY
 from vllm_pd.router.circuit_breaker import CircuitBreaker
 from vllm_pd.router.config import ROLES, ConfigError, InstanceConfig, ProxyConfig
 
@@ -54,6 +55,13 @@ class Instance:
     models: list[str] = field(default_factory=list)
     added_at: float = field(default_factory=time.monotonic)
     busy_until: float = 0.0  # time.monotonic() until which it asked for no requests (Retry-After); 0: never
+    kv_peers: tuple[str, ...] = ()  # a prefill's KV endpoints (one per TP rank), learned from its answers
+
+    def learn_kv_peers(self, kv_params: dict) -> None:
+        """The KV endpoints a prefill answer of our connector names (other connectors' answers teach nothing)."""
+        endpoints = kv_params.get("remote_endpoints") or [kv_params.get("remote_endpoint")]
+        if kv_params.get(PROTOCOL_KEY) and all(isinstance(e, str) and e for e in endpoints):
+            self.kv_peers = tuple(endpoints)
 
     def busy_for(self) -> float:
         """Seconds it still asked for no requests (0.0: none)."""

@@ -286,10 +286,14 @@ class PDFlow:
         # as it lands - the fastest on every prompt length measured (benchmarks/RESULTS.md, "PD latency")
         mode: TransferMode = "pull" if self.config.kv_mode == "pull" else "push"
         state.pushed = mode == "push"
-        prefill = asyncio.ensure_future(self._prefill(req, decode, transfer_id, headers, state, mode))
+        # the prefill instance is chosen first: decode is told where its KV endpoint is (learned from its
+        # earlier answers), to probe it should the announcement be late (connector/announce_probe.py)
+        first = self._pick("prefill", req, {decode.url})
+        awaited = AwaitedPrefill(transfer_id, mode, first.kv_peers if first is not None else ())
+        prefill = asyncio.ensure_future(self._prefill(req, decode, transfer_id, headers, state, mode, first))
         state.prefill_leg = prefill
         decode_leg = asyncio.ensure_future(
-            self._decode(req, decode, headers, state, http_request, AwaitedPrefill(transfer_id, mode).to_params()))
+            self._decode(req, decode, headers, state, http_request, awaited.to_params()))
         try:
             await asyncio.wait({prefill, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and not decode_leg.done() and state.stage != "stream":
@@ -313,12 +317,14 @@ class PDFlow:
                     prefill.add_done_callback(self._background.discard)
 
     async def _prefill(self, req: ParsedRequest, decode: Instance, transfer_id: str | None,
-                       headers: dict[str, str], state: FlowState, mode: TransferMode = "pull") -> bool:
-        """Run the prefill leg with retries, leaving ``state.kv_params`` set. False: none succeeded,
-        decode computes the prompt (raises instead under require_disagg)."""
+                       headers: dict[str, str], state: FlowState, mode: TransferMode = "pull",
+                       first: Instance | None = None) -> bool:
+        """Run the prefill leg with retries (on ``first``, when chosen already, then others), leaving
+        ``state.kv_params`` set. False: none succeeded, decode computes the prompt (raises instead
+        under require_disagg)."""
         tried: set[str] = {decode.url}
         for attempt in range(self.config.prefill_attempts):
-            prefill = self._pick("prefill", req, tried)
+            prefill = first if attempt == 0 and first is not None else self._pick("prefill", req, tried)
             if prefill is None:
                 break
             if attempt:
@@ -409,6 +415,7 @@ class PDFlow:
             state.timings.fallback = "no_kv_params"
             return True
         state.kv_params = params
+        prefill.learn_kv_peers(params)
         # beside a running decode leg the KV is decode's already (it releases it); else it waits for one
         state.kv_pending = transfer_id is None
         state.pushed = transfer_id is not None and mode == "push"
