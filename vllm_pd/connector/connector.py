@@ -171,6 +171,8 @@ class PDConnector(KVConnectorBase_V1):
         return stats
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
         if self._store_worker is not None:

@@ -414,6 +414,9 @@ class PDConnectorScheduler:
             prompt_hash=out.prompt_hash,
         )
 
+    def shutdown(self) -> None:
+        self._announce_probe.close()
+
     def has_pending_work(self) -> bool:
         return bool(self._finished_sends or self._loads or self._releases or self._abandoned
                     or self._cancelled_loads)
