@@ -54,12 +54,22 @@ class MockBackend:
         - "break:<k>": cut the stream after k events; "stall:<k>": send nothing more after k events
           (the connection stays open); "empty": a stream with no event;
         - "huge:<n>": a 200 answer of n bytes (a JSON string that never ends; streamed: one SSE event
-          that never ends), sent 64 KiB at a time as the reader takes them;
+          that never ends), sent 64 KiB at a time as the reader takes them; "huge-stall:<n>": the same,
+          then nothing more (the connection stays open);
         - "truncate": the answer cut short - a JSON body shorter than its Content-Length, or a stream cut
           in the middle of its first event;
         - "garbage:<k>": a stream whose event k is not JSON (k=0: the first).
         """
         self.failures.extend(modes)
+
+    def _failure(self, body: dict[str, Any]) -> str | None:
+        """The next queued failure, else the one the request's ``mock_fail`` names for this backend
+        (``{"p0": "huge:1000000"}``: how a client of a mock in another process asks for one)."""
+        if self.failures:
+            return self.failures.pop(0)
+        asked = body.get("mock_fail")
+        mode = asked.get(self.name) if isinstance(asked, dict) else None
+        return mode if isinstance(mode, str) else None
 
     def routes(self) -> dict[str, dict[str, Handler]]:
         return {"/v1/completions": {"POST": self._completion}, "/v1/chat/completions": {"POST": self._completion},
@@ -78,7 +88,7 @@ class MockBackend:
         seen = SeenRequest(request.path, body, dict(request.headers))
         if self.record:
             self.seen.append(seen)
-        failure = self.failures.pop(0) if self.failures else None
+        failure = self._failure(body)
         try:
             while self.unreachable:
                 await asyncio.sleep(0.05)
@@ -107,8 +117,9 @@ class MockBackend:
             busy = json_response({"error": {"message": "busy", "type": "ServiceUnavailable"}}, status=int(code))
             busy.headers = {"Retry-After": wait} if wait else None
             return busy
-        if failure and failure.startswith("huge:"):
-            return await _huge(request, int(failure.split(":")[1]), bool(body.get("stream")))
+        if failure and failure.startswith(("huge:", "huge-stall:")):
+            mode, size = failure.split(":")
+            return await _huge(request, int(size), bool(body.get("stream")), stall=mode == "huge-stall")
         if failure == "truncate" and not body.get("stream"):
             request.conn.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 4096\r\n\r\n'
                                b'{"choices": [{"text": "cut')
@@ -182,9 +193,10 @@ class MockBackend:
 _PIECE = b"x" * 65536
 
 
-async def _huge(request: HttpRequest, size: int, stream: bool) -> StreamResponse:
+async def _huge(request: HttpRequest, size: int, stream: bool, stall: bool = False) -> StreamResponse:
     """A 200 answer of ``size`` bytes that never becomes valid: the same 64 KiB piece over and over, each
-    written once the reader took the last (so this side never holds more than a piece or two)."""
+    written once the reader took the last (so this side never holds more than a piece or two); ``stall``:
+    then silence instead of the answer's end."""
     resp = StreamResponse(200, {"Content-Type": "text/event-stream" if stream else "application/json"})
     await resp.prepare(request)
     await resp.write(b'data: {"choices": [{"text": "' if stream else b'{"choices": [{"text": "')
@@ -194,6 +206,8 @@ async def _huge(request: HttpRequest, size: int, stream: bool) -> StreamResponse
         sent += len(_PIECE)
         if not request.conn.write_paused:
             await asyncio.sleep(0)  # let the reader run: its pace, not ours
+    if stall:
+        await asyncio.sleep(3600)
     await resp.write_eof()
     return resp
 
