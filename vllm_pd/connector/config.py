@@ -16,6 +16,10 @@ TransportName = Literal["tcp", "shm", "nixl"]
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
+# decode: pushes (or a decode leg's awaited announcement) that pause this long get prefill probed - a
+# ping, an RTT when prefill is there, peer_probe_s when it is not (or push_wait_s, if that is shorter)
+PROBE_PAUSED_PUSHES_S = 1.0
+
 
 def parse_size(key: str, value: object) -> int:
     """Bytes from an int or a string like ``512m`` / ``2G``; errors name ``key``."""

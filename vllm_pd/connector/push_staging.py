@@ -161,6 +161,12 @@ class PushStaging:
                     return None
                 self._cond.wait(timeout=min(remaining, 0.5))
 
+    def last_push(self, transfer_id: str) -> float:
+        """When a push (or the announcement) of ``transfer_id`` last arrived (time.monotonic(); 0.0: never)."""
+        with self._cond:
+            st = self._transfers.get(transfer_id)
+            return st.touched if st is not None else 0.0
+
     def landed_block(self, transfer_id: str, layer: int, position: int) -> torch.Tensor | None:
         with self._cond:
             st = self._transfers.get(transfer_id)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_pd.connector.announce_probe import AnnounceProbe
-from vllm_pd.connector.config import PDConnectorConfig
+from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S, PDConnectorConfig
 from vllm_pd.connector.metadata import (
     FinishedSend,
     LoadSpec,
@@ -182,9 +182,9 @@ class PDConnectorScheduler:
         return count, not layerwise
 
     def _prefill_lost(self, awaited: AwaitedPrefill, waited: float) -> bool:
-        """Whether the prefill of a late announcement (past push_wait_s) stopped answering pings:
-        no announcement will come from it (announce_probe.py)."""
-        if waited < self.config.push_wait_s or not awaited.prefill_endpoints:
+        """Whether the prefill of a late announcement stopped answering pings: no announcement will
+        come from it (announce_probe.py)."""
+        if waited < min(PROBE_PAUSED_PUSHES_S, self.config.push_wait_s) or not awaited.prefill_endpoints:
             return False
         if not self._announce_probe.lost(awaited.prefill_endpoints[0]):
             return False
