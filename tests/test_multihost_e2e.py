@@ -26,6 +26,7 @@ import pytest
 from tests import e2e_cluster as ec
 from tests.netns_cluster import Cluster, ConnectorTimes, Sent, load_through, multihost_cluster, send, waits_after
 from tests.netns_hosts import netns_unavailable
+from tests.reference_margins import MARGINS, divergence
 
 pytestmark = pytest.mark.e2e
 
@@ -63,7 +64,11 @@ def _assert_bounded(sent: list[Sent], struck: float, cluster: Cluster, refused_o
 
 
 def _assert_exact(sent: list[Sent], reference: dict[str, list[int]]) -> None:
-    wrong = [s.key for s in sent if s.error is None and s.tokens != reference[s.key]]
+    """Every answer is the plain instance's - up to a near tie of it (tests/reference_margins.py: decode
+    computing a prompt itself sums in another order; where the plain instance's two best tokens were
+    within a nat, either may win on another CPU)."""
+    wrong = {s.key: why for s in sent if s.error is None
+             and (why := divergence(s.tokens, reference[s.key], MARGINS.get(s.key))) is not None}
     assert not wrong, f"outputs differ from the plain instance's: {wrong}"
 
 
