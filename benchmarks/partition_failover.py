@@ -34,7 +34,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.netns_cluster import (Cluster, ConnectorTimes, load_through, mock_cluster,  # noqa: E402
-                                 multihost_cluster, waits_after)
+                                 multihost_cluster, send, waits_after)
 from tests.netns_hosts import netns_unavailable  # noqa: E402
 from vllm_pd.small_model import ensure_default_model  # noqa: E402
 
@@ -86,6 +86,7 @@ def main() -> int:
             strike, heal = _fault(cluster, fault)
             for mode in args.modes:
                 cluster.start_proxy(model_names=["small"], **_proxy_config(mode, args.interval))
+                send(cluster.proxy_url, "ids129")  # a proxy in service has had answers: it knows prefill's KV endpoint
                 sent, struck = load_through(cluster.proxy_url, strike, heal, args.outage, heal_early=False)
                 waits = waits_after(sent, struck)
                 ran = [s for s in sent if s.end > struck]

@@ -201,3 +201,12 @@ def test_the_decode_leg_names_the_kv_endpoints_prefill_answered_with() -> None:
             status, _ = await h.post("/v1/completions", LONG)
             assert h.decodes[0].seen[1].body["kv_transfer_params"]["prefill_endpoints"] == ["tcp://10.0.0.9:7000"]
     run(go)
+
+
+def test_a_prefill_given_with_its_kv_endpoint_is_named_from_the_first_request() -> None:
+    from vllm_pd.router.config import InstanceConfig, ProxyConfig
+    from vllm_pd.router.instance_pool import InstancePool
+
+    pool = InstancePool(ProxyConfig(instances=[InstanceConfig("http://p:1", "prefill", "tcp://p:7000"),
+                                               InstanceConfig("http://d:1", "decode", "tcp://d:7000")]))
+    assert pool.get("http://p:1").kv_peers == ("tcp://p:7000",) and pool.get("http://d:1").kv_peers == ()

@@ -154,6 +154,8 @@ class InstancePool:
             raise ConfigError(f"url: instance {ic.url} already exists")
         inst = Instance(url=ic.url, role=ic.role, kv_endpoint=ic.kv_endpoint,
                         breaker=CircuitBreaker(self._config.breaker_failures, self._config.breaker_cooldown))
+        if ic.kv_endpoint is not None and ic.role != "decode":
+            inst.kv_peers = (ic.kv_endpoint,)  # a prefill's KV endpoint given (URL@tcp://...): no answer needed first
         self._instances[ic.url] = inst
         logger.info("instance added: %s role=%s kv=%s", ic.url, ic.role, ic.kv_endpoint)
         return inst
