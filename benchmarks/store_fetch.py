@@ -37,7 +37,7 @@ from benchmarks.store_disk import drop_from_page_cache  # noqa: E402
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool  # noqa: E402
 from vllm_pd.connector.store.disk_staging import DiskStaging  # noqa: E402
 from vllm_pd.connector.store.disk_tier import DiskTier  # noqa: E402
-from vllm_pd.connector.store.keys import KeySalt, chain_keys  # noqa: E402
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, chain_keys  # noqa: E402
 from vllm_pd.connector.store.pool_exchange import POOL_REGION, PoolExchange, SlotDirectory  # noqa: E402
 
 
@@ -103,10 +103,12 @@ def main() -> None:
     for i, key in enumerate(keys):
         holder.directory.put(key, n + i, holder.pool.checksum(n + i))
     # the same bytes under other keys on the holder's disk only (served through its spare rows)
-    disk_keys = chain_keys(list(range(10**6, 10**6 + n * 4)), KeySalt("bench", "bf16", "cpu", 4, args.layers))
+    salt = KeySalt("bench", "bf16", "cpu", 4, args.layers)
+    disk_keys = chain_keys(list(range(10**6, 10**6 + n * 4)), salt)
     assert holder.staging is not None
     for i, key in enumerate(disk_keys):
-        holder.staging.disk.write(key, disk_keys[i - 1] if i else None, holder.pool.slot_view(n + i)).result()
+        holder.staging.disk.write(key, disk_keys[i - 1] if i else None, holder.pool.slot_view(n + i),
+                                  NO_EXTRA_KEYS.scope(salt)).result()
     disk_files = [p for p in Path(tmp.name).rglob("*") if p.is_file()]
     local = list(range(n))
     layers = args.layers

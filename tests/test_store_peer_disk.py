@@ -11,7 +11,7 @@ from tests.test_store_peer import master  # noqa: F401 - the master fixture
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool, checksum
 from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.disk_tier import DiskTier
-from vllm_pd.connector.store.keys import chain_keys
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, chain_keys
 from vllm_pd.connector.store.pool_exchange import (
     GrantBlocks,
     PoolExchange,
@@ -31,7 +31,7 @@ def holder(tmp_path, spare: int = SPARE, ttl: float = 30.0) -> PoolExchange:
                                   dtype=torch.uint8))
     disk = DiskTier(tmp_path, SALT.digest(), 0, capacity_bytes=1 << 20)
     for i in (2, 3):  # written from slots 6, 7, which are then reused for something else
-        disk.write(KEYS[i], KEYS[i - 1], pool.slot_view(4 + i)).result()
+        disk.write(KEYS[i], KEYS[i - 1], pool.slot_view(4 + i), NO_EXTRA_KEYS.scope(SALT)).result()
     ex = PoolExchange(pool, SlotDirectory(), timeout_s=1.0, grant_ttl_s=ttl,
                       staging=DiskStaging(pool, disk, range(SLOTS, SLOTS + spare)))
     for i in (0, 1):

@@ -154,14 +154,14 @@ class StoreWorker:
             self._saves.append(result)
             self._saved_requests.add(op.request_id)
         if self.disk is not None and result.committed:
-            self._write_through(op.parent, op.keys, op.slots, sums)
+            self._write_through(op.parent, op.keys, op.slots, sums, op.scope)
 
     def _write_through(self, parent: bytes | None, keys: Sequence[bytes], slots: Sequence[int],
-                       sums: Sequence[bytes]) -> None:
+                       sums: Sequence[bytes], scope: bytes) -> None:
         assert self.disk is not None
         parents = [parent, *keys[:-1]]
         for i in reversed(range(len(keys))):  # leaf first: parents are the most recent on disk
-            fut = self.disk.write(keys[i], parents[i], self.pool.slot_view(slots[i]), sums[i])
+            fut = self.disk.write(keys[i], parents[i], self.pool.slot_view(slots[i]), scope, sums[i])
             fut.add_done_callback(functools.partial(self._disk_written, keys[i]))
             with self._lock:
                 self._disk_futures = [f for f in self._disk_futures if not f.done()] + [fut]
@@ -245,7 +245,7 @@ class StoreWorker:
                     usable = min(usable, i)
                     break
                 self.directory.drop_slots([slot])
-                reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot))))
+                reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot), op.scope)))
         for i, fut in reads:  # wait for all: no read may still write a slot the scheduler frees
             digest = fut.result()
             if digest is not None:
@@ -294,7 +294,7 @@ class StoreWorker:
             self._saves.append(SaveResult(op.request_id, keys[:got], keys[got:]))
         if self.disk is not None and got:
             parent = op.keys[remote[0] - 1] if remote[0] else op.parent
-            self._write_through(parent, keys[:got], slots[:got], sums)
+            self._write_through(parent, keys[:got], slots[:got], sums, op.scope)
 
     def wait_layer(self, layer: int) -> None:
         """Order the forward's reads of ``layer`` after every load started so far: on the host
