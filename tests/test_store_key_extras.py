@@ -107,6 +107,16 @@ def test_requests_one_extra_key_apart_share_no_block(name):
 
 
 @pytest.mark.parametrize("name", list(ONE_EXTRA_KEY_APART))
+def test_each_key_hashes_vllms_extra_keys_of_its_block(name):
+    """The definition, block by block with vLLM's function (the store asks it twice per request
+    when no block differs from the second, RequestExtraKeys.varies_by_block)."""
+    for variant in ONE_EXTRA_KEY_APART[name]:
+        req = vllm_request(**variant, cache_salt="s") if "cache_salt" not in variant else vllm_request(**variant)
+        vllm = [extra_key_bytes(generate_block_hash_extra_keys(req, i * B, (i + 1) * B, 0)[0]) for i in range(N)]
+        assert chain_keys(TOKENS, SALT, extra_keys=vllm) == store_keys(req)
+
+
+@pytest.mark.parametrize("name", list(ONE_EXTRA_KEY_APART))
 def test_requests_with_equal_extra_keys_share_every_block(name):
     a, _ = ONE_EXTRA_KEY_APART[name]
     assert store_keys(vllm_request("first", **a)) == store_keys(vllm_request("second", **a))

@@ -74,7 +74,8 @@ def request_extra_keys(request: "Request") -> RequestExtraKeys:
         return generate_block_hash_extra_keys(request, start, end, 0)[0]
 
     return RequestExtraKeys(lora=(lora.lora_name, lora.lora_path) if lora is not None else None,
-                            cache_salt=request.cache_salt, per_block=per_block)
+                            cache_salt=request.cache_salt, per_block=per_block,
+                            varies_by_block=bool(request.mm_features) or request.prompt_embeds is not None)
 
 
 @dataclass

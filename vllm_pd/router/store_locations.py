@@ -106,7 +106,7 @@ class StoreLocations:
         hits: list[StoreHit] = []
         for salt in dict.fromkeys(n.salt for n in nodes if n.salt is not None):
             n = len(token_ids) // salt.block_size
-            keys = chain_keys(token_ids, salt, extra_keys=extra_keys.blocks(0, n, salt.block_size))
+            keys = chain_keys(token_ids, salt, extra_keys=extra_keys.encoded(0, n, salt.block_size))
             if not keys:
                 continue
             reply = self.link.call(Holders(keys))

@@ -104,11 +104,15 @@ class RequestExtraKeys:
     caller has vLLM's Request (the engine: vLLM's own generate_block_hash_extra_keys). Without
     it (the proxy, which has only the body) they are derived here from ``lora`` and
     ``cache_salt`` exactly as vLLM does for a request without multimodal inputs or prompt
-    embeddings (tests/test_store_keys.py compares both on real vLLM Requests)."""
+    embeddings (tests/test_store_key_extras.py compares both on real vLLM Requests).
+    ``varies_by_block`` False: every block after the first has the extra keys of the second
+    (no multimodal input, no prompt embeddings: only the adapter is left after block 0), so
+    ``encoded`` asks ``per_block`` twice, not once per block (a 128K-token prompt has 8K)."""
 
     lora: tuple[str, str] | None = None  # (name, path) as vLLM's LoRARequest has them
     cache_salt: str | None = None
     per_block: Callable[[int, int], BlockExtraKeys] | None = None
+    varies_by_block: bool = False
 
     def block(self, index: int, block_size: int) -> BlockExtraKeys:
         start = index * block_size
@@ -124,6 +128,15 @@ class RequestExtraKeys:
         if not self:
             return None
         return [self.block(i, block_size) for i in range(first, first + count)]
+
+    def encoded(self, first: int, count: int, block_size: int) -> list[bytes] | None:
+        """``blocks`` as chain_keys hashes them (extra_key_bytes); None when the request has none."""
+        if not self:
+            return None
+        if self.varies_by_block:
+            return [extra_key_bytes(e) for e in self.blocks(first, count, block_size) or []]
+        later = extra_key_bytes(self.block(1, block_size))
+        return [extra_key_bytes(self.block(0, block_size)) if i == 0 else later for i in range(first, first + count)]
 
     def scope(self, salt: KeySalt) -> BlockKey:
         """Names the adapter and cache salt a block was written for, under ``salt``: recorded with
@@ -143,13 +156,14 @@ def chain_keys(
     salt: KeySalt,
     parent: BlockKey | None = None,
     max_blocks: int | None = None,
-    extra_keys: Sequence[BlockExtraKeys] | None = None,
+    extra_keys: Sequence[bytes] | None = None,
 ) -> list[BlockKey]:
     """Keys of the full blocks of ``token_ids`` (a partial tail block has no key).
 
     ``parent`` continues an existing chain (``token_ids`` then start at a block
     boundary after it); default: the salt root. ``max_blocks`` stops early.
-    ``extra_keys[i]``: vLLM's extra keys of block i of ``token_ids`` (None: no block has any).
+    ``extra_keys[i]``: block i's extra keys, encoded (RequestExtraKeys.encoded; None: no block
+    has any).
     """
     data = token_bytes(token_ids)
     step = salt.block_size * 4
@@ -162,7 +176,7 @@ def chain_keys(
     keys: list[BlockKey] = []
     hasher = blake3.blake3
     for i, start in enumerate(range(0, n * step, step)):
-        extra = extra_key_bytes(extra_keys[i]) if extra_keys is not None else b""
+        extra = extra_keys[i] if extra_keys is not None else b""
         prev = hasher(prev + data[start:start + step] + extra).digest(length=KEY_BYTES)
         keys.append(prev)
     return keys

@@ -36,13 +36,13 @@ class RequestKeys:
         full = len(token_ids) // self.block_size
         n = full if max_blocks is None else min(max_blocks, full)
         if request_id is None:
-            return chain_keys(token_ids, self.salt, max_blocks=n, extra_keys=extra_keys.blocks(0, n, self.block_size))
+            return chain_keys(token_ids, self.salt, max_blocks=n, extra_keys=extra_keys.encoded(0, n, self.block_size))
         keys = self._keys.get(request_id, [])
         if len(keys) < n:
             done = len(keys)
             keys = keys + chain_keys(
                 token_ids[done * self.block_size:n * self.block_size], self.salt, parent=keys[-1] if keys else None,
-                extra_keys=extra_keys.blocks(done, n - done, self.block_size),
+                extra_keys=extra_keys.encoded(done, n - done, self.block_size),
             )
             self._keys[request_id] = keys
             while len(self._keys) > MAX_REQUESTS:
