@@ -145,7 +145,7 @@ class StoreWorker:
             self.copies.save(op.slots, op.block_ids, after=written)
             sums = [self.pool.checksum(s) for s in op.slots]
             for key, slot, digest in zip(op.keys, op.slots, sums):
-                self.directory.put(key, slot, digest)
+                self.directory.put(key, slot, digest, op.scope)
             result = SaveResult(op.request_id, list(op.keys), [])
         except Exception:  # noqa: BLE001 - a failed copy must be reported, not kill the thread
             logger.exception("store: saving %s failed", op.request_id)
@@ -249,7 +249,7 @@ class StoreWorker:
         for i, fut in reads:  # wait for all: no read may still write a slot the scheduler frees
             digest = fut.result()
             if digest is not None:
-                self.directory.put(op.keys[i], op.slots[i], digest)
+                self.directory.put(op.keys[i], op.slots[i], digest, op.scope)
             else:
                 usable = min(usable, i)
         if not remote:
@@ -267,7 +267,7 @@ class StoreWorker:
         if self.exchange is None or len(peers) <= self.rank:
             logger.warning("store: no peer endpoint for rank %d (%r); recomputing", self.rank, op.peer)
             return None
-        return self.exchange.start_fetch(peers[self.rank], [op.keys[i] for i in remote], slots)
+        return self.exchange.start_fetch(peers[self.rank], [op.keys[i] for i in remote], slots, op.scope)
 
     def _settle(self, op: LoadOp, st: _Staged, failed: bool = False) -> int:
         """End the op's fetch (commit what landed intact, give back the rest);
@@ -289,7 +289,7 @@ class StoreWorker:
         slots = [op.slots[i] for i in remote]
         got = len(sums)
         for key, slot, digest in zip(keys, slots, sums):
-            self.directory.put(key, slot, digest)
+            self.directory.put(key, slot, digest, op.scope)
         with self._lock:
             self._saves.append(SaveResult(op.request_id, keys[:got], keys[got:]))
         if self.disk is not None and got:
