@@ -57,7 +57,8 @@ class KeySalt:
     num_layers: int
     tp_size: int = 1
     pp_size: int = 1
-    extra: str = ""  # LoRA name, cache_salt namespace, ... ("" = none)
+    extra: str = ""  # anything else that changes every block of this node ("" = none); a request's
+    # adapter, cache salt and multimodal inputs are its extra keys (RequestExtraKeys), not the salt's
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
