@@ -204,7 +204,7 @@ def test_a_block_written_for_another_scope_is_never_served_under_its_key(monkeyp
     op, missing = node.sched.plan_load("lora", toks, 0, 12, [4, 5, 6], extra_keys=dropped)
     assert op is None and missing == [4, 5, 6]
     assert node.sched.stats["scope_mismatches"] == 1
-    monkeypatch.setattr(StoreScheduler, "_in_scope", lambda self, keys, count, scope: count)
+    monkeypatch.setattr(StoreScheduler, "_in_scope", lambda self, keys, start, end, scope: end)
     op, missing = node.sched.plan_load("lora-unchecked", toks, 0, 12, [4, 5, 6], extra_keys=dropped)
     assert op is not None and missing == []  # what the check prevents
     node.close()

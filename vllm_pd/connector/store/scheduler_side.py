@@ -160,7 +160,7 @@ class StoreScheduler:
             raise ValueError(f"{n} blocks to load but {len(block_ids)} block ids")
         keys = self.block_keys(token_ids, max_blocks=first + n, request_id=request_id, extra_keys=extra_keys)
         scope = self.scope(extra_keys)
-        local_end = max(first, self._in_scope(keys, self.index.longest_prefix(keys), scope))
+        local_end = self._in_scope(keys, first, max(first, self.index.longest_prefix(keys)), scope)
         usable = keys[first:local_end]
         pin = self.index.pin(usable, self.config.pin_ttl_s)
         load = _Load(pin)
@@ -206,16 +206,17 @@ class StoreScheduler:
         self._plan.loads.append(op)
         return op, missing
 
-    def _in_scope(self, keys: Sequence[BlockKey], count: int, scope: BlockKey) -> int:
-        """How many of the ``count`` leading (indexed) ``keys`` were written for ``scope``."""
-        for i in range(count):
+    def _in_scope(self, keys: Sequence[BlockKey], start: int, end: int, scope: BlockKey) -> int:
+        """Where the run of (indexed) ``keys[start:end]`` written for ``scope`` ends: only the blocks
+        a load serves are checked (the ones before ``start`` vLLM already has)."""
+        for i in range(start, end):
             found = self.placement.location(keys[i]).scope
             if found != scope:
                 self.stats["scope_mismatches"] += 1
                 logger.error("KV store: block %s was written for scope %s, asked for %s: not served (recomputed)",
                              keys[i].hex(), found.hex(), scope.hex())
                 return i
-        return count
+        return end
 
     def _reserve_fetch(
         self, request_id: str, keys: Sequence[BlockKey], start: int, end: int, scope: BlockKey
