@@ -89,7 +89,7 @@ class ProxyServer:
         self.request_log = RequestLog(self.config.request_log) if self.config.request_log else None
         locations = None
         if "kv_aware" in (self.config.prefill_policy, self.config.decode_policy):
-            self.kv_routing = KvRouting(self.config)
+            self.kv_routing = KvRouting(self.config, self.pool)
             self.kv_routing.start()
             locations = self.kv_routing.locations
         weight = self.config.kv_load_weight

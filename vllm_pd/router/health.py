@@ -51,7 +51,11 @@ class HealthChecker(PeriodicTask):
                     status, raw = await self._get(inst.url, "/v1/models", timeout)
                     if status == 200:
                         data = msgspec.json.decode(raw)
-                        inst.models = [m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+                        cards = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+                        inst.models = [m["id"] for m in cards]
+                        # a LoRA adapter's card names its base model and its path (kv_extra_keys.py)
+                        inst.adapters = {m["id"]: m["root"] for m in cards
+                                         if m.get("parent") and isinstance(m.get("root"), str)}
         except (BackendError, TimeoutError, ValueError, TypeError, KeyError, AttributeError) as e:
             logger.debug("health check %s failed: %s", inst.url, repr(e))
             ok = False

@@ -53,6 +53,7 @@ class Instance:
     ttft: Ewma = field(default_factory=Ewma)  # seconds, prefill leg (or decode-only first token)
     tpot: Ewma = field(default_factory=Ewma)  # seconds per output token on decode
     models: list[str] = field(default_factory=list)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> path (its /v1/models card)
     added_at: float = field(default_factory=time.monotonic)
     busy_until: float = 0.0  # time.monotonic() until which it asked for no requests (Retry-After); 0: never
     kv_peers: tuple[str, ...] = ()  # a prefill's KV endpoints (one per TP rank), learned from its answers
