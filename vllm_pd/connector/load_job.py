@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_pd.connector.block_recut import recut_rows
+from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S
 from vllm_pd.connector.control import PingMessage
 from vllm_pd.connector.kv_access import KVAccess
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
@@ -120,6 +121,7 @@ class LoadJob:
         self.started = time.monotonic()
         self.finished_at: float | None = None
         self.cancelled = False  # set before run(): the request is gone, do not wait for prefill
+        self._peer_seen_at = 0.0  # when prefill last answered a probe
         # set before run(): vLLM zeroed the request's new blocks on the compute stream up to
         # here; our copies into them wait for it
         self.blocks_ready: DeviceEvent = COMPLETED
@@ -195,15 +197,19 @@ class LoadJob:
         missing: dict[int, list[tuple[_Unit, list[int]]]] = {}  # layer -> (unit, local indexes to fetch)
         if remote.mode == "push":
             # layer by layer: announced as prefill's forward starts, the pushes land while we copy
-            push_deadline = min(deadline, time.monotonic() + self._push_wait_s)
+            since = time.monotonic()
             for layer in range(len(self._regions)):
-                miss = self._land_layer_pushed(remote, layer, push_deadline)
+                miss = self._land_layer_pushed(remote, layer, deadline, since)
+                if miss is None:
+                    return
                 if miss:
                     missing[layer] = miss
             if missing:
                 logger.info("request %s: %d layer(s) incomplete after push; fetching them from prefill",
                             spec.request_id, len(missing))
-                if not self._peers_answer(remote, {u.source for units in missing.values() for u, _ in units}):
+                sources = {u.source for units in missing.values() for u, _ in units}
+                if time.monotonic() - self._peer_seen_at > PROBE_PAUSED_PUSHES_S and not self._peers_answer(
+                        remote, sources):
                     return
         else:
             for layer in range(len(self._regions)):
@@ -272,19 +278,33 @@ class LoadJob:
         fut = self._transport.fetch(peer, remote.transfer_id, layer, src, dst, timeout=timeout, spans=parts)
         return fut, sum(parts.lengths)
 
-    def _land_layer_pushed(self, remote: RemotePrefill, layer: int,
-                           push_deadline: float) -> list[tuple[_Unit, list[int]]]:
+    def _land_layer_pushed(self, remote: RemotePrefill, layer: int, deadline: float,
+                           since: float) -> list[tuple[_Unit, list[int]]] | None:
         """Place what was pushed of ``layer`` in our blocks; per unit, the indexes (into its group's
-        blocks) still missing."""
+        blocks) still missing (None: a prefill rank is gone, the error set)."""
         missing = []
         for unit in self._units(layer):
-            self._staging.wait_layer(unit.key, layer, push_deadline)
+            if not self._wait_pushes(remote, unit, layer, deadline, since):
+                return None
             miss = self._copy_staged(remote, layer, unit)
             if miss:
                 missing.append((unit, miss))
         if not missing:
             self._layer_landed(layer, True)
         return missing
+
+    def _wait_pushes(self, remote: RemotePrefill, unit: _Unit, layer: int, deadline: float, since: float) -> bool:
+        """Wait for ``layer``'s pushes of ``unit`` while they keep landing. Once they pause for a second, its
+        prefill rank is probed: gone (cut off, paused) - False, the error set, at once rather than after
+        push_wait_s; there - waited for on, until push_wait_s passed without a push (the rest is then fetched)."""
+        quiet = min(PROBE_PAUSED_PUSHES_S, self._push_wait_s)
+        while not self._staging.wait_layer(unit.key, layer, deadline, stall_s=quiet, since=since):
+            if time.monotonic() >= deadline or not self._peers_answer(remote, {unit.source}):
+                return self.error is None
+            since = time.monotonic()
+            if since - self._staging.last_push(unit.key) >= self._push_wait_s:
+                return True
+        return True
 
     def _peers_answer(self, remote: RemotePrefill, sources: set[int]) -> bool:
         """Whether the prefill ranks answer a probe within probe_s (else the error is set). Pushes that
@@ -299,6 +319,7 @@ class LoadJob:
                 self.error = (f"prefill {peer} did not answer within {self._probe_s:.1f}s after its pushes "
                               f"stalled ({type(e).__name__}: {e})")
                 return False
+        self._peer_seen_at = time.monotonic()
         return True
 
     def _await_announcement(self, deadline: float) -> RemotePrefill | None:
