@@ -77,6 +77,20 @@ def test_deepseek_v2_config_is_mla_and_dense(tmp_path: Path) -> None:
         assert list(f.get_slice("model.layers.1.self_attn.kv_a_proj_with_mqa.weight").get_shape()) == [32 + 16, 64]
 
 
+def test_sliding_window_model_has_gemma3_style_layer_types(tmp_path: Path) -> None:
+    """A sliding window on all layers but every full_attention_every-th (HF layer_types, which
+    vLLM's llama reads per layer); without one the config (and the cached model's key) is as before."""
+    from transformers import AutoConfig
+
+    d = write_model(ModelSpec(sliding_window=64, full_attention_every=2, layers=4, **{
+        k: v for k, v in TINY.items() if k != "layers"}), tmp_path / "m")
+    cfg = AutoConfig.from_pretrained(d)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"] * 2 and cfg.sliding_window == 64
+    plain = json.loads((write_model(ModelSpec(**TINY), tmp_path / "p") / "config.json").read_text())
+    assert "layer_types" not in plain and "sliding_window" not in plain
+    assert ModelSpec().key() == "5a43f570519c"  # the default model's cached copy keeps its name
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"), "--arch"),
     (dict(heads=4, kv_heads=3), "--kv-heads"),
@@ -84,6 +98,10 @@ def test_deepseek_v2_config_is_mla_and_dense(tmp_path: Path) -> None:
     (dict(layers=0), "--layers"),
     (dict(vocab=100), "--vocab"),
     (dict(seed=-1), "--seed"),
+    (dict(sliding_window=-1), "--sliding-window"),
+    (dict(arch="deepseek_v2", sliding_window=64), "--sliding-window"),
+    (dict(sliding_window=64, full_attention_every=1), "--full-attention-every"),
+    (dict(sliding_window=64, layers=4, full_attention_every=5), "--full-attention-every"),
 ])
 def test_bad_spec_names_the_argument(kwargs: dict, message: str) -> None:
     with pytest.raises(ModelSpecError, match=message):

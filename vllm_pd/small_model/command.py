@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         default = getattr(_DEFAULTS, f.name)
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=default,
-                            help=f"default {default}" + (" (deepseek_v2 only)" if f.name in _MLA_ONLY else ""))
+                            help=f"default {default}" + (" (deepseek_v2 only)" if f.name in _MLA_ONLY else "")
+                            + _HELP.get(f.name, ""))
     parser.add_argument("--lora", type=Path, metavar="ADAPTER_DIR",
                         help="also write a PEFT LoRA adapter for the model there (llama only; vLLM serves it with "
                              "--enable-lora --lora-modules NAME=ADAPTER_DIR)")
@@ -28,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-seed", type=int, default=LoraSpec.seed, help=f"default {LoraSpec.seed}")
 
 
+_HELP = {
+    "sliding_window": " (llama only: a sliding window of this many tokens on every layer but each "
+                      "--full-attention-every-th; 0: none)",
+    "full_attention_every": " (with --sliding-window: every this-many-th layer is full attention)",
+}
 _MLA_ONLY = {"kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank"}
 
 

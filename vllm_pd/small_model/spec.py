@@ -38,6 +38,11 @@ class ModelSpec:
     qk_nope_head_dim: int = 64
     v_head_dim: int = 64
     q_lora_rank: int | None = None
+    # llama only: a sliding window of this many tokens on all layers but every
+    # full_attention_every-th (Gemma 3 / Mistral-style ``layer_types``; vLLM's hybrid KV cache
+    # manager keeps the two kinds in separate KV cache groups). 0: every layer full attention.
+    sliding_window: int = 0
+    full_attention_every: int = 4
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -51,6 +56,13 @@ class ModelSpec:
             raise ModelSpecError(f"--q-lora-rank must be > 0 or omitted, got {self.q_lora_rank}")
         if self.seed < 0:
             raise ModelSpecError(f"--seed must be >= 0, got {self.seed}")
+        if self.sliding_window < 0:
+            raise ModelSpecError(f"--sliding-window must be >= 0, got {self.sliding_window}")
+        if self.sliding_window and self.arch != "llama":
+            raise ModelSpecError(f"--sliding-window: only the llama arch has sliding-window layers, got {self.arch}")
+        if self.sliding_window and not 2 <= self.full_attention_every <= self.layers:
+            raise ModelSpecError(f"--full-attention-every must be in [2, --layers ({self.layers})] with "
+                                 f"--sliding-window, got {self.full_attention_every}")
         if self.vocab < 512:
             # room for the 256 byte tokens, the special tokens and some merges
             raise ModelSpecError(f"--vocab must be >= 512, got {self.vocab}")
@@ -61,9 +73,20 @@ class ModelSpec:
                 raise ModelSpecError(f"--head-dim must be one of {CPU_HEAD_SIZES} (vLLM CPU attention), "
                                      f"got {self.head_dim}")
 
+    @property
+    def layer_types(self) -> list[str]:
+        """Each layer's attention (HF ``layer_types``); empty without a sliding window."""
+        if not self.sliding_window:
+            return []
+        return ["full_attention" if (i + 1) % self.full_attention_every == 0 else "sliding_attention"
+                for i in range(self.layers)]
+
     def key(self) -> str:
         """Short stable hash of every field: names a cached copy of this model."""
-        blob = json.dumps({"format": FORMAT_VERSION, **dataclasses.asdict(self)}, sort_keys=True).encode()
+        fields = dataclasses.asdict(self)
+        if not self.sliding_window:  # the keys of models made before these fields stay
+            del fields["sliding_window"], fields["full_attention_every"]
+        blob = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
     def hf_config(self, bos_id: int, eos_id: int) -> dict[str, Any]:
@@ -94,6 +117,8 @@ class ModelSpec:
                 "head_dim": self.head_dim,
                 "mlp_bias": False,
                 **common,
+                **({"layer_types": self.layer_types, "sliding_window": self.sliding_window}
+                   if self.sliding_window else {}),
             }
         return {
             "architectures": ["DeepseekV2ForCausalLM"],
