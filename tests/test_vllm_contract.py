@@ -67,7 +67,7 @@ DECISIONS: dict[str, str] = {
     "get_external_cache_hit_sources": "see _cache_hit_source",
     "update_state_after_alloc": "ours",
     "build_connector_meta": "ours",
-    "on_new_request": "ours",
+    "on_new_request": "requests are noted in get_num_new_matched_tokens",
     "update_connector_output": "ours",
     "request_finished": "ours",
     "register_finished_partial_tail": "no partial-tail offload",
@@ -94,7 +94,7 @@ READS = {
     "KVCacheManager": {"get_block_ids"},
     "SchedulerOutput": {"total_num_scheduled_tokens", "preempted_req_ids", "num_scheduled_tokens"},
     "Request": {"request_id", "kv_transfer_params", "num_prompt_tokens", "prompt_token_ids", "num_computed_tokens",
-                "status", "all_token_ids", "_all_token_ids", "max_tokens"},
+                "status", "all_token_ids"},
 }
 
 

@@ -8,8 +8,9 @@ Roles: ``kv_producer`` serves prefill legs (``do_remote_decode``), ``kv_consumer
 serves decode legs (``do_remote_prefill``), ``kv_both`` either, per request.
 
 It supports vLLM's hybrid KV cache manager (``SupportsHMA``): a model with sliding-window and
-full-attention layers, or recurrent state beside attention, keeps one KV cache group per kind
-and moves each group's blocks (``kv_geometry``, ``layer_groups``).
+full-attention layers keeps one KV cache group per kind and moves each group's blocks
+(``kv_geometry``, ``layer_groups``). A recurrent state group (Mamba, linear attention) is
+refused at start, with the reason.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_scheduler: StoreBridgeScheduler | None = None
         self._store_worker: StoreBridgeWorker | None = None
         groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        if any(g.kind == "state" for g in groups):
+            # a recurrent state is rewritten every step and sharded unlike heads: moving it is not done yet
+            raise ValueError("PDConnector: this model keeps a recurrent state (Mamba / linear attention KV cache "
+                             "group), which the PD connector does not move yet; serve it without "
+                             "--kv-transfer-config PDConnector (sliding-window hybrids are supported)")
         if store_config is not None and len(groups) > 1:
             # its keys and blocks are one group's: a hybrid model's other groups would be missing
             logger.warning("PD connector: the KV store is off for this model: it has %d KV cache groups (the "
@@ -229,12 +235,6 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             self._store_scheduler.on_handshake(first.num_layers, first.block_nbytes,
                                                ",".join(store_endpoints) if all(store_endpoints) else "",
                                                kv_format=self.scheduler.kv_format)
-
-    def on_new_request(self, request: "Request") -> None:
-        """A prefill leg of a model with a recurrent state computes all but its last token
-        (decode computes that one: see ``PDConnectorScheduler.truncate_prefill``)."""
-        if self.is_producer:
-            self.scheduler.truncate_prefill(request)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self.scheduler.note_request(request.request_id)

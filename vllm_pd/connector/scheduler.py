@@ -14,9 +14,8 @@ It decides, per request and per step, what the worker side moves:
   the push; if it will never load, the push is abandoned (released when announced).
 
 A hybrid model (vLLM's hybrid KV cache manager on: several KV cache groups) moves every
-group's blocks: a sliding window's those decode reads, a recurrent state once the prompt is
-computed. A state cannot take the last prompt token twice, so prefill computes all but the
-last token of such a model's prompt (``on_new_request``) and decode computes that one.
+group's blocks: a sliding window's only those decode reads. (A recurrent state group - Mamba,
+linear attention - is refused when the connector starts: not supported yet.)
 Prefill's KV shape (``kv_geometry.KVShape``, from the workers' handshake) travels with its
 answer; decode takes KV of another TP or block size, and refuses only what cannot be re-cut.
 """
@@ -61,10 +60,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = vllm_logger(__name__)
-
-# a prefill leg's params, once its prompt was cut short by its last token (truncate_prefill)
-_TRUNCATED = "_pd_truncated"
-
 
 @dataclass
 class _OutgoingRequest:
@@ -114,9 +109,13 @@ class PDConnectorScheduler:
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.groups = kv_cache_groups(kv_cache_config, self.block_size)
-        self.has_state = any(g.kind == "state" for g in self.groups)
-        # a prompt is handed to the workers in steps of whole blocks of every group but states
-        self._token_step = math.lcm(*(g.block_size for g in self.groups if g.kind != "state")) or self.block_size
+        # A sliding window's first token of the last prompt token's window must be in decode's blocks:
+        # vLLM nulls the blocks behind (local + external tokens) - window + 1, so a load covering the
+        # whole prompt could leave that block null while the last token is computed again; a load of
+        # a model with a window always leaves the last token to decode's forward.
+        self._leave_last = any(g.kind == "window" for g in self.groups)
+        # a prompt is handed to the workers in steps of whole blocks of every group
+        self._token_step = math.lcm(*(g.block_size for g in self.groups))
         self.shape: KVShape | None = None  # the workers' (handshake): travels with our KV
         # FULL CUDA graphs replay decode steps without our per-layer waits: whole-request loads only
         # (vLLM keeps them only where config.needs_layer_hooks said no layer-wise load would run)
@@ -146,9 +145,6 @@ class PDConnectorScheduler:
         self._announced: dict[str, float] = {}  # transfer id -> when its announcement reached us
         # unscheduled decode legs waiting for prefill's announcement: request -> (since, transfer id)
         self._awaited_since: dict[str, tuple[float, str]] = {}
-        # prefill legs of a model with a recurrent state, cut short by their last token: the
-        # full prompt's hash (decode checks it) by request id, until the request is tracked
-        self._full_prompts: dict[str, str] = {}
         self._announce_probe = AnnounceProbe(config.peer_probe_s)  # is a late announcement's prefill there?
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -168,22 +164,6 @@ class PDConnectorScheduler:
                     f"TP {self.shape.tp_size}, {self.shape.kv_heads} KV heads, groups "
                     + ", ".join(f"{g.kind}/{g.block_size}" for g in self.shape.groups)
                     if self.shape is not None else "KV shape not reported (equal shapes only)")
-
-    def truncate_prefill(self, request: "Request") -> None:
-        """A prefill leg of a model with a recurrent state: compute all but the last prompt token,
-        whose state decode must compute itself (a state cannot take a token twice, and decode's
-        first step computes that token again). The full prompt's hash is kept for the answer."""
-        params = request.kv_transfer_params
-        ids = request.prompt_token_ids
-        if (not self.has_state or not asks_remote_decode(params) or params is None or ids is None
-                or params.get(_TRUNCATED) or request.num_prompt_tokens < 2):
-            return
-        self._full_prompts[request.request_id] = prompt_hash(ids)
-        del ids[-1:]
-        del request._all_token_ids[-1:]
-        request.num_prompt_tokens -= 1
-        request.max_tokens = 1
-        params[_TRUNCATED] = True
 
     # ---- decode side: remote prefill -> load --------------------------------------------------
     def note_request(self, request_id: str) -> None:
@@ -209,14 +189,9 @@ class PDConnectorScheduler:
             return 0, False
         layerwise = self._layerwise(request)
         # An async load may cover the whole prompt (vLLM then recomputes the last token);
-        # a layer-wise (sync) load must leave that token for this step's forward; a state
-        # (computed by prefill up to the token before the last) leaves it too.
-        count = min(remote.num_tokens, len(prompt) - (1 if layerwise or self.has_state else 0)) - num_computed_tokens
-        if self.has_state and remote.num_tokens >= len(prompt):
-            # its state has taken the last token, which our first step computes again
-            logger.warning("request %s: prefill's recurrent state covers the whole prompt; decode recomputes it",
-                           request.request_id)
-            return 0, False
+        # a layer-wise (sync) load must leave that token for this step's forward (and a load with a
+        # sliding window, see _leave_last).
+        count = min(remote.num_tokens, len(prompt) - (1 if layerwise or self._leave_last else 0)) - num_computed_tokens
         if count <= 0:
             return 0, False
         self._matched[request.request_id] = (remote, num_computed_tokens, layerwise)
@@ -255,9 +230,9 @@ class PDConnectorScheduler:
                 del self._awaited_since[req_id]
                 return 0, False  # update_state_after_alloc abandons the push
             layerwise = self._layerwise(request)
-        # a layer-wise load (and a state) leaves the last token to the forward: nothing to load if it is
-        # the only one
-        count -= 1 if layerwise or self.has_state else 0
+        # a layer-wise load (and one with a sliding window) leaves the last token to the forward: nothing
+        # to load if it is the only one
+        count -= 1 if layerwise or self._leave_last else 0
         if count <= 0:
             return 0, False  # update_state_after_alloc abandons the push
         self._matched[req_id] = (awaited, num_computed_tokens, layerwise)
@@ -309,13 +284,10 @@ class PDConnectorScheduler:
                      num_tokens: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """Per KV cache group, (first position, our blocks) the load of ``num_tokens`` tokens lands
         in, past the ``num_local`` tokens of our own prefix cache: a sliding window's from the first
-        block decode reads, a state whole."""
+        block decode reads."""
         out = []
         for group, ids in zip(self.groups, blocks.get_block_ids(), strict=True):
-            if group.kind == "state":
-                first = 0
-            else:
-                first = max(num_local // group.block_size, window_positions(group, num_tokens))
+            first = max(num_local // group.block_size, window_positions(group, num_tokens))
             last = -(-num_tokens // group.block_size)
             out.append((first, tuple(ids[first:last])))
         return tuple(out)
@@ -362,8 +334,7 @@ class PDConnectorScheduler:
             self._abandoned.append(awaited.transfer_id)
             return
         _, num_local, layerwise = matched
-        # prefill of a state model computes all but the last token (truncate_prefill)
-        loads = self._group_loads(blocks, num_local, request.num_prompt_tokens - (1 if self.has_state else 0))
+        loads = self._group_loads(blocks, num_local, request.num_prompt_tokens)
         if not layerwise:
             self._awaiting.add(request.request_id)
         self._loads.append(LoadSpec(
@@ -389,8 +360,7 @@ class PDConnectorScheduler:
             return
         if ask is None:
             return
-        out = _OutgoingRequest(request, ask.resolve(self.config.default_mode),
-                               prompt_hash=self._full_prompts.pop(request.request_id, ""))
+        out = _OutgoingRequest(request, ask.resolve(self.config.default_mode))
         if out.transfer_id in self._transfer_owners:
             # a second transfer of that id would take the first one's pushes, grants and release
             logger.warning("request %s: transfer_id %s is already in use here (request %s); its KV is not "
@@ -473,7 +443,6 @@ class PDConnectorScheduler:
 
         by_group = tuple(tuple(ids) for ids in block_ids) if isinstance(block_ids, tuple) else (tuple(block_ids),)
         req_id = request.request_id
-        self._full_prompts.pop(req_id, None)
         self._refused.discard(req_id)
         self._matched.pop(req_id, None)
         self._live.discard(req_id)
