@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from vllm_pd.connector.kv_geometry import (
+    CPU_VEC_KERNEL,
     BlockFormat,
     KVGroup,
     KVShape,
     announced_ranks,
     head_pieces,
     incompatibility,
+    kernel_format,
     piece_spans,
     plan_rank,
     rank_heads,
@@ -29,10 +31,12 @@ C = 4  # elements of one head's token (K and V side by side), int32 in the model
 
 
 def shape(tp: int, kv_heads: int, block_size: int, kinds: tuple[str, ...] = ("full",), window: int = 0,
-          layout: str = "HNC") -> KVShape:
+          layout: str = "HNC", kernel: str = "") -> KVShape:
+    """``kernel`` CPU_VEC_KERNEL: each head packed as vLLM CPU attention packs it (K transposed, V)."""
     heads = len(rank_heads(kv_heads, tp, 0))
     dims = {"H": f"H{heads}", "N": f"N{block_size}", "C": f"C{C}"}
     fmt = "int32:" + ".".join(dims[d] for d in layout if not (d == "H" and heads == 1))
+    fmt = kernel_format(fmt, kernel)
     groups = tuple(KVGroup(k, block_size, fmt, window if k == "window" else 0) for k in kinds)
     return KVShape(tp, kv_heads, groups, tuple(range(len(groups))))
 
@@ -47,6 +51,19 @@ def test_block_format_parse() -> None:
     assert not BlockFormat.parse("bfloat16:K2.H8.N64.C256").head_major  # kernel blocks
     with pytest.raises(ValueError, match="bad dim"):
         BlockFormat.parse("bfloat16:H.N16")
+
+
+def test_cpu_attention_packs_k_transposed_then_v() -> None:
+    """vLLM CPU attention ("vec" ISA) views a head's [N, 2 x head size] as K^T [head size, N],
+    then V [N, head size]: re-cut per row of K and per token of V."""
+    f = BlockFormat.parse(kernel_format("bfloat16:H2.N32.C128", CPU_VEC_KERNEL))
+    assert (f.heads, f.tokens, f.token_nbytes, f.head_nbytes, f.kernel) == (2, 32, 256, 8192, CPU_VEC_KERNEL)
+    assert f.runs == ((64, 2), (1, 128)) and f.head_major
+    unknown = BlockFormat.parse("bfloat16:H2.N32.C128@cpu-amx")
+    assert unknown.runs is None and not unknown.head_major  # not re-cut by tokens
+    vec, plain = shape(1, 8, 32, kernel=CPU_VEC_KERNEL), shape(1, 8, 64)
+    assert "kernel" in (incompatibility(vec, plain) or "")
+    assert incompatibility(vec, shape(2, 8, 64, kernel=CPU_VEC_KERNEL)) is None
 
 
 @pytest.mark.parametrize("kv_heads, m, n", [
@@ -104,14 +121,30 @@ def test_incompatibilities_are_named() -> None:
 
 
 # ---- the spans, against a model of the KV --------------------------------------------------------
+def packed_kv(heads: range, tokens: np.ndarray, kernel: str, num_tokens: int) -> np.ndarray:
+    """[blocks, H, N * C] int32 for ``tokens`` [blocks, N]: K = head * 1e6 + token * 10 + d + 1, V
+    the same + 5e5 (0 past the prompt), packed as ``kernel`` packs a head (K and V side by side, or
+    K^T then V)."""
+    h = np.array(list(heads)).reshape(1, -1, 1, 1)
+    tok = tokens[:, None, :, None]
+    d = np.arange(C // 2).reshape(1, 1, 1, -1)
+    k = np.where(tok < num_tokens, h * 1_000_000 + tok * 10 + d + 1, 0)
+    v = np.where(tok < num_tokens, k + 500_000, 0)
+    nb, nh = tokens.shape[0], len(heads)
+    if kernel == CPU_VEC_KERNEL:
+        packed = np.concatenate([k.transpose(0, 1, 3, 2).reshape(nb, nh, -1), v.reshape(nb, nh, -1)], axis=2)
+    else:
+        packed = np.concatenate([k, v], axis=3).reshape(nb, nh, -1)
+    return packed.astype(np.int32)
+
+
 def prefill_blocks(s: KVShape, rank: int, num_tokens: int) -> np.ndarray:
-    """[blocks, H, N, C] int32 of one prefill rank: value = head * 1e6 + token * 10 + c (0 past the prompt)."""
+    """[blocks, H, N * C] int32 of one prefill rank (packed_kv)."""
     n = s.groups[0].block_size
-    heads = rank_heads(s.kv_heads, s.tp_size, rank)
     nblocks = -(-num_tokens // n)
-    tok = np.arange(nblocks * n).reshape(nblocks, 1, n, 1)
-    val = np.array(list(heads)).reshape(1, -1, 1, 1) * 1_000_000 + tok * 10 + np.arange(C).reshape(1, 1, 1, C)
-    return np.where(tok < num_tokens, val, 0).astype(np.int32)
+    tokens = np.arange(nblocks * n).reshape(nblocks, n)
+    return packed_kv(rank_heads(s.kv_heads, s.tp_size, rank), tokens, BlockFormat.parse(
+        s.groups[0].block_format).kernel, num_tokens)
 
 
 @pytest.mark.parametrize("m, n, nr, nl, first", [
@@ -120,16 +153,17 @@ def prefill_blocks(s: KVShape, rank: int, num_tokens: int) -> np.ndarray:
     (1, 2, 32, 64, 0), (2, 1, 64, 32, 2), (4, 2, 16, 64, 1),  # both
 ])
 @pytest.mark.parametrize("kv_heads", [8, 2, 1])
+@pytest.mark.parametrize("kernel", ["", CPU_VEC_KERNEL])
 def test_spans_assemble_decodes_blocks_from_prefills(m: int, n: int, nr: int, nl: int, first: int,
-                                                     kv_heads: int) -> None:
+                                                     kv_heads: int, kernel: str) -> None:
     num_tokens = 300
-    remote, local = shape(m, kv_heads, nr), shape(n, kv_heads, nl)
+    remote, local = shape(m, kv_heads, nr, kernel=kernel), shape(n, kv_heads, nl, kernel=kernel)
     blocks = [prefill_blocks(remote, p, num_tokens) for p in range(m)]
     nlocal = -(-num_tokens // nl) - first
     for d in range(n):
         plan = plan_rank(remote, local, d)
         heads = rank_heads(kv_heads, n, d)
-        ours = np.zeros((nlocal, len(heads), nl, C), dtype=np.int32).reshape(nlocal, -1).view(np.uint8)
+        ours = np.zeros((nlocal, len(heads) * nl * C), dtype=np.int32).view(np.uint8)
         moved = 0
         for piece in plan.groups[0].pieces:
             src = blocks[piece.source].reshape(len(blocks[piece.source]), -1).view(np.uint8)
@@ -137,10 +171,10 @@ def test_spans_assemble_decodes_blocks_from_prefills(m: int, n: int, nr: int, nl
                 ours[sp.dst_index, sp.dst_offset:sp.dst_offset + sp.nbytes] = \
                     src[sp.src_index, sp.src_offset:sp.src_offset + sp.nbytes]
                 moved += sp.nbytes
-        got = ours.view(np.int32).reshape(nlocal, len(heads), nl, C)
-        tok = np.arange(first * nl, (first + nlocal) * nl).reshape(nlocal, 1, nl, 1)
-        want = np.array(list(heads)).reshape(1, -1, 1, 1) * 1_000_000 + tok * 10 + np.arange(C).reshape(1, 1, 1, C)
-        valid = np.broadcast_to(tok < num_tokens, got.shape)
+        got = ours.view(np.int32).reshape(nlocal, len(heads), -1)
+        tokens = np.arange(first * nl, (first + nlocal) * nl).reshape(nlocal, nl)
+        want = packed_kv(heads, tokens, kernel, num_tokens)
+        valid = np.broadcast_to(packed_kv(range(1), tokens, kernel, num_tokens) != 0, got.shape)  # the prompt's
         assert np.array_equal(got[valid], want[valid]), (d, plan)
         # exactly our heads' bytes of the tokens we load, no more (prefill's partial last block included)
         per_token = len(heads) * C * 4
@@ -166,3 +200,27 @@ def test_remote_positions_and_windows() -> None:
     assert window_positions(KVGroup("window", 32, "x:C1", 32), 64) == 1
     assert window_positions(KVGroup("window", 32, "x:C1", 128), 100) == 0
     assert window_positions(KVGroup("full", 32, "x:C1"), 300) == 0
+
+
+@pytest.mark.parametrize("nr, nl, first_block", [(32, 64, 0), (64, 32, 0), (64, 32, 3), (16, 64, 1)])
+@pytest.mark.parametrize("kernel", ["", CPU_VEC_KERNEL])
+def test_pushed_rows_are_recut_into_decodes_blocks(nr: int, nl: int, first_block: int, kernel: str) -> None:
+    """block_recut, what a push of another block size goes through on decode's host: prefill's
+    rows (its block size) become decode's rows of the same heads and tokens."""
+    import torch
+
+    from vllm_pd.connector.block_recut import recut_rows
+
+    num_tokens, heads = 300, 2
+    remote = shape(1, heads, nr, kernel=kernel)
+    blocks = prefill_blocks(remote, 0, num_tokens)
+    first_token = first_block * nl
+    num_local = -(-num_tokens // nl) - first_block
+    rows = [torch.from_numpy(b.reshape(-1).view(np.uint8).copy()) for b in blocks[first_token // nr:]]
+    runs = BlockFormat.parse(remote.groups[0].block_format).runs
+    assert runs is not None
+    out = recut_rows(rows, heads, nr, nl, first_token, num_local, runs)
+    got = out.numpy().view(np.int32).reshape(num_local, heads, -1)
+    tokens = np.arange(first_token, first_token + num_local * nl).reshape(num_local, nl)
+    valid = np.broadcast_to(packed_kv(range(1), tokens, kernel, num_tokens) != 0, got.shape)
+    assert np.array_equal(got[valid], packed_kv(range(heads), tokens, kernel, num_tokens)[valid])

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_pd.connector.config import PDConnectorConfig, needs_layer_hooks
-from vllm_pd.connector.kv_geometry import encode_shape
+from vllm_pd.connector.kv_geometry import CPU_VEC_KERNEL, encode_shape
 from vllm_pd.connector.kv_layout import TRANSFER_LAYOUT
 from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, PDWorkerMeta
 from vllm_pd.connector.scheduler import PDConnectorScheduler, kv_cache_groups
@@ -61,6 +61,22 @@ def total_kv_heads(vllm_config: "VllmConfig") -> int:
     if model_config.use_mla:
         return 1
     return int(model_config.get_total_num_kv_heads())
+
+
+def attention_kernel(vllm_config: "VllmConfig") -> str:
+    """How vLLM's attention kernel packs a head's tokens in our blocks (``kv_geometry.kernel_format``):
+    "" where the tensor's dims say it (GPU backends, MLA); vLLM CPU attention packs per ISA (its
+    ``_get_attn_isa``; "vec": K transposed, then V)."""
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    if not current_platform.is_cpu() or model_config is None or model_config.use_mla:
+        return ""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    cache = vllm_config.cache_config
+    isa = _get_attn_isa(model_config.dtype, cache.block_size, model_config.get_head_size(), cache.cache_dtype)
+    return CPU_VEC_KERNEL if isa == "vec" else f"cpu-{isa}"
 
 
 class PDConnector(KVConnectorBase_V1, SupportsHMA):
@@ -115,6 +131,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_heads=total_kv_heads(vllm_config) if layer_groups else 0,
                 groups=groups,
                 layer_groups=layer_groups,
+                kernel=attention_kernel(vllm_config),
             )
             if store_config is not None:
                 self._store_worker = StoreBridgeWorker(store_config, vllm_config, get_tensor_model_parallel_rank())

@@ -18,14 +18,15 @@ heads from one source, which in a head-major block (``H.N.C``, vLLM's LBHNC) are
 contiguous byte range of the source's block and of ours.
 
 Block sizes may differ too: a token range maps across block boundaries, and per head a
-token range is contiguous (``H.N.C``), so decode's block is assembled from spans of
+token range is contiguous (``H.N.C``; per row of K and of V where a kernel packs them apart, as
+vLLM CPU attention does: :func:`kernel_format`), so decode's block is assembled from spans of
 prefill's blocks (:func:`piece_spans` for reads; pushes are re-cut on decode's host,
-``block_recut``). Recurrent state is sharded by vLLM in ways that do not re-cut by heads:
-state groups move only between equal TP sizes.
+``block_recut``). Recurrent state groups are refused by the connector (not moved yet).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -83,17 +84,19 @@ class BlockFormat:
 
     dtype: str
     dims: tuple[tuple[str, int], ...]
+    kernel: str = ""  # how an attention kernel packs a head's tokens ("": as the dims say)
 
     @classmethod
     def parse(cls, text: str) -> BlockFormat:
-        dtype, _, rest = text.partition(":")
+        text_dims, _, kernel = text.partition("@")
+        dtype, _, rest = text_dims.partition(":")
         dims = []
         for part in rest.split(".") if rest else ():
             name = part.rstrip("0123456789")
             if not name or name == part:
                 raise ValueError(f"block format {text!r}: bad dim {part!r}")
             dims.append((name, int(part[len(name):])))
-        return cls(dtype, tuple(dims))
+        return cls(dtype, tuple(dims), kernel)
 
     def size(self, name: str) -> int:
         return next((n for d, n in self.dims if d == name), 1)
@@ -112,7 +115,7 @@ class BlockFormat:
 
     @property
     def token_nbytes(self) -> int:
-        """One head's bytes of one token (K and V side by side)."""
+        """One head's bytes of one token (K and V together)."""
         return self.size("C") * self.itemsize
 
     @property
@@ -125,11 +128,38 @@ class BlockFormat:
         return self.heads * self.head_nbytes
 
     @property
+    def runs(self) -> tuple[tuple[int, int], ...] | None:
+        """A head's bytes as runs in memory order, each ``(rows, element bytes)``: ``rows`` rows of
+        the block's tokens, a token's element of a row ``element bytes`` wide; per row a token range
+        is one byte range. None: a kernel's packing we do not know (not re-cut by tokens)."""
+        if not self.kernel:
+            return ((1, self.token_nbytes),)
+        if self.kernel == CPU_VEC_KERNEL and self.size("C") % 2 == 0:
+            # vLLM CPU attention ("vec" ISA) views a head's [N, 2 x head size] as [2N, head size]:
+            # K transposed ([head size, N], token innermost), then V ([N, head size])
+            head_size = self.size("C") // 2
+            return ((head_size, self.itemsize), (1, head_size * self.itemsize))
+        return None
+
+    @property
     def head_major(self) -> bool:
         """Heads outermost, then tokens, then content, nothing else (vLLM's LBHNC; one-head
-        formats like MLA's): a run of heads, and per head a run of tokens, is one byte range."""
+        formats like MLA's), packed as :attr:`runs` says: a run of heads is one byte range, and per
+        head (and row of a run) a run of tokens."""
         names = [d for d, _ in self.dims]
-        return self.itemsize > 0 and names in (["H", "N", "C"], ["N", "C"], ["H", "C"], ["C"])
+        return self.itemsize > 0 and self.runs is not None and names in (["H", "N", "C"], ["N", "C"], ["H", "C"],
+                                                                         ["C"])
+
+
+# vLLM CPU attention's "vec" ISA (x86 without AMX, blocks of 32k tokens): kernel_format's tag
+CPU_VEC_KERNEL = "cpu-vec"
+
+
+def kernel_format(block_format: str, kernel: str) -> str:
+    """``block_format`` as an attention kernel packs a head's tokens (``kernel`` "" : as is), e.g.
+    ``bfloat16:H2.N32.C128@cpu-vec``. Formats of other kernels never match: blocks are re-cut
+    only between packings :attr:`BlockFormat.runs` knows."""
+    return f"{block_format}@{kernel}" if kernel else block_format
 
 
 def rank_heads(kv_heads: int, tp_size: int, rank: int) -> range:
@@ -274,6 +304,9 @@ def _group_incompatibility(r: KVGroup, lo: KVGroup, same_tp: bool, remote: KVSha
                 f"{r.block_format}; ours TP {local.tp_size}, {lo.block_format}")
     if rf.dtype != lf.dtype or rf.token_nbytes != lf.token_nbytes:
         return f"prefill's blocks are {r.block_format}, ours {lo.block_format} (another dtype or head size)"
+    if rf.kernel != lf.kernel:
+        return (f"prefill's blocks are packed for attention kernel {rf.kernel or '(plain)'}, ours for "
+                f"{lf.kernel or '(plain)'}: not re-cut")
     if not (rf.head_major and lf.head_major):
         return (f"blocks laid out as {r.block_format} (prefill) and {lo.block_format} (ours): only head-major "
                 "blocks (LBHNC) are re-cut across TP or block sizes")
@@ -341,17 +374,17 @@ def piece_spans(plan: GroupPlan, piece: Piece, first_position: int, num_position
     block sizes: a piece is one span per block)."""
     rf, lf = plan.remote_format, plan.local_format
     nr, nl = plan.remote.block_size, plan.local.block_size
-    tb = rf.token_nbytes
+    runs = _rows_of_runs(rf)
     end = min(-(-num_tokens // nr) * nr, (first_position + num_positions) * nl)
     spans: list[Span] = []
     for j in range(first_position, first_position + num_positions):
         lo_tok, hi_tok = j * nl, min((j + 1) * nl, end)
         for k in range(lo_tok // nr, -(-hi_tok // nr)) if hi_tok > lo_tok else ():
             a, b = max(lo_tok, k * nr), min(hi_tok, (k + 1) * nr)
-            for i in range(piece.heads):
-                src = (piece.src_head + i) * rf.head_nbytes + (a - k * nr) * tb
-                dst = (piece.dst_head + i) * lf.head_nbytes + (a - j * nl) * tb
-                n = (b - a) * tb
+            for i, (run_offset, row, e) in itertools.product(range(piece.heads), runs):
+                src = (piece.src_head + i) * rf.head_nbytes + run_offset * nr + row * nr * e + (a - k * nr) * e
+                dst = (piece.dst_head + i) * lf.head_nbytes + run_offset * nl + row * nl * e + (a - j * nl) * e
+                n = (b - a) * e
                 last = spans[-1] if spans else None
                 if (last is not None and last.src_index == k and last.dst_index == j - first_position
                         and last.src_offset + last.nbytes == src and last.dst_offset + last.nbytes == dst):
@@ -359,6 +392,16 @@ def piece_spans(plan: GroupPlan, piece: Piece, first_position: int, num_position
                 else:
                     spans.append(Span(k, src, j - first_position, dst, n))
     return spans
+
+
+def _rows_of_runs(fmt: BlockFormat) -> list[tuple[int, int, int]]:
+    """Every row of a head's runs: (its run's offset per token of the block, the row in the run,
+    element bytes)."""
+    out, offset = [], 0
+    for rows, e in fmt.runs or ((1, fmt.token_nbytes),):
+        out += [(offset, row, e) for row in range(rows)]
+        offset += rows * e
+    return out
 
 
 def remote_positions(plan: GroupPlan, first_position: int, num_positions: int, num_tokens: int) -> range:

@@ -397,7 +397,7 @@ class LoadJob:
         rows = [r for _, chunk in runs for r in chunk]
         fmt = plan.local_format
         recut = recut_rows(rows, piece.heads, plan.remote.block_size, plan.local.block_size,
-                           first * plan.local.block_size, len(ids), fmt.token_nbytes, self._host_alloc)
+                           first * plan.local.block_size, len(ids), fmt.runs or (), self._host_alloc)
         self._place(layer, [(list(ids), recut)], dst_window)
         self.blocks_from_push += len(ids) * counted
         self.bytes_landed += len(rows) * src_nbytes

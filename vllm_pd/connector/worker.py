@@ -24,7 +24,7 @@ from vllm_pd.connector.release import release_rank_share
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
 from vllm_pd.connector.kv_device import KVDevice, kv_device_for
-from vllm_pd.connector.kv_geometry import KVGroup, KVShape, ShapeQuery, encode_shape
+from vllm_pd.connector.kv_geometry import KVGroup, KVShape, ShapeQuery, encode_shape, kernel_format
 from vllm_pd.connector.kv_layout import KVLayout, block_format, manager_blocks, memory_order_mismatch
 from vllm_pd.connector.kv_loader import KVLoader
 from vllm_pd.connector.layer_groups import LayerGroups
@@ -64,15 +64,18 @@ class PDConnectorWorker:
     def __init__(self, config: PDConnectorConfig, block_size: int, tp_rank: int, base_port: int,
                  is_producer: bool, is_consumer: bool, tp_size: int = 1,
                  stats: TransferCounters | None = None, kv_heads: int = 0, groups: tuple[KVGroup, ...] = (),
-                 layer_groups: dict[str, int] | None = None) -> None:
+                 layer_groups: dict[str, int] | None = None, kernel: str = "") -> None:
         """``kv_heads`` (the model's KV heads; 1 for MLA), ``groups`` (vLLM's KV cache groups, their
         block formats filled in at registration) and ``layer_groups`` (each layer's group, by name)
         make this worker's :class:`KVShape`, which lets it take KV from a prefill of another TP or
-        block size and move a hybrid model's groups; without them (0): one group, equal shapes only."""
+        block size and move a hybrid model's groups; without them (0): one group, equal shapes only.
+        ``kernel``: how the attention kernel packs a head's tokens in a block
+        (``kv_geometry.kernel_format``; "": as the tensor's dims say)."""
         self.config = config
         self._kv_heads = kv_heads
         self._group_specs = groups
         self._layer_group_names = layer_groups or {}
+        self._kernel = kernel
         self.block_size = block_size
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -147,7 +150,7 @@ class PDConnectorWorker:
             return None
         groups = []
         for g, spec in enumerate(self._group_specs):
-            formats = {self.regions[i].name: block_format(self.regions[i].tensor)
+            formats = {self.regions[i].name: self._group_format(self.regions[i].tensor)
                        for i, lg in enumerate(layer_groups) if lg == g}
             if len(set(formats.values())) != 1:
                 logger.warning("PD connector: KV cache group %d's layers have blocks %s; KV moves between equal "
@@ -155,6 +158,10 @@ class PDConnectorWorker:
                 return None
             groups.append(KVGroup(spec.kind, spec.block_size, next(iter(formats.values())), spec.window))
         return KVShape(self.tp_size, self._kv_heads, tuple(groups), layer_groups)
+
+    def _group_format(self, blocks: torch.Tensor) -> str:
+        """A layer's block format as kv_geometry cuts it: packed as the attention kernel packs it."""
+        return kernel_format(block_format(blocks), self._kernel)
 
     def _check_layout(self, kv_caches: dict[str, torch.Tensor], kv_layout: str | None) -> None:
         """Warn where the strides are not those of the layout vLLM says it resolved: the
