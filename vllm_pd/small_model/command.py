@@ -14,7 +14,8 @@ _DEFAULTS = ModelSpec()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="output folder (must not exist or be empty)")
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--arch", choices=ARCHS, default="llama",
+                        help="model family: llama (attention) or deepseek_v2 (MLA); default llama")
     for f in dataclasses.fields(ModelSpec):
         if f.name == "arch":
             continue
