@@ -72,9 +72,11 @@ LOADS = {"1x": ("plan_trace.jsonl", 40, 1.5, 16), "3x": ("plan_trace_3x.jsonl", 
          "8x": ("plan_trace_8x.jsonl", 100, 9.0, 18)}
 
 
-async def replay(url: str, model: str, trace: list[TraceRequest], seed: int) -> list[dict[str, float]]:
-    """Open loop; every replay needs a ``seed`` of its own: the pair's prefix caches outlive a replay."""
-    prompts = UniquePrompts(4000, seed=seed)
+async def replay(url: str, model: str, trace: list[TraceRequest], seed: int,
+                 vocab_size: int = 4000) -> list[dict[str, float]]:
+    """Open loop; every replay needs a ``seed`` of its own: the pair's prefix caches outlive a replay. Prompt ids
+    are drawn below ``vocab_size`` (the served model's: the default model's is 4096)."""
+    prompts = UniquePrompts(vocab_size, seed=seed)
 
     async def one(session: aiohttp.ClientSession, req: TraceRequest, t_start: float) -> dict[str, float]:
         await asyncio.sleep(max(0.0, t_start + req.arrival - time.perf_counter()))
@@ -193,10 +195,10 @@ def replay_rounds(urls: dict[str, str], relay_url: str, model: str, traces: dict
     return runs
 
 
-async def speed_probe(url: str, model: str, n: int = 3) -> dict[str, float]:
+async def speed_probe(url: str, model: str, n: int = 3, vocab_size: int = 4000) -> dict[str, float]:
     """The machine's speed now: a lone 512-token prefill (TTFT) and a lone request's steady decode step,
     medians of ``n``, back to back (ms)."""
-    prompts = UniquePrompts(4000, seed=next(CHECK_SEEDS))
+    prompts = UniquePrompts(vocab_size, seed=next(CHECK_SEEDS))
     prefill, decode = [], []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         for _ in range(n):

@@ -31,9 +31,10 @@ from pathlib import Path
 
 from vllm_pd.connector.store.cpu_pool import checksum
 from vllm_pd.connector.store.disk_tier import DiskTier
-from vllm_pd.connector.store.keys import KeySalt, chain_keys
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, chain_keys
 
 SALT = KeySalt("bench-disk", "bfloat16", "cpu", 16, 8)
+SCOPE = NO_EXTRA_KEYS.scope(SALT)
 
 
 def drop_from_page_cache(paths: list[Path]) -> None:
@@ -66,7 +67,7 @@ def measure(root: Path, block: int, count: int, rounds: int) -> dict[str, float]
         tier = DiskTier(tier_dir, SALT.digest(), 0, capacity_bytes=4 * block * count)
         try:
             def tier_write() -> None:
-                futures = [tier.write(k, None, p, s) for k, p, s in zip(keys, payloads, sums)]
+                futures = [tier.write(k, None, p, SCOPE, s) for k, p, s in zip(keys, payloads, sums)]
                 if not all(f.result() for f in futures):
                     raise SystemExit("disk tier write failed")
                 os.sync()

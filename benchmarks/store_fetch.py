@@ -37,8 +37,10 @@ from benchmarks.store_disk import drop_from_page_cache  # noqa: E402
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool  # noqa: E402
 from vllm_pd.connector.store.disk_staging import DiskStaging  # noqa: E402
 from vllm_pd.connector.store.disk_tier import DiskTier  # noqa: E402
-from vllm_pd.connector.store.keys import KeySalt, chain_keys  # noqa: E402
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, chain_keys  # noqa: E402
 from vllm_pd.connector.store.pool_exchange import POOL_REGION, PoolExchange, SlotDirectory  # noqa: E402
+
+SCOPE = NO_EXTRA_KEYS.scope(KeySalt("bench", "bf16", "cpu", 4, 1))  # what the blocks were written for
 
 
 def exchange(slots: int, layers: int, layer_nbytes: int, disk_dir: str | None = None) -> PoolExchange:
@@ -101,12 +103,14 @@ def main() -> None:
     asker = exchange(2 * n, args.layers, layer_nbytes)
     keys = chain_keys(list(range(n * 4)), KeySalt("bench", "bf16", "cpu", 4, args.layers))
     for i, key in enumerate(keys):
-        holder.directory.put(key, n + i, holder.pool.checksum(n + i))
+        holder.directory.put(key, n + i, holder.pool.checksum(n + i), SCOPE)
     # the same bytes under other keys on the holder's disk only (served through its spare rows)
-    disk_keys = chain_keys(list(range(10**6, 10**6 + n * 4)), KeySalt("bench", "bf16", "cpu", 4, args.layers))
+    salt = KeySalt("bench", "bf16", "cpu", 4, args.layers)
+    disk_keys = chain_keys(list(range(10**6, 10**6 + n * 4)), salt)
     assert holder.staging is not None
     for i, key in enumerate(disk_keys):
-        holder.staging.disk.write(key, disk_keys[i - 1] if i else None, holder.pool.slot_view(n + i)).result()
+        holder.staging.disk.write(key, disk_keys[i - 1] if i else None, holder.pool.slot_view(n + i),
+                                  SCOPE).result()
     disk_files = [p for p in Path(tmp.name).rglob("*") if p.is_file()]
     local = list(range(n))
     layers = args.layers
@@ -117,7 +121,7 @@ def main() -> None:
     nbytes = n * holder.pool.slot_nbytes
     try:
         def store_fetch() -> None:
-            if len(asker.fetch(holder.endpoint, keys, local)) != n:
+            if len(asker.fetch(holder.endpoint, keys, local, SCOPE)) != n:
                 raise SystemExit("store fetch failed")
 
         store_fetch()
@@ -132,7 +136,7 @@ def main() -> None:
 
         def store_fetch_layers() -> None:
             t0 = time.perf_counter()
-            fetch = asker.start_fetch(holder.endpoint, keys, local)
+            fetch = asker.start_fetch(holder.endpoint, keys, local, SCOPE)
             if not fetch.layer_landed(0):
                 raise SystemExit("store fetch failed")
             first_layer.append(time.perf_counter() - t0)
@@ -144,14 +148,14 @@ def main() -> None:
         kv = [torch.zeros(n, layer_nbytes, dtype=torch.uint8) for _ in range(layers)]
 
         def step_whole_fetch_first() -> None:
-            if len(asker.fetch(holder.endpoint, keys, local)) != n:
+            if len(asker.fetch(holder.endpoint, keys, local, SCOPE)) != n:
                 raise SystemExit("store fetch failed")
             for layer in range(layers):
                 asker.pool.load_layer(layer, local, kv[layer], local)
                 forward.layer()
 
         def step_layer_wise() -> None:
-            fetch = asker.start_fetch(holder.endpoint, keys, local)
+            fetch = asker.start_fetch(holder.endpoint, keys, local, SCOPE)
             for layer in range(layers):
                 if not fetch.layer_landed(layer):
                     raise SystemExit("store fetch failed")
@@ -168,7 +172,7 @@ def main() -> None:
         fwd, _ = timed_pair(forward_only, lambda: None, args.rounds)
 
         def from_disk() -> None:
-            if len(asker.fetch(holder.endpoint, disk_keys, local)) != n:
+            if len(asker.fetch(holder.endpoint, disk_keys, local, SCOPE)) != n:
                 raise SystemExit("store fetch from the holder's disk failed")
 
         from_disk()
@@ -181,7 +185,7 @@ def main() -> None:
             from_disk()
             cold.append(time.perf_counter() - t0)
         disk_cold = statistics.median(cold)
-        one, one_bare = timed_pair(lambda: asker.fetch(holder.endpoint, keys[:1], local[:1]),
+        one, one_bare = timed_pair(lambda: asker.fetch(holder.endpoint, keys[:1], local[:1], SCOPE),
                                    lambda: bare_fetch(1), args.rounds)
     finally:
         holder.close()

@@ -19,6 +19,7 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 import httpx  # noqa: E402
 
 from tests import e2e_cluster as ec  # noqa: E402
+from tests import reference_margins  # noqa: E402
 from tests.prompt_catalogue import CATALOGUE  # noqa: E402
 
 # run before the session's connector pair starts: the TP=2 tests start four model workers, and
@@ -62,14 +63,24 @@ def reference_outputs(small_model_dir: Path, tmp_path_factory: pytest.TempPathFa
     running = _running_cluster()
     if running:
         with httpx.Client() as client:
-            return {key: ec.output_tokens(ec.post(client, running[0]["url"], body)) for key, body in CATALOGUE.items()}
+            return _reference_answers(client, running[0]["url"])
     log_dir = tmp_path_factory.mktemp("vllm-logs")
     [plain] = ec.start_all([(ec.server_spec(small_model_dir, "0-1", None), None)], log_dir)
     try:
         with httpx.Client() as client:
-            return {key: ec.output_tokens(ec.post(client, plain.url, body)) for key, body in CATALOGUE.items()}
+            return _reference_answers(client, plain.url)
     finally:
         ec.stop_all([plain])
+
+
+def _reference_answers(client: httpx.Client, url: str) -> dict[str, list[int]]:
+    """Every catalogue entry's answer; how sure each step was goes to reference_margins.MARGINS."""
+    out = {}
+    for key, body in CATALOGUE.items():
+        resp = ec.post(client, url, reference_margins.with_top2(body))
+        out[key] = ec.output_tokens(resp)
+        reference_margins.MARGINS[key] = reference_margins.top2_margins(resp)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -34,10 +34,11 @@ LOAD_KEYS = ("ids1000", "ids1500", "ids640", "text4", "chat3", "ids512", "ids203
 
 @dataclass
 class ConnectorTimes:
-    """Decode's bounds on KV that stalls (kv_connector_extra_config), and prefill's lease."""
+    """Decode's bounds on KV that stalls (kv_connector_extra_config; None: the connector's default),
+    and prefill's lease."""
 
-    push_wait_s: float = 3.0
-    peer_probe_s: float = 2.0
+    push_wait_s: float | None = None
+    peer_probe_s: float | None = None
     lease_s: float = 20.0
 
 
@@ -75,10 +76,11 @@ class Cluster:
     _proxy: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def start_proxy(self, **config: Any) -> None:
-        """(Re)start the proxy on host "proxy" with these ProxyConfig fields (kv_mode push)."""
+        """(Re)start the proxy on host "proxy" with these ProxyConfig fields (none: its defaults, as the
+        README starts it)."""
         self.stop_proxy()
         self._proxy, self.proxy_url, self.proxy_log = start_proxy(
-            self.net, self.log_dir, self.prefill.url, self.decode.url, self.decode_kv, **{"kv_mode": "push", **config})
+            self.net, self.log_dir, self.prefill.url, self.decode.url, self.decode_kv, **config)
 
     def proxy_ready(self) -> bool:
         return proxy_ready(self.proxy_url)
@@ -95,6 +97,12 @@ class Cluster:
 
     def resume_prefill(self) -> None:
         os.killpg(self._pid(self.prefill), signal.SIGCONT)
+
+    def pause_decode(self) -> None:
+        os.killpg(self._pid(self.decode), signal.SIGSTOP)
+
+    def resume_decode(self) -> None:
+        os.killpg(self._pid(self.decode), signal.SIGCONT)
 
     @staticmethod
     def _pid(server: Server) -> int:
@@ -138,11 +146,12 @@ def proxy_ready(url: str) -> bool:
 
 def _connector(address: str, kv_port: int, transport: str, times: ConnectorTimes,
                secret_file: str) -> dict[str, Any]:
+    extra: dict[str, Any] = {"transport": transport, "host": address, "lease_s": times.lease_s,
+                             "secret_file": secret_file}
+    extra.update({k: v for k, v in (("push_wait_s", times.push_wait_s), ("peer_probe_s", times.peer_probe_s))
+                  if v is not None})
     return {"kv_connector": "PDConnector", "kv_role": "kv_both", "kv_port": kv_port,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"transport": transport, "host": address, "lease_s": times.lease_s,
-                                          "push_wait_s": times.push_wait_s, "peer_probe_s": times.peer_probe_s,
-                                          "secret_file": secret_file}}
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 @contextlib.contextmanager
@@ -259,6 +268,8 @@ def load_through(url: str, fault: Callable[[], None], heal: Callable[[], None], 
             j += 1
             with lock:
                 sent.append(s)
+            if s.error is not None:
+                time.sleep(0.5)  # a refused request (nothing to serve it) is not retried in a tight loop
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
     for t in threads:

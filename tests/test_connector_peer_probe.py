@@ -41,7 +41,7 @@ class _PingSink(RecordingSink):
         return b"ok"
 
 
-def _stalled_push_job(endpoint: str) -> tuple[LoadJob, PushStaging]:
+def _stalled_push_job(endpoint: str, push_wait_s: float = 0.2) -> tuple[LoadJob, PushStaging]:
     """A decode load whose announced push landed layer 0 only: layer 1's bytes never come."""
     regions = [MemoryRegion(f"l{i}", torch.zeros(4, 8, dtype=torch.uint8)) for i in range(2)]
     spec = LoadSpec(request_id="d-1", remote=None, first_position=0, local_block_ids=(3, 1), transfer_id="k",
@@ -52,7 +52,7 @@ def _stalled_push_job(endpoint: str) -> tuple[LoadJob, PushStaging]:
     transport.register_regions(regions)
     transport.start(RecordingSink(regions), "127.0.0.1", 0)
     job = LoadJob(spec, transport, regions, staging, DirectAccess(BlockCopies(regions, HostDevice())), rank=0,
-                  timeout_s=TIMEOUT_S, push_wait_s=0.2, probe_s=0.5)
+                  timeout_s=TIMEOUT_S, push_wait_s=push_wait_s, probe_s=0.5)
     _land(staging, "k", 0, (0, 1), fill=1, last=True)
     staging.announce("k", remote_prefill(mode="push", transfer_id="k", block_ids=(8, 9), num_tokens=3, block_size=2,
                                          prompt_hash=prompt_hash(PROMPT), endpoint=endpoint).to_params())
@@ -98,3 +98,39 @@ def test_peer_probe_s_is_validated() -> None:
     assert PDConnectorConfig.from_extra_config({"peer_probe_s": 1}).peer_probe_s == 1.0
     with pytest.raises(ConfigError, match="peer_probe_s"):
         PDConnectorConfig.from_extra_config({"peer_probe_s": 0})
+
+
+def test_pushes_that_keep_landing_are_waited_for_and_stalled_ones_are_not() -> None:
+    """push_wait_s counts from the last push that landed, not from the load's start: a slow prefill
+    whose layers keep coming is waited for, a stalled one is given up push_wait_s after its last."""
+    import threading
+
+    staging = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    _land(staging, "k", 0, (0,), fill=1, last=False)
+    t0 = time.monotonic()
+
+    def trickle() -> None:  # a push every 0.15 s for 0.6 s, the final one after that
+        for i in range(4):
+            time.sleep(0.15)
+            _land(staging, "k", 0, (0,), fill=2 + i, last=i == 3)
+
+    threading.Thread(target=trickle).start()
+    assert staging.wait_layer("k", 0, deadline=t0 + 30, stall_s=0.3, since=t0)  # 0.6 s > stall_s: still waited
+    t1 = time.monotonic()
+    assert not staging.wait_layer("k", 1, deadline=t1 + 30, stall_s=0.3, since=t1)  # nothing more comes
+    assert 0.25 < time.monotonic() - t1 < 5
+
+
+def test_a_silent_prefill_is_found_at_the_first_pause_of_its_pushes_not_after_push_wait_s() -> None:
+    """Pushes that pause for a second get prefill probed at once: a layer-wise forward waits that
+    second and one probe for a lost prefill, not push_wait_s; a live one is waited for on."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        job, _ = _stalled_push_job(f"tcp://127.0.0.1:{silent.getsockname()[1]}", push_wait_s=20.0)
+        try:
+            t0 = time.monotonic()
+            job.run()
+            elapsed = time.monotonic() - t0
+        finally:
+            job._transport.close()
+    assert not job.ok and "did not answer within 0.5s" in job.error
+    assert elapsed < 5.0  # ~1 s pause + 0.5 s probe; push_wait_s is 20

@@ -237,3 +237,50 @@ def test_a_transfer_id_in_use_is_refused_until_vllm_freed_its_blocks() -> None:
     third = prefill_leg("cmpl-3", transfer_id="t-1")
     [send] = compute_prompt(sched, third).sends
     assert send.transfer_id == "t-1"
+
+
+def _awaiting(sched: PDConnectorScheduler, endpoint: str) -> SimpleNamespace:
+    req = make_request("r1", "k1")
+    req.kv_transfer_params = AwaitedPrefill("k1", "push", (endpoint,)).to_params()
+    return req
+
+
+def test_a_late_announcement_whose_prefill_does_not_answer_is_given_up_on() -> None:
+    """A one-way cut between prefill and decode (or a paused prefill) the proxy cannot see: the
+    announcement never comes. Past push_wait_s decode pings the prefill the proxy named; unanswered
+    within peer_probe_s, decode computes the prompt - not after transfer_timeout_s. Over real TCP:
+    the silent prefill is a socket that accepts connections and never answers."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        sched = make_scheduler(push_wait_s=0.2, peer_probe_s=0.3, transfer_timeout_s=30)
+        req = _awaiting(sched, f"tcp://127.0.0.1:{silent.getsockname()[1]}")
+        t0 = time.monotonic()
+        while (matched := ask(sched, req)) == (None, False):
+            assert time.monotonic() - t0 < 10, "still waiting for an announcement from a silent prefill"
+            time.sleep(0.02)
+        assert matched == (0, False) and 0.45 < time.monotonic() - t0 < 10  # push_wait_s + one ping's wait
+        alloc(sched, req, 0)
+        assert step(sched).abandoned_pushes == ["k1"]  # released whenever prefill announces it after all
+
+
+def test_a_late_announcement_from_a_prefill_that_answers_is_still_waited_for() -> None:
+    from tests.test_connector_peer_probe import _PingSink
+    from vllm_pd.connector.transport import create_transport
+
+    sink = _PingSink()
+    prefill = create_transport("tcp")
+    prefill.register_regions(sink.regions)
+    endpoint = prefill.start(sink, "127.0.0.1", 0)
+    try:
+        sched = make_scheduler(push_wait_s=0.2, peer_probe_s=0.3, transfer_timeout_s=30)
+        req = _awaiting(sched, endpoint)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:  # five probe periods: a busy prefill, not a lost one
+            assert ask(sched, req) == (None, False)
+            time.sleep(0.02)
+        assert sink.pings >= 2
+        sched.note_announced(frozenset({"k1"}))
+        assert ask(sched, req) == (39, False)
+    finally:
+        prefill.close()

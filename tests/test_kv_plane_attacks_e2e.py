@@ -77,6 +77,12 @@ class _NoSink:
         return None
 
 
+def _staged_bytes(client: httpx.Client, decode) -> float:
+    """Decode's staged push bytes as of now (the gauge moves with decode's steps: one is made)."""
+    ec.post(client, decode.url, ec.completion_body("a step", max_tokens=1))
+    return ec.metric(client, decode.url, "vllm:pd_staged_bytes")
+
+
 def _landed(t: Transport, n: int) -> bytes:
     return b"".join(bytes(v) for v in t._regions.views(0, list(range(n))))  # type: ignore[attr-defined]
 
@@ -91,6 +97,8 @@ def test_without_the_secret_nothing_is_read_released_or_pushed(guarded, referenc
     assert ec.wait_until(lambda: ec.metric(client, prefill.url, "vllm:pd_held_transfers") >= 1, timeout=10)
     nbytes, n = _block_nbytes(small_model_dir, remote.block_size), len(remote.block_ids)
     refused_before = ec.metric(client, prefill.url, "vllm:pd_connections_refused_total")
+    # earlier tests on this pair may have left pushes no request claimed: they go within the lease
+    assert ec.wait_until(lambda: _staged_bytes(client, decode) == 0, timeout=90, interval=2)
     for secret in (None, OTHER):  # no secret, another deployment's secret
         outsider = _client_transport(nbytes, n, secret)
         try:
@@ -107,7 +115,7 @@ def test_without_the_secret_nothing_is_read_released_or_pushed(guarded, referenc
         finally:
             outsider.close()
     assert ec.metric(client, prefill.url, "vllm:pd_held_transfers") >= 1  # still held for decode
-    assert ec.metric(client, decode.url, "vllm:pd_staged_bytes") == 0  # nothing pushed landed
+    assert _staged_bytes(client, decode) == 0  # nothing pushed landed
 
     # a member reads it as today (the positive control: the same call, with the secret)
     member = _client_transport(nbytes, n, prefill.secret)

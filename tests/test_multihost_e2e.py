@@ -2,21 +2,23 @@
 process is a fourth host), KV over tcp across the links (VLLM_PD_TEST_TRANSPORT=nixl: over nixl).
 
 One prefill and one decode server serve every test (tests/netns_cluster.py); the proxy runs as
-its own process on its own host. Outputs are compared with the session's plain reference
-instance (``reference_outputs``). The faults are what this kernel has (no tc netem): a host's
-link taken down, a blackhole route, a paused process (SIGSTOP). Under a steady load each fault
-hits requests in flight; every request must complete with the plain instance's output within
-the detection time plus a generous margin (the proxy: two failed health checks, 1 s apart, 1 s
-each; decode: push_wait_s 3 s + peer_probe_s 2 s), far below the outage - before these bounds a
-request in flight waited for the whole outage. Afterwards the system recovers (prefill serves
-again) and neither side holds any KV.
+its own process on its own host, started as the README shows it - no flag beyond the instances -
+and the connector with its defaults (only prefill's lease is shortened, so "nothing held" is
+seen sooner; it bounds how long unclaimed KV is kept, not how fast anything fails over). Outputs
+are compared with the session's plain reference instance (``reference_outputs``). The faults are
+what this kernel has (no tc netem): a host's link taken down (both directions), a blackhole route
+on one host towards another (one direction), a paused process (SIGSTOP). Under a steady load each
+fault hits requests in flight; every request running at the fault or sent during it ends within
+BOUND_S - answered with the plain instance's output where anything can answer it (decode computes
+the prompt itself when prefill is lost), else refused by the proxy with a 5xx (decode lost: there
+is no other) - far below the outage. Afterwards the system recovers and neither side holds any KV.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import pytest
@@ -24,17 +26,15 @@ import pytest
 from tests import e2e_cluster as ec
 from tests.netns_cluster import Cluster, ConnectorTimes, Sent, load_through, multihost_cluster, send, waits_after
 from tests.netns_hosts import netns_unavailable
+from tests.reference_margins import MARGINS, divergence
 
 pytestmark = pytest.mark.e2e
 
 # shm is one host's transport: across hosts the pair uses tcp unless nixl is asked for
 TRANSPORT = "nixl" if os.environ.get("VLLM_PD_TEST_TRANSPORT") == "nixl" else "tcp"
-TIMES = ConnectorTimes(push_wait_s=3.0, peer_probe_s=2.0, lease_s=20.0)
-HEALTH = {"health_interval": 1.0, "health_timeout": 1.0}
-# detection: the proxy's two failed checks (~2 x (interval + timeout)), decode's push wait + probe
-DETECTION_S = max(2 * (HEALTH["health_interval"] + HEALTH["health_timeout"]), TIMES.push_wait_s + TIMES.peer_probe_s)
-BOUND_S = DETECTION_S + 25.0  # a request in flight at the fault completes within this
-OUTAGE_S = 60.0  # the fault lasts at most this long: past the bound, so waiting it out fails
+TIMES = ConnectorTimes(lease_s=20.0)  # push_wait_s, peer_probe_s: the connector's defaults
+BOUND_S = 10.0  # every request in flight at a fault (or sent during it) ends within this after it
+OUTAGE_S = 40.0  # the fault lasts at most this long: past the bound, so waiting it out fails
 CHECK_KEYS = ("ids300", "ids1000", "text2", "chat2", "ids129")
 
 
@@ -45,18 +45,31 @@ def cluster(reference_outputs: dict[str, list[int]], small_model_dir: Path,
     if why is not None:
         pytest.skip(f"network namespaces refused by the kernel: {why}")
     with multihost_cluster(small_model_dir, tmp_path_factory.mktemp("multihost-logs"), TRANSPORT, TIMES) as c:
-        c.start_proxy(**HEALTH)
+        c.start_proxy()
         yield c
 
 
-def _assert_bounded_and_exact(sent: list[Sent], struck: float, reference: dict[str, list[int]]) -> None:
-    assert all(s.error is None for s in sent), [s.error for s in sent if s.error]
-    wrong = [s.key for s in sent if s.tokens != reference[s.key]]
-    assert not wrong, f"outputs differ from the plain instance's: {wrong}"
+def _assert_bounded(sent: list[Sent], struck: float, cluster: Cluster, refused_ok: bool = False) -> None:
     waits = waits_after(sent, struck)
     assert len(waits) >= 3, "too few requests ran during the fault: the test proved nothing"
-    assert max(waits) < BOUND_S, (f"a request running during the fault took {max(waits):.1f}s after it; "
-                                  f"detection is {DETECTION_S:.0f}s, the outage {OUTAGE_S:.0f}s")
+    assert cluster.proxy_log is not None
+    assert max(waits) < BOUND_S, (f"a request running during the fault took {max(waits):.1f}s after it "
+                                  f"(bound {BOUND_S:.0f}s, outage {OUTAGE_S:.0f}s); proxy log: "
+                                  f"{cluster.proxy_log.read_text()[-2000:]}")
+    errors = [s.error for s in sent if s.error is not None]
+    if refused_ok:  # nothing could answer: the proxy says so, no client waits for a timeout of its own
+        assert all(e.startswith(("HTTP 502", "HTTP 503", "HTTP 504")) for e in errors), errors
+    else:
+        assert not errors, errors
+
+
+def _assert_exact(sent: list[Sent], reference: dict[str, list[int]]) -> None:
+    """Every answer is the plain instance's - up to a near tie of it (tests/reference_margins.py: decode
+    computing a prompt itself sums in another order; where the plain instance's two best tokens were
+    within a nat, either may win on another CPU)."""
+    wrong = {s.key: why for s in sent if s.error is None
+             and (why := divergence(s.tokens, reference[s.key], MARGINS.get(s.key))) is not None}
+    assert not wrong, f"outputs differ from the plain instance's: {wrong}"
 
 
 def _assert_recovered_and_nothing_held(cluster: Cluster, reference: dict[str, list[int]]) -> None:
@@ -67,6 +80,8 @@ def _assert_recovered_and_nothing_held(cluster: Cluster, reference: dict[str, li
 
     def pd_again() -> bool:
         s = send(cluster.proxy_url, "ids1000")
+        if s.error is not None and s.error.startswith("HTTP 503"):
+            return False  # the proxy has not seen decode healthy again yet
         assert s.error is None and s.tokens == reference["ids1000"], s.error
         return ec.metric(client, cluster.decode.url, "vllm:pd_loads_total", result="ok") > loads
 
@@ -100,29 +115,55 @@ def _unreachable_legs(cluster: Cluster) -> float:
     return ec.metric(httpx.Client(), cluster.proxy_url, "vllm_pd_proxy_leg_errors_total", kind="unreachable")
 
 
-def test_prefill_host_cut_off_under_load(cluster: Cluster, reference_outputs) -> None:
+def _fault(cluster: Cluster, name: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    net = cluster.net
+    faults: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
+        "prefill-cut": (lambda: net.cut("prefill"), lambda: net.restore("prefill")),
+        "prefill-paused": (cluster.pause_prefill, cluster.resume_prefill),
+        "proxy-to-prefill-dropped": (lambda: net.blackhole("proxy", "prefill"),
+                                     lambda: net.unblackhole("proxy", "prefill")),
+        "prefill-to-proxy-dropped": (lambda: net.blackhole("prefill", "proxy"),
+                                     lambda: net.unblackhole("prefill", "proxy")),
+        # the proxy sees both healthy: decode gives up on the transfer itself
+        "prefill-to-decode-dropped": (lambda: net.blackhole("prefill", "decode"),
+                                      lambda: net.unblackhole("prefill", "decode")),
+        "decode-to-prefill-dropped": (lambda: net.blackhole("decode", "prefill"),
+                                      lambda: net.unblackhole("decode", "prefill")),
+        "decode-cut": (lambda: net.cut("decode"), lambda: net.restore("decode")),
+        "decode-paused": (cluster.pause_decode, cluster.resume_decode),
+    }
+    return faults[name]
+
+
+@pytest.mark.parametrize("fault", ["prefill-cut", "prefill-paused", "proxy-to-prefill-dropped",
+                                   "prefill-to-proxy-dropped"])
+def test_prefill_lost_under_load(cluster: Cluster, reference_outputs, fault: str) -> None:
+    """Decode computes the prompts prefill was to compute; the proxy sees prefill lost and moves on."""
     cut_off = _unreachable_legs(cluster)
-    sent, struck = load_through(cluster.proxy_url, lambda: cluster.net.cut("prefill"),
-                                lambda: cluster.net.restore("prefill"), OUTAGE_S)
-    _assert_bounded_and_exact(sent, struck, reference_outputs)
-    assert _unreachable_legs(cluster) > cut_off  # legs waiting on the cut host were cut off
+    sent, struck = load_through(cluster.proxy_url, *_fault(cluster, fault), OUTAGE_S)
+    _assert_bounded(sent, struck, cluster)
+    _assert_exact(sent, reference_outputs)
+    if fault != "prefill-to-proxy-dropped":  # (there decode may answer before the proxy needs prefill's answer)
+        assert _unreachable_legs(cluster) > cut_off  # legs waiting on the lost host were cut off
     _assert_recovered_and_nothing_held(cluster, reference_outputs)
 
 
-def test_prefill_host_paused_under_load(cluster: Cluster, reference_outputs) -> None:
-    """SIGSTOP: connections stay open but nothing answers - pushes stall mid-transfer, so decode's
-    probe of prefill decides too, not only the proxy."""
-    cut_off = _unreachable_legs(cluster)
-    sent, struck = load_through(cluster.proxy_url, cluster.pause_prefill, cluster.resume_prefill, OUTAGE_S)
-    _assert_bounded_and_exact(sent, struck, reference_outputs)
-    assert _unreachable_legs(cluster) > cut_off  # legs waiting on the paused host were cut off
+@pytest.mark.parametrize("fault", ["prefill-to-decode-dropped", "decode-to-prefill-dropped"])
+def test_prefill_and_decode_cut_apart_under_load(cluster: Cluster, reference_outputs, fault: str) -> None:
+    """A one-way cut between prefill and decode that the proxy cannot see: decode gives up on the
+    KV transfer (its pushes or announcement never come; prefill does not answer its probe) within
+    the bound and computes the prompt itself."""
+    sent, struck = load_through(cluster.proxy_url, *_fault(cluster, fault), OUTAGE_S)
+    _assert_bounded(sent, struck, cluster)
+    _assert_exact(sent, reference_outputs)
     _assert_recovered_and_nothing_held(cluster, reference_outputs)
 
 
-def test_proxy_blackholed_from_prefill(cluster: Cluster, reference_outputs) -> None:
-    """A one-way partition: what the proxy sends to prefill is dropped; prefill and decode still
-    see each other."""
-    sent, struck = load_through(cluster.proxy_url, lambda: cluster.net.blackhole("proxy", "prefill"),
-                                lambda: cluster.net.unblackhole("proxy", "prefill"), OUTAGE_S)
-    _assert_bounded_and_exact(sent, struck, reference_outputs)
+@pytest.mark.parametrize("fault", ["decode-cut", "decode-paused"])
+def test_decode_lost_under_load(cluster: Cluster, reference_outputs, fault: str) -> None:
+    """No other decode: requests in flight end with the proxy's 5xx within the bound (not the outage),
+    new ones are refused at once, and decode serves again once back."""
+    sent, struck = load_through(cluster.proxy_url, *_fault(cluster, fault), OUTAGE_S)
+    _assert_bounded(sent, struck, cluster, refused_ok=True)
+    _assert_exact(sent, reference_outputs)
     _assert_recovered_and_nothing_held(cluster, reference_outputs)

@@ -1,9 +1,11 @@
 """The proxy on its own host in front of a prefill and a decode on two others (network namespaces,
-tests/netns_hosts.py), with mock backends instead of vLLM (vllm_pd/router/mock_backend.py): when
-prefill's host is cut off under load, the requests running then move on to decode-only once the
-health checks find it (about 2 x (0.5 + 0.5) s here) instead of waiting for the link - the
-prefill leg's own timeout is 300 s and the outage 40 s - and prefill serves again once the link
-is back. The real-vLLM version, with KV crossing the links: tests/test_multihost_e2e.py."""
+tests/netns_hosts.py), with mock backends instead of vLLM (vllm_pd/router/mock_backend.py), the proxy
+started with its default flags: when prefill's host is cut off under load, the requests running then
+move on to decode-only once the proxy finds it lost - its legs made no progress for a second, it missed
+two probes - within 10 s, though the prefill leg's own timeout is 300 s and the outage 40 s; prefill
+serves again once the link is back. When decode's host is cut off, the requests running then end
+with the proxy's 504 within the same bound. The real-vLLM version, with KV crossing the links:
+tests/test_multihost_e2e.py."""
 
 from __future__ import annotations
 
@@ -21,14 +23,13 @@ _why = netns_unavailable()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")
 
 OUTAGE_S = 40.0
-BOUND_S = 20.0  # detection ~2 s, plus a wide margin; far below the outage
+BOUND_S = 10.0  # detection ~3 s with the default flags; far below the outage
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with mock_cluster(tmp_path_factory.mktemp("netns-proxy")) as c:
-        c.start_proxy(health_interval=0.5, health_timeout=0.5, prefill_timeout=300.0, breaker_cooldown=1.0,
-                      model_names=["small"])  # the catalogue's model name
+        c.start_proxy(model_names=["small"])  # the catalogue's model name; every other setting its default
         yield c
 
 
@@ -54,3 +55,24 @@ def test_requests_in_flight_when_prefills_host_is_cut_move_on_and_prefill_return
                                                           "max_tokens": 2}, timeout=60).status_code == 200
         time.sleep(0.5)
     assert _prefill_legs(url) > before, "prefill never served again after the link came back"
+
+
+def test_requests_in_flight_when_decodes_host_is_cut_end_within_the_bound(cluster: Cluster) -> None:
+    url = cluster.proxy_url
+    sent, struck = load_through(url, lambda: cluster.net.cut("decode"), lambda: cluster.net.restore("decode"),
+                                OUTAGE_S, streams=4, busy_s=5.0)
+    waits = waits_after(sent, struck)
+    assert len(waits) >= 4, "too few requests ran while the link was down"
+    assert cluster.proxy_log is not None
+    assert max(waits) < BOUND_S, f"{max(waits):.1f}s after the cut; proxy log: {cluster.proxy_log.read_text()[-1500:]}"
+    errors = [s.error for s in sent if s.error is not None]
+    assert errors and all(e.startswith(("HTTP 503", "HTTP 504")) for e in errors), errors  # no other decode
+    assert any(e.startswith("HTTP 504") for e in errors)  # the ones in flight: a gateway timeout
+    # the link is back: decode is found healthy and answers again
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if httpx.post(url + "/v1/completions", json={"model": "small", "prompt": "x " * 200, "max_tokens": 2},
+                      timeout=60).status_code == 200:
+            return
+        time.sleep(0.5)
+    raise AssertionError("decode never served again after the link came back")

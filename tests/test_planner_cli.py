@@ -97,7 +97,9 @@ def test_profile_merge_pools_the_samples_of_two_runs(mock_url: str, tmp_path: Pa
     assert merged == fit_instance(1, merged.prefill_samples, merged.decode_samples, merged.kv_samples,
                                   merged.max_num_batched_tokens, merged.max_num_seqs,
                                   merged.decode_spread_window_ms, first_step=merged.first_step_samples,
-                                  wake=merged.wake_samples)
+                                  wake=merged.wake_samples, url=mock_url, speed_checks=merged.speed_checks)
+    # each run checked the instance's speed at its start, midway and at its end: both runs' checks are kept
+    assert len(merged.speed_checks) == 2 * len(first.speed_checks) == 6
     assert len(merged.wake_samples) == 2 * len(first.wake_samples) == 6
     # another instance kind is refused, naming it; the file is left as it was
     assert cli.main(["profile", mock_url, *flags, "--max-num-batched-tokens", "4096"]) == 1
@@ -109,7 +111,7 @@ def test_profile_measures_through_the_relay(mock_url: str, slow_mock_url: str, t
     out = tmp_path / "p.json"
     rc = cli.main(["profile", mock_url, "--relay-url", slow_mock_url, "--out", str(out), "--prefill-tokens", "16,64",
                    "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1", "--decode-repeats", "1",
-                   "--wake-idle-ms", "20", "--wake-repeats", "1", "--kv-idle-ms", "20"])
+                   "--wake-idle-ms", "20", "--wake-repeats", "1"])
     assert rc == 0
     inst = load_profile(out).for_tp(1)
     assert 95 <= inst.prefill_ms(64) <= 250 and 38 <= inst.decode_ms(1, 32) <= 120
@@ -117,15 +119,15 @@ def test_profile_measures_through_the_relay(mock_url: str, slow_mock_url: str, t
 
 def test_profile_measures_the_hand_over_through_a_pd_proxy(mock_url: str, slow_mock_url: str,
                                                             tmp_path: Path) -> None:
-    # the "PD proxy" mock answers its first token 50 ms after the instance's: the hand-over, once the lone
-    # prefill (back to back) and the wake-up after the idle time (~0 on the mocks) are taken off
+    # the "PD proxy" mock answers its first token 50 ms after the instance's: the hand-over is the pair's TTFT
+    # less the prefill instance's (here the instance itself: no other given), each back to back
     out = tmp_path / "p.json"
     rc = cli.main(["profile", mock_url, "--pd-url", slow_mock_url, "--out", str(out), "--prefill-tokens", "16,64",
                    "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1", "--decode-repeats", "1",
-                   "--wake-idle-ms", "20", "--wake-repeats", "2", "--kv-idle-ms", "20"])
+                   "--wake-idle-ms", "20", "--wake-repeats", "2", "--kv-repeats", "2"])
     assert rc == 0
     inst = load_profile(out).for_tp(1)
-    assert [t for t, _ in inst.kv_samples] == [16, 64]
+    assert [t for t, _ in inst.kv_samples] == [16, 16, 64, 64]
     assert all(35 <= ms <= 65 for _, ms in inst.kv_samples) and 35 <= inst.kv_ms(40) <= 65
     # the wake-up through the pair as well as straight: the "pair" answers 50 ms later either way
     assert [idle for idle, _, _ in inst.pd_wake_samples] == [20.0, 20.0]

@@ -341,13 +341,19 @@ def test_a_requests_first_decode_step_costs_first_step_ms_more() -> None:
 
 
 def test_wake_points_are_the_median_difference_per_idle_time_and_interpolate() -> None:
-    # (idle ms, back to back ms, after idle ms): medians per idle time, their difference never negative
+    # (idle ms, back to back ms, after idle ms): medians per idle time, their difference (+0.9 after 30 ms,
+    # -1.0 after 100, +3.0 after 300) made non-decreasing - a longer idleness cannot wake faster: the 100 ms
+    # dip is pooled with 30 ms's, weighted by their pairs (2 and 1) - and never negative
     samples = [(30.0, 7.0, 8.0), (300.0, 7.0, 10.0), (30.0, 7.2, 8.0), (300.0, 7.4, 11.0), (300.0, 6.8, 9.9),
                (100.0, 8.0, 7.0)]
     inst = fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)], wake=samples)
-    assert inst.wake_after_idle == [(30.0, pytest.approx(0.9)), (100.0, 0.0), (300.0, pytest.approx(3.0))]
-    assert inst.wake_ms(0) == 0.0 and inst.wake_ms(15) == pytest.approx(0.45)
-    assert inst.wake_ms(200) == pytest.approx(1.5) and inst.wake_ms(5000) == pytest.approx(3.0)
+    pooled = (2 * 0.9 - 1.0) / 3
+    assert inst.wake_after_idle == [(30.0, pytest.approx(pooled, abs=1e-3)), (100.0, pytest.approx(pooled, abs=1e-3)),
+                                    (300.0, pytest.approx(3.0))]
+    assert inst.wake_ms(0) == 0.0 and inst.wake_ms(15) == pytest.approx(pooled / 2, abs=1e-3)
+    assert inst.wake_ms(200) == pytest.approx((pooled + 3.0) / 2, abs=1e-3) and inst.wake_ms(5000) == pytest.approx(3.0)
+    assert fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)],
+                        wake=[(30.0, 7.0, 6.0), (100.0, 7.0, 6.5)]).wake_after_idle == [(30.0, 0.0), (100.0, 0.0)]
     assert refit(inst).wake_after_idle == inst.wake_after_idle
     assert merge_samples(inst, inst).wake_samples == samples + samples
     assert fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)]).wake_ms(1000) == 0.0

@@ -70,3 +70,19 @@ def test_observability_and_drain_flags() -> None:
     assert command_proxy.config_from_args(_args()).drain_grace == 30.0
     with pytest.raises(ConfigError, match="drain_grace"):
         command_proxy.config_from_args(_args("--drain-grace", "-1"))
+
+
+def test_resilience_flags_and_their_errors_name_the_key() -> None:
+    cfg = command_proxy.config_from_args(_args(
+        "--probe-after", "0.5", "--probe-timeout", "0.25", "--max-prefill-answer-bytes", "1000",
+        "--max-decode-answer-bytes", "2000", "--max-sse-event-bytes", "3000", "--max-error-body-bytes", "400"))
+    assert (cfg.probe_after, cfg.probe_timeout) == (0.5, 0.25)
+    assert (cfg.max_prefill_answer_bytes, cfg.max_decode_answer_bytes, cfg.max_sse_event_bytes,
+            cfg.max_error_body_bytes) == (1000, 2000, 3000, 400)
+    for flag, key in (("--probe-after", "probe_after"), ("--probe-timeout", "probe_timeout"),
+                      ("--max-prefill-answer-bytes", "max_prefill_answer_bytes"),
+                      ("--max-decode-answer-bytes", "max_decode_answer_bytes"),
+                      ("--max-sse-event-bytes", "max_sse_event_bytes"),
+                      ("--max-error-body-bytes", "max_error_body_bytes")):
+        with pytest.raises(ConfigError, match=key):
+            command_proxy.config_from_args(_args(flag, "0"))

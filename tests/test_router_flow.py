@@ -8,6 +8,8 @@ import json
 from vllm_pd.connector.transfer_params import AwaitedPrefill
 from tests.router_harness import harness, run
 
+LONG = {"prompt": "long prompt " * 30, "max_tokens": 3}
+
 NIXL_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -176,3 +178,35 @@ def test_tpot_is_sampled_while_a_long_stream_runs() -> None:
                 assert tpot is not None and 0.005 < tpot < 0.2, tpot
                 r.close()
     run(go)
+
+
+def test_the_decode_leg_names_the_kv_endpoints_prefill_answered_with() -> None:
+    """decode probes that prefill while its announcement is late (connector/announce_probe.py)."""
+    from tests.test_transfer_params import remote_prefill
+    from vllm_pd.router.instance_pool import Instance
+
+    inst = Instance("http://p:1", "prefill", None, breaker=None)  # type: ignore[arg-type]
+    inst.learn_kv_peers({"do_remote_prefill": True, "remote_endpoint": "x"})  # another connector's: nothing
+    assert inst.kv_peers == ()
+    inst.learn_kv_peers(remote_prefill(endpoints=("tcp://10.0.0.9:7000", "tcp://10.0.0.9:7001"), tp_size=2,
+                                       endpoint="tcp://10.0.0.9:7000").to_params())
+    assert inst.kv_peers == ("tcp://10.0.0.9:7000", "tcp://10.0.0.9:7001")
+
+    async def go() -> None:
+        async with harness(decode_kv=True) as h:
+            p0 = h.proxy.pool.get(h.backend_urls["p0"])
+            status, _ = await h.post("/v1/completions", LONG)
+            assert status == 200 and "prefill_endpoints" not in h.decodes[0].seen[0].body["kv_transfer_params"]
+            p0.kv_peers = ("tcp://10.0.0.9:7000",)
+            status, _ = await h.post("/v1/completions", LONG)
+            assert h.decodes[0].seen[1].body["kv_transfer_params"]["prefill_endpoints"] == ["tcp://10.0.0.9:7000"]
+    run(go)
+
+
+def test_a_prefill_given_with_its_kv_endpoint_is_named_from_the_first_request() -> None:
+    from vllm_pd.router.config import InstanceConfig, ProxyConfig
+    from vllm_pd.router.instance_pool import InstancePool
+
+    pool = InstancePool(ProxyConfig(instances=[InstanceConfig("http://p:1", "prefill", "tcp://p:7000"),
+                                               InstanceConfig("http://d:1", "decode", "tcp://d:7000")]))
+    assert pool.get("http://p:1").kv_peers == ("tcp://p:7000",) and pool.get("http://d:1").kv_peers == ()

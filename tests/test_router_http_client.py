@@ -262,3 +262,45 @@ def test_read_timeout_is_per_wait_not_per_body() -> None:
             assert await r.read() == b"x" * 6
             r.close()
     run(go())
+
+
+def test_read_stops_at_its_limit_and_the_response_keeps_no_bytes() -> None:
+    async def answer(n: int, req: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 7\r\nContent-Length: %d\r\n\r\n" % (1 << 20))
+        for _ in range(16):
+            w.write(b"z" * 65536)
+            await w.drain()
+        return True
+
+    async def go() -> None:
+        async with ScriptedServer(answer) as srv:
+            client = BackendClient()
+            r = await client.request("GET", srv.url, "/big")
+            assert (r.status, r.retry_after) == (429, "7")
+            with pytest.raises(backend_response.BodyTooLarge, match="max_test_bytes") as e:
+                await r.read(100_000, "max_test_bytes")
+            assert e.value.limit == 100_000
+            r.close()
+            assert not r._chunks  # what was buffered went with the close
+            client.close()
+    run(go())
+
+
+def test_a_failed_response_raises_a_fresh_error_each_time() -> None:
+    async def answer(n: int, req: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort")
+        return False  # closed before the body's end
+
+    async def go() -> None:
+        async with ScriptedServer(answer) as srv:
+            client = BackendClient()
+            r = await client.request("GET", srv.url, "/cut")
+            raised = []
+            for _ in range(2):
+                with pytest.raises(BackendError) as e:
+                    await r.read()
+                raised.append(e.value)
+            # the stored error is never raised itself: its traceback would tie the reader's frames to r
+            assert raised[0] is not raised[1] and r._error is not raised[0] and r._error.__traceback__ is None
+            r.close()
+    run(go())

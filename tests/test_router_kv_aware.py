@@ -13,14 +13,15 @@ import msgspec
 import pytest
 import zmq
 
-from tests.router_harness import harness, run
+from tests.router_harness import harness, run, wait_for
 from vllm_pd.router import command_proxy
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml
 from vllm_pd.router.instance_pool import InstancePool
 from vllm_pd.router.kv_events_feed import KvEventsFeed
 from vllm_pd.router.kv_locations import KvLocations
 from vllm_pd.router.policies import KvAware, make_policy
-from vllm_pd.router.prompt_tokens import PromptTokenizer, VllmBlockHasher, external_hash
+from vllm_pd.connector.store.keys import RequestExtraKeys
+from vllm_pd.router.prompt_tokens import PromptBlocks, PromptTokenizer, VllmBlockHasher, external_hash
 from vllm_pd.router.request_body import CHAT, COMPLETIONS, parse_body
 
 BS = 16
@@ -83,8 +84,6 @@ def test_tokens_equal_transformers_chat_template_and_encode(small_model_dir: Pat
     ids = parse_body(json.dumps({"prompt": [5, 6, 7]}).encode(), COMPLETIONS)
     assert tok.token_ids(ids) == [5, 6, 7]
     # what is not reproduced exactly gives no blocks (routing by load), never a guess
-    salted = parse_body(json.dumps({"messages": CONVERSATION, "cache_salt": "s"}).encode(), CHAT)
-    assert tok.blocks(salted) is None
     image = parse_body(json.dumps({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}).encode(), CHAT)
     assert tok.blocks(image) is None
@@ -102,9 +101,7 @@ def _stored(hashes: list[bytes], ids: list[int], parent: bytes | None = None, **
                        lora_id=None, medium="GPU", lora_name=None, **kw)
 
 
-def _prompt(ids: list[int]):
-    from vllm_pd.router.prompt_tokens import PromptBlocks
-
+def _prompt(ids: list[int]) -> PromptBlocks:
     return PromptBlocks(ids, VllmBlockHasher(), {})
 
 
@@ -132,9 +129,15 @@ def test_index_follows_stored_removed_cleared_and_gaps() -> None:
     # int hashes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) index the same
     index.apply_message("b", 0, _batch(_stored([external_hash(x) for x in h[:2]], ids[:32])))
     assert index.cached_tokens("b", prompt) == 32
-    # blocks with extra keys (cache_salt, LoRA, images) can never match the proxy's hashes
-    index.apply_message("c", 0, _batch(_stored(h[:1], ids[:16], extra_keys=[("salt",)])))
+    # a salted block is a salted prompt's, never a plain one's: its hash carries the salt
+    salted = RequestExtraKeys(cache_salt="s")
+    hs = hasher.hashes(ids, BS, extra_keys=salted.blocks(0, 4, BS))
+    index.apply_message("c", 0, _batch(_stored(hs[:1], ids[:16], extra_keys=[("s",)])))
     assert index.cached_tokens("c", prompt) == 0
+    assert index.cached_tokens("c", PromptBlocks(ids, hasher, {}, salted)) == 16
+    # blocks of multimodal inputs are not kept: the proxy never hashes such requests
+    index.apply_message("d", 0, _batch(_stored(h[:1], ids[:16], extra_keys=[(("img-hash", 0),)])))
+    assert index.block_size("d") is None
     index.apply_message("c", 1, b"\xc1 not msgpack")  # dropped with a warning, nothing breaks
     assert index.cached_tokens("a", prompt) == 0
 
@@ -204,6 +207,8 @@ def test_flow_routes_to_holder_and_skips_prefill_when_decode_holds_prompt(small_
             routing = h.proxy.kv_routing
             assert routing is not None
             body = {"model": "mock-model", "messages": CONVERSATION, "max_tokens": 3}
+            # the model must be known as a base model (its /v1/models card) before a hit is claimed
+            await wait_for(lambda: all(i.models for i in h.proxy.pool.all()))
             ids = routing.tokenizer.token_ids(parse_body(json.dumps(body).encode(), CHAT))
             assert ids is not None and len(ids) > 3 * BS
             full = routing.locations.hasher.hashes(ids, BS)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.router_harness import harness, run
+from tests.router_harness import harness, run, wait_for
 from vllm_pd.connector.store.keys import KeySalt, chain_keys
 from vllm_pd.connector.store.master import NodeInfo
 from vllm_pd.connector.store.master_client import MasterClient
@@ -208,6 +208,8 @@ def test_flow_hints_the_prefill_leg_and_skips_prefill_when_decodes_store_holds_t
                            tokenizer=str(small_model_dir), store_master=address) as h:
             routing = h.proxy.kv_routing
             assert routing is not None and routing.store is not None
+            # the model must be known as a base model (its /v1/models card) before a hit is claimed
+            await wait_for(lambda: all(i.models for i in h.proxy.pool.all()))
             ids = routing.tokenizer.token_ids(parse_body(json.dumps(body).encode(), CHAT))
             assert ids is not None and len(ids) > 4 * BS
             full = len(ids) // BS

@@ -67,3 +67,54 @@ def test_backend_answer_reads_only_what_it_needs() -> None:
     assert c.kv_params is None
     with pytest.raises(ValueError):
         BackendAnswer(b'{"truncated": ')
+
+
+def test_sse_splitter_holds_an_unfinished_event_in_pieces_up_to_its_cap() -> None:
+    from vllm_pd.router.sse_relay import BadBackendStream
+
+    s = SseSplitter(None, max_event_bytes=100)
+    assert s.feed(b'data: {"a": "' + b"x" * 40) == b""
+    assert s.feed(b"y" * 40) == b""  # held as pieces, no copy per read
+    with pytest.raises(BadBackendStream, match="max_sse_event_bytes") as e:
+        s.feed(b"z" * 40)
+    assert e.value.code == "sse_event_too_large"
+    assert s.flush() == b""  # nothing kept once over the cap
+    s = SseSplitter(None, max_event_bytes=100)
+    assert s.feed(b'data: {"a": 1}\n') == b""
+    assert s.feed(b'\ndata: {"b": 2}\n\n') == b'data: {"a": 1}\n\ndata: {"b": 2}\n\n'  # a boundary across reads
+    with pytest.raises(BadBackendStream):
+        s.feed(b'data: {"c": "' + b"x" * 100 + b'"}\n\n')  # a whole event over the cap, in one read
+
+
+@pytest.mark.parametrize("event", [b"data: not json", b"data: [1, 2]", b"garbage line", b'data: {"a": 1',
+                                   b"\x00\x01binary"])
+def test_sse_splitter_refuses_events_that_are_not_openai_stream_events(event: bytes) -> None:
+    from vllm_pd.router.sse_relay import BadBackendStream
+
+    with pytest.raises(BadBackendStream) as e:
+        SseSplitter(None).feed(event + b"\n\n")
+    assert e.value.code == "malformed_sse_event" and event[:20] in e.value.sample
+
+
+def test_sse_splitter_passes_sse_comments_fields_and_done() -> None:
+    s = SseSplitter(None)
+    ok = b': keep-alive\n\nevent: message\nid: 3\ndata: {"a": 1}\n\n\ndata:{"b": 2}\n\ndata: [DONE]\n\n'
+    assert s.feed(ok) == ok
+    assert s.feed(b'data: {"tail": 1}') == b""
+    assert s.flush() == b'data: {"tail": 1}'  # a stream ended without its last blank line
+    s.feed(b"data: {broken")
+    from vllm_pd.router.sse_relay import BadBackendStream
+    with pytest.raises(BadBackendStream):
+        s.flush()
+
+
+def test_retry_after_reads_seconds_and_http_dates() -> None:
+    from vllm_pd.router.retry_after import header_value, retry_after_seconds
+
+    now = 1_700_000_000.0
+    assert retry_after_seconds("120", now) == 120.0
+    assert retry_after_seconds("Tue, 14 Nov 2023 22:13:50 GMT", now) == 30.0
+    assert retry_after_seconds("Tue, 14 Nov 2023 22:00:00 GMT", now) == 0.0  # in the past: now
+    for bad in (None, "", "-5", "1.5", "soon"):
+        assert retry_after_seconds(bad, now) is None
+    assert (header_value(0.2), header_value(29.1)) == ("1", "30")

@@ -10,7 +10,8 @@ import pytest
 from safetensors import safe_open
 
 from vllm_pd import cli
-from vllm_pd.small_model import ModelSpec, ModelSpecError, ensure_default_model, write_model
+from vllm_pd.small_model import LoraSpec, ModelSpec, ModelSpecError, ensure_default_model, ensure_lora, write_model
+from vllm_pd.small_model.lora import ADAPTER_FILES, write_lora
 from vllm_pd.small_model.writer import MODEL_FILES
 
 TINY = dict(layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=600)
@@ -125,5 +126,43 @@ def test_ensure_default_model_honours_env(tmp_path: Path, monkeypatch: pytest.Mo
     d = ensure_default_model()
     assert d.parent == tmp_path / "models" and d.name.startswith("llama-")
 
+def test_lora_adapter_is_peft_format_vllm_accepts_and_deterministic(tmp_path: Path) -> None:
+    """vLLM's own PEFT reader takes the config; the tensors are PEFT's names and shapes, for
+    modules vLLM's Llama supports (q_proj / k_proj are packed into qkv_proj)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    spec = ModelSpec(**TINY)
+    a = write_lora(spec, LoraSpec(rank=4, seed=3), tmp_path / "a")
+    b = write_lora(spec, LoraSpec(rank=4, seed=3), tmp_path / "b")
+    assert all((a / n).read_bytes() == (b / n).read_bytes() for n in ADAPTER_FILES)
+    peft = PEFTHelper.from_local_dir(str(a), max_position_embeddings=None)
+    assert peft.r == 4 and peft.vllm_lora_scaling_factor == 1.0
+    with safe_open(a / "adapter_model.safetensors", "pt") as f:
+        p = "base_model.model.model.layers.0.self_attn"
+        assert list(f.get_slice(f"{p}.q_proj.lora_A.weight").get_shape()) == [4, spec.hidden]
+        assert list(f.get_slice(f"{p}.k_proj.lora_B.weight").get_shape()) == [spec.kv_heads * spec.head_dim, 4]
+    other = write_lora(spec, LoraSpec(rank=4, seed=4), tmp_path / "c")
+    assert (other / "adapter_model.safetensors").read_bytes() != (a / "adapter_model.safetensors").read_bytes()
+
+
+def test_cli_writes_lora_beside_the_model_and_refuses_it_for_mla(tmp_path: Path) -> None:
+    tiny = ["--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+            "--intermediate", "128", "--vocab", "600"]
+    assert cli.main(["make-model", str(tmp_path / "m"), *tiny, "--lora", str(tmp_path / "l"), "--lora-rank", "2"]) == 0
+    assert json.loads((tmp_path / "l" / "adapter_config.json").read_text())["r"] == 2
+    with pytest.raises(SystemExit, match="--lora"):
+        cli.main(["make-model", str(tmp_path / "mla"), "--arch", "deepseek_v2", "--lora", str(tmp_path / "l2")])
+    assert not (tmp_path / "mla").exists()
+    with pytest.raises(ModelSpecError, match="--lora-rank"):
+        LoraSpec(rank=0)
+
+
+def test_ensure_lora_is_cached_per_model_and_adapter(tmp_path: Path) -> None:
+    first = ensure_lora(ModelSpec(**TINY), cache_dir=tmp_path)
+    assert ensure_lora(ModelSpec(**TINY), cache_dir=tmp_path) == first
+    assert ensure_lora(ModelSpec(**TINY), LoraSpec(seed=2), cache_dir=tmp_path) != first
+    assert (first / "adapter_config.json").is_file()
+
+# vLLM serving the made adapter (with --enable-lora) is proven by tests/test_store_isolation_e2e.py.
 # vLLM serving the made model (completions and chat) is proven by every end-to-end test:
 # their reference phase (tests/conftest.py reference_outputs) runs the whole prompt catalogue on it.

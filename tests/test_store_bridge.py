@@ -48,11 +48,12 @@ def test_missing_blocks_become_load_errors():
 
 
 def test_prefill_legs_store_fetch_hint_reaches_the_store_once_per_request():
-    """The hint rides in the request's kv_transfer_params (vLLM's Request stood in by a namespace
-    with the three fields the bridge reads); with it the store does not ask its master, which is
-    down here and would cost the scheduler its timeout."""
+    """The hint rides in the request's kv_transfer_params (of vLLM's own Request); with it the store
+    does not ask its master, which is down here and would cost the scheduler its timeout."""
     import time
-    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
 
     from vllm_pd.connector.store_bridge import StoreBridgeScheduler
     from vllm_pd.connector.transfer_params import StoreFetch
@@ -63,8 +64,8 @@ def test_prefill_legs_store_fetch_hint_reaches_the_store_once_per_request():
     bridge = StoreBridgeScheduler(vllm_config=None, config=cfg)
     bridge.store = StoreScheduler(cfg, SALT, SLOT, endpoint="tcp://127.0.0.1:1")
     hint = StoreFetch("d0", "tcp://127.0.0.1:2", 3)
-    req = SimpleNamespace(request_id="r1", prompt_token_ids=list(range(13)),
-                          kv_transfer_params={"do_remote_decode": True, **hint.to_params()})
+    req = Request("r1", list(range(13)), SamplingParams(max_tokens=1), None)
+    req.kv_transfer_params = {"do_remote_decode": True, **hint.to_params()}
     t0 = time.monotonic()
     assert bridge.get_num_new_matched_tokens(req, 0) == 12
     assert time.monotonic() - t0 < 0.5

@@ -26,13 +26,14 @@ from tests.test_kv_device_path import BLOCK_NBYTES, BS, LAYERS, block_bytes, ran
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.connector.kv_device import COMPLETED, HostDevice, KVDevice
 from vllm_pd.connector.store.config import StoreConfig
-from vllm_pd.connector.store.keys import KeySalt
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
 from vllm_pd.connector.store_bridge import StoreBridgeWorker, make_salt
 
 SLOT = LAYERS * BLOCK_NBYTES
 SALT = KeySalt("m", "bfloat16", "cuda:flash-attn", BS, LAYERS)
+PLAIN = NO_EXTRA_KEYS.scope(SALT)  # what plain requests' blocks are written for
 SAVED, LOADED = [5, 2, 7], [0, 1, 3]  # vLLM block ids: a finished request's, a new request's
 TOKENS = list(range(3 * BS + 1))  # three full blocks (and one token vLLM computes)
 
@@ -154,7 +155,7 @@ def test_a_save_is_committed_only_once_its_copy_completed() -> None:
         while len(visible) < len(keys) and time.monotonic() < deadline:
             reported = {k for r in node.worker.report().saves for k in r.committed}
             for p, key in enumerate(keys):
-                entry = node.worker.directory.get(key)
+                entry = node.worker.directory.get(key, PLAIN)
                 if entry is None and key not in reported:
                     continue
                 assert entry is not None  # reported only after the directory has it
@@ -176,7 +177,7 @@ def test_the_stand_in_catches_a_save_that_does_not_wait_for_the_write() -> None:
         written = node.forward_writes(SAVED, seed=30)
         node.save()
         node.worker.wait_saves()
-        slot = node.worker.directory.get(node.sched.block_keys(TOKENS)[0])[0]
+        slot = node.worker.directory.get(node.sched.block_keys(TOKENS)[0], PLAIN)[0]
         assert not torch.equal(node.worker.pool.data[slot, 0], block_bytes(written[0], 0))
     finally:
         node.close()

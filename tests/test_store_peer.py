@@ -9,7 +9,7 @@ import torch
 
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
-from vllm_pd.connector.store.keys import KeySalt, chain_keys
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, chain_keys
 from vllm_pd.connector.store.master_client import MasterClient
 from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.connector.store.pool_exchange import PoolExchange, SlotDirectory
@@ -22,6 +22,7 @@ from vllm_pd.vllm_server import free_port
 
 SLOTS, LAYERS, LAYER_NBYTES = 8, 2, 64
 KEYS = chain_keys(list(range(16)), KeySalt("m", "bf16", "cpu", 4, LAYERS))
+SCOPE = NO_EXTRA_KEYS.scope(KeySalt("m", "bf16", "cpu", 4, LAYERS))  # plain requests'
 
 
 def exchange(seed: int) -> PoolExchange:
@@ -37,7 +38,7 @@ def exchange(seed: int) -> PoolExchange:
 def pair():
     a, b = exchange(1), exchange(2)
     for i, key in enumerate(KEYS):  # a holds the chain in slots 4..7
-        a.directory.put(key, 4 + i, a.pool.checksum(4 + i))
+        a.directory.put(key, 4 + i, a.pool.checksum(4 + i), SCOPE)
     yield a, b
     a.close()
     b.close()
@@ -54,7 +55,7 @@ def eventually(fn, timeout=10.0):
 
 def test_fetch_lands_verified_blocks_and_releases_the_grant(pair):
     a, b = pair
-    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3])
+    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3], SCOPE)
     assert len(sums) == 4
     assert torch.equal(b.pool.data[0:4], a.pool.data[4:8])
     assert sums == [a.pool.checksum(s) for s in range(4, 8)]
@@ -81,7 +82,7 @@ def test_grant_covers_only_the_leading_blocks_still_held(pair):
     a, b = pair
     a.directory.drop_slots([6])  # KEYS[2] evicted on a (stale master entry)
     before = b.pool.data.clone()
-    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3])
+    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3], SCOPE)
     assert len(sums) == 2
     assert torch.equal(b.pool.data[0:2], a.pool.data[4:6])
     assert torch.equal(b.pool.data[2:], before[2:])  # nothing else written
@@ -91,14 +92,14 @@ def test_block_overwritten_after_its_grant_is_rejected(pair):
     a, b = pair
     held_of = a._held
 
-    def grant_then_reuse_slot(keys):
-        held = held_of(keys)
+    def grant_then_reuse_slot(keys, scope):
+        held = held_of(keys, scope)
         a.directory.drop_slots([5])  # a save reuses KEYS[1]'s slot right after the grant ...
         a.pool.data[5].add_(1)  # ... and writes it while it is being sent
         return held
 
     a._held = grant_then_reuse_slot
-    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3])
+    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3], SCOPE)
     assert len(sums) == 1  # KEYS[0] only: never a wrong block, not the ones after it either
     assert eventually(lambda: a.live_grants == 0)
 
@@ -115,20 +116,33 @@ def test_gone_peer_fetches_nothing_within_the_timeout(pair):
     endpoint = a.endpoint
     a.close()
     t0 = time.monotonic()
-    assert b.fetch(endpoint, KEYS, [0, 1]) == []
+    assert b.fetch(endpoint, KEYS, [0, 1], SCOPE) == []
     assert time.monotonic() - t0 < 3.0
-    assert b.fetch("tcp://127.0.0.1:1", KEYS, [0]) == []  # nobody listening there at all
+    assert b.fetch("tcp://127.0.0.1:1", KEYS, [0], SCOPE) == []  # nobody listening there at all
+
+
+def test_a_block_of_another_scope_is_not_granted_under_its_key(pair):
+    """The holder's directory records each block's scope (adapter, cache salt); a grant for another
+    scope stops at it (a key collision or a bug that dropped extra keys), the blocks before it
+    are still served. Negative control: asked for their own scope, all four are."""
+    a, b = pair
+    other = NO_EXTRA_KEYS.scope(KeySalt("other-model", "bf16", "cpu", 4, LAYERS))
+    a.directory.put(KEYS[2], 6, a.pool.checksum(6), other)
+    assert len(b.fetch(a.endpoint, KEYS, [0, 1, 2, 3], SCOPE)) == 2
+    a.directory.put(KEYS[2], 6, a.pool.checksum(6), SCOPE)
+    assert len(b.fetch(a.endpoint, KEYS, [0, 1, 2, 3], SCOPE)) == 4
+    assert b.fetch(a.endpoint, KEYS, [0, 1, 2, 3], other) == []
 
 
 def test_directory_forgets_a_slot_before_it_is_rewritten():
     d = SlotDirectory()
-    d.put(KEYS[0], 3, b"x")
-    d.put(KEYS[1], 4, b"y")
-    assert d.leading(KEYS) == [(3, b"x"), (4, b"y")]
-    d.put(KEYS[2], 3, b"z")  # slot 3 reused for another key
-    assert d.leading(KEYS) == [] and d.leading(KEYS[1:]) == [(4, b"y"), (3, b"z")]
+    d.put(KEYS[0], 3, b"x", SCOPE)
+    d.put(KEYS[1], 4, b"y", SCOPE)
+    assert d.leading(KEYS, SCOPE) == [(3, b"x"), (4, b"y")]
+    d.put(KEYS[2], 3, b"z", SCOPE)  # slot 3 reused for another key
+    assert d.leading(KEYS, SCOPE) == [] and d.leading(KEYS[1:], SCOPE) == [(4, b"y"), (3, b"z")]
     d.drop_slots([4])
-    assert d.leading(KEYS[1:]) == [] and len(d) == 1
+    assert d.leading(KEYS[1:], SCOPE) == [] and len(d) == 1
 
 
 # ---- two store nodes through a real master ----------------------------------------------------
@@ -225,7 +239,7 @@ def test_local_prefix_then_the_rest_from_the_peer(nodes):
 def test_stale_master_entry_is_recomputed_never_wrong(nodes):
     a, b, _ = nodes
     save_on(a)
-    second_slot = a.worker.directory.leading(chain_keys(TOKS, SALT))[1][0]
+    second_slot = a.worker.directory.leading(chain_keys(TOKS, SALT), NO_EXTRA_KEYS.scope(SALT))[1][0]
     a.worker.directory.drop_slots([second_slot])  # a evicted (and reused) its second block
     _, remote = b.sched.match_with_remote(TOKS[:-1])  # the master still says a has 3 blocks
     assert remote is not None and remote.blocks == 3
@@ -349,7 +363,8 @@ def test_stale_hint_costs_a_failed_verified_fetch_then_a_recompute(nodes):
     a, b, _ = nodes
     save_on(a)
     hint = StoreFetch("a", a.worker.exchange.endpoint, 3)
-    a.worker.directory.drop_slots([s for s, _ in a.worker.directory.leading(chain_keys(TOKS, SALT))])
+    held = a.worker.directory.leading(chain_keys(TOKS, SALT), NO_EXTRA_KEYS.scope(SALT))
+    a.worker.directory.drop_slots([s for s, _ in held])
     before = [t.clone() for t in b.kv]
     hit, remote = b.sched.match_with_remote(TOKS[:-1], fetch=hint)
     assert hit == 12 and remote is not None  # believed: the hint is all b has

@@ -6,7 +6,7 @@ nodes through a real master process (holder's CPU tier full, holder restarted)."
 import pytest
 import torch
 
-from tests.test_store_peer import KEYS, LAYER_NBYTES, LAYERS, SALT, SLOTS, TOKS, Node, eventually, save_on
+from tests.test_store_peer import KEYS, LAYER_NBYTES, LAYERS, SALT, SCOPE, SLOTS, TOKS, Node, eventually, save_on
 from tests.test_store_peer import master  # noqa: F401 - the master fixture
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool, checksum
 from vllm_pd.connector.store.disk_staging import DiskStaging
@@ -31,11 +31,11 @@ def holder(tmp_path, spare: int = SPARE, ttl: float = 30.0) -> PoolExchange:
                                   dtype=torch.uint8))
     disk = DiskTier(tmp_path, SALT.digest(), 0, capacity_bytes=1 << 20)
     for i in (2, 3):  # written from slots 6, 7, which are then reused for something else
-        disk.write(KEYS[i], KEYS[i - 1], pool.slot_view(4 + i)).result()
+        disk.write(KEYS[i], KEYS[i - 1], pool.slot_view(4 + i), SCOPE).result()
     ex = PoolExchange(pool, SlotDirectory(), timeout_s=1.0, grant_ttl_s=ttl,
                       staging=DiskStaging(pool, disk, range(SLOTS, SLOTS + spare)))
     for i in (0, 1):
-        ex.directory.put(KEYS[i], 4 + i, pool.checksum(4 + i))
+        ex.directory.put(KEYS[i], 4 + i, pool.checksum(4 + i), SCOPE)
     ex.start("127.0.0.1", "127.0.0.1")
     return ex
 
@@ -66,7 +66,7 @@ def test_blocks_on_the_holders_disk_are_fetched_after_its_cpu_blocks(exchanges):
     a, b = exchanges()
     expected = a.pool.data[4:8].clone()
     a.pool.data[6:8].zero_()  # the disk blocks' old slots now hold something else
-    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3])
+    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3], SCOPE)
     assert len(sums) == 4 and a.stats["served_from_disk"] == 2
     assert torch.equal(b.pool.data[0:4], expected)
     assert sums == [checksum(memoryview(expected[i].numpy()).cast("B")) for i in range(4)]
@@ -93,7 +93,7 @@ def test_corrupt_disk_block_ends_the_run_and_is_dropped(exchanges):
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     before = b.pool.data[3].clone()
-    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3])
+    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3], SCOPE)
     assert len(sums) == 3  # never the corrupt block
     assert torch.equal(b.pool.data[3], before)  # not a byte of it sent
     assert not a.staging.holds(KEYS[3]) and not path.exists()
@@ -102,19 +102,19 @@ def test_corrupt_disk_block_ends_the_run_and_is_dropped(exchanges):
 
 def test_staging_rows_bound_what_is_served_from_disk(exchanges):
     a, b = exchanges(spare=1)
-    assert len(b.fetch(a.endpoint, KEYS, [0, 1, 2, 3])) == 3  # 2 from CPU, 1 row for the disk part
+    assert len(b.fetch(a.endpoint, KEYS, [0, 1, 2, 3], SCOPE)) == 3  # 2 from CPU, 1 row for the disk part
     assert eventually(lambda: a.staging.free_count == 1)
 
 
 def test_a_granted_row_stays_owned_until_release_or_expiry(exchanges):
     a, _ = exchanges(spare=2, ttl=0.3)
-    grant = _decoder.decode(a.on_notify("x", _encoder.encode(GrantBlocks(KEYS))))
+    grant = _decoder.decode(a.on_notify("x", _encoder.encode(GrantBlocks(KEYS, SCOPE))))
     assert len(grant.slots) == 4 and a.staging.free_count == 0
-    again = _decoder.decode(a.on_notify("x", _encoder.encode(GrantBlocks(KEYS))))
+    again = _decoder.decode(a.on_notify("x", _encoder.encode(GrantBlocks(KEYS, SCOPE))))
     assert len(again.slots) == 2  # the rows are taken: only the CPU part
     assert _decoder.decode(a.on_notify("x", _encoder.encode(ReleaseBlocks(grant.transfer_id)))).intact == 4
     assert a.staging.free_count == 2
-    _decoder.decode(a.on_notify("x", _encoder.encode(GrantBlocks(KEYS))))  # never released ...
+    _decoder.decode(a.on_notify("x", _encoder.encode(GrantBlocks(KEYS, SCOPE))))  # never released ...
     assert a.staging.free_count == 0
     assert eventually(lambda: (a._expire_grants(), a.staging.free_count)[1] == 2)  # ... rows back after the ttl
 
@@ -122,7 +122,7 @@ def test_a_granted_row_stays_owned_until_release_or_expiry(exchanges):
 def test_nothing_on_disk_or_in_cpu_means_an_empty_grant(exchanges):
     a, b = exchanges()
     other = chain_keys(list(range(900, 916)), SALT)
-    assert b.fetch(a.endpoint, other, [0, 1]) == [] and a.staging.free_count == SPARE
+    assert b.fetch(a.endpoint, other, [0, 1], SCOPE) == [] and a.staging.free_count == SPARE
 
 
 # ---- two store nodes through a real master --------------------------------------------------

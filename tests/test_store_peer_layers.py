@@ -12,7 +12,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from tests.test_store_peer import LAYERS, TOKS, Node, save_on
+from tests.test_store_peer import LAYERS, SCOPE, TOKS, Node, save_on
 from tests.test_store_peer import master, nodes  # noqa: F401 - fixtures
 from vllm_pd.connector.exceptions import TransportError
 
@@ -107,8 +107,8 @@ def test_the_pool_region_serves_single_layers_of_a_slot(layers):
         for ex in (a, b):
             ex.start("127.0.0.1", "127.0.0.1")
         for i, key in enumerate(keys):
-            a.directory.put(key, 3 - i, a.pool.checksum(3 - i))
-        fetch = b.start_fetch(a.endpoint, keys, [0, 1, 2])
+            a.directory.put(key, 3 - i, a.pool.checksum(3 - i), SCOPE)
+        fetch = b.start_fetch(a.endpoint, keys, [0, 1, 2], SCOPE)
         assert fetch.granted == 3
         for layer in range(layers):
             assert fetch.layer_landed(layer)

@@ -18,6 +18,10 @@ TransportName = Literal["tcp", "shm", "nixl"]
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
+# decode: pushes (or a decode leg's awaited announcement) that pause this long get prefill probed - a
+# ping, an RTT when prefill is there, peer_probe_s when it is not (or push_wait_s, if that is shorter)
+PROBE_PAUSED_PUSHES_S = 1.0
+
 
 def parse_size(key: str, value: object) -> int:
     """Bytes from an int or a string like ``512m`` / ``2G``; errors name ``key``."""
@@ -75,8 +79,10 @@ class PDConnectorConfig:
     lease_s: float = 60.0
     # one transfer (all layers of one request) must complete within this
     transfer_timeout_s: float = 30.0
-    # decode: how long to wait for pushed KV that has not fully arrived yet
-    push_wait_s: float = 10.0
+    # decode: pushed KV that has not fully arrived is waited for while pushes keep landing, and this
+    # long after the last one (then prefill is probed): a cut or paused prefill costs a load this
+    # plus peer_probe_s, not the transfer's timeout
+    push_wait_s: float = 3.0
     # decode: after pushed KV stalled, how long prefill has to answer a probe before decode takes it
     # for gone (a partition, a paused host) and recomputes instead of fetching from it till the timeout
     peer_probe_s: float = 2.0

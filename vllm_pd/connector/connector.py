@@ -175,6 +175,8 @@ class PDConnector(KVConnectorBase_V1):
         return stats
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
         if self._store_worker is not None:
@@ -225,6 +227,8 @@ class PDConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         self.scheduler.note_sent(connector_output.finished_sending or set())
+        if connector_output.invalid_block_ids:
+            self.scheduler.forget_failed_blocks(connector_output.invalid_block_ids)
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, PDWorkerMeta):
             return

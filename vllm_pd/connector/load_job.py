@@ -17,6 +17,7 @@ import time
 from concurrent.futures import Future
 
 
+from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S
 from vllm_pd.connector.control import PingMessage
 from vllm_pd.connector.release import release_rank_share
 from vllm_pd.connector.kv_access import KVAccess
@@ -71,6 +72,7 @@ class LoadJob:
         self.started = time.monotonic()
         self.finished_at: float | None = None
         self.cancelled = False  # set before run(): the request is gone, do not wait for prefill
+        self._peer_seen_at = 0.0  # when prefill last answered a probe
         # set before run(): vLLM zeroed the request's new blocks on the compute stream up to
         # here; our copies into them wait for it
         self.blocks_ready: DeviceEvent = COMPLETED
@@ -114,9 +116,10 @@ class LoadJob:
         missing: dict[int, list[int]] = {}  # layer -> indexes into spec.positions
         if remote.mode == "push":
             # layer by layer: announced as prefill's forward starts, the pushes land while we copy
-            push_deadline = min(deadline, time.monotonic() + self._push_wait_s)
+            since = time.monotonic()
             for layer, region in enumerate(self._regions):
-                self._staging.wait_layer(spec.transfer_id, layer, push_deadline)
+                if not self._wait_pushes(remote, layer, deadline, since):
+                    return
                 miss = self._copy_staged(spec.transfer_id, layer, region)
                 if miss:
                     missing[layer] = miss
@@ -125,7 +128,7 @@ class LoadJob:
             if missing:
                 logger.info("request %s: %d layer(s) incomplete after push; fetching them from prefill",
                             spec.request_id, len(missing))
-                if not self._peer_answers(remote):
+                if time.monotonic() - self._peer_seen_at > PROBE_PAUSED_PUSHES_S and not self._peer_answers(remote):
                     return
         else:
             missing = {layer: list(range(len(spec.positions))) for layer in range(len(self._regions))}
@@ -154,6 +157,20 @@ class LoadJob:
             self._layer_landed(layer, True, self._access.land_read(
                 spec.request_id, layer, [spec.local_block_ids[i] for i in idxs], self.blocks_ready))
 
+    def _wait_pushes(self, remote: RemotePrefill, layer: int, deadline: float, since: float) -> bool:
+        """Wait for ``layer``'s pushes while they keep landing. Once they pause for a second, prefill is
+        probed: gone (cut off, paused) - False, the error set, at once rather than after push_wait_s;
+        there - waited for on, until push_wait_s passed without a push (the rest is then fetched)."""
+        quiet = min(PROBE_PAUSED_PUSHES_S, self._push_wait_s)
+        transfer_id = self.spec.transfer_id
+        while not self._staging.wait_layer(transfer_id, layer, deadline, stall_s=quiet, since=since):
+            if time.monotonic() >= deadline or not self._peer_answers(remote):
+                return self.error is None
+            since = time.monotonic()
+            if since - self._staging.last_push(transfer_id) >= self._push_wait_s:
+                return True
+        return True
+
     def _peer_answers(self, remote: RemotePrefill) -> bool:
         """Whether prefill answers a probe within probe_s (else the error is set). Pushes that
         stall may mean prefill is cut off: fetching from it would hold this load - and a
@@ -162,6 +179,7 @@ class LoadJob:
         try:
             self._transport.notify(peer, PingMessage().encode(), timeout=self._probe_s).result(
                 timeout=self._probe_s + 1.0)
+            self._peer_seen_at = time.monotonic()
             return True
         except Exception as e:  # noqa: BLE001 - no answer, whatever the reason: recompute
             self.error = (f"prefill {peer} did not answer within {self._probe_s:.1f}s after its pushes "

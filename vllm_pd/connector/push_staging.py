@@ -159,9 +159,24 @@ class PushStaging:
         st = self._wait_for(transfer_id, lambda st: st.announcement is not None, deadline)
         return st.announcement if st is not None else None
 
-    def wait_layer(self, transfer_id: str, layer: int, deadline: float) -> bool:
-        """Wait until the layer's final batch has landed (True) or the deadline passed."""
-        return self._wait_for(transfer_id, lambda st: layer in st.last_landed, deadline) is not None
+    def wait_layer(self, transfer_id: str, layer: int, deadline: float, stall_s: float | None = None,
+                   since: float = 0.0) -> bool:
+        """Wait until the layer's final batch has landed (True) or the deadline passed - or, with
+        ``stall_s``, until no push of the transfer has landed for that long (counted from ``since``
+        at the earliest): pushes that keep coming are waited for, stalled ones are not."""
+        if stall_s is None:
+            return self._wait_for(transfer_id, lambda st: layer in st.last_landed, deadline) is not None
+        with self._cond:
+            while True:
+                st = self._transfers.get(transfer_id)
+                if st is not None and layer in st.last_landed:
+                    return True
+                now = time.monotonic()
+                quiet_until = max(st.touched if st is not None else 0.0, since) + stall_s
+                remaining = min(deadline, quiet_until) - now
+                if remaining <= 0:
+                    return False
+                self._cond.wait(timeout=min(remaining, 0.5))
 
     def _wait_for(self, transfer_id: str, ready: Callable[[_StagedTransfer], bool],
                   deadline: float) -> _StagedTransfer | None:
@@ -174,6 +189,12 @@ class PushStaging:
                 if remaining <= 0:
                     return None
                 self._cond.wait(timeout=min(remaining, 0.5))
+
+    def last_push(self, transfer_id: str) -> float:
+        """When a push (or the announcement) of ``transfer_id`` last arrived (time.monotonic(); 0.0: never)."""
+        with self._cond:
+            st = self._transfers.get(transfer_id)
+            return st.touched if st is not None else 0.0
 
     def landed_runs(self, transfer_id: str, layer: int, positions: Sequence[int],
                     block_nbytes: int) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:

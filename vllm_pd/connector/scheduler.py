@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_pd.connector.config import PDConnectorConfig
+from vllm_pd.connector.announce_probe import AnnounceProbe
+from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S, PDConnectorConfig
 from vllm_pd.connector.metadata import (
     FinishedSend,
     LoadSpec,
@@ -107,6 +108,7 @@ class PDConnectorScheduler:
         self._announced: dict[str, float] = {}  # transfer id -> when its announcement reached us
         # unscheduled decode legs waiting for prefill's announcement: request -> (since, transfer id)
         self._awaited_since: dict[str, tuple[float, str]] = {}
+        self._announce_probe = AnnounceProbe(config.peer_probe_s)  # is a late announcement's prefill there?
 
     # ---- set-up ---------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -175,10 +177,13 @@ class PDConnectorScheduler:
         if self._load_mode(request) != "async":
             if awaited.transfer_id not in self._announced:
                 since, _ = self._awaited_since.setdefault(req_id, (time.monotonic(), awaited.transfer_id))
-                if time.monotonic() - since < self.config.transfer_timeout_s:
-                    return None, False
-                logger.warning("request %s: prefill never announced %s within %.0fs; decode recomputes the prompt",
-                               req_id, awaited.transfer_id, self.config.transfer_timeout_s)
+                waited = time.monotonic() - since
+                if waited < self.config.transfer_timeout_s:
+                    if not self._prefill_lost(awaited, waited):
+                        return None, False
+                else:
+                    logger.warning("request %s: prefill never announced %s within %.0fs; decode recomputes the "
+                                   "prompt", req_id, awaited.transfer_id, self.config.transfer_timeout_s)
                 del self._awaited_since[req_id]
                 return 0, False  # update_state_after_alloc abandons the push
             layerwise = self._layerwise(request)
@@ -188,6 +193,17 @@ class PDConnectorScheduler:
             return 0, False  # update_state_after_alloc abandons the push
         self._matched[req_id] = (awaited, num_computed_tokens, layerwise)
         return count, not layerwise
+
+    def _prefill_lost(self, awaited: AwaitedPrefill, waited: float) -> bool:
+        """Whether the prefill of a late announcement stopped answering pings: no announcement will
+        come from it (announce_probe.py)."""
+        if waited < min(PROBE_PAUSED_PUSHES_S, self.config.push_wait_s) or not awaited.prefill_endpoints:
+            return False
+        if not self._announce_probe.lost(awaited.prefill_endpoints[0]):
+            return False
+        logger.warning("transfer %s: prefill %s does not answer; decode computes the prompt", awaited.transfer_id,
+                       awaited.prefill_endpoints[0])
+        return True
 
     def _layerwise(self, request: "Request") -> bool:
         mode = self._load_mode(request)
@@ -292,6 +308,19 @@ class PDConnectorScheduler:
             return
         self._outgoing[request.request_id] = out
         self._transfer_owners[out.transfer_id] = request.request_id
+
+    def forget_failed_blocks(self, block_ids: "set[int]") -> None:
+        """Blocks a sync (layer-wise) load failed to fill leave vLLM's prefix cache now.
+
+        vLLM cached them when it scheduled the forward that was to fill them, and under
+        kv_load_failure_policy=recompute it leaves them cached for the failed request's
+        recompute. A request with the same prompt scheduled before that recompute - above all
+        the decode-only resend of a leg the proxy cancelled, after which no recompute comes -
+        would take them as computed and answer from KV that was never written. Uncached, they
+        are recomputed by whoever needs them (the failed request keeps its own)."""
+        if self._kv_cache_manager is not None:
+            self._kv_cache_manager.evict_blocks(set(block_ids))
+            logger.info("%d block(s) of a failed KV load removed from the prefix cache", len(block_ids))
 
     def note_sent(self, request_ids: "set[str] | frozenset[str]") -> None:
         """vLLM frees these requests' blocks: the workers are done with their transfers, whose ids
@@ -406,6 +435,9 @@ class PDConnectorScheduler:
             prompt_hash=out.prompt_hash,
             kv_format=self.kv_format,
         )
+
+    def shutdown(self) -> None:
+        self._announce_probe.close()
 
     def has_pending_work(self) -> bool:
         return bool(self._finished_sends or self._loads or self._releases or self._abandoned

@@ -8,6 +8,12 @@ request finishes, its computed blocks are saved asynchronously and vLLM keeps
 them until the copy is done (``request_finished`` -> True, then
 ``finished_sending``), jointly with the PD transfer when prefill holds the same
 blocks for decode.
+
+A request's store keys carry vLLM's own extra keys of each block
+(``request_extra_keys``: LoRA adapter, cache salt, multimodal inputs, prompt
+embeddings, from vLLM's ``generate_block_hash_extra_keys``), so requests that
+differ only in those never share KV (store/keys.py says why the keys are not
+vLLM's block hashes themselves).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 from vllm_pd.connector.kv_device import KVDevice
 from vllm_pd.connector.store.config import StoreConfig
-from vllm_pd.connector.store.keys import KeySalt
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys
 from vllm_pd.connector.store.master_client import RemoteHit
 from vllm_pd.connector.store.plans import StorePlan, StoreReport
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
@@ -54,6 +60,27 @@ def make_salt(vllm_config: "VllmConfig", num_layers: int, block_nbytes: int, kv_
     )
 
 
+def request_extra_keys(request: "Request") -> RequestExtraKeys:
+    """The request's extra keys, block by block exactly as vLLM's prefix cache derives them.
+
+    vLLM's function is asked only for requests that have something it keys on (an adapter,
+    a cache salt, multimodal inputs, prompt embeddings); for any other it returns None for
+    every block (tests/test_store_bridge.py checks that on vLLM's own Request)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    lora = request.lora_request
+    if lora is None and not request.cache_salt and not request.mm_features and request.prompt_embeds is None:
+        return NO_EXTRA_KEYS
+
+    def per_block(start: int, end: int) -> tuple[Any, ...] | None:
+        # start_mm_idx 0 is exact for any block: inputs that end before it are skipped
+        return generate_block_hash_extra_keys(request, start, end, 0)[0]
+
+    return RequestExtraKeys(lora=(lora.lora_name, lora.lora_path) if lora is not None else None,
+                            cache_salt=request.cache_salt, per_block=per_block,
+                            varies_by_block=bool(request.mm_features) or request.prompt_embeds is not None)
+
+
 @dataclass
 class StoreStepMeta:
     """Rides in PDConnectorMetadata."""
@@ -81,6 +108,7 @@ class StoreBridgeScheduler:
         # request -> (tokens the store holds, the node holding those beyond the local prefix)
         self._matched: dict[str, tuple[int, RemoteHit | None]] = {}
         self._hints: dict[str, StoreFetch | None] = {}  # request -> the proxy's store_fetch hint
+        self._extra_keys: dict[str, RequestExtraKeys] = {}  # request -> its extra keys, derived once
         self._meta = StoreStepMeta()
 
     def on_handshake(self, num_layers: int, block_nbytes: int, endpoint: str, kv_format: str = "") -> None:
@@ -102,12 +130,19 @@ class StoreBridgeScheduler:
         prompt = request.prompt_token_ids or []
         # >= 1 token left to compute; the master is asked only beyond the local prefix
         hit, remote = self.store.match_with_remote(prompt[: len(prompt) - 1], request_id=request.request_id,
-                                                   fetch=self._fetch_hint(request))
+                                                   fetch=self._fetch_hint(request),
+                                                   extra_keys=self._request_extra_keys(request))
         if hit <= num_computed_tokens:
             self._matched.pop(request.request_id, None)
             return 0
         self._matched[request.request_id] = (hit, remote)
         return hit - num_computed_tokens
+
+    def _request_extra_keys(self, request: "Request") -> RequestExtraKeys:
+        got = self._extra_keys.get(request.request_id)
+        if got is None:
+            got = self._extra_keys[request.request_id] = request_extra_keys(request)
+        return got
 
     def _fetch_hint(self, request: "Request") -> StoreFetch | None:
         """The proxy's store_fetch hint, parsed once per request (vLLM asks again every step it waits)."""
@@ -125,7 +160,8 @@ class StoreBridgeScheduler:
         bs = self.store.block_size
         blocks = block_ids[start // bs: hit // bs]
         _, missing = self.store.plan_load(request.request_id, request.prompt_token_ids or [], start,
-                                          num_external_tokens, blocks, remote=remote)
+                                          num_external_tokens, blocks, remote=remote,
+                                          extra_keys=self._request_extra_keys(request))
         self._meta.missing_block_ids.extend(missing)
         return True
 
@@ -133,10 +169,13 @@ class StoreBridgeScheduler:
         """Queue the save of the request's computed blocks; True if vLLM must keep them for it."""
         self._matched.pop(request.request_id, None)
         self._hints.pop(request.request_id, None)
+        extra_keys = self._extra_keys.pop(request.request_id, None)
         if self.store is None:
             return False
+        if extra_keys is None:
+            extra_keys = request_extra_keys(request)
         n = request.num_computed_tokens
-        op = self.store.plan_save(request.request_id, list(request.all_token_ids[:n]), block_ids)
+        op = self.store.plan_save(request.request_id, list(request.all_token_ids[:n]), block_ids, extra_keys)
         self.store.forget(request.request_id)
         if op is None:
             return False

@@ -208,12 +208,15 @@ class RemotePrefill(msgspec.Struct, frozen=True):
             return None
 
 
-class AwaitedPrefill(msgspec.Struct, frozen=True):
+class AwaitedPrefill(msgspec.Struct, frozen=True, omit_defaults=True):
     """The decode leg sent beside the prefill leg (proxy -> decode): prefill announces its
-    :class:`RemotePrefill` of ``transfer_id`` once computed."""
+    :class:`RemotePrefill` of ``transfer_id`` once computed. ``prefill_endpoints``: the KV
+    endpoint(s) of the prefill instance the proxy sent the prefill leg to, where it knows them;
+    decode probes it while the announcement is late (one that does not answer is given up on)."""
 
     transfer_id: _Name
     mode: TransferMode = msgspec.field(name="transfer_mode")
+    prefill_endpoints: tuple[_Name, ...] = ()
 
     def to_params(self) -> dict[str, Any]:
         params = msgspec.to_builtins(self)

@@ -4,6 +4,10 @@ Goodput is the highest request rate at which at least ``attainment`` (default 90
 meet both SLOs; per device it is that rate over the devices the deployment uses (instances x TP).
 Rates are searched by bisection: a distribution is re-sampled at each rate (same seed), a trace is
 replayed with its arrival times compressed or stretched.
+
+Every figure is also simulated with the profile at the fast and the slow end of the speeds it saw of itself
+(vllm_pd.planner.profile_spread): the prediction's band. Goodput's band is searched for the candidates
+within reach of the best (the others cannot change the pick; a bisection costs a few dozen simulations).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Callable
 
 from vllm_pd.planner.latency_profile import LatencyProfile
 from vllm_pd.planner.pd_simulator import Deployment, SimRequest, simulate
+from vllm_pd.planner.profile_spread import band_profiles, profile_noise
 from vllm_pd.planner.workload import Distributions, TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -43,6 +48,9 @@ class Candidate:
     deployment: Deployment
     goodput: float  # requests/s meeting the SLO attainment
     at_workload: LatencySummary  # at the workload's own rate
+    # the same with the profile at the fast and the slow end of its own speeds (None: not simulated)
+    at_workload_band: tuple[LatencySummary, LatencySummary] | None = None
+    goodput_band: tuple[float, float] | None = None
 
     @property
     def per_device(self) -> float:
@@ -118,14 +126,25 @@ def goodput(profile: LatencyProfile, deployment: Deployment, requests_at: Reques
 
 def search(profile: LatencyProfile, deployments: list[Deployment], requests_at: RequestsAt, own_rate: float,
            slo: Slo, seed: int = 0) -> list[Candidate]:
-    """Every deployment's goodput, best goodput per device first (fewer devices break ties).
+    """Every deployment's goodput, best goodput per device first (fewer devices break ties), with bands.
 
     ``seed`` seeds the simulated decode spread (the same draws for every deployment and rate).
     """
     out = []
+    noise = profile_noise(profile)
+    ends = band_profiles(profile) if noise > 0 else None
     for d in deployments:
         g = goodput(profile, d, requests_at, slo, own_rate, seed=seed)
         at = summarise(simulate(profile, d, requests_at(own_rate), seed), slo)
+        band = None if ends is None else (
+            summarise(simulate(ends[0], d, requests_at(own_rate), seed), slo),
+            summarise(simulate(ends[1], d, requests_at(own_rate), seed), slo))
         logger.info("%s: goodput %.3f req/s (%.3f per device)", d.label, g, g / d.devices)
-        out.append(Candidate(d, g, at))
-    return sorted(out, key=lambda c: (-c.per_device, c.deployment.devices, c.deployment.label))
+        out.append(Candidate(d, g, at, band))
+    ranked = sorted(out, key=lambda c: (-c.per_device, c.deployment.devices, c.deployment.label))
+    if ends is None or not ranked:
+        return ranked
+    best = ranked[0].per_device
+    return [replace(c, goodput_band=(goodput(ends[0], c.deployment, requests_at, slo, own_rate, seed=seed),
+                                     goodput(ends[1], c.deployment, requests_at, slo, own_rate, seed=seed)))
+            if c.per_device >= best * (1 - 2 * noise) - 1e-12 else c for c in ranked]

@@ -1,7 +1,13 @@
-"""The latency profile of one vLLM instance: fitted prefill, decode and KV hand-over cost models.
+"""The latency profile of vLLM instances: fitted prefill, decode and KV hand-over cost models.
 
-A profile file is JSON (msgspec) holding one :class:`InstanceProfile` per tensor-parallel size it
-covers. Each keeps the raw samples it was fitted from, so a profile can be re-fitted or inspected.
+A profile file is JSON (msgspec) holding an :class:`InstanceProfile` per instance measured, for each
+tensor-parallel size it covers: one, or a PD pair's two, each with its ``url`` and ``role`` ("prefill" /
+"decode"; "" for the one instance profiled) - instances on other cores or hosts differ by 10-35 %, so
+the plan takes each role's fit from the instance measured in it (:meth:`LatencyProfile.for_role`). Each
+keeps the raw samples it was fitted from, so a profile can be re-fitted or inspected; with them its
+``speed_checks`` (the same lone prefill and decode stream at the start, middle and end of its run: its
+drift), ``prefill_spread`` (each prefill sample over the fit) and ``fit_notes`` (terms that came out 0 or
+flat from noisy samples, and what stands in: see :func:`kv_fit` and :func:`wake_fit`).
 
 - prefill: the time of one engine step that prefills ``n`` prompts of ``t_i`` tokens (``T`` in all),
   ``a + b*T + c*sum(t_i^2) + d*n`` ms (the square term is attention over each prompt; ``d`` is what
@@ -14,7 +20,8 @@ covers. Each keeps the raw samples it was fitted from, so a profile can be re-fi
   are what make one request's TPOT differ from another's.
 - kv: prefill's end to the first token on an idle decode instance, for ``t`` prompt tokens, ``a + b*t``
   ms (the layer-wise load overlaps decode's first forward with prefill's, so this is the tail of the
-  transfer, the last layer's forward and the proxy's second hop).
+  transfer, the last layer's forward and the proxy's second hop, and what pushing the KV costs the
+  prefill instance's own forward): the pair's TTFT less the prefill instance's own.
 - first steps: a request's first decode steps (its second token most, the next two a little) take
   longer than its later ones (~1-1.7 ms in all here, in PD and colocated alike, varying from request to
   request): the simulator adds to a step, per request taking its first decode step, a draw from
@@ -29,7 +36,8 @@ covers. Each keeps the raw samples it was fitted from, so a profile can be re-fi
   ``wake_after_idle`` holds (idle ms, extra ms) points, each the median lone prefill after that much
   idleness less the median back to back (``wake_samples``: (idle ms, back to back ms, after idle ms));
   :meth:`InstanceProfile.wake_ms` interpolates them (0 at no idleness, the last point's beyond it).
-  Profiles measure back to back, so without it every request of a light load came out 2-5 ms early.
+  Profiles measure back to back, so without it every request of a light load came out 2-5 ms early. The
+  curve is made non-decreasing (a longer idleness cannot wake faster: a dip is noise).
   Through a PD pair the path wakes differently (the proxy's two legs, the prefill instance's connector, the
   decode instance beside it): ``pd_wake_after_idle`` (``pd_wake_samples``) is the same measurement of a
   lone request's TTFT through the pair, used for prefill instances of a disaggregated deployment
@@ -56,11 +64,14 @@ kv (the hand-over before a full decode step); :func:`load_profile` reads format 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Sequence
 
 import msgspec
+
+from vllm_pd.planner.fit_noise import difference_se, median_se, non_decreasing, resolved, robust_sigma
 
 PROFILE_FORMAT = 2
 
@@ -105,6 +116,14 @@ class InstanceProfile(msgspec.Struct, frozen=True):
     wake_samples: list[tuple[float, float, float]] = []  # (idle ms, back to back ms, after idle ms)
     pd_wake_after_idle: list[tuple[float, float]] = []  # the same through a PD pair (its prefill instance's steps)
     pd_wake_samples: list[tuple[float, float, float]] = []
+    url: str = ""  # the instance measured
+    role: str = ""  # what it was measured as: "prefill" or "decode" of a PD pair, "" (any: the one instance profiled)
+    prefill_spread: list[float] = []  # each prefill sample over its fit, sorted (3 decimals)
+    # (s since the profile run's start, prompt tokens, a lone prefill ms, context, a lone decode step ms): the
+    # same two requests at the run's start, between its phases and at its end - its drift
+    speed_checks: list[tuple[float, int, float, int, float]] = []
+    pd_wake_floor: list[tuple[float, float]] = []  # the prefill instance's own wake-up, where the pair's is noise
+    fit_notes: list[str] = []  # fits that came out 0 or flat from noisy samples, and what stands in for them
 
     def prefill_ms(self, tokens: int, prompts: int = 1, square: int | None = None) -> float:
         """``prompts`` prompts, ``tokens`` in all; ``square`` = the sum of their squares (default: equal)."""
@@ -161,13 +180,23 @@ class LatencyProfile(msgspec.Struct, frozen=True):
     format: int = PROFILE_FORMAT
 
     def for_tp(self, tp: int) -> InstanceProfile:
-        for inst in self.instances:
-            if inst.tp == tp:
-                return inst
-        raise ProfileError(f"instances: no profile for tp={tp} (have {self.tps()})")
+        """The instance profiled in full for ``tp`` (the decode instance of a measured pair)."""
+        members = self.members(tp)
+        return next((i for i in members if i.role != "prefill"), members[0])
+
+    def members(self, tp: int) -> list[InstanceProfile]:
+        """Every instance measured at ``tp``, in the file's order (a pair: its prefill instance first)."""
+        members = [i for i in self.instances if i.tp == tp]
+        if not members:
+            raise ProfileError(f"instances: no profile for tp={tp} (have {self.tps()})")
+        return members
+
+    def for_role(self, tp: int, role: str) -> list[InstanceProfile]:
+        """The instances measured as ``role`` ("prefill" or "decode") at ``tp``; none: the one profiled in full."""
+        return [i for i in self.members(tp) if i.role == role] or [self.for_tp(tp)]
 
     def tps(self) -> list[int]:
-        return sorted(i.tp for i in self.instances)
+        return sorted({i.tp for i in self.instances})
 
 
 class _InstanceV1(msgspec.Struct, frozen=True):
@@ -231,52 +260,57 @@ def load_profile(path: str | Path) -> LatencyProfile:
 Row = Sequence[float]  # (x, z), (x, y, z) or (x, y, w, z): the features, then the measured ms
 
 
-def fit_poly(rows: Sequence[Row]) -> Poly:
+def fit_poly(rows: Sequence[Row], weights: Sequence[float] | None = None) -> Poly:
     """:func:`fit_terms` without the samples far off what the others predict.
 
     A sample whose leave-one-out residual is over 4 x the median one (and over 1 ms) was hit by
     something else on the machine; left in, one such sample at a long prompt drags the whole fit.
     """
+    w = list(weights) if weights is not None else [1.0] * len(rows)
     if len(rows) < 5:
-        return fit_terms(rows)
-    loo = [abs(r[-1] - _predict(fit_terms([o for j, o in enumerate(rows) if j != i]), r))
+        return fit_terms(rows, w)
+    loo = [abs(r[-1] - _predict(fit_terms([o for j, o in enumerate(rows) if j != i],
+                                          [x for j, x in enumerate(w) if j != i]), r))
            for i, r in enumerate(rows)]
     limit = max(1.0, 4 * sorted(loo)[len(loo) // 2])
-    return fit_terms([row for row, r in zip(rows, loo) if r <= limit])
+    keep = [i for i, r in enumerate(loo) if r <= limit]
+    return fit_terms([rows[i] for i in keep], [w[i] for i in keep])
 
 
 def _predict(p: Poly, row: Row) -> float:
     return p.at(*row[:-1])
 
 
-def fit_terms(rows: Sequence[Row]) -> Poly:
-    """Least squares ``z = a + b*x + c*y + d*w`` over the rows, dropping any term that fits negative.
+def fit_terms(rows: Sequence[Row], weights: Sequence[float] | None = None) -> Poly:
+    """Least squares ``z = a + b*x + c*y + d*w`` over the rows (each row weighted, default 1), dropping any
+    term that fits negative.
 
     A negative coefficient is noise (a cost cannot shrink with more work) and would make the
     simulator predict negative step times far outside the measured range.
     """
     if not rows:
         raise ProfileError("fit: no samples")
+    w = list(weights) if weights is not None else [1.0] * len(rows)
     terms = list(range(len(rows[0])))  # the constant and one per feature
     while terms:
-        coef = _least_squares(rows, terms)
+        coef = _least_squares(rows, terms, w)
         if coef is not None and all(v >= 0 for v in coef.values()):
             return Poly(*(coef.get(t, 0.0) for t in range(4)))
         if coef is None:
             terms.pop()  # singular: the samples do not vary this term
         else:
             terms.remove(min(terms, key=lambda t: coef[t]))
-    raise ProfileError("fit: no non-negative fit")
+    return Poly()  # every term fitted negative: within this model, the cost is nothing
 
 
-def _least_squares(rows: Sequence[Row], terms: list[int]) -> dict[int, float] | None:
+def _least_squares(rows: Sequence[Row], terms: list[int], weights: Sequence[float]) -> dict[int, float] | None:
     if len(rows) < len(terms):
         return None
     feats = [[(1.0, *r[:-1])[t] for t in terms] for r in rows]
-    # normal equations: (F^T F) w = F^T z, solved by Gaussian elimination with partial pivoting
+    # normal equations: (F^T W F) c = F^T W z, solved by Gaussian elimination with partial pivoting
     n = len(terms)
-    m = [[sum(f[i] * f[j] for f in feats) for j in range(n)] + [sum(f[i] * r[-1] for f, r in zip(feats, rows))]
-         for i in range(n)]
+    m = [[sum(w * f[i] * f[j] for f, w in zip(feats, weights)) for j in range(n)]
+         + [sum(w * f[i] * r[-1] for f, r, w in zip(feats, rows, weights))] for i in range(n)]
     for col in range(n):
         piv = max(range(col, n), key=lambda r: abs(m[r][col]))
         if abs(m[piv][col]) < 1e-12 * max(1.0, max(abs(v) for row in m for v in row[:n])):
@@ -297,7 +331,8 @@ def refit(inst: InstanceProfile) -> InstanceProfile:
     new = fit_instance(inst.tp, inst.prefill_samples, inst.decode_samples, inst.kv_samples,
                        inst.max_num_batched_tokens, inst.max_num_seqs, inst.decode_spread_window_ms,
                        inst.neighbour_samples, inst.first_step_samples, inst.wake_samples, inst.join_samples,
-                       inst.pd_wake_samples)
+                       inst.pd_wake_samples, url=inst.url, role=inst.role, speed_checks=inst.speed_checks,
+                       pd_wake_floor=inst.pd_wake_floor)
     kinds = {kind for kind, _, _ in inst.neighbour_samples}
     return msgspec.structs.replace(
         new, beside_prefill=new.beside_prefill if "decode" in kinds else inst.beside_prefill,
@@ -321,16 +356,118 @@ def merge_samples(old: InstanceProfile, new: InstanceProfile) -> InstanceProfile
                         sum(windows) / len(windows) if windows else 0.0,
                         old.neighbour_samples + new.neighbour_samples, old.first_step_samples + new.first_step_samples,
                         old.wake_samples + new.wake_samples, old.join_samples + new.join_samples,
-                        old.pd_wake_samples + new.pd_wake_samples)
+                        old.pd_wake_samples + new.pd_wake_samples, url=new.url or old.url, role=new.role,
+                        speed_checks=old.speed_checks + new.speed_checks,
+                        pd_wake_floor=new.pd_wake_floor or old.pd_wake_floor)
 
 
-def wake_points(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float]]:
-    """[(idle ms, median after idle - median back to back, floored at 0)] per idle time measured, sorted."""
+def _wake_by_idle(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float, float, int]]:
+    """[(idle ms, median after idle - median back to back, its standard error, pairs)] per idle time, sorted."""
     by_idle: dict[float, list[tuple[float, float]]] = {}
     for idle, hot, cold in samples:
         by_idle.setdefault(idle, []).append((hot, cold))
-    return [(idle, max(0.0, round(statistics.median(c for _, c in pairs) - statistics.median(h for h, _ in pairs), 3)))
-            for idle, pairs in sorted(by_idle.items())]
+    out = []
+    for idle, pairs in sorted(by_idle.items()):
+        hots, colds = [h for h, _ in pairs], [c for _, c in pairs]
+        out.append((idle, statistics.median(colds) - statistics.median(hots), difference_se(colds, hots), len(pairs)))
+    return out
+
+
+def wake_points(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float]]:
+    """[(idle ms, extra ms)] per idle time measured, sorted: the median after idle less the median back to
+    back, made non-decreasing with the idle time (a longer idleness cannot wake faster: a dip is noise,
+    pooled with its neighbours, each weighted by its pairs) and floored at 0."""
+    by_idle = _wake_by_idle(samples)
+    curve = non_decreasing([v for _, v, _, _ in by_idle], [n for *_, n in by_idle])
+    return [(idle, max(0.0, round(v, 3))) for (idle, *_), v in zip(by_idle, curve)]
+
+
+def resolved_wake_points(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float]]:
+    """:func:`wake_points` less those not resolved above their noise (what may stand in for another curve)."""
+    return [(idle, value) for (idle, value), (_, _, se, _) in zip(wake_points(samples), _wake_by_idle(samples))
+            if resolved(value, se)]
+
+
+def wake_fit(samples: Sequence[tuple[float, float, float]], name: str,
+             floor: Sequence[tuple[float, float]] = ()) -> tuple[list[tuple[float, float]], list[str]]:
+    """:func:`wake_points`, and notes on the points not resolved above their noise; where ``floor`` (a curve
+    measured otherwise: the prefill instance's own wake-up for the pair's) is higher there, it stands in."""
+    points = wake_points(samples)
+    if not points:
+        return points, []
+    notes, out, unresolved = [], [], []
+    for (idle, value), (_, _, se, n) in zip(points, _wake_by_idle(samples)):
+        if resolved(value, se):
+            out.append((idle, value))
+            continue
+        stand_in = round(wake_at(floor, idle), 3) if floor else 0.0
+        if stand_in > value:
+            notes.append(f"{name} after {idle:.0f} ms idle: {value:+.1f} ms +- {se:.1f} ms ({n} pairs) is not resolved "
+                         f"above its noise: the prefill instance's own wake-up there, +{stand_in:.1f} ms, stands in")
+            out.append((idle, stand_in))
+        else:
+            unresolved.append(f"{idle:.0f} ms ({value:+.1f} +- {se:.1f})")
+            out.append((idle, value))
+    if unresolved:
+        notes.append(f"{name}: not resolved above its noise after {', '.join(unresolved)} idle: kept as measured")
+    # stand-ins can break the order: keep the curve non-decreasing
+    values = non_decreasing([v for _, v in out], [1.0] * len(out))
+    return [(idle, round(v, 3)) for (idle, _), v in zip(out, values)], notes
+
+
+def kv_fit(samples: Sequence[tuple[int, float]]) -> tuple[Poly, list[str]]:
+    """The KV hand-over ``a + b*t`` from its samples, and a note when it is not resolved above their noise.
+
+    Each sample is the TTFT through the pair less the prefill instance's own TTFT of the same prompt, two
+    latencies that on a slow instance are each far longer than the hand-over; prompt lengths measured
+    several times weigh by their spread (a 1.5 s prefill's 20 ms noise must not drown a 32-token one's 0.5).
+    Not resolved (under twice its standard error), the prompt length measured most sharply (its median's
+    standard error the smallest: the shortest prompts, as a rule) still says what a hand-over takes at least
+    there: its median stands in, flat, if larger than the fit (a fit through noise comes out 0; a decode
+    step's fixed cost stood in once, 35 ms where the short prompts' hand-over measured 1-3 ms).
+    """
+    by_t: dict[int, list[float]] = {}
+    for t, ms in samples:
+        by_t.setdefault(t, []).append(ms)
+    rows = [(t, ms) for t, ms in samples]
+    if all(len(v) >= 2 for v in by_t.values()) and any(robust_sigma(v) > 0 for v in by_t.values()):
+        # a few samples' spread is itself noisy: none weighs more than 10 x the median length's
+        typical = statistics.median(robust_sigma(v) ** 2 for v in by_t.values())
+        var = {t: max(robust_sigma(v) ** 2, 0.1 * typical, 0.01) for t, v in by_t.items()}
+        weights = [1 / var[t] for t, _ in rows]
+        se = math.sqrt(1 / sum(weights))
+    else:
+        weights = [1.0] * len(rows)
+        fit = fit_poly(rows)
+        se = median_se([ms - fit.at(t) for t, ms in rows]) if len(rows) >= 3 else 0.0
+    fit = fit_poly(rows, weights)
+    level = sum(w * fit.at(t) for (t, _), w in zip(rows, weights)) / sum(weights)
+    if se == 0 or resolved(level, se):
+        return fit, []
+    sharpest = min(by_t, key=lambda t: (median_se(by_t[t]), t))
+    stand_in = max(0.0, statistics.median(by_t[sharpest]))
+    ts = sorted(by_t)
+    note = (f"kv hand-over: {level:+.1f} ms +- {se:.1f} ms over {len(rows)} samples ({ts[0]}-{ts[-1]} tokens) is not "
+            f"resolved above the noise of the prefills it is taken from: ")
+    if stand_in > level:
+        return Poly(round(stand_in, 3)), [note + f"{stand_in:.1f} ms stands in (the median at {sharpest} tokens, "
+                                          "the length measured most sharply)"]
+    return fit, [note + "kept as fitted"]
+
+
+def join_notes(join: Poly, samples: Sequence[tuple[int, float, float, float]]) -> list[str]:
+    """What a join fit that came out 0 or flat does not say."""
+    points = join_points(samples)
+    if not points:
+        return []
+    ts = sorted({t for t, _ in points})
+    spread = f"samples {min(ms for _, ms in points):.1f}-{max(ms for _, ms in points):.1f} ms per join"
+    if join.a == join.b == 0:
+        return [f"join: fitted 0 ({spread}): a join's cost is not resolved above the noise of the steps around it"]
+    if join.b == 0 and len(ts) > 1:
+        return [f"join: no growth with the prompt resolved over {ts[0]}-{ts[-1]} tokens ({spread}): flat "
+                f"{join.a:.1f} ms"]
+    return []
 
 
 def wake_at(points: Sequence[tuple[float, float]], idle_ms: float) -> float:
@@ -369,6 +506,16 @@ def spread_of(decode: Poly, points: Sequence[tuple[int, int, float]]) -> list[fl
     return sorted(round(ms / decode.at(n, k), 3) for n, k, ms in points if decode.at(n, k) > 0)
 
 
+def prefill_spread_of(prefill: Poly, samples: Sequence[tuple[int, int, float]]) -> list[float]:
+    """Each prefill sample over what ``prefill`` predicts for it, sorted (3 decimals)."""
+    out = []
+    for t, b, ms in samples:
+        fit = prefill.at(t * b, t * t * b, b)
+        if fit > 0:
+            out.append(round(ms / fit, 3))
+    return sorted(out)
+
+
 def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tuple[int, int, float]],
                  kv: list[tuple[int, float]], max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, spread_window_ms: float = 0.0,
@@ -376,22 +523,29 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
                  first_step: Sequence[float] = (),
                  wake: Sequence[tuple[float, float, float]] = (),
                  join: Sequence[tuple[int, float, float, float]] = (),
-                 pd_wake: Sequence[tuple[float, float, float]] = ()) -> InstanceProfile:
+                 pd_wake: Sequence[tuple[float, float, float]] = (), *, url: str = "", role: str = "",
+                 speed_checks: Sequence[tuple[float, int, float, int, float]] = (),
+                 pd_wake_floor: Sequence[tuple[float, float]] = ()) -> InstanceProfile:
     """Fit the models from raw samples (kv: at least one sample, or a fixed model in ``kv``).
 
     prefill: (tokens per prompt, prompts in the step, ms); decode: (batch, summed context, the mean ms
     per step over a window of ``spread_window_ms``; 0 = no spread: one sample per point is the fit's own);
-    neighbour: (kind, alone ms, beside ms), see :func:`neighbour_factor` (none: factors 1.0); first_step: a lone
-    stream's first-half gaps less as many steady steps, ms (none: 0); wake: (idle ms, back to back ms, after
-    idle ms), see :func:`wake_points` (none: no wake-up cost); join: see :func:`join_points` (none: no cost);
-    pd_wake: as wake, through a PD pair (none: prefill instances of a pair wake as ``wake`` says).
+    kv: (prompt tokens, ms), see :func:`kv_fit`; neighbour: (kind, alone ms, beside ms), see
+    :func:`neighbour_factor` (none: factors 1.0); first_step: a lone stream's first-half gaps less as many
+    steady steps, ms (none: 0); wake: (idle ms, back to back ms, after idle ms), see :func:`wake_fit` (none: no
+    wake-up cost); join: see :func:`join_points` (none: no cost); pd_wake: as wake, through a PD pair (none:
+    prefill instances of a pair wake as ``wake`` says), ``pd_wake_floor`` standing in where it is noise;
+    speed_checks: kept as they are (the profile's drift). Fits that came out 0 or flat from noise are
+    named in ``fit_notes``.
     """
     dec = fit_poly([(n, k, ms) for n, k, ms in decode])
+    pre = fit_poly([(t * b, t * t * b, b, ms) for t, b, ms in prefill])
+    kv_poly, notes = kv_fit(kv)
+    wake_after_idle, wake_notes = wake_fit(wake, "wake-up")
+    pd_wake_after_idle, pd_notes = wake_fit(pd_wake, "the pair's wake-up", pd_wake_floor)
+    join_poly = fit_poly(join_points(join)) if join else Poly()
     return InstanceProfile(
-        tp=tp,
-        prefill=fit_poly([(t * b, t * t * b, b, ms) for t, b, ms in prefill]),
-        decode=dec,
-        kv=fit_poly([(t, ms) for t, ms in kv]),
+        tp=tp, prefill=pre, decode=dec, kv=kv_poly,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         decode_spread=spread_of(dec, decode) if spread_window_ms > 0 else [],
         decode_spread_window_ms=spread_window_ms,
@@ -400,6 +554,8 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
         neighbour_samples=list(neighbour),
         first_step_ms=max(0.0, round(statistics.median(first_step), 3)) if first_step else 0.0,
         first_step_samples=list(first_step),
-        wake_after_idle=wake_points(wake), wake_samples=list(wake),
-        pd_wake_after_idle=wake_points(pd_wake), pd_wake_samples=list(pd_wake),
-        join=fit_poly(join_points(join)) if join else Poly(), join_samples=list(join))
+        wake_after_idle=wake_after_idle, wake_samples=list(wake),
+        pd_wake_after_idle=pd_wake_after_idle, pd_wake_samples=list(pd_wake),
+        join=join_poly, join_samples=list(join), url=url, role=role,
+        prefill_spread=prefill_spread_of(pre, prefill), speed_checks=list(speed_checks),
+        pd_wake_floor=list(pd_wake_floor), fit_notes=notes + wake_notes + pd_notes + join_notes(join_poly, join))

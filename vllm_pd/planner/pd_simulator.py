@@ -33,6 +33,12 @@ that decodes (its HTTP leg, scheduling and KV intake take the instance's core; o
 part of the measured hand-over). Requests reach the instance
 with the fewest outstanding requests, taking turns among ties, as the proxy's least_outstanding policy
 does (one turn counter per role).
+
+Each instance steps as the instance that will do its work was measured: a prefill instance of a PD
+deployment as the profile's prefill instance, a decode instance as its decode instance (the profile's
+instances of that role in turn when there are more instances than measured; a profile of one instance:
+that one for all), colocated instances as every instance measured, in the profile's order, in turn. The
+hand-over is the decode instance's (measured through the pair, with its steps).
 """
 
 from __future__ import annotations
@@ -180,13 +186,13 @@ class Simulation:
         d = self.deployment
         rngs = (random.Random(self.seed * 1000 + i) for i in itertools.count())
         if d.colocated:
-            both = self.profile.for_tp(d.tp_decode)
-            self.prefillers = [_Instance(both, "both", next(rngs)) for _ in range(d.decode)]
+            both = self.profile.members(d.tp_decode)
+            self.prefillers = [_Instance(both[i % len(both)], "both", next(rngs)) for i in range(d.decode)]
             self.decoders = self.prefillers
         else:
-            p, dec = self.profile.for_tp(d.tp_prefill), self.profile.for_tp(d.tp_decode)
-            self.prefillers = [_Instance(p, "prefill", next(rngs)) for _ in range(d.prefill)]
-            self.decoders = [_Instance(dec, "decode", next(rngs)) for _ in range(d.decode)]
+            p, dec = self.profile.for_role(d.tp_prefill, "prefill"), self.profile.for_role(d.tp_decode, "decode")
+            self.prefillers = [_Instance(p[i % len(p)], "prefill", next(rngs)) for i in range(d.prefill)]
+            self.decoders = [_Instance(dec[i % len(dec)], "decode", next(rngs)) for i in range(d.decode)]
         if not self.decoders:
             raise ValueError(f"deployment {d.label}: needs at least one decode instance")
         self.instances = self.decoders if d.colocated else self.prefillers + self.decoders
@@ -278,8 +284,10 @@ class Simulation:
             inst.waiting.remove(req)
             if inst.role == "prefill":
                 n = req.spec.input_tokens
-                done, ms = ((self._layerwise_done, inst.profile.kv_ms(n)) if req in layerwise
-                            else (self._kv_ready, inst.profile.transfer_ms(n)))
+                assert req.decoder is not None
+                hand_over = req.decoder.profile  # measured through the pair, with the decode instance's steps
+                done, ms = ((self._layerwise_done, hand_over.kv_ms(n)) if req in layerwise
+                            else (self._kv_ready, hand_over.transfer_ms(n)))
                 self._at(t + ms / 1e3, functools.partial(done, req=req))
             else:  # colocated: the last chunk samples the first token
                 inst.running.append(req)

@@ -12,6 +12,8 @@ from vllm_pd.planner.deployment_search import (Candidate, Slo, distributions_at,
                                                trace_at)
 from vllm_pd.planner.deployment_yaml import proxy_yaml, up_command, up_runs_tp
 from vllm_pd.planner.latency_profile import load_profile
+from vllm_pd.planner.near_tie import near_tie
+from vllm_pd.planner.profile_spread import describe, profile_noise
 from vllm_pd.planner.workload import load_trace, parse_distributions
 
 
@@ -51,13 +53,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="host in the YAML's instance URLs")
 
 
+BAND_SHOWN = 0.1  # a band narrower than this share of its figure does not matter: the figure alone
+
+
+def _figure(c: Candidate, key: str, scale: float, digits: int) -> str:
+    """A latency figure, with its band (the profile at its fast and slow end) where the band matters."""
+    point = getattr(c.at_workload, key) * scale
+    text = f"{point:.{digits}f}"
+    if c.at_workload_band is None:
+        return text
+    lo, hi = sorted(getattr(s, key) * scale for s in c.at_workload_band)
+    return text + (f" ({lo:.{digits}f}-{hi:.{digits}f})" if hi - lo > BAND_SHOWN * point else "")
+
+
+def _goodput(c: Candidate) -> str:
+    if c.goodput_band is None:
+        return f"{c.goodput:.3f}"
+    lo, hi = sorted(c.goodput_band)
+    return f"{c.goodput:.3f}" + (f" ({lo:.3f}-{hi:.3f})" if hi - lo > BAND_SHOWN * c.goodput else "")
+
+
 def _table(cands: list[Candidate]) -> str:
     head = ("| deployment | devices | goodput (req/s) | per device | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) "
             "| SLO attainment |\n|---|---|---|---|---|---|---|\n")
     return head + "".join(
-        f"| {c.deployment.label} | {c.deployment.devices} | {c.goodput:.3f} | {c.per_device:.3f} "
-        f"| {c.at_workload.ttft_p50 * 1e3:.0f} / {c.at_workload.ttft_p90 * 1e3:.0f} "
-        f"| {c.at_workload.tpot_p50 * 1e3:.1f} / {c.at_workload.tpot_p90 * 1e3:.1f} "
+        f"| {c.deployment.label} | {c.deployment.devices} | {_goodput(c)} | {c.per_device:.3f} "
+        f"| {_figure(c, 'ttft_p50', 1e3, 0)} / {_figure(c, 'ttft_p90', 1e3, 0)} "
+        f"| {_figure(c, 'tpot_p50', 1e3, 1)} / {_figure(c, 'tpot_p90', 1e3, 1)} "
         f"| {c.at_workload.attainment * 100:.0f} % |\n" for c in cands)
 
 
@@ -83,16 +105,29 @@ def run(args: argparse.Namespace) -> int:
         deployments = [d for d in deployments if d.label in wanted]
     ranked = search(profile, deployments, at, own, slo, args.seed)
     best = ranked[0]
+    noise = profile_noise(profile)
     print(f"workload at {own:.3f} req/s; SLO TTFT {slo.ttft * 1e3:.0f} ms, TPOT {slo.tpot * 1e3:.0f} ms, "
-          f"{slo.attainment * 100:.0f} % attainment; figures at the workload's rate\n")
+          f"{slo.attainment * 100:.0f} % attainment; figures at the workload's rate"
+          + (f", in brackets where it matters with the profile at the fast and slow end of the speeds it saw of "
+             f"itself (+-{noise * 100:.0f} %)" if noise > 0 else "") + "\n")
+    for line in describe(profile):
+        print(line)
     print(_table(ranked))
+    tie = near_tie(ranked, profile, at, own, slo, args.seed)
+    if tie is not None:
+        print(tie.describe() + "\n")
     args.yaml.write_text(proxy_yaml(best.deployment, args.host))
     print(f"best: {best.deployment.label} ({best.per_device:.3f} req/s per device)\n"
           f"proxy config: {args.yaml}\none machine: {up_command(best.deployment)}")
     if not up_runs_tp(best.deployment):
         print("(vllm-pd up gives every server one TP size: start the TP servers yourself and use the proxy config)")
     if args.json:
-        args.json.write_text(json.dumps({"rate": own, "slo": asdict(slo), "candidates": [
+        args.json.write_text(json.dumps({"rate": own, "slo": asdict(slo), "noise": noise, "candidates": [
             {"label": c.deployment.label, "deployment": asdict(c.deployment), "goodput": c.goodput,
-             "per_device": c.per_device, **asdict(c.at_workload)} for c in ranked]}, indent=1) + "\n")
+             "per_device": c.per_device, **asdict(c.at_workload),
+             "goodput_band": c.goodput_band,
+             "band": [asdict(s) for s in c.at_workload_band] if c.at_workload_band else None} for c in ranked],
+            "near_tie": None if tie is None else {"labels": [tie.best.deployment.label, tie.other.deployment.label],
+                                                  "gap": tie.gap, "binds": tie.binds,
+                                                  "separators": tie.separators}}, indent=1) + "\n")
     return 0

@@ -1,16 +1,21 @@
-"""``vllm-pd profile URL``: measure a running vLLM instance and write (or extend) a profile file."""
+"""``vllm-pd profile URL``: measure running vLLM instances and write (or extend) a profile file."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from pathlib import Path
 
 import aiohttp
 
 from vllm_pd.planner.instance_profiler import InstanceProfiler, ProfilePlan
-from vllm_pd.planner.latency_profile import LatencyProfile, ProfileError, load_profile, merge_samples, save_profile
+from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, ProfileError, load_profile,
+                                             merge_samples, save_profile)
+from vllm_pd.planner.profile_spread import describe
+
+logger = logging.getLogger(__name__)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -40,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--neighbour-url", help="another instance on the same host (on a PD pair, the prefill instance): "
                                            "measures how they slow each other; leave out for instances on "
                                            "separate hosts/GPUs")
+    p.add_argument("--prefill-url", help="the prefill instance of the pair behind --pd-url (default: --neighbour-url "
+                                         "when --pd-url is given): measured too, point by point in turn with URL; "
+                                         "the plan takes its prefill fit for prefill instances")
+    p.add_argument("--prefill-relay-url", help="a proxy in front of the prefill instance alone (as --relay-url)")
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size,
+                   help="draw prompt token ids below this (default: read from the served model)")
     p.add_argument("--kv-fixed-ms", type=float, default=d.kv_fixed_ms,
                    help="without --pd-url: the KV hand-over's fixed cost in ms (kv_ms = fixed + per token x t)")
     p.add_argument("--kv-ms-per-token", type=float, default=d.kv_ms_per_token,
@@ -62,8 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="idle times before a lone prefill, to measure what waking the instance costs")
     p.add_argument("--wake-repeats", type=int, default=d.wake_repeats,
                    help="back to back / after idle pairs per --wake-idle-ms value (0: not measured)")
-    p.add_argument("--kv-idle-ms", type=int, default=d.kv_idle_ms,
-                   help="idleness before each KV hand-over sample (with --pd-url)")
+    p.add_argument("--kv-repeats", type=int, default=d.kv_repeats,
+                   help="KV hand-over samples per prompt length (with --pd-url; their spread weighs them)")
     p.add_argument("--join-tokens", type=_ints, default=d.join_tokens,
                    help="prompts of the PD requests joining decode, to measure what a join costs its running steps "
                         "(needs --pd-url and --neighbour-url)")
@@ -75,28 +86,27 @@ def run(args: argparse.Namespace) -> int:
     plan = ProfilePlan(prefill_tokens=args.prefill_tokens, decode_batches=args.decode_batches,
                        decode_contexts=args.decode_contexts, repeats=args.repeats,
                        decode_repeats=args.decode_repeats, wake_idle_ms=args.wake_idle_ms,
-                       wake_repeats=args.wake_repeats, kv_idle_ms=args.kv_idle_ms, join_tokens=args.join_tokens,
+                       wake_repeats=args.wake_repeats, kv_repeats=args.kv_repeats, join_tokens=args.join_tokens,
                        join_repeats=args.join_repeats,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len, kv_fixed_ms=args.kv_fixed_ms,
-                       kv_ms_per_token=args.kv_ms_per_token)
+                       kv_ms_per_token=args.kv_ms_per_token, vocab_size=args.vocab_size)
     try:
-        profiler = InstanceProfiler(args.url, plan, args.pd_url, args.relay_url, args.neighbour_url)
-        model, inst = asyncio.run(profiler.run(args.tp))
-        if (args.append or args.merge) and args.out.exists():
-            old = load_profile(args.out)
-            if old.model != model:
-                raise ProfileError(f"{args.out}: model {old.model!r}, but {args.url} serves {model!r}")
-            if args.merge and args.tp in old.tps():
-                inst = merge_samples(old.for_tp(args.tp), inst)
-            profile = LatencyProfile(model, sorted([i for i in old.instances if i.tp != args.tp] + [inst],
-                                                   key=lambda i: i.tp), source=f"{old.source} {args.url}".strip())
-        else:
-            profile = LatencyProfile(model, [inst], source=args.url)
+        profiler = InstanceProfiler(args.url, plan, args.pd_url, args.relay_url, args.neighbour_url,
+                                    args.prefill_url, args.prefill_relay_url)
+        model, insts = asyncio.run(profiler.run_all(args.tp))
+        profile = _combined(args, model, insts)
     except (ProfileError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-        print(f"vllm-pd profile: {e}", file=sys.stderr)
+        print(f"vllm-pd profile: {e or type(e).__name__}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a bug of ours: said in one line, the traceback at debug level
+        logger.debug("vllm-pd profile failed", exc_info=True)
+        print(f"vllm-pd profile: failed: {type(e).__name__}: {e} (--log-level DEBUG shows where)", file=sys.stderr)
         return 1
     save_profile(profile, args.out)
+    print(f"{args.url}: vocabulary of {profiler.vocab_size} token ids (prompts drawn below it)"
+          + (" as --vocab-size says" if args.vocab_size else ", as the server accepts them"))
+    inst = insts[-1]
     spread = inst.decode_spread
     tail = (f" (spread p50 {spread[len(spread) // 2]:.2f}, p90 {spread[int(0.9 * len(spread))]:.2f} x the fit, "
             f"over {inst.decode_spread_window_ms:.0f} ms)" if spread else "")
@@ -111,4 +121,24 @@ def run(args: argparse.Namespace) -> int:
           f"{inst.decode.a:.2f} + {inst.decode.b:.3f}*batch + {inst.decode.c:.2e}*context{tail}; "
           f"kv_ms = {inst.kv.a:.2f} + {inst.kv.b:.4f}*t; a request's first decode steps +{inst.first_step_ms:.2f} ms"
           f"{wake}{neighbours}{joins}")
+    for line in describe(LatencyProfile(model, insts, source=args.url)):
+        print(line)
     return 0
+
+
+def _combined(args: argparse.Namespace, model: str, insts: list[InstanceProfile]) -> LatencyProfile:
+    """The profile to write: these instances alone, or with ``--append``/``--merge`` into ``--out``'s (an
+    instance merges into the entry of its TP and role)."""
+    source = " ".join(dict.fromkeys(i.url for i in insts if i.url)) or args.url
+    if not ((args.append or args.merge) and args.out.exists()):
+        return LatencyProfile(model, insts, source=source)
+    old = load_profile(args.out)
+    if old.model != model:
+        raise ProfileError(f"{args.out}: model {old.model!r}, but {args.url} serves {model!r}")
+    kept = [i for i in old.instances if i.tp != args.tp]
+    if args.merge and args.tp in old.tps():
+        before = {i.role: i for i in old.members(args.tp)}
+        # a profile of one instance (no role) merges into the instance measured in full (decode of a pair)
+        same = [before.get(i.role) or (before.get("") if i.role != "prefill" else None) for i in insts]
+        insts = [merge_samples(o, i) if o is not None else i for o, i in zip(same, insts)]
+    return LatencyProfile(model, sorted(kept + insts, key=lambda i: i.tp), source=f"{old.source} {source}".strip())

@@ -32,6 +32,7 @@ from vllm_pd.router.pd_flow import PDFlow, ReleaseFn, default_release_remote_kv
 from vllm_pd.router.policies import make_policy
 from vllm_pd.router.request_body import CHAT, COMPLETIONS, TokenCounter, estimate_tokens, parse_body
 from vllm_pd.router.request_log import RequestLog
+from vllm_pd.router.stall_probe import StallProbe
 from vllm_pd.router.supervisor import Supervisor, supervisor_profile
 from vllm_pd.router.tracing import Tracer, make_tracer
 
@@ -59,6 +60,7 @@ class ProxyServer:
         self.flow: PDFlow | None = None
         self.kv_routing: KvRouting | None = None
         self.health: HealthChecker | None = None
+        self.stall_probe: StallProbe | None = None
         self.supervisor: Supervisor | None = None
         self.discovery: KubernetesDiscovery | None = None
         self.tracer: Tracer | None = None
@@ -82,12 +84,12 @@ class ProxyServer:
     async def start(self) -> None:
         self.client = BackendClient(self.config.connect_timeout,
                                     tls_context(self.config.backend_ca_file, self.config.backend_tls_verify))
-        watch = PartitionWatch()  # the health checks find lost instances; the flow's legs on them move on
+        watch = PartitionWatch()  # checks find lost instances; the flow's legs on them move on
         self.tracer = make_tracer(self.config.otlp_endpoint)
         self.request_log = RequestLog(self.config.request_log) if self.config.request_log else None
         locations = None
         if "kv_aware" in (self.config.prefill_policy, self.config.decode_policy):
-            self.kv_routing = KvRouting(self.config)
+            self.kv_routing = KvRouting(self.config, self.pool)
             self.kv_routing.start()
             locations = self.kv_routing.locations
         weight = self.config.kv_load_weight
@@ -100,6 +102,8 @@ class ProxyServer:
                                     headers=(("Authorization", bearer(key)),) if key else (), watch=watch)
         if self._run_health_checks:
             self.health.start()
+            self.stall_probe = StallProbe(watch, self.pool, self.client, self.health, self.config.probe_after,
+                                          self.config.probe_timeout)
         if self.config.supervisor:
             self.supervisor = Supervisor(self.pool, self.config.supervisor_interval,
                                          self.config.supervisor_ttft_slo, self.config.supervisor_tpot_slo,
@@ -115,6 +119,8 @@ class ProxyServer:
             await self.discovery.stop()
         if self.supervisor:
             await self.supervisor.stop()
+        if self.stall_probe:
+            await self.stall_probe.stop()
         if self.health:
             await self.health.stop()
         if self.flow:

@@ -1,8 +1,15 @@
 """A backend's response as the proxy reads it (see http_client.py), and the client's errors.
 
 The body arrives through the connection's parser callbacks into a deque; the
-reader takes whatever is there (``readany``) or all of it (``read``). Past
-``HIGH_WATER`` buffered bytes the socket is paused until the reader catches up.
+reader takes whatever is there (``readany``) or all of it up to a limit
+(``read``). Past ``HIGH_WATER`` buffered bytes the socket is paused until the
+reader catches up, so what a backend sends is never buffered beyond that and
+the limit the reader names.
+
+A failed response raises a fresh copy of its error on every read, never the
+stored one: a raised exception takes a traceback whose frames hold the reader's
+locals (its buffers) and this response, and the response holding that
+exception would make a cycle that only a full garbage collection frees.
 """
 
 from __future__ import annotations
@@ -26,6 +33,29 @@ class BackendConnectError(BackendError):
     """No connection could be made: the backend never saw the request."""
 
 
+class BackendUnreachable(BackendError):
+    """The instance was found unreachable (partition_watch.py) while this response was read."""
+
+
+class BodyTooLarge(BackendError):
+    """A body longer than the reader's limit: read up to the limit, the rest never read."""
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message, limit)
+        self.limit = limit
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A new exception like ``error`` (same type and arguments), without its traceback or context."""
+    try:
+        return type(error)(*error.args)
+    except TypeError:  # a type whose constructor takes other arguments than it stores
+        return BackendError(str(error))
+
+
 class BackendResponse:
     """One response: ``status`` once the head arrived, then its body through ``read``/``readany``.
 
@@ -34,11 +64,12 @@ class BackendResponse:
     backend learns that the request was abandoned).
     """
 
-    __slots__ = ("status", "_conn", "_chunks", "_buffered", "_done", "_error", "_waiter", "_idle_timeout",
-                 "_closed", "_timer", "_idle_timer", "_active_at")
+    __slots__ = ("status", "retry_after", "_conn", "_chunks", "_buffered", "_done", "_error", "_waiter",
+                 "_idle_timeout", "_closed", "_timer", "_idle_timer", "_active_at", "__weakref__")
 
     def __init__(self, conn: _Connection, idle_timeout: float | None) -> None:
         self.status = 0
+        self.retry_after: str | None = None  # the Retry-After header, when the backend sent one
         self._conn = conn
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
@@ -58,7 +89,7 @@ class BackendResponse:
         """Whatever body bytes arrived (waiting for some), b"" at the end of the body."""
         while not self._chunks:
             if self._error is not None:
-                raise self._error
+                raise _fresh(self._error)
             if self._done:
                 return b""
             await self._wait()
@@ -68,14 +99,23 @@ class BackendResponse:
         self._conn.resume()
         return data
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, limit: int | None = None, key: str = "limit") -> bytes:
+        """The whole body; past ``limit`` bytes :class:`BodyTooLarge` naming ``key`` (the setting that
+        limits it), after reading no more than the limit and a piece."""
         parts: list[bytes] = []
-        while True:
-            chunk = await self.readany()
-            if not chunk:
-                return b"".join(parts) if len(parts) != 1 else parts[0]
-            parts.append(chunk)
+        size = 0
+        try:
+            while True:
+                chunk = await self.readany()
+                if not chunk:
+                    return b"".join(parts) if len(parts) != 1 else parts[0]
+                size += len(chunk)
+                if limit is not None and size > limit:
+                    chunk = b""
+                    raise BodyTooLarge(f"the backend's answer is larger than {limit} bytes ({key})", limit)
+                parts.append(chunk)
+        finally:
+            parts.clear()  # what an abandoned read held goes now, not with its traceback
 
     def close(self) -> None:
         if self._closed:
@@ -85,6 +125,7 @@ class BackendResponse:
             self._timer.cancel()
         if self._idle_timer is not None:
             self._idle_timer.cancel()
+        self._chunks.clear()  # an abandoned body's bytes go with the leg, whoever still holds this response
         self._conn.release(reuse=self._done and self._error is None)
 
     async def _wait(self) -> None:
@@ -113,7 +154,7 @@ class BackendResponse:
     async def _head(self) -> None:
         while not self.status:
             if self._error is not None:
-                raise self._error
+                raise _fresh(self._error)
             await self._wait()
 
     # ------------------------------------------------------ protocol side

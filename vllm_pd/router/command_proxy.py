@@ -19,6 +19,8 @@ from vllm_pd.router.k8s_api import ApiError
 
 logger = logging.getLogger(__name__)
 
+FULL_COLLECTION_EVERY = 1000  # middle-generation collections between two full ones (Python's default: 10)
+
 # flag dest -> ProxyConfig field, for flags that override the YAML file when given
 _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "require_disagg",
                  "short_prompt_tokens", "prefill_timeout", "decode_timeout", "decode_idle_timeout",
@@ -29,7 +31,9 @@ _SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "
                  "backend_ca_file", "backend_tls_verify", "max_header_bytes", "max_headers", "max_url_bytes",
                  "header_timeout", "body_timeout", "max_concurrent_requests", "max_queued_requests",
                  "kv_hash_algo", "kv_load_weight", "store_master", "secret_file",
-                 "kv_tls_cert", "kv_tls_key", "kv_tls_ca")
+                 "kv_tls_cert", "kv_tls_key", "kv_tls_ca", "probe_after", "probe_timeout",
+                 "max_prefill_answer_bytes", "max_decode_answer_bytes", "max_sse_event_bytes",
+                 "max_error_body_bytes")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-interval", type=float, help="seconds between health checks (default 5)")
     p.add_argument("--health-timeout", type=float, help="seconds a health check may take (default 2); two failed "
                    "checks in a row mark an instance unreachable and the legs waiting on it move on")
+    p.add_argument("--probe-after", type=float, help="an instance a leg has waited on this many seconds without "
+                   "a byte from it is probed at once (default 1); no probes while no leg waits")
+    p.add_argument("--probe-timeout", type=float, help="seconds such a probe may take (default 1); two failed "
+                   "probes mark the instance unreachable and the legs waiting on it move on")
     p.add_argument("--breaker-failures", type=int, help="consecutive failures that open a breaker (default 5)")
     p.add_argument("--breaker-cooldown", type=float, help="seconds a breaker stays open (default 10)")
     p.add_argument("--admin-token", default=os.environ.get("VLLM_PD_ADMIN_TOKEN"),
@@ -133,6 +141,14 @@ def _add_security_and_limit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout", type=float, help="seconds a client has to send a body after its head "
                    "(default 60), 408 beyond")
     p.add_argument("--max-concurrent-requests", type=int, help="completions served at once (default 0: no limit)")
+    p.add_argument("--max-prefill-answer-bytes", type=int, help="a prefill answer longer than this fails its leg, "
+                   "which moves on like any failed prefill (default 16 MiB)")
+    p.add_argument("--max-decode-answer-bytes", type=int, help="a non-streamed decode answer longer than this "
+                   "ends the request with 502 (default 64 MiB)")
+    p.add_argument("--max-sse-event-bytes", type=int, help="one SSE event of decode's stream longer than this, "
+                   "finished or not, ends the stream with an error event (default 4 MiB)")
+    p.add_argument("--max-error-body-bytes", type=int, help="bytes read of a backend's error answer "
+                   "(default 64 KiB)")
     p.add_argument("--max-queued-requests", type=int, help="completions waiting beyond that limit (default 256); "
                    "more get 429 with Retry-After")
 
@@ -213,6 +229,12 @@ async def serve_until_signal(cfg: ProxyConfig) -> None:
     # what start-up built (modules, config, metrics) lives as long as the process: out of the
     # collector's sight, full collections under load only walk the requests' own objects
     gc.freeze()
+    # and full collections are rare: a request's objects form no cycles (tests/test_proxy_memory.py,
+    # tests/test_proxy_backend_memory.py: freed by reference counting as each leg ends), so a full pass
+    # finds next to nothing, but it walks every live request's objects - at 1,000 streams a 50-200 ms
+    # stall of every stream, every few seconds with the default (one per 10 middle-generation passes)
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
     stop, hurry = asyncio.Event(), asyncio.Event()
     grace = cfg.drain_grace
     loop = asyncio.get_running_loop()

@@ -20,6 +20,7 @@ from vllm_pd.router.client_auth import check_api_key
 from vllm_pd.router.http_limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES,
                                         DEFAULT_MAX_HEADERS, DEFAULT_MAX_URL_BYTES)
 from vllm_pd.router.prompt_tokens import HASH_ALGOS as KV_HASH_ALGOS
+from vllm_pd.router.sse_relay import DEFAULT_MAX_EVENT_BYTES
 
 ROLES = ("prefill", "decode", "both")
 KV_MODES = ("push", "pull", "auto")
@@ -116,6 +117,16 @@ class ProxyConfig:
     decode_attempts: int = 3
     health_interval: float = 5.0
     health_timeout: float = 2.0
+    # an instance a leg has waited on this long without a byte from it is probed (GET /health, probe_timeout):
+    # two failed probes mark it unreachable and its legs move on - no probe while no leg waits (partition_watch.py)
+    probe_after: float = 1.0
+    probe_timeout: float = 1.0
+    # what a backend can make the proxy hold (bytes): prefill's answer, decode's whole answer, one SSE event of
+    # decode's stream, the body of a backend's error answer
+    max_prefill_answer_bytes: int = 16 * 1024 * 1024
+    max_decode_answer_bytes: int = 64 * 1024 * 1024
+    max_sse_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
+    max_error_body_bytes: int = 64 * 1024
     breaker_failures: int = 5  # consecutive failures that open an instance's breaker
     breaker_cooldown: float = 10.0  # seconds an open breaker stays open before a probe
     admin_token: str | None = None  # admin API disabled when unset
@@ -172,12 +183,14 @@ class ProxyConfig:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port: {self.port} is out of range")
         for name in ("prefill_timeout", "decode_timeout", "decode_idle_timeout", "connect_timeout",
-                     "health_interval", "health_timeout", "breaker_cooldown", "supervisor_interval",
+                     "health_interval", "health_timeout", "probe_after", "probe_timeout", "breaker_cooldown",
+                     "supervisor_interval",
                      "supervisor_ttft_slo", "supervisor_tpot_slo", "header_timeout", "body_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("max_body_bytes", "prefill_attempts", "decode_attempts", "breaker_failures",
-                     "max_header_bytes", "max_headers", "max_url_bytes"):
+                     "max_header_bytes", "max_headers", "max_url_bytes", "max_prefill_answer_bytes",
+                     "max_decode_answer_bytes", "max_sse_event_bytes", "max_error_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.drain_grace < 0:
@@ -259,7 +272,9 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "require_disagg": bool, "short_prompt_tokens": int, "prefill_timeout": (int, float),
     "decode_timeout": (int, float), "decode_idle_timeout": (int, float), "connect_timeout": (int, float),
     "max_body_bytes": int, "prefill_attempts": int, "decode_attempts": int,
-    "health_interval": (int, float), "health_timeout": (int, float), "breaker_failures": int,
+    "health_interval": (int, float), "health_timeout": (int, float), "probe_after": (int, float),
+    "probe_timeout": (int, float), "max_prefill_answer_bytes": int, "max_decode_answer_bytes": int,
+    "max_sse_event_bytes": int, "max_error_body_bytes": int, "breaker_failures": int,
     "breaker_cooldown": (int, float), "admin_token": str, "supervisor": bool,
     "supervisor_interval": (int, float), "supervisor_ttft_slo": (int, float),
     "supervisor_tpot_slo": (int, float), "supervisor_profile": str, "tokenizer": str, "model_names": list,

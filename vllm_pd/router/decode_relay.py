@@ -2,8 +2,10 @@
 
 Until decode's first event nothing is sent to the client, so a failure there is
 a :class:`DecodeFailed` the flow can retry; after it, an OpenAI-style error
-event ends the stream. TTFT and TPOT are recorded on the way (the supervisor
-and the policies read them).
+event ends the stream - also for an event that is not relayable (sse_relay.py:
+too long, or malformed). A non-streamed answer longer than
+``max_decode_answer_bytes`` ends the request with 502. TTFT and TPOT are
+recorded on the way (the supervisor and the policies read them).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import time
 from dataclasses import dataclass, field
 
 from vllm_pd.router.backend_answer import BackendAnswer
-from vllm_pd.router.backend_response import BackendError, BackendResponse
+from vllm_pd.router.backend_response import BackendError, BackendResponse, BackendUnreachable, BodyTooLarge
 from vllm_pd.router.errors import upstream_error
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, InFlightLeg
 from vllm_pd.router.leg_timings import LegTimings
 from vllm_pd.router.metrics import ProxyMetrics
-from vllm_pd.router.sse_relay import SseSplitter, rewrite_usage
+from vllm_pd.router.sse_relay import DEFAULT_MAX_EVENT_BYTES, BadBackendStream, SseSplitter, rewrite_usage
 from vllm_pd.router.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -60,18 +62,29 @@ class FlowState:
             leg.first_token()
 
 
+def read_failure(e: BaseException) -> str:
+    """The kind of a failed read of decode's answer: timeout (also an instance found unreachable
+    meanwhile: it did not answer in time) or read (the connection broke)."""
+    return "timeout" if isinstance(e, TimeoutError) else "unreachable" if isinstance(e, BackendUnreachable) else "read"
+
+
 class DecodeRelay:
-    def __init__(self, metrics: ProxyMetrics, pool: InstancePool, prefill_timeout: float) -> None:
+    def __init__(self, metrics: ProxyMetrics, pool: InstancePool, prefill_timeout: float,
+                 max_answer_bytes: int = 64 * 1024 * 1024, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         self.metrics = metrics
         self.pool = pool
         self.prefill_timeout = prefill_timeout
+        self.max_answer_bytes = max_answer_bytes
+        self.max_event_bytes = max_event_bytes
 
     async def json(self, resp: BackendResponse, decode: Instance, state: FlowState,
                    t0: float) -> HttpResponse:
         try:
-            raw = await resp.read()
+            raw = await resp.read(self.max_answer_bytes, "max_decode_answer_bytes")
+        except BodyTooLarge as e:  # the same request would be as long anywhere: no retry
+            raise upstream_error(f"decode's answer is too long: {e}", 502, "answer_too_large") from None
         except (BackendError, TimeoutError) as e:
-            raise DecodeFailed(repr(e), sent=True, kind="read") from None
+            raise DecodeFailed(repr(e), sent=True, kind=read_failure(e)) from None
         decode.breaker.record_success()
         now = time.monotonic()
         elapsed = now - t0
@@ -96,7 +109,14 @@ class DecodeRelay:
 
     async def stream(self, resp: BackendResponse, decode: Instance, state: FlowState,
                      http_request: HttpRequest, t0: float) -> StreamResponse:
-        events = SseSplitter(state.prefill_cached_tokens)
+        events = SseSplitter(state.prefill_cached_tokens, self.max_event_bytes)
+        try:
+            return await self._stream(resp, events, decode, state, http_request)
+        finally:
+            events.drop_partial()  # an unfinished event goes with the leg
+
+    async def _stream(self, resp: BackendResponse, events: SseSplitter, decode: Instance, state: FlowState,
+                      http_request: HttpRequest) -> StreamResponse:
         # hold the client's response until decode produced its first event, so a
         # failure before that can still be retried elsewhere
         first = b""
@@ -107,7 +127,11 @@ class DecodeRelay:
                     raise DecodeFailed("stream ended before any event", sent=True, kind="empty")
                 first = events.feed(chunk)
         except (BackendError, TimeoutError) as e:
-            raise DecodeFailed(repr(e), sent=True, kind="read") from None
+            raise DecodeFailed(repr(e), sent=True, kind=read_failure(e)) from None
+        except BadBackendStream as e:
+            self.metrics.bad_stream_events.labels(e.code).inc()
+            logger.warning("decode stream from %s not relayed: %s (%r)", decode.url, str(e), e.sample)
+            raise DecodeFailed(str(e), sent=True, kind="bad_stream") from None
         decode.breaker.record_success()
         t_first = time.monotonic()
         timings = state.timings
@@ -128,15 +152,18 @@ class DecodeRelay:
             while True:
                 try:
                     chunk = await resp.readany()
-                except (BackendError, TimeoutError) as e:
+                    if not chunk:
+                        data = events.flush()  # what the backend left without a closing blank line
+                        if data:
+                            await out.write(data)
+                        break
+                    events.cached_tokens = state.prefill_cached_tokens  # prefill may answer after decode began
+                    data = events.feed(chunk)
+                except (BackendError, TimeoutError, BadBackendStream) as e:
                     # bytes already reached the client: end the stream with an error event
                     timings.outcome = "stream_error"
                     await self._end_with_error(out, events, decode, e)
                     return out
-                if not chunk:
-                    break
-                events.cached_tokens = state.prefill_cached_tokens  # prefill may answer after decode began
-                data = events.feed(chunk)
                 if data:
                     k = data.count(b"data:")
                     n_events += k
@@ -151,9 +178,6 @@ class DecodeRelay:
                         now = time.monotonic()
                         self._record_tpot(decode, timings.started, (now - sample_t) / (n_events - sample_n))
                         sample_t, sample_n = now, n_events
-            tail = events.flush()
-            if tail:
-                await out.write(tail)
             await out.write_eof()
         except ConnectionResetError:  # writing to the client failed: it went away
             timings.outcome = "client_disconnected"
@@ -172,9 +196,14 @@ class DecodeRelay:
     async def _end_with_error(self, out: StreamResponse, events: SseSplitter, decode: Instance,
                               e: BaseException) -> None:
         self.metrics.stream_errors.inc()
+        code = "stream_interrupted"
+        if isinstance(e, BadBackendStream):
+            code = e.code
+            self.metrics.bad_stream_events.labels(code).inc()
         decode.breaker.record_failure()
-        logger.warning("decode stream from %s broke after output started: %r", decode.url, e)
-        err = upstream_error(f"decode stream interrupted: {e!r}", code="stream_interrupted")
+        # the exception itself is no log argument: a record kept by a handler would keep its traceback's frames
+        logger.warning("decode stream from %s broke after output started: %s", decode.url, repr(e))
+        err = upstream_error(f"decode stream interrupted: {e}", code=code)
         events.drop_partial()  # the client only ever got whole events; the error is the next one
         await out.write(err.sse_event())
         await out.write_eof()

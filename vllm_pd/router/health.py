@@ -1,5 +1,6 @@
-"""Periodic health checks of every instance (GET /health, and /v1/models to
-learn what each one serves)."""
+"""Health checks of instances (GET /health, and /v1/models to learn what each one
+serves): every instance periodically, and at once an instance whose legs stall
+(stall_probe.py). Two failed checks in a row mark an instance down."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from vllm_pd.router.partition_watch import PartitionWatch
 from vllm_pd.router.periodic_task import PeriodicTask
 
 logger = logging.getLogger(__name__)
+
+MAX_HEALTH_BODY = 1024 * 1024  # bytes read of a /health or /v1/models answer
 
 
 class HealthChecker(PeriodicTask):
@@ -36,19 +39,25 @@ class HealthChecker(PeriodicTask):
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(i) for i in self._pool.all()))
 
-    async def check(self, inst: Instance) -> bool:
+    async def check(self, inst: Instance, timeout: float | None = None) -> bool:
+        """One check of ``inst`` within ``timeout`` seconds (default: health_timeout); True if it passed."""
         ok = False
+        timeout = self._timeout if timeout is None else timeout
         try:
-            async with asyncio.timeout(self._timeout):
-                status, _ = await self._get(inst.url, "/health")
+            async with asyncio.timeout(timeout):
+                status, _ = await self._get(inst.url, "/health", timeout)
                 ok = status == 200
                 if ok and not inst.models:
-                    status, raw = await self._get(inst.url, "/v1/models")
+                    status, raw = await self._get(inst.url, "/v1/models", timeout)
                     if status == 200:
                         data = msgspec.json.decode(raw)
-                        inst.models = [m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+                        cards = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+                        inst.models = [m["id"] for m in cards]
+                        # a LoRA adapter's card names its base model and its path (kv_extra_keys.py)
+                        inst.adapters = {m["id"]: m["root"] for m in cards
+                                         if m.get("parent") and isinstance(m.get("root"), str)}
         except (BackendError, TimeoutError, ValueError, TypeError, KeyError, AttributeError) as e:
-            logger.debug("health check %s failed: %r", inst.url, e)
+            logger.debug("health check %s failed: %s", inst.url, repr(e))
             ok = False
         if ok:
             if not inst.healthy:
@@ -67,9 +76,9 @@ class HealthChecker(PeriodicTask):
                 self._watch.mark(inst.url, reachable=False)
         return ok
 
-    async def _get(self, url: str, path: str) -> tuple[int, bytes]:
-        r = await self._client.request("GET", url, path, headers=self._headers, connect_timeout=self._timeout)
+    async def _get(self, url: str, path: str, timeout: float) -> tuple[int, bytes]:
+        r = await self._client.request("GET", url, path, headers=self._headers, connect_timeout=timeout)
         try:
-            return r.status, await r.read()
+            return r.status, await r.read(MAX_HEALTH_BODY)
         finally:
             r.close()

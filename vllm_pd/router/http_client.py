@@ -53,11 +53,22 @@ def _origin(url: str) -> tuple[str, int, bytes, bool]:
     return parts.hostname, port, parts.netloc.encode("latin-1"), tls
 
 
+class _Origin:
+    """One backend (host, port, TLS): its idle connections, and when any of its connections last
+    received a byte - a leg's progress, which the partition watch reads instead of probing."""
+
+    __slots__ = ("idle", "last_received")
+
+    def __init__(self) -> None:
+        self.idle: list[_Connection] = []
+        self.last_received = 0.0  # time.monotonic()
+
+
 class _Connection(asyncio.Protocol):
     """One TCP connection; one request at a time (no pipelining)."""
 
-    def __init__(self, pool: list[_Connection]) -> None:
-        self._pool = pool
+    def __init__(self, origin: _Origin) -> None:
+        self._origin = origin
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.response: BackendResponse | None = None
@@ -71,6 +82,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self._origin.last_received = time.monotonic()
         if self.response is None:  # nothing was asked: a misbehaving server
             self.abort()
             return
@@ -102,6 +114,8 @@ class _Connection(asyncio.Protocol):
         n = name.lower()
         if n == b"content-length" or n == b"transfer-encoding":
             self._framed = True
+        elif n == b"retry-after" and self.response is not None:
+            self.response.retry_after = value[:64].decode("latin-1")
 
     def on_headers_complete(self) -> None:
         resp = self.response
@@ -144,7 +158,7 @@ class _Connection(asyncio.Protocol):
         if reuse and not self.closed:
             self.response = None
             self.idle_since = time.monotonic()
-            self._pool.append(self)
+            self._origin.idle.append(self)
         else:
             self.abort()
 
@@ -160,7 +174,7 @@ class BackendClient:
     def __init__(self, connect_timeout: float = 5.0, tls: ssl.SSLContext | None = None) -> None:
         self.connect_timeout = connect_timeout
         self._tls = tls  # for https:// backends; made with the defaults on first use when not given
-        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._origins: dict[tuple[str, int, bool], _Origin] = {}
 
     async def request(self, method: str, url: str, path: str, body: bytes = b"",
                       headers: Iterable[tuple[str, str]] = (), *, timeout: float | None = None,
@@ -194,10 +208,17 @@ class BackendClient:
             resp._timer = None
         return resp
 
+    def last_received(self, url: str) -> float:
+        """When a connection to ``url`` last received a byte (time.monotonic(); 0.0: never)."""
+        host, port, _, tls = _origin(url)
+        origin = self._origins.get((host, port, tls))
+        return origin.last_received if origin is not None else 0.0
+
     async def _connection(self, host: str, port: int, tls: bool, connect_timeout: float | None) -> _Connection:
-        idle = self._idle.get((host, port, tls))
-        if idle is None:
-            idle = self._idle[(host, port, tls)] = []
+        origin = self._origins.get((host, port, tls))
+        if origin is None:
+            origin = self._origins[(host, port, tls)] = _Origin()
+        idle = origin.idle
         now = time.monotonic()
         while idle:
             conn = idle.pop()
@@ -210,17 +231,17 @@ class BackendClient:
                 if tls:
                     if self._tls is None:
                         self._tls = tls_context()
-                    _, conn = await loop.create_connection(lambda: _Connection(idle), host, port, ssl=self._tls,
+                    _, conn = await loop.create_connection(lambda: _Connection(origin), host, port, ssl=self._tls,
                                                            server_hostname=host)
                 else:
-                    _, conn = await loop.create_connection(lambda: _Connection(idle), host, port)
+                    _, conn = await loop.create_connection(lambda: _Connection(origin), host, port)
         except (OSError, TimeoutError) as e:  # (ssl.SSLError, a failed handshake, is an OSError)
             raise BackendConnectError(f"cannot connect to {host}:{port}: {e!r}") from None
         return conn
 
     def close(self) -> None:
         """Drop every idle connection (responses still open close their own)."""
-        for idle in self._idle.values():
-            for conn in idle:
+        for origin in self._origins.values():
+            for conn in origin.idle:
                 conn.abort()
-            idle.clear()
+            origin.idle.clear()

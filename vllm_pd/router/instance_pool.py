@@ -1,7 +1,8 @@
 """The set of backend vLLM instances and their live state.
 
 An instance is eligible for new requests of a role when it serves that role,
-is healthy, not draining, and its circuit breaker lets requests through. Load
+is healthy, not draining, not busy (it answered 429/503 with ``Retry-After``:
+until then other instances serve), and its circuit breaker lets requests through. Load
 (outstanding requests and tokens) is counted from the moment a leg is chosen
 until that leg ends - for decode, until the stream to the client ends.
 """
@@ -12,10 +13,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from vllm_pd.connector.transfer_params import PROTOCOL_KEY
 from vllm_pd.router.circuit_breaker import CircuitBreaker
 from vllm_pd.router.config import ROLES, ConfigError, InstanceConfig, ProxyConfig
 
 logger = logging.getLogger(__name__)
+
+MAX_BUSY_S = 60.0  # the longest a Retry-After keeps an instance out
 
 
 class Ewma:
@@ -49,7 +53,25 @@ class Instance:
     ttft: Ewma = field(default_factory=Ewma)  # seconds, prefill leg (or decode-only first token)
     tpot: Ewma = field(default_factory=Ewma)  # seconds per output token on decode
     models: list[str] = field(default_factory=list)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> path (its /v1/models card)
     added_at: float = field(default_factory=time.monotonic)
+    busy_until: float = 0.0  # time.monotonic() until which it asked for no requests (Retry-After); 0: never
+    kv_peers: tuple[str, ...] = ()  # a prefill's KV endpoints (one per TP rank), learned from its answers
+
+    def learn_kv_peers(self, kv_params: dict) -> None:
+        """The KV endpoints a prefill answer of our connector names (other connectors' answers teach nothing)."""
+        endpoints = kv_params.get("remote_endpoints") or [kv_params.get("remote_endpoint")]
+        if kv_params.get(PROTOCOL_KEY) and all(isinstance(e, str) and e for e in endpoints):
+            self.kv_peers = tuple(endpoints)
+
+    def busy_for(self) -> float:
+        """Seconds it still asked for no requests (0.0: none)."""
+        return max(0.0, self.busy_until - time.monotonic()) if self.busy_until else 0.0
+
+    def mark_busy(self, seconds: float) -> None:
+        """It answered 429/503 with Retry-After: ``seconds`` (capped: a backend cannot take itself out for long)."""
+        self.busy_until = max(self.busy_until, time.monotonic() + min(seconds, MAX_BUSY_S))
+        logger.info("instance %s asked for no requests for %.1f s (Retry-After)", self.url, seconds)
 
     def serves(self, role: str) -> bool:
         if self.role == "both":
@@ -57,7 +79,8 @@ class Instance:
         return self.role == role
 
     def eligible(self, role: str) -> bool:
-        return self.serves(role) and self.healthy and not self.draining and self.breaker.allows()
+        return (self.serves(role) and self.healthy and not self.draining and self.breaker.allows()
+                and not (self.busy_until and time.monotonic() < self.busy_until))
 
     @property
     def load(self) -> int:
@@ -69,7 +92,7 @@ class Instance:
             "kv_endpoint": self.kv_endpoint, "healthy": self.healthy, "draining": self.draining,
             "breaker": self.breaker.state.value, "outstanding": dict(self.outstanding),
             "outstanding_tokens": dict(self.outstanding_tokens), "ttft_s": self.ttft.value,
-            "tpot_s": self.tpot.value, "models": list(self.models),
+            "tpot_s": self.tpot.value, "models": list(self.models), "busy_s": round(self.busy_for(), 3),
         }
 
 
@@ -132,6 +155,8 @@ class InstancePool:
             raise ConfigError(f"url: instance {ic.url} already exists")
         inst = Instance(url=ic.url, role=ic.role, kv_endpoint=ic.kv_endpoint,
                         breaker=CircuitBreaker(self._config.breaker_failures, self._config.breaker_cooldown))
+        if ic.kv_endpoint is not None and ic.role != "decode":
+            inst.kv_peers = (ic.kv_endpoint,)  # a prefill's KV endpoint given (URL@tcp://...): no answer needed first
         self._instances[ic.url] = inst
         logger.info("instance added: %s role=%s kv=%s", ic.url, ic.role, ic.kv_endpoint)
         return inst
@@ -179,3 +204,10 @@ class InstancePool:
 
     def has_role(self, role: str) -> bool:
         return any(i.serves(role) for i in self._instances.values())
+
+    def busy_wait(self, role: str) -> float | None:
+        """Seconds until the first instance of ``role`` that asked for no requests (Retry-After) takes
+        them again; None when none of them did."""
+        waits = [i.busy_for() for i in self._instances.values() if i.serves(role) and i.healthy and not i.draining]
+        waits = [w for w in waits if w > 0]
+        return min(waits) if waits else None

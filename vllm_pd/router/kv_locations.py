@@ -11,9 +11,11 @@ fields vLLM adds later are ignored.
 
 The index is a hint, never a promise: a missed event (a sequence gap, a
 restarted server) makes it forget that instance's blocks, and a block it still
-believes in but vLLM evicted only means the chosen instance recomputes. Only
-blocks without extra keys (no LoRA, image or cache_salt) are kept: only those
-can match the hashes the proxy computes.
+believes in but vLLM evicted only means the chosen instance recomputes. Blocks
+whose extra keys hold a multimodal input or prompt embeddings are not kept:
+the proxy never hashes such requests (kv_extra_keys.py), so they could never
+match. A LoRA adapter's or a salted request's blocks are kept: their hashes
+carry the adapter and salt, and so do the proxy's for such a request.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ class _Held:
     blocks: set[BlockHash] = field(default_factory=set)
     block_size: int | None = None
     next_seq: int | None = None
+
+
+def _hashable_here(block_extra: Any) -> bool:
+    """A block's extra keys as vLLM publishes them (untagged: the adapter's name and the cache salt
+    as bare strings, a multimodal input as an (identifier, offset) pair, prompt embeddings as a
+    digest): whether the proxy can hash a request with them (strings only)."""
+    return block_extra is None or (isinstance(block_extra, (list, tuple))
+                                   and all(isinstance(k, str) for k in block_extra))
 
 
 class KvLocations:
@@ -75,11 +85,14 @@ class KvLocations:
     def _apply(self, held: _Held, event: dict[str, Any]) -> None:
         kind = event.get("type")
         if kind == "BlockStored":
-            if event.get("lora_name") is not None or any(k is not None for k in event.get("extra_keys") or ()):
+            extra = event.get("extra_keys") or ()
+            if any(not _hashable_here(k) for k in extra):
                 return
             hashes = event.get("block_hashes") or []
             held.block_size = event.get("block_size") or held.block_size
-            if not self._checked_hash and event.get("parent_block_hash") is None and hashes and held.block_size:
+            plain = event.get("lora_name") is None and not any(extra)
+            if (not self._checked_hash and plain and event.get("parent_block_hash") is None and hashes
+                    and held.block_size):
                 self._check_hash(hashes[0], event.get("token_ids") or [], held.block_size)
             held.blocks.update(external_hash(h) for h in hashes)
         elif kind == "BlockRemoved":

@@ -80,6 +80,10 @@ class ProxyMetrics:
         self.store_fetch_hints = Counter("vllm_pd_proxy_store_fetch_hints", "prefill legs told which KV store "
                                          "node to fetch the prompt from (kv_aware with --store-master)", registry=r)
         self.stream_errors = Counter("vllm_pd_proxy_stream_errors", "streams ended by an error event", registry=r)
+        self.bad_stream_events = Counter("vllm_pd_proxy_bad_stream_events", "decode streams that sent an SSE event "
+                                         "the proxy does not relay (too long, malformed): the stream ends with an "
+                                         "error event, or is retried elsewhere before its first event", ["reason"],
+                                         registry=r)
         r.register(_PoolCollector(pool))
         self.in_flight = 0  # client requests in the PD flow
         self.draining = False

@@ -37,7 +37,8 @@ class MockBackend:
     itl: float = 0.0
     cached_tokens: int | None = None  # reported in usage.prompt_tokens_details when set
     kv_params: bool = True  # answer do_remote_decode with kv_transfer_params
-    # a partitioned host: health checks get no answer (with fail_next("hang"), nor does a leg)
+    # a partitioned host: nothing is answered until it is reachable again (what arrived meanwhile is
+    # answered then, as TCP would deliver it once the link is back); with fail_next("hang"), never
     unreachable: bool = False
     seen: list[SeenRequest] = field(default_factory=list)
     # failure injection: each entry is consumed by one request
@@ -45,8 +46,30 @@ class MockBackend:
     record: bool = True
 
     def fail_next(self, *modes: str) -> None:
-        """Queue failures: "500", "400", "hang", "break:<k>" (cut the stream after k events), "empty"."""
+        """Queue failures, one per request:
+
+        - "500", "400": an error answer; "429:<s>", "503:<s>": that status with ``Retry-After: <s>``
+          ("429" alone: none);
+        - "hang": never answer; "reset": abort the connection before any answer;
+        - "break:<k>": cut the stream after k events; "stall:<k>": send nothing more after k events
+          (the connection stays open); "empty": a stream with no event;
+        - "huge:<n>": a 200 answer of n bytes (a JSON string that never ends; streamed: one SSE event
+          that never ends), sent 64 KiB at a time as the reader takes them; "huge-stall:<n>": the same,
+          then nothing more (the connection stays open);
+        - "truncate": the answer cut short - a JSON body shorter than its Content-Length, or a stream cut
+          in the middle of its first event;
+        - "garbage:<k>": a stream whose event k is not JSON (k=0: the first).
+        """
         self.failures.extend(modes)
+
+    def _failure(self, body: dict[str, Any]) -> str | None:
+        """The next queued failure, else the one the request's ``mock_fail`` names for this backend
+        (``{"p0": "huge:1000000"}``: how a client of a mock in another process asks for one)."""
+        if self.failures:
+            return self.failures.pop(0)
+        asked = body.get("mock_fail")
+        mode = asked.get(self.name) if isinstance(asked, dict) else None
+        return mode if isinstance(mode, str) else None
 
     def routes(self) -> dict[str, dict[str, Handler]]:
         return {"/v1/completions": {"POST": self._completion}, "/v1/chat/completions": {"POST": self._completion},
@@ -65,8 +88,10 @@ class MockBackend:
         seen = SeenRequest(request.path, body, dict(request.headers))
         if self.record:
             self.seen.append(seen)
-        failure = self.failures.pop(0) if self.failures else None
+        failure = self._failure(body)
         try:
+            while self.unreachable:
+                await asyncio.sleep(0.05)
             return await self._answer(request, body, seen, failure)
         except asyncio.CancelledError:
             seen.cancelled = True
@@ -84,6 +109,22 @@ class MockBackend:
                                             "param": "prompt", "code": 400}}, status=400)
         if failure == "hang":
             await asyncio.sleep(3600)
+        if failure == "reset":
+            request.conn.transport.abort()  # type: ignore[union-attr]
+            return HttpResponse(b"")
+        if failure and failure.split(":")[0] in ("429", "503"):
+            code, _, wait = failure.partition(":")
+            busy = json_response({"error": {"message": "busy", "type": "ServiceUnavailable"}}, status=int(code))
+            busy.headers = {"Retry-After": wait} if wait else None
+            return busy
+        if failure and failure.startswith(("huge:", "huge-stall:")):
+            mode, size = failure.split(":")
+            return await _huge(request, int(size), bool(body.get("stream")), stall=mode == "huge-stall")
+        if failure == "truncate" and not body.get("stream"):
+            request.conn.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 4096\r\n\r\n'
+                               b'{"choices": [{"text": "cut')
+            request.conn.close()
+            return HttpResponse(b"")
         chat = request.path.endswith("chat/completions")
         n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         prompt = body.get("prompt") if not chat else json.dumps(body.get("messages"))
@@ -117,15 +158,26 @@ class MockBackend:
         resp = StreamResponse(200, {"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         break_after = int(failure.split(":")[1]) if failure and failure.startswith("break:") else None
+        garbage_at = int(failure.split(":")[1]) if failure and failure.startswith("garbage:") else None
+        stall_after = int(failure.split(":")[1]) if failure and failure.startswith("stall:") else None
         if failure == "empty":
+            return resp
+        if failure == "truncate":
+            await resp.write(b'data: {"choices": [{"te')
+            request.conn.close()
             return resp
         for i in range(n_tokens):
             if i:
                 await asyncio.sleep(self.itl)
+            if i == stall_after:
+                await asyncio.sleep(3600)
             if break_after is not None and i == break_after:
                 # a dying server: cut the connection mid-stream
                 request.conn.close()
                 return resp
+            if i == garbage_at:
+                await resp.write(b"data: <html>not json</html>\n\n")
+                continue
             delta = {"delta": {"content": f" t{i}"}} if chat else {"text": f" t{i}"}
             chunk = {"id": f"cmpl-{rid}", "model": self.model, "served_by": self.name,
                      "choices": [{"index": 0, **delta, "finish_reason": None}]}
@@ -136,6 +188,28 @@ class MockBackend:
         await resp.write(b"data: [DONE]\n\n")
         seen.finished = True
         return resp
+
+
+_PIECE = b"x" * 65536
+
+
+async def _huge(request: HttpRequest, size: int, stream: bool, stall: bool = False) -> StreamResponse:
+    """A 200 answer of ``size`` bytes that never becomes valid: the same 64 KiB piece over and over, each
+    written once the reader took the last (so this side never holds more than a piece or two); ``stall``:
+    then silence instead of the answer's end."""
+    resp = StreamResponse(200, {"Content-Type": "text/event-stream" if stream else "application/json"})
+    await resp.prepare(request)
+    await resp.write(b'data: {"choices": [{"text": "' if stream else b'{"choices": [{"text": "')
+    sent = 0
+    while sent < size:
+        await resp.write(_PIECE)
+        sent += len(_PIECE)
+        if not request.conn.write_paused:
+            await asyncio.sleep(0)  # let the reader run: its pace, not ours
+    if stall:
+        await asyncio.sleep(3600)
+    await resp.write_eof()
+    return resp
 
 
 async def start_backend(backend: MockBackend, host: str = "127.0.0.1", port: int = 0) -> tuple[HttpServer, str]:

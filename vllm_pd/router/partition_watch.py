@@ -3,18 +3,28 @@
 A partitioned backend (link down, host paused) closes none of its connections: a
 leg waiting on it would wait its whole timeout (``prefill_timeout``, 300 s by
 default), though the request could move on at once - to another prefill, or to
-decode computing the prompt itself. The health checker finds such an instance
-within about ``2 x health_interval + health_timeout`` (two failed checks in a row);
-it then marks the instance down here, and every leg guarded by :meth:`guard`
-that still waits on it raises :class:`InstanceUnreachable`.
+decode computing the prompt itself. Two failed checks in a row find such an
+instance - the periodic health checks, or the probes of an instance whose legs
+stopped making progress (stall_probe.py, within a few seconds). It is then
+marked down here, and every leg on it moves on: one still waiting for its
+answer's head (:meth:`guard`) raises :class:`InstanceUnreachable`; one reading
+its answer's body (:meth:`following`) reads :class:`BackendUnreachable`, so a
+stream already under way ends with an error event.
+
+The watch also says which instances have legs waiting on them and since when
+(:meth:`waiting`), the only ones worth probing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
+
+from vllm_pd.router.backend_response import BackendResponse, BackendUnreachable
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +38,15 @@ class InstanceUnreachable(Exception):
 class PartitionWatch:
     def __init__(self) -> None:
         self._down: set[str] = set()  # urls found unreachable (until a check passes again)
-        self._waiting: dict[str, set[asyncio.Task]] = {}  # url -> tasks awaiting a leg on it
-        self._cut: set[asyncio.Task] = set()  # of those, the ones cancelled here (not by their client)
+        self._waiting: dict[str, set[asyncio.Task]] = {}  # url -> tasks awaiting a leg's answer head on it
+        self._reading: dict[str, set[BackendResponse]] = {}  # url -> responses whose body is being read
+        self._since: dict[str, float] = {}  # url -> when its legs began waiting (the oldest still waits)
+        self._cut: set[asyncio.Task] = set()  # tasks cancelled here (not by their client)
+        # called when a leg starts waiting on an instance that had none: the stall probe's start
+        self.on_wait: Callable[[], None] | None = None
 
     def mark(self, url: str, reachable: bool) -> None:
-        """The health checker's verdict on ``url`` changed."""
+        """A check's verdict on ``url`` changed."""
         if reachable:
             self._down.discard(url)
             return
@@ -40,10 +54,20 @@ class PartitionWatch:
             return
         self._down.add(url)
         waiting = self._waiting.get(url, set())
-        logger.warning("instance %s unreachable: %d leg(s) waiting on it move on", url, len(waiting))
+        reading = list(self._reading.get(url, ()))
+        logger.warning("instance %s unreachable: %d leg(s) waiting on it move on", url, len(waiting) + len(reading))
         for task in waiting:
             self._cut.add(task)
             task.cancel()
+        for resp in reading:
+            resp._fail(BackendUnreachable(f"instance {url} was found unreachable"))
+
+    def is_down(self, url: str) -> bool:
+        return url in self._down
+
+    def waiting(self) -> dict[str, float]:
+        """url -> since when legs wait on it (time.monotonic()), for every instance with legs waiting."""
+        return dict(self._since)
 
     async def guard(self, url: str, leg: Awaitable[T]) -> T:
         """``leg``'s result, unless ``url`` is (or becomes) unreachable first: then the leg is
@@ -54,8 +78,11 @@ class PartitionWatch:
             raise InstanceUnreachable(url)
         me = asyncio.current_task()
         assert me is not None
-        waiting = self._waiting.setdefault(url, set())
+        waiting = self._waiting.get(url)
+        if waiting is None:
+            waiting = self._waiting[url] = set()
         waiting.add(me)
+        self._begin(url)
         try:
             return await leg
         except asyncio.CancelledError:
@@ -68,6 +95,31 @@ class PartitionWatch:
         finally:
             waiting.discard(me)
             self._cut.discard(me)
+            self._end(url)
+
+    @contextlib.contextmanager
+    def following(self, url: str, resp: BackendResponse) -> Iterator[None]:
+        """While the block reads ``resp``'s body, ``url`` found unreachable fails the response."""
+        reading = self._reading.get(url)
+        if reading is None:
+            reading = self._reading[url] = set()
+        reading.add(resp)
+        self._begin(url)
+        try:
+            yield
+        finally:
+            reading.discard(resp)
+            self._end(url)
+
+    def _begin(self, url: str) -> None:
+        if url not in self._since:
+            self._since[url] = time.monotonic()
+            if self.on_wait is not None:
+                self.on_wait()
+
+    def _end(self, url: str) -> None:
+        if not self._waiting.get(url) and not self._reading.get(url):
+            self._since.pop(url, None)
 
 
 def _discard(leg: Awaitable[object]) -> None:

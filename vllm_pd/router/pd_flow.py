@@ -17,9 +17,13 @@ decode-only (or fails under require_disagg).
 Failures: a prefill error retries on another prefill, then falls back to
 decode-only (unless require_disagg). A decode error before the first byte to
 the client retries on another decode (re-running prefill unless the KV can
-follow). After bytes went out an OpenAI-style error event ends the stream. A
+follow); when none is left the client gets 504 if the last decode timed out (or
+was found unreachable), 503 with ``Retry-After`` if it was busy, else 502. After
+bytes went out an OpenAI-style error event ends the stream. A backend answering
+429/503 with ``Retry-After`` gets no requests until then (instance_pool.py). A
 client disconnect cancels whichever leg is running; prefill KV that no decode
-will consume is released through ``release_remote_kv``.
+will consume is released through ``release_remote_kv``. What a backend sends is
+read only up to the limits of the config (``max_*_bytes``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest, TransferMode
 from vllm_pd.router.backend_answer import BackendAnswer
-from vllm_pd.router.backend_response import BackendConnectError, BackendError, BackendResponse
+from vllm_pd.router.backend_response import (BackendConnectError, BackendError, BackendResponse, BackendUnreachable,
+                                             BodyTooLarge)
 from vllm_pd.router.client_auth import bearer
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.decode_relay import DecodeFailed, DecodeRelay, FlowState
@@ -50,6 +55,7 @@ from vllm_pd.router.partition_watch import InstanceUnreachable, PartitionWatch
 from vllm_pd.router.policies import Policy, held_tokens
 from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_body, prefill_body
 from vllm_pd.router.request_log import RequestLog
+from vllm_pd.router.retry_after import header_value, retry_after_seconds
 from vllm_pd.router.tracing import RequestTrace, Tracer
 
 logger = logging.getLogger(__name__)
@@ -111,7 +117,8 @@ class PDFlow:
         self.decode_policy = decode_policy
         self.release_kv = release_kv
         self.watch = watch or PartitionWatch()  # legs on an instance found unreachable move on
-        self.relay = DecodeRelay(metrics, pool, config.prefill_timeout)
+        self.relay = DecodeRelay(metrics, pool, config.prefill_timeout, config.max_decode_answer_bytes,
+                                 config.max_sse_event_bytes)
         # the proxy's own key for the instances replaces whatever the client authenticated with
         self._backend_auth = bearer(config.backend_api_key) if config.backend_api_key else None
         self._background: set[asyncio.Future] = set()
@@ -169,8 +176,9 @@ class PDFlow:
         tried: set[str] = set()
         decode = self._pick("decode", req, tried)
         if decode is None:
-            raise unavailable("no healthy decode instance")
-        last_error: DecodeFailed | None = None
+            raise self._no_decode()
+        # (message, kind) of the last failure - not the exception: its traceback holds this frame
+        last_error: tuple[str, str] | None = None
         for attempt in range(self.config.decode_attempts):
             if attempt:
                 self.metrics.retries.labels("decode").inc()
@@ -182,11 +190,12 @@ class PDFlow:
                     await self._prefill(req, decode, None, headers, state)
                 return await self._decode(req, decode, headers, state, http_request, state.kv_params)
             except DecodeFailed as e:
-                last_error = e
+                last_error = (str(e), e.kind)
                 self.metrics.leg_errors.labels("decode", e.kind).inc()
-                decode.breaker.record_failure()
+                if e.kind != "busy":
+                    decode.breaker.record_failure()
                 logger.warning("decode on %s failed before output (%s); attempt %d/%d",
-                               decode.url, e, attempt + 1, self.config.decode_attempts)
+                               decode.url, last_error[0], attempt + 1, self.config.decode_attempts)
                 tried.add(decode.url)
                 if state.kv_params is not None and not self._kv_can_follow(state, e):
                     self._drop_kv(state)
@@ -196,8 +205,33 @@ class PDFlow:
                 decode = nxt
         if state.kv_params is not None:
             self._drop_kv(state)
-        raise upstream_error(f"decode failed: {last_error}" if last_error else "no healthy decode instance",
-                             502 if last_error else 503)
+        if last_error is None:
+            raise self._no_decode()
+        raise self._decode_error(*last_error)
+
+    def _no_decode(self) -> ProxyError:
+        """No decode instance takes the request: 503, with Retry-After when some asked for a pause."""
+        wait = self.pool.busy_wait("decode")
+        if wait is None:
+            return unavailable("no healthy decode instance")
+        e = unavailable(f"every decode instance asked for no requests for now (Retry-After); retry in {wait:.0f} s",
+                        "backend_busy")
+        e.headers = {"Retry-After": header_value(wait)}
+        return e
+
+    def _decode_error(self, message: str, kind: str) -> ProxyError:
+        """What the client gets when no decode could answer: 504 for a backend that did not answer in
+        time (or was found unreachable while it waited), 503 for one that asked for a pause, else 502."""
+        if kind in ("timeout", "unreachable"):
+            return upstream_error(f"decode failed: {message}", 504, "upstream_timeout")
+        if kind == "busy":
+            e = self._no_decode()
+            if e.headers is None:  # busy without a Retry-After: no telling when, so soon
+                e.headers = {"Retry-After": "1"}
+                e.code = "backend_busy"
+                e.message = f"decode failed: {message}"
+            return e
+        return upstream_error(f"decode failed: {message}")
 
     def _kv_can_follow(self, state: FlowState, e: DecodeFailed) -> bool:
         # Pull-mode KV still sits untouched on prefill if decode never saw the request;
@@ -256,10 +290,14 @@ class PDFlow:
         # as it lands - the fastest on every prompt length measured (benchmarks/RESULTS.md, "PD latency")
         mode: TransferMode = "pull" if self.config.kv_mode == "pull" else "push"
         state.pushed = mode == "push"
-        prefill = asyncio.ensure_future(self._prefill(req, decode, transfer_id, headers, state, mode))
+        # the prefill instance is chosen first: decode is told where its KV endpoint is (learned from its
+        # earlier answers), to probe it should the announcement be late (connector/announce_probe.py)
+        first = self._pick("prefill", req, {decode.url})
+        awaited = AwaitedPrefill(transfer_id, mode, first.kv_peers if first is not None else ())
+        prefill = asyncio.ensure_future(self._prefill(req, decode, transfer_id, headers, state, mode, first))
         state.prefill_leg = prefill
         decode_leg = asyncio.ensure_future(
-            self._decode(req, decode, headers, state, http_request, AwaitedPrefill(transfer_id, mode).to_params()))
+            self._decode(req, decode, headers, state, http_request, awaited.to_params()))
         try:
             await asyncio.wait({prefill, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and not decode_leg.done() and state.stage != "stream":
@@ -283,12 +321,14 @@ class PDFlow:
                     prefill.add_done_callback(self._background.discard)
 
     async def _prefill(self, req: ParsedRequest, decode: Instance, transfer_id: str | None,
-                       headers: dict[str, str], state: FlowState, mode: TransferMode = "pull") -> bool:
-        """Run the prefill leg with retries, leaving ``state.kv_params`` set. False: none succeeded,
-        decode computes the prompt (raises instead under require_disagg)."""
+                       headers: dict[str, str], state: FlowState, mode: TransferMode = "pull",
+                       first: Instance | None = None) -> bool:
+        """Run the prefill leg with retries (on ``first``, when chosen already, then others), leaving
+        ``state.kv_params`` set. False: none succeeded, decode computes the prompt (raises instead
+        under require_disagg)."""
         tried: set[str] = {decode.url}
         for attempt in range(self.config.prefill_attempts):
-            prefill = self._pick("prefill", req, tried)
+            prefill = first if attempt == 0 and first is not None else self._pick("prefill", req, tried)
             if prefill is None:
                 break
             if attempt:
@@ -335,9 +375,15 @@ class PDFlow:
         failed: str | None = "cancelled"
         t0 = time.monotonic()
         try:
-            status, raw = await self.watch.guard(prefill.url, self._post_prefill(prefill, req, body,
-                                                                                    span.headers(headers)))
-            if status >= 500 or status in (408, 429):
+            status, raw, retry_after = await self.watch.guard(prefill.url, self._post_prefill(
+                prefill, req, body, span.headers(headers)))
+            if status in (429, 503):
+                wait = retry_after_seconds(retry_after)
+                if wait is not None:
+                    prefill.mark_busy(wait)  # other prefills serve meanwhile
+                raise _LegError(f"HTTP {status}: {raw[:200]!r}", "busy" if wait is not None or status == 429
+                                else "status")
+            if status >= 500 or status == 408:
                 raise _LegError(f"HTTP {status}: {raw[:200]!r}", "status")
             if status >= 400:
                 # the client's own mistake: decode would say the same, so say it now
@@ -349,11 +395,11 @@ class PDFlow:
             failed = "client_error"
             raise
         except (BackendError, TimeoutError, _LegError, ValueError, InstanceUnreachable) as e:
-            kind = failed = (e.kind if isinstance(e, _LegError) else "timeout" if isinstance(e, TimeoutError)
-                             else "unreachable" if isinstance(e, InstanceUnreachable) else "connect")
+            kind = failed = _prefill_failure(e)
             self.metrics.leg_errors.labels("prefill", kind).inc()
-            prefill.breaker.record_failure()
-            logger.warning("prefill on %s failed: %r", prefill.url, e)
+            if kind != "busy":
+                prefill.breaker.record_failure()
+            logger.warning("prefill on %s failed: %s", prefill.url, repr(e))  # not e: see decode_relay
             return False
         finally:
             leg.finish()
@@ -373,6 +419,7 @@ class PDFlow:
             state.timings.fallback = "no_kv_params"
             return True
         state.kv_params = params
+        prefill.learn_kv_peers(params)
         # beside a running decode leg the KV is decode's already (it releases it); else it waits for one
         state.kv_pending = transfer_id is None
         state.pushed = transfer_id is not None and mode == "push"
@@ -381,12 +428,16 @@ class PDFlow:
         return True
 
     async def _post_prefill(self, prefill: Instance, req: ParsedRequest, body: dict[str, Any],
-                            headers: dict[str, str]) -> tuple[int, bytes]:
+                            headers: dict[str, str]) -> tuple[int, bytes, str | None]:
+        """(status, body, Retry-After) of the prefill leg; an answer longer than max_prefill_answer_bytes
+        raises BodyTooLarge (the leg fails over), an error answer is cut to max_error_body_bytes."""
         r = await self.client.request("POST", prefill.url, req.path, encode_body(body), headers.items(),
                                       timeout=self.config.prefill_timeout,
                                       connect_timeout=self.config.connect_timeout)
         try:
-            return r.status, await r.read()
+            if r.status >= 400:
+                return r.status, await _read_error_body(r, self.config.max_error_body_bytes), r.retry_after
+            return r.status, await r.read(self.config.max_prefill_answer_bytes, "max_prefill_answer_bytes"), None
         finally:
             r.close()
 
@@ -410,6 +461,7 @@ class PDFlow:
                 connect_timeout=self.config.connect_timeout))
         except InstanceUnreachable as e:
             leg.finish()
+            span.end("unreachable")
             raise DecodeFailed(f"unreachable: {e}", sent=True, kind="unreachable") from None
         except BackendConnectError as e:
             state.kv_pending = state.kv_params is not None
@@ -425,6 +477,13 @@ class PDFlow:
             span.end("cancelled")
             raise
         try:
+            if resp.status in (429, 503):
+                wait = retry_after_seconds(resp.retry_after)
+                if wait is not None:
+                    decode.mark_busy(wait)  # other decodes serve meanwhile
+                if wait is not None or resp.status == 429:
+                    text = await _read_some(resp)
+                    raise DecodeFailed(f"HTTP {resp.status}: {text!r}", sent=True, kind="busy")
             if resp.status >= 500:
                 text = await _read_some(resp)
                 raise DecodeFailed(f"HTTP {resp.status}: {text!r}", sent=True, kind="status")
@@ -432,11 +491,13 @@ class PDFlow:
                 # rejected before reaching the engine: the KV prefill holds was never taken
                 decode.breaker.record_success()
                 state.kv_pending = state.kv_params is not None
-                raise _passthrough_error(resp.status, await resp.read())
-            if req.stream:
-                out: HttpResponse | StreamResponse = await self.relay.stream(resp, decode, state, http_request, t0)
-            else:
-                out = await self.relay.json(resp, decode, state, t0)
+                raise _passthrough_error(resp.status, await _read_error_body(resp, self.config.max_error_body_bytes))
+            with self.watch.following(decode.url, resp):  # found unreachable: the read fails, the leg ends
+                if req.stream:
+                    out: HttpResponse | StreamResponse = await self.relay.stream(resp, decode, state, http_request,
+                                                                                 t0)
+                else:
+                    out = await self.relay.json(resp, decode, state, t0)
             failed = None if state.timings.outcome == "ok" else state.timings.outcome
             return out
         except DecodeFailed as e:
@@ -461,7 +522,7 @@ class PDFlow:
         try:
             ok = self.release_kv(params)
         except Exception as e:  # the release path must never take the proxy down
-            logger.warning("release_remote_kv failed: %r", e)
+            logger.warning("release_remote_kv failed: %s", repr(e))
             ok = False
         self.metrics.kv_releases.labels("ok" if ok else "failed").inc()
 
@@ -501,3 +562,38 @@ async def _read_some(resp: BackendResponse) -> bytes:
         return (await asyncio.wait_for(resp.readany(), 2.0))[:500]
     except (BackendError, TimeoutError):
         return b""
+
+
+async def _read_error_body(resp: BackendResponse, limit: int) -> bytes:
+    """An error answer's body, its first ``limit`` bytes at most (all that is kept of a failed leg);
+    what did not arrive within 2 s is not waited for."""
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(2.0):
+            while size < limit:
+                chunk = await resp.readany()
+                if not chunk:
+                    break
+                parts.append(chunk[:limit - size])
+                size += len(parts[-1])
+    except (BackendError, TimeoutError):
+        pass
+    return b"".join(parts)
+
+
+def _prefill_failure(e: Exception) -> str:
+    """The kind of a failed prefill leg (the metric's label and the leg span's outcome)."""
+    if isinstance(e, _LegError):
+        return e.kind
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    if isinstance(e, (InstanceUnreachable, BackendUnreachable)):
+        return "unreachable"
+    if isinstance(e, BodyTooLarge):
+        return "too_large"
+    if isinstance(e, BackendConnectError):
+        return "connect"
+    if isinstance(e, BackendError):
+        return "connection"
+    return "bad_answer"  # not JSON

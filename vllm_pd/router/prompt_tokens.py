@@ -8,18 +8,22 @@ tokenizes a rendered chat prompt without special tokens and a completion
 prompt with them (both overridable by ``add_special_tokens`` in the body).
 
 Block hashes follow ``vllm.v1.core.kv_cache_utils.hash_block_tokens``:
-``h[i] = H((h[i-1], tuple(block_i), None))`` with ``h[-1] = NONE_HASH =
+``h[i] = H((h[i-1], tuple(block_i), extra_i))`` with ``h[-1] = NONE_HASH =
 H(seed)``; ``H`` is vLLM's ``--prefix-caching-hash-algo``: ``sha256`` (pickle,
 vLLM 0.32's default) or ``sha256_cbor``. The seed is ``PYTHONHASHSEED`` when
 set, else vLLM's fixed ``"vllm-none-hash"``: with both algorithms the hashes
 are the same in every process, so the servers and the proxy must simply agree
 on the algorithm and on PYTHONHASHSEED. (The xxhash algorithms seed randomly
 per process unless PYTHONHASHSEED is set; they are not supported here.)
+``extra_i`` are block i's extra keys (the LoRA adapter, the cache salt on
+block 0), as kv_extra_keys.py derives them from the body: the same tuples
+vLLM hashes, so the proxy's hashes (and the store keys, store_locations.py)
+of an adapter's or a salted request are the instances' own.
 
-Anything this module cannot reproduce exactly (images, tools, a custom
-template, LoRA or cache_salt extra keys) yields no blocks: the request is then
-routed by load alone, never wrongly served - a routing miss only costs a
-recompute.
+Anything this module cannot reproduce exactly (images and other multimodal
+parts, tools, a custom template, a model the proxy does not know as a base
+model or an adapter) yields no blocks: the request is then routed by load
+alone, never claimed as a hit - a routing miss only costs a recompute.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, BlockExtraKeys, RequestExtraKeys
 from vllm_pd.router.request_body import CHAT, ParsedRequest
 
 logger = logging.getLogger(__name__)
@@ -42,9 +47,9 @@ logger = logging.getLogger(__name__)
 HASH_ALGOS = ("sha256", "sha256_cbor")
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vllm.v1.core.kv_cache_utils.DEFAULT_NONE_HASH_SEED
 # body fields that change the rendered prompt in ways not reproduced here: no blocks for such requests
-_UNSUPPORTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "tools", "documents", "cache_salt",
+_UNSUPPORTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "tools", "documents",
                             "mm_processor_kwargs", "truncate_prompt_tokens")
-_UNSUPPORTED_COMPLETION_FIELDS = ("cache_salt", "truncate_prompt_tokens", "prompt_embeds", "lora_request")
+_UNSUPPORTED_COMPLETION_FIELDS = ("truncate_prompt_tokens", "prompt_embeds", "lora_request")
 
 BlockHash = int  # the low 64 bits of vLLM's block hash (what VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES publishes)
 
@@ -78,28 +83,34 @@ class VllmBlockHasher:
         self.seed = seed if seed is not None else os.environ.get("PYTHONHASHSEED", VLLM_DEFAULT_SEED)
         self.none_hash = self._fn(self.seed)
 
-    def hashes(self, token_ids: Sequence[int], block_size: int, parent: bytes | None = None) -> list[bytes]:
-        """Full vLLM hashes (bytes) of each full block; ``parent`` continues a chain."""
+    def hashes(self, token_ids: Sequence[int], block_size: int, parent: bytes | None = None,
+               extra_keys: Sequence[BlockExtraKeys] | None = None) -> list[bytes]:
+        """Full vLLM hashes (bytes) of each full block; ``parent`` continues a chain;
+        ``extra_keys[i]``: block i's extra keys (None: no block has any)."""
         out: list[bytes] = []
         prev = parent if parent else self.none_hash
-        for start in range(0, len(token_ids) // block_size * block_size, block_size):
-            prev = self._fn((prev, tuple(token_ids[start:start + block_size]), None))
+        for i, start in enumerate(range(0, len(token_ids) // block_size * block_size, block_size)):
+            extra = extra_keys[i] if extra_keys is not None else None
+            prev = self._fn((prev, tuple(token_ids[start:start + block_size]), extra))
             out.append(prev)
         return out
 
 
 @dataclass
 class PromptBlocks:
-    """One request's prompt tokens and, per block size asked for, its block hashes."""
+    """One request's prompt tokens, its extra keys and, per block size asked for, its block hashes."""
 
     token_ids: list[int]
     hasher: VllmBlockHasher
     _by_size: dict[int, list[BlockHash]]
+    extra_keys: RequestExtraKeys = NO_EXTRA_KEYS
 
     def hashes(self, block_size: int) -> list[BlockHash]:
         got = self._by_size.get(block_size)
         if got is None:
-            got = [external_hash(h) for h in self.hasher.hashes(self.token_ids, block_size)]
+            n = len(self.token_ids) // block_size
+            extra = self.extra_keys.blocks(0, n, block_size)
+            got = [external_hash(h) for h in self.hasher.hashes(self.token_ids, block_size, extra_keys=extra)]
             self._by_size[block_size] = got
         return got
 
@@ -161,17 +172,18 @@ class PromptTokenizer:
             special = {k: t for k in ("bos_token", "eos_token", "unk_token", "pad_token")
                        if (t := _token_text(cfg.get(k))) is not None}
             self._template = ChatTemplate(source, special)
-        self._cache: OrderedDict[tuple[str, bytes], PromptBlocks | None] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, bytes, RequestExtraKeys], PromptBlocks | None] = OrderedDict()
         self._cache_size = cache_size
 
-    def blocks(self, req: ParsedRequest) -> PromptBlocks | None:
-        """The request's prompt blocks, or None where they cannot be reproduced exactly."""
-        key = (req.path, req.raw)
+    def blocks(self, req: ParsedRequest, extra_keys: RequestExtraKeys = NO_EXTRA_KEYS) -> PromptBlocks | None:
+        """The request's prompt blocks (hashed with its ``extra_keys``), or None where they cannot
+        be reproduced exactly."""
+        key = (req.path, req.raw, extra_keys)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
         ids = self.token_ids(req)
-        got = None if ids is None else PromptBlocks(ids, self.hasher, {})
+        got = None if ids is None else PromptBlocks(ids, self.hasher, {}, extra_keys)
         self._cache[key] = got
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

@@ -6,8 +6,9 @@ also sit in the nodes' stores, which any instance loads from its own store and
 fetches from another node's. The store master knows which node holds which
 keys; since protocol version 2 each node also tells it its key salt and the
 URL the proxy knows its instance by (``store.instance_url``). So the proxy
-computes, per distinct salt, the store keys of the exact prompt tokens
-(keys.chain_keys, the store's own function) and asks the master how many
+computes, per distinct salt, the store keys of the exact prompt tokens with
+the request's extra keys (LoRA adapter, cache salt: kv_extra_keys.py;
+keys.chain_keys, the store's own function) and asks the master how many
 leading blocks each node holds.
 
 Everything runs on the tokenize worker thread (kv_routing.py), never on the
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.store.keys import KeySalt, chain_keys
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys, chain_keys
 from vllm_pd.connector.store.master import Holders, NodeInfo, Nodes
 from vllm_pd.connector.store.master_client import MasterLink
 from vllm_pd.connector.transfer_params import StoreFetch
@@ -97,15 +98,17 @@ class StoreLocations:
         # a node that missed heartbeats under load): a hint to that instance still needs it
         self._salts: dict[str, KeySalt] = {}
 
-    def locate(self, token_ids: Sequence[int]) -> StorePrompt | None:
-        """Per node, how much of the prompt its store holds; None when the master is down."""
+    def locate(self, token_ids: Sequence[int], extra_keys: RequestExtraKeys = NO_EXTRA_KEYS) -> StorePrompt | None:
+        """Per node, how much of the prompt (with its ``extra_keys``) its store holds; None when the
+        master is down."""
         if not self.link.available or not self._refresh():
             return None
         # a node without instance_url is no routing target, but its blocks can still be fetched
         nodes = [n for n in self._nodes if n.salt is not None]
         hits: list[StoreHit] = []
         for salt in dict.fromkeys(n.salt for n in nodes if n.salt is not None):
-            keys = chain_keys(token_ids, salt)
+            n = len(token_ids) // salt.block_size
+            keys = chain_keys(token_ids, salt, extra_keys=extra_keys.encoded(0, n, salt.block_size))
             if not keys:
                 continue
             reply = self.link.call(Holders(keys))

@@ -7,7 +7,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from vllm_pd.small_model.spec import ARCHS, ModelSpec, ModelSpecError
+from vllm_pd.small_model.spec import ARCHS, LoraSpec, ModelSpec, ModelSpecError
 
 _DEFAULTS = ModelSpec()
 
@@ -22,6 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(_DEFAULTS, f.name)
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=default,
                             help=f"default {default}" + (" (deepseek_v2 only)" if f.name in _MLA_ONLY else ""))
+    parser.add_argument("--lora", type=Path, metavar="ADAPTER_DIR",
+                        help="also write a PEFT LoRA adapter for the model there (llama only; vLLM serves it with "
+                             "--enable-lora --lora-modules NAME=ADAPTER_DIR)")
+    parser.add_argument("--lora-rank", type=int, default=LoraSpec.rank, help=f"default {LoraSpec.rank}")
+    parser.add_argument("--lora-seed", type=int, default=LoraSpec.seed, help=f"default {LoraSpec.seed}")
 
 
 _MLA_ONLY = {"kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank"}
@@ -33,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)}
     try:
         spec = ModelSpec(**values)
+        lora = LoraSpec(args.lora_rank, args.lora_seed) if args.lora is not None else None
+        if lora is not None and spec.arch != "llama":
+            raise ModelSpecError(f"--lora: only the llama arch has an adapter, got --arch {spec.arch}")
     except ModelSpecError as e:
         raise SystemExit(f"vllm-pd make-model: {e}") from None
     start = time.monotonic()
@@ -40,5 +48,13 @@ def run(args: argparse.Namespace) -> int:
         write_model(spec, args.dir)
     except FileExistsError as e:
         raise SystemExit(f"vllm-pd make-model: {e}") from None
-    print(f"wrote {spec.arch} model to {args.dir} in {time.monotonic() - start:.1f}s")
+    if lora is not None:
+        from vllm_pd.small_model.lora import write_lora
+
+        try:
+            write_lora(spec, lora, args.lora, base_model=str(args.dir))
+        except FileExistsError as e:
+            raise SystemExit(f"vllm-pd make-model: {e}") from None
+    print(f"wrote {spec.arch} model to {args.dir}" + (f" and its LoRA adapter to {args.lora}" if lora else "")
+          + f" in {time.monotonic() - start:.1f}s")
     return 0

@@ -121,3 +121,17 @@ class ModelSpec:
             "rope_scaling": None,
             **common,
         }
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter for a ModelSpec's model (small_model/lora.py)."""
+
+    rank: int = 8
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise ModelSpecError(f"--lora-rank must be > 0, got {self.rank}")
+        if self.seed < 0:
+            raise ModelSpecError(f"--lora-seed must be >= 0, got {self.seed}")

@@ -31,6 +31,10 @@ Scheduler side (EngineCore process) - ``StoreScheduler(config, salt, slot_nbytes
         the master (then pass the hit
         to ``plan_load(..., remote=hit)``: the part beyond the local prefix is fetched
         from that node). ``remote_match`` returns only the hit.
+    Every query, ``plan_load`` and ``plan_save`` also take the request's ``extra_keys``
+    (keys.RequestExtraKeys: LoRA adapter, cache salt, multimodal inputs, as vLLM's prefix cache
+    keys them; store_bridge.request_extra_keys makes them from vLLM's Request); a block is served
+    only to a request of the scope it was written for.
 
 Worker side (each worker) - ``StoreWorker(config, salt, kv_caches, rank=0, block_dims=None, device=None)``
     ``kv_caches``: one tensor per layer, blocks along ``block_dims[layer]`` (default 0; 1 in
@@ -54,7 +58,8 @@ master_timeout_s, node_id, instance_url (the vLLM instance's URL as the proxy kn
 the master for kv_aware routing), fetch_timeout_s, disk_serve_bytes, host_bounce_bytes (GPU KV only:
 pinned rows between the device and the pool); an unknown key or bad value raises ConfigError,
 also a setting that cannot work with the KV's device.
-Salt: ``KeySalt(model, dtype, kv_layout, block_size, num_layers, tp_size, pp_size, extra)``.
+Salt: ``KeySalt(model, dtype, kv_layout, block_size, num_layers, tp_size, pp_size, extra)``;
+a request's own extra keys: ``RequestExtraKeys(lora, cache_salt, per_block)``.
 
 Modules: keys (blake3 chained keys), radix (index, pins), reuse_cache
 (leaf-first LRU, reuse-weighted LRU), adaptive_cache (the CPU tier's policy: the

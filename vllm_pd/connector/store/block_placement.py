@@ -34,6 +34,7 @@ class Location:
     on_disk: bool = False  # every rank has it on disk
     disk_writing: bool = False  # write-through in flight: the slot must stay
     staging: bool = False  # slot being filled from disk by a load
+    scope: BlockKey = b""  # what the block was written for (keys.RequestExtraKeys.scope); loads compare it
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class PendingPut:
     request_id: str
     slot: int
     parent: BlockKey | None
+    scope: BlockKey
     acks: int = 0
 
 
@@ -55,9 +57,10 @@ class BlockPlacement:
         self.master: MasterClient | None = None  # set by the owner once built (it needs servable_chains)
         self.pending: dict[BlockKey, PendingPut] = {}
         self.disk_acks: dict[BlockKey, int] = {}
-        self.disk_orphans: dict[BlockKey, BlockKey | None] = {}  # on disk, parent not indexed yet
+        # on disk, parent not indexed yet: key -> (parent, scope)
+        self.disk_orphans: dict[BlockKey, tuple[BlockKey | None, BlockKey]] = {}
         self.stats = {"hit_blocks": 0, "remote_blocks": 0, "saved_blocks": 0, "evicted_blocks": 0,
-                      "load_failures": 0}
+                      "load_failures": 0, "scope_mismatches": 0}
 
     def location(self, key: BlockKey) -> Location:
         """The Location of an indexed key."""
@@ -66,11 +69,12 @@ class BlockPlacement:
     # -- puts: reserve -> (worker writes) -> commit ----------------------------------------
 
     def reserve(
-        self, request_id: str, new: Sequence[BlockKey], parent: BlockKey | None, guard: set[BlockKey]
+        self, request_id: str, new: Sequence[BlockKey], parent: BlockKey | None, guard: set[BlockKey],
+        scope: BlockKey,
     ) -> tuple[list[BlockKey], list[int]]:
         """Phase one of a put: room in the CPU tier and a slot for each of ``new``
-        (a chain below ``parent``), as long a prefix of it as fits; invisible to
-        lookups until committed. ``guard``: keys that must not be evicted for it."""
+        (a chain below ``parent``, written for ``scope``), as long a prefix of it as fits;
+        invisible to lookups until committed. ``guard``: keys that must not be evicted for it."""
         admitted = self._admit(new, guard)
         if not admitted:
             return [], []
@@ -82,7 +86,7 @@ class BlockPlacement:
             return [], []
         prev = parent
         for key, slot in zip(admitted, slots):
-            self.pending[key] = PendingPut(request_id, slot, prev)
+            self.pending[key] = PendingPut(request_id, slot, prev, scope)
             prev = key
         return admitted, slots
 
@@ -121,7 +125,7 @@ class BlockPlacement:
                 self.master.inserted(key, node.parent.key if node.parent is not None else None)
 
     def apply_disk(self, report: StoreReport) -> None:
-        for key, parent in report.disk_committed:
+        for key, parent, scope in report.disk_committed:
             acks = self.disk_acks.get(key, 0) + 1
             if acks < self.world_size:
                 self.disk_acks[key] = acks
@@ -131,7 +135,7 @@ class BlockPlacement:
             if node is not None:
                 node.value.on_disk, node.value.disk_writing = True, False
             else:
-                self.disk_orphans[key] = parent
+                self.disk_orphans[key] = (parent, scope)
         for key in report.disk_failed:
             node = self.index.get(key)
             if node is not None:
@@ -151,7 +155,7 @@ class BlockPlacement:
     # -- the rest ---------------------------------------------------------------------------
 
     def _commit(self, key: BlockKey, pending: PendingPut) -> None:
-        loc = Location(slot=pending.slot, disk_writing=self.disk_enabled)
+        loc = Location(slot=pending.slot, disk_writing=self.disk_enabled, scope=pending.scope)
         if not self.index.insert_chain([key], pending.parent, [loc]):
             self.discard_pending(key, pending)  # parent gone meanwhile: unreachable
             return
@@ -230,12 +234,12 @@ class BlockPlacement:
         progress = True
         while progress and self.disk_orphans:
             progress = False
-            for key, parent in list(self.disk_orphans.items()):
+            for key, (parent, scope) in list(self.disk_orphans.items()):
                 if key in self.index:
                     loc = self.index.get(key).value  # type: ignore[union-attr]
                     loc.on_disk, loc.disk_writing = True, False
                 elif parent is None or parent in self.index:
-                    self.index.insert_chain([key], parent, [Location(on_disk=True)])
+                    self.index.insert_chain([key], parent, [Location(on_disk=True, scope=scope)])
                     if self.master is not None and self.disk_served:  # a restarted node serves its disk
                         self.master.inserted(key, parent)
                 else:

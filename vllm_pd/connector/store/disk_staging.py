@@ -45,14 +45,14 @@ class DiskStaging:
     def holds(self, key: BlockKey) -> bool:
         return key in self.disk
 
-    def stage(self, keys: Sequence[BlockKey]) -> tuple[list[int], list[bytes]]:
-        """Read as long a leading run of ``keys`` as spare rows allow; returns the
-        rows and the verified checksums of the leading keys that landed (the
+    def stage(self, keys: Sequence[BlockKey], scope: BlockKey) -> tuple[list[int], list[bytes]]:
+        """Read as long a leading run of ``keys`` (written for ``scope``) as spare rows allow; returns
+        the rows and the verified checksums of the leading keys that landed (the
         caller owns those rows until :meth:`give_back`; the others are back)."""
         with self._lock:
             n = min(len(keys), len(self._free))
             rows = [self._free.pop() for _ in range(n)]
-        reads = [self.disk.read_into(key, self.pool.slot_view(row)) for key, row in zip(keys, rows)]
+        reads = [self.disk.read_into(key, self.pool.slot_view(row), scope) for key, row in zip(keys, rows)]
         results = [fut.result() for fut in reads]  # all of them: none may still write a row given back
         sums: list[bytes] = []
         for digest in results:

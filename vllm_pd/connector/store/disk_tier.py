@@ -1,9 +1,12 @@
 """Local disk tier: one file per block key (all layers of this rank), async I/O.
 
-File = 96-byte header + payload. The header names the salt (a directory reused
+File = 112-byte header + payload. The header names the salt (a directory reused
 by another model/layout is ignored), the key and its *parent* key (so the
-radix index can be rebuilt from disk alone after a restart), the payload length
-and its blake3 checksum. Writes go to ``*.tmp`` then ``os.replace``: a crash
+radix index can be rebuilt from disk alone after a restart), the scope the
+block was written for (adapter and cache salt: keys.RequestExtraKeys.scope; a
+read for another scope fails), the payload length and its blake3 checksum.
+Files of the previous format (VPDKVB01, no scope, written when keys ignored
+adapters and cache salts) are dropped at start. Writes go to ``*.tmp`` then ``os.replace``: a crash
 leaves a stray tmp file, never a half file under a real name (two-phase put on
 disk). Reads verify the checksum; a mismatch deletes the file and reports the
 key as evicted, so a corrupt block is recomputed, never served.
@@ -31,8 +34,9 @@ from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
-MAGIC = b"VPDKVB01"
-_HEADER = struct.Struct(f"<8s{KEY_BYTES}s{KEY_BYTES}s{KEY_BYTES}sQ{CHECKSUM_BYTES}s")  # magic salt key parent len sum
+MAGIC = b"VPDKVB02"
+# magic salt key parent scope len sum
+_HEADER = struct.Struct(f"<8s{KEY_BYTES}s{KEY_BYTES}s{KEY_BYTES}s{KEY_BYTES}sQ{CHECKSUM_BYTES}s")
 HEADER_BYTES = _HEADER.size
 _ROOT = b"\x00" * KEY_BYTES  # parent of a chain's first block
 
@@ -42,6 +46,7 @@ class DiskEntry:
     key: BlockKey
     parent: BlockKey | None
     nbytes: int  # file size
+    scope: BlockKey
 
 
 def rank_dir(root: str | Path, salt_digest: BlockKey, rank: int) -> Path:
@@ -54,15 +59,15 @@ def read_header(path: Path, salt: BlockKey) -> DiskEntry | None:
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(HEADER_BYTES)
-        magic, fsalt, key, parent, nbytes, _ = _HEADER.unpack(head)
+        magic, fsalt, key, parent, scope, nbytes, _ = _HEADER.unpack(head)
     except (OSError, struct.error):
         return None
     if magic != MAGIC or fsalt != salt or size != HEADER_BYTES + nbytes or path.name != key.hex():
         return None
-    return DiskEntry(key, None if parent == _ROOT else parent, size)
+    return DiskEntry(key, None if parent == _ROOT else parent, size, scope)
 
 
-def scan(root: str | Path, salt_digest: BlockKey, rank: int) -> list[tuple[BlockKey, BlockKey | None]]:
+def scan(root: str | Path, salt_digest: BlockKey, rank: int) -> list[tuple[BlockKey, BlockKey | None, BlockKey]]:
     """Read-only listing of a rank's valid block files, oldest first (the scheduler
     side indexes a restarted disk tier with it before the first step)."""
     found = []
@@ -74,7 +79,7 @@ def scan(root: str | Path, salt_digest: BlockKey, rank: int) -> list[tuple[Block
             except OSError:
                 continue
     found.sort(key=lambda t: t[0])
-    return [(e.key, e.parent) for _, e in found]
+    return [(e.key, e.parent, e.scope) for _, e in found]
 
 
 class DiskTier:
@@ -91,7 +96,7 @@ class DiskTier:
         self._entries: OrderedDict[BlockKey, DiskEntry] = OrderedDict()  # LRU first
         self._readers: dict[BlockKey, int] = {}
         self._used = 0
-        self._committed: list[tuple[BlockKey, BlockKey | None]] = []
+        self._committed: list[tuple[BlockKey, BlockKey | None, BlockKey]] = []
         self._evicted: list[BlockKey] = []
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-disk")
         self._rebuild()
@@ -115,7 +120,7 @@ class DiskTier:
         for _, entry in found:
             self._entries[entry.key] = entry
             self._used += entry.nbytes
-            self._committed.append((entry.key, entry.parent))
+            self._committed.append((entry.key, entry.parent, entry.scope))
         self._enforce_capacity(0)
         logger.info("disk tier %s: %d blocks, %d bytes after restart", self.dir, len(self._entries), self._used)
 
@@ -126,12 +131,14 @@ class DiskTier:
     # -- I/O -----------------------------------------------------------------
 
     def write(
-        self, key: BlockKey, parent: BlockKey | None, payload: memoryview, payload_sum: bytes | None = None
+        self, key: BlockKey, parent: BlockKey | None, payload: memoryview, scope: BlockKey,
+        payload_sum: bytes | None = None,
     ) -> Future[bool]:
-        """Store ``payload`` (kept alive and unchanged by the caller until done)."""
-        return self._pool.submit(self._write, key, parent, payload, payload_sum)
+        """Store ``payload`` (kept alive and unchanged by the caller until done), written for ``scope``."""
+        return self._pool.submit(self._write, key, parent, payload, scope, payload_sum)
 
-    def _write(self, key: BlockKey, parent: BlockKey | None, payload: memoryview, payload_sum: bytes | None) -> bool:
+    def _write(self, key: BlockKey, parent: BlockKey | None, payload: memoryview, scope: BlockKey,
+               payload_sum: bytes | None) -> bool:
         size = HEADER_BYTES + len(payload)
         with self._lock:
             if key in self._entries:
@@ -146,7 +153,7 @@ class DiskTier:
             path.parent.mkdir(exist_ok=True)
             digest = payload_sum if payload_sum is not None else checksum(payload)
             with open(tmp, "wb") as f:
-                f.write(_HEADER.pack(MAGIC, self.salt, key, parent or _ROOT, len(payload), digest))
+                f.write(_HEADER.pack(MAGIC, self.salt, key, parent or _ROOT, scope, len(payload), digest))
                 f.write(payload)
             os.replace(tmp, path)
         except OSError:
@@ -156,14 +163,15 @@ class DiskTier:
                 self._used -= size
             return False
         with self._lock:
-            self._entries[key] = DiskEntry(key, parent, size)
-            self._committed.append((key, parent))
+            self._entries[key] = DiskEntry(key, parent, size, scope)
+            self._committed.append((key, parent, scope))
         return True
 
-    def read_into(self, key: BlockKey, dst: memoryview) -> Future[bytes | None]:
+    def read_into(self, key: BlockKey, dst: memoryview, scope: BlockKey | None = None) -> Future[bytes | None]:
         """Read and verify ``key`` into ``dst``: resolves to the payload's checksum
         (the commit-time one, now matched by the bytes in ``dst``: callers need not
-        hash again), or None (and the file dropped) on any doubt."""
+        hash again), or None (and the file dropped) on any doubt. With ``scope``, a
+        block written for another scope is None too (and kept: it is not corrupt)."""
         with self._lock:
             if key not in self._entries:
                 f: Future[bytes | None] = Future()
@@ -171,15 +179,16 @@ class DiskTier:
                 return f
             self._readers[key] = self._readers.get(key, 0) + 1
             self._entries.move_to_end(key)
-        return self._pool.submit(self._read, key, dst)
+        return self._pool.submit(self._read, key, dst, scope)
 
-    def _read(self, key: BlockKey, dst: memoryview) -> bytes | None:
-        ok = False
+    def _read(self, key: BlockKey, dst: memoryview, scope: BlockKey | None) -> bytes | None:
+        ok = other_scope = False
         digest = b""
         try:
             with open(self._path(key), "rb") as f:
-                magic, salt, fkey, _, nbytes, digest = _HEADER.unpack(f.read(HEADER_BYTES))
-                if magic == MAGIC and salt == self.salt and fkey == key and nbytes == len(dst):
+                magic, salt, fkey, _, fscope, nbytes, digest = _HEADER.unpack(f.read(HEADER_BYTES))
+                other_scope = scope is not None and fscope != scope
+                if magic == MAGIC and salt == self.salt and fkey == key and nbytes == len(dst) and not other_scope:
                     ok = f.readinto(dst) == nbytes and checksum(dst) == digest
         except (OSError, struct.error):
             ok = False
@@ -187,7 +196,9 @@ class DiskTier:
             self._readers[key] -= 1
             if not self._readers[key]:
                 del self._readers[key]
-            if not ok:
+            if other_scope:
+                logger.error("KV block %s on disk was written for another scope; not served", key.hex())
+            elif not ok:
                 logger.warning("KV block %s on disk failed verification; dropped", key.hex())
                 self._drop(key)
         return digest if ok else None
@@ -216,8 +227,8 @@ class DiskTier:
 
     # -- reporting -------------------------------------------------------------
 
-    def drain(self) -> tuple[list[tuple[BlockKey, BlockKey | None]], list[BlockKey]]:
-        """(committed (key, parent), evicted keys) since the last call."""
+    def drain(self) -> tuple[list[tuple[BlockKey, BlockKey | None, BlockKey]], list[BlockKey]]:
+        """(committed (key, parent, scope), evicted keys) since the last call."""
         with self._lock:
             committed, self._committed = self._committed, []
             evicted, self._evicted = self._evicted, []

@@ -12,13 +12,15 @@ from vllm_pd.connector.store.keys import BlockKey
 
 class SaveOp(msgspec.Struct, frozen=True):
     """Copy vLLM blocks ``block_ids`` into pool ``slots`` as ``keys`` (a chain
-    hanging off ``parent``; None = root), then write them to disk if enabled."""
+    hanging off ``parent``; None = root), then write them to disk if enabled,
+    recording ``scope`` (what the blocks were written for: keys.RequestExtraKeys.scope)."""
 
     request_id: str
     parent: BlockKey | None
     keys: list[BlockKey]
     block_ids: list[int]
     slots: list[int]
+    scope: BlockKey
 
 
 class LoadOp(msgspec.Struct, frozen=True):
@@ -36,6 +38,7 @@ class LoadOp(msgspec.Struct, frozen=True):
     from_peer: list[bool] = []  # empty: none
     peer: str = ""
     parent: BlockKey | None = None  # parent of keys[0] (fetched blocks are written to disk with it)
+    scope: BlockKey = b""  # the loading request's: disk reads verify it, fetched blocks record it
 
 
 class StorePlan(msgspec.Struct):
@@ -64,7 +67,7 @@ class StoreReport(msgspec.Struct):
 
     saves: list[SaveResult] = []
     loads: list[LoadResult] = []
-    disk_committed: list[tuple[BlockKey, BlockKey | None]] = []  # (key, parent)
+    disk_committed: list[tuple[BlockKey, BlockKey | None, BlockKey]] = []  # (key, parent, scope)
     disk_evicted: list[BlockKey] = []  # gone from disk (capacity, corrupt file)
     disk_failed: list[BlockKey] = []  # write-through to disk did not happen
     ranks: int = 1  # how many worker reports were merged into this one

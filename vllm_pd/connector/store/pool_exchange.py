@@ -8,12 +8,14 @@ layer moves that layer of all granted slots with the transport's per-block
 length and checksum checks. Two small control messages ride on the
 transport's ``notify``:
 
-1. ``GrantBlocks(keys)`` -> the holder answers ``BlocksGranted`` with the slots
+1. ``GrantBlocks(keys, scope)`` -> the holder answers ``BlocksGranted`` with the slots
    and the commit-time checksums of the longest leading run of ``keys`` it
    still has, in CPU memory or on disk (a disk block is first read and
-   verified into a spare pool row, disk_staging.py), and grants a fetch of
-   exactly those slots under a fresh transfer id (the grant expires after
-   ``grant_ttl_s``).
+   verified into a spare pool row, disk_staging.py), *written for ``scope``*
+   (the asker's adapter and cache salt, keys.RequestExtraKeys.scope: a block of
+   another scope under the same key - a collision, a bug - ends the run), and
+   grants a fetch of exactly those slots under a fresh transfer id (the grant
+   expires after ``grant_ttl_s``).
 2. ``fetch`` of those slots into the asker's reserved slots, one transport
    fetch per layer, all queued at once (the region's blocks are (slot, layer)
    rows; the transport checks each one's length and checksum in transit), so
@@ -59,9 +61,10 @@ POOL_REGION = 0  # the pool is the transport's only region
 
 
 class GrantBlocks(msgspec.Struct, tag="grant"):
-    """Asker -> holder: grant me a fetch of the longest leading run of ``keys`` you hold."""
+    """Asker -> holder: grant me a fetch of the longest leading run of ``keys`` you hold for ``scope``."""
 
     keys: list[BlockKey]
+    scope: BlockKey
 
 
 class BlocksGranted(msgspec.Struct, tag="granted"):
@@ -84,7 +87,8 @@ _decoder = msgspec.msgpack.Decoder(_Message)
 
 
 class SlotDirectory:
-    """Which block key each pool slot holds right now, with its commit-time checksum.
+    """Which block key each pool slot holds right now, with its commit-time checksum and the
+    scope it was written for.
 
     Kept by the worker side (it owns the bytes): a slot enters once its copy is
     complete and checksummed, and leaves *before* anything overwrites it
@@ -94,7 +98,7 @@ class SlotDirectory:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_key: dict[BlockKey, tuple[int, bytes]] = {}
+        self._by_key: dict[BlockKey, tuple[int, bytes, BlockKey]] = {}
         self._by_slot: dict[int, BlockKey] = {}
         self._generation: dict[int, int] = {}
 
@@ -102,7 +106,7 @@ class SlotDirectory:
         with self._lock:
             return len(self._by_key)
 
-    def put(self, key: BlockKey, slot: int, digest: bytes) -> None:
+    def put(self, key: BlockKey, slot: int, digest: bytes, scope: BlockKey) -> None:
         with self._lock:
             old = self._by_slot.pop(slot, None)
             if old is not None:
@@ -110,7 +114,7 @@ class SlotDirectory:
             prev = self._by_key.pop(key, None)
             if prev is not None:
                 self._by_slot.pop(prev[0], None)
-            self._by_key[key] = (slot, digest)
+            self._by_key[key] = (slot, digest, scope)
             self._by_slot[slot] = key
 
     def drop_slots(self, slots: Sequence[int]) -> None:
@@ -122,17 +126,22 @@ class SlotDirectory:
                 if key is not None:
                     self._by_key.pop(key, None)
 
-    def get(self, key: BlockKey) -> tuple[int, bytes, int] | None:
-        """(slot, checksum, generation) of ``key``, or None if no slot holds it."""
+    def get(self, key: BlockKey, scope: BlockKey) -> tuple[int, bytes, int] | None:
+        """(slot, checksum, generation) of ``key`` written for ``scope``, or None if no slot holds it
+        (or one holds it for another scope: logged, never served)."""
         with self._lock:
             entry = self._by_key.get(key)
+            if entry is not None and entry[2] != scope:
+                logger.error("store: block %s was written for scope %s, a peer asked for %s: not served",
+                             key.hex(), entry[2].hex(), scope.hex())
+                return None
             return None if entry is None else (entry[0], entry[1], self._generation.get(entry[0], 0))
 
-    def leading(self, keys: Sequence[BlockKey]) -> list[tuple[int, bytes]]:
-        """(slot, checksum) of the longest leading run of ``keys`` held."""
+    def leading(self, keys: Sequence[BlockKey], scope: BlockKey) -> list[tuple[int, bytes]]:
+        """(slot, checksum) of the longest leading run of ``keys`` held for ``scope``."""
         out = []
         for key in keys:
-            entry = self.get(key)
+            entry = self.get(key, scope)
             if entry is None:
                 break
             out.append((entry[0], entry[1]))
@@ -205,14 +214,14 @@ class PoolExchange:
             logger.warning("store: undecodable message from %s ignored", peer)
             return None
         if isinstance(msg, GrantBlocks):
-            return _encoder.encode(self._grant(msg.keys))
+            return _encoder.encode(self._grant(msg.keys, msg.scope))
         if isinstance(msg, ReleaseBlocks):
             return _encoder.encode(Released(self._revoke(msg.transfer_id)))
         return None
 
-    def _grant(self, keys: Sequence[BlockKey]) -> BlocksGranted:
+    def _grant(self, keys: Sequence[BlockKey], scope: BlockKey) -> BlocksGranted:
         self._expire_grants()
-        held, staged = self._held(keys)
+        held, staged = self._held(keys, scope)
         transfer_id = f"store-{uuid.uuid4().hex}"
         slots = [slot for slot, _, _ in held]
         if slots:
@@ -225,15 +234,15 @@ class PoolExchange:
                 self.stats["served_from_disk"] += len(staged)
         return BlocksGranted(transfer_id, slots, [digest for _, digest, _ in held])
 
-    def _held(self, keys: Sequence[BlockKey]) -> tuple[list[tuple[int, bytes, int | None]], list[int]]:
-        """(slot, checksum, generation) of the longest leading run of ``keys`` held
+    def _held(self, keys: Sequence[BlockKey], scope: BlockKey) -> tuple[list[tuple[int, bytes, int | None]], list[int]]:
+        """(slot, checksum, generation) of the longest leading run of ``keys`` held for ``scope``
         in a pool slot or on disk (staged into a spare row: generation None), and
         the staging rows used. Runs on the transport's reader thread: a disk read
         delays only this peer's session, which waits for the answer anyway."""
         held: list[tuple[int, bytes, int | None] | None] = []
         on_disk: list[BlockKey] = []
         for key in keys:
-            entry = self.directory.get(key)
+            entry = self.directory.get(key, scope)
             if entry is None and (self.staging is None or not self.staging.holds(key)):
                 break
             held.append(entry)
@@ -242,7 +251,7 @@ class PoolExchange:
         if not on_disk:
             return held, []  # type: ignore[return-value]
         assert self.staging is not None
-        rows, sums = self.staging.stage(on_disk)
+        rows, sums = self.staging.stage(on_disk, scope)
         out: list[tuple[int, bytes, int | None]] = []
         staged = iter(zip(rows, sums))
         for found in held:
@@ -287,22 +296,23 @@ class PoolExchange:
 
     # -- the fetching side (the store's load thread) ---------------------------------------
 
-    def fetch(self, peer: str, keys: Sequence[BlockKey], local_slots: Sequence[int]) -> list[bytes]:
-        """Land ``keys`` from ``peer``'s pool into our ``local_slots`` (reserved by
+    def fetch(self, peer: str, keys: Sequence[BlockKey], local_slots: Sequence[int], scope: BlockKey) -> list[bytes]:
+        """Land ``keys`` (written for ``scope``) from ``peer``'s pool into our ``local_slots`` (reserved by
         the caller, nobody else writes them); returns the commit-time checksums
         of the *leading* keys that landed intact (verified in transit, not
         overwritten at the holder while sent), possibly none. Never raises for
         a peer's fault."""
-        return self.start_fetch(peer, keys, local_slots).finish()
+        return self.start_fetch(peer, keys, local_slots, scope).finish()
 
-    def start_fetch(self, peer: str, keys: Sequence[BlockKey], local_slots: Sequence[int]) -> PeerFetch:
-        """Ask ``peer`` for a grant of ``keys`` and start fetching them layer by layer (one
+    def start_fetch(self, peer: str, keys: Sequence[BlockKey], local_slots: Sequence[int],
+                    scope: BlockKey) -> PeerFetch:
+        """Ask ``peer`` for a grant of ``keys`` (for ``scope``) and start fetching them layer by layer (one
         transport fetch per layer, all queued at once: they land in order);
         returns at once with the handle the loader waits on per layer."""
         if not keys:
             return PeerFetch(self, peer, 0, "", [], [])
         try:
-            granted = self._ask(peer, GrantBlocks(list(keys)))
+            granted = self._ask(peer, GrantBlocks(list(keys), scope))
             if not isinstance(granted, BlocksGranted) or len(granted.sums) != len(granted.slots):
                 raise TransportError(f"bad grant reply from {peer}")
             n = min(len(granted.slots), len(keys), len(local_slots))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from vllm_pd.connector.store.keys import BlockKey, KeySalt, chain_keys
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, BlockKey, KeySalt, RequestExtraKeys, chain_keys
 
 MAX_REQUESTS = 4096
 
@@ -27,19 +27,22 @@ class RequestKeys:
         return request_id in self._keys
 
     def get(
-        self, token_ids: Sequence[int], max_blocks: int | None = None, request_id: str | None = None
+        self, token_ids: Sequence[int], max_blocks: int | None = None, request_id: str | None = None,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> list[BlockKey]:
-        """Keys of the full blocks of ``token_ids`` (at most ``max_blocks``); with
-        ``request_id`` they are cached and extended (a request's tokens only ever grow)."""
-        if request_id is None:
-            return chain_keys(token_ids, self.salt, max_blocks=max_blocks)
+        """Keys of the full blocks of ``token_ids`` (at most ``max_blocks``) with the request's
+        ``extra_keys``; with ``request_id`` they are cached and extended (a request's tokens only
+        ever grow, its extra keys never change)."""
         full = len(token_ids) // self.block_size
         n = full if max_blocks is None else min(max_blocks, full)
+        if request_id is None:
+            return chain_keys(token_ids, self.salt, max_blocks=n, extra_keys=extra_keys.encoded(0, n, self.block_size))
         keys = self._keys.get(request_id, [])
         if len(keys) < n:
-            done = len(keys) * self.block_size
+            done = len(keys)
             keys = keys + chain_keys(
-                token_ids[done:n * self.block_size], self.salt, parent=keys[-1] if keys else None
+                token_ids[done * self.block_size:n * self.block_size], self.salt, parent=keys[-1] if keys else None,
+                extra_keys=extra_keys.encoded(done, n - done, self.block_size),
             )
             self._keys[request_id] = keys
             while len(self._keys) > MAX_REQUESTS:

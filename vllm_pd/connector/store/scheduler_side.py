@@ -10,6 +10,13 @@ Two-phase put: ``plan_save`` *reserves* slots (keys pending, invisible to
 ``match``); the worker *writes* and checksums them; ``on_worker_report``
 *commits* them into the index once every TP rank reported them. Only committed
 blocks are ever counted by ``match`` or handed to ``plan_load``.
+
+Isolation: a request's keys carry its extra keys (LoRA adapter, cache salt,
+multimodal inputs; keys.py), and every block records the *scope* it was
+written for (``RequestExtraKeys.scope``: salt, adapter, cache salt). A load
+serves a block only if its scope is the loading request's; a mismatch (a key
+collision, or a bug that dropped extra keys) is logged, counted
+(``stats["scope_mismatches"]``) and recomputed, never served.
 """
 
 from __future__ import annotations
@@ -20,12 +27,15 @@ from dataclasses import dataclass, field
 from vllm_pd.connector.store.block_placement import BlockPlacement
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.disk_tier import scan
-from vllm_pd.connector.store.keys import BlockKey, KeySalt
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, BlockKey, KeySalt, RequestExtraKeys
 from vllm_pd.connector.store.master_client import MasterClient, RemoteHit
 from vllm_pd.connector.store.plans import LoadOp, SaveOp, StorePlan, StoreReport
 from vllm_pd.connector.store.radix import Pin
 from vllm_pd.connector.store.request_keys import RequestKeys
 from vllm_pd.connector.transfer_params import StoreFetch
+from vllm_pd.vllm_logging import vllm_logger
+
+logger = vllm_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -51,6 +61,7 @@ class StoreScheduler:
         self._loads: dict[str, _Load] = {}
         self._plan = StorePlan()
         self.master: MasterClient | None = None
+        self._base_scope = NO_EXTRA_KEYS.scope(salt)
         if config.master:
             import os
             import socket
@@ -73,28 +84,37 @@ class StoreScheduler:
     # -- queries -------------------------------------------------------------------
 
     def block_keys(
-        self, token_ids: Sequence[int], max_blocks: int | None = None, request_id: str | None = None
+        self, token_ids: Sequence[int], max_blocks: int | None = None, request_id: str | None = None,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> list[BlockKey]:
-        """Keys of the full blocks of ``token_ids``; with ``request_id`` the keys
-        are cached and extended (a request's tokens only ever grow)."""
-        return self.keys.get(token_ids, max_blocks, request_id)
+        """Keys of the full blocks of ``token_ids`` with the request's ``extra_keys``; with
+        ``request_id`` the keys are cached and extended (a request's tokens only ever grow)."""
+        return self.keys.get(token_ids, max_blocks, request_id, extra_keys)
+
+    def scope(self, extra_keys: RequestExtraKeys) -> BlockKey:
+        """What a block written for a request with ``extra_keys`` records (see the module doc)."""
+        return extra_keys.scope(self.salt) if extra_keys else self._base_scope
 
     def forget(self, request_id: str) -> None:
         """Drop a request's cached keys (it finished or was aborted)."""
         self.keys.forget(request_id)
 
-    def match(self, token_ids: Sequence[int], request_id: str | None = None) -> int:
+    def match(self, token_ids: Sequence[int], request_id: str | None = None,
+              extra_keys: RequestExtraKeys = NO_EXTRA_KEYS) -> int:
         """Leading tokens of ``token_ids`` whose KV is committed in the store
         (a multiple of the block size). Side-effect free on the store."""
-        return self.index.longest_prefix(self.block_keys(token_ids, request_id=request_id)) * self.block_size
+        keys = self.block_keys(token_ids, request_id=request_id, extra_keys=extra_keys)
+        return self.index.longest_prefix(keys) * self.block_size
 
-    def remote_match(self, token_ids: Sequence[int], request_id: str | None = None) -> RemoteHit | None:
+    def remote_match(self, token_ids: Sequence[int], request_id: str | None = None,
+                     extra_keys: RequestExtraKeys = NO_EXTRA_KEYS) -> RemoteHit | None:
         """Another node holding a longer prefix than this node, per the master
         (None if the master is absent, down or knows nothing longer)."""
-        return self.match_with_remote(token_ids, request_id)[1]
+        return self.match_with_remote(token_ids, request_id, extra_keys=extra_keys)[1]
 
     def match_with_remote(
-        self, token_ids: Sequence[int], request_id: str | None = None, fetch: StoreFetch | None = None
+        self, token_ids: Sequence[int], request_id: str | None = None, fetch: StoreFetch | None = None,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> tuple[int, RemoteHit | None]:
         """(tokens to load, the node to fetch the part beyond the local prefix
         from, or None): the local prefix, or a longer one another node holds -
@@ -102,7 +122,7 @@ class StoreScheduler:
         engine's scheduler does not wait for it), else per the master. Only a
         hint either way: the fetch verifies, and what does not arrive is
         recomputed (plan_load reports it as missing)."""
-        keys = self.block_keys(token_ids, request_id=request_id)
+        keys = self.block_keys(token_ids, request_id=request_id, extra_keys=extra_keys)
         if request_id is not None and self.keys.first_ask(request_id):
             self.cache.observe_request(keys)  # once per request, however often vLLM asks
         local = self.index.longest_prefix(keys)
@@ -123,7 +143,7 @@ class StoreScheduler:
 
     def plan_load(
         self, request_id: str, token_ids: Sequence[int], start_token: int, num_tokens: int,
-        block_ids: Sequence[int], remote: RemoteHit | None = None,
+        block_ids: Sequence[int], remote: RemoteHit | None = None, extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> tuple[LoadOp | None, list[int]]:
         """Load tokens ``[start_token, start_token + num_tokens)`` (block aligned)
         into vLLM blocks ``block_ids`` (one per block of that range). Returns the
@@ -139,8 +159,9 @@ class StoreScheduler:
         first, n = start_token // self.block_size, num_tokens // self.block_size
         if len(block_ids) != n:
             raise ValueError(f"{n} blocks to load but {len(block_ids)} block ids")
-        keys = self.block_keys(token_ids, max_blocks=first + n, request_id=request_id)
-        local_end = max(first, self.index.longest_prefix(keys))
+        keys = self.block_keys(token_ids, max_blocks=first + n, request_id=request_id, extra_keys=extra_keys)
+        scope = self.scope(extra_keys)
+        local_end = self._in_scope(keys, first, max(first, self.index.longest_prefix(keys)), scope)
         usable = keys[first:local_end]
         pin = self.index.pin(usable, self.config.pin_ttl_s)
         load = _Load(pin)
@@ -165,7 +186,8 @@ class StoreScheduler:
         fetched: list[BlockKey] = []
         fetch_slots: list[int] = []
         if remote is not None and first + len(usable) == local_end:  # local part whole: go on remotely
-            fetched, fetch_slots = self._reserve_fetch(request_id, keys, local_end, min(first + n, remote.blocks))
+            fetched, fetch_slots = self._reserve_fetch(request_id, keys, local_end, min(first + n, remote.blocks),
+                                                       scope)
         count = len(usable) + len(fetched)
         missing = list(block_ids[count:])
         if not count:
@@ -180,13 +202,25 @@ class StoreScheduler:
             from_disk + [False] * len(fetched),
             from_peer=[False] * len(usable) + [True] * len(fetched) if fetched else [],
             peer=remote.endpoint if remote is not None and fetched else "",
-            parent=keys[first - 1] if first else None,
+            parent=keys[first - 1] if first else None, scope=scope,
         )
         self._plan.loads.append(op)
         return op, missing
 
+    def _in_scope(self, keys: Sequence[BlockKey], start: int, end: int, scope: BlockKey) -> int:
+        """Where the run of (indexed) ``keys[start:end]`` written for ``scope`` ends: only the blocks
+        a load serves are checked (the ones before ``start`` vLLM already has)."""
+        for i in range(start, end):
+            found = self.placement.location(keys[i]).scope
+            if found != scope:
+                self.stats["scope_mismatches"] += 1
+                logger.error("KV store: block %s was written for scope %s, asked for %s: not served (recomputed)",
+                             keys[i].hex(), found.hex(), scope.hex())
+                return i
+        return end
+
     def _reserve_fetch(
-        self, request_id: str, keys: Sequence[BlockKey], start: int, end: int
+        self, request_id: str, keys: Sequence[BlockKey], start: int, end: int, scope: BlockKey
     ) -> tuple[list[BlockKey], list[int]]:
         """Reserve pool slots for ``keys[start:end]`` to be fetched from a peer
         (phase one of the put; invisible to ``match`` until committed)."""
@@ -198,15 +232,16 @@ class StoreScheduler:
         if not new:
             return [], []
         parent = keys[start - 1] if start else None
-        return self.placement.reserve(request_id, new, parent, set(keys[: start + len(new)]))
+        return self.placement.reserve(request_id, new, parent, set(keys[: start + len(new)]), scope)
 
     # -- saves -----------------------------------------------------------------------
 
-    def plan_save(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int]) -> SaveOp | None:
+    def plan_save(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int],
+                  extra_keys: RequestExtraKeys = NO_EXTRA_KEYS) -> SaveOp | None:
         """Reserve pool slots for the full blocks of ``token_ids`` (whose KV is in
         vLLM blocks ``block_ids``) that the store does not hold yet. The op is
         queued for the next plan; None when there is nothing to save or no room."""
-        keys = self.block_keys(token_ids, max_blocks=len(block_ids), request_id=request_id)
+        keys = self.block_keys(token_ids, max_blocks=len(block_ids), request_id=request_id, extra_keys=extra_keys)
         self.forget(request_id)
         self.cache.observe_save(keys)
         m = self.index.longest_prefix(keys)
@@ -218,10 +253,11 @@ class StoreScheduler:
         if not new:
             return None
         parent = keys[m - 1] if m else None
-        admitted, slots = self.placement.reserve(request_id, new, parent, set(keys[: m + len(new)]))
+        scope = self.scope(extra_keys)
+        admitted, slots = self.placement.reserve(request_id, new, parent, set(keys[: m + len(new)]), scope)
         if not admitted:
             return None
-        op = SaveOp(request_id, parent, admitted, list(block_ids[m:m + len(admitted)]), slots)
+        op = SaveOp(request_id, parent, admitted, list(block_ids[m:m + len(admitted)]), slots, scope)
         self._plan.saves.append(op)
         return op
 

@@ -146,7 +146,7 @@ class StoreWorker:
             self.copies.save(op.slots, op.block_ids, after=written)
             sums = [self.pool.checksum(s) for s in op.slots]
             for key, slot, digest in zip(op.keys, op.slots, sums):
-                self.directory.put(key, slot, digest)
+                self.directory.put(key, slot, digest, op.scope)
             result = SaveResult(op.request_id, list(op.keys), [])
         except Exception:  # noqa: BLE001 - a failed copy must be reported, not kill the thread
             logger.exception("store: saving %s failed", op.request_id)
@@ -155,14 +155,14 @@ class StoreWorker:
             self._saves.append(result)
             self._saved_requests.add(op.request_id)
         if self.disk is not None and result.committed:
-            self._write_through(op.parent, op.keys, op.slots, sums)
+            self._write_through(op.parent, op.keys, op.slots, sums, op.scope)
 
     def _write_through(self, parent: bytes | None, keys: Sequence[bytes], slots: Sequence[int],
-                       sums: Sequence[bytes]) -> None:
+                       sums: Sequence[bytes], scope: bytes) -> None:
         assert self.disk is not None
         parents = [parent, *keys[:-1]]
         for i in reversed(range(len(keys))):  # leaf first: parents are the most recent on disk
-            fut = self.disk.write(keys[i], parents[i], self.pool.slot_view(slots[i]), sums[i])
+            fut = self.disk.write(keys[i], parents[i], self.pool.slot_view(slots[i]), scope, sums[i])
             fut.add_done_callback(functools.partial(self._disk_written, keys[i]))
             with self._lock:
                 self._disk_futures = [f for f in self._disk_futures if not f.done()] + [fut]
@@ -246,11 +246,11 @@ class StoreWorker:
                     usable = min(usable, i)
                     break
                 self.directory.drop_slots([slot])
-                reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot))))
+                reads.append((i, self.disk.read_into(op.keys[i], self.pool.slot_view(slot), op.scope)))
         for i, fut in reads:  # wait for all: no read may still write a slot the scheduler frees
             digest = fut.result()
             if digest is not None:
-                self.directory.put(op.keys[i], op.slots[i], digest)
+                self.directory.put(op.keys[i], op.slots[i], digest, op.scope)
             else:
                 usable = min(usable, i)
         if not remote:
@@ -268,7 +268,7 @@ class StoreWorker:
         if self.exchange is None or len(peers) <= self.rank:
             logger.warning("store: no peer endpoint for rank %d (%r); recomputing", self.rank, op.peer)
             return None
-        return self.exchange.start_fetch(peers[self.rank], [op.keys[i] for i in remote], slots)
+        return self.exchange.start_fetch(peers[self.rank], [op.keys[i] for i in remote], slots, op.scope)
 
     def _settle(self, op: LoadOp, st: _Staged, failed: bool = False) -> int:
         """End the op's fetch (commit what landed intact, give back the rest);
@@ -290,12 +290,12 @@ class StoreWorker:
         slots = [op.slots[i] for i in remote]
         got = len(sums)
         for key, slot, digest in zip(keys, slots, sums):
-            self.directory.put(key, slot, digest)
+            self.directory.put(key, slot, digest, op.scope)
         with self._lock:
             self._saves.append(SaveResult(op.request_id, keys[:got], keys[got:]))
         if self.disk is not None and got:
             parent = op.keys[remote[0] - 1] if remote[0] else op.parent
-            self._write_through(parent, keys[:got], slots[:got], sums)
+            self._write_through(parent, keys[:got], slots[:got], sums, op.scope)
 
     def wait_layer(self, layer: int) -> None:
         """Order the forward's reads of ``layer`` after every load started so far: on the host

@@ -362,7 +362,12 @@ class StreamTransport(Transport):
                 return  # listener closed
             with self._lock:
                 self._handshaking[sock] = None
-                oldest = next(iter(self._handshaking)) if len(self._handshaking) > MAX_PENDING_HANDSHAKES else None
+                oldest = None
+                if len(self._handshaking) > MAX_PENDING_HANDSHAKES:
+                    # out of the count now, not when its thread sees the cut: a busy host would
+                    # otherwise cut the same socket again and let the others pile up
+                    oldest = next(iter(self._handshaking))
+                    del self._handshaking[oldest]
             if oldest is not None:
                 logger.warning("%s: over %d connections in their handshake; cutting the oldest", self.scheme,
                                MAX_PENDING_HANDSHAKES)
