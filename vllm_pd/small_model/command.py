@@ -25,8 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", type=Path, metavar="ADAPTER_DIR",
                         help="also write a PEFT LoRA adapter for the model there (llama only; vLLM serves it with "
                              "--enable-lora --lora-modules NAME=ADAPTER_DIR)")
-    parser.add_argument("--lora-rank", type=int, default=LoraSpec.rank, help=f"default {LoraSpec.rank}")
-    parser.add_argument("--lora-seed", type=int, default=LoraSpec.seed, help=f"default {LoraSpec.seed}")
+    parser.add_argument("--lora-rank", type=int, default=LoraSpec.rank,
+                        help=f"with --lora: the adapter's rank r (default {LoraSpec.rank})")
+    parser.add_argument("--lora-seed", type=int, default=LoraSpec.seed,
+                        help=f"with --lora: seed of the adapter's random weights (default {LoraSpec.seed})")
 
 
 _MLA_ONLY = {"kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank"}
