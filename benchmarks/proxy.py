@@ -13,6 +13,7 @@ measured window is printed; "CPU/req" = the router's CPU seconds / requests.
     flock /tmp/vllm-pd-heavy.lock python3 benchmarks/proxy.py            # both routers
     flock /tmp/vllm-pd-heavy.lock python3 benchmarks/proxy.py --profile /tmp/proxy.prof --skip-saturation
     flock /tmp/vllm-pd-heavy.lock python3 benchmarks/proxy.py --compare-tree DIR   # A/B: also DIR's vllm_pd proxy
+    ... --loop-lag   # also each proxy's event-loop lag in its measured windows (benchmarks/loop_lag.py)
     python3 benchmarks/proxy.py --stacks                                 # client/loop stack comparison
 
 vllm-router: `pip install --no-deps --target /tmp/vr vllm-router` (binary wheel), then --vllm-router-path /tmp/vr.
@@ -99,8 +100,10 @@ PROXY_FLAGS: list[str] = []
 
 
 def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
-               profile: str | None = None, tree: str | None = None) -> tuple[subprocess.Popen, str]:
-    """Our proxy from this checkout, or from another source tree (``tree``) for an A/B of two versions."""
+               profile: str | None = None, tree: str | None = None,
+               lag_out: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Our proxy from this checkout, or from another source tree (``tree``) for an A/B of two versions;
+    ``lag_out``: under the loop-lag probe (benchmarks/loop_lag.py), its samples to that file on exit."""
     port = free_port()
     env = _env()
     if tree:
@@ -109,8 +112,9 @@ def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
         env["VLLM_PD_PROXY_LOOP"] = "asyncio"
     # cProfile writes its file when the proxy exits on SIGTERM (it stops cleanly)
     prof = ["-m", "cProfile", "-o", profile] if profile else []
+    main = [str(ROOT / "benchmarks" / "loop_lag.py"), lag_out] if lag_out else ["-m", "vllm_pd.router.command_proxy"]
     p = subprocess.Popen(layout.router_prefix() + [
-        sys.executable, *prof, "-m", "vllm_pd.router.command_proxy", "--port", str(port),
+        sys.executable, *prof, *main, "--port", str(port),
         "--prefill", prefill, "--decode", decode, "--prefill-policy", "round_robin",
         "--decode-policy", "round_robin", "--log-level", "WARNING", *(PROXY_FLAGS if tree is None else [])], env=env,
         cwd=tree or None)  # `python -m` puts the working directory first on sys.path
@@ -194,6 +198,7 @@ class LoadResult:
     cpu: dict[str, float]  # name -> CPU seconds per wall second in the window (1.0 = one core)
     router_cpu_per_req: float | None  # seconds
     wall: float = 0.0  # seconds measured
+    round_p99s: list[float] = field(default_factory=list)  # total p99 of each pooled round, seconds
 
     @staticmethod
     def pooled(rounds: list[LoadResult]) -> LoadResult:
@@ -204,7 +209,8 @@ class LoadResult:
         per_req = None
         if rounds[0].router_cpu_per_req is not None:
             per_req = sum((r.router_cpu_per_req or 0.0) * len(r.samples) for r in rounds) / len(samples)
-        return LoadResult(samples, len(samples) / wall, cpu, per_req, wall)
+        p99s = [pct([s.total for s in r.samples], 0.99) for r in rounds]
+        return LoadResult(samples, len(samples) / wall, cpu, per_req, wall, p99s)
 
 
 async def closed_loop(url: str | None, direct: tuple[str, str] | None, concurrency: int, seconds: float,
@@ -258,7 +264,10 @@ def _cpu_line(res: LoadResult) -> str:
     parts = [f"{k} {v * 100:3.0f}%" for k, v in res.cpu.items()]
     if res.router_cpu_per_req is not None:
         parts.append(f"router CPU/req {res.router_cpu_per_req * 1e3:.3f} ms")
-    return "      cpu (% of one core): " + ", ".join(parts)
+    line = "      cpu (% of one core): " + ", ".join(parts)
+    if len(res.round_p99s) > 1:  # one disturbed round sets a pooled p99: show each
+        line += "; total p99 per round " + " / ".join(f"{p * 1e3:.0f}" for p in res.round_p99s) + " ms"
+    return line
 
 
 @dataclass
@@ -270,11 +279,17 @@ class Routers:
     entries: list[tuple[str, str | None, int | None]] = field(default_factory=list)  # (name, url, pid)
     backends: tuple[str, str] = ("", "")
     mock_pids: list[int] = field(default_factory=list)
+    lag_files: dict[str, str] = field(default_factory=dict)  # router name -> its loop-lag samples (--loop-lag)
+    # (streams, router name) -> the measured windows (time.monotonic()) of its rounds
+    windows: dict[tuple[int, str], list[tuple[float, float]]] = field(default_factory=dict)
 
     @classmethod
     def start(cls, layout: Layout, ttft: float, itl: float, vr_path: str | None, profile: str | None,
-              compare_tree: str | None = None) -> Routers:
+              compare_tree: str | None = None, loop_lag: bool = False) -> Routers:
         r = cls(layout)
+        if loop_lag:
+            r.lag_files = {name: f"/tmp/proxy-loop-lag-{os.getpid()}-{i}.json"
+                           for i, name in enumerate(("vllm-pd proxy", "vllm-pd other tree"))}
         try:
             pp, purl = start_mock(layout, itl, ttft, "p0")
             dp, durl = start_mock(layout, itl, ttft, "d0")
@@ -282,11 +297,12 @@ class Routers:
             r.mock_pids = [pp.pid, dp.pid]
             r.backends = (purl, durl)
             r.entries.append(("direct (no proxy)", None, None))
-            ours, ours_url = start_ours(layout, purl, durl, profile=profile)
+            ours, ours_url = start_ours(layout, purl, durl, profile=profile, lag_out=r.lag_files.get("vllm-pd proxy"))
             r.procs.append(ours)
             r.entries.append(("vllm-pd proxy", ours_url, ours.pid))
             if compare_tree:
-                other, other_url = start_ours(layout, purl, durl, tree=compare_tree)
+                other, other_url = start_ours(layout, purl, durl, tree=compare_tree,
+                                              lag_out=r.lag_files.get("vllm-pd other tree"))
                 r.procs.append(other)
                 r.entries.append(("vllm-pd other tree", other_url, other.pid))
             if vr_path:
@@ -312,8 +328,10 @@ class Routers:
                 if pid is not None:
                     meters["router"] = CpuMeter([pid])
                 direct = self.backends if url is None else None
+                t0 = time.monotonic() + min(1.0, seconds / 4)  # (closed_loop's warm-up is not measured)
                 out[name].append(asyncio.run(closed_loop(url, direct, concurrency, seconds, stream, max_tokens,
                                                          meters, "router" if pid is not None else None, stagger)))
+                self.windows.setdefault((concurrency, name), []).append((t0, time.monotonic()))
         return {name: LoadResult.pooled(rs) for name, rs in out.items()}
 
 
@@ -351,6 +369,26 @@ def _latency_level(rs: Routers, args: argparse.Namespace, streams: int, stagger:
         print("  (the load core was busy > 90 % even direct: the figures above include its own queueing)")
 
 
+def _print_loop_lag(rs: Routers) -> None:
+    """Each proxy's event-loop lag (10 ms probe, benchmarks/loop_lag.py) in its measured windows."""
+    print("\n[loop lag] how late a 10 ms timer fired in the proxy during its measured rounds")
+    samples = {}
+    for name, path in rs.lag_files.items():
+        try:
+            with open(path) as f:
+                samples[name] = json.load(f)
+            os.unlink(path)
+        except (OSError, ValueError) as e:
+            print(f"  {name}: no samples ({e!r})")
+    for (streams, name), windows in rs.windows.items():
+        if name not in samples:
+            continue
+        lags = [lag for t, lag in samples[name] if any(a <= t <= b for a, b in windows)]
+        print(f"  {streams:5d} streams  {name:18s} lag p50 {pct(lags, .5) * 1e3:6.2f}  "
+              f"p99 {pct(lags, .99) * 1e3:6.2f}  max {max(lags, default=float('nan')) * 1e3:6.2f} ms  "
+              f"({len(lags)} ticks)")
+
+
 def run_suite(args: argparse.Namespace) -> None:
     layout = _layout(args)
     print(f"backends: mock prefill+decode, ttft={args.ttft * 1e3:.0f} ms itl={args.itl * 1e3:.0f} ms, "
@@ -359,13 +397,16 @@ def run_suite(args: argparse.Namespace) -> None:
           f"load generator + mocks on core {layout.load_core}; "
           f"load average at start {os.getloadavg()[0]:.2f}")
     if not args.skip_latency:
-        rs = Routers.start(layout, args.ttft, args.itl, args.vllm_router_path, args.profile, args.compare_tree)
+        rs = Routers.start(layout, args.ttft, args.itl, args.vllm_router_path, args.profile, args.compare_tree,
+                           args.loop_lag)
         try:
             stagger = 0.0 if args.lockstep else 2 * args.ttft + args.itl * (args.tokens - 1)
             for streams in args.streams:  # the same mocks and routers for every level: one run
                 _latency_level(rs, args, streams, stagger)
         finally:
             stop(rs.procs)
+        if rs.lag_files:
+            _print_loop_lag(rs)
     if args.skip_saturation:
         return
     print(f"\n[saturation] non-streaming, max_tokens=2, zero-delay backends, concurrency {args.sat_concurrency}, "
@@ -531,6 +572,8 @@ def main() -> None:
     ap.add_argument("--compare-tree", metavar="DIR", help="also run the proxy of another source tree (e.g. a "
                     "`git worktree` of the previous commit), interleaved with this one")
     ap.add_argument("--profile", metavar="FILE", help="run our proxy under cProfile, writing FILE")
+    ap.add_argument("--loop-lag", action="store_true", help="run each vllm-pd proxy under a 10 ms event-loop lag "
+                    "probe (benchmarks/loop_lag.py) and print its lag in the measured rounds")
     ap.add_argument("--proxy-flag", action="append", default=[], metavar="FLAG",
                     help="a flag for this checkout's proxy, e.g. --proxy-flag=--request-log=/dev/null (repeatable; "
                     "--compare-tree's proxy runs without them)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prefill and one decode vLLM instance with PDConnector, driven by hand with curl:
-# the two-leg flow a PD proxy performs (see README "The request flow").
+# the two-leg flow a PD proxy performs (docs/guides/connector.md, "The request flow").
 #   bash examples/1p1d_by_hand.sh [MODEL_DIR] [push|pull]
 set -euo pipefail
 MODEL=${1:-$(python3 -c 'from vllm_pd.small_model import ensure_default_model; print(ensure_default_model())')}

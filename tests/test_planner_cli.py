@@ -124,16 +124,18 @@ def test_profile_measures_the_hand_over_through_a_pd_proxy(mock_url: str, slow_m
     out = tmp_path / "p.json"
     rc = cli.main(["profile", mock_url, "--pd-url", slow_mock_url, "--out", str(out), "--prefill-tokens", "16,64",
                    "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1", "--decode-repeats", "1",
-                   "--wake-idle-ms", "20", "--wake-repeats", "2", "--kv-repeats", "2"])
+                   "--wake-idle-ms", "20", "--wake-repeats", "2", "--kv-repeats", "3"])
     assert rc == 0
     inst = load_profile(out).for_tp(1)
-    assert [t for t, _ in inst.kv_samples] == [16, 16, 64, 64]
-    assert all(35 <= ms <= 65 for _, ms in inst.kv_samples) and 35 <= inst.kv_ms(40) <= 65
+    assert [t for t, _ in inst.kv_samples] == [16, 16, 16, 64, 64, 64]
+    # 50 ms, told from 0 (the instance against itself) and 100 (the pair's TTFT not less the instance's);
+    # a sample is the difference of two, each late by what a busy host's scheduler adds: judged by the median
+    assert 20 <= statistics.median(ms for _, ms in inst.kv_samples) <= 85 and 20 <= inst.kv_ms(40) <= 85
     # the wake-up through the pair as well as straight: the "pair" answers 50 ms later either way
     assert [idle for idle, _, _ in inst.pd_wake_samples] == [20.0, 20.0]
     pair_ttft = statistics.median(hot for _, hot, _ in inst.pd_wake_samples)
     direct_ttft = statistics.median(hot for _, hot, _ in inst.wake_samples)
-    assert 35 <= pair_ttft - direct_ttft <= 65
+    assert 20 <= pair_ttft - direct_ttft <= 85
 
 
 class FakeHost:

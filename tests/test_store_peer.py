@@ -73,7 +73,7 @@ def test_fetched_blocks_are_rehashed_before_they_count(pair):
     commits or advertises a peer's word. Negative control: its claims are true for slots 4, 5."""
     a, b = pair
     a.pool.data[6].fill_(0)  # slot 6's bytes changed after its checksum was taken
-    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3])
+    sums = b.fetch(a.endpoint, KEYS, [0, 1, 2, 3], SCOPE)
     assert sums == [a.pool.checksum(4), a.pool.checksum(5)]
     assert b.stats["fetched_blocks"] == 2
 

@@ -46,7 +46,9 @@ def parse_size(key: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class PDConnectorConfig:
-    # transport between instances
+    # transport between instances: tcp (any hosts), shm (one host: POSIX shared memory and layer plans)
+    # or nixl (NIXL over UCX: cma on one host, RDMA or tcp between hosts, GPU memory registered as is;
+    # needs the nixl extra, which install.sh installs)
     transport: TransportName = "tcp"
     # address peers use to reach this instance's KV endpoint ("auto": this host's IP)
     host: str = "auto"
@@ -62,13 +64,16 @@ class PDConnectorConfig:
     # TLS for the tcp transport and the store's node-to-node fetches (PEM files; all three or none):
     # this instance's certificate and key, and the CA that signed every instance's certificate
     tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
+    tls_key: str | None = None  # this instance's private key (PEM), with tls_cert and tls_ca
+    tls_ca: str | None = None  # the CA (PEM) that signed every instance's certificate, with tls_cert and tls_key
     # mode a prefill instance uses when the proxy's kv_transfer_params don't say
     default_mode: TransferMode = "pull"
     # async: a request waits (off the batch) until its KV has landed;
     # layerwise: its first forward waits per layer while later layers still arrive;
-    # auto: layer-wise while this instance has no other request (nothing to stall), else async
+    # auto: layer-wise while this instance has no other request (nothing to stall), else async.
+    # A decode leg may choose per request ("load_mode" in its kv_transfer_params). On GPUs async
+    # without a store keeps vLLM's FULL CUDA graphs (no load is then layer-wise); auto, layerwise or a
+    # store make vLLM capture PIECEWISE graphs, whose per-layer waits run
     load_mode: LoadMode = "auto"
     # prefill holds a request's blocks at most this long for decode to take them
     lease_s: float = 60.0
@@ -87,8 +92,11 @@ class PDConnectorConfig:
     # floods it cannot take it from the others
     staging_peer_bytes: int | None = None
     # device KV (GPU) over a host transport (tcp, shm): pinned host memory its blocks pass through
+    # (prefill holds a request's KV there until decode releases it; decode lands its reads there)
     host_staging_bytes: int = 1 << 30
-    # verify a checksum of every block (length is always verified)
+    # verify a checksum of every block (CRC32C, computed while the bytes are copied); length is always
+    # verified. With a deployment secret and no TLS, blocks an outsider could write get a check keyed
+    # by the session instead (transport/checksum.py)
     checksum: bool = True
     # settings of the KV block store (validated by vllm_pd.connector.store); None = no store
     store: dict[str, Any] | None = None
@@ -128,7 +136,7 @@ class PDConnectorConfig:
                                               "kv_connector_extra_config.")
         if values["tls"] is not None and values.get("transport", "tcp") != "tcp":
             raise ConfigError("kv_connector_extra_config.tls_cert: TLS is for the tcp transport (shm never leaves "
-                              "the host; nixl's RDMA cannot be encrypted by us: see the README)")
+                              "the host; nixl's RDMA cannot be encrypted by us: see docs/guides/security.md)")
         cfg = cls(**values)
         for key in ("lease_s", "transfer_timeout_s", "push_wait_s", "peer_probe_s"):
             if getattr(cfg, key) <= 0:

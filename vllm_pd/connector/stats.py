@@ -28,6 +28,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm_pd.connector.transfer_counters import COUNTERS, GAUGES, RANK_GAUGES, TransferCounters
 
 
+# the help text of each metric in /metrics (and in the docs' generated metrics reference)
+HELP = {
+    "pushed_blocks": "KV blocks prefill pushed to decode, counted per layer",
+    "pushed_bytes": "bytes of KV prefill pushed to decode",
+    "loaded_bytes": "bytes of KV decode landed in its blocks (pushed or fetched)",
+    "lease_expired": "transfers whose lease ended before decode released them: prefill freed the KV",
+    "push_transfers": "push transfers whose layer-wise overlap is summed in push_tail/push_span_seconds",
+    "push_tail_seconds": "summed over push transfers: prefill's last layer computed until all its KV landed",
+    "push_span_seconds": "summed over push transfers: first push until all KV landed",
+    "connections_refused": "KV connections refused: they did not prove the deployment secret",
+    "connections_broken": "authenticated KV connections closed for a bad seal or a malformed or oversized frame",
+    "shape_refused": "transfers refused because prefill's and decode's KV shapes (TP, block size, KV cache "
+                     "groups, kernel packing) cannot be re-cut: decode recomputed at once",
+    "loaded_blocks": "KV blocks decode landed, counted per layer, by source (push: pushed by prefill; "
+                     "fetch: read from the peer)",
+    "loads": "remote KV loads by result (failed: decode recomputed the prompt)",
+    "store_served_blocks": "KV store blocks this node served to other nodes' fetches, by tier",
+    "held_transfers": "transfers whose KV prefill holds for decode (until released or the lease ends)",
+    "loading_requests": "requests whose KV decode is loading",
+    "staged_bytes": "bytes of pushed KV in decode's staging, not yet placed in a request's blocks",
+}
+
+
 @dataclass
 class PDConnectorStats(TransferCounters, KVConnectorStats):
     """The counters as vLLM's connector stats (sent to its logger and /metrics)."""
@@ -58,15 +81,14 @@ class PDPromMetrics(KVConnectorPromMetrics):
         for name in ("pushed_blocks", "pushed_bytes", "loaded_bytes", "lease_expired", "push_transfers",
                      "push_tail_seconds", "push_span_seconds", "connections_refused", "connections_broken",
                      "shape_refused"):
-            self._counters[name] = c(name=f"vllm:pd_{name}", documentation=f"PD connector {name}",
-                                     labelnames=labelnames)
-        self._loaded_blocks = c(name="vllm:pd_loaded_blocks", documentation="KV blocks landed by source",
+            self._counters[name] = c(name=f"vllm:pd_{name}", documentation=HELP[name], labelnames=labelnames)
+        self._loaded_blocks = c(name="vllm:pd_loaded_blocks", documentation=HELP["loaded_blocks"],
                                 labelnames=[*labelnames, "source"])
-        self._loads = c(name="vllm:pd_loads", documentation="remote KV loads by result",
+        self._loads = c(name="vllm:pd_loads", documentation=HELP["loads"],
                         labelnames=[*labelnames, "result"])
-        self._store_served = c(name="vllm:pd_store_served_blocks", documentation="KV store blocks served to peers",
+        self._store_served = c(name="vllm:pd_store_served_blocks", documentation=HELP["store_served_blocks"],
                                labelnames=[*labelnames, "tier"])
-        self._gauges = {name: g(name=f"vllm:pd_{name}", documentation=f"PD connector {name}, per TP rank",
+        self._gauges = {name: g(name=f"vllm:pd_{name}", documentation=f"{HELP[name]}, per TP rank",
                                 labelnames=[*labelnames, "tp_rank"], multiprocess_mode="mostrecent")
                         for name in GAUGES}
 

@@ -51,15 +51,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-relay-url", help="a proxy in front of the prefill instance alone (as --relay-url)")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size,
                    help="draw prompt token ids below this (default: read from the served model)")
-    p.add_argument("--kv-fixed-ms", type=float, default=d.kv_fixed_ms)
-    p.add_argument("--kv-ms-per-token", type=float, default=d.kv_ms_per_token)
+    p.add_argument("--kv-fixed-ms", type=float, default=d.kv_fixed_ms,
+                   help="without --pd-url: the KV hand-over's fixed cost in ms (kv_ms = fixed + per token x t)")
+    p.add_argument("--kv-ms-per-token", type=float, default=d.kv_ms_per_token,
+                   help="without --pd-url: the KV hand-over's ms per prompt token")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="the instance's step token budget (vLLM CPU's API server default: 2048 x TP)")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="the instance's --max-num-seqs: no decode batch above it is measured")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="the instance's --max-model-len: no prompt or context above it is measured")
     p.add_argument("--prefill-tokens", type=_ints, default=d.prefill_tokens, help="prompt lengths, comma-separated")
-    p.add_argument("--decode-batches", type=_ints, default=d.decode_batches)
-    p.add_argument("--decode-contexts", type=_ints, default=d.decode_contexts)
+    p.add_argument("--decode-batches", type=_ints, default=d.decode_batches,
+                   help="decode batch sizes measured, comma-separated")
+    p.add_argument("--decode-contexts", type=_ints, default=d.decode_contexts,
+                   help="decode context lengths measured (tokens), comma-separated")
     p.add_argument("--repeats", type=int, default=d.repeats, help="prefill and KV hand-over points")
     p.add_argument("--decode-repeats", type=int, default=d.decode_repeats,
                    help="decode points (their scatter around the fit is the decode spread)")

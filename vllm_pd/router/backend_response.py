@@ -6,6 +6,13 @@ reader takes whatever is there (``readany``) or all of it up to a limit
 reader catches up, so what a backend sends is never buffered beyond that and
 the limit the reader names.
 
+Or, for a long stream, the body goes to a sink (``relay_to``) right in the
+parser's callback: no task switch per piece, which at a thousand streams is
+most of the relay's Python time. A sink that returns False (it cannot take
+more now, or it failed) holds the response: the socket pauses, later pieces
+queue, and the task waiting in ``relayed`` wakes to look; ``resume_relay``
+hands it the queue and reads on.
+
 A failed response raises a fresh copy of its error on every read, never the
 stored one: a raised exception takes a traceback whose frames hold the reader's
 locals (its buffers) and this response, and the response holding that
@@ -17,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from vllm_pd.router.http_client import _Connection
 
 HIGH_WATER = 256 * 1024  # buffered response bytes at which reading pauses (it resumes once all is read)
+
+Sink = Callable[[bytes], bool]  # takes a piece of the body; False: hold the body (the sink cannot go on now)
 
 
 class BackendError(Exception):
@@ -65,7 +74,7 @@ class BackendResponse:
     """
 
     __slots__ = ("status", "retry_after", "_conn", "_chunks", "_buffered", "_done", "_error", "_waiter",
-                 "_idle_timeout", "_closed", "_timer", "_idle_timer", "_active_at", "__weakref__")
+                 "_idle_timeout", "_closed", "_timer", "_idle_timer", "_active_at", "_sink", "_held", "__weakref__")
 
     def __init__(self, conn: _Connection, idle_timeout: float | None) -> None:
         self.status = 0
@@ -83,6 +92,8 @@ class BackendResponse:
         # coming, instead of a timer per wait (a stream of N events would create N)
         self._idle_timer: asyncio.TimerHandle | None = None
         self._active_at = 0.0  # when data last arrived or a wait began (time.monotonic, the loop's clock)
+        self._sink: Sink | None = None  # takes the body as it arrives (relay_to)
+        self._held = False  # the sink returned False: pieces queue until resume_relay
 
     # ------------------------------------------------------- reader side
     async def readany(self) -> bytes:
@@ -117,10 +128,48 @@ class BackendResponse:
         finally:
             parts.clear()  # what an abandoned read held goes now, not with its traceback
 
+    def relay_to(self, sink: Sink | None) -> None:
+        """From now on every piece of the body goes to ``sink`` as it arrives, in the connection's callback
+        (what was queued first); None: back to ``readany``. The sink must not raise: a failure is its
+        False, for the task waiting in :meth:`relayed` to handle."""
+        self._sink = sink
+        self._held = False
+        if sink is not None:
+            self._relay_queued()
+
+    def resume_relay(self) -> None:
+        """Go on after the sink held the body: the queued pieces to the sink, then read on."""
+        self._held = False
+        self._relay_queued()
+
+    async def relayed(self) -> bool:
+        """With a sink: wait until the whole body went to it (True) or it held the body (False);
+        the response's error (a broken connection, a read timeout) raises."""
+        while True:
+            if self._held:
+                return False
+            if self._error is not None:
+                raise _fresh(self._error)
+            if self._done and not self._chunks:
+                return True
+            await self._wait()
+
+    def _relay_queued(self) -> None:
+        chunks, sink = self._chunks, self._sink
+        while chunks and sink is not None:
+            data = chunks.popleft()
+            self._buffered -= len(data)
+            if not sink(data):
+                self._held = True
+                self._conn.pause()
+                return
+        self._conn.resume()
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._sink = None
         if self._timer is not None:
             self._timer.cancel()
         if self._idle_timer is not None:
@@ -165,6 +214,13 @@ class BackendResponse:
 
     def _feed(self, data: bytes) -> None:
         self._active_at = time.monotonic()
+        sink = self._sink
+        if sink is not None and not self._held:
+            if not sink(data):
+                self._held = True
+                self._conn.pause()
+                self._wake()
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER:
@@ -178,6 +234,7 @@ class BackendResponse:
     def _fail(self, exc: BaseException) -> None:
         if not self._done and self._error is None:
             self._error = exc
+            self._sink = None  # nothing reaches a sink after the failure its task is woken for
             self._wake()
 
     def _time_out(self, seconds: float) -> None:

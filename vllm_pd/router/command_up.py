@@ -31,13 +31,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--both", type=int, default=0, help="kv_both servers whose role the supervisor picks")
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address of the proxy and servers (default 127.0.0.1)")
-    p.add_argument("--kv-mode", choices=("push", "pull", "auto"), default="auto")
+    p.add_argument("--kv-mode", choices=("push", "pull", "auto"), default="auto",
+                   help="the proxy's --kv-mode (default auto: push)")
     p.add_argument("--transport", choices=("shm", "tcp", "nixl"), default="shm",
                    help="KV transport of the connector (default shm: every server runs on this machine)")
     p.add_argument("--connector", default="PDConnector",
                    help="KV connector of the servers (default PDConnector; 'none' = plain vLLM, decode recomputes)")
     p.add_argument("--log-dir", type=Path, help="where the servers' logs go (default a temp dir)")
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="every server's --max-model-len (default 2048)")
     p.add_argument("--served-model-name",
                    help="model name clients send (default: vllm-pd-small for the built-in model, else --model's "
                         "folder name or the HF id)")

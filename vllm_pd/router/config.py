@@ -38,8 +38,8 @@ KV_SCHEMES = ("tcp", "shm", "nixl")
 
 @dataclass
 class InstanceConfig:
-    url: str
-    role: str
+    url: str  # the instance's OpenAI API: http(s)://host:port, no path
+    role: str  # prefill | decode | both (a kv_both instance: the supervisor picks which leg it serves)
     kv_endpoint: str | None = None  # "tcp://host:port" (or shm:// on one host, nixl://) of its KV endpoint (push mode)
     kv_events: str | None = None  # "tcp://host:port" of its vLLM KV-event publisher (kv_aware routing)
 
@@ -64,8 +64,9 @@ class K8sDiscoveryConfig:
     prefill_selector: str | None = None
     decode_selector: str | None = None
     both_selector: str | None = None
-    namespace: str | None = None  # None: the service account's own namespace
-    api_url: str | None = None  # None: in the cluster (KUBERNETES_SERVICE_HOST, service account token and CA)
+    namespace: str | None = None  # namespace of the pods; None: the service account's own namespace
+    # the Kubernetes API server's URL; None: in the cluster (KUBERNETES_SERVICE_HOST, service account token and CA)
+    api_url: str | None = None
     http_port: int = 8000  # for pods with neither a vllm-pd/http-port annotation nor a container port "http"
     watch_timeout: float = 300.0  # seconds the API server keeps one watch open before we renew it
     backoff_max: float = 30.0  # seconds at most between reconnects to an unreachable API server
@@ -101,8 +102,10 @@ class ProxyConfig:
     port: int = 8000
     instances: list[InstanceConfig] = field(default_factory=list)
     kv_mode: str = "auto"  # push | pull (auto = push: measured fastest, see benchmarks/RESULTS.md)
+    # how a prefill leg's instance is chosen: prefix_aware keeps a prompt prefix on the instance it went to;
+    # kv_aware goes where its KV is (vLLM's KV events, the store master); the others by load or in turn
     prefill_policy: str = "prefix_aware"
-    decode_policy: str = "least_outstanding"
+    decode_policy: str = "least_outstanding"  # how a decode leg's instance is chosen (kv_aware as above)
     require_disagg: bool = False  # never fall back to decode-only when no prefill works
     short_prompt_tokens: int = 0  # prompts with at most this many tokens skip prefill (0 = never)
     prefill_timeout: float = 300.0  # seconds for the whole prefill leg
@@ -128,7 +131,7 @@ class ProxyConfig:
     breaker_cooldown: float = 10.0  # seconds an open breaker stays open before a probe
     admin_token: str | None = None  # admin API disabled when unset
     supervisor: bool = False  # choose roles of "both" instances from observed load
-    supervisor_interval: float = 2.0
+    supervisor_interval: float = 2.0  # seconds between the supervisor's decisions (YAML only)
     supervisor_ttft_slo: float = 2.0  # seconds; the supervisor balances TTFT/slo against TPOT/slo
     supervisor_tpot_slo: float = 0.1  # seconds per output token
     supervisor_profile: str | None = None  # a `vllm-pd profile` file: the supervisor also predicts with it

@@ -1,5 +1,10 @@
 """Relaying decode's answer to the client: whole JSON, or SSE event by event.
 
+After its first event a stream is relayed from decode's socket callback
+(:class:`_StreamPump`, ``BackendResponse.relay_to``): each read's events are
+checked and sent to the client at once, with no task switch per read - at a
+thousand streams that switch was most of the relay's Python time.
+
 Until decode's first event nothing is sent to the client, so a failure there is
 a :class:`DecodeFailed` the flow can retry; after it, an OpenAI-style error
 event ends the stream - also for an event that is not relayable (sse_relay.py:
@@ -14,13 +19,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from vllm_pd.router.backend_answer import BackendAnswer
 from vllm_pd.router.backend_response import BackendError, BackendResponse, BackendUnreachable, BodyTooLarge
 from vllm_pd.router.errors import upstream_error
 from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.instance_pool import Instance, InstancePool, InFlightLeg
-from vllm_pd.router.leg_timings import LegTimings
+from vllm_pd.router.leg_timings import FastHistogram, LegTimings
 from vllm_pd.router.metrics import ProxyMetrics
 from vllm_pd.router.sse_relay import DEFAULT_MAX_EVENT_BYTES, BadBackendStream, SseSplitter, rewrite_usage
 from vllm_pd.router.tracing import RequestTrace
@@ -138,60 +144,53 @@ class DecodeRelay:
         timings.first_token = timings.last_event = t_first
         state.first_token()
         self.pool.observe(self.pool.recent_ttft, timings.started, t_first - timings.started)
-        inter_token = self.metrics.legs.inter_token.child(decode.url)
         out = StreamResponse(200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
-        n_events = first.count(b"data:")
-        timings.events = n_events
-        # TPOT is sampled while the stream runs (every TPOT_WINDOW events), not only at its end:
-        # long outputs would otherwise tell the supervisor about decode pressure far too late
-        sample_t, sample_n = t_first, n_events
+        pump = _StreamPump(events, out, state, self.metrics.legs.inter_token.child(decode.url),
+                           lambda sent, tpot: self._record_tpot(decode, sent, tpot), first.count(b"data:"), t_first)
+        timings.events = pump.n_events
         try:
             await out.prepare(http_request)
             state.stage = "stream"
             await out.write(first)
+            resp.relay_to(pump.feed)
             while True:
                 try:
-                    chunk = await resp.readany()
-                    if not chunk:
+                    if await resp.relayed():
                         data = events.flush()  # what the backend left without a closing blank line
                         if data:
                             await out.write(data)
                         break
-                    events.cached_tokens = state.prefill_cached_tokens  # prefill may answer after decode began
-                    data = events.feed(chunk)
                 except (BackendError, TimeoutError, BadBackendStream) as e:
-                    # bytes already reached the client: end the stream with an error event
-                    timings.outcome = "stream_error"
-                    await self._end_with_error(out, events, decode, e)
+                    await self._stream_broke(out, events, decode, resp, e, timings)
                     return out
-                if data:
-                    k = data.count(b"data:")
-                    n_events += k
-                    tokens = k - 1 if data.endswith(_DONE) else k  # [DONE] is no token
-                    if tokens > 0:
-                        now = time.monotonic()
-                        inter_token.observe_n((now - timings.last_event) / tokens, tokens)  # type: ignore[operator]
-                        timings.last_event = now
-                        timings.events += tokens
-                    await out.write(data)
-                    if n_events - sample_n >= TPOT_WINDOW:
-                        now = time.monotonic()
-                        self._record_tpot(decode, timings.started, (now - sample_t) / (n_events - sample_n))
-                        sample_t, sample_n = now, n_events
+                if isinstance(pump.error, ConnectionResetError):
+                    raise ConnectionResetError("client disconnected")
+                if pump.error is not None:
+                    await self._stream_broke(out, events, decode, resp, pump.error, timings)
+                    return out
+                await out.drain()  # the pump held decode's stream: the client reads slower than decode writes
+                resp.resume_relay()
             await out.write_eof()
         except ConnectionResetError:  # writing to the client failed: it went away
             timings.outcome = "client_disconnected"
             self.metrics.disconnects.labels(state.stage).inc()
             logger.info("client disconnected mid-stream; request %s aborted", state.request_id)
             return out
-        if n_events - sample_n > 2:  # the tail since the last sample, minus the [DONE] event
-            self._record_tpot(decode, timings.started,
-                              (time.monotonic() - sample_t) / (n_events - sample_n - 1))
+        finally:
+            resp.relay_to(None)
+        pump.record_tail()
         return out
 
     def _record_tpot(self, decode: Instance, sent: float, tpot: float) -> None:
         decode.tpot.add(tpot)
         self.pool.observe(self.pool.recent_tpot, sent, tpot)
+
+    async def _stream_broke(self, out: StreamResponse, events: SseSplitter, decode: Instance,
+                            resp: BackendResponse, e: BaseException, timings: LegTimings) -> None:
+        """Bytes already reached the client: end the stream with an error event."""
+        timings.outcome = "stream_error"
+        resp.relay_to(None)
+        await self._end_with_error(out, events, decode, e)
 
     async def _end_with_error(self, out: StreamResponse, events: SseSplitter, decode: Instance,
                               e: BaseException) -> None:
@@ -207,3 +206,62 @@ class DecodeRelay:
         events.drop_partial()  # the client only ever got whole events; the error is the next one
         await out.write(err.sse_event())
         await out.write_eof()
+
+
+class _StreamPump:
+    """Decode's stream after its first event, relayed from its socket's callback (BackendResponse.relay_to):
+    each read's whole events checked (sse_relay.py), counted, timed and sent to the client at once, with
+    no task switch per read. It never raises: a bad event or a client gone is its ``error``, and its
+    False holds decode's stream for the relay's task to handle - as is a client that reads slower than
+    decode writes (``error`` None)."""
+
+    __slots__ = ("events", "out", "state", "inter_token", "record_tpot", "n_events", "sample_t", "sample_n",
+                 "error")
+
+    def __init__(self, events: SseSplitter, out: StreamResponse, state: FlowState, inter_token: FastHistogram,
+                 record_tpot: Callable[[float, float], None], n_events: int, t_first: float) -> None:
+        self.events = events
+        self.out = out
+        self.state = state
+        self.inter_token = inter_token
+        self.record_tpot = record_tpot  # (request sent, seconds per token)
+        self.n_events = n_events
+        # TPOT is sampled while the stream runs (every TPOT_WINDOW events), not only at its end:
+        # long outputs would otherwise tell the supervisor about decode pressure far too late
+        self.sample_t, self.sample_n = t_first, n_events
+        self.error: BadBackendStream | ConnectionResetError | None = None
+
+    def feed(self, chunk: bytes) -> bool:
+        """Relay what ``chunk`` completes; False: stop (``error``, or the client's buffer is full)."""
+        if self.error is not None:
+            return False
+        state = self.state
+        try:
+            self.events.cached_tokens = state.prefill_cached_tokens  # prefill may answer after decode began
+            data = self.events.feed(chunk)
+            if not data:
+                return True
+            self._count(data, state.timings)
+            return self.out.send(data)
+        except (BadBackendStream, ConnectionResetError) as e:
+            self.error = e.with_traceback(None)  # kept: its traceback would hold this frame, and so this pump
+            return False
+
+    def _count(self, data: bytes, timings: LegTimings) -> None:
+        k = data.count(b"data:")
+        self.n_events += k
+        tokens = k - 1 if data.endswith(_DONE) else k  # [DONE] is no token
+        if tokens > 0:
+            now = time.monotonic()
+            self.inter_token.observe_n((now - timings.last_event) / tokens, tokens)  # type: ignore[operator]
+            timings.last_event = now
+            timings.events += tokens
+            if self.n_events - self.sample_n >= TPOT_WINDOW:
+                self.record_tpot(timings.started, (now - self.sample_t) / (self.n_events - self.sample_n))
+                self.sample_t, self.sample_n = now, self.n_events
+
+    def record_tail(self) -> None:
+        """The stream ended: the TPOT of the tail since the last sample, minus the [DONE] event."""
+        if self.n_events - self.sample_n > 2:
+            self.record_tpot(self.state.timings.started,
+                             (time.monotonic() - self.sample_t) / (self.n_events - self.sample_n - 1))

@@ -115,18 +115,27 @@ class StreamResponse:
                                b"" if request.keep_alive else b"Connection: close\r\n", b"\r\n"])
 
     async def write(self, data: bytes) -> None:
+        if not self.send(data):
+            await self.drain()
+
+    def send(self, data: bytes) -> bool:
+        """Write ``data`` at once, without awaiting (a stream relayed from a socket callback sends this way);
+        False when the client reads slower than we write: :meth:`drain` before sending more."""
         conn = self._conn
         assert conn is not None, "prepare() first"
         if conn.closed:
             raise ConnectionResetError("client disconnected")
-        if not data:
-            return
-        frame = b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
-        if self._head:
-            frame, self._head = self._head + frame, b""
-        conn.write(frame)
-        if conn.write_paused:  # the client reads slower than we write
-            await conn.drain()
+        if data:
+            frame = b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
+            if self._head:
+                frame, self._head = self._head + frame, b""
+            conn.write(frame)
+        return not conn.write_paused
+
+    async def drain(self) -> None:
+        """Wait until the client read enough of what was sent (ConnectionResetError once it has gone)."""
+        assert self._conn is not None, "prepare() first"
+        await self._conn.drain()
 
     async def write_eof(self) -> None:
         conn = self._conn

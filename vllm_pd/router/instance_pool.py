@@ -99,7 +99,7 @@ class Instance:
 class InFlightLeg:
     """One leg in flight: counts its load on an instance until ``finish()`` (idempotent).
 
-    Not a "lease" (that word names prefill holding a request's KV for decode, README "Names")."""
+    Not a "lease" (that word names prefill holding a request's KV for decode, docs/design/names.md)."""
 
     def __init__(self, instance: Instance, role: str, tokens: int) -> None:
         self.instance, self.role, self.tokens = instance, role, tokens

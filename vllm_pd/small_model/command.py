@@ -14,7 +14,8 @@ _DEFAULTS = ModelSpec()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="output folder (must not exist or be empty)")
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--arch", choices=ARCHS, default="llama",
+                        help="model family: llama (attention) or deepseek_v2 (MLA); default llama")
     for f in dataclasses.fields(ModelSpec):
         if f.name == "arch":
             continue
@@ -25,8 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", type=Path, metavar="ADAPTER_DIR",
                         help="also write a PEFT LoRA adapter for the model there (llama only; vLLM serves it with "
                              "--enable-lora --lora-modules NAME=ADAPTER_DIR)")
-    parser.add_argument("--lora-rank", type=int, default=LoraSpec.rank, help=f"default {LoraSpec.rank}")
-    parser.add_argument("--lora-seed", type=int, default=LoraSpec.seed, help=f"default {LoraSpec.seed}")
+    parser.add_argument("--lora-rank", type=int, default=LoraSpec.rank,
+                        help=f"with --lora: the adapter's rank r (default {LoraSpec.rank})")
+    parser.add_argument("--lora-seed", type=int, default=LoraSpec.seed,
+                        help=f"with --lora: seed of the adapter's random weights (default {LoraSpec.seed})")
 
 
 _HELP = {

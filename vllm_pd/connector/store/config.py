@@ -49,12 +49,14 @@ def _instance_url(value: Any) -> str:
 @dataclass(frozen=True)
 class StoreConfig:
     cpu_bytes: int = 1 << 30  # CPU pool size per worker (rank)
-    disk_path: str | None = None  # None = no disk tier
-    disk_bytes: int = 16 << 30
+    disk_path: str | None = None  # folder of the disk tier's block files; None = no disk tier
+    disk_bytes: int = 16 << 30  # capacity of the disk tier (block files under disk_path)
     # pins of blocks being loaded (and a peer's grant to read pinned blocks) expire after this
     pin_ttl_s: float = 60.0
-    disk_io_threads: int = 2
+    disk_io_threads: int = 2  # threads that write and read the disk tier's block files
     master: str | None = None  # "tcp://host:port" of `vllm-pd store-master`; None = local only
+    # a call to the master must answer within this (it blocks the engine's scheduler), else the node
+    # goes on with its local index and retries the master after a growing back-off
     master_timeout_s: float = 0.2
     node_id: str | None = None  # name published to the master (default host:pid)
     # this node's vLLM instance as the proxy knows it (http://host:port), published to the master so
