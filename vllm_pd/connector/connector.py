@@ -65,18 +65,22 @@ def total_kv_heads(vllm_config: "VllmConfig") -> int:
 
 def attention_kernel(vllm_config: "VllmConfig") -> str:
     """How vLLM's attention kernel packs a head's tokens in our blocks (``kv_geometry.kernel_format``):
-    "" where the tensor's dims say it (GPU backends, MLA); vLLM CPU attention packs per ISA (its
-    ``_get_attn_isa``; "vec": K transposed, then V)."""
+    "" where the tensor's dims say it (GPU backends, MLA). vLLM CPU attention packs per ISA
+    (``cpu_attn._get_attn_isa``, private: its choice for x86 is repeated here): "vec" (x86 without
+    AMX for bf16, blocks and heads of 32k) keeps K transposed, then V; any other ISA is named but
+    its packing is not known, so its blocks are not re-cut by tokens."""
+    import platform
+
+    import torch
     from vllm.platforms import current_platform
 
     model_config = vllm_config.model_config
     if not current_platform.is_cpu() or model_config is None or model_config.use_mla:
         return ""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    cache = vllm_config.cache_config
-    isa = _get_attn_isa(model_config.dtype, cache.block_size, model_config.get_head_size(), cache.cache_dtype)
-    return CPU_VEC_KERNEL if isa == "vec" else f"cpu-{isa}"
+    amx = torch.cpu._is_amx_tile_supported() and model_config.dtype == torch.bfloat16
+    vec = (platform.machine().lower() in ("x86_64", "amd64") and not amx
+           and vllm_config.cache_config.block_size % 32 == 0 and model_config.get_head_size() % 32 == 0)
+    return CPU_VEC_KERNEL if vec else "cpu-" + ("amx" if amx else "other")
 
 
 class PDConnector(KVConnectorBase_V1, SupportsHMA):
