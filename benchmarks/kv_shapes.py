@@ -1,0 +1,159 @@
+"""KV memory, bytes moved and TTFT per request for prefill/decode pairs of different KV shapes,
+each beside its same-shape peer in one run, on real vLLM CPU servers (1P1D, pull mode).
+
+    python3 benchmarks/kv_shapes.py [--cases hma no-hma p32-d64 p64-d64 p1-d2 p2-d2] [--requests 6]
+        [--length 1500]
+
+Cases (each a fresh P/D pair, prefill on core 0, decode on core 1; TP 2 instances on both):
+
+* ``hma`` / ``no-hma``: the sliding-window model (`make-model --sliding-window 128
+  --full-attention-every 4`: 3 windowed layers, 1 full) with vLLM's hybrid KV cache manager
+  on (PDConnector declares SupportsHMA) and off (``--disable-hybrid-kv-cache-manager``: every
+  layer keeps full-length KV, as vLLM did before for a connector without HMA).
+* ``p32-d64`` beside ``p64-d64``: decode's blocks of 64 tokens from a prefill of 32 (re-cut).
+* ``p1-d2`` beside ``p2-d2``: decode TP 2 from a prefill of TP 1 (each rank takes a window
+  of prefill's blocks) and of TP 2.
+
+Per request (unique prompts of ``--length`` tokens, 1 output token on prefill, 8 on decode):
+the KV prefill holds for decode (vLLM's KV cache usage while held x the KV cache's bytes), the
+bytes decode loaded (``vllm:pd_loaded_bytes_total``), and the decode leg's time to its first
+token (decode's load + first step; the prefill leg is not in it). Medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from vllm_pd.connector.transfer_params import RemoteDecodeRequest
+from vllm_pd.small_model import ModelSpec, ensure_model
+from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
+
+KV_CACHE_BYTES = 256 << 20
+WINDOW = 128
+OUTPUT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: ModelSpec
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    peer_of: str = ""  # the same-shape case it is printed beside
+
+
+SLIDING = ModelSpec(sliding_window=WINDOW, full_attention_every=4)
+PLAIN = ModelSpec()
+NO_HMA = ("--disable-hybrid-kv-cache-manager",)
+CASES = {c.name: c for c in (
+    Case("hma", SLIDING),
+    Case("no-hma", SLIDING, NO_HMA, NO_HMA, peer_of="hma"),
+    Case("p64-d64", PLAIN, ("--block-size", "64"), ("--block-size", "64")),
+    Case("p32-d64", PLAIN, ("--block-size", "32"), ("--block-size", "64"), peer_of="p64-d64"),
+    Case("p2-d2", PLAIN, prefill_tp=2, decode_tp=2),
+    Case("p1-d2", PLAIN, decode_tp=2, peer_of="p2-d2"),
+)}
+
+
+@dataclass
+class Figures:
+    held_bytes: list[float] = field(default_factory=list)
+    loaded_bytes: list[float] = field(default_factory=list)
+    decode_ttft_s: list[float] = field(default_factory=list)
+
+
+def server_spec(model: Path, tp: int, core: str, role: str, extra: tuple[str, ...]) -> VllmServerSpec:
+    kv_port = free_port()
+    ktc = {"kv_connector": "PDConnector", "kv_role": role, "kv_port": kv_port,
+           "kv_connector_extra_config": {"transport": "tcp", "host": "127.0.0.1", "lease_s": 60.0}}
+    spec = VllmServerSpec(model=str(model), port=free_port(), kv_transfer_config=ktc,
+                          cpu_cores="0|1" if tp == 2 else core, max_model_len=2048, served_model_name="bench",
+                          kv_cache_bytes=f"{KV_CACHE_BYTES >> 20}m", extra_args=["--seed", "0", *extra])
+    if tp == 2:
+        spec.extra_args += ["--tensor-parallel-size", "2"]
+        spec.env["TORCHDYNAMO_DISABLE"] = "1"  # see tests/test_connector_tp_e2e.py
+    return spec
+
+
+def metric(client: httpx.Client, url: str, name: str) -> float:
+    total = 0.0
+    for line in client.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name) and not line.startswith("#") and line.split("{", 1)[0].split(" ")[0] == name:
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+def run_case(case: Case, requests: int, length: int, log_dir: Path, client: httpx.Client) -> Figures:
+    model = ensure_model(case.model)
+    servers = [VllmServer(server_spec(model, case.prefill_tp, "0", "kv_producer", case.prefill_args),
+                          log_dir / f"{case.name}-prefill.log").start(),
+               VllmServer(server_spec(model, case.decode_tp, "1", "kv_consumer", case.decode_args),
+                          log_dir / f"{case.name}-decode.log").start()]
+    figures = Figures()
+    rng = random.Random(7)
+    try:
+        for s in servers:
+            s.wait_healthy(timeout=900)
+        prefill, decode = servers
+        for i in range(requests + 1):  # the first warms both up and is not counted
+            prompt = [rng.randrange(5, 4000) for _ in range(length)]
+            body = {"model": "bench", "prompt": prompt, "temperature": 0}
+            leg = dict(body, max_tokens=1, kv_transfer_params=RemoteDecodeRequest().to_params())
+            p = client.post(prefill.url + "/v1/completions", json=leg, timeout=300).json()
+            time.sleep(0.3)  # the held transfer shows in the usage gauge a step later
+            held = metric(client, prefill.url, "vllm:kv_cache_usage_perc") * KV_CACHE_BYTES
+            loaded = metric(client, decode.url, "vllm:pd_loaded_bytes_total")
+            t0 = time.perf_counter()
+            d = client.post(decode.url + "/v1/completions", timeout=300,
+                            json=dict(body, max_tokens=1, kv_transfer_params=p["kv_transfer_params"]))
+            ttft = time.perf_counter() - t0
+            assert d.status_code == 200, d.text[:300]
+            if i:
+                figures.held_bytes.append(held)
+                figures.loaded_bytes.append(metric(client, decode.url, "vllm:pd_loaded_bytes_total") - loaded)
+                figures.decode_ttft_s.append(ttft)
+    finally:
+        for s in servers:
+            s.stop()
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--requests", type=int, default=6)
+    parser.add_argument("--length", type=int, default=1500)
+    args = parser.parse_args()
+    results: dict[str, Figures] = {}
+    with httpx.Client() as client, tempfile.TemporaryDirectory(prefix="kv-shapes-") as tmp:
+        for name in args.cases:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            results[name] = run_case(CASES[name], args.requests, args.length, Path(tmp), client)
+    print(f"\n{args.length}-token prompts, {args.requests} requests per case, medians\n")
+    print("| case | KV held by prefill | bytes loaded by decode | decode leg TTFT |")
+    print("|---|---|---|---|")
+    for name, f in results.items():
+        peer = CASES[name].peer_of
+        ratio = ""
+        peer_bytes = statistics.median(results[peer].loaded_bytes) if peer in results else 0
+        if peer_bytes:
+            ratio = f" ({statistics.median(f.loaded_bytes) / peer_bytes:.2f}x {peer})"
+        print(f"| {name} | {statistics.median(f.held_bytes) / 2**20:.2f} MiB | "
+              f"{statistics.median(f.loaded_bytes) / 2**20:.2f} MiB{ratio} | "
+              f"{statistics.median(f.decode_ttft_s) * 1e3:.0f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
