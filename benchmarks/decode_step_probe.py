@@ -10,7 +10,11 @@ the 1P1D proxy and a relay in front of b alone). Measured, interleaved ``--round
   for every batch of ``--batches`` (more than the profile takes: is the step's batch term monotone?);
 - a lone stream of ``--lone-context`` tokens through b's relay, through the 1P1D proxy (its KV loaded from
   a) and straight to b: every gap, so a replay's TPOT ((last - first) / (n - 1)) can be set beside the
-  profile's steady step (the second half's mean).
+  profile's steady step (the second half's mean);
+- with ``--beside``: a long stream decoding on b (through its relay) while a 1P1D request arrives, prefills
+  on a and decodes on b beside it: the long stream's gaps before, during the newcomer's prefill, during
+  its first ``tokens / 2`` gaps and after (do the newcomer's first steps slow b's engine, every request on
+  it, or only the newcomer's own stream?).
 """
 
 from __future__ import annotations
@@ -60,7 +64,30 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> dict:
                        "second_half_ms": round(statistics.fmean(gaps[half:]), 3)}
                 out["lone"].append(row)
                 print({k: v for k, v in row.items() if k != "gaps_ms"}, flush=True)
+        for _ in range(args.beside):
+            out.setdefault("beside", []).append(await beside(session, urls, model, prompts, args))
+            print({k: v for k, v in out["beside"][-1].items() if not k.endswith("stamps")}, flush=True)
     return out
+
+
+async def beside(session: aiohttp.ClientSession, urls: dict[str, str], model: str, prompts: UniquePrompts,
+                 args: argparse.Namespace) -> dict:
+    """A long stream on b and a 1P1D newcomer 1.5 s into it: the long stream's mean gap per phase (ms)."""
+    long = asyncio.create_task(stream_completion(session, urls["relay_b"], model, prompts.make(64), 4 * args.tokens))
+    await asyncio.sleep(1.5)
+    t0 = time.perf_counter()
+    new = await stream_completion(session, urls["1p1d"], model, prompts.make(args.lone_context), args.tokens)
+    old = await long
+    first, settled, end = new.stamps[0], new.stamps[args.tokens // 2], new.stamps[-1]
+
+    def mean_gap(lo: float, hi: float) -> float:
+        ts = [t for t in old.stamps if lo <= t <= hi]
+        return round((ts[-1] - ts[0]) / (len(ts) - 1) * 1e3, 2) if len(ts) > 2 else float("nan")
+    return {"before": mean_gap(old.stamps[2], t0), "newcomer_prefill": mean_gap(t0, first),
+            "newcomer_first_half": mean_gap(first, settled), "newcomer_second_half": mean_gap(settled, end),
+            "after": mean_gap(end, old.stamps[-1]),
+            "newcomer_first_half_own": round((settled - first) / (args.tokens // 2) * 1e3, 2),
+            "newcomer_second_half_own": round((end - settled) / (len(new.stamps) - 1 - args.tokens // 2) * 1e3, 2)}
 
 
 def main() -> int:
@@ -71,6 +98,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="64,512")
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--lone-context", type=int, default=400)
+    ap.add_argument("--beside", type=int, default=0, help="rounds of the long stream beside a 1P1D newcomer")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-decode-probe"))
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]

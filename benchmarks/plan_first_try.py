@@ -59,7 +59,7 @@ DEPLOYMENTS = {"1p1d": Deployment(1, 1), "colocated2": Deployment(0, 2)}
 SEEDS = range(5)  # the simulator's decode-spread draws, pooled
 SLO = "ttft=6,tpot=300ms"
 # the profile's points, fewer than the defaults: a 1,536-token prefill takes ~4 s here
-PROFILE_FLAGS = ["--decode-batches", "1,2,4", "--decode-contexts", "64,512", "--decode-repeats", "2",
+PROFILE_FLAGS = ["--decode-batches", "1,2,3,4", "--decode-contexts", "64,512", "--decode-repeats", "2",
                  "--wake-repeats", "4", "--join-repeats", "3", "--max-num-seqs", "64"]
 
 
