@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import msgspec
 
 from pd_e2e import machine_busy, own_cpu, proxy_process
 from plan_bursty_trace import BurstyTrace
@@ -45,7 +46,7 @@ from plan_validate import foreign_cpu, replay, speed_probe, wait_quiet
 from vllm_pd import cli
 from vllm_pd.planner.completion_stream import model_name, served_vocabulary
 from vllm_pd.planner.deployment_search import percentile
-from vllm_pd.planner.latency_profile import LatencyProfile, load_profile
+from vllm_pd.planner.latency_profile import LatencyProfile, load_profile, refit
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.profile_spread import band_profiles
 from vllm_pd.planner.workload import TraceRequest, write_trace
@@ -59,7 +60,7 @@ DEPLOYMENTS = {"1p1d": Deployment(1, 1), "colocated2": Deployment(0, 2)}
 SEEDS = range(5)  # the simulator's decode-spread draws, pooled
 SLO = "ttft=6,tpot=300ms"
 # the profile's points, fewer than the defaults: a 1,536-token prefill takes ~4 s here
-PROFILE_FLAGS = ["--decode-batches", "1,2,4", "--decode-contexts", "64,512", "--decode-repeats", "2",
+PROFILE_FLAGS = ["--decode-batches", "1,2,3,4", "--decode-contexts", "64,512", "--decode-repeats", "2",
                  "--wake-repeats", "4", "--join-repeats", "3", "--max-num-seqs", "64"]
 
 
@@ -200,6 +201,8 @@ def main() -> int:
     ap.add_argument("--seeds", default="301,302", help="trace seeds (fresh ones: the planner never saw them)")
     ap.add_argument("--duration", type=float, default=150.0, help="seconds of arrivals per trace")
     ap.add_argument("--layers", type=int, default=MODEL.layers, help="the model's layers (fewer: a quick try)")
+    ap.add_argument("--refit", action="store_true",
+                    help="--report from the profile's samples fitted again by this code (a refit, not a validation)")
     ap.add_argument("--profile", type=Path, default=HERE / "plan_first_try_profile.json")
     ap.add_argument("--results", type=Path, default=HERE / "plan_first_try_results.json")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-plan-first-try"))
@@ -216,7 +219,12 @@ def main() -> int:
         args.results.write_text(json.dumps(full, indent=1) + "\n")
     if args.report:
         results = json.loads(args.results.read_text())
-        report(results, load_profile(args.profile), traces(results["seeds"], results["duration"]))
+        profile = load_profile(args.profile)
+        if args.refit:
+            profile = msgspec.structs.replace(profile, instances=[refit(i) for i in profile.instances])
+            print(f"refit: {args.profile}'s samples fitted again by this code (the replays it is set against are "
+                  "the ones it was first fitted for: not a validation)")
+        report(results, profile, traces(results["seeds"], results["duration"]))
     return 0
 
 

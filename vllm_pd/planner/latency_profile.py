@@ -13,11 +13,17 @@ flat from noisy samples, and what stands in: see :func:`kv_fit` and :func:`wake_
   ``a + b*T + c*sum(t_i^2) + d*n`` ms (the square term is attention over each prompt; ``d`` is what
   every prompt costs on its own - its own sampling, output and HTTP work).
 - decode: the time of one decode step of ``n`` running requests whose contexts sum to ``k`` tokens,
-  ``a + b*n + c*k`` ms (``c*k`` is attention reading the KV of every request), times a factor that
+  ``L(n) + c*k`` ms (``c*k`` is attention reading the KV of every request; ``L(n)`` the step at no context,
+  measured per batch size: ``decode_levels``, see :func:`decode_fit`), times a factor that
   holds for ``decode_spread_window_ms`` and is then drawn again from ``decode_spread``: each measured
   point (the mean step over a window of that length) over the fit. Step times drift - the proxy, the
   client and the API server take turns on the same cores - and slow windows, not single slow steps,
-  are what make one request's TPOT differ from another's.
+  are what make one request's TPOT differ from another's. A step's cost is not linear in its batch on
+  every machine: on a CPU the GEMMs of a 2-row step took a slower kernel path than those of 1, 3 or 4 rows
+  (batch 2 +20 %, batch 4 no dearer than batch 1, in every point of two profiles and a probe), and a line
+  ``a + b*n`` through them came out flat, 10-15 % low for the pairs of requests a bursty load decodes
+  most. So each batch measured keeps its own level, the line ``decode`` (``a + b*n + c*k``) runs between
+  and beyond them, and a step holding prompt chunks (many more GEMM rows) adds the line's ``b*n + c*k``.
 - kv: prefill's end to the first token on an idle decode instance, for ``t`` prompt tokens, ``a + b*t``
   ms (the layer-wise load overlaps decode's first forward with prefill's, so this is the tail of the
   transfer, the last layer's forward and the proxy's second hop, and what pushing the KV costs the
@@ -71,7 +77,8 @@ from typing import Sequence
 
 import msgspec
 
-from vllm_pd.planner.fit_noise import difference_se, median_se, non_decreasing, resolved, robust_sigma
+from vllm_pd.planner.fit_noise import (RESOLVED_SE, difference_se, median_se, non_decreasing, resolved,
+                                      robust_sigma)
 
 PROFILE_FORMAT = 2
 
@@ -100,6 +107,8 @@ class InstanceProfile(msgspec.Struct, frozen=True):
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     decode_spread: list[float] = []  # measured decode point / its fit, sorted; empty = no spread
+    # (batch, a pure decode step at no context, ms) per batch measured; empty: the line ``decode`` alone
+    decode_levels: list[tuple[int, float]] = []
     decode_spread_window_ms: float = 0.0  # how long one factor holds (0: a new one every step)
     prefill_samples: list[tuple[int, int, float]] = []  # (tokens per prompt, prompts, ms)
     decode_samples: list[tuple[int, int, float]] = []  # (batch, summed context, mean ms per step)
@@ -133,7 +142,10 @@ class InstanceProfile(msgspec.Struct, frozen=True):
         return self.prefill.at(tokens, sq, prompts)
 
     def decode_ms(self, batch: int, context: int) -> float:
-        return self.decode.at(batch, context)
+        """A pure decode step: the batch's measured level (:func:`decode_level`) and its contexts' attention."""
+        if not self.decode_levels:
+            return self.decode.at(batch, context)
+        return decode_level(self.decode_levels, self.decode.b, batch) + self.decode.c * context
 
     def wake_ms(self, idle_ms: float) -> float:
         """What a step with prompt work takes longer after the instance idled ``idle_ms``
@@ -148,7 +160,10 @@ class InstanceProfile(msgspec.Struct, frozen=True):
                  beside_prefill: float = 1.0, beside_decode: float = 1.0) -> float:
         """One step: prompt chunks of these sizes and a decode batch in one forward (one fixed cost).
 
-        ``spread`` scales the decode part (a factor from ``decode_spread``), and so does ``beside_prefill``
+        With chunks, the decode part is the line's ``b*batch + c*context`` (the step's GEMMs have the chunks'
+        rows too: a small batch's own kernel level, :attr:`decode_levels`, is not theirs); without, the
+        step is :meth:`decode_ms`. ``spread`` scales the decode part (a factor from ``decode_spread``), and so
+        does ``beside_prefill``
         (pass :attr:`beside_prefill` while a neighbour prefills, else 1.0); ``beside_decode`` scales the
         prefill part (pass :attr:`beside_decode` while a neighbour decodes, else 1.0).
         """
@@ -501,9 +516,69 @@ def join_points(samples: Sequence[tuple[int, float, float, float]]) -> list[tupl
             for t, plain, joins, rate in samples]
 
 
-def spread_of(decode: Poly, points: Sequence[tuple[int, int, float]]) -> list[float]:
-    """Each measured point over what ``decode`` predicts for it, sorted (3 decimals: a compact file)."""
-    return sorted(round(ms / decode.at(n, k), 3) for n, k, ms in points if decode.at(n, k) > 0)
+def spread_of(decode: Poly, points: Sequence[tuple[int, int, float]],
+              levels: Sequence[tuple[int, float]] = ()) -> list[float]:
+    """Each measured point over what ``decode`` (with its per-batch ``levels``) predicts for it, sorted (3
+    decimals: a compact file)."""
+    def fit(n: int, k: int) -> float:
+        return decode_level(levels, decode.b, n) + decode.c * k if levels else decode.at(n, k)
+    return sorted(round(ms / fit(n, k), 3) for n, k, ms in points if fit(n, k) > 0)
+
+
+def decode_level(levels: Sequence[tuple[int, float]], slope: float, batch: int) -> float:
+    """A pure decode step of ``batch`` at no context from sorted (batch, ms) ``levels``: a measured batch's
+    own, linear between two measured batches, the nearest one's plus ``slope`` per request beyond them
+    (less, floored at 0, below the smallest)."""
+    lo_n, lo_ms = levels[0]
+    if batch <= lo_n:
+        return max(0.0, lo_ms - slope * (lo_n - batch))
+    for hi_n, hi_ms in levels[1:]:
+        if batch <= hi_n:
+            return lo_ms + (hi_ms - lo_ms) * (batch - lo_n) / (hi_n - lo_n)
+        lo_n, lo_ms = hi_n, hi_ms
+    return lo_ms + slope * (batch - lo_n)
+
+
+def decode_fit(points: Sequence[tuple[int, int, float]]) -> tuple[Poly, list[tuple[int, float]], list[str]]:
+    """The decode step from its measured points (batch, summed context, ms): the line ``a + b*n + c*k``, each
+    batch's own level at no context, and a note naming the batches whose level stands off the line.
+
+    ``c`` is the context's cost within each batch (the points of one batch at different contexts: a batch's
+    own level cannot leak into it), floored at 0; each batch's level is the median of its points less
+    ``c*k``; the line is fitted through the points less ``c*k`` (:func:`fit_poly`: non-negative terms). With
+    one batch measured, or no batch at two contexts, the line alone (:func:`fit_poly` over all three terms).
+    """
+    by_n: dict[int, list[tuple[int, float]]] = {}
+    for n, k, ms in points:
+        by_n.setdefault(n, []).append((k, ms))
+    mean_k = {n: statistics.fmean(k for k, _ in v) for n, v in by_n.items()}
+    mean_ms = {n: statistics.fmean(ms for _, ms in v) for n, v in by_n.items()}
+    sxx = sum((k - mean_k[n]) ** 2 for n, v in by_n.items() for k, _ in v)
+    if len(by_n) < 2 or sxx == 0:
+        return fit_poly(points), [], []
+    sxy = sum((k - mean_k[n]) * (ms - mean_ms[n]) for n, v in by_n.items() for k, ms in v)
+    c = max(0.0, sxy / sxx)
+    line = fit_poly([(n, ms - c * k) for n, k, ms in points])
+    levels = [(n, round(statistics.median(ms - c * k for k, ms in by_n[n]), 3)) for n in sorted(by_n)]
+    return Poly(line.a, line.b, c), levels, _level_notes(Poly(line.a, line.b, c), levels, by_n)
+
+
+def _level_notes(line: Poly, levels: list[tuple[int, float]], by_n: dict[int, list[tuple[int, float]]]) -> list[str]:
+    """A note when some batch's level stands off the line by over twice its standard error."""
+    level_of = dict(levels)
+    residuals = [ms - line.c * k - level_of[n] for n, v in by_n.items() for k, ms in v]
+    free = len(residuals) - len(levels) - 1  # a level per batch and the context's cost
+    if free < 1:
+        return []
+    sigma = math.sqrt(sum(r * r for r in residuals) / free)
+    off = [(n, ms) for n, ms in levels
+           if abs(ms - line.at(n)) > RESOLVED_SE * 1.253 * sigma / math.sqrt(len(by_n[n])) and line.at(n) > 0]
+    if not off:
+        return []
+    said = ", ".join(f"batch {n} {ms:.1f} ms ({ms / line.at(n):.2f} x)" for n, ms in off)
+    return [f"decode: a step's cost is not linear in its batch: {said} at no context, against the line "
+            f"{line.a:.1f} + {line.b:.2f}*batch ms (+- {sigma:.1f} ms a point): each batch measured steps at "
+            "its own level, the line between and beyond them"]
 
 
 def prefill_spread_of(prefill: Poly, samples: Sequence[tuple[int, int, float]]) -> list[float]:
@@ -538,7 +613,7 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
     speed_checks: kept as they are (the profile's drift). Fits that came out 0 or flat from noise are
     named in ``fit_notes``.
     """
-    dec = fit_poly([(n, k, ms) for n, k, ms in decode])
+    dec, levels, decode_notes = decode_fit(decode)
     pre = fit_poly([(t * b, t * t * b, b, ms) for t, b, ms in prefill])
     kv_poly, notes = kv_fit(kv)
     wake_after_idle, wake_notes = wake_fit(wake, "wake-up")
@@ -547,7 +622,7 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
     return InstanceProfile(
         tp=tp, prefill=pre, decode=dec, kv=kv_poly,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        decode_spread=spread_of(dec, decode) if spread_window_ms > 0 else [],
+        decode_spread=spread_of(dec, decode, levels) if spread_window_ms > 0 else [], decode_levels=levels,
         decode_spread_window_ms=spread_window_ms,
         prefill_samples=list(prefill), decode_samples=list(decode), kv_samples=list(kv),
         beside_prefill=neighbour_factor(neighbour, "decode"), beside_decode=neighbour_factor(neighbour, "prefill"),
@@ -558,4 +633,5 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
         pd_wake_after_idle=pd_wake_after_idle, pd_wake_samples=list(pd_wake),
         join=join_poly, join_samples=list(join), url=url, role=role,
         prefill_spread=prefill_spread_of(pre, prefill), speed_checks=list(speed_checks),
-        pd_wake_floor=list(pd_wake_floor), fit_notes=notes + wake_notes + pd_notes + join_notes(join_poly, join))
+        pd_wake_floor=list(pd_wake_floor),
+        fit_notes=decode_notes + notes + wake_notes + pd_notes + join_notes(join_poly, join))

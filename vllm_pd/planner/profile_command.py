@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the instance's --max-model-len: no prompt or context above it is measured")
     p.add_argument("--prefill-tokens", type=_ints, default=d.prefill_tokens, help="prompt lengths, comma-separated")
     p.add_argument("--decode-batches", type=_ints, default=d.decode_batches,
-                   help="decode batch sizes measured, comma-separated")
+                   help="decode batch sizes measured, comma-separated (each keeps its own step level; "
+                        "batches between are interpolated)")
     p.add_argument("--decode-contexts", type=_ints, default=d.decode_contexts,
                    help="decode context lengths measured (tokens), comma-separated")
     p.add_argument("--repeats", type=int, default=d.repeats, help="prefill and KV hand-over points")
@@ -112,13 +113,15 @@ def run(args: argparse.Namespace) -> int:
             f"over {inst.decode_spread_window_ms:.0f} ms)" if spread else "")
     neighbours = (f"; beside a neighbour: decode step x{inst.beside_prefill:.2f} while it prefills, prefill "
                   f"x{inst.beside_decode:.2f} while it decodes" if inst.neighbour_samples else "")
+    levels = (" (per batch at no context: " + ", ".join(f"{n}: {ms:.2f}" for n, ms in inst.decode_levels) + " ms)"
+              if inst.decode_levels else "")
     points = ", ".join(f"+{ms:.1f} ms after {idle:.0f} ms" for idle, ms in inst.wake_after_idle)
     wake = f"; a prefill after idle {points}" if points else ""
     joins = (f"; a decode leg joining costs the running steps {inst.join.a:.2f} + {inst.join.b:.4f}*t ms"
              if inst.join_samples else "")
     print(f"wrote {args.out}: tp={inst.tp} prefill_ms = {inst.prefill.a:.2f} + {inst.prefill.b:.4f}*tokens + "
           f"{inst.prefill.c:.2e}*sum(prompt^2) + {inst.prefill.d:.2f}*prompts; decode_step_ms = "
-          f"{inst.decode.a:.2f} + {inst.decode.b:.3f}*batch + {inst.decode.c:.2e}*context{tail}; "
+          f"{inst.decode.a:.2f} + {inst.decode.b:.3f}*batch + {inst.decode.c:.2e}*context{levels}{tail}; "
           f"kv_ms = {inst.kv.a:.2f} + {inst.kv.b:.4f}*t; a request's first decode steps +{inst.first_step_ms:.2f} ms"
           f"{wake}{neighbours}{joins}")
     for line in describe(LatencyProfile(model, insts, source=args.url)):

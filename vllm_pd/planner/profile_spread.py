@@ -82,6 +82,7 @@ def scaled(inst: InstanceProfile, prefill_f: float, decode_f: float) -> Instance
 
     return msgspec.structs.replace(
         inst, prefill=_times(inst.prefill, prefill_f), decode=_times(inst.decode, decode_f),
+        decode_levels=[(n, ms * decode_f) for n, ms in inst.decode_levels],
         kv=_times(inst.kv, prefill_f), join=_times(inst.join, decode_f),
         first_step_ms=inst.first_step_ms * decode_f,
         first_step_samples=[ms * decode_f for ms in inst.first_step_samples],
