@@ -15,16 +15,16 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_default_model("llama", cache_dir=tmp_path_factory.mktemp("vllm-pd-cache"))
 
 
-# ---- real vLLM servers, in phases (see tests/e2e_cluster.py) -------------------------------------
+# ---- real vLLM servers, in phases (see tests/support/e2e_cluster.py) -------------------------------------
 import httpx  # noqa: E402
 
-from tests import e2e_cluster as ec  # noqa: E402
-from tests import reference_margins  # noqa: E402
-from tests.prompt_catalogue import CATALOGUE  # noqa: E402
+from tests.support import e2e_cluster as ec  # noqa: E402
+from tests.support import reference_margins  # noqa: E402
+from tests.support.prompt_catalogue import CATALOGUE  # noqa: E402
 
 # run before the session's connector pair starts: the TP=2 tests start four model workers, and
 # on two cores they should not share them with two more idle servers that live all session
-FIRST_MODULES = ("tests.test_connector_tp_e2e", "tests.test_connector_multi_e2e")
+FIRST_MODULES = ("tests.e2e.test_connector_tp_e2e", "tests.e2e.test_connector_multi_e2e")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

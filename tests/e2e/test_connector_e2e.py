@@ -13,9 +13,9 @@ import copy
 import httpx
 import pytest
 
-from tests import e2e_cluster as ec
+from tests.support import e2e_cluster as ec
 from vllm_pd.connector.transfer_params import AwaitedPrefill
-from tests.prompt_catalogue import CONNECTOR_CASES
+from tests.support.prompt_catalogue import CONNECTOR_CASES
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests import e2e_cluster as ec
+from tests.support import e2e_cluster as ec
 from vllm_pd.small_model import ModelSpec, ensure_model
 
 pytestmark = pytest.mark.e2e

@@ -3,7 +3,7 @@
 One vLLM CPU server, ``MultiConnector([PDConnector kv_both, OffloadingConnector])``: vLLM's own CPU
 offloading connector, all of it vLLM's code except its CUDA copy engine, which cannot run on vLLM CPU
 (``CPUOffloadingSpec.get_worker``: "CPU Offloading is currently only supported on CUDA-alike and XPU
-GPUs") and is replaced by host copies (tests/offload_cpu_spec.py). Prefix caching is off, so what a
+GPUs") and is replaced by host copies (tests/support/offload_cpu_spec.py). Prefix caching is off, so what a
 request finds again comes from the offload tier, never from the instance's own block cache.
 
 Shown: outputs equal the plain instance's; the second turn of a conversation loads its first turn's
@@ -21,13 +21,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests import e2e_cluster as ec
-from tests.offload_cpu_spec import OFFLOAD
-from tests.prompt_catalogue import CONNECTOR_CASES, STORE_CASES
+from tests.support import e2e_cluster as ec
+from tests.support.offload_cpu_spec import OFFLOAD
+from tests.support.prompt_catalogue import CONNECTOR_CASES, STORE_CASES
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def multi_config(kv_port: int) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def multi(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.Tem
     kv_port = ec.free_port()
     spec = ec.server_spec(small_model_dir, "0-1", multi_config(kv_port))
     spec.extra_args.append("--no-enable-prefix-caching")
-    # the engine's processes import tests.offload_cpu_spec
+    # the engine's processes import tests.support.offload_cpu_spec
     spec.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     [inst] = ec.start_all([(spec, kv_port)], tmp_path_factory.mktemp("vllm-logs"))
     yield inst

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import e2e_cluster as ec
-from tests.prompt_catalogue import CONNECTOR_CASES
-from tests.test_connector_e2e import assert_nothing_held, prompt_sources
+from tests.support import e2e_cluster as ec
+from tests.support.prompt_catalogue import CONNECTOR_CASES
+from tests.e2e.test_connector_e2e import assert_nothing_held, prompt_sources
 
 pytestmark = pytest.mark.e2e
 

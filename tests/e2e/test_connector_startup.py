@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import e2e_cluster as ec
+from tests.support import e2e_cluster as ec
 from vllm_pd.vllm_server import VllmServer
 
 pytestmark = pytest.mark.e2e

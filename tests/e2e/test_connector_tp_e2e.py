@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import e2e_cluster as ec
-from tests.prompt_catalogue import CONNECTOR_CASES
+from tests.support import e2e_cluster as ec
+from tests.support.prompt_catalogue import CONNECTOR_CASES
 from vllm_pd.connector.release import release_remote_kv
 from vllm_pd.connector.transfer_params import RemotePrefill
 

@@ -4,9 +4,9 @@ read a held request's KV, release it, push into decode, or replay a member's rec
 and any bytes it sends get nothing back. A member with the secret reads as before, and the
 attacked request is then served exactly as by a plain instance, from the transferred KV.
 
-The store master's index (Nodes, Holders, Publish) is attacked in tests/test_store_e2e.py (its
-real master and vLLM store nodes run with a secret) and tests/test_store_master_auth.py; the
-same-host memory read in tests/test_cross_memory_grants.py (it needs Yama).
+The store master's index (Nodes, Holders, Publish) is attacked in tests/e2e/test_store_e2e.py (its
+real master and vLLM store nodes run with a secret) and tests/integration/test_store_master_auth.py; the
+same-host memory read in tests/unit/connector/test_cross_memory_grants.py (it needs Yama).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import httpx
 import pytest
 import torch
 
-from tests import e2e_cluster as ec
-from tests.prompt_catalogue import CONNECTOR_CASES
-from tests.transport_harness import TcpRelay
+from tests.support import e2e_cluster as ec
+from tests.support.prompt_catalogue import CONNECTOR_CASES
+from tests.support.transport_harness import TcpRelay
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.control import ReleaseMessage
 from vllm_pd.connector.exceptions import TransportError

@@ -1,7 +1,7 @@
 """Prefill, decode and the proxy on three hosts (network namespaces on one bridge; the test
 process is a fourth host), KV over tcp across the links (VLLM_PD_TEST_TRANSPORT=nixl: over nixl).
 
-One prefill and one decode server serve every test (tests/netns_cluster.py); the proxy runs as
+One prefill and one decode server serve every test (tests/support/netns_cluster.py); the proxy runs as
 its own process on its own host, started as the README shows it - no flag beyond the instances -
 and the connector with its defaults (only prefill's lease is shortened, so "nothing held" is
 seen sooner; it bounds how long unclaimed KV is kept, not how fast anything fails over). Outputs
@@ -23,10 +23,11 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 
-from tests import e2e_cluster as ec
-from tests.netns_cluster import Cluster, ConnectorTimes, Sent, load_through, multihost_cluster, send, waits_after
-from tests.netns_hosts import netns_unavailable
-from tests.reference_margins import MARGINS, divergence
+from tests.support import e2e_cluster as ec
+from tests.support.netns_cluster import (Cluster, ConnectorTimes, Sent, load_through, multihost_cluster, send,
+                                         waits_after)
+from tests.support.netns_hosts import netns_unavailable
+from tests.support.reference_margins import MARGINS, divergence
 
 pytestmark = pytest.mark.e2e
 
@@ -64,7 +65,7 @@ def _assert_bounded(sent: list[Sent], struck: float, cluster: Cluster, refused_o
 
 
 def _assert_exact(sent: list[Sent], reference: dict[str, list[int]]) -> None:
-    """Every answer is the plain instance's - up to a near tie of it (tests/reference_margins.py: decode
+    """Every answer is the plain instance's - up to a near tie of it (tests/support/reference_margins.py: decode
     computing a prompt itself sums in another order; where the plain instance's two best tokens were
     within a nat, either may win on another CPU)."""
     wrong = {s.key: why for s in sent if s.error is None

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.test_router_e2e import ProxyThread, _model_dir
+from tests.e2e.test_router_e2e import ProxyThread, _model_dir
 from vllm_pd.router.local_cluster import LocalCluster
 from vllm_pd.router.request_body import CHAT, parse_body
 

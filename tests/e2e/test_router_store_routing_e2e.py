@@ -17,8 +17,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.e2e_cluster import metric
-from tests.test_router_e2e import ProxyThread, _model_dir
+from tests.support.e2e_cluster import metric
+from tests.e2e.test_router_e2e import ProxyThread, _model_dir
 from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.router.local_cluster import LocalCluster
 from vllm_pd.router.request_body import CHAT, parse_body

@@ -1,6 +1,6 @@
 """The KV block store on real vLLM CPU servers; expected outputs come from the
 session's plain reference instance (``reference_outputs``; the prompts are
-tests/prompt_catalogue.STORE_CASES).
+tests/support/prompt_catalogue.STORE_CASES).
 
 Phase 1: a store master process and two colocated store nodes (kv_both), A on
 core 0 and B on core 1, vLLM's own prefix cache off so every reused token
@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e_cluster import (
+from tests.support.e2e_cluster import (
     completion_body,
     connector_config,
     metric,
@@ -43,7 +43,7 @@ from tests.e2e_cluster import (
     stop_all,
     write_secret,
 )
-from tests.prompt_catalogue import (
+from tests.support.prompt_catalogue import (
     STORE_FROM_DISK,
     STORE_LATE,
     STORE_OTHER,

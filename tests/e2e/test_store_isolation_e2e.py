@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e_cluster import (
+from tests.support.e2e_cluster import (
     completion_body,
     connector_config,
     disagg,

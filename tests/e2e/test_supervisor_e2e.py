@@ -40,7 +40,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.prompt_catalogue import CATALOGUE, SUPERVISOR_OUTPUT_HEAVY, SUPERVISOR_PROMPT_HEAVY
+from tests.support.prompt_catalogue import CATALOGUE, SUPERVISOR_OUTPUT_HEAVY, SUPERVISOR_PROMPT_HEAVY
 from vllm_pd.planner.instance_profiler import InstanceProfiler, ProfilePlan
 from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, save_profile
 from vllm_pd.router.app import ProxyServer, serve

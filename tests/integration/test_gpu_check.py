@@ -2,11 +2,11 @@
 
 The whole check runs with ``--device standin`` and ``--device cpu`` in a subprocess whose every
 Python process (the step processes and the harness processes they spawn) starts with
-tests/gpu_machine_imports/sitecustomize.py: a module that is neither the standard library, nor one
+tests/support/gpu_machine_imports/sitecustomize.py: a module that is neither the standard library, nor one
 the bare GPU machine has (torch, Triton, numpy, uvloop, PyYAML), nor in a wheel gpu_check carries,
 nor the repository's own, raises ImportError. So an import the GPU machine cannot satisfy fails
 here, in CI, not during the minutes a GPU machine is lent. What is mocked is the GPU alone: standin
-is tests/async_device.py, cpu is vLLM's CPU case; sizes are small and the figures mean nothing.
+is tests/support/async_device.py, cpu is vLLM's CPU case; sizes are small and the figures mean nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT / "benchmarks"))  # gpu_check imports its siblings as the script does (appended: no shadowing)
 
 import gpu_check  # noqa: E402
@@ -33,7 +33,8 @@ pytestmark = pytest.mark.gpu
 def gpu_machine_env(tmp_path: Path) -> dict[str, str]:
     """The environment of a process that may import only what the GPU machine (plus the wheels) has."""
     allowed = gpu_check_wheels.GPU_MACHINE_MODULES + gpu_check_wheels.carried_modules()
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "gpu_machine_imports"), str(ROOT)]),
+    imports = ROOT / "tests" / "support" / "gpu_machine_imports"
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(imports), str(ROOT)]),
             "VLLM_PD_IMPORT_ALLOW": ",".join(allowed), "VLLM_PD_IMPORT_ROOT": str(ROOT),
             "VLLM_PD_IMPORT_BLOCKED_LOG": str(tmp_path / "blocked.log")}
 
@@ -46,7 +47,7 @@ def test_the_blocker_refuses_what_the_gpu_machine_lacks(tmp_path: Path) -> None:
         proc = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True)
         assert proc.returncode != 0 and "not on the bare GPU machine" in proc.stderr, (module, proc.stderr)
     data_path = ("vllm_pd.connector.worker", "vllm_pd.connector.transfer_params",
-                 "vllm_pd.connector.transport.checksum", "tests.gpu_harness")
+                 "vllm_pd.connector.transport.checksum", "tests.support.gpu_harness")
     code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
     proc = subprocess.run([sys.executable, "-c", code, *data_path], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

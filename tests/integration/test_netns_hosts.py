@@ -1,4 +1,4 @@
-"""The netns test hosts (tests/netns_hosts.py): addresses, reachability, faults, teardown."""
+"""The netns test hosts (tests/support/netns_hosts.py): addresses, reachability, faults, teardown."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.netns_hosts import PREFIX, NetnsHosts, _ip, netns_unavailable, remove_leftovers
+from tests.support.netns_hosts import PREFIX, NetnsHosts, _ip, netns_unavailable, remove_leftovers
 
 _why = netns_unavailable()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")

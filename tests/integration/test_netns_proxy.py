@@ -1,11 +1,11 @@
 """The proxy on its own host in front of a prefill and a decode on two others (network namespaces,
-tests/netns_hosts.py), with mock backends instead of vLLM (vllm_pd/router/mock_backend.py), the proxy
+tests/support/netns_hosts.py), with mock backends instead of vLLM (vllm_pd/router/mock_backend.py), the proxy
 started with its default flags: when prefill's host is cut off under load, the requests running then
 move on to decode-only once the proxy finds it lost - its legs made no progress for a second, it missed
 two probes - within 10 s, though the prefill leg's own timeout is 300 s and the outage 40 s; prefill
 serves again once the link is back. When decode's host is cut off, the requests running then end
 with the proxy's 504 within the same bound. The real-vLLM version, with KV crossing the links:
-tests/test_multihost_e2e.py."""
+tests/e2e/test_multihost_e2e.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests import e2e_cluster as ec
-from tests.netns_cluster import Cluster, load_through, mock_cluster, waits_after
-from tests.netns_hosts import netns_unavailable
+from tests.support import e2e_cluster as ec
+from tests.support.netns_cluster import Cluster, load_through, mock_cluster, waits_after
+from tests.support.netns_hosts import netns_unavailable
 
 _why = netns_unavailable()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")

@@ -1,5 +1,5 @@
 """The KV store across hosts: the master on one network namespace, two store nodes on two others
-(tests/netns_store_node.py, no vLLM), all with one deployment secret; a node fetches another
+(tests/support/netns_store_node.py, no vLLM), all with one deployment secret; a node fetches another
 node's blocks through the master across the links, byte for byte. With the master's host cut off
 a lookup gives up within the master timeout (the node recomputes), and once the link is back
 fetches go through again."""
@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.netns_hosts import NetnsHosts, netns_unavailable
+from tests.support.netns_hosts import NetnsHosts, netns_unavailable
 from vllm_pd.connector.auth_protocol import new_secret
 from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.vllm_server import free_port
@@ -22,7 +22,7 @@ from vllm_pd.vllm_server import free_port
 _why = netns_unavailable()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")
 
-MASTER_TIMEOUT_S = 2.0  # tests/test_store_peer.Node's master_timeout_s
+MASTER_TIMEOUT_S = 2.0  # tests/unit/store/test_store_peer.Node's master_timeout_s
 
 
 SECRET = new_secret()
@@ -30,7 +30,7 @@ SECRET = new_secret()
 
 def _node(net: NetnsHosts, host: str, role: str, name: str, master: str, seed: int,
           **kw: object) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "tests.netns_store_node", role, name, master, net[host].address, str(seed)]
+    argv = [sys.executable, "-m", "tests.support.netns_store_node", role, name, master, net[host].address, str(seed)]
     return subprocess.Popen(net[host].command(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, VLLM_PD_SECRET=SECRET), **kw)
 

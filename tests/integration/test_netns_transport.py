@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.netns_hosts import NetnsHosts, netns_unavailable
+from tests.support.netns_hosts import NetnsHosts, netns_unavailable
 from vllm_pd.connector.auth_protocol import new_secret
 
 _why = netns_unavailable()
@@ -36,7 +36,7 @@ def test_fetch_and_push_across_hosts(case: str) -> None:
     if name == "nixl" and importlib.util.find_spec("nixl") is None:
         pytest.skip("nixl is not installed (pip install 'vllm-pd[nixl]')")
     with NetnsHosts(["a", "b"]) as net:
-        module = [sys.executable, "-m", "tests.netns_transport_peer"]
+        module = [sys.executable, "-m", "tests.support.netns_transport_peer"]
         server = subprocess.Popen(net["a"].command([*module, "serve", name, net["a"].address]),
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.router_harness import harness, run, wait_for
+from tests.support.router_harness import harness, run, wait_for
 from vllm_pd.connector.store.keys import KeySalt, chain_keys
 from vllm_pd.connector.store.master import NodeInfo
 from vllm_pd.connector.store.master_client import MasterClient

@@ -93,7 +93,7 @@ def _env_without_secret() -> dict[str, str]:
 
 
 def test_tls_keys_come_together_and_only_for_tcp(tmp_path) -> None:
-    from tests.tls_certs import issue, make_ca
+    from tests.support.tls_certs import issue, make_ca
 
     make_ca(tmp_path)
     tls = issue(tmp_path, "node")

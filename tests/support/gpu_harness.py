@@ -2,7 +2,7 @@
 
 A prefill process and a decode process each run the connector's worker
 (``PDConnectorWorker``: sender, loader, transport) on a KV cache built exactly as vLLM
-0.32 allocates it for one of its attention backends (tests/vllm_kv_cache.py: one flat
+0.32 allocates it for one of its attention backends (tests/support/vllm_kv_cache.py: one flat
 buffer, a ``[B, H, N, C]`` view per layer in the resolved layout, kernel blocks where the
 backend splits a block), registered as vLLM registers it, and driven as vLLM drives it:
 per step ``begin_step``, per layer a synthetic forward (a matmul the size of a layer's,
@@ -15,7 +15,7 @@ decode's side), and decode checks prefill announced its own block format.
 
 * ``device``: ``cuda`` (a GPU machine, which has CUDA torch but no vLLM), ``cpu`` (vLLM's
   CPU case: direct access where the layout keeps blocks back to back, events complete at
-  once) or ``standin`` (tests/async_device.py: KV staged through host rows and every device
+  once) or ``standin`` (tests/support/async_device.py: KV staged through host rows and every device
   operation run later on stream threads, so CI covers the GPU ordering on a CPU).
 * ``transport``: tcp | shm | nixl.
 * ``backend``: FLASH_ATTN | FLASHINFER | FLASHMLA | CUTLASS_MLA | TRITON_MLA (Hopper) |
@@ -37,7 +37,7 @@ decode's side), and decode checks prefill announced its own block format.
   (0 = ``blocks_per_request`` of prefill's blocks). The KV is then one per (head, token) over
   the whole model: decode's blocks must hold exactly their heads' tokens, whatever the shapes.
 
-Used by tests/test_gpu_harness.py, benchmarks/gpu_transfer.py and benchmarks/gpu_check.py.
+Used by tests/unit/support/test_gpu_harness.py, benchmarks/gpu_transfer.py and benchmarks/gpu_check.py.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from tests import vllm_kv_cache as replay
+from tests.support import vllm_kv_cache as replay
 from vllm_pd.connector.kv_geometry import BlockFormat, rank_heads
 from vllm_pd.connector.kv_layout import KVLayout
 
@@ -58,7 +58,7 @@ from vllm_pd.connector.kv_layout import KVLayout
 class HarnessSpec:
     device: str = "cpu"  # cuda | cpu | standin
     transport: str = "tcp"
-    backend: str = "FLASH_ATTN"  # tests/vllm_kv_cache.py BACKENDS
+    backend: str = "FLASH_ATTN"  # tests/support/vllm_kv_cache.py BACKENDS
     kv_layout: str = ""  # "" = what vLLM resolves with this connector
     model: str = "llama3-8b"  # llama3-8b | deepseek-v3
     layers: int = 4  # 0 = the model's
@@ -142,7 +142,7 @@ class HarnessResult:
 def _device(spec: HarnessSpec) -> tuple[torch.device, Any]:
     """(where the tensors live, the KVDevice to run them on)."""
     if spec.device == "standin":
-        from tests.async_device import AsyncStandInDevice
+        from tests.support.async_device import AsyncStandInDevice
         return torch.device("cpu"), AsyncStandInDevice(compute_delay_s=0.002, copy_delay_s=0.001)
     from vllm_pd.connector.kv_device import kv_device_for
     device = torch.device(spec.device)

@@ -1,5 +1,5 @@
-"""Prefill, decode and the proxy on three hosts of one machine (tests/netns_hosts.py), with a
-steady load that a fault strikes: shared by tests/test_multihost_e2e.py and
+"""Prefill, decode and the proxy on three hosts of one machine (tests/support/netns_hosts.py), with a
+steady load that a fault strikes: shared by tests/e2e/test_multihost_e2e.py and
 benchmarks/partition_failover.py.
 
 The prefill server runs on host "prefill" (core 0), the decode server on host "decode"
@@ -23,9 +23,9 @@ from typing import Any, Callable, Iterator, Protocol
 import httpx
 import yaml
 
-from tests import e2e_cluster as ec
-from tests.netns_hosts import NetnsHosts
-from tests.prompt_catalogue import CATALOGUE
+from tests.support import e2e_cluster as ec
+from tests.support.netns_hosts import NetnsHosts
+from tests.support.prompt_catalogue import CATALOGUE
 from vllm_pd.vllm_server import VllmServer, free_port
 
 # long prompts: a request spends most of its time in prefill and the KV's transfer

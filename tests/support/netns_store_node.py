@@ -1,4 +1,4 @@
-"""One KV store node on its own host, run by tests/test_netns_store.py (``ip netns exec``).
+"""One KV store node on its own host, run by tests/integration/test_netns_store.py (``ip netns exec``).
 
 ``serve NAME MASTER HOST SEED``: save the blocks of test_store_peer.TOKS, publish them to the
 master, print ``{"endpoint", "digest"}`` and serve them to other nodes until stdin closes.
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from tests.test_store_peer import LAYERS, TOKS, Node, save_on
+from tests.unit.store.test_store_peer import LAYERS, TOKS, Node, save_on
 from vllm_pd.connector.auth_protocol import load_secret
 
 SAVED_IDS = [3, 7, 9]  # where the serving node's blocks sit (save_on's default)

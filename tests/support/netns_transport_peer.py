@@ -1,4 +1,4 @@
-"""One end of a KV transport on its own host, run by tests/test_netns_transport.py (``ip netns exec``).
+"""One end of a KV transport on its own host, run by tests/integration/test_netns_transport.py (``ip netns exec``).
 
 ``serve NAME HOST``: KV regions with seeded contents behind transport NAME on HOST, every block
 granted for fetching as transfer "granted"; prints the endpoint, serves until stdin closes.
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from tests.transport_harness import RecordingSink, make_regions
+from tests.support.transport_harness import RecordingSink, make_regions
 from vllm_pd.connector.auth_protocol import load_secret
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch

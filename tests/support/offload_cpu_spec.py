@@ -7,7 +7,7 @@ scheduler side (block hashes, lookups, store/load decisions, the LRU pool manage
 (canonical KV views, job bookkeeping), its stats and metrics - is vLLM's own and runs unchanged. This
 spec swaps only the copy engine: the same (device block -> host chunk) copies, done by the CPU at
 submit time. Selected with ``"spec_name": "HostCopyOffloadingSpec", "spec_module_path":
-"tests.offload_cpu_spec"`` in the connector's extra config. One block per chunk (vLLM's default).
+"tests.support.offload_cpu_spec"`` in the connector's extra config. One block per chunk (vLLM's default).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 # an OffloadingConnector child of MultiConnector on vLLM CPU: 64 MiB of host chunks
 OFFLOAD = {
     "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-    "kv_connector_extra_config": {"spec_name": "HostCopyOffloadingSpec", "spec_module_path": "tests.offload_cpu_spec",
+    "kv_connector_extra_config": {"spec_name": "HostCopyOffloadingSpec",
+                                  "spec_module_path": "tests.support.offload_cpu_spec",
                                   "cpu_bytes_to_use": 64 << 20},
 }
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_ops_triton.py"
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/unit/ops/test_ops_triton.py"
 
 import vllm_pd.ops.library  # noqa: E402,F401
 from vllm_pd.ops import reference  # noqa: E402

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tests.e2e_cluster import MAX_MODEL_LEN, MAX_TOKENS, chat_body, completion_body
+from tests.support.e2e_cluster import MAX_MODEL_LEN, MAX_TOKENS, chat_body, completion_body
 
 _rng = random.Random(20261121)
 
@@ -43,7 +43,7 @@ for i, t in enumerate(TEXTS):
 for i, t in enumerate(CHATS):
     CONNECTOR_CASES[f"chat{i}"] = chat_body(t)
 
-# The KV block store (tests/test_store_e2e.py): multi-turn prefixes, prompts for
+# The KV block store (tests/e2e/test_store_e2e.py): multi-turn prefixes, prompts for
 # memory pressure and for requests sent while the store master is killed.
 _store_rng = random.Random(5)
 
@@ -68,7 +68,7 @@ STORE_CASES: dict[str, dict[str, Any]] = {
     "store_from_disk": completion_body(STORE_FROM_DISK),
 }
 
-# The supervisor (tests/test_supervisor_e2e.py): an output-heavy load (short prompts, long outputs; these
+# The supervisor (tests/e2e/test_supervisor_e2e.py): an output-heavy load (short prompts, long outputs; these
 # may repeat) and a prompt-heavy one (long prompts, 1 token out; each prompt once, so no prefix cache
 # takes the prompt work away: enough of them for the phase to last until the move and its hold under a
 # slow CI machine - 96 ran out there, the move unmade). Every output runs to max_tokens, so the load is

@@ -122,7 +122,7 @@ def spawn_peer(name: str, num_layers: int, num_blocks: int, hold: bool,
     # there once).
     ctx = mp.get_context("forkserver" if name == "nixl" else "fork")
     if name == "nixl":
-        ctx.set_forkserver_preload(["torch", "tests.transport_harness"])
+        ctx.set_forkserver_preload(["torch", "tests.support.transport_harness"])
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_peer_main, args=(name, num_layers, num_blocks, hold, push_to, options, child),
                     daemon=True)

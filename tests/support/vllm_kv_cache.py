@@ -1,7 +1,7 @@
 """vLLM 0.32's KV cache allocation for its Hopper attention backends, replayed with torch alone.
 
 The GPU machine that runs our checks has CUDA torch but no vLLM, so the harness
-(tests/gpu_harness.py) and benchmarks/gpu_check.py build KV here, exactly as vLLM 0.32's
+(tests/support/gpu_harness.py) and benchmarks/gpu_check.py build KV here, exactly as vLLM 0.32's
 GPU model runner does for one model of same-shaped attention layers:
 
 * the layout: one of the backend's accepted layouts (:class:`Backend`); what vLLM resolves
@@ -13,7 +13,7 @@ GPU model runner does for one model of same-shaped attention layers:
 * each layer's ``[B, H, N, C]`` view in the KV dtype: ``create_kv_cache_views``
   (:func:`layer_views`), which is what ``register_kv_caches`` receives.
 
-tests/test_kv_layout.py checks every view against vLLM's own functions, tensor by tensor.
+tests/unit/connector/test_kv_layout.py checks every view against vLLM's own functions, tensor by tensor.
 The GPU wheel's Python is the CPU wheel's (vllm 0.32.0 from PyPI, compared file by file:
 only version strings and a CPU Triton helper differ); what differs on Hopper is the
 platform's answers, written into :data:`BACKENDS` for sm_90 with bf16 KV and head size

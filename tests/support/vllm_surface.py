@@ -10,7 +10,8 @@ violates. Nothing of vLLM's source text is kept: names, parameter names and flag
 
 Regenerate the committed manifest from a wheel (no install; reads the wheel as a zip)::
 
-    python -m tests.vllm_surface /path/vllm-0.33.0-*.whl --out tests/data/vllm-0.33.0-connector-surface.json
+    python -m tests.support.vllm_surface /path/vllm-0.33.0-*.whl \
+        --out tests/support/data/vllm-0.33.0-connector-surface.json
 """
 
 from __future__ import annotations

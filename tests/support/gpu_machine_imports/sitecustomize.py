@@ -1,4 +1,4 @@
-"""Limits a Python process to the imports a bare GPU machine can satisfy (tests/test_gpu_check.py).
+"""Limits a Python process to the imports a bare GPU machine can satisfy (tests/integration/test_gpu_check.py).
 
 Python runs ``sitecustomize`` at start-up from the first folder on sys.path that has one; the
 rehearsal of benchmarks/gpu_check.py puts this folder first on PYTHONPATH, so its step processes

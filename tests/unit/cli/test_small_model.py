@@ -181,6 +181,6 @@ def test_ensure_lora_is_cached_per_model_and_adapter(tmp_path: Path) -> None:
     assert ensure_lora(ModelSpec(**TINY), LoraSpec(seed=2), cache_dir=tmp_path) != first
     assert (first / "adapter_config.json").is_file()
 
-# vLLM serving the made adapter (with --enable-lora) is proven by tests/test_store_isolation_e2e.py.
+# vLLM serving the made adapter (with --enable-lora) is proven by tests/e2e/test_store_isolation_e2e.py.
 # vLLM serving the made model (completions and chat) is proven by every end-to-end test:
 # their reference phase (tests/conftest.py reference_outputs) runs the whole prompt catalogue on it.

@@ -1,6 +1,6 @@
 """`vllm-pd up`'s choices before any server starts: GPUs per server, the served model name,
 vLLM arguments passed through, and the command each server runs. `up` itself, end to end,
-is tests/test_up_e2e.py."""
+is tests/e2e/test_up_e2e.py."""
 
 from __future__ import annotations
 

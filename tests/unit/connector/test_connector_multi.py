@@ -1,6 +1,6 @@
 """PDConnector inside vLLM's MultiConnector, the parts that need no server: how the class-level
 answers combine with another connector's (vLLM's OffloadingConnector here), and the stats of both
-coming back by name in the API server process (tests/test_connector_multi_e2e.py runs the instance)."""
+coming back by name in the API server process (tests/e2e/test_connector_multi_e2e.py runs the instance)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 import vllm_pd
-from tests.offload_cpu_spec import OFFLOAD
+from tests.support.offload_cpu_spec import OFFLOAD
 from vllm_pd.connector.connector import PDConnector
 from vllm_pd.connector.stats import PDConnectorStats
 

@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from tests.test_connector_units import _land
-from tests.test_transfer_params import remote_prefill
-from tests.transport_harness import RecordingSink, make_regions
+from tests.unit.connector.test_connector_units import _land
+from tests.unit.connector.test_transfer_params import remote_prefill
+from tests.support.transport_harness import RecordingSink, make_regions
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.control import PingMessage, decode_control

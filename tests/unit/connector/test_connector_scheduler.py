@@ -2,7 +2,7 @@
 
 vLLM's scheduler and requests are stood in for by plain objects carrying just the fields the
 connector reads (request id, prompt, kv_transfer_params, status; a block table); the real
-engine path is covered by tests/test_connector_e2e.py.
+engine path is covered by tests/e2e/test_connector_e2e.py.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def test_a_late_announcement_whose_prefill_does_not_answer_is_given_up_on() -> N
 
 
 def test_a_late_announcement_from_a_prefill_that_answers_is_still_waited_for() -> None:
-    from tests.test_connector_peer_probe import _PingSink
+    from tests.unit.connector.test_connector_peer_probe import _PingSink
     from vllm_pd.connector.transport import create_transport
 
     sink = _PingSink()

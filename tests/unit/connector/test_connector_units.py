@@ -22,8 +22,8 @@ from vllm_pd.connector.metadata import LoadSpec
 from vllm_pd.connector.transfer_params import LocalPrompt, prompt_hash
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
-from tests.test_transfer_params import remote_prefill as _remote
-from tests.transport_harness import RecordingSink, make_regions
+from tests.unit.connector.test_transfer_params import remote_prefill as _remote
+from tests.support.transport_harness import RecordingSink, make_regions
 
 
 # ---- config ---------------------------------------------------------------------------------------

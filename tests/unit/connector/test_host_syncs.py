@@ -1,6 +1,6 @@
 """No host synchronisation on the forward's thread, anywhere on the KV path - mocked GPU.
 
-No GPU runs here: the device is the checked stand-in of tests/async_device.py, which
+No GPU runs here: the device is the checked stand-in of tests/support/async_device.py, which
 fails every operation that would make a real GPU's host wait (a copy from pageable
 memory, an index built with ``torch.tensor(list)``, a device value read on the host, an
 event waited for on the forward's thread). First each rule of the detector on its own
@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import torch
 
-from tests.async_device import AsyncStandInDevice, HostSyncError
-from tests.test_kv_device_path import (
+from tests.support.async_device import AsyncStandInDevice, HostSyncError
+from tests.unit.connector.test_kv_device_path import (
     BLOCK_NBYTES,
     BS,
     LAYERS,
@@ -34,8 +34,8 @@ from tests.test_kv_device_path import (
     vllm_cache,
     write_layer,
 )
-from tests.test_store_device_path import Node, WatchedStandIn
-from tests.transport_harness import make_regions, started
+from tests.unit.store.test_store_device_path import Node, WatchedStandIn
+from tests.support.transport_harness import make_regions, started
 from vllm_pd.connector import block_copies
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig

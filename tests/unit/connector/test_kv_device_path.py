@@ -1,4 +1,4 @@
-"""The connector's device data path on an asynchronous stand-in GPU (tests/async_device.py).
+"""The connector's device data path on an asynchronous stand-in GPU (tests/support/async_device.py).
 
 No GPU runs here, so the device is a stand-in - mocked - whose "kernels" and copies run
 later on their streams' threads: a send that does not wait for the layer's write, or an
@@ -7,7 +7,7 @@ for byte. It also fails every operation that would make a real GPU's host wait (
 from pageable memory, a device value read on the host, an event waited for on the
 forward's thread): the connector's hooks run under it as vLLM calls them, on the
 "forward's thread". The KV is built as vLLM 0.32 allocates it for FlashAttention
-(tests/vllm_kv_cache.py) in its default layout LBNHC - token-major pages, so a block's
+(tests/support/vllm_kv_cache.py) in its default layout LBNHC - token-major pages, so a block's
 bytes in memory order (what moves) are not its logical ``[H, N, C]`` order - and staged
 through pinned host rows for the host transports, as on a GPU.
 """
@@ -20,9 +20,9 @@ import time
 import pytest
 import torch
 
-from tests import vllm_kv_cache as replay
-from tests.async_device import AsyncStandInDevice
-from tests.transport_harness import RecordingSink, make_regions, started
+from tests.support import vllm_kv_cache as replay
+from tests.support.async_device import AsyncStandInDevice
+from tests.support.transport_harness import RecordingSink, make_regions, started
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.host_staging import StagingArena

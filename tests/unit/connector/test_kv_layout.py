@@ -1,4 +1,4 @@
-"""vLLM 0.32's KV cache layouts: our torch-only replay (tests/vllm_kv_cache.py) against vLLM's own
+"""vLLM 0.32's KV cache layouts: our torch-only replay (tests/support/vllm_kv_cache.py) against vLLM's own
 code, and what the connector reads from them (vllm_pd/connector/kv_layout.py).
 
 vLLM's side runs its real functions on the CPU - the spec classes, ``customize_attention_spec``,
@@ -8,7 +8,7 @@ FLASHMLA, CUTLASS_MLA, TRITON_MLA and CPU_ATTN. Mocked, because they cannot run 
 ``flashinfer`` package (a CUDA library) that vLLM's FlashInfer backend module imports at its
 top, and the GPU allocation of CUTLASS_MLA's module-level workspace (made on the meta device);
 the backends' own declarations run unchanged. ``current_platform`` is vLLM's CPU
-platform: where a backend asks for the GPU's capability, tests/vllm_kv_cache.py's table says
+platform: where a backend asks for the GPU's capability, tests/support/vllm_kv_cache.py's table says
 what sm_90 answers (see its docstring).
 """
 
@@ -25,7 +25,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests import vllm_kv_cache as replay
+from tests.support import vllm_kv_cache as replay
 from vllm_pd.connector.kv_layout import KVLayout, block_format, manager_blocks, memory_order_mismatch
 from vllm_pd.connector.transport.base import MemoryRegion
 

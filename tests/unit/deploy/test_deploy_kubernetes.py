@@ -3,7 +3,7 @@ the code they run - the connector accepts their settings, the proxy's flags pars
 pods they should, the KV endpoint the proxy derives matches what the pod listens on.
 
 No cluster can run here: the schemas are the ones kubernetes-validate bundles (offline), for the oldest and
-the newest Kubernetes checked; kustomize is rendered by tests/kustomize_lite.py, checked against
+the newest Kubernetes checked; kustomize is rendered by tests/support/kustomize_lite.py, checked against
 ``kubectl kustomize`` where kubectl is installed.
 """
 
@@ -21,7 +21,7 @@ import msgspec
 import pytest
 import yaml
 
-from tests.kustomize_lite import render
+from tests.support.kustomize_lite import render
 from vllm_pd.cli import build_parser
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.store.config import StoreConfig
@@ -29,7 +29,7 @@ from vllm_pd.router import command_proxy
 from vllm_pd.router.k8s_pods import Pod, pod_target
 from vllm_pd.router.k8s_selector import parse_selector
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
+DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
 VARIANTS = ("base", "gpu")
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}

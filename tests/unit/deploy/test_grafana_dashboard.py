@@ -15,10 +15,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.router_harness import harness, run
+from tests.support.router_harness import harness, run
 from vllm_pd.connector.transfer_counters import GAUGES
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "examples" / "grafana" / "vllm-pd.json"
+DASHBOARD = Path(__file__).resolve().parents[3] / "examples" / "grafana" / "vllm-pd.json"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _IDENT = re.compile(r"(?<![A-Za-z0-9_:.])([A-Za-z_:][A-Za-z0-9_:]*)(\s*\()?")  # not a duration's unit (5m)

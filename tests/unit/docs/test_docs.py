@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
 
 import reference_pages  # noqa: E402 - docs/hooks is not a package

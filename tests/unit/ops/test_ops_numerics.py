@@ -1,6 +1,6 @@
 """vllm_pd.ops.numerics, the entry points benchmarks/gpu_check.py calls on a GPU, rehearsed on
 CPU with the native (C++) and reference backends on small shapes. The Triton backend's cases
-run in the interpreter (tests/ops_triton_cases.py)."""
+run in the interpreter (tests/support/ops_triton_cases.py)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.test_planner_cli import _serve_apps
+from tests.unit.planner.test_planner_cli import _serve_apps
 from vllm_pd import cli
 from vllm_pd.planner.completion_stream import Stream, stream_completion
 from vllm_pd.planner.instance_profiler import InstanceProfiler

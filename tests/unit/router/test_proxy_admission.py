@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.router_harness import harness, run, wait_for
+from tests.support.router_harness import harness, run, wait_for
 from vllm_pd.router.admission import AdmissionGate
 from vllm_pd.router.errors import ProxyError
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.router_harness import harness, run, wait_for
+from tests.support.router_harness import harness, run, wait_for
 
 LONG = {"prompt": "long prompt " * 30, "max_tokens": 3}
 STREAM = dict(LONG, max_tokens=6, stream=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.router_harness import Harness, harness, run
+from tests.support.router_harness import Harness, harness, run
 from vllm_pd.router import decode_relay, pd_flow
 from vllm_pd.router.backend_response import BackendResponse
 from vllm_pd.router.sse_relay import SseSplitter

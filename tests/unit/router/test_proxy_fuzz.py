@@ -13,8 +13,8 @@ import random
 import tracemalloc
 from typing import Callable
 
-from tests.router_harness import Harness, harness, run
-from tests.test_router_http_server import read_response
+from tests.support.router_harness import Harness, harness, run
+from tests.unit.router.test_router_http_server import read_response
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 SEED_BODIES = [

@@ -7,7 +7,7 @@ import contextlib
 import json
 from typing import AsyncIterator
 
-from tests.test_router_http_server import App, read_response, run
+from tests.unit.router.test_router_http_server import App, read_response, run
 from vllm_pd.router.http_limits import HttpLimits
 from vllm_pd.router.http_server import HttpServer
 from vllm_pd.vllm_server import free_port

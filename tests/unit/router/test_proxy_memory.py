@@ -7,9 +7,9 @@ import gc
 import tracemalloc
 import weakref
 
-from tests.router_harness import harness, run
-from tests.test_proxy_http_limits import limited_server
-from tests.test_router_http_server import read_response
+from tests.support.router_harness import harness, run
+from tests.unit.router.test_proxy_http_limits import limited_server
+from tests.unit.router.test_router_http_server import read_response
 from vllm_pd.router.http_limits import HttpLimits
 from vllm_pd.router.http_server import HttpServer
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.router_harness import harness, run
+from tests.support.router_harness import harness, run
 from vllm_pd.router import command_proxy
 from vllm_pd.router.app import ProxyServer, serve
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig

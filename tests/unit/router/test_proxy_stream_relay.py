@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-from tests.router_harness import harness, run, wait_for
+from tests.support.router_harness import harness, run, wait_for
 from vllm_pd.router.backend_response import BackendResponse
 from vllm_pd.router.http_client import BackendClient
 

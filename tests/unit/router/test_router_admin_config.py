@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.router_harness import harness, run
+from tests.support.router_harness import harness, run
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml, parse_instance_flag
 from vllm_pd.router.mock_backend import MockBackend, start_backend
 
@@ -119,6 +119,6 @@ def test_yaml_good(tmp_path) -> None:
 def test_example_config_loads() -> None:
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "router" / "proxy.yaml"
+    path = Path(__file__).resolve().parents[3] / "examples" / "router" / "proxy.yaml"
     cfg = ProxyConfig(**load_yaml(path))
     assert [i.role for i in cfg.instances] == ["prefill", "prefill", "decode", "both"]

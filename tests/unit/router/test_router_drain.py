@@ -1,7 +1,7 @@
 """Draining the proxy (SIGTERM's path) against mock backends: nothing new accepted, in-flight requests
 finish within the grace period, what remains after it is cancelled on both legs.
 
-The same on real vLLM servers, through a SIGTERM to a proxy process: tests/test_router_e2e.py.
+The same on real vLLM servers, through a SIGTERM to a proxy process: tests/e2e/test_router_e2e.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from tests.router_harness import Harness, harness, run, wait_for
+from tests.support.router_harness import Harness, harness, run, wait_for
 from vllm_pd.router.drain import drain
 from vllm_pd.vllm_server import free_port
 

@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 
-from tests.router_harness import harness, run, wait_for
+from tests.support.router_harness import harness, run, wait_for
 
 LONG = {"prompt": "long prompt " * 30, "max_tokens": 3}
 

@@ -6,7 +6,7 @@ import json
 
 
 from vllm_pd.connector.transfer_params import AwaitedPrefill
-from tests.router_harness import harness, run
+from tests.support.router_harness import harness, run
 
 LONG = {"prompt": "long prompt " * 30, "max_tokens": 3}
 
@@ -182,7 +182,7 @@ def test_tpot_is_sampled_while_a_long_stream_runs() -> None:
 
 def test_the_decode_leg_names_the_kv_endpoints_prefill_answered_with() -> None:
     """decode probes that prefill while its announcement is late (connector/announce_probe.py)."""
-    from tests.test_transfer_params import remote_prefill
+    from tests.unit.connector.test_transfer_params import remote_prefill
     from vllm_pd.router.instance_pool import Instance
 
     inst = Instance("http://p:1", "prefill", None, breaker=None)  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.router_harness import harness, run
+from tests.support.router_harness import harness, run
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 

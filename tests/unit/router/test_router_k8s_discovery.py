@@ -1,4 +1,4 @@
-"""The proxy's Kubernetes discovery against a stand-in API server (tests/k8s_api_standin.py).
+"""The proxy's Kubernetes discovery against a stand-in API server (tests/support/k8s_api_standin.py).
 
 No Kubernetes cluster can run here, so the API server is a stand-in that
 serves LIST and WATCH of pods the way the real one does (JSON-lines watch
@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
-from tests.k8s_api_standin import StandInApiServer, make_pod
+from tests.support.k8s_api_standin import StandInApiServer, make_pod
 from vllm_pd.router.app import ProxyServer, serve
 from vllm_pd.router.config import K8sDiscoveryConfig, ProxyConfig
 from vllm_pd.router.http_server import HttpServer

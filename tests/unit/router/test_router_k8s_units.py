@@ -13,7 +13,7 @@ import certifi
 import msgspec
 import pytest
 
-from tests.k8s_api_standin import StandInApiServer, make_pod
+from tests.support.k8s_api_standin import StandInApiServer, make_pod
 from vllm_pd.router import command_proxy
 from vllm_pd.router.config import ConfigError, K8sDiscoveryConfig, load_yaml
 from vllm_pd.router.k8s_api import ApiError, KubeApi

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from tests.router_harness import harness, run, wait_for
+from tests.support.router_harness import harness, run, wait_for
 from vllm_pd.router import command_proxy
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml
 from vllm_pd.router.instance_pool import InstancePool

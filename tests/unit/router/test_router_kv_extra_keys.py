@@ -16,9 +16,9 @@ from vllm.utils.hashing import sha256, sha256_cbor
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.request import Request
 
-from tests.router_harness import harness, run, wait_for
-from tests.test_router_kv_aware import CONVERSATION, _batch, _stored
-from tests.test_router_store_locations import master, node  # noqa: F401 - the master fixture
+from tests.support.router_harness import harness, run, wait_for
+from tests.unit.router.test_router_kv_aware import CONVERSATION, _batch, _stored
+from tests.integration.test_router_store_locations import master, node  # noqa: F401 - the master fixture
 from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys
 from vllm_pd.connector.store.request_keys import RequestKeys
 from vllm_pd.connector.store_bridge import request_extra_keys as engine_extra_keys

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.router_harness import Harness, harness, run, wait_for
+from tests.support.router_harness import Harness, harness, run, wait_for
 from vllm_pd.router.leg_timings import FastHistogram
 from vllm_pd.router.tracing import format_traceparent, make_tracer, parse_traceparent
 

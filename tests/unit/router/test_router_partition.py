@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests.router_harness import harness, run, wait_for
+from tests.support.router_harness import harness, run, wait_for
 from vllm_pd.router.partition_watch import InstanceUnreachable, PartitionWatch
 
 LONG = {"prompt": "long prompt " * 30, "max_tokens": 3}

@@ -1,12 +1,12 @@
 """The store's data path with the KV cache on a GPU - mocked: no GPU runs here.
 
-The GPU is the asynchronous stand-in of tests/async_device.py: "kernels" and copies
+The GPU is the asynchronous stand-in of tests/support/async_device.py: "kernels" and copies
 run later on their streams' threads and events complete only when reached, so a save
 that copies before the forward's write, a block committed before its copy completed,
 or an attention that does not wait for its layer's load reads stale bytes and fails
 byte for byte; and anything that would make a real GPU's host wait - on the forward's
 thread, where the store's hooks run, or inside launched copies - fails the test. The KV
-is vLLM 0.32's, for FlashAttention in its default layout LBNHC (tests/test_kv_device_path.py
+is vLLM 0.32's, for FlashAttention in its default layout LBNHC (tests/unit/connector/test_kv_device_path.py
 ``vllm_cache``: a block's bytes in memory order are not its logical order).
 """
 
@@ -21,8 +21,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.async_device import AsyncStandInDevice
-from tests.test_kv_device_path import BLOCK_NBYTES, BS, LAYERS, block_bytes, random_kv, vllm_cache, write_layer
+from tests.support.async_device import AsyncStandInDevice
+from tests.unit.connector.test_kv_device_path import (BLOCK_NBYTES, BS, LAYERS, block_bytes, random_kv, vllm_cache,
+                                                      write_layer)
 from vllm_pd.connector.exceptions import ConfigError
 from vllm_pd.connector.kv_device import COMPLETED, HostDevice, KVDevice
 from vllm_pd.connector.store.config import StoreConfig

@@ -159,8 +159,8 @@ def test_scope_names_adapter_and_cache_salt_only():
 
 
 # ---- the store itself: keys and the recorded scope ----------------------------------------------
-from tests.test_store_facades import SLOT_NBYTES, Node  # noqa: E402
-from tests.test_store_facades import tokens as prompt  # noqa: E402
+from tests.unit.store.test_store_facades import SLOT_NBYTES, Node  # noqa: E402
+from tests.unit.store.test_store_facades import tokens as prompt  # noqa: E402
 from vllm_pd.connector.store.config import StoreConfig  # noqa: E402
 from vllm_pd.connector.store.scheduler_side import StoreScheduler  # noqa: E402
 

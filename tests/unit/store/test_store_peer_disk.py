@@ -6,8 +6,9 @@ nodes through a real master process (holder's CPU tier full, holder restarted)."
 import pytest
 import torch
 
-from tests.test_store_peer import KEYS, LAYER_NBYTES, LAYERS, SALT, SCOPE, SLOTS, TOKS, Node, eventually, save_on
-from tests.test_store_peer import master  # noqa: F401 - the master fixture
+from tests.unit.store.test_store_peer import (KEYS, LAYER_NBYTES, LAYERS, SALT, SCOPE, SLOTS, TOKS, Node, eventually,
+                                              save_on)
+from tests.unit.store.test_store_peer import master  # noqa: F401 - the master fixture
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool, checksum
 from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.disk_tier import DiskTier

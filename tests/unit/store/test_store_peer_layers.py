@@ -12,8 +12,8 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from tests.test_store_peer import LAYERS, SCOPE, TOKS, Node, save_on
-from tests.test_store_peer import master, nodes  # noqa: F401 - fixtures
+from tests.unit.store.test_store_peer import LAYERS, SCOPE, TOKS, Node, save_on
+from tests.unit.store.test_store_peer import master, nodes  # noqa: F401 - fixtures
 from vllm_pd.connector.exceptions import TransportError
 
 

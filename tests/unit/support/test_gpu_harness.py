@@ -1,5 +1,5 @@
-"""The GPU harness (tests/gpu_harness.py): the connector's data path between two processes, on
-KV built exactly as vLLM 0.32 allocates it for its attention backends (tests/vllm_kv_cache.py).
+"""The GPU harness (tests/support/gpu_harness.py): the connector's data path between two processes, on
+KV built exactly as vLLM 0.32 allocates it for its attention backends (tests/support/vllm_kv_cache.py).
 
 Marked ``gpu``: on a machine whose torch sees a GPU it runs on CUDA (``pytest -m gpu``
 on the GPU machine, which has no vLLM); everywhere it also runs on the CPU (vLLM's
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.gpu_harness import HarnessSpec, run
+from tests.support.gpu_harness import HarnessSpec, run
 
 pytestmark = pytest.mark.gpu
 

@@ -1,8 +1,8 @@
-"""The near-tie comparison of answers with the plain instance's (tests/reference_margins.py)."""
+"""The near-tie comparison of answers with the plain instance's (tests/support/reference_margins.py)."""
 
 from __future__ import annotations
 
-from tests.reference_margins import divergence, top2_margins, with_top2
+from tests.support.reference_margins import divergence, top2_margins, with_top2
 
 
 def test_an_answer_may_differ_only_from_a_near_tie_of_the_reference_on() -> None:

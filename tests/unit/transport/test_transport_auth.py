@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-from tests.tls_certs import issue, make_ca
-from tests.transport_harness import TcpRelay, make_regions, raw_dial, started
+from tests.support.tls_certs import issue, make_ca
+from tests.support.transport_harness import TcpRelay, make_regions, raw_dial, started
 
 from vllm_pd.connector.auth_protocol import (
     DeploymentSecret,

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from tests.transport_harness import make_regions, raw_dial, spawn_peer, started
+from tests.support.transport_harness import make_regions, raw_dial, spawn_peer, started
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.push_staging import PushStaging

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from tests.transport_harness import RawFetchServer, RecordingSink, make_regions, raw_dial, spawn_peer, started
+from tests.support.transport_harness import RawFetchServer, RecordingSink, make_regions, raw_dial, spawn_peer, started
 
 from vllm_pd.connector.exceptions import (
     PeerClosed,

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from tests import vllm_kv_cache as replay
-from tests.transport_harness import make_regions, spawn_peer, started
+from tests.support import vllm_kv_cache as replay
+from tests.support.transport_harness import make_regions, spawn_peer, started
 
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.exceptions import ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransferTimeout
@@ -34,7 +34,7 @@ HEADS = 4  # KV heads of the small Llama-like model of these tests
 
 def vllm_regions(layout: KVLayout, num_blocks: int, seed: int | None, model: str = "llama3-8b",
                  backend: str = "FLASH_ATTN", block_size: int = 0, layers: int = 2) -> list[MemoryRegion]:
-    """One worker's KV as vLLM 0.32 allocates it in ``layout`` (tests/vllm_kv_cache.py), as the
+    """One worker's KV as vLLM 0.32 allocates it in ``layout`` (tests/support/vllm_kv_cache.py), as the
     connector registers it; random bytes, or zeros where ``seed`` is None."""
     m = replay.model(model, layers=layers, block_size=block_size, kv_heads=HEADS if model == "llama3-8b" else 1)
     cache = replay.allocate(m, replay.BACKENDS[backend], layout, num_blocks)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.transport_harness import make_regions, started
+from tests.support.transport_harness import make_regions, started
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.exceptions import TransferRejected

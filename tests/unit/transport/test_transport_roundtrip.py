@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.tls_certs import issue, make_ca
-from tests.transport_harness import make_regions, started
+from tests.support.tls_certs import issue, make_ca
+from tests.support.transport_harness import make_regions, started
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.exceptions import TransferRejected, TransferTimeout

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from tests.transport_harness import make_regions, spawn_peer, started
+from tests.support.transport_harness import make_regions, spawn_peer, started
 
 from vllm_pd.connector.exceptions import ConfigError, TransferCorrupted, TransportError
 from vllm_pd.connector.transport import create_transport, serve_session

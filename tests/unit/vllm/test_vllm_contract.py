@@ -1,6 +1,6 @@
 """PDConnector against the KV connector API of every vLLM version we support: 0.32 (installed here,
 checked live) and 0.33 (its GPU wheel cannot be installed on this CPU machine, so it is checked
-against tests/data/vllm-0.33.0-connector-surface.json, made from the wheel by tests/vllm_surface.py).
+against tests/support/data/vllm-0.33.0-connector-surface.json, made from the wheel by tests/support/vllm_surface.py).
 
 Every abstract method implemented, every override callable the way vLLM calls it (by position and by
 name), every member of the base class decided on (``DECISIONS``: ours, or why vLLM's default is
@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as vllm_base
 
-from tests import vllm_surface as vs
+from tests.support import vllm_surface as vs
 from vllm_pd.connector.connector import PDConnector
 
-MANIFESTS = sorted((Path(__file__).parent / "data").glob("vllm-*-connector-surface.json"))
+MANIFESTS = sorted((Path(__file__).parents[2] / "support" / "data").glob("vllm-*-connector-surface.json"))
 BASE = f"{vs.BASE_MODULE}.KVConnectorBase_V1"
-PACKAGE = Path(__file__).parent.parent / "vllm_pd"
+PACKAGE = Path(__file__).parents[3] / "vllm_pd"
 
 # Every member of KVConnectorBase_V1 in any supported version: "ours" (PDConnector overrides it; its
 # signature is checked) or why vLLM's default is right for PDConnector. A member a new vLLM adds
@@ -112,7 +112,7 @@ def version_cases() -> list[Any]:
 
 
 def test_the_033_manifest_is_committed() -> None:
-    assert any("vllm-0.33" in p.name for p in MANIFESTS), "tests/data lacks vLLM 0.33's surface"
+    assert any("vllm-0.33" in p.name for p in MANIFESTS), "tests/support/data lacks vLLM 0.33's surface"
 
 
 @pytest.mark.parametrize("surface", version_cases())
@@ -221,8 +221,8 @@ def import_problems(modules: dict[str, Any], manifest_path: str) -> list[str]:
     problems = []
     for module, name in sorted(vllm_imports()):
         if module not in modules:
-            problems.append(f"{module}: not in the manifest; add it to MODULES in tests/vllm_surface.py and "
-                            f"regenerate (python -m tests.vllm_surface WHEEL --out {manifest_path})")
+            problems.append(f"{module}: not in the manifest; add it to MODULES in tests/support/vllm_surface.py and "
+                            f"regenerate (python -m tests.support.vllm_surface WHEEL --out {manifest_path})")
         elif name and name not in modules[module]["names"] and not modules[module]["dynamic"]:
             problems.append(f"{module} has no {name}")
     return problems
@@ -230,7 +230,7 @@ def import_problems(modules: dict[str, Any], manifest_path: str) -> list[str]:
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_every_name_vllm_pd_imports_from_vllm_exists(path: Path) -> None:
-    assert import_problems(manifest(path)["modules"], f"tests/data/{path.name}") == []
+    assert import_problems(manifest(path)["modules"], f"tests/support/data/{path.name}") == []
 
 
 # ---- negative controls: each check fails where it should ---------------------------------------
@@ -298,5 +298,5 @@ def test_a_name_gone_from_a_module_fails(tmp_path: Path) -> None:
     del surface["modules"]["vllm.forward_context"]
     problems = import_problems(surface["modules"], "MANIFEST")
     assert problems[0] == "vllm.forward_context: not in the manifest; add it to MODULES in " \
-        "tests/vllm_surface.py and regenerate (python -m tests.vllm_surface WHEEL --out MANIFEST)"
+        "tests/support/vllm_surface.py and regenerate (python -m tests.support.vllm_surface WHEEL --out MANIFEST)"
     assert problems[1:] == ["vllm.v1.request has no Request"]
