@@ -29,7 +29,7 @@ from tests.support.netns_cluster import (Cluster, ConnectorTimes, Sent, load_thr
 from tests.support.netns_hosts import netns_unavailable
 from tests.support.reference_margins import MARGINS, divergence
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 
 # shm is one host's transport: across hosts the pair uses tcp unless nixl is asked for
 TRANSPORT = "nixl" if os.environ.get("VLLM_PD_TEST_TRANSPORT") == "nixl" else "tcp"

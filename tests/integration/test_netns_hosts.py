@@ -10,7 +10,8 @@ import pytest
 from tests.support.netns_hosts import PREFIX, NetnsHosts, _ip, netns_unavailable, remove_leftovers
 
 _why = netns_unavailable()
-pytestmark = pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")
+pytestmark = [pytest.mark.netns,
+              pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")]
 
 # connect to host:port from where this runs; prints "ok" or the error's name
 _DIAL = ("import socket,sys\n"

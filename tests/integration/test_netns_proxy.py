@@ -20,7 +20,8 @@ from tests.support.netns_cluster import Cluster, load_through, mock_cluster, wai
 from tests.support.netns_hosts import netns_unavailable
 
 _why = netns_unavailable()
-pytestmark = pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")
+pytestmark = [pytest.mark.netns,
+              pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")]
 
 OUTAGE_S = 40.0
 BOUND_S = 10.0  # detection ~3 s with the default flags; far below the outage

@@ -20,7 +20,8 @@ from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.vllm_server import free_port
 
 _why = netns_unavailable()
-pytestmark = pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")
+pytestmark = [pytest.mark.netns,
+              pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")]
 
 MASTER_TIMEOUT_S = 2.0  # tests/unit/store/test_store_peer.Node's master_timeout_s
 

@@ -18,7 +18,8 @@ from tests.support.netns_hosts import NetnsHosts, netns_unavailable
 from vllm_pd.connector.auth_protocol import new_secret
 
 _why = netns_unavailable()
-pytestmark = pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")
+pytestmark = [pytest.mark.netns,
+              pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")]
 
 
 def _json_line(proc: subprocess.Popen[str]) -> dict:

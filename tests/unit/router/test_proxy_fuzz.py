@@ -13,8 +13,12 @@ import random
 import tracemalloc
 from typing import Callable
 
+import pytest
+
 from tests.support.router_harness import Harness, harness, run
 from tests.unit.router.test_router_http_server import read_response
+
+pytestmark = pytest.mark.slow
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 SEED_BODIES = [

@@ -3,12 +3,15 @@ served carries exactly the bytes saved under its key, and the bounds hold."""
 
 import random
 
+import pytest
 import torch
 
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
+
+pytestmark = pytest.mark.slow
 
 BS, LAYERS, NBLOCKS = 4, 2, 64
 SALT = KeySalt("stress", "bfloat16", "cpu", BS, LAYERS)
