@@ -37,7 +37,7 @@ decode's side), and decode checks prefill announced its own block format.
   (0 = ``blocks_per_request`` of prefill's blocks). The KV is then one per (head, token) over
   the whole model: decode's blocks must hold exactly their heads' tokens, whatever the shapes.
 
-Used by tests/unit/support/test_gpu_harness.py, benchmarks/gpu_transfer.py and benchmarks/gpu_check.py.
+Used by tests/integration/test_gpu_harness.py, benchmarks/gpu_transfer.py and benchmarks/gpu_check.py.
 """
 
 from __future__ import annotations
