@@ -56,7 +56,7 @@ class MasterLink:
         self._last_contact = float("-inf")
         self._seq = itertools.count(1)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
         self.secret = secret
         self._session: DiallerSession | None = None  # the socket's, with a secret
         self._down_until = 0.0
@@ -102,7 +102,7 @@ class MasterLink:
         self._reset()
         return None
 
-    def _socket(self) -> zmq.Socket:
+    def _socket(self) -> zmq.Socket[bytes]:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
