@@ -203,7 +203,8 @@ def summary(passes: list[dict[str, Any]]) -> dict[str, Any]:
 
 def tokenize_cost(model: Path) -> None:
     """The proxy's per-request cost of kv_aware: tokenize (chat template) + vLLM block hashes."""
-    from vllm_pd.router.request.prompt_tokens import PromptTokenizer, VllmBlockHasher
+    from vllm_pd.router.request.block_hashes import VllmBlockHasher
+    from vllm_pd.router.request.prompt_tokens import PromptTokenizer
     from vllm_pd.router.request.request_body import CHAT, parse_body
 
     tok = PromptTokenizer(model, VllmBlockHasher(), cache_size=0)

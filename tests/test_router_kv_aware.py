@@ -18,7 +18,8 @@ from vllm_pd.connector.store.keys import RequestExtraKeys
 from vllm_pd.router.cli import command_proxy
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml
 from vllm_pd.router.pool.instance_pool import InstancePool
-from vllm_pd.router.request.prompt_tokens import PromptBlocks, PromptTokenizer, VllmBlockHasher, external_hash
+from vllm_pd.router.request.block_hashes import PromptBlocks, VllmBlockHasher, external_hash
+from vllm_pd.router.request.prompt_tokens import PromptTokenizer
 from vllm_pd.router.request.request_body import CHAT, COMPLETIONS, parse_body
 from vllm_pd.router.routing.kv_events_feed import KvEventsFeed
 from vllm_pd.router.routing.kv_locations import KvLocations

@@ -20,7 +20,7 @@ from vllm_pd.router.backend.sse_relay import DEFAULT_MAX_EVENT_BYTES
 from vllm_pd.router.http.client_auth import check_api_key
 from vllm_pd.router.http.http_limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES,
                                              DEFAULT_MAX_HEADERS, DEFAULT_MAX_URL_BYTES)
-from vllm_pd.router.request.prompt_tokens import HASH_ALGOS as KV_HASH_ALGOS
+from vllm_pd.router.request.block_hashes import HASH_ALGOS as KV_HASH_ALGOS
 
 ROLES = ("prefill", "decode", "both")
 KV_MODES = ("push", "pull", "auto")

@@ -24,14 +24,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from vllm_pd.router.backend.http_client import _Connection
+from typing import Callable, Protocol
 
 HIGH_WATER = 256 * 1024  # buffered response bytes at which reading pauses (it resumes once all is read)
 
 Sink = Callable[[bytes], bool]  # takes a piece of the body; False: hold the body (the sink cannot go on now)
+
+
+class BackendConnection(Protocol):
+    """What a response uses of the connection it arrives on (http_client.py's, one per backend socket)."""
+
+    def pause(self) -> None: ...  # stop reading the socket
+
+    def resume(self) -> None: ...
+
+    def release(self, reuse: bool) -> None: ...  # the response is done with it: back to the pool, or closed
 
 
 class BackendError(Exception):
@@ -76,7 +83,7 @@ class BackendResponse:
     __slots__ = ("status", "retry_after", "_conn", "_chunks", "_buffered", "_done", "_error", "_waiter",
                  "_idle_timeout", "_closed", "_timer", "_idle_timer", "_active_at", "_sink", "_held", "__weakref__")
 
-    def __init__(self, conn: _Connection, idle_timeout: float | None) -> None:
+    def __init__(self, conn: BackendConnection, idle_timeout: float | None) -> None:
         self.status = 0
         self.retry_after: str | None = None  # the Retry-After header, when the backend sent one
         self._conn = conn

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import parse_qsl
 
 import msgspec
 
 from vllm_pd.router.http.errors import ProxyError
 
-if TYPE_CHECKING:
-    from vllm_pd.router.http.http_server import _Connection
-
 _encode_json = msgspec.json.Encoder().encode
+
+
+class ClientConnection(Protocol):
+    """What a request and its response use of the client's connection (http_server.py's, one per client)."""
+
+    closed: bool  # the client left, or the server closed the connection: nothing more is written
+    write_paused: bool  # the client reads slower than we write
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
 _STATUS_LINES: dict[int, bytes] = {}
 
 
@@ -40,7 +48,7 @@ class HttpRequest:
     __slots__ = ("method", "path", "query_string", "headers", "body", "keep_alive", "conn", "http10")
 
     def __init__(self, method: str, path: str, query_string: str, headers: dict[str, str], body: bytes,
-                 keep_alive: bool, conn: _Connection, http10: bool = False) -> None:
+                 keep_alive: bool, conn: ClientConnection, http10: bool = False) -> None:
         self.method = method
         self.path = path
         self.query_string = query_string
@@ -94,7 +102,7 @@ class StreamResponse:
         self.status = status
         self.headers = headers
         self.finished = False
-        self._conn: _Connection | None = None
+        self._conn: ClientConnection | None = None
         self._head = b""
         self._chunked = True
 

@@ -1,6 +1,6 @@
 """Spans of the request and its legs, exported over OTLP with the OpenTelemetry SDK.
 
-Imported only when OTLP is configured (tracing.make_tracer): the SDK and its
+Imported only when OTLP is configured (tracer_choice.make_tracer): the SDK and its
 exporters cost ~0.2 s to import. The provider is the proxy's own, not the
 global one, and its batch processor exports from its own thread. The protocol
 follows ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL``,

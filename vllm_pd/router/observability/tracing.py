@@ -1,4 +1,4 @@
-"""W3C trace context for a request's two legs, and the choice of tracer.
+"""W3C trace context for a request's two legs (tracer_choice.py picks the tracer).
 
 Both legs of a request carry a ``traceparent`` (https://www.w3.org/TR/trace-context/)
 so that vLLM's own spans of prefill and decode (vLLM reads the header when it
@@ -12,16 +12,12 @@ leg span (otel_tracing.py; the OpenTelemetry SDK is imported only then).
 
 from __future__ import annotations
 
-import logging
-import os
 import random
 import re
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from vllm_pd.router.observability.leg_timings import LegTimings
-
-logger = logging.getLogger(__name__)
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
@@ -109,23 +105,3 @@ class Tracer:
 
     async def shutdown(self) -> None:
         pass
-
-
-def otlp_configured(endpoint: str | None) -> bool:
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    return bool(endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-
-
-def make_tracer(endpoint: str | None) -> Tracer:
-    """An exporting tracer when OTLP is configured and OpenTelemetry is installed, else propagation only."""
-    if not otlp_configured(endpoint):
-        return Tracer()
-    try:
-        from vllm_pd.router.observability.otel_tracing import OtelTracer
-    except ImportError as e:
-        logger.warning("OTLP tracing asked for but OpenTelemetry is not installed (pip install "
-                       "'vllm-pd[otel]'): %s; trace context is still propagated", e)
-        return Tracer()
-    return OtelTracer(endpoint, os.environ.get("OTEL_SERVICE_NAME") or "vllm-pd-proxy")

@@ -11,16 +11,14 @@ add ``kv_transfer_params`` (benchmarks/RESULTS.md "Proxy", profile).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import msgspec
 
 from vllm_pd.router.http.errors import ProxyError, bad_request
+from vllm_pd.router.request.block_hashes import PromptBlocks
 from vllm_pd.router.request.client_kv import strip_client_kv
-
-if TYPE_CHECKING:
-    from vllm_pd.router.request.prompt_tokens import PromptBlocks
-    from vllm_pd.router.routing.store_locations import StorePrompt
+from vllm_pd.router.request.store_prompt import StorePrompt
 
 encode_json = msgspec.json.Encoder().encode
 
@@ -41,8 +39,8 @@ class ParsedRequest:
     # False when the request cannot be split into prefill + decode safely
     # (n > 1, best_of, several prompts: a shared remote_block_ids breaks vLLM, vllm#43509/#54707)
     disaggregable: bool
-    blocks: "PromptBlocks | None" = None  # exact tokens and vLLM block hashes (kv_aware routing only)
-    store: "StorePrompt | None" = None  # what the KV stores hold of it (kv_aware with a store master only)
+    blocks: PromptBlocks | None = None  # exact tokens and vLLM block hashes (kv_aware routing only)
+    store: StorePrompt | None = None  # what the KV stores hold of it (kv_aware with a store master only)
 
 
 TokenCounter = Callable[[str], int]

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd.router.request.prompt_tokens import BlockHash, PromptBlocks, VllmBlockHasher, external_hash
+from vllm_pd.router.request.block_hashes import BlockHash, PromptBlocks, VllmBlockHasher, external_hash
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from vllm_pd.connector.store.keys import RequestExtraKeys
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.pool.instance_pool import InstancePool
-from vllm_pd.router.request.prompt_tokens import PromptBlocks, PromptTokenizer, VllmBlockHasher
+from vllm_pd.router.request.block_hashes import PromptBlocks, VllmBlockHasher
+from vllm_pd.router.request.prompt_tokens import PromptTokenizer
 from vllm_pd.router.request.request_body import ParsedRequest
 from vllm_pd.router.routing.kv_events_feed import KvEventsFeed
 from vllm_pd.router.routing.kv_extra_keys import ServedModels, request_extra_keys

@@ -24,64 +24,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys, chain_keys
-from vllm_pd.connector.store.master import Holders, NodeInfo, Nodes
-from vllm_pd.connector.store.master_client import MasterLink
-from vllm_pd.connector.transfer_params import StoreFetch
+from vllm_pd.connector.store.master_client import MasterLink, NodeInfo
+from vllm_pd.router.request.store_prompt import StoreHit, StorePrompt
 
 logger = logging.getLogger(__name__)
 
 NODES_REFRESH_S = 1.0  # node list age after which a request refreshes it first (one tiny call a second at most)
 TIMEOUT_S = 0.1  # per master call; the tokenize thread serves every request, so keep it short
-
-
-@dataclass(frozen=True)
-class StoreHit:
-    """One node's leading blocks of one prompt."""
-
-    node: NodeInfo
-    salt: KeySalt
-    blocks: int
-
-    @property
-    def tokens(self) -> int:
-        return self.blocks * self.salt.block_size
-
-
-@dataclass(frozen=True)
-class StorePrompt:
-    """What the store master said of one prompt: per node, the leading blocks it holds."""
-
-    num_tokens: int  # the prompt's tokens
-    hits: tuple[StoreHit, ...]  # nodes holding >= 1 block
-    salts: dict[str, KeySalt]  # instance URL -> its node's salt, for every node that ever named its instance
-
-    def tokens(self, instance_url: str) -> int:
-        """Prompt tokens the instance's own store holds as leading full blocks (0 if none or unknown)."""
-        return max((h.tokens for h in self.hits if h.node.instance_url == instance_url), default=0)
-
-    def holds_prompt(self, instance_url: str) -> bool:
-        """The instance's store holds every full block of the prompt."""
-        salt = self.salts.get(instance_url)
-        if salt is None:
-            return False
-        full = self.num_tokens // salt.block_size * salt.block_size
-        return full > 0 and self.tokens(instance_url) >= full
-
-    def fetch_hint(self, instance_url: str, held_tokens: int) -> StoreFetch | None:
-        """Another node of the instance's salt holding more than ``held_tokens``: where its store
-        should fetch the prompt from (the node holding the most), or None."""
-        salt = self.salts.get(instance_url)
-        if salt is None:
-            return None
-        best = max((h for h in self.hits if h.salt == salt and h.node.instance_url != instance_url
-                    and h.node.endpoint), key=lambda h: (h.blocks, h.node.node), default=None)
-        if best is None or best.tokens <= held_tokens:
-            return None
-        return StoreFetch(best.node.node, best.node.endpoint, best.blocks)
 
 
 class StoreLocations:
@@ -111,11 +63,10 @@ class StoreLocations:
             keys = chain_keys(token_ids, salt, extra_keys=extra_keys.encoded(0, n, salt.block_size))
             if not keys:
                 continue
-            reply = self.link.call(Holders(keys))
-            if reply is None:
+            held = self.link.holders(keys)
+            if held is None:
                 return None
-            hits.extend(StoreHit(n, salt, reply.held[n.node]) for n in nodes
-                        if n.salt == salt and reply.held.get(n.node, 0) > 0)
+            hits.extend(StoreHit(n, salt, held[n.node]) for n in nodes if n.salt == salt and held.get(n.node, 0) > 0)
         return StorePrompt(len(token_ids), tuple(hits), dict(self._salts))
 
     def _refresh(self) -> bool:
@@ -123,12 +74,12 @@ class StoreLocations:
         now = time.monotonic()
         if now - self._nodes_at < self.refresh_s:
             return True
-        reply = self.link.call(Nodes())
-        if reply is None:
+        nodes = self.link.nodes()
+        if nodes is None:
             self._nodes_at = float("-inf")  # asked again as soon as the master is retried
             return False
-        self._nodes, self._nodes_at = reply.nodes, now
-        self._salts.update({n.instance_url: n.salt for n in reply.nodes if n.instance_url and n.salt is not None})
+        self._nodes, self._nodes_at = nodes, now
+        self._salts.update({n.instance_url: n.salt for n in nodes if n.instance_url and n.salt is not None})
         return True
 
     @property

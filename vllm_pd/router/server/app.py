@@ -24,7 +24,8 @@ from vllm_pd.router.http.http_messages import HttpRequest, HttpResponse, StreamR
 from vllm_pd.router.http.http_server import Handler, HttpServer
 from vllm_pd.router.observability.metrics import ProxyMetrics
 from vllm_pd.router.observability.request_log import RequestLog
-from vllm_pd.router.observability.tracing import Tracer, make_tracer
+from vllm_pd.router.observability.tracer_choice import make_tracer
+from vllm_pd.router.observability.tracing import Tracer
 from vllm_pd.router.pool.health import HealthChecker
 from vllm_pd.router.pool.instance_pool import InstancePool
 from vllm_pd.router.pool.k8s_discovery import KubernetesDiscovery
