@@ -22,6 +22,8 @@ class ClientConnection(Protocol):
     def write(self, data: bytes) -> None: ...
 
     async def drain(self) -> None: ...
+
+
 _STATUS_LINES: dict[int, bytes] = {}
 
 
