@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # wherever tests/ nests it
 sys.path.append(str(ROOT / "benchmarks"))  # code_shape is a script there (appended: no shadowing)
 
 from code_shape import PACKAGE, circles, import_graph  # noqa: E402
