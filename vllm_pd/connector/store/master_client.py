@@ -23,6 +23,7 @@ from vllm_pd.connector.auth_protocol import REFUSED, DeploymentSecret
 from vllm_pd.connector.exceptions import AuthFailed
 from vllm_pd.connector.store.keys import BlockKey, KeySalt
 from vllm_pd.connector.store.master import Holders, Lookup, Nodes, Publish, Reply, Request, Stats
+from vllm_pd.connector.store.master import NodeInfo as NodeInfo  # re-exported: what nodes() answers, for the proxy
 from vllm_pd.connector.store.master_sessions import DiallerSession
 from vllm_pd.vllm_logging import vllm_logger
 
@@ -101,6 +102,16 @@ class MasterLink:
         self._backoff_s = min(wait * 2, MAX_BACKOFF_S)
         self._reset()
         return None
+
+    def nodes(self) -> list[NodeInfo] | None:
+        """The live nodes with their salts and instance URLs (the proxy's kv_aware); None: no answer."""
+        reply = self.call(Nodes())
+        return None if reply is None else reply.nodes
+
+    def holders(self, keys: list[BlockKey]) -> dict[str, int] | None:
+        """Per node, how many leading ``keys`` it holds (nodes holding none left out); None: no answer."""
+        reply = self.call(Holders(keys))
+        return None if reply is None else reply.held
 
     def _socket(self) -> zmq.Socket[bytes]:
         if self._sock is None:
