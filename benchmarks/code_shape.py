@@ -8,7 +8,7 @@ Three figures, each beside its peer:
   counts, as ``farm-studio look`` counts them: at module level, under ``TYPE_CHECKING``, inside
   functions), and the same over module-level runtime imports only.
 * **Files one request's KV crosses, run**: the ``vllm_pd`` files whose functions run in the
-  prefill and the decode worker process while the GPU harness (tests/gpu_harness.py: the
+  prefill and the decode worker process while the GPU harness (tests/support/gpu_harness.py: the
   connector's worker, sender, loader and transport, without vLLM) sets up a pair, registers its
   KV caches, connects, and moves one push and one pull request on the CPU. Module-level code
   (imports) is not counted. The scheduler side and the facade are not in it (the harness drives
@@ -186,7 +186,7 @@ def reachable(graph: dict[str, dict[str, set[str]]], start: str, prefix: str, ki
 
 def traced_files(transport: str, out_dir: Path) -> dict[str, list[str]]:
     """The harness's worker processes: pid file -> the vllm_pd files their functions ran in."""
-    from tests.gpu_harness import HarnessSpec, run
+    from tests.support.gpu_harness import HarnessSpec, run
 
     os.environ[TRACE_ENV] = str(out_dir)  # the spawned processes import this module first
     try:

@@ -21,7 +21,7 @@ and what is left of the run's budget, so a hang or a crash costs that step and n
   connector_nixl
 
 ``--device cuda`` (default) runs at full size; ``standin`` / ``cpu`` run the same steps at small
-sizes (figures meaningless, every code path, import and file exercised: tests/test_gpu_check.py).
+sizes (figures meaningless, every code path, import and file exercised: tests/integration/test_gpu_check.py).
 Writes gpu_check.json, gpu_check.md and gpu_check.log to ``--out`` (default $OUT, else
 ./gpu_check_out) and prints one line per step: name, ok / failed / timeout, the key figure beside
 its goal (issue 24's "Goals"), seconds. This parent imports only the standard library.

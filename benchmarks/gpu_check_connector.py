@@ -2,7 +2,7 @@
 
 For a Llama-3-8B-sized model (32 layers, 8 KV heads of 128, FLASH_ATTN blocks of 16) and a
 DeepSeek-V3-sized one (61 layers, MLA latent 576, FlashMLA pages of 64), a 2K-token request is
-pushed and pulled through tests/gpu_harness.py (two processes, the connector's worker on each, every
+pushed and pulled through tests/support/gpu_harness.py (two processes, the connector's worker on each, every
 block compared byte for byte) twice: once with a forward that only writes the KV (the KV rate, in
 GB/s, beside pinned cudaMemcpy D2H / H2D and a D2D copy of the same bytes measured here), once with
 a synthetic forward sized like a real layer at 2K tokens (a [2048, h] @ [h, h] matmul per layer, h
@@ -23,8 +23,8 @@ from typing import Any
 
 from gpu_transfer import copy_gbps, transfer_figures
 
-from tests import gpu_harness
-from tests.gpu_harness import HarnessResult, HarnessSpec, run
+from tests.support import gpu_harness
+from tests.support.gpu_harness import HarnessResult, HarnessSpec, run
 
 TOKENS = {"full": 2048, "small": 128}
 LAYERS_SMALL = 4
@@ -35,7 +35,7 @@ RATE_GOAL, HIDDEN_GOAL, SLOWDOWN_GOAL = 0.8, 0.9, 0.03
 
 @dataclass(frozen=True)
 class Model:
-    name: str  # tests/gpu_harness.py's model preset
+    name: str  # tests/support/gpu_harness.py's model preset
     backend: str  # vLLM's attention backend on Hopper
     layout: str  # "flash" or "mla": how many bytes a token takes (bytes_per_token)
     layers: int
@@ -57,7 +57,7 @@ MODELS = (
 
 
 def harness_spec(device: str, transport: str, model: Model, size: str, compute: bool) -> HarnessSpec:
-    """The one place gpu_check builds the harness's spec (its fields follow tests/gpu_harness.py)."""
+    """The one place gpu_check builds the harness's spec (its fields follow tests/support/gpu_harness.py)."""
     blocks = TOKENS[size] // model.block_size
     return HarnessSpec(
         device=device, transport=transport, backend=model.backend, model=model.name,
@@ -73,7 +73,7 @@ def layers(model: Model, size: str) -> int:
 
 def sync_debug_enforced() -> bool:
     """Whether the harness runs the connector's hooks under torch.cuda.set_sync_debug_mode("error") on CUDA
-    (tests/gpu_harness.py's ``_host_syncs_fail``; a sync then fails the run)."""
+    (tests/support/gpu_harness.py's ``_host_syncs_fail``; a sync then fails the run)."""
     return hasattr(gpu_harness, "_host_syncs_fail")
 
 
@@ -132,7 +132,7 @@ def _verdict(device: str, transport: str, rows: list[dict[str, Any]], errors: li
     elif synced:
         sync_debug = "enforced: a host sync in the connector's hooks fails the run"
     else:
-        sync_debug = "not enforced: tests/gpu_harness.py has no sync-debug mode yet"
+        sync_debug = "not enforced: tests/support/gpu_harness.py has no sync-debug mode yet"
     result: dict[str, Any] = {
         "status": "failed" if errors or not rows else "ok", "rows": rows, "detail": "; ".join(errors)[:2000],
         "goal": f"KV >= {RATE_GOAL} x {peer}, hidden >= {HIDDEN_GOAL:.0%}, slowdown <= {SLOWDOWN_GOAL:.0%}, "

@@ -1,6 +1,6 @@
 """The connector's GPU data path measured: transfer rate, overlap and forward slowdown.
 
-Runs tests/gpu_harness.py (prefill and decode processes, the connector's worker on a KV
+Runs tests/support/gpu_harness.py (prefill and decode processes, the connector's worker on a KV
 cache built as vLLM 0.32 allocates it for an attention backend, a synthetic forward per
 layer) and prints, per transport and mode, beside the limits measured in the same run on the same device:
 
@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests import vllm_kv_cache as replay  # noqa: E402
-from tests.gpu_harness import HarnessSpec, run  # noqa: E402
+from tests.support import vllm_kv_cache as replay  # noqa: E402
+from tests.support.gpu_harness import HarnessSpec, run  # noqa: E402
 
 
 def copy_gbps(device: str, nbytes: int, kind: str) -> float:

@@ -1,6 +1,6 @@
 """Device work and host syncs per request of the connector's block copies, before and after.
 
-No GPU here: the copies run on the checked stand-in (tests/async_device.py), which queues
+No GPU here: the copies run on the checked stand-in (tests/support/async_device.py), which queues
 every device operation on its stream (counted: what a GPU would launch) and records every
 operation that would make a GPU's host wait (a copy from pageable memory, a pageable index).
 For one request of ``--blocks`` blocks and ``--layers`` layers it counts, per layer:
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.async_device import AsyncStandInDevice  # noqa: E402
+from tests.support.async_device import AsyncStandInDevice  # noqa: E402
 from vllm_pd.connector.block_copies import BlockCopies, Run, byte_blocks  # noqa: E402
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent, HostDevice, KVDevice  # noqa: E402
 from vllm_pd.connector.transport.base import MemoryRegion  # noqa: E402

@@ -82,7 +82,7 @@ def server_spec(model: Path, tp: int, core: str, role: str, extra: tuple[str, ..
                           kv_cache_bytes=f"{KV_CACHE_BYTES >> 20}m", extra_args=["--seed", "0", *extra])
     if tp == 2:
         spec.extra_args += ["--tensor-parallel-size", "2"]
-        spec.env["TORCHDYNAMO_DISABLE"] = "1"  # see tests/test_connector_tp_e2e.py
+        spec.env["TORCHDYNAMO_DISABLE"] = "1"  # see tests/e2e/test_connector_tp_e2e.py
     return spec
 
 

@@ -1,6 +1,6 @@
 """NIXL descriptors per layer for one request, in each of vLLM 0.32's KV cache layouts: before and now.
 
-Builds KV exactly as vLLM 0.32 allocates it (tests/vllm_kv_cache.py) for a Llama-3-8B-shaped
+Builds KV exactly as vLLM 0.32 allocates it (tests/support/vllm_kv_cache.py) for a Llama-3-8B-shaped
 model (8 KV heads of 128, bf16, 16-token blocks; FLASH_ATTN) and a DeepSeek-V3-shaped one
 (MLA, 576 bf16, 64-token blocks; FLASHMLA, and 128-token blocks split into two kernel blocks),
 and counts the descriptors a transfer of 8 blocks posts per layer - ids adjacent on both
@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests import vllm_kv_cache as replay  # noqa: E402
+from tests.support import vllm_kv_cache as replay  # noqa: E402
 from vllm_pd.connector.kv_layout import KVLayout, manager_blocks  # noqa: E402
 from vllm_pd.connector.transport.base import MemoryRegion, tensor_spans  # noqa: E402
 from vllm_pd.connector.transport.nixl_regions import RegionLayout, block_pairs, merge_pairs  # noqa: E402

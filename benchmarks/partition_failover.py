@@ -1,7 +1,7 @@
 """Failover when a host is lost under load, across real hosts, with the flags users start with.
 
 Prefill, decode and the proxy each on their own host (network namespaces on one bridge,
-tests/netns_cluster.py; needs root), KV over tcp. Three clients send long prompts back to
+tests/support/netns_cluster.py; needs root), KV over tcp. Three clients send long prompts back to
 back through the proxy, from 1 s before the fault until 10 s after it; the fault lasts
 ``--outage`` seconds. Reported per fault, over the requests running at the fault or sent during
 it: how long each waited from the later of the fault and its start to its end (answer or
@@ -33,9 +33,9 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.netns_cluster import (Cluster, ConnectorTimes, load_through, mock_cluster,  # noqa: E402
+from tests.support.netns_cluster import (Cluster, ConnectorTimes, load_through, mock_cluster,  # noqa: E402
                                  multihost_cluster, send, waits_after)
-from tests.netns_hosts import netns_unavailable  # noqa: E402
+from tests.support.netns_hosts import netns_unavailable  # noqa: E402
 from vllm_pd.small_model import ensure_default_model  # noqa: E402
 
 FAULTS = ("prefill-cut", "prefill-paused", "proxy-to-prefill", "prefill-to-proxy", "prefill-to-decode",
@@ -71,7 +71,7 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=1.0, help="health check interval and timeout (tuned)")
     ap.add_argument("--transport", default="tcp", choices=("tcp", "nixl"))
     ap.add_argument("--backend", default="vllm", choices=("vllm", "mock"),
-                    help="mock: tests/mock_backend.py (no vLLM, no KV: the proxy's part alone)")
+                    help="mock: tests/support/mock_backend.py (no vLLM, no KV: the proxy's part alone)")
     args = ap.parse_args()
     why = netns_unavailable()
     if why is not None:

@@ -1,7 +1,7 @@
 """Proxy overhead: added latency, CPU per request and saturation rate, vllm-pd proxy vs vllm-router.
 
 Every process is separate: two mock vLLM backends (prefill, decode; fixed
-TTFT/ITL, see tests/mock_backend.py), the router under test, and this
+TTFT/ITL, see tests/support/mock_backend.py), the router under test, and this
 load generator (aiohttp + uvloop). "direct" is the load generator doing both
 legs itself against the same backends - the floor any proxy adds to.
 
@@ -88,7 +88,7 @@ def _wait(url: str, timeout: float = 30.0) -> None:
 def start_mock(layout: Layout, itl: float, ttft: float, name: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     p = subprocess.Popen(layout.prefix(layout.load_core) + [
-        sys.executable, "-m", "tests.mock_backend", "--port", str(port), "--name", name,
+        sys.executable, "-m", "tests.support.mock_backend", "--port", str(port), "--name", name,
         "--itl", str(itl), "--ttft", str(ttft)], env=_env())
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health")

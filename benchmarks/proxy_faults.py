@@ -1,6 +1,6 @@
 """The proxy's memory under misbehaving backends: peak RSS per failure case, and what stays after it.
 
-Separate processes: two mock backends (tests/mock_backend.py, asked per request through the
+Separate processes: two mock backends (tests/support/mock_backend.py, asked per request through the
 body's ``mock_fail`` what to do), the proxy of this checkout and - with ``--compare-tree DIR`` - the
 proxy of another source tree (e.g. a `git worktree` of main) beside it, same mocks. Each case sends one
 request through a proxy; before it the proxy's peak RSS (VmHWM) is reset (/proc/PID/clear_refs), after

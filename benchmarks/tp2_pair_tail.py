@@ -21,9 +21,9 @@ from pathlib import Path
 
 import httpx
 
-from tests import e2e_cluster as ec
-from tests.prompt_catalogue import CONNECTOR_CASES
-from tests.test_connector_tp_e2e import KEYS, LEASE_S, tp_spec
+from tests.support import e2e_cluster as ec
+from tests.support.prompt_catalogue import CONNECTOR_CASES
+from tests.e2e.test_connector_tp_e2e import KEYS, LEASE_S, tp_spec
 from vllm_pd.small_model.cache import ensure_default_model
 
 # what the connector and vLLM say when a transfer or a release went wrong

@@ -296,7 +296,7 @@ def _throwaway_tls() -> TlsSettings:
     import tempfile
     from pathlib import Path
 
-    from tests.tls_certs import issue, make_ca
+    from tests.support.tls_certs import issue, make_ca
 
     folder = Path(tempfile.mkdtemp(prefix="vllm-pd-bench-tls-"))
     make_ca(folder)

@@ -2,7 +2,7 @@
 //
 // Plain SIMT kernels, written for correctness and portability (no CUTLASS, no TMA/WGMMA, no
 // vendor FP8 types: FP8 bytes are decoded by bit arithmetic for both e4m3fn and e4m3fnuz).
-// They are compiled by tests/test_ops_build.py but have never run here (no GPU in this task).
+// They are compiled by tests/integration/test_ops_build.py but have never run here (no GPU in this task).
 // Every runtime call and launch is checked (VLLM_PD_CHECK / VLLM_PD_CHECK_LAUNCH): the first
 // failure is returned to bindings.cu, which raises it as a torch error naming the call.
 #include <cfloat>

@@ -1,5 +1,5 @@
 // Torch-free launch interface of the CUDA/HIP kernels: kernels.cu implements it with plain
-// pointers (so nvcc can compile it without torch headers, see tests/test_ops_build.py) and
+// pointers (so nvcc can compile it without torch headers, see tests/integration/test_ops_build.py) and
 // bindings.cu calls it from the torch.ops.vllm_pd_C CUDA registrations.
 #pragma once
 

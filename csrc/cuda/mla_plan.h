@@ -1,7 +1,7 @@
 // How mla_decode on a GPU cuts each sequence into splits, and the fp32 workspace that costs.
 //
 // Host C++ only, free of torch and CUDA: bindings.cu plans every call with it, kernels.cu
-// uses the split rule on the device, and tests/test_ops_build.py compiles it with g++ and
+// uses the split rule on the device, and tests/integration/test_ops_build.py compiles it with g++ and
 // runs it on CPU. The split count is chosen from shapes and the GPU's SM count, never from
 // cache_seqlens' values, which live on the GPU: reading them would synchronise the host once
 // per layer and break CUDA-graph capture. Each CTA then takes its share of the sequence's real

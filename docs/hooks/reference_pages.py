@@ -11,7 +11,7 @@ Each page is read out of the code that defines what it documents, so it cannot d
   (``PDPromMetrics``, instantiated with recording metric classes), with their help texts.
 
 ``generate()`` returns ``{page path: markdown}``; the mkdocs hook (``docs/hooks/reference.py``)
-adds those pages to the site at build time, ``tests/test_docs.py`` checks that they cover every
+adds those pages to the site at build time, ``tests/unit/docs/test_docs.py`` checks that they cover every
 setting, flag and metric the code defines, and ``python docs/hooks/reference_pages.py OUT`` writes
 them to OUT to read without a build. Only the standard library, the package and what it imports.
 """
@@ -464,7 +464,7 @@ def generate() -> dict[str, str]:
 
 
 def all_entries() -> dict[str, list[Entry]]:
-    """Every entry the pages hold, by source (what tests/test_docs.py checks)."""
+    """Every entry the pages hold, by source (what tests/unit/docs/test_docs.py checks)."""
     out = {"connector": connector_entries(), "store": store_entries(), "proxy": proxy_entries(),
            "instances": instance_entries(), "kubernetes": kubernetes_entries(),
            "metrics": connector_metric_entries() + proxy_metric_entries()}

@@ -6,7 +6,7 @@ CPU attention picks its "amx" kernels on such hosts (bf16, block size a multiple
 asking; oneDNN asks as its first AMX GEMM runs, so a plain instance gets away with it - its first
 forward is a prefill. A decode instance fed by our connector can start with a step of one token per
 request over loaded KV, where no AMX GEMM runs before the attention: both TP=2 decode ranks died so
-on their first request on an Intel Xeon VM with AMX (tests/test_connector_tp_e2e.py).
+on their first request on an Intel Xeon VM with AMX (tests/e2e/test_connector_tp_e2e.py).
 """
 
 from __future__ import annotations

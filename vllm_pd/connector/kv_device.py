@@ -28,7 +28,7 @@ Rules the data path follows (the GPU's, which the CPU satisfies trivially):
   a stream synchronize: the launching thread - the forward's, for a send - would
   wait for everything queued before it.
 
-Tests also run the data path on an asynchronous stand-in device (tests/async_device.py)
+Tests also run the data path on an asynchronous stand-in device (tests/support/async_device.py)
 whose tensor work runs later on other threads, so a missing wait shows as wrong bytes,
 and which fails any operation that would make a GPU's host wait.
 """

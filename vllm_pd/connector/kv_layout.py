@@ -37,7 +37,7 @@ _VIEW_NAMES = ("H", "N", "C")
 
 class KVLayout(Enum):
     """vLLM 0.32's ``KVCacheLayout``: each value maps logical ``[L, B, H, N, C]`` to memory
-    order, outermost first (equal to vLLM's enum: tests/test_kv_layout.py checks)."""
+    order, outermost first (equal to vLLM's enum: tests/unit/connector/test_kv_layout.py checks)."""
 
     LBHNC = (0, 1, 2, 3, 4)
     LBNHC = (0, 1, 3, 2, 4)

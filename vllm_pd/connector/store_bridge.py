@@ -65,7 +65,7 @@ def request_extra_keys(request: "Request") -> RequestExtraKeys:
 
     vLLM's function is asked only for requests that have something it keys on (an adapter,
     a cache salt, multimodal inputs, prompt embeddings); for any other it returns None for
-    every block (tests/test_store_bridge.py checks that on vLLM's own Request)."""
+    every block (tests/unit/store/test_store_bridge.py checks that on vLLM's own Request)."""
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
     lora = request.lora_request

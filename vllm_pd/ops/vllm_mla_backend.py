@@ -3,7 +3,7 @@ torch.ops.vllm_pd.mla_decode; prefill, KV-cache writes and metadata stay vLLM's.
 
 - PDCpuMLABackend takes vLLM's CPU_MLA slot (vLLM's CPU platform only ever picks CPU_MLA or
   AMX_MLA, so the slot is the override point; `--attention-backend CPU_MLA` selects it on
-  machines with AMX). Verified end to end on CPU (tests/test_ops_e2e.py).
+  machines with AMX). Verified end to end on CPU (tests/e2e/test_ops_e2e.py).
 - PDTritonMLABackend fills AttentionBackendEnum.CUSTOM on GPUs (`--attention-backend CUSTOM`):
   vLLM's Triton MLA backend with our decode. Written against vLLM 0.32 but not run: no GPU here.
 """

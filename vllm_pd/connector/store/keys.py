@@ -105,7 +105,7 @@ class RequestExtraKeys:
     caller has vLLM's Request (the engine: vLLM's own generate_block_hash_extra_keys). Without
     it (the proxy, which has only the body) they are derived here from ``lora`` and
     ``cache_salt`` exactly as vLLM does for a request without multimodal inputs or prompt
-    embeddings (tests/test_store_key_extras.py compares both on real vLLM Requests).
+    embeddings (tests/unit/store/test_store_key_extras.py compares both on real vLLM Requests).
     ``varies_by_block`` False: every block after the first has the extra keys of the second
     (no multimodal input, no prompt embeddings: only the adapter is left after block 0), so
     ``encoded`` asks ``per_block`` twice, not once per block (a 128K-token prompt has 8K)."""

@@ -228,8 +228,8 @@ async def serve_until_signal(cfg: ProxyConfig) -> None:
     # what start-up built (modules, config, metrics) lives as long as the process: out of the
     # collector's sight, full collections under load only walk the requests' own objects
     gc.freeze()
-    # and full collections are rare: a request's objects form no cycles (tests/test_proxy_memory.py,
-    # tests/test_proxy_backend_memory.py: freed by reference counting as each leg ends), so a full pass
+    # and full collections are rare: a request's objects form no cycles (tests/unit/router/test_proxy_memory.py,
+    # tests/unit/router/test_proxy_backend_memory.py: freed by reference counting as each leg ends), so a full pass
     # finds next to nothing, but it walks every live request's objects - at 1,000 streams a 50-200 ms
     # stall of every stream, every few seconds with the default (one per 10 middle-generation passes)
     young, middle, _ = gc.get_threshold()
