@@ -1,7 +1,7 @@
 """What a request joining a busy 1P1D decode instance costs the requests already decoding there.
 
 plan_validate's 8x replays decode slower than simulated, and per request the excess grows with how many
-other requests joined decode during its stream (benchmarks/RESULTS.md, issue 16 session 12). The profile's
+other requests joined decode during its stream (docs/benchmarks/planner.md). The profile's
 neighbour factor measures decode's steps while the prefill instance runs plain prefills; in 1P1D every
 prefill also pushes its KV to decode, whose worker threads - pinned to decode's core - read it (a layer
 plan's polling, the copies and checks) and load it into the joining request's blocks.

@@ -13,7 +13,7 @@ decode-paused.
 
 The proxy runs with its defaults (``--modes default``), or with the health checks so rare that
 nothing is detected (``blind``: what a proxy without detection does), or checking every
-``--interval`` s (``tuned``: the tuning RESULTS.md's earlier figures needed). The connector keeps
+``--interval`` s (``tuned``: the tuning docs/benchmarks/reliability.md's earlier figures needed). The connector keeps
 its defaults (push_wait_s, peer_probe_s); only the lease is 20 s. To compare code versions, run the
 same command with PYTHONPATH naming the other tree (the servers and the proxy are started with it).
 

@@ -1,4 +1,4 @@
-"""Grouped bar charts as standalone SVG files, for plots in benchmarks/RESULTS.md.
+"""Grouped bar charts as standalone SVG files, for plots in the benchmark pages (docs/benchmarks/).
 
 matplotlib is not among vLLM's dependencies and is not installed here; a bar chart
 of a few benchmark figures needs nothing but text, so the benchmarks write SVG.

@@ -19,7 +19,7 @@ SLOs are set from that profile as an operator would. The supervisor starts them 
 The split is read from the proxy's admin API every 0.1 s: it never has zero decoders, and each phase ends
 at its target split, kept while its load goes on for 2 s more. Under 16 streams both single-core servers
 miss both targets; the supervisor flapped there (5 moves in one phase of a session-10 CI run) until a move
-back had to outweigh the pressure that made the last move (benchmarks/RESULTS.md). Moves are bounded at
+back had to outweigh the pressure that made the last move (docs/benchmarks/supervisor.md). Moves are bounded at
 one per second of phase, and each phase must end on its target.
 
 Every answer, whichever split served it (disaggregated over the connector, or computed by decode alone),

@@ -101,7 +101,7 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     instances: list[InstanceConfig] = field(default_factory=list)
-    kv_mode: str = "auto"  # push | pull (auto = push: measured fastest, see benchmarks/RESULTS.md)
+    kv_mode: str = "auto"  # push | pull (auto = push: measured fastest, see docs/benchmarks/pd-latency.md)
     # how a prefill leg's instance is chosen: prefix_aware keeps a prompt prefix on the instance it went to;
     # kv_aware goes where its KV is (vLLM's KV events, the store master); the others by load or in turn
     prefill_policy: str = "prefix_aware"

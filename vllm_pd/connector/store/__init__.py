@@ -71,7 +71,7 @@ fetch) with disk_staging (the holder's disk served to peers), master / master_cl
 (``vllm-pd store-master``),
 trace (multi-turn trace generator).
 
-Design notes (why, measured in benchmarks/RESULTS.md "Store"):
+Design notes (why, measured in docs/benchmarks/store.md):
 - One radix tree, not separate hot and cold trees: the tiers are a field of
   each node (CPU slot / on disk), so a lookup is one binary search whatever
   tier holds a block. Hot/cold separation is the replacement policy's job
@@ -113,7 +113,7 @@ the prefill leg's ``store_fetch`` the node to fetch a longer prefix from.
 Composing with LMCache - not run here: lmcache 0.5.6 on vLLM CPU 0.32 (installed aside
 with --no-deps, 2026-11-28) imports and starts, but has no CPU connector for vLLM
 ("No supported cpu connector found", degraded mode: it stores and loads nothing; see
-benchmarks/RESULTS.md, issue 26), and it requires cupy-cuda13x, nvtx and cufile-python. On a
+docs/benchmarks/compat.md), and it requires cupy-cuda13x, nvtx and cufile-python. On a
 GPU machine with the regular vllm wheel: vLLM's
 MultiConnector takes a list of connectors; loads come from the first one that
 reports a hit, saves go to all. ``{"kv_connector": "MultiConnector",

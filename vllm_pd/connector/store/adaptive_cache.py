@@ -34,7 +34,7 @@ from vllm_pd.connector.store.reuse_cache import Evictable, Key, OnEvict, ReuseAg
 DEFAULT_BASES = (1.0, 0.5, 0.3, 0.1)
 _HASH_SPACE = 1 << 32
 # The store samples its shadows at 1/8 (same hit rates to ~1 %, never below LRU, 0.11x
-# the cost: benchmarks/RESULTS.md "Store"), but never below 32 sampled slots: a shadow
+# the cost: docs/benchmarks/store.md), but never below 32 sampled slots: a shadow
 # of a few slots would judge by noise.
 SAMPLE_RATE = 0.125
 MIN_SAMPLED_SLOTS = 32

@@ -16,7 +16,7 @@ algorithm, so the receiver verifies with the one its sender used. Algorithms:
   a block changed on the path - by an attacker that can write the stream or the ring, not only
   by a fault - fails its check, and so does a genuine block moved to another frame or position.
 
-Why crc32c is strong enough (benchmarks/RESULTS.md, Transfer): it is the integrity check of
+Why crc32c is strong enough (docs/benchmarks/transfer.md): it is the integrity check of
 iSCSI, SCTP, ext4 metadata and NVMe/TCP; it catches every error burst up to 32 bits and any
 other corruption (a stale ring slot, a torn or misplaced block) with probability 1 - 2^-32.
 Unkeyed, the digest guards against a broken path, not an attacker: a deployment with a

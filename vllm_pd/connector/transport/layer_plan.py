@@ -4,7 +4,7 @@ Pushing layer by layer costs the sending core a message per layer. On a 1-core
 prefill instance that is the core computing the forward, and on these VMs one
 small ``sendmsg`` right after a layer's compute costs ~100 us of cold caches and
 a wake-up of the peer's core, the framing and bookkeeping around it as much
-again: ~2.4 ms of an 8-layer forward of 128 tokens (benchmarks/RESULTS.md).
+again: ~2.4 ms of an 8-layer forward of 128 tokens (docs/benchmarks/pd-latency.md, "layer plans").
 
 A plan says once, as the step starts, which blocks of which layers will be pushed
 and where they are in the sender's memory; then per layer the sender only

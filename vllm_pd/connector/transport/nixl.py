@@ -17,7 +17,7 @@ target:
   the blocks from the sender's registered regions into them, then verifies and answers.
   One message and one READ: the alternative (the receiver registers the destinations and
   sends their keys back, the sender WRITEs and says done) costs one more round trip plus a
-  metadata export and import (benchmarks/RESULTS.md, "NIXL transport (CPU)"). Not yet
+  metadata export and import (docs/benchmarks/transfer.md, "NIXL transport (CPU)"). Not yet
   measured on GPUs: a GPU sender's blocks are then READ into the sink's host buffers, and
   on one host UCX's cuda_ipc is slow to READ (vLLM issue #52607).
 * fetch - the FETCH message names the requester's destination blocks; the owner checks its

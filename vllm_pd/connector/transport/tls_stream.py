@@ -12,7 +12,7 @@ an ``ssl.SSLObject`` through memory BIOs so that one thread can block reading th
 while another writes (an ``SSLSocket`` must not be used by two threads at once), and it offers
 the calls the framing uses (``recv_into`` with MSG_WAITALL / MSG_DONTWAIT, ``sendmsg``). Every
 byte is copied into and out of OpenSSL's buffers: the zero-copy send of plain tcp does not
-survive encryption (its cost: benchmarks/RESULTS.md, "Authenticated KV plane").
+survive encryption (its cost: docs/benchmarks/security.md, "Authenticated KV plane").
 
 RDMA (the nixl transport) cannot be encrypted here: UCX moves the bytes between registered
 memory without us. Run it on an isolated network, or encrypt below it (IPsec, or MACsec on

@@ -2,7 +2,7 @@
 
 Why not aiohttp's client (which this replaces): per leg it builds request,
 payload, timer and response objects and walks its connector, about half of the
-proxy's CPU per request (benchmarks/RESULTS.md "Proxy", profile). Here a leg is
+proxy's CPU per request (docs/benchmarks/proxy.md, profile). Here a leg is
 one pre-joined write and a C parser feeding a deque.
 
 Scope is what the proxy sends: a bytes body with Content-Length; responses

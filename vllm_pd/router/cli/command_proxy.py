@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-mode", choices=KV_MODES, help="with a decode KV endpoint both legs go out at once; push: "
                    "prefill writes each layer into decode while computing; pull: decode reads the KV once "
                    "prefill announces it; auto (default): push, the fastest measured "
-                   "(benchmarks/RESULTS.md)")
+                   "(docs/benchmarks/pd-latency.md)")
     p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, help="default prefix_aware")
     p.add_argument("--decode-policy", choices=DECODE_POLICIES, help="default least_outstanding")
     p.add_argument("--require-disagg", action="store_true", default=None,

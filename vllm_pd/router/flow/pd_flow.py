@@ -287,7 +287,7 @@ class PDFlow:
         """Both legs at once; decode waits for prefill to announce the KV of transfer_id."""
         transfer_id = new_id()
         # auto = push: an idle decode then runs its first forward beside prefill's, taking each layer
-        # as it lands - the fastest on every prompt length measured (benchmarks/RESULTS.md, "PD latency")
+        # as it lands - the fastest on every prompt length measured (docs/benchmarks/pd-latency.md)
         mode: TransferMode = "pull" if self.config.kv_mode == "pull" else "push"
         state.pushed = mode == "push"
         # the prefill instance is chosen first: decode is told where its KV endpoint is (learned from its

@@ -3,7 +3,7 @@
 Why not aiohttp's server (which this replaces): per request it builds a
 request object, a task, a router match and a response object and writes the
 head through its own writer; about a third of the proxy's CPU per request
-(benchmarks/RESULTS.md "Proxy", profile). Here a request is one small object
+(docs/benchmarks/proxy.md, profile). Here a request is one small object
 and a whole response is a single ``transport.write``.
 
 Semantics kept from aiohttp: keep-alive (and pipelined requests, answered in

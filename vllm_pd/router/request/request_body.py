@@ -5,7 +5,7 @@ through untouched (strict schemas reject real clients - vllm-router#275).
 
 JSON is parsed once (msgspec, ~3 x the stdlib) and the decode leg reuses the
 client's own bytes: a prompt of 100K tokens is never serialised again just to
-add ``kv_transfer_params`` (benchmarks/RESULTS.md "Proxy", profile).
+add ``kv_transfer_params`` (docs/benchmarks/proxy.md, profile).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Everything kv_aware routing needs, built once per proxy: tokenizer, block hasher, index, feed.
 
 Tokenizing and hashing a prompt costs ~0.5 ms per 1K tokens here, 18 ms at
-33K (benchmarks/RESULTS.md, "KV-aware routing"), so it runs on one worker
+33K (docs/benchmarks/routing.md), so it runs on one worker
 thread (HF tokenizers release the GIL) rather than on the event loop, with the
 hashes for every block size the index knows computed there too, and, with a
 store master (``store_master``), the master asked there which store holds how

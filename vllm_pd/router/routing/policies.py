@@ -117,7 +117,7 @@ def held_tokens(locations: "KvLocations", instance: str, req: "ParsedRequest") -
     events) and what its own KV store holds (the store master), as leading full blocks.
 
     A store-held token is counted as free like a cached one, not as a fraction of a computed one:
-    loading it is a copy from the CPU pool, small against a forward pass (benchmarks/RESULTS.md,
+    loading it is a copy from the CPU pool, small against a forward pass (docs/benchmarks/store.md,
     "Store", end to end: two thirds of the prompt tokens loaded from the store halve TTFT), and a
     finer weight would need measuring per deployment."""
     if req.blocks is None:

@@ -2,7 +2,7 @@
 
 Served by http_server.py and calling the backends through http_client.py,
 both lean asyncio Protocols with httptools parsers (chosen by measurement, see
-benchmarks/RESULTS.md "Proxy"). A client disconnect cancels the request's
+docs/benchmarks/proxy.md). A client disconnect cancels the request's
 task, and with it whichever leg is running.
 """
 
