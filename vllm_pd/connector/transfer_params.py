@@ -42,6 +42,7 @@ import msgspec
 
 from vllm_pd.connector.kv_geometry import KVShape, incompatibility
 from vllm_pd.vllm_logging import vllm_logger
+from vllm_pd.errors import ProtocolError
 
 logger = vllm_logger(__name__)
 
@@ -73,7 +74,7 @@ _Positive = Annotated[int, msgspec.Meta(gt=0)]
 _Name = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-class TransferParamsError(ValueError):
+class TransferParamsError(ProtocolError):
     """``kv_transfer_params`` that ask for a transfer but cannot be used; the message names the key."""
 
 

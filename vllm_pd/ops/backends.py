@@ -16,6 +16,7 @@ import os
 from types import ModuleType
 
 import torch
+from vllm_pd.errors import OpsError
 
 ENV_VAR = "VLLM_PD_OPS_BACKEND"
 BACKENDS = ("vendor", "native", "triton", "reference")
@@ -33,7 +34,7 @@ _MODULES = {
 }
 
 
-class OpBackendError(RuntimeError):
+class OpBackendError(OpsError, RuntimeError):
     """The requested backend does not exist or cannot run this op here."""
 
 

@@ -25,6 +25,7 @@ import asyncio
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable
+from vllm_pd.errors import RouterError
 
 if TYPE_CHECKING:
     from vllm_pd.router.http_client import _Connection
@@ -34,7 +35,7 @@ HIGH_WATER = 256 * 1024  # buffered response bytes at which reading pauses (it r
 Sink = Callable[[bytes], bool]  # takes a piece of the body; False: hold the body (the sink cannot go on now)
 
 
-class BackendError(Exception):
+class BackendError(RouterError):
     """A backend exchange failed (connection refused, reset, closed early, bad HTTP)."""
 
 

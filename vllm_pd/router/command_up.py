@@ -90,14 +90,14 @@ def routing_settings(policy: str, model: str) -> dict[str, Any]:
 def store_settings(size: str, connector: str) -> dict[str, Any]:
     """The servers' ``store`` config for ``--store SIZE`` (the master's address is added once it runs)."""
     from vllm_pd.connector.config import parse_size
-    from vllm_pd.connector.exceptions import ConfigError as ConnectorConfigError
+    from vllm_pd.errors import ConfigError
 
     if connector == "none":
         raise ValueError("--store needs the KV connector (not --connector none)")
     try:
         if parse_size("--store", size) <= 0:
             raise ValueError(f"--store: must be > 0, got {size!r}")
-    except ConnectorConfigError as e:
+    except ConfigError as e:
         raise ValueError(str(e)) from None
     return {"cpu_bytes": size}
 

@@ -57,6 +57,7 @@ from vllm_pd.router.request_body import ParsedRequest, decode_body, encode_body,
 from vllm_pd.router.request_log import RequestLog
 from vllm_pd.router.retry_after import header_value, retry_after_seconds
 from vllm_pd.router.tracing import RequestTrace, Tracer
+from vllm_pd.errors import RouterError
 
 logger = logging.getLogger(__name__)
 
@@ -537,7 +538,7 @@ class PDFlow:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
 
-class _LegError(Exception):
+class _LegError(RouterError):
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
         self.kind = kind

@@ -7,6 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
+from vllm_pd.errors import ConfigError
 
 ARCHS = ("llama", "deepseek_v2")
 # head sizes vLLM's CPU attention backend supports
@@ -15,7 +16,7 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 FORMAT_VERSION = 1
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(ConfigError):
     """A model argument is out of range or inconsistent; the message names the argument."""
 
 

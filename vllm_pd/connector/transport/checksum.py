@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_pd.connector.exceptions import TransferCorrupted
+from vllm_pd.errors import TransferCorrupted
 
 DIGEST_NBYTES = 8
 # Buffers accepted by the copy/update methods: memoryviews or uint8 numpy arrays, C-contiguous.

@@ -60,7 +60,7 @@ import msgspec
 import numpy as np
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.exceptions import (
+from vllm_pd.errors import (
     PeerClosed,
     TransferCorrupted,
     TransferRejected,

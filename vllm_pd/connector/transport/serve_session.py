@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vllm_pd.connector.exceptions import AuthFailed, PeerClosed, TransferCorrupted, TransportError
+from vllm_pd.errors import AuthFailed, PeerClosed, TransferCorrupted, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES
 from vllm_pd.connector.transport.cross_memory import PeerMemory

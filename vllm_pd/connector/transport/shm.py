@@ -48,7 +48,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
+from vllm_pd.errors import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
 from vllm_pd.connector.transport.cross_memory import (
     READER_GRANTS,

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.exceptions import AuthFailed, PeerClosed, TransferCorrupted, TransferRejected, TransportError
+from vllm_pd.errors import AuthFailed, PeerClosed, TransferCorrupted, TransferRejected, TransportError
 from vllm_pd.connector.transport.base import (
     BlockBatch,
     BlockSink,

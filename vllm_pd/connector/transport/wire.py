@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from vllm_pd.connector.auth_protocol import SessionKeys, StreamSeal
-from vllm_pd.connector.exceptions import TransferCorrupted
+from vllm_pd.errors import TransferCorrupted
 from vllm_pd.connector.transport.checksum import BlockCheck
 from vllm_pd.connector.transport.cross_memory import PeerMemory
 from vllm_pd.connector.transport.framing import (
