@@ -16,6 +16,7 @@ import os
 from types import ModuleType
 
 import torch
+
 from vllm_pd.errors import OpsError
 
 ENV_VAR = "VLLM_PD_OPS_BACKEND"

@@ -8,6 +8,7 @@ by the kernels that read the values anyway.
 from __future__ import annotations
 
 import torch
+
 from vllm_pd.errors import OpsError
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)

@@ -12,6 +12,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
 from vllm_pd.errors import PlannerError
 
 

@@ -25,6 +25,7 @@ import asyncio
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable
+
 from vllm_pd.errors import RouterError
 
 if TYPE_CHECKING:

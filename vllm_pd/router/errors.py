@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+
 from vllm_pd.errors import RouterError
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
+
 from vllm_pd.errors import ConfigError
 
 ANNOTATION_HTTP_PORT = "vllm-pd/http-port"

@@ -41,6 +41,7 @@ from typing import Any
 
 from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, BlockExtraKeys, RequestExtraKeys
 from vllm_pd.router.request_body import CHAT, ParsedRequest
+from vllm_pd.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class VllmBlockHasher:
 
     def __init__(self, algo: str = "sha256", seed: str | None = None) -> None:
         if algo not in HASH_ALGOS:
-            raise ValueError(f"kv_hash_algo: {algo!r} is not one of {HASH_ALGOS}")
+            raise ConfigError(f"kv_hash_algo: {algo!r} is not one of {HASH_ALGOS}")
         self.algo = algo
         self._fn: Callable[[Any], bytes] = _sha256_pickle if algo == "sha256" else _sha256_cbor
         self.seed = seed if seed is not None else os.environ.get("PYTHONHASHSEED", VLLM_DEFAULT_SEED)
@@ -159,7 +160,7 @@ class PromptTokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise ValueError(f"tokenizer: {path} does not exist")
+            raise ConfigError(f"tokenizer: {path} does not exist")
         self._tok = Tokenizer.from_file(str(path))
         self.hasher = hasher
         self._template: ChatTemplate | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import msgspec
+
 from vllm_pd.errors import ProtocolError
 
 DEFAULT_MAX_EVENT_BYTES = 4 * 1024 * 1024

@@ -7,6 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
+
 from vllm_pd.errors import ConfigError
 
 ARCHS = ("llama", "deepseek_v2")
