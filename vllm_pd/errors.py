@@ -7,7 +7,7 @@ defined beside the code that raises it and derives from one of these branches.
 
 A branch keeps the builtin base its errors had before the tree existed (``ConfigError`` and
 ``ProtocolError`` are ``ValueError``\\ s), so an ``except ValueError`` written by a caller still
-catches what it caught. The tree is listed in docs/design/errors.md.
+catches what it caught. The tree is listed in docs/design/names.md ("Errors").
 """
 
 from __future__ import annotations
