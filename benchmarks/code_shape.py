@@ -1,6 +1,6 @@
 """The code's shape as issue 27 measures it: import circles, and the files one request's KV crosses.
 
-    PYTHONPATH=. python3 benchmarks/code_shape.py [--transport tcp|shm] [--no-trace] [--json FILE]
+    python3 benchmarks/code_shape.py [--transport tcp|shm] [--no-trace] [--json FILE]
 
 Three figures, each beside its peer:
 
@@ -35,6 +35,8 @@ from types import FrameType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # this checkout's vllm_pd and tests/, run from anywhere without PYTHONPATH
+    sys.path.insert(0, str(ROOT))
 PACKAGE = ROOT / "vllm_pd"
 TRACE_ENV = "VLLM_PD_CODE_SHAPE_TRACE"  # set for the harness's processes: a folder for their file lists
 

@@ -34,7 +34,7 @@ import aiohttp
 
 from pd_e2e import proxy_process
 from vllm_pd.planner.instance_profiler import UniquePrompts, stream_completion
-from vllm_pd.router.local_cluster import LocalCluster
+from vllm_pd.router.cli.local_cluster import LocalCluster
 from vllm_pd.small_model import ensure_default_model
 
 SEEDS = itertools.count(5000)

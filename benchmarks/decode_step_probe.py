@@ -34,7 +34,7 @@ import aiohttp
 from pd_e2e import proxy_process
 from plan_first_try import MODEL
 from vllm_pd.planner.completion_stream import UniquePrompts, model_name, served_vocabulary, stream_completion
-from vllm_pd.router.local_cluster import LocalCluster
+from vllm_pd.router.cli.local_cluster import LocalCluster
 from vllm_pd.small_model.cache import ensure_model
 
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.pd_latency import BENCH_MODEL  # noqa: E402
 from vllm_pd.connector.store.master_command import spawn_master  # noqa: E402
-from vllm_pd.router.local_cluster import LocalCluster  # noqa: E402
+from vllm_pd.router.cli.local_cluster import LocalCluster  # noqa: E402
 from vllm_pd.small_model import ensure_model  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402
 
@@ -203,8 +203,9 @@ def summary(passes: list[dict[str, Any]]) -> dict[str, Any]:
 
 def tokenize_cost(model: Path) -> None:
     """The proxy's per-request cost of kv_aware: tokenize (chat template) + vLLM block hashes."""
-    from vllm_pd.router.prompt_tokens import PromptTokenizer, VllmBlockHasher
-    from vllm_pd.router.request_body import CHAT, parse_body
+    from vllm_pd.router.request.block_hashes import VllmBlockHasher
+    from vllm_pd.router.request.prompt_tokens import PromptTokenizer
+    from vllm_pd.router.request.request_body import CHAT, parse_body
 
     tok = PromptTokenizer(model, VllmBlockHasher(), cache_size=0)
     for words in (100, 1000, 8000):

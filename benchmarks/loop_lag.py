@@ -1,4 +1,4 @@
-"""The proxy (as ``python -m vllm_pd.router.command_proxy`` runs it) with an event-loop lag probe.
+"""The proxy (as ``python -m vllm_pd.router.cli.command_proxy`` runs it) with an event-loop lag probe.
 
     python3 benchmarks/loop_lag.py OUT_FILE PROXY_ARGS...
 
@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 
-from vllm_pd.router import command_proxy
+from vllm_pd.router.cli import command_proxy
 from vllm_pd.router.config import ProxyConfig
 
 TICK = 0.01

@@ -71,7 +71,7 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=1.0, help="health check interval and timeout (tuned)")
     ap.add_argument("--transport", default="tcp", choices=("tcp", "nixl"))
     ap.add_argument("--backend", default="vllm", choices=("vllm", "mock"),
-                    help="mock: vllm_pd/router/mock_backend.py (no vLLM, no KV: the proxy's part alone)")
+                    help="mock: tests/mock_backend.py (no vLLM, no KV: the proxy's part alone)")
     args = ap.parse_args()
     why = netns_unavailable()
     if why is not None:

@@ -140,7 +140,7 @@ def proxy_process(flags: list[str]) -> tuple[subprocess.Popen, str]:
     """The vllm-pd proxy in a process of its own with these instance flags, once healthy."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen([sys.executable, "-m", "vllm_pd.router.command_proxy", "--port", str(port),
+    p = subprocess.Popen([sys.executable, "-m", "vllm_pd.router.cli.command_proxy", "--port", str(port),
                           *flags, "--log-level", "WARNING"], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30

@@ -25,7 +25,7 @@ import httpx
 
 from tests.e2e_cluster import metric
 from tests.test_router_e2e import ProxyThread, _model_dir
-from vllm_pd.router.local_cluster import LocalCluster
+from vllm_pd.router.cli.local_cluster import LocalCluster
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ from vllm_pd.planner.latency_profile import LatencyProfile, load_profile, refit
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.profile_spread import band_profiles
 from vllm_pd.planner.workload import TraceRequest, write_trace
-from vllm_pd.router.local_cluster import LocalCluster
+from vllm_pd.router.cli.local_cluster import LocalCluster
 from vllm_pd.small_model.cache import ensure_model
 from vllm_pd.small_model.spec import ModelSpec
 

@@ -61,7 +61,7 @@ from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, lo
                                              save_profile)
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.workload import TraceRequest, load_trace, parse_distributions, write_trace
-from vllm_pd.router.local_cluster import LocalCluster
+from vllm_pd.router.cli.local_cluster import LocalCluster
 from vllm_pd.small_model import ensure_default_model
 
 HERE = Path(__file__).resolve().parent

@@ -1,7 +1,7 @@
 """Proxy overhead: added latency, CPU per request and saturation rate, vllm-pd proxy vs vllm-router.
 
 Every process is separate: two mock vLLM backends (prefill, decode; fixed
-TTFT/ITL, see vllm_pd/router/mock_backend.py), the router under test, and this
+TTFT/ITL, see tests/mock_backend.py), the router under test, and this
 load generator (aiohttp + uvloop). "direct" is the load generator doing both
 legs itself against the same backends - the floor any proxy adds to.
 
@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_pd.connector.transfer_params import RemoteDecodeRequest  # noqa: E402
-from vllm_pd.router.backend_response import BackendError  # noqa: E402
-from vllm_pd.router.http_client import BackendClient  # noqa: E402
+from vllm_pd.router.backend.backend_response import BackendError  # noqa: E402
+from vllm_pd.router.backend.http_client import BackendClient  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402
 
 from cpu_meter import CpuMeter  # noqa: E402 - benchmarks/ is the script's own folder
@@ -88,7 +88,7 @@ def _wait(url: str, timeout: float = 30.0) -> None:
 def start_mock(layout: Layout, itl: float, ttft: float, name: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     p = subprocess.Popen(layout.prefix(layout.load_core) + [
-        sys.executable, "-m", "vllm_pd.router.mock_backend", "--port", str(port), "--name", name,
+        sys.executable, "-m", "tests.mock_backend", "--port", str(port), "--name", name,
         "--itl", str(itl), "--ttft", str(ttft)], env=_env())
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health")
@@ -97,6 +97,12 @@ def start_mock(layout: Layout, itl: float, ttft: float, name: str) -> tuple[subp
 
 # flags this checkout's proxy gets (--proxy-flag), e.g. the request log or a concurrency limit
 PROXY_FLAGS: list[str] = []
+
+
+def proxy_module(tree: str | None) -> str:
+    """The proxy command's module in this checkout or in ``tree`` (before the router's packages: flat)."""
+    flat = tree is not None and (Path(tree) / "vllm_pd" / "router" / "command_proxy.py").exists()
+    return "vllm_pd.router.command_proxy" if flat else "vllm_pd.router.cli.command_proxy"
 
 
 def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
@@ -112,7 +118,8 @@ def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
         env["VLLM_PD_PROXY_LOOP"] = "asyncio"
     # cProfile writes its file when the proxy exits on SIGTERM (it stops cleanly)
     prof = ["-m", "cProfile", "-o", profile] if profile else []
-    main = [str(ROOT / "benchmarks" / "loop_lag.py"), lag_out] if lag_out else ["-m", "vllm_pd.router.command_proxy"]
+    main = ([str(ROOT / "benchmarks" / "loop_lag.py"), lag_out] if lag_out
+            else ["-m", proxy_module(tree)])
     p = subprocess.Popen(layout.router_prefix() + [
         sys.executable, *prof, *main, "--port", str(port),
         "--prefill", prefill, "--decode", decode, "--prefill-policy", "round_robin",

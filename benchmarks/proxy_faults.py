@@ -1,6 +1,6 @@
 """The proxy's memory under misbehaving backends: peak RSS per failure case, and what stays after it.
 
-Separate processes: two mock backends (vllm_pd/router/mock_backend.py, asked per request through the
+Separate processes: two mock backends (tests/mock_backend.py, asked per request through the
 body's ``mock_fail`` what to do), the proxy of this checkout and - with ``--compare-tree DIR`` - the
 proxy of another source tree (e.g. a `git worktree` of main) beside it, same mocks. Each case sends one
 request through a proxy; before it the proxy's peak RSS (VmHWM) is reset (/proc/PID/clear_refs), after
@@ -32,7 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy import Layout, _env, _wait, start_mock, stop  # noqa: E402 - benchmarks/ is the script's own folder
+from proxy import Layout, _env, _wait, proxy_module, start_mock, stop  # noqa: E402 - benchmarks/ is the script's own folder
 from vllm_pd.vllm_server import free_port  # noqa: E402
 
 MIB = 1024 * 1024
@@ -52,7 +52,7 @@ def start_proxy(layout: Layout, prefill: str, decode: str, tree: str | None) -> 
     if tree:
         env["PYTHONPATH"] = tree
     p = subprocess.Popen(layout.router_prefix() + [
-        sys.executable, "-m", "vllm_pd.router.command_proxy", "--port", str(port), "--prefill", prefill,
+        sys.executable, "-m", proxy_module(tree), "--port", str(port), "--prefill", prefill,
         "--decode", decode, "--decode-idle-timeout", "2", "--decode-attempts", "1", "--log-level", "ERROR"],
         env=env, cwd=tree or None)  # `python -m` puts the working directory first on sys.path
     url = f"http://127.0.0.1:{port}"

@@ -38,8 +38,8 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, fit_instance, save_profile  # noqa: E402
-from vllm_pd.router.app import ProxyServer, serve  # noqa: E402
 from vllm_pd.router.config import InstanceConfig, ProxyConfig  # noqa: E402
+from vllm_pd.router.server.app import ProxyServer, serve  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402
 
 PREFILL_S_PER_TOKEN = 0.0002

@@ -18,9 +18,9 @@ import copy
 import json
 from typing import Any
 
-from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
-from vllm_pd.router.http_server import HttpServer
-from vllm_pd.router.k8s_selector import parse_selector
+from vllm_pd.router.http.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
+from vllm_pd.router.http.http_server import HttpServer
+from vllm_pd.router.k8s.k8s_selector import parse_selector
 
 
 def make_pod(name: str, labels: dict[str, str], ip: str, ready: bool = True, http_port: int | None = None,

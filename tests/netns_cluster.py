@@ -54,7 +54,7 @@ class Server(Protocol):
 
 @dataclass
 class MockServer:
-    """vllm_pd/router/mock_backend.py as a process on one host (its own process group)."""
+    """tests/mock_backend.py as a process on one host (its own process group)."""
 
     proc: subprocess.Popen[bytes]
     url: str
@@ -188,7 +188,7 @@ def multihost_cluster(model: Path, log_dir: Path, transport: str = "tcp",
 def start_mock(net: NetnsHosts, host: str, name: str, ttft: float) -> MockServer:
     """A mock backend on ``host`` answering after ``ttft`` seconds."""
     port = free_port()
-    proc = subprocess.Popen(net[host].command([sys.executable, "-m", "vllm_pd.router.mock_backend", "--host",
+    proc = subprocess.Popen(net[host].command([sys.executable, "-m", "tests.mock_backend", "--host",
                                                net[host].address, "--port", str(port), "--name", name,
                                                "--ttft", str(ttft)]), start_new_session=True)
     mock = MockServer(proc, f"http://{net[host].address}:{port}")

@@ -9,10 +9,10 @@ from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
-from vllm_pd.router.app import ProxyServer, RunningProxy, serve
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
-from vllm_pd.router.http_server import HttpServer
-from vllm_pd.router.mock_backend import MockBackend, start_backend
+from vllm_pd.router.http.http_server import HttpServer
+from vllm_pd.router.server.app import ProxyServer, RunningProxy, serve
+from tests.mock_backend import MockBackend, start_backend
 from vllm_pd.vllm_server import free_port
 
 

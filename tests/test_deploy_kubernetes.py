@@ -25,9 +25,9 @@ from tests.kustomize_lite import render
 from vllm_pd.cli import build_parser
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.store.config import StoreConfig
-from vllm_pd.router import command_proxy
-from vllm_pd.router.k8s_pods import Pod, pod_target
-from vllm_pd.router.k8s_selector import parse_selector
+from vllm_pd.router.cli import command_proxy
+from vllm_pd.router.k8s.k8s_pods import Pod, pod_target
+from vllm_pd.router.k8s.k8s_selector import parse_selector
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
 VARIANTS = ("base", "gpu")

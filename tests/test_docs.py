@@ -115,8 +115,8 @@ def code_metrics() -> set[str]:
 
     from vllm_pd.connector.stats import PDPromMetrics
     from vllm_pd.router.config import ProxyConfig
-    from vllm_pd.router.instance_pool import InstancePool
-    from vllm_pd.router.metrics import ProxyMetrics
+    from vllm_pd.router.observability.metrics import ProxyMetrics
+    from vllm_pd.router.pool.instance_pool import InstancePool
 
     proxy = exposed_metrics(ProxyMetrics(InstancePool(ProxyConfig())).render().decode())
     registry = CollectorRegistry()

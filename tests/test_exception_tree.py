@@ -45,7 +45,7 @@ def test_every_exception_class_derives_from_pd_error() -> None:
 
 def test_one_config_error_for_the_whole_package() -> None:
     from vllm_pd.router.config import ConfigError as RouterConfigError
-    from vllm_pd.router.k8s_pods import PodConfigError
+    from vllm_pd.router.k8s.k8s_pods import PodConfigError
     from vllm_pd.small_model.spec import ModelSpecError
 
     assert RouterConfigError is ConfigError
@@ -59,7 +59,7 @@ def test_builtin_bases_are_kept() -> None:
     from vllm_pd.ops.validation import OpInputError
     from vllm_pd.planner.latency_profile import ProfileError
     from vllm_pd.planner.workload import WorkloadError
-    from vllm_pd.router.sse_relay import BadBackendStream
+    from vllm_pd.router.backend.sse_relay import BadBackendStream
 
     for cls in (ConfigError, ProtocolError, TransferParamsError, BadBackendStream, OpInputError, ProfileError,
                 WorkloadError):

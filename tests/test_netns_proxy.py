@@ -1,5 +1,5 @@
 """The proxy on its own host in front of a prefill and a decode on two others (network namespaces,
-tests/netns_hosts.py), with mock backends instead of vLLM (vllm_pd/router/mock_backend.py), the proxy
+tests/netns_hosts.py), with mock backends instead of vLLM (tests/mock_backend.py), the proxy
 started with its default flags: when prefill's host is cut off under load, the requests running then
 move on to decode-only once the proxy finds it lost - its legs made no progress for a second, it missed
 two probes - within 10 s, though the prefill leg's own timeout is 300 s and the outage 40 s; prefill

@@ -1,6 +1,6 @@
 """``vllm-pd profile`` against a mock server and ``vllm-pd plan`` end to end (no vLLM).
 
-The mock (vllm_pd.router.mock_backend) streams with a fixed TTFT and inter-token latency whatever
+The mock (tests.mock_backend) streams with a fixed TTFT and inter-token latency whatever
 the prompt, standing in for vLLM: the profiler must measure those delays back. Its delays never depend
 on another server, so the neighbour measurement has its own fake: two aiohttp apps on one "host"
 (:class:`FakeHost`), the instance answering slower while the neighbour is at work.
@@ -23,7 +23,7 @@ from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Po
                                              save_profile)
 from vllm_pd.planner.workload import TraceRequest, write_trace
 from vllm_pd.router.config import ProxyConfig, load_yaml
-from vllm_pd.router.mock_backend import MockBackend, start_backend
+from tests.mock_backend import MockBackend, start_backend
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import pytest
 from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, Poly, save_profile
 from vllm_pd.planner.role_pressure import SplitLoad, move_helps, predicted_tpot, predicted_ttft
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig
-from vllm_pd.router.instance_pool import InstancePool, InFlightLeg
-from vllm_pd.router.supervisor import REVERSAL_CONFIRM, REVERSAL_MEMORY, Supervisor, supervisor_profile
+from vllm_pd.router.pool.instance_pool import InstancePool, InFlightLeg
+from vllm_pd.router.pool.supervisor import REVERSAL_CONFIRM, REVERSAL_MEMORY, Supervisor, supervisor_profile
 
 # 1 ms per prompt token, decode steps 10 ms + 10 ms per running request
 PROFILE = InstanceProfile(1, prefill=Poly(0.0, 1.0, 0.0), decode=Poly(10.0, 10.0, 0.0), kv=Poly(0.0, 0.0),
@@ -78,7 +78,7 @@ def test_supervisor_profile_file(tmp_path: Path) -> None:
 
 def test_proxy_config_takes_the_profile_from_yaml_and_flag() -> None:
     from vllm_pd import cli
-    from vllm_pd.router.command_proxy import config_from_args
+    from vllm_pd.router.cli.command_proxy import config_from_args
     from vllm_pd.router.config import config_from_mapping
 
     assert config_from_mapping({"supervisor_profile": "p.json"}) == {"supervisor_profile": "p.json"}

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from tests.router_harness import harness, run, wait_for
-from vllm_pd.router.admission import AdmissionGate
-from vllm_pd.router.errors import ProxyError
+from vllm_pd.router.flow.admission import AdmissionGate
+from vllm_pd.router.http.errors import ProxyError
 
 BODY = {"prompt": "hello there " * 10, "max_tokens": 2}
 

@@ -1,5 +1,5 @@
 """The proxy against backends that misbehave: each failure gets the answer it calls for, and no leg
-waits longer than the failure takes to see. Backends are the router's mock (vllm_pd/router/mock_backend.py):
+waits longer than the failure takes to see. Backends are the router's mock (tests/mock_backend.py):
 the test is about the proxy, not vLLM.
 
 - a decode that never answers: 504; one whose connection breaks (reset, truncated answer): 502;

@@ -1,6 +1,6 @@
 """No backend can grow the proxy's memory past its limits, and a failed leg's memory goes when the leg ends.
 
-Each case sends one request whose backend misbehaves (the router's mock, vllm_pd/router/mock_backend.py,
+Each case sends one request whose backend misbehaves (the router's mock, tests/mock_backend.py,
 sending its bytes only as fast as the proxy takes them): a 200 MB prefill answer, a 200 MB non-streamed
 decode answer, an SSE event that never ends, a stream that stops in the middle of a long event until
 the idle timeout. It checks the answer the client gets, the process's peak RSS while the leg ran
@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 
 from tests.router_harness import Harness, harness, run
-from vllm_pd.router import decode_relay, pd_flow
-from vllm_pd.router.backend_response import BackendResponse
-from vllm_pd.router.sse_relay import SseSplitter
+from vllm_pd.router.backend.backend_response import BackendResponse
+from vllm_pd.router.backend.sse_relay import SseSplitter
+from vllm_pd.router.flow import decode_relay, pd_flow
 
 MIB = 1024 * 1024
 HUGE = 200 * MIB  # what the backend sends
@@ -189,7 +189,7 @@ def test_a_stream_timed_out_in_a_long_event_frees_it_when_the_leg_ends(monkeypat
             original = mock._answer
 
             async def long_event_then_silence(request: Any, body: Any, seen: Any, failure: Any) -> Any:
-                from vllm_pd.router.http_messages import StreamResponse
+                from vllm_pd.router.http.http_messages import StreamResponse
                 resp = StreamResponse(200, {"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
                 await resp.write(b'data: {"choices": [{"text": "' + b"y" * (3 * MIB))

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tests.router_harness import Harness, harness, run
-from vllm_pd.router.client_kv import CLIENT_KV_FIELDS, strip_client_kv
+from vllm_pd.router.request.client_kv import CLIENT_KV_FIELDS, strip_client_kv
 
 EVIL_KV = {"do_remote_prefill": True, "remote_engine_id": "evil", "remote_host": "169.254.169.254",
            "remote_port": 80, "remote_block_ids": [0], "remote_request_id": "someone-else",

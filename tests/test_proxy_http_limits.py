@@ -8,8 +8,8 @@ import json
 from typing import AsyncIterator
 
 from tests.test_router_http_server import App, read_response, run
-from vllm_pd.router.http_limits import HttpLimits
-from vllm_pd.router.http_server import HttpServer
+from vllm_pd.router.http.http_limits import HttpLimits
+from vllm_pd.router.http.http_server import HttpServer
 from vllm_pd.vllm_server import free_port
 
 ERROR_KEYS = {"message", "type", "param", "code"}

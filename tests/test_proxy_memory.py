@@ -10,8 +10,8 @@ import weakref
 from tests.router_harness import harness, run
 from tests.test_proxy_http_limits import limited_server
 from tests.test_router_http_server import read_response
-from vllm_pd.router.http_limits import HttpLimits
-from vllm_pd.router.http_server import HttpServer
+from vllm_pd.router.http.http_limits import HttpLimits
+from vllm_pd.router.http.http_server import HttpServer
 
 BIG = 4 * 1024 * 1024
 

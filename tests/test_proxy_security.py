@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.router_harness import harness, run
-from vllm_pd.router import command_proxy
-from vllm_pd.router.app import ProxyServer, serve
+from vllm_pd.router.cli import command_proxy
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig
-from vllm_pd.router.http_messages import HttpRequest, HttpResponse
-from vllm_pd.router.http_server import HttpServer
-from vllm_pd.router.mock_backend import MockBackend
+from vllm_pd.router.http.http_messages import HttpRequest, HttpResponse
+from vllm_pd.router.http.http_server import HttpServer
+from vllm_pd.router.server.app import ProxyServer, serve
+from tests.mock_backend import MockBackend
 from vllm_pd.vllm_server import free_port
 
 ERROR_KEYS = {"message", "type", "param", "code"}

@@ -15,8 +15,8 @@ import socket
 import pytest
 
 from tests.router_harness import harness, run, wait_for
-from vllm_pd.router.backend_response import BackendResponse
-from vllm_pd.router.http_client import BackendClient
+from vllm_pd.router.backend.backend_response import BackendResponse
+from vllm_pd.router.backend.http_client import BackendClient
 
 TOKENS = 60_000  # ~8 MB of events: more than the socket buffers between decode and a client reading nothing
 

@@ -6,7 +6,7 @@ import pytest
 
 from tests.router_harness import harness, run
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml, parse_instance_flag
-from vllm_pd.router.mock_backend import MockBackend, start_backend
+from tests.mock_backend import MockBackend, start_backend
 
 TOKEN = {"Authorization": "Bearer s3cret"}
 

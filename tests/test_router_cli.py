@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from vllm_pd.router import command_proxy, command_up
+from vllm_pd.router.cli import command_proxy, command_up
+from vllm_pd.router.cli.local_cluster import LocalServer, cpu_bindings
 from vllm_pd.router.config import ConfigError
-from vllm_pd.router.local_cluster import LocalServer, cpu_bindings
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec
 
 

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from tests.router_harness import Harness, harness, run, wait_for
-from vllm_pd.router.drain import drain
+from vllm_pd.router.server.drain import drain
 from vllm_pd.vllm_server import free_port
 
 BODY = {"model": "mock-model", "prompt": "a prompt to drain " * 8, "stream": True}
@@ -114,12 +114,12 @@ def test_sigterm_to_the_proxy_process_drains_it(tmp_path) -> None:
         urls = []
         for name in ("p0", "d0"):
             port = free_port()
-            procs.append(subprocess.Popen([sys.executable, "-m", "vllm_pd.router.mock_backend", "--port", str(port),
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.mock_backend", "--port", str(port),
                                            "--name", name, "--itl", "0.05"]))
             urls.append(f"http://127.0.0.1:{port}")
             _wait_healthy(urls[-1], procs[-1])
         port, log = free_port(), tmp_path / "requests.jsonl"
-        proxy = subprocess.Popen([sys.executable, "-m", "vllm_pd.router.command_proxy", "--port", str(port),
+        proxy = subprocess.Popen([sys.executable, "-m", "vllm_pd.router.cli.command_proxy", "--port", str(port),
                                   "--prefill", urls[0], "--decode", urls[1], "--drain-grace", "20",
                                   "--request-log", str(log)])
         procs.append(proxy)

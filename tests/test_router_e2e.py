@@ -31,9 +31,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from vllm_pd.router.app import ProxyServer, serve
+from vllm_pd.router.cli.local_cluster import LocalCluster
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
-from vllm_pd.router.local_cluster import LocalCluster
+from vllm_pd.router.server.app import ProxyServer, serve
 from vllm_pd.shm_leftovers import group_members, used_shm
 from vllm_pd.vllm_server import free_port
 
@@ -249,7 +249,7 @@ def test_client_disconnect_mid_stream_releases_everything(cluster: LocalCluster)
 def _proxy_process(instances: list[InstanceConfig], *flags: str) -> tuple[subprocess.Popen, str]:
     """`vllm-pd proxy` as its own process (signals reach it as in production)."""
     port = free_port()
-    argv = [sys.executable, "-m", "vllm_pd.router.command_proxy", "--port", str(port), "--log-level", "INFO",
+    argv = [sys.executable, "-m", "vllm_pd.router.cli.command_proxy", "--port", str(port), "--log-level", "INFO",
             "--health-interval", "0.5", *flags]
     for ic in instances:
         argv += [f"--{ic.role}", ic.url + (f"@{ic.kv_endpoint}" if ic.kv_endpoint else "")]

@@ -301,7 +301,7 @@ def test_prefill_dying_under_load_loses_no_request() -> None:
 
 
 def test_default_release_uses_the_connector_and_ignores_foreign_params() -> None:
-    from vllm_pd.router.pd_flow import default_release_remote_kv
+    from vllm_pd.router.flow.pd_flow import default_release_remote_kv
 
     # NixlConnector-style params are not ours: nothing to release, no exception
     assert default_release_remote_kv({"do_remote_prefill": True, "remote_engine_id": "x",

@@ -183,7 +183,7 @@ def test_tpot_is_sampled_while_a_long_stream_runs() -> None:
 def test_the_decode_leg_names_the_kv_endpoints_prefill_answered_with() -> None:
     """decode probes that prefill while its announcement is late (connector/announce_probe.py)."""
     from tests.test_transfer_params import remote_prefill
-    from vllm_pd.router.instance_pool import Instance
+    from vllm_pd.router.pool.instance_pool import Instance
 
     inst = Instance("http://p:1", "prefill", None, breaker=None)  # type: ignore[arg-type]
     inst.learn_kv_peers({"do_remote_prefill": True, "remote_endpoint": "x"})  # another connector's: nothing
@@ -205,7 +205,7 @@ def test_the_decode_leg_names_the_kv_endpoints_prefill_answered_with() -> None:
 
 def test_a_prefill_given_with_its_kv_endpoint_is_named_from_the_first_request() -> None:
     from vllm_pd.router.config import InstanceConfig, ProxyConfig
-    from vllm_pd.router.instance_pool import InstancePool
+    from vllm_pd.router.pool.instance_pool import InstancePool
 
     pool = InstancePool(ProxyConfig(instances=[InstanceConfig("http://p:1", "prefill", "tcp://p:7000"),
                                                InstanceConfig("http://d:1", "decode", "tcp://d:7000")]))

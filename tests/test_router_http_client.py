@@ -1,4 +1,4 @@
-"""The proxy's backend HTTP client (vllm_pd/router/http_client.py, backend_response.py) against
+"""The proxy's backend HTTP client (vllm_pd/router/backend/http_client.py, backend_response.py) against
 scripted servers on real sockets."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Awaitable, Callable
 
 import pytest
 
-from vllm_pd.router import backend_response, http_client
-from vllm_pd.router.backend_response import BackendConnectError, BackendError
-from vllm_pd.router.http_client import BackendClient
+from vllm_pd.router.backend import backend_response, http_client
+from vllm_pd.router.backend.backend_response import BackendConnectError, BackendError
+from vllm_pd.router.backend.http_client import BackendClient
 from vllm_pd.vllm_server import free_port
 
 class ScriptedServer:

@@ -1,4 +1,4 @@
-"""The proxy's HTTP server (vllm_pd/router/http_server.py) driven by raw sockets."""
+"""The proxy's HTTP server (vllm_pd/router/http/http_server.py) driven by raw sockets."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import contextlib
 import json
 from typing import AsyncIterator, Awaitable, Callable
 
-from vllm_pd.router.errors import ProxyError
-from vllm_pd.router.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
-from vllm_pd.router.http_server import HttpServer
+from vllm_pd.router.http.errors import ProxyError
+from vllm_pd.router.http.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
+from vllm_pd.router.http.http_server import HttpServer
 from vllm_pd.vllm_server import free_port
 
 

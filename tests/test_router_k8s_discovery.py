@@ -4,7 +4,7 @@ No Kubernetes cluster can run here, so the API server is a stand-in that
 serves LIST and WATCH of pods the way the real one does (JSON-lines watch
 events, 410 Gone for an expired resourceVersion, watches ending on
 timeoutSeconds). The pods' "containers" are mock vLLM backends
-(router/mock_backend.py) on 127.0.0.1, so requests through the proxy really
+(tests/mock_backend.py) on 127.0.0.1, so requests through the proxy really
 reach the instances it discovered.
 """
 
@@ -19,11 +19,11 @@ from typing import Any, AsyncIterator, Callable
 import aiohttp
 
 from tests.k8s_api_standin import StandInApiServer, make_pod
-from vllm_pd.router.app import ProxyServer, serve
 from vllm_pd.router.config import K8sDiscoveryConfig, ProxyConfig
-from vllm_pd.router.http_server import HttpServer
-from vllm_pd.router.instance_pool import Instance
-from vllm_pd.router.mock_backend import MockBackend, start_backend
+from vllm_pd.router.http.http_server import HttpServer
+from vllm_pd.router.pool.instance_pool import Instance
+from vllm_pd.router.server.app import ProxyServer, serve
+from tests.mock_backend import MockBackend, start_backend
 from vllm_pd.vllm_server import free_port
 
 PREFILL = {"app": "vllm", "role": "prefill"}

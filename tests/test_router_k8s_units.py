@@ -14,11 +14,11 @@ import msgspec
 import pytest
 
 from tests.k8s_api_standin import StandInApiServer, make_pod
-from vllm_pd.router import command_proxy
+from vllm_pd.router.cli import command_proxy
 from vllm_pd.router.config import ConfigError, K8sDiscoveryConfig, load_yaml
-from vllm_pd.router.k8s_api import ApiError, KubeApi
-from vllm_pd.router.k8s_pods import Pod, PodConfigError, is_routable, pod_target
-from vllm_pd.router.k8s_selector import parse_selector
+from vllm_pd.router.k8s.k8s_api import ApiError, KubeApi
+from vllm_pd.router.k8s.k8s_pods import Pod, PodConfigError, is_routable, pod_target
+from vllm_pd.router.k8s.k8s_selector import parse_selector
 
 
 def _pod(**kw) -> Pod:

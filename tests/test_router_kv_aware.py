@@ -14,15 +14,16 @@ import pytest
 import zmq
 
 from tests.router_harness import harness, run, wait_for
-from vllm_pd.router import command_proxy
-from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml
-from vllm_pd.router.instance_pool import InstancePool
-from vllm_pd.router.kv_events_feed import KvEventsFeed
-from vllm_pd.router.kv_locations import KvLocations
-from vllm_pd.router.policies import KvAware, make_policy
 from vllm_pd.connector.store.keys import RequestExtraKeys
-from vllm_pd.router.prompt_tokens import PromptBlocks, PromptTokenizer, VllmBlockHasher, external_hash
-from vllm_pd.router.request_body import CHAT, COMPLETIONS, parse_body
+from vllm_pd.router.cli import command_proxy
+from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml
+from vllm_pd.router.pool.instance_pool import InstancePool
+from vllm_pd.router.request.block_hashes import PromptBlocks, VllmBlockHasher, external_hash
+from vllm_pd.router.request.prompt_tokens import PromptTokenizer
+from vllm_pd.router.request.request_body import CHAT, COMPLETIONS, parse_body
+from vllm_pd.router.routing.kv_events_feed import KvEventsFeed
+from vllm_pd.router.routing.kv_locations import KvLocations
+from vllm_pd.router.routing.policies import KvAware, make_policy
 
 BS = 16
 CONVERSATION = [
@@ -252,8 +253,8 @@ def test_kv_events_from_flags_and_yaml(tmp_path: Path, small_model_dir: Path) ->
 def test_kv_aware_tokenizes_off_the_event_loop_only(small_model_dir: Path) -> None:
     """With kv_aware the exact count comes from KvRouting's worker thread; the loop keeps the estimate
     (tokenizing a 33K-token prompt there would stall every other request ~10 ms)."""
-    from vllm_pd.router.app import ProxyServer
-    from vllm_pd.router.request_body import estimate_tokens
+    from vllm_pd.router.request.request_body import estimate_tokens
+    from vllm_pd.router.server.app import ProxyServer
 
     tok = str(small_model_dir)
     assert ProxyServer(ProxyConfig(prefill_policy="kv_aware", tokenizer=tok)).count_tokens is estimate_tokens

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from tests.test_router_e2e import ProxyThread, _model_dir
-from vllm_pd.router.local_cluster import LocalCluster
-from vllm_pd.router.request_body import CHAT, parse_body
+from vllm_pd.router.cli.local_cluster import LocalCluster
+from vllm_pd.router.request.request_body import CHAT, parse_body
 
 pytestmark = pytest.mark.e2e
 

@@ -23,11 +23,11 @@ from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKey
 from vllm_pd.connector.store.request_keys import RequestKeys
 from vllm_pd.connector.store_bridge import request_extra_keys as engine_extra_keys
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
-from vllm_pd.router.instance_pool import InstancePool
-from vllm_pd.router.kv_extra_keys import ServedModels, request_extra_keys
-from vllm_pd.router.prompt_tokens import PromptBlocks, VllmBlockHasher
-from vllm_pd.router.request_body import CHAT, COMPLETIONS, parse_body
-from vllm_pd.router.store_locations import StoreLocations
+from vllm_pd.router.pool.instance_pool import InstancePool
+from vllm_pd.router.request.block_hashes import PromptBlocks, VllmBlockHasher
+from vllm_pd.router.request.request_body import CHAT, COMPLETIONS, parse_body
+from vllm_pd.router.routing.kv_extra_keys import ServedModels, request_extra_keys
+from vllm_pd.router.routing.store_locations import StoreLocations
 
 BS = 16
 IDS = list(range(3000, 3000 + 4 * BS + 5))

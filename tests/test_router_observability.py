@@ -18,8 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.router_harness import Harness, harness, run, wait_for
-from vllm_pd.router.leg_timings import FastHistogram
-from vllm_pd.router.tracing import format_traceparent, make_tracer, parse_traceparent
+from vllm_pd.router.observability.leg_timings import FastHistogram
+from vllm_pd.router.observability.tracer_choice import make_tracer
+from vllm_pd.router.observability.tracing import format_traceparent, parse_traceparent
 
 STREAM = {"model": "mock-model", "prompt": "an observed prompt " * 8, "max_tokens": 6, "stream": True}
 

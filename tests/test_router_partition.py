@@ -1,5 +1,5 @@
 """Legs waiting on an instance that became unreachable move on once the health checks find it
-(vllm_pd/router/partition_watch.py), instead of waiting their whole timeout."""
+(vllm_pd/router/pool/partition_watch.py), instead of waiting their whole timeout."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from tests.router_harness import harness, run, wait_for
-from vllm_pd.router.partition_watch import InstanceUnreachable, PartitionWatch
+from vllm_pd.router.pool.partition_watch import InstanceUnreachable, PartitionWatch
 
 LONG = {"prompt": "long prompt " * 30, "max_tokens": 3}
 # detection: two failed checks, 0.2 s apart, each given 0.2 s; legs would otherwise wait 300 s
@@ -103,7 +103,7 @@ def test_partitioned_decode_before_its_answer_is_a_decode_failure_retried_elsewh
 def test_detection_time_is_set_by_flags() -> None:
     import argparse
 
-    from vllm_pd.router import command_proxy
+    from vllm_pd.router.cli import command_proxy
     from vllm_pd.router.config import ConfigError
 
     p = argparse.ArgumentParser()

@@ -6,9 +6,9 @@ import random
 from collections import Counter
 
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
-from vllm_pd.router.instance_pool import InstancePool, InFlightLeg
-from vllm_pd.router.policies import LeastOutstanding, PowerOfTwo, PrefixAware, RoundRobin
-from vllm_pd.router.supervisor import Supervisor
+from vllm_pd.router.pool.instance_pool import InstancePool, InFlightLeg
+from vllm_pd.router.pool.supervisor import Supervisor
+from vllm_pd.router.routing.policies import LeastOutstanding, PowerOfTwo, PrefixAware, RoundRobin
 
 
 def _pool(n: int, role: str = "prefill") -> InstancePool:

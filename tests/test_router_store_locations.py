@@ -22,14 +22,15 @@ from vllm_pd.connector.store.master import NodeInfo
 from vllm_pd.connector.store.master_client import MasterClient
 from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.connector.transfer_params import StoreFetch
-from vllm_pd.router import command_proxy
+from vllm_pd.router.cli import command_proxy
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml
-from vllm_pd.router.instance_pool import InstancePool
-from vllm_pd.router.kv_locations import KvLocations
-from vllm_pd.router.policies import KvAware, held_tokens
-from vllm_pd.router.prompt_tokens import PromptBlocks, VllmBlockHasher
-from vllm_pd.router.request_body import CHAT, COMPLETIONS, parse_body
-from vllm_pd.router.store_locations import StoreHit, StoreLocations, StorePrompt
+from vllm_pd.router.pool.instance_pool import InstancePool
+from vllm_pd.router.request.block_hashes import PromptBlocks, VllmBlockHasher
+from vllm_pd.router.request.request_body import CHAT, COMPLETIONS, parse_body
+from vllm_pd.router.request.store_prompt import StoreHit, StorePrompt
+from vllm_pd.router.routing.kv_locations import KvLocations
+from vllm_pd.router.routing.policies import KvAware, held_tokens
+from vllm_pd.router.routing.store_locations import StoreLocations
 from vllm_pd.vllm_server import free_port
 
 BS = 16

@@ -20,9 +20,9 @@ import pytest
 from tests.e2e_cluster import metric
 from tests.test_router_e2e import ProxyThread, _model_dir
 from vllm_pd.connector.store.master_command import spawn_master
-from vllm_pd.router.local_cluster import LocalCluster
-from vllm_pd.router.request_body import CHAT, parse_body
-from vllm_pd.router.store_locations import StoreLocations
+from vllm_pd.router.cli.local_cluster import LocalCluster
+from vllm_pd.router.request.request_body import CHAT, parse_body
+from vllm_pd.router.routing.store_locations import StoreLocations
 from vllm_pd.vllm_server import free_port
 
 pytestmark = pytest.mark.e2e

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from vllm_pd.router.backend_answer import BackendAnswer
-from vllm_pd.router.errors import ProxyError
-from vllm_pd.router.request_body import COMPLETIONS, decode_body, parse_body
-from vllm_pd.router.sse_relay import SseSplitter
+from vllm_pd.router.backend.backend_answer import BackendAnswer
+from vllm_pd.router.backend.sse_relay import SseSplitter
+from vllm_pd.router.http.errors import ProxyError
+from vllm_pd.router.request.request_body import COMPLETIONS, decode_body, parse_body
 
 KV = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_host": "10.0.0.1"}
 
@@ -70,7 +70,7 @@ def test_backend_answer_reads_only_what_it_needs() -> None:
 
 
 def test_sse_splitter_holds_an_unfinished_event_in_pieces_up_to_its_cap() -> None:
-    from vllm_pd.router.sse_relay import BadBackendStream
+    from vllm_pd.router.backend.sse_relay import BadBackendStream
 
     s = SseSplitter(None, max_event_bytes=100)
     assert s.feed(b'data: {"a": "' + b"x" * 40) == b""
@@ -89,7 +89,7 @@ def test_sse_splitter_holds_an_unfinished_event_in_pieces_up_to_its_cap() -> Non
 @pytest.mark.parametrize("event", [b"data: not json", b"data: [1, 2]", b"garbage line", b'data: {"a": 1',
                                    b"\x00\x01binary"])
 def test_sse_splitter_refuses_events_that_are_not_openai_stream_events(event: bytes) -> None:
-    from vllm_pd.router.sse_relay import BadBackendStream
+    from vllm_pd.router.backend.sse_relay import BadBackendStream
 
     with pytest.raises(BadBackendStream) as e:
         SseSplitter(None).feed(event + b"\n\n")
@@ -103,13 +103,13 @@ def test_sse_splitter_passes_sse_comments_fields_and_done() -> None:
     assert s.feed(b'data: {"tail": 1}') == b""
     assert s.flush() == b'data: {"tail": 1}'  # a stream ended without its last blank line
     s.feed(b"data: {broken")
-    from vllm_pd.router.sse_relay import BadBackendStream
+    from vllm_pd.router.backend.sse_relay import BadBackendStream
     with pytest.raises(BadBackendStream):
         s.flush()
 
 
 def test_retry_after_reads_seconds_and_http_dates() -> None:
-    from vllm_pd.router.retry_after import header_value, retry_after_seconds
+    from vllm_pd.router.backend.retry_after import header_value, retry_after_seconds
 
     now = 1_700_000_000.0
     assert retry_after_seconds("120", now) == 120.0

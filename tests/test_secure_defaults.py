@@ -113,7 +113,7 @@ def test_tls_keys_come_together_and_only_for_tcp(tmp_path) -> None:
 def test_up_makes_a_secret_file_only_its_user_reads(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from vllm_pd.router.command_up import cluster_secret
+    from vllm_pd.router.cli.command_up import cluster_secret
 
     path = cluster_secret(tmp_path / "logs")
     assert path is not None and os.stat(path).st_mode & 0o777 == 0o600

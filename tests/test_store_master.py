@@ -275,7 +275,7 @@ def test_instance_url_is_validated_naming_the_key(value):
 
 
 def test_local_cluster_sets_each_stores_instance_url():
-    from vllm_pd.router.local_cluster import _with_instance_url
+    from vllm_pd.router.cli.local_cluster import _with_instance_url
 
     extra = {"transport": "tcp", "store": {"cpu_bytes": "1g"}}
     assert _with_instance_url(extra, "127.0.0.1", 8123)["store"] == {"cpu_bytes": "1g",

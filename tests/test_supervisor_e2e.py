@@ -43,8 +43,8 @@ import pytest
 from tests.prompt_catalogue import CATALOGUE, SUPERVISOR_OUTPUT_HEAVY, SUPERVISOR_PROMPT_HEAVY
 from vllm_pd.planner.instance_profiler import InstanceProfiler, ProfilePlan
 from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, save_profile
-from vllm_pd.router.app import ProxyServer, serve
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
+from vllm_pd.router.server.app import ProxyServer, serve
 from vllm_pd.vllm_server import free_port
 
 pytestmark = pytest.mark.e2e

@@ -239,9 +239,9 @@ def test_prompt_hash_is_stable_and_sensitive() -> None:
 # ---- the proxy's process never loads torch or vLLM -------------------------------------------------
 _PROXY_PROCESS = """
 import sys
-import vllm_pd.router.app, vllm_pd.router.pd_flow, vllm_pd.router.command_proxy
+import vllm_pd.router.server.app, vllm_pd.router.flow.pd_flow, vllm_pd.router.cli.command_proxy
 from vllm_pd.connector.transfer_params import RemotePrefill
-from vllm_pd.router.pd_flow import default_release_remote_kv
+from vllm_pd.router.flow.pd_flow import default_release_remote_kv
 # a whole release, down to the transport's connect (nothing listens on these ports: refused at once)
 eps = ("tcp://127.0.0.1:1", "shm://127.0.0.1:1")
 answer = RemotePrefill(transfer_id="t", engine_id="e", endpoint=eps[0], host="127.0.0.1", port=1, block_ids=(0,),

@@ -23,7 +23,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from vllm_pd.router.command_up import SMALL_MODEL_NAME
+from vllm_pd.router.cli.command_up import SMALL_MODEL_NAME
 from vllm_pd.shm_leftovers import used_shm
 from vllm_pd.small_model import ensure_default_model
 from vllm_pd.vllm_dist_alias import CPU_DIST, write_alias

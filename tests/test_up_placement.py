@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_pd.router import command_up, local_cluster
-from vllm_pd.router.local_cluster import LocalCluster, gpu_bindings, visible_gpus
+from vllm_pd.router.cli import command_up, local_cluster
+from vllm_pd.router.cli.local_cluster import LocalCluster, gpu_bindings, visible_gpus
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec
 
 
@@ -112,7 +112,7 @@ def test_more_gpus_asked_than_visible_stops_before_any_server(monkeypatch: pytes
 def test_kv_aware_turns_on_kv_events_and_gives_the_proxy_the_tokenizer(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # no process is started: only what `up` hands the servers and the proxy is checked
-    from vllm_pd.router import command_proxy
+    from vllm_pd.router.cli import command_proxy
 
     model = tmp_path / "model"
     model.mkdir()
@@ -150,7 +150,7 @@ def test_kv_aware_needs_a_local_tokenizer(monkeypatch: pytest.MonkeyPatch) -> No
 def test_store_gives_every_server_a_store_and_the_proxy_the_master(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # no vLLM server is started (only what `up` hands them is checked); the store master is a real process
-    from vllm_pd.router import command_proxy
+    from vllm_pd.router.cli import command_proxy
 
     model = tmp_path / "model"
     model.mkdir()

@@ -15,8 +15,8 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("vllm_pd.small_model.command", "write a small random-weight HF model folder"),
     "store-master": ("vllm_pd.connector.store.master_command", "run the KV store's cluster-wide index"),
-    "proxy": ("vllm_pd.router.command_proxy", "run the prefill/decode proxy in front of vLLM instances"),
-    "up": ("vllm_pd.router.command_up", "start prefill and decode vLLM servers plus the proxy on this machine"),
+    "proxy": ("vllm_pd.router.cli.command_proxy", "run the prefill/decode proxy in front of vLLM instances"),
+    "up": ("vllm_pd.router.cli.command_up", "start prefill and decode vLLM servers plus the proxy on this machine"),
     "profile": ("vllm_pd.planner.profile_command", "measure a running vLLM instance's latencies into a profile file"),
     "plan": ("vllm_pd.planner.plan_command", "simulate colocated and PD deployments and pick the best under SLOs"),
 }

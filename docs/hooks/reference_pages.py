@@ -354,8 +354,8 @@ def proxy_metric_entries() -> list[Entry]:
     from prometheus_client.metrics import MetricWrapperBase
 
     from vllm_pd.router.config import ProxyConfig
-    from vllm_pd.router.instance_pool import InstancePool
-    from vllm_pd.router.metrics import ProxyMetrics
+    from vllm_pd.router.observability.metrics import ProxyMetrics
+    from vllm_pd.router.pool.instance_pool import InstancePool
 
     metrics = ProxyMetrics(InstancePool(ProxyConfig()))
     out = []
@@ -425,8 +425,8 @@ def metrics_page() -> str:
             "line.", ""]
     rows += table(connector_metric_entries(), ("metric", "type", "meaning", "labels"), skip_default=True)
     rows += ["", "## The proxy, on its `/metrics`", "",
-             "`vllm-pd proxy` has its own registry (`vllm_pd/router/metrics.py`, the per-instance leg histograms in "
-             "`vllm_pd/router/leg_timings.py`). The vLLM instance a sample is about is the `backend` label (its "
+             "`vllm-pd proxy` has its own registry (`vllm_pd/router/observability/metrics.py`, the per-instance leg histograms in "
+             "`vllm_pd/router/observability/leg_timings.py`). The vLLM instance a sample is about is the `backend` label (its "
              "URL); Prometheus' own `instance` label is the proxy. A Grafana dashboard of these beside vLLM's own "
              "metrics: `examples/grafana/vllm-pd.json`.", ""]
     rows += table(proxy_metric_entries(), ("metric", "type", "meaning", "labels"), skip_default=True)

@@ -51,4 +51,5 @@ _decoder = msgspec.msgpack.Decoder(ControlMessage)
 
 def decode_control(data: bytes) -> ControlMessage:
     """Raises msgspec.DecodeError on anything that is not a known message."""
-    return _decoder.decode(data)
+    message: ControlMessage = _decoder.decode(data)
+    return message

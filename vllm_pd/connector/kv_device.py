@@ -162,7 +162,8 @@ class TorchDevice(KVDevice):
     def record(self, stream: torch.Stream) -> DeviceEvent:
         event = torch.Event(device=self.device)
         event.record(stream)
-        return event
+        recorded: DeviceEvent = event
+        return recorded
 
     def wait(self, stream: Any, event: DeviceEvent) -> None:
         if isinstance(event, (torch.Event, torch.cuda.Event)):
@@ -205,7 +206,8 @@ class CudaDevice(TorchDevice):
         # blocking: a thread that waits for the copy sleeps in the driver instead of spinning
         event = torch.cuda.Event(blocking=True)
         event.record(stream)
-        return event
+        recorded: DeviceEvent = event
+        return recorded
 
     def launch(self, stream: Any, work: Callable[[], None]) -> None:
         with torch.cuda.stream(stream):

@@ -32,6 +32,7 @@ import torch
 from vllm_pd.connector.block_recut import recut_rows
 from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S
 from vllm_pd.connector.control import PingMessage
+from vllm_pd.connector.block_copies import Run
 from vllm_pd.connector.kv_access import KVAccess
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
 from vllm_pd.connector.kv_geometry import (
@@ -405,7 +406,7 @@ class LoadJob:
         self.bytes_landed += len(rows) * src_nbytes
         return []
 
-    def _place(self, layer: int, runs: list, window: tuple[int, int] | None) -> None:
+    def _place(self, layer: int, runs: list[Run], window: tuple[int, int] | None) -> None:
         placed = self._access.land_pushed(layer, runs, self.blocks_ready, window)
         # the layer's copies run on one stream in order: the last one covers the earlier ones
         self.layer_events[layer] = placed

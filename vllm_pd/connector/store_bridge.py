@@ -74,7 +74,8 @@ def request_extra_keys(request: "Request") -> RequestExtraKeys:
 
     def per_block(start: int, end: int) -> tuple[Any, ...] | None:
         # start_mm_idx 0 is exact for any block: inputs that end before it are skipped
-        return generate_block_hash_extra_keys(request, start, end, 0)[0]
+        keys: tuple[Any, ...] | None = generate_block_hash_extra_keys(request, start, end, 0)[0]
+        return keys
 
     return RequestExtraKeys(lora=(lora.lora_name, lora.lora_path) if lora is not None else None,
                             cache_salt=request.cache_salt, per_block=per_block,

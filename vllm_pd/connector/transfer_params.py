@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import array
 import sys
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgspec
 
@@ -78,7 +78,10 @@ class TransferParamsError(ProtocolError):
     """``kv_transfer_params`` that ask for a transfer but cannot be used; the message names the key."""
 
 
-def _convert(params: dict[str, Any], cls: type[msgspec.Struct], what: str) -> Any:
+_S = TypeVar("_S", bound=msgspec.Struct)
+
+
+def _convert(params: dict[str, Any], cls: type[_S], what: str) -> _S:
     if _RETIRED_TRANSFER_KEY in params:
         raise TransferParamsError(f"kv_transfer_params ({what}): `{_RETIRED_TRANSFER_KEY}` is not accepted any more; "
                                   f"the proxy names the transfer with `transfer_id` (protocol {PROTOCOL_VERSION})")
@@ -206,7 +209,7 @@ class RemotePrefill(msgspec.Struct, frozen=True):
         return self.rank_endpoints[rank::tp_size]
 
     def to_params(self) -> dict[str, Any]:
-        params = msgspec.to_builtins(self)
+        params: dict[str, Any] = msgspec.to_builtins(self)
         # lists, as JSON gives them back (to_builtins keeps tuples)
         params.update({"remote_block_ids": list(self.block_ids), "remote_endpoints": list(self.endpoints),
                        "remote_group_block_ids": [list(g) for g in self.group_block_ids],
@@ -245,7 +248,7 @@ class AwaitedPrefill(msgspec.Struct, frozen=True, omit_defaults=True):
     prefill_endpoints: tuple[_Name, ...] = ()
 
     def to_params(self) -> dict[str, Any]:
-        params = msgspec.to_builtins(self)
+        params: dict[str, Any] = msgspec.to_builtins(self)
         params.update({DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, PROTOCOL_KEY: PROTOCOL_VERSION})
         return params
 

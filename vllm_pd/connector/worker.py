@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -211,7 +212,7 @@ class PDConnectorWorker:
         return self.loader.staging
 
     # ---- BlockSink (transport threads) ----------------------------------------------------------
-    def destinations(self, batch: BlockBatch):  # noqa: ANN201 - see BlockSink
+    def destinations(self, batch: BlockBatch) -> Sequence[memoryview] | None:
         if not self.is_consumer or self._unregistered or not 0 <= batch.layer < len(self.regions):
             return None
         ours = self.regions[batch.layer].block_nbytes

@@ -15,12 +15,12 @@ from urllib.parse import urlparse
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret, load_secret
 from vllm_pd.connector.transport.tls_stream import TlsSettings
-from vllm_pd.router.backend_url import parse_networks
-from vllm_pd.router.client_auth import check_api_key
-from vllm_pd.router.http_limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES,
-                                        DEFAULT_MAX_HEADERS, DEFAULT_MAX_URL_BYTES)
-from vllm_pd.router.prompt_tokens import HASH_ALGOS as KV_HASH_ALGOS
-from vllm_pd.router.sse_relay import DEFAULT_MAX_EVENT_BYTES
+from vllm_pd.router.backend.backend_url import parse_networks
+from vllm_pd.router.backend.sse_relay import DEFAULT_MAX_EVENT_BYTES
+from vllm_pd.router.http.client_auth import check_api_key
+from vllm_pd.router.http.http_limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES,
+                                             DEFAULT_MAX_HEADERS, DEFAULT_MAX_URL_BYTES)
+from vllm_pd.router.request.block_hashes import HASH_ALGOS as KV_HASH_ALGOS
 from vllm_pd.errors import ConfigError
 
 ROLES = ("prefill", "decode", "both")
@@ -56,7 +56,7 @@ class InstanceConfig:
 @dataclass
 class K8sDiscoveryConfig:
     """Instances found in Kubernetes (``--service-discovery k8s``): the pods of one label selector per role,
-    watched (router/k8s_discovery.py)."""
+    watched (router/pool/k8s_discovery.py)."""
 
     prefill_selector: str | None = None
     decode_selector: str | None = None
@@ -70,7 +70,7 @@ class K8sDiscoveryConfig:
     reap_interval: float = 1.0  # seconds between checks whether a drained instance's requests have finished
 
     def __post_init__(self) -> None:
-        from vllm_pd.router.k8s_selector import parse_selector
+        from vllm_pd.router.k8s.k8s_selector import parse_selector
 
         if not self.selectors():
             raise ConfigError("kubernetes: no prefill_selector, decode_selector or both_selector")
@@ -154,7 +154,7 @@ class ProxyConfig:
     kv_hash_algo: str = "sha256"  # the servers' --prefix-caching-hash-algo (kv_aware)
     kv_load_weight: float = 1.0  # kv_aware: queued prompt tokens weigh this much against uncached ones
     # kv_aware: "tcp://host:port" of the KV store's master (`vllm-pd store-master`), read as a second
-    # source of where prompts' KV lives (router/store_locations.py); None = vLLM's KV events only
+    # source of where prompts' KV lives (router/routing/store_locations.py); None = vLLM's KV events only
     store_master: str | None = None
     # the deployment secret's file (else VLLM_PD_SECRET): the proxy's KV releases and store master
     # lookups authenticate with it (connector/auth_protocol.py)

@@ -103,7 +103,7 @@ there; with ``disk_serve_bytes`` 0 only CPU-pool blocks are advertised. A
 master that stays down is retried with a doubling back-off (up to 60 s): each
 failed call stalls the scheduler for ``master_timeout_s``.
 
-Routing (the proxy's kv_aware policy with ``--store-master``, router/store_locations.py):
+Routing (the proxy's kv_aware policy with ``--store-master``, router/routing/store_locations.py):
 a node's snapshot also carries its salt and ``instance_url``; the proxy lists the
 nodes, computes each salt's keys of a prompt and asks the master how many leading
 blocks each node holds, sends prefill where its own store (or prefix cache) holds

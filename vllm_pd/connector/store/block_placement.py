@@ -64,7 +64,11 @@ class BlockPlacement:
 
     def location(self, key: BlockKey) -> Location:
         """The Location of an indexed key."""
-        return self.index.get(key).value  # type: ignore[union-attr]
+        node = self.index.get(key)
+        if node is None:
+            raise KeyError(key)
+        location: Location = node.value
+        return location
 
     # -- puts: reserve -> (worker writes) -> commit ----------------------------------------
 

@@ -43,7 +43,7 @@ def _instance_url(value: Any) -> str:
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
         raise ConfigError(f"store.instance_url: expected the instance's URL as the proxy knows it, "
                           f"e.g. http://10.0.0.5:8000, got {value!r}")
-    return value.rstrip("/")
+    return str(value).rstrip("/")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from vllm_pd.connector.auth_protocol import REFUSED, DeploymentSecret
 from vllm_pd.errors import AuthFailed
 from vllm_pd.connector.store.keys import BlockKey, KeySalt
 from vllm_pd.connector.store.master import Holders, Lookup, Nodes, Publish, Reply, Request, Stats
+from vllm_pd.connector.store.master import NodeInfo as NodeInfo  # re-exported: what nodes() answers, for the proxy
 from vllm_pd.connector.store.master_sessions import DiallerSession
 from vllm_pd.vllm_logging import vllm_logger
 
@@ -56,7 +57,7 @@ class MasterLink:
         self._last_contact = float("-inf")
         self._seq = itertools.count(1)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
         self.secret = secret
         self._session: DiallerSession | None = None  # the socket's, with a secret
         self._down_until = 0.0
@@ -102,7 +103,17 @@ class MasterLink:
         self._reset()
         return None
 
-    def _socket(self) -> zmq.Socket:
+    def nodes(self) -> list[NodeInfo] | None:
+        """The live nodes with their salts and instance URLs (the proxy's kv_aware); None: no answer."""
+        reply = self.call(Nodes())
+        return None if reply is None else reply.nodes
+
+    def holders(self, keys: list[BlockKey]) -> dict[str, int] | None:
+        """Per node, how many leading ``keys`` it holds (nodes holding none left out); None: no answer."""
+        reply = self.call(Holders(keys))
+        return None if reply is None else reply.held
+
+    def _socket(self) -> zmq.Socket[bytes]:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 def spawn_master(port: int, host: str = "127.0.0.1", timeout_s: float = 60.0,
                  netns: str | None = None, secret_file: str | None = None,
-                 insecure_network: bool = False) -> tuple[subprocess.Popen, str]:
+                 insecure_network: bool = False) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``vllm-pd store-master`` as a child process and wait until it answers
     (tests, benchmarks); returns (process, address). The caller kills it.
     ``netns``: run it inside that network namespace (``ip netns exec``, which execs it: same pid).

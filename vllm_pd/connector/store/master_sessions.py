@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 from vllm_pd.connector.auth_protocol import (
     REFUSED,
@@ -29,6 +30,8 @@ from vllm_pd.connector.auth_protocol import (
 )
 from vllm_pd.errors import AuthFailed
 from vllm_pd.vllm_logging import vllm_logger
+
+_V = TypeVar("_V")
 
 logger = vllm_logger(__name__)
 
@@ -91,7 +94,7 @@ class ListenerSessions:
         return challenge
 
     @staticmethod
-    def _remember(table: OrderedDict, ident: bytes, value: object, limit: int) -> None:
+    def _remember(table: OrderedDict[bytes, _V], ident: bytes, value: _V, limit: int) -> None:
         table[ident] = value
         table.move_to_end(ident)
         while len(table) > limit:

@@ -348,7 +348,8 @@ class PoolExchange:
 
     def _ask(self, peer: str, message: GrantBlocks | ReleaseBlocks) -> _Message:
         reply = self.transport.notify(peer, _encoder.encode(message), self.timeout_s)
-        return _decoder.decode(reply.result(timeout=self.timeout_s + 1.0) or b"")
+        answer: _Message = _decoder.decode(reply.result(timeout=self.timeout_s + 1.0) or b"")
+        return answer
 
     def _count(self, ok: list[bytes], asked: int) -> list[bytes]:
         self.stats["fetched_blocks"] += len(ok)

@@ -81,7 +81,7 @@ class MemoryRegion:
     @property
     def block_contiguous(self) -> bool:
         """Each block is one contiguous page, blocks back to back (what stream transports need)."""
-        return self.blocks.is_contiguous()
+        return bool(self.blocks.is_contiguous())
 
     def block_spans(self, block_id: int) -> list[tuple[int, int]]:
         """(address, nbytes) of the contiguous byte spans of one block, in wire (= memory) order:

@@ -257,7 +257,7 @@ class BlockStream:
                 span, self._blocks, self._index, self._offset, self._value, to_span)
             # none: the CRC came for free with the copy, but the slots carry zeros
             self._digests.append(digests if self._checksum is Checksum.CRC32C else bytes(len(digests)))
-            return moved
+            return int(moved)
         return self._move_python(np.frombuffer(span, dtype=np.uint8), to_span)
 
     def _move_python(self, span: np.ndarray, to_span: bool) -> int:

@@ -63,7 +63,7 @@ def _libc() -> Any:
 
 
 _LIBC: Any = None
-_PROBE: ctypes.Array | None = None  # this process's token, read by peers at the handshake
+_PROBE: ctypes.Array[ctypes.c_char] | None = None  # this process's token, read by peers at the handshake
 
 
 def _boot_id() -> str:

@@ -33,7 +33,8 @@ from enum import IntEnum
 
 from vllm_pd.connector.auth_protocol import HANDSHAKE_MAGIC, TAG_NBYTES, StreamSeal
 from vllm_pd.errors import PeerClosed, TransferCorrupted
-from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, Checksum
+from vllm_pd.connector.transport.checksum import DIGEST_NBYTES as DIGEST_NBYTES  # re-exported: the frame format
+from vllm_pd.connector.transport.checksum import Checksum as Checksum
 
 # VPD5: PLAN (a step's layers read from the sender's memory as each is ready). VPD4: shm ring
 # credits counted in shared memory (CREDIT = a bare wake-up, ACK carries no

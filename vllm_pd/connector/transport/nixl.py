@@ -269,7 +269,7 @@ class NixlChannel:
                 agent.deregister(handle)
         if frame.checksum is Checksum.NONE:
             return True
-        return b"".join(frame.checksum.digest(v) for v in views) == payload.digests
+        return bool(b"".join(frame.checksum.digest(v) for v in views) == payload.digests)
 
     def write_fetched(self, frame: Frame, checksum: Checksum) -> tuple[bytes, tuple[int, ...]]:
         """WRITE the blocks (or parts) a FETCH asks for into the requester's regions; their

@@ -122,7 +122,8 @@ def _piece_addresses(lay: RegionLayout, ids: np.ndarray, cuts: np.ndarray) -> np
     """Addresses of the pieces starting at wire offsets ``cuts`` of blocks ``ids``: (pieces, len(ids))."""
     starts = lay.wire_offsets()
     span = np.searchsorted(starts, cuts, side="right") - 1  # the span each piece lies in
-    return lay.spans(np.asarray(ids, dtype=np.int64))[span] + (cuts - starts[span])[:, None]
+    addresses: np.ndarray = lay.spans(np.asarray(ids, dtype=np.int64))[span] + (cuts - starts[span])[:, None]
+    return addresses
 
 
 def registrations(layouts: Sequence[RegionLayout]) -> list[tuple[str, int, int, int]]:

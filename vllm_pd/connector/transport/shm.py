@@ -41,6 +41,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -330,11 +331,11 @@ class ShmTransport(TcpTransport):
             raise ConfigError(f"slot_nbytes must be >= 4096, got {slot_nbytes}")
         self._slots, self._slot_nbytes = slots, slot_nbytes
 
-    def _listen(self, host: str, port: int):
+    def _listen(self, host: str, port: int) -> tuple[socket.socket, str]:
         sock, endpoint = super()._listen(host, port)
         return sock, "shm://" + endpoint.removeprefix("tcp://")
 
-    def _dial_address(self, endpoint: str):
+    def _dial_address(self, endpoint: str) -> tuple[int, Any]:
         if not endpoint.startswith("shm://"):
             raise ConfigError(f"bad shm endpoint {endpoint!r} (expected shm://host:port)")
         return super()._dial_address("tcp://" + endpoint.removeprefix("shm://"))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +63,10 @@ class TlsSettings:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3  # no renegotiation: reads never need a write
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_REQUIRED  # both ways: the dialler shows a certificate too
-        for key, load in (("tls_ca", lambda: ctx.load_verify_locations(cafile=self.ca_file)),
-                          ("tls_cert", lambda: ctx.load_cert_chain(self.cert_file, self.key_file))):
+        loads: tuple[tuple[str, Callable[[], None]], ...] = (
+            ("tls_ca", lambda: ctx.load_verify_locations(cafile=self.ca_file)),
+            ("tls_cert", lambda: ctx.load_cert_chain(self.cert_file, self.key_file)))
+        for key, load in loads:
             try:
                 load()
             except (OSError, ssl.SSLError) as e:

@@ -48,7 +48,8 @@ def configure_socket(sock: socket.socket, buffer_nbytes: int = SOCKET_BUFFER_NBY
 
 def unsent_nbytes(sock: socket.socket) -> int:
     """Bytes in the socket's send queue (not yet acknowledged by the peer's kernel)."""
-    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return queued
 
 
 class Wire:
