@@ -91,15 +91,11 @@ def routing_settings(policy: str, model: str) -> dict[str, Any]:
 def store_settings(size: str, connector: str) -> dict[str, Any]:
     """The servers' ``store`` config for ``--store SIZE`` (the master's address is added once it runs)."""
     from vllm_pd.connector.config import parse_size
-    from vllm_pd.errors import ConfigError
 
     if connector == "none":
         raise ConfigError("--store needs the KV connector (not --connector none)")
-    try:
-        if parse_size("--store", size) <= 0:
-            raise ConfigError(f"--store: must be > 0, got {size!r}")
-    except ConfigError as e:
-        raise ConfigError(str(e)) from None
+    if parse_size("--store", size) <= 0:
+        raise ConfigError(f"--store: must be > 0, got {size!r}")
     return {"cpu_bytes": size}
 
 
