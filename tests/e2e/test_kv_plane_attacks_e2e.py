@@ -26,7 +26,7 @@ from tests.support.prompt_catalogue import CONNECTOR_CASES
 from tests.support.transport_harness import TcpRelay
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.control import ReleaseMessage
-from vllm_pd.connector.exceptions import TransportError
+from vllm_pd.errors import TransportError
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion, Transport

@@ -268,7 +268,7 @@ def test_node_publishes_salt_and_instance_url_and_the_proxy_reads_them(master):
 
 @pytest.mark.parametrize("value", ["10.0.0.5:8000", "tcp://h:1", "http://h:1/v1", 8000, ""])
 def test_instance_url_is_validated_naming_the_key(value):
-    from vllm_pd.connector.exceptions import ConfigError
+    from vllm_pd.errors import ConfigError
 
     with pytest.raises(ConfigError, match="store.instance_url"):
         StoreConfig.from_dict({"instance_url": value})

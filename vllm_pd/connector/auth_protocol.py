@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 
-from vllm_pd.connector.exceptions import AuthFailed, ConfigError
+from vllm_pd.errors import AuthFailed, ConfigError
 
 AUTH_VERSION = 1
 SECRET_ENV = "VLLM_PD_SECRET"

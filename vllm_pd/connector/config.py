@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret, check_bind, is_loopback, load_secret
-from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.errors import ConfigError
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transfer_params import LoadMode, TransferMode
 

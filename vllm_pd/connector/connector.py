@@ -40,6 +40,7 @@ from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store_bridge import StoreBridgeScheduler, StoreBridgeWorker
 from vllm_pd.connector.worker import PDConnectorWorker
 from vllm_pd.vllm_logging import vllm_logger
+from vllm_pd.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,9 +107,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
         if any(g.kind == "state" for g in groups):
             # a recurrent state is rewritten every step and sharded unlike heads: moving it is not done yet
-            raise ValueError("PDConnector: this model keeps a recurrent state (Mamba / linear attention KV cache "
-                             "group), which the PD connector does not move yet; serve it without "
-                             "--kv-transfer-config PDConnector (sliding-window hybrids are supported)")
+            raise ConfigError("PDConnector: this model keeps a recurrent state (Mamba / linear attention KV cache "
+                              "group), which the PD connector does not move yet; serve it without "
+                              "--kv-transfer-config PDConnector (sliding-window hybrids are supported)")
         if store_config is not None and len(groups) > 1:
             # its keys and blocks are one group's: a hybrid model's other groups would be missing
             logger.warning("PD connector: the KV store is off for this model: it has %d KV cache groups (the "

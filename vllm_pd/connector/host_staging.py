@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from vllm_pd.connector.kv_device import KVDevice
 from vllm_pd.connector.transport.base import MemoryRegion
+from vllm_pd.errors import ConfigError
 
 
 class StagingArena:
@@ -26,8 +27,8 @@ class StagingArena:
         per_row = sum(block_nbytes)
         self.rows = capacity_bytes // per_row if per_row else 0
         if self.rows < 1:
-            raise ValueError(f"host staging of {capacity_bytes} bytes holds no block of all layers "
-                             f"({per_row} bytes)")
+            raise ConfigError(f"host staging of {capacity_bytes} bytes holds no block of all layers "
+                              f"({per_row} bytes)")
         self.tensors = [device.host_empty(self.rows * n).view(self.rows, n) for n in block_nbytes]
         self.regions = [MemoryRegion(f"host-staging-{i}", t) for i, t in enumerate(self.tensors)]
         self._lock = threading.Lock()

@@ -33,6 +33,8 @@ from typing import Literal
 
 import msgspec
 
+from vllm_pd.errors import ConfigError, ProtocolError
+
 GroupKind = Literal["full", "window", "state"]
 
 # bytes per element of the dtypes vLLM keeps KV in (block_format names them as torch does)
@@ -94,7 +96,7 @@ class BlockFormat:
         for part in rest.split(".") if rest else ():
             name = part.rstrip("0123456789")
             if not name or name == part:
-                raise ValueError(f"block format {text!r}: bad dim {part!r}")
+                raise ConfigError(f"block format {text!r}: bad dim {part!r}")
             dims.append((name, int(part[len(name):])))
         return cls(dtype, tuple(dims), kernel)
 
@@ -322,7 +324,7 @@ def plan_rank(remote: KVShape, local: KVShape, rank: int) -> RankPlan:
     """What decode rank ``rank`` takes from prefill; ValueError where :func:`incompatibility` says."""
     why = incompatibility(remote, local)
     if why is not None:
-        raise ValueError(why)
+        raise ProtocolError(why)
     heads = head_pieces(local.kv_heads, remote.tp_size, local.tp_size, rank)
     groups = []
     for r, lo in zip(remote.groups, local.groups, strict=True):

@@ -29,6 +29,8 @@ from enum import Enum
 
 import torch
 
+from vllm_pd.errors import ConfigError
+
 # logical dims of vLLM's 5-D layout [L, B, H, N, C]
 _L, _B, _H, _N, _C = 0, 1, 2, 3, 4
 # names of the dims of a block in block_format: K = kernel blocks of a split manager block
@@ -53,7 +55,7 @@ class KVLayout(Enum):
         try:
             return cls[name]
         except KeyError:
-            raise ValueError(f"kv_cache_layout: {name!r} is not one of {[m.name for m in cls]}") from None
+            raise ConfigError(f"kv_cache_layout: {name!r} is not one of {[m.name for m in cls]}") from None
 
     @property
     def is_block_outermost(self) -> bool:

@@ -51,6 +51,7 @@ from vllm_pd.connector.step_specs import LoadSpec
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport.base import FetchSpans, MemoryRegion, Transport
 from vllm_pd.vllm_logging import vllm_logger
+from vllm_pd.errors import ProtocolError
 
 logger = vllm_logger(__name__)
 
@@ -269,7 +270,8 @@ class LoadJob:
         for i in idxs:  # our block i, from the spans of prefill's blocks that hold its tokens
             for s in piece_spans(unit.plan, unit.piece, first + i, 1, remote.num_tokens):
                 if s.src_index >= len(remote_ids):
-                    raise ValueError(f"prefill's {len(remote_ids)} blocks of group {unit.group} do not hold our tokens")
+                    raise ProtocolError(f"prefill's {len(remote_ids)} blocks of group {unit.group} "
+                                        "do not hold our tokens")
                 src.append(remote_ids[s.src_index])
                 dst.append(landing[ids[i]])
                 src_off.append(s.src_offset)

@@ -42,6 +42,7 @@ import msgspec
 
 from vllm_pd.connector.kv_geometry import KVShape, incompatibility
 from vllm_pd.vllm_logging import vllm_logger
+from vllm_pd.errors import ProtocolError
 
 logger = vllm_logger(__name__)
 
@@ -73,7 +74,7 @@ _Positive = Annotated[int, msgspec.Meta(gt=0)]
 _Name = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-class TransferParamsError(ValueError):
+class TransferParamsError(ProtocolError):
     """``kv_transfer_params`` that ask for a transfer but cannot be used; the message names the key."""
 
 
@@ -115,7 +116,7 @@ class RemoteDecodeRequest(msgspec.Struct, frozen=True, omit_defaults=True):
 
     def __post_init__(self) -> None:
         if self.transfer_id and self.decode_endpoint is None:
-            raise ValueError("transfer_id needs decode_endpoint (where to announce the KV)")
+            raise TransferParamsError("transfer_id needs decode_endpoint (where to announce the KV)")
 
     @property
     def push_endpoint(self) -> str | None:
@@ -173,17 +174,17 @@ class RemotePrefill(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         if len(self.block_ids) < -(-self.num_tokens // self.block_size):
-            raise ValueError(f"remote_block_ids: {len(self.block_ids)} blocks cannot hold "
-                             f"{self.num_tokens} tokens of {self.block_size}")
+            raise TransferParamsError(f"remote_block_ids: {len(self.block_ids)} blocks cannot hold "
+                                      f"{self.num_tokens} tokens of {self.block_size}")
         if self.endpoints and len(self.endpoints) != self.tp_size:
-            raise ValueError(f"remote_endpoints: {len(self.endpoints)} endpoints for tp_size {self.tp_size}")
+            raise TransferParamsError(f"remote_endpoints: {len(self.endpoints)} endpoints for tp_size {self.tp_size}")
         if not self.endpoints and self.tp_size != 1:
-            raise ValueError(f"remote_endpoints: missing, needed for tp_size {self.tp_size}")
+            raise TransferParamsError(f"remote_endpoints: missing, needed for tp_size {self.tp_size}")
         if self.shape is not None and self.shape.tp_size != self.tp_size:
-            raise ValueError(f"kv_shape: tp_size {self.shape.tp_size} != tp_size {self.tp_size}")
+            raise TransferParamsError(f"kv_shape: tp_size {self.shape.tp_size} != tp_size {self.tp_size}")
         if self.group_block_ids and (self.shape is None or len(self.group_block_ids) != len(self.shape.groups)):
-            raise ValueError(f"remote_group_block_ids: {len(self.group_block_ids)} groups, kv_shape has "
-                             f"{len(self.shape.groups) if self.shape is not None else 'none'}")
+            raise TransferParamsError(f"remote_group_block_ids: {len(self.group_block_ids)} groups, kv_shape has "
+                                      f"{len(self.shape.groups) if self.shape is not None else 'none'}")
 
     def group_blocks(self, group: int) -> tuple[int, ...]:
         """Prefill's blocks of KV cache group ``group``, in prompt order."""

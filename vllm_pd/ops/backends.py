@@ -17,6 +17,8 @@ from types import ModuleType
 
 import torch
 
+from vllm_pd.errors import OpsError
+
 ENV_VAR = "VLLM_PD_OPS_BACKEND"
 BACKENDS = ("vendor", "native", "triton", "reference")
 AUTO = "auto"
@@ -33,7 +35,7 @@ _MODULES = {
 }
 
 
-class OpBackendError(RuntimeError):
+class OpBackendError(OpsError, RuntimeError):
     """The requested backend does not exist or cannot run this op here."""
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from vllm_pd.errors import OpsError
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 MLA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK = 128
 
 
-class OpInputError(ValueError):
+class OpInputError(OpsError, ValueError):
     """An op argument has the wrong dtype, shape, layout or device; the message names it."""
 
 

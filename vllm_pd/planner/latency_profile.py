@@ -79,11 +79,12 @@ import msgspec
 
 from vllm_pd.planner.fit_noise import (RESOLVED_SE, difference_se, median_se, non_decreasing, resolved,
                                       robust_sigma)
+from vllm_pd.errors import PlannerError
 
 PROFILE_FORMAT = 2
 
 
-class ProfileError(ValueError):
+class ProfileError(PlannerError, ValueError):
     """A bad profile file or a fit with too few samples."""
 
 

@@ -53,6 +53,7 @@ from typing import Callable
 
 from vllm_pd.planner.latency_profile import LatencyProfile, InstanceProfile
 from vllm_pd.planner.workload import TraceRequest
+from vllm_pd.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class Simulation:
             self.prefillers = [_Instance(p[i % len(p)], "prefill", next(rngs)) for i in range(d.prefill)]
             self.decoders = [_Instance(dec[i % len(dec)], "decode", next(rngs)) for i in range(d.decode)]
         if not self.decoders:
-            raise ValueError(f"deployment {d.label}: needs at least one decode instance")
+            raise ConfigError(f"deployment {d.label}: needs at least one decode instance")
         self.instances = self.decoders if d.colocated else self.prefillers + self.decoders
 
     def _at(self, t: float, fn: Callable[[float], None]) -> None:

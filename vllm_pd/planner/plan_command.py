@@ -15,6 +15,7 @@ from vllm_pd.planner.latency_profile import load_profile
 from vllm_pd.planner.near_tie import near_tie
 from vllm_pd.planner.profile_spread import describe, profile_noise
 from vllm_pd.planner.workload import load_trace, parse_distributions
+from vllm_pd.errors import ConfigError
 
 
 def parse_slo(text: str, attainment: float) -> Slo:
@@ -23,17 +24,17 @@ def parse_slo(text: str, attainment: float) -> Slo:
     for part in text.split(","):
         key, sep, raw = part.partition("=")
         if not sep or key not in ("ttft", "tpot"):
-            raise ValueError(f"slo: {part!r} is not ttft=SECONDS or tpot=SECONDS")
+            raise ConfigError(f"slo: {part!r} is not ttft=SECONDS or tpot=SECONDS")
         scale = 1e-3 if raw.endswith("ms") else 1.0
         try:
             values[key] = float(raw.removesuffix("ms").removesuffix("s")) * scale
         except ValueError:
-            raise ValueError(f"slo.{key}: {raw!r} is not a number") from None
+            raise ConfigError(f"slo.{key}: {raw!r} is not a number") from None
         if values[key] <= 0:
-            raise ValueError(f"slo.{key}: must be > 0")
+            raise ConfigError(f"slo.{key}: must be > 0")
     for key in ("ttft", "tpot"):
         if key not in values:
-            raise ValueError(f"slo.{key}: missing")
+            raise ConfigError(f"slo.{key}: missing")
     return Slo(values["ttft"], values["tpot"], attainment)
 
 

@@ -13,8 +13,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_pd.errors import PlannerError
 
-class WorkloadError(ValueError):
+
+class WorkloadError(PlannerError, ValueError):
     """A bad trace line or distribution spec; the message names the key."""
 
 

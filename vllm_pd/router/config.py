@@ -21,15 +21,12 @@ from vllm_pd.router.http.client_auth import check_api_key
 from vllm_pd.router.http.http_limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES,
                                              DEFAULT_MAX_HEADERS, DEFAULT_MAX_URL_BYTES)
 from vllm_pd.router.request.block_hashes import HASH_ALGOS as KV_HASH_ALGOS
+from vllm_pd.errors import ConfigError
 
 ROLES = ("prefill", "decode", "both")
 KV_MODES = ("push", "pull", "auto")
 PREFILL_POLICIES = ("round_robin", "least_outstanding", "power_of_two", "prefix_aware", "kv_aware")
 DECODE_POLICIES = ("round_robin", "least_outstanding", "power_of_two", "kv_aware")
-
-
-class ConfigError(ValueError):
-    """A configuration error; the message names the offending key."""
 
 
 # the connector's transports (vllm_pd.connector.transport): shm only between instances on one host

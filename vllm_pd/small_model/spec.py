@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_pd.errors import ConfigError
+
 ARCHS = ("llama", "deepseek_v2")
 # head sizes vLLM's CPU attention backend supports
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -15,7 +17,7 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 FORMAT_VERSION = 1
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(ConfigError):
     """A model argument is out of range or inconsistent; the message names the argument."""
 
 

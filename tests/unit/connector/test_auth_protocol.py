@@ -19,7 +19,7 @@ from vllm_pd.connector.auth_protocol import (
     load_secret,
     new_secret,
 )
-from vllm_pd.connector.exceptions import AuthFailed, ConfigError
+from vllm_pd.errors import AuthFailed, ConfigError
 
 SECRET = DeploymentSecret(b"s" * 32, "test")
 

@@ -93,7 +93,7 @@ def test_a_live_prefill_answers_the_probe_and_the_load_fetches_from_it() -> None
 def test_peer_probe_s_is_validated() -> None:
     import pytest
 
-    from vllm_pd.connector.exceptions import ConfigError
+    from vllm_pd.errors import ConfigError
 
     assert PDConnectorConfig.from_extra_config({"peer_probe_s": 1}).peer_probe_s == 1.0
     with pytest.raises(ConfigError, match="peer_probe_s"):

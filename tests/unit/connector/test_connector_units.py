@@ -11,7 +11,7 @@ import torch
 
 from vllm_pd.connector.config import PDConnectorConfig, parse_size
 from vllm_pd.connector.control import PrefillDoneMessage, ReleaseMessage, decode_control
-from vllm_pd.connector.exceptions import ConfigError, TransferTimeout
+from vllm_pd.errors import ConfigError, TransferTimeout
 from vllm_pd.connector.outgoing import OutgoingTransfers
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.block_copies import BlockCopies

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from vllm_pd.connector.exceptions import TransferCorrupted
+from vllm_pd.errors import TransferCorrupted
 from vllm_pd.connector.transport.cross_memory import PeerMemory, ReaderGrants, local_info, yama_scope
 
 UNPRIVILEGED = 65534  # nobody: no CAP_SYS_PTRACE, so Yama's rules apply to it

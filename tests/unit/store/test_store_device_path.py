@@ -24,7 +24,7 @@ import torch
 from tests.support.async_device import AsyncStandInDevice
 from tests.unit.connector.test_kv_device_path import (BLOCK_NBYTES, BS, LAYERS, block_bytes, random_kv, vllm_cache,
                                                       write_layer)
-from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.errors import ConfigError
 from vllm_pd.connector.kv_device import COMPLETED, HostDevice, KVDevice
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.errors import ConfigError
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.scheduler_side import StoreScheduler

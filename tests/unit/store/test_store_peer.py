@@ -62,7 +62,7 @@ def test_fetch_lands_verified_blocks_and_releases_the_grant(pair):
     assert a.stats["served_blocks"] == 4 and b.stats["fetched_blocks"] == 4
     assert eventually(lambda: a.live_grants == 0)  # released right after the fetch
     # a grant covers exactly the granted slots: a read of anything else is refused
-    from vllm_pd.connector.exceptions import TransferRejected
+    from vllm_pd.errors import TransferRejected
     with pytest.raises(TransferRejected):
         b.transport.fetch(a.endpoint, "store-made-up", 0, [4], [5], 1.0).result(timeout=5)
 
@@ -283,7 +283,7 @@ def test_dead_master_means_local_lookups_only(nodes):
 
 
 def test_fetch_timeout_is_validated():
-    from vllm_pd.connector.exceptions import ConfigError
+    from vllm_pd.errors import ConfigError
 
     assert StoreConfig.from_dict({"fetch_timeout_s": 0.5}).fetch_timeout_s == 0.5
     with pytest.raises(ConfigError, match="fetch_timeout_s"):

@@ -14,7 +14,7 @@ import torch
 
 from tests.unit.store.test_store_peer import LAYERS, SCOPE, TOKS, Node, save_on
 from tests.unit.store.test_store_peer import master, nodes  # noqa: F401 - fixtures
-from vllm_pd.connector.exceptions import TransportError
+from vllm_pd.errors import TransportError
 
 
 def gate_later_layers(node: Node, fail: bool = False) -> threading.Event:

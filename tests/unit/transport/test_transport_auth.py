@@ -21,7 +21,7 @@ from vllm_pd.connector.auth_protocol import (
     ListenerHandshake,
     Service,
 )
-from vllm_pd.connector.exceptions import TransportError
+from vllm_pd.errors import TransportError
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.framing import Checksum, Frame, Kind, read_frame, send_buffers
 from vllm_pd.connector.transport.wire import SocketChannel, Wire
@@ -290,7 +290,7 @@ def test_tls_refuses_a_peer_without_a_deployment_certificate(pki, who: str) -> N
 
 
 def test_tls_is_for_tcp_only(pki) -> None:
-    from vllm_pd.connector.exceptions import ConfigError
+    from vllm_pd.errors import ConfigError
     from vllm_pd.connector.transport import create_transport
 
     with pytest.raises(ConfigError, match="tls"):

@@ -9,10 +9,10 @@ import random
 import numpy as np
 import pytest
 
-from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.errors import ConfigError
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport import checksum as checksum_module
-from vllm_pd.connector.exceptions import TransferCorrupted
+from vllm_pd.errors import TransferCorrupted
 from vllm_pd.connector.transport.checksum import BlockCheck, BlockStream, Checksum
 from vllm_pd.ops import native
 

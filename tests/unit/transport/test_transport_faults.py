@@ -14,7 +14,7 @@ import pytest
 import torch
 from tests.support.transport_harness import RawFetchServer, RecordingSink, make_regions, raw_dial, spawn_peer, started
 
-from vllm_pd.connector.exceptions import (
+from vllm_pd.errors import (
     PeerClosed,
     PeerUnreachable,
     TransferCorrupted,

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from vllm_pd.connector.exceptions import ConfigError, PeerClosed, TransferCorrupted
+from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.framing import (
     HEADER_NBYTES,

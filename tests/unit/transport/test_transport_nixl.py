@@ -21,7 +21,7 @@ from tests.support import vllm_kv_cache as replay
 from tests.support.transport_harness import make_regions, spawn_peer, started
 
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.exceptions import ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransferTimeout
+from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransferTimeout
 from vllm_pd.connector.kv_layout import KVLayout, manager_blocks
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport import nixl_agent

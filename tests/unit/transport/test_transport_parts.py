@@ -10,7 +10,7 @@ import torch
 from tests.support.transport_harness import make_regions, started
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.exceptions import TransferRejected
+from vllm_pd.errors import TransferRejected
 from vllm_pd.connector.transport.base import BlockBatch, BlockWindow, FetchSpans
 
 SECRET = DeploymentSecret(b"parts-test-secret-0123456789abcd", "test")

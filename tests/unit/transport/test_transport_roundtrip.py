@@ -14,7 +14,7 @@ from tests.support.tls_certs import issue, make_ca
 from tests.support.transport_harness import make_regions, started
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.exceptions import TransferRejected, TransferTimeout
+from vllm_pd.errors import TransferRejected, TransferTimeout
 from vllm_pd.connector.transport.base import BlockBatch
 
 # shm moves block bytes by reading the peer's memory where the kernel allows it (here it

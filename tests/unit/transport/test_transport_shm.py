@@ -18,7 +18,7 @@ import pytest
 import torch
 from tests.support.transport_harness import make_regions, spawn_peer, started
 
-from vllm_pd.connector.exceptions import ConfigError, TransferCorrupted, TransportError
+from vllm_pd.errors import ConfigError, TransferCorrupted, TransportError
 from vllm_pd.connector.transport import create_transport, serve_session
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.cross_memory import PeerMemory

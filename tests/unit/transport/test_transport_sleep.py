@@ -14,7 +14,7 @@ import torch
 from tests.support.transport_harness import make_regions, started
 
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.exceptions import TransferRejected
+from vllm_pd.errors import TransferRejected
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.worker import PDConnectorWorker
 

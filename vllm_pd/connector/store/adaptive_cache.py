@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from vllm_pd.connector.store.reuse_cache import Evictable, Key, OnEvict, ReuseAgedCache
+from vllm_pd.errors import StoreError
 
 DEFAULT_BASES = (1.0, 0.5, 0.3, 0.1)
 _HASH_SPACE = 1 << 32
@@ -103,11 +104,11 @@ class AdaptiveCache:
         sample_rate: float = 1.0,
     ) -> None:
         if not bases or bases[0] != 1.0:
-            raise ValueError(f"bases must start with 1.0 (plain LRU), got {list(bases)}")
+            raise StoreError(f"bases must start with 1.0 (plain LRU), got {list(bases)}")
         if half_life <= 0 or margin < 0:
-            raise ValueError(f"half_life must be > 0 and margin >= 0, got {half_life}, {margin}")
+            raise StoreError(f"half_life must be > 0 and margin >= 0, got {half_life}, {margin}")
         if not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+            raise StoreError(f"sample_rate must be in (0, 1], got {sample_rate}")
         self.capacity = capacity
         self.bases = tuple(bases)
         self.real = ReuseAgedCache(capacity, 1.0)

@@ -8,7 +8,7 @@ from typing import Any
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.config import parse_size
 from vllm_pd.connector.transport.tls_stream import TlsSettings
-from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.errors import ConfigError
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

@@ -21,13 +21,15 @@ from collections.abc import Sequence
 import blake3
 import torch
 
+from vllm_pd.errors import StoreError
+
 CHECKSUM_BYTES = 16
 
 
 class SlotAllocator:
     def __init__(self, num_slots: int) -> None:
         if num_slots <= 0:
-            raise ValueError(f"num_slots must be > 0, got {num_slots}")
+            raise StoreError(f"num_slots must be > 0, got {num_slots}")
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self._used: set[int] = set()
@@ -47,7 +49,7 @@ class SlotAllocator:
     def free(self, slots: Sequence[int]) -> None:
         for s in slots:
             if s not in self._used:
-                raise ValueError(f"slot {s} is not allocated")
+                raise StoreError(f"slot {s} is not allocated")
             self._used.remove(s)
             self._free.append(s)
 
@@ -55,7 +57,7 @@ class SlotAllocator:
 class CpuBlockPool:
     def __init__(self, num_slots: int, num_layers: int, layer_block_nbytes: int) -> None:
         if num_slots <= 0 or num_layers <= 0 or layer_block_nbytes <= 0:
-            raise ValueError("num_slots, num_layers and layer_block_nbytes must be > 0")
+            raise StoreError("num_slots, num_layers and layer_block_nbytes must be > 0")
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.layer_block_nbytes = layer_block_nbytes

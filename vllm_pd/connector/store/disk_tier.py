@@ -31,6 +31,7 @@ from pathlib import Path
 from vllm_pd.connector.store.cpu_pool import CHECKSUM_BYTES, checksum
 from vllm_pd.connector.store.keys import KEY_BYTES, BlockKey
 from vllm_pd.vllm_logging import vllm_logger
+from vllm_pd.errors import ConfigError
 
 logger = vllm_logger(__name__)
 
@@ -87,7 +88,7 @@ class DiskTier:
         self, root: str | Path, salt_digest: BlockKey, rank: int, capacity_bytes: int, io_threads: int = 2
     ) -> None:
         if capacity_bytes <= 0:
-            raise ValueError(f"disk capacity must be > 0, got {capacity_bytes}")
+            raise ConfigError(f"disk capacity must be > 0, got {capacity_bytes}")
         self.dir = rank_dir(root, salt_digest, rank)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.salt = salt_digest

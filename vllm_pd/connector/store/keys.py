@@ -37,6 +37,8 @@ import blake3
 import msgspec
 import numpy as np
 
+from vllm_pd.errors import StoreError
+
 KEY_BYTES = 16  # 128 bits: collision odds ~2^-64 even at 2^32 stored blocks
 
 BlockKey = bytes  # KEY_BYTES long
@@ -62,11 +64,11 @@ class KeySalt:
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
-            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+            raise StoreError(f"block_size must be > 0, got {self.block_size}")
         if self.num_layers <= 0:
-            raise ValueError(f"num_layers must be > 0, got {self.num_layers}")
+            raise StoreError(f"num_layers must be > 0, got {self.num_layers}")
         if self.tp_size <= 0 or self.pp_size <= 0:
-            raise ValueError(f"tp_size/pp_size must be > 0, got {self.tp_size}/{self.pp_size}")
+            raise StoreError(f"tp_size/pp_size must be > 0, got {self.tp_size}/{self.pp_size}")
 
     def digest(self) -> BlockKey:
         """The chain's root: a fixed, field-named text encoding (no repr of floats/None)."""
@@ -81,9 +83,9 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as little-endian u32 bytes; ids outside [0, 2^32) are an error."""
     arr = np.asarray(token_ids, dtype=np.int64)
     if arr.ndim != 1:
-        raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
+        raise StoreError(f"token_ids must be 1-D, got shape {arr.shape}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
-        raise ValueError("token ids must be in [0, 2^32)")
+        raise StoreError("token ids must be in [0, 2^32)")
     return arr.astype("<u4").tobytes()
 
 
@@ -172,7 +174,7 @@ def chain_keys(
     if max_blocks is not None:
         n = min(n, max_blocks)
     if extra_keys is not None and len(extra_keys) < n:
-        raise ValueError(f"extra keys for {len(extra_keys)} blocks, {n} blocks to hash")
+        raise StoreError(f"extra keys for {len(extra_keys)} blocks, {n} blocks to hash")
     prev = salt.digest() if parent is None else parent
     keys: list[BlockKey] = []
     hasher = blake3.blake3

@@ -20,7 +20,7 @@ import msgspec
 import zmq
 
 from vllm_pd.connector.auth_protocol import REFUSED, DeploymentSecret
-from vllm_pd.connector.exceptions import AuthFailed
+from vllm_pd.errors import AuthFailed
 from vllm_pd.connector.store.keys import BlockKey, KeySalt
 from vllm_pd.connector.store.master import Holders, Lookup, Nodes, Publish, Reply, Request, Stats
 from vllm_pd.connector.store.master import NodeInfo as NodeInfo  # re-exported: what nodes() answers, for the proxy

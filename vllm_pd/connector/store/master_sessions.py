@@ -28,7 +28,7 @@ from vllm_pd.connector.auth_protocol import (
     Service,
     is_handshake_hello,
 )
-from vllm_pd.connector.exceptions import AuthFailed
+from vllm_pd.errors import AuthFailed
 from vllm_pd.vllm_logging import vllm_logger
 
 _V = TypeVar("_V")

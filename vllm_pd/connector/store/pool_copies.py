@@ -35,6 +35,7 @@ from vllm_pd.connector.block_copies import BlockCopies, byte_blocks
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent, KVDevice
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.transport.base import MemoryRegion
+from vllm_pd.errors import StoreError
 
 
 class PoolCopies(abc.ABC):
@@ -94,7 +95,7 @@ class StreamPoolCopies(PoolCopies):
                  bounce_rows: int) -> None:
         super().__init__(pool, regions, device)
         if bounce_rows < 1:
-            raise ValueError(f"bounce_rows must be >= 1, got {bounce_rows}")
+            raise StoreError(f"bounce_rows must be >= 1, got {bounce_rows}")
         # saves and loads on streams of their own: a load (on the forward's path) never
         # queues behind a large save
         self._save_copies = BlockCopies(self.regions, device)

@@ -46,7 +46,7 @@ from concurrent.futures import Future
 import msgspec
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.exceptions import TransportError
+from vllm_pd.errors import TransportError
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.keys import BlockKey

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_pd.connector.store.keys import BlockKey
+from vllm_pd.errors import StoreError
 
 
 class RadixNode:
@@ -150,7 +151,7 @@ class RadixIndex:
         if node is None:
             raise KeyError(key)
         if node.children or node.pins:
-            raise ValueError(f"block {key!r} is not an unpinned leaf")
+            raise StoreError(f"block {key!r} is not an unpinned leaf")
         return self._detach(node)
 
     def remove_subtree(self, key: BlockKey) -> list[RadixNode]:

@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Hashable
 
+from vllm_pd.errors import StoreError
+
 Key = Hashable
 Evictable = Callable[[Key], bool]
 OnEvict = Callable[[Key], None] | None
@@ -33,7 +35,7 @@ class LruCache:
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
-            raise ValueError(f"capacity must be > 0, got {capacity}")
+            raise StoreError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
         self._order: OrderedDict[Key, None] = OrderedDict()
 
@@ -91,7 +93,7 @@ class ReuseAgedCache:
 
     def __init__(self, capacity: int, base: float = 1.0) -> None:
         if capacity <= 0:
-            raise ValueError(f"capacity must be > 0, got {capacity}")
+            raise StoreError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
         self.base = 1.0
         self._weights: tuple[float, ...] = ()
@@ -105,7 +107,7 @@ class ReuseAgedCache:
 
     def set_base(self, base: float) -> None:
         if not 0.0 < base <= 1.0:
-            raise ValueError(f"base must be in (0, 1], got {base}")
+            raise StoreError(f"base must be in (0, 1], got {base}")
         self.base = base
         self._weights = tuple(base ** i for i in range(MAX_LEVEL + 1))
 

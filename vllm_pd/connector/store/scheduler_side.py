@@ -34,6 +34,7 @@ from vllm_pd.connector.store.radix import Pin
 from vllm_pd.connector.store.request_keys import RequestKeys
 from vllm_pd.connector.transfer_params import StoreFetch
 from vllm_pd.vllm_logging import vllm_logger
+from vllm_pd.errors import StoreError
 
 logger = vllm_logger(__name__)
 
@@ -155,10 +156,10 @@ class StoreScheduler:
         as for a save (two-phase put), the worker fetches and verifies them,
         and reports them as saved; they commit like any other put."""
         if start_token % self.block_size or num_tokens % self.block_size:
-            raise ValueError("start_token and num_tokens must be multiples of the block size")
+            raise StoreError("start_token and num_tokens must be multiples of the block size")
         first, n = start_token // self.block_size, num_tokens // self.block_size
         if len(block_ids) != n:
-            raise ValueError(f"{n} blocks to load but {len(block_ids)} block ids")
+            raise StoreError(f"{n} blocks to load but {len(block_ids)} block ids")
         keys = self.block_keys(token_ids, max_blocks=first + n, request_id=request_id, extra_keys=extra_keys)
         scope = self.scope(extra_keys)
         local_end = self._in_scope(keys, first, max(first, self.index.longest_prefix(keys)), scope)

@@ -19,6 +19,8 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from vllm_pd.errors import StoreError
+
 
 @dataclass(frozen=True)
 class TraceConfig:
@@ -39,9 +41,9 @@ class TraceConfig:
 
     def __post_init__(self) -> None:
         if self.conversations <= 0 or self.arrival_rate <= 0 or self.mean_turns < 2:
-            raise ValueError("conversations, arrival_rate must be > 0 and mean_turns >= 2")
+            raise StoreError("conversations, arrival_rate must be > 0 and mean_turns >= 2")
         if not 0.0 <= self.single_turn_fraction <= 1.0:
-            raise ValueError("single_turn_fraction must be in [0, 1]")
+            raise StoreError("single_turn_fraction must be in [0, 1]")
 
 
 @dataclass(frozen=True)

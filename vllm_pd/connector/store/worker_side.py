@@ -45,6 +45,7 @@ from vllm_pd.connector.store.pool_copies import PoolCopies, pool_copies
 from vllm_pd.connector.store.pool_exchange import PeerFetch, PoolExchange, SlotDirectory
 from vllm_pd.connector.transport.base import MemoryRegion
 from vllm_pd.vllm_logging import vllm_logger
+from vllm_pd.errors import StoreError
 
 logger = vllm_logger(__name__)
 
@@ -67,18 +68,18 @@ class StoreWorker:
         self.config = config
         self.rank = rank
         if len(kv_caches) != salt.num_layers:
-            raise ValueError(f"salt says {salt.num_layers} layers, got {len(kv_caches)} KV caches")
+            raise StoreError(f"salt says {salt.num_layers} layers, got {len(kv_caches)} KV caches")
         dims = list(block_dims) if block_dims is not None else [0] * len(kv_caches)
         if len(dims) != len(kv_caches):
-            raise ValueError(f"{len(dims)} block dimensions for {len(kv_caches)} KV cache layers")
+            raise StoreError(f"{len(dims)} block dimensions for {len(kv_caches)} KV cache layers")
         self.regions = [MemoryRegion(f"store-kv-{i}", t, d) for i, (t, d) in enumerate(zip(kv_caches, dims))]
         nbytes = {r.block_nbytes for r in self.regions}
         if len(nbytes) != 1:
-            raise ValueError(f"layers have different block sizes in bytes: {sorted(nbytes)}")
+            raise StoreError(f"layers have different block sizes in bytes: {sorted(nbytes)}")
         self.device = device or kv_device_for(kv_caches)
         on_host = all(t.device.type == "cpu" for t in kv_caches)
         if self.device.host_accessible and not on_host:
-            raise ValueError(f"store: KV cache on {kv_caches[0].device} but given the host device "
+            raise StoreError(f"store: KV cache on {kv_caches[0].device} but given the host device "
                              f"{type(self.device).__name__}")
         layer_nbytes = nbytes.pop()
         slot_nbytes = layer_nbytes * len(kv_caches)

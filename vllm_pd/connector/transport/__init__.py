@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.errors import ConfigError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink, MemoryRegion, Transport
 
 TRANSPORT_NAMES = ("tcp", "shm", "nixl")

@@ -25,7 +25,7 @@ block it sends, a fetch a :class:`FetchSpans` (one source range and destination 
 block id, ids repeating).
 
 Every completion is a :class:`concurrent.futures.Future` resolving to ``None`` or
-failing with a :class:`~vllm_pd.connector.exceptions.TransportError`. Each block
+failing with a :class:`~vllm_pd.errors.TransportError`. Each block
 travels with its length and a checksum; the receiving side verifies both before
 reporting success, so a corrupt or truncated block is a failed future, never
 silently wrong KV.

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_pd.connector.exceptions import TransferCorrupted
+from vllm_pd.errors import ConfigError, TransferCorrupted
 
 DIGEST_NBYTES = 8
 # Buffers accepted by the copy/update methods: memoryviews or uint8 numpy arrays, C-contiguous.
@@ -72,18 +72,18 @@ class Checksum(IntEnum):
         try:
             checksum = cls[name.upper()]
         except KeyError:
-            raise ValueError(
+            raise ConfigError(
                 f"checksum: unknown value {name!r} (one of: {', '.join(c.name.lower() for c in cls)})"
             ) from None
         if checksum is Checksum.BLAKE3_KEYED:
-            raise ValueError("checksum: 'blake3_keyed' is not configured: a deployment secret (VLLM_PD_SECRET "
-                             "or secret_file) makes every connection without TLS use it")
+            raise ConfigError("checksum: 'blake3_keyed' is not configured: a deployment secret (VLLM_PD_SECRET "
+                              "or secret_file) makes every connection without TLS use it")
         if checksum is Checksum.CRC32C:
             try:
                 _native()
             except ImportError as e:
-                raise ValueError(f"checksum 'crc32c' needs the C++ extension: {e}; build it "
-                                 "(bash install.sh) or set checksum to 'blake3'") from None
+                raise ConfigError(f"checksum 'crc32c' needs the C++ extension: {e}; build it "
+                                  "(bash install.sh) or set checksum to 'blake3'") from None
         return checksum
 
     def running(self) -> RunningDigest:

@@ -38,7 +38,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
+from vllm_pd.errors import PeerClosed, TransferCorrupted
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

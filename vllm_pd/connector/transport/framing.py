@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from vllm_pd.connector.auth_protocol import HANDSHAKE_MAGIC, TAG_NBYTES, StreamSeal
-from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
+from vllm_pd.errors import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES as DIGEST_NBYTES  # re-exported: the frame format
 from vllm_pd.connector.transport.checksum import Checksum as Checksum
 

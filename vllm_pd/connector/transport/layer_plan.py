@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from vllm_pd.connector.exceptions import TransferCorrupted
+from vllm_pd.errors import TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, Checksum
 from vllm_pd.connector.transport.cross_memory import address_of
 

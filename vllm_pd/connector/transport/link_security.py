@@ -29,7 +29,7 @@ from vllm_pd.connector.auth_protocol import (
     SessionKeys,
     describe_unauthenticated,
 )
-from vllm_pd.connector.exceptions import AuthFailed, PeerClosed
+from vllm_pd.errors import AuthFailed, PeerClosed
 from vllm_pd.connector.transport.framing import recv_exact
 from vllm_pd.connector.transport.tls_stream import TlsSettings, TlsSocket
 from vllm_pd.vllm_logging import vllm_logger

@@ -60,8 +60,10 @@ import msgspec
 import numpy as np
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.exceptions import (
+from vllm_pd.errors import (
+    ConfigError,
     PeerClosed,
+    ProtocolError,
     TransferCorrupted,
     TransferRejected,
     TransferTimeout,
@@ -216,7 +218,7 @@ class NixlChannel:
         pass  # nothing of a refused request is on the socket
 
     def on_credit(self, frame: Frame) -> None:
-        raise ValueError("CREDIT frame on a nixl connection")
+        raise ProtocolError("CREDIT frame on a nixl connection")
 
     def close(self) -> None:
         self._stop_pumping()
@@ -481,7 +483,7 @@ class NixlTransport(TcpTransport):
     def __init__(self, checksum: str = "crc32c", connect_timeout: float = 5.0, revoke_wait: float = 5.0,
                  target_progress: str = "auto", secret: DeploymentSecret | None = None) -> None:
         if target_progress not in TARGET_PROGRESS:
-            raise ValueError(f"target_progress: {target_progress!r} is not one of {list(TARGET_PROGRESS)}")
+            raise ConfigError(f"target_progress: {target_progress!r} is not one of {list(TARGET_PROGRESS)}")
         super().__init__(checksum=checksum, connect_timeout=connect_timeout, revoke_wait=revoke_wait,
                          secret=secret)
         self._side = NixlSide(target_progress, connect_timeout)
@@ -531,7 +533,7 @@ class NixlTransport(TcpTransport):
 
     def _dial_address(self, endpoint: str) -> tuple[int, Any]:
         if not endpoint.startswith("nixl://"):
-            raise ValueError(f"bad nixl endpoint {endpoint!r} (expected nixl://host:port)")
+            raise ConfigError(f"bad nixl endpoint {endpoint!r} (expected nixl://host:port)")
         return super()._dial_address(f"tcp://{endpoint.removeprefix('nixl://')}")
 
     def _new_channel(self) -> NixlChannel:

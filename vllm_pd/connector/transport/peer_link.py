@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd.connector.exceptions import (
+from vllm_pd.errors import (
     AuthFailed,
     PeerClosed,
     PeerUnreachable,

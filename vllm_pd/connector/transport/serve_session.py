@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vllm_pd.connector.exceptions import AuthFailed, PeerClosed, TransferCorrupted, TransportError
+from vllm_pd.errors import AuthFailed, PeerClosed, ProtocolError, TransferCorrupted, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES
 from vllm_pd.connector.transport.cross_memory import PeerMemory
@@ -268,7 +268,7 @@ class ServeSession:
             if frame.payload:  # parts of blocks: each within ours
                 views = self._parts(frame, views, nbytes)
             elif frame.block_nbytes != nbytes:
-                raise ValueError(f"block_nbytes {frame.block_nbytes} != local {nbytes} for layer {layer}")
+                raise ProtocolError(f"block_nbytes {frame.block_nbytes} != local {nbytes} for layer {layer}")
         except ValueError as e:
             self._ack(frame, Status.REJECTED, str(e))
             return
@@ -279,10 +279,10 @@ class ServeSession:
         try:
             offsets, lengths = decode_fetch_spans(frame.payload, frame.count)
         except TransferCorrupted as e:
-            raise ValueError(str(e)) from None
+            raise ProtocolError(str(e)) from None
         for o, n in zip(offsets, lengths, strict=True):
             if n <= 0 or o + n > block_nbytes:
-                raise ValueError(f"part [{o}, {o + n}) is not inside a block of {block_nbytes} bytes")
+                raise ProtocolError(f"part [{o}, {o + n}) is not inside a block of {block_nbytes} bytes")
         return [v[o:o + n] for v, o, n in zip(views, offsets, lengths, strict=True)]
 
     def _serve_fetch(self, frame: Frame, views: Sequence[memoryview]) -> None:

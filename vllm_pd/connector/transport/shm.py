@@ -49,7 +49,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vllm_pd.connector.exceptions import PeerClosed, TransferCorrupted
+from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
 from vllm_pd.connector.transport.cross_memory import (
     READER_GRANTS,
@@ -320,15 +320,15 @@ class ShmTransport(TcpTransport):
     def __init__(self, slots: int = 4, slot_nbytes: int = 4 << 20, cross_memory: bool = True,
                  **options: Any) -> None:
         if options.get("tls") is not None:
-            raise ValueError("tls: only the tcp transport encrypts (shm's bytes never leave the host)")
+            raise ConfigError("tls: only the tcp transport encrypts (shm's bytes never leave the host)")
         super().__init__(**options)
         # layer plans need a checksum (it catches a block that changed before its read) and
         # stores that reach other cores in program order
         self._cross_memory = bool(cross_memory) and self._checksum is not Checksum.NONE and ORDERED_STORES
         if slots < 2:
-            raise ValueError(f"slots must be >= 2 (pipelining), got {slots}")
+            raise ConfigError(f"slots must be >= 2 (pipelining), got {slots}")
         if slot_nbytes < 4096:
-            raise ValueError(f"slot_nbytes must be >= 4096, got {slot_nbytes}")
+            raise ConfigError(f"slot_nbytes must be >= 4096, got {slot_nbytes}")
         self._slots, self._slot_nbytes = slots, slot_nbytes
 
     def _listen(self, host: str, port: int) -> tuple[socket.socket, str]:
@@ -337,7 +337,7 @@ class ShmTransport(TcpTransport):
 
     def _dial_address(self, endpoint: str) -> tuple[int, Any]:
         if not endpoint.startswith("shm://"):
-            raise ValueError(f"bad shm endpoint {endpoint!r} (expected shm://host:port)")
+            raise ConfigError(f"bad shm endpoint {endpoint!r} (expected shm://host:port)")
         return super()._dial_address("tcp://" + endpoint.removeprefix("shm://"))
 
     def _new_channel(self) -> ShmChannel:

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.exceptions import AuthFailed, PeerClosed, TransferCorrupted, TransferRejected, TransportError
+from vllm_pd.errors import AuthFailed, ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransportError
 from vllm_pd.connector.transport.base import (
     BlockBatch,
     BlockSink,
@@ -115,7 +115,7 @@ class StreamTransport(Transport):
         self._data_checksum = (Checksum.BLAKE3_KEYED if self._security.seals and self.keyed_blocks
                                else self._checksum)
         if connect_timeout <= 0:
-            raise ValueError(f"connect_timeout must be > 0, got {connect_timeout}")
+            raise ConfigError(f"connect_timeout must be > 0, got {connect_timeout}")
         self._connect_timeout = connect_timeout
         self._revoke_wait = revoke_wait
         self._regions: RegisteredRegions | None = None

@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm_pd.connector.transport.stream import StreamTransport
 from vllm_pd.connector.transport.wire import BlockChannel, SocketChannel, configure_socket
+from vllm_pd.errors import ConfigError
 
 
 def parse_tcp_endpoint(endpoint: str) -> tuple[str, int]:
@@ -20,7 +21,7 @@ def parse_tcp_endpoint(endpoint: str) -> tuple[str, int]:
     rest = endpoint.removeprefix("tcp://")
     host, sep, port = rest.rpartition(":")
     if rest == endpoint or not sep or not host or not port.isdigit():
-        raise ValueError(f"bad tcp endpoint {endpoint!r} (expected tcp://host:port)")
+        raise ConfigError(f"bad tcp endpoint {endpoint!r} (expected tcp://host:port)")
     return host.strip("[]"), int(port)
 
 

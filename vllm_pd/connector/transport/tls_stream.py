@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_pd.connector.exceptions import ConfigError
+from vllm_pd.errors import ConfigError
 
 RAW_CHUNK = 256 << 10  # raw bytes read from the socket at a time
 WRITE_CHUNK = 1 << 20  # plaintext handed to OpenSSL at a time (its output is sent before the next)

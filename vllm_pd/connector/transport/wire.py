@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from vllm_pd.connector.auth_protocol import SessionKeys, StreamSeal
-from vllm_pd.connector.exceptions import TransferCorrupted
+from vllm_pd.errors import ProtocolError, TransferCorrupted
 from vllm_pd.connector.transport.checksum import BlockCheck
 from vllm_pd.connector.transport.cross_memory import PeerMemory
 from vllm_pd.connector.transport.framing import (
@@ -222,7 +222,7 @@ class SocketChannel:
         wire.reader.discard(frame.data_nbytes)
 
     def on_credit(self, frame: Frame) -> None:
-        raise ValueError("CREDIT frame on a socket channel")
+        raise ProtocolError("CREDIT frame on a socket channel")
 
     def close(self) -> None:
         pass

@@ -26,6 +26,8 @@ import time
 from collections import deque
 from typing import Callable, Protocol
 
+from vllm_pd.errors import RouterError
+
 HIGH_WATER = 256 * 1024  # buffered response bytes at which reading pauses (it resumes once all is read)
 
 Sink = Callable[[bytes], bool]  # takes a piece of the body; False: hold the body (the sink cannot go on now)
@@ -41,7 +43,7 @@ class BackendConnection(Protocol):
     def release(self, reuse: bool) -> None: ...  # the response is done with it: back to the pool, or closed
 
 
-class BackendError(Exception):
+class BackendError(RouterError):
     """A backend exchange failed (connection refused, reset, closed early, bad HTTP)."""
 
 

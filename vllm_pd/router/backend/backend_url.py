@@ -20,6 +20,8 @@ import socket
 from typing import Any, Union
 from urllib.parse import urlsplit
 
+from vllm_pd.errors import ConfigError
+
 Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 
@@ -34,13 +36,13 @@ _REFUSED: tuple[Network, ...] = tuple(ipaddress.ip_network(n) for n in (
 def parse_networks(values: Any, key: str) -> list[Network]:
     """CIDR strings to networks; ValueError naming ``key`` for anything else."""
     if not isinstance(values, list):
-        raise ValueError(f"{key}: expected a list of CIDR networks, got {values!r}")
+        raise ConfigError(f"{key}: expected a list of CIDR networks, got {values!r}")
     out = []
     for i, v in enumerate(values):
         try:
             out.append(ipaddress.ip_network(v, strict=False))
         except (TypeError, ValueError):
-            raise ValueError(f"{key}[{i}]: {v!r} is not a network such as 10.0.0.0/8 or fd00::/8") from None
+            raise ConfigError(f"{key}[{i}]: {v!r} is not a network such as 10.0.0.0/8 or fd00::/8") from None
     return out
 
 
@@ -67,15 +69,15 @@ class BackendAddressPolicy:
         parts = urlsplit(url)
         host = parts.hostname
         if not host:
-            raise ValueError(f"{key}: {url!r} names no host")
+            raise ConfigError(f"{key}: {url!r} names no host")
         try:
             addrs = await _addresses(host, parts.port or 0)
         except ValueError as e:
-            raise ValueError(f"{key}: {url!r}: {e}") from None
+            raise ConfigError(f"{key}: {url!r}: {e}") from None
         for addr in addrs:
             why = _refusal(addr, self._networks)
             if why is not None:
-                raise ValueError(f"{key}: {url!r}: {why}")
+                raise ConfigError(f"{key}: {url!r}: {why}")
 
 
 async def _addresses(host: str, port: int) -> set[Address]:
@@ -86,6 +88,6 @@ async def _addresses(host: str, port: int) -> set[Address]:
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
-        raise ValueError(f"cannot resolve {host!r}: {e}") from None
+        raise ConfigError(f"cannot resolve {host!r}: {e}") from None
     # sockaddr[0] is the address text; an IPv6 one may carry a "%zone" suffix
     return {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from vllm_pd.router.backend.backend_response import BackendConnectError, BackendError, BackendResponse
+from vllm_pd.errors import ConfigError
 
 # uvicorn (vLLM's server) closes idle keep-alive connections after 5 s: reusing one
 # later races with its close, so connections idle longer than this are dropped
@@ -47,7 +48,7 @@ def _origin(url: str) -> tuple[str, int, bytes, bool]:
     """(host, port, Host header, TLS) of an instance URL such as ``http://10.0.0.1:8000``."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"only http(s)://host[:port] backends are supported, got {url!r}")
+        raise ConfigError(f"only http(s)://host[:port] backends are supported, got {url!r}")
     tls = parts.scheme == "https"
     port = parts.port or (443 if tls else 80)
     return parts.hostname, port, parts.netloc.encode("latin-1"), tls

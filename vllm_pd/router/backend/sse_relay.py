@@ -15,6 +15,8 @@ import json
 
 import msgspec
 
+from vllm_pd.errors import ProtocolError
+
 DEFAULT_MAX_EVENT_BYTES = 4 * 1024 * 1024
 _DONE = b"[DONE]"
 _FIELDS = (b"event:", b"id:", b"retry:")
@@ -27,7 +29,7 @@ class _JsonObject(msgspec.Struct):
 _check_object = msgspec.json.Decoder(_JsonObject).decode
 
 
-class BadBackendStream(ValueError):
+class BadBackendStream(ProtocolError):
     """The backend's stream cannot be relayed as it is (``code`` says why; ``sample``: the start of the
     offending line, for the log - the client is not shown the backend's bytes)."""
 

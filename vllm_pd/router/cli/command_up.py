@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_pd.router.config import PREFILL_POLICIES, ProxyConfig
+from vllm_pd.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def check_vllm_args(vllm_args: list[str]) -> None:
     for arg in vllm_args:
         flag = arg.split("=", 1)[0]
         if flag in OWN_FLAGS:
-            raise ValueError(f"vllm-pd up sets {flag} for every server; use {OWN_FLAGS[flag]} instead")
+            raise ConfigError(f"vllm-pd up sets {flag} for every server; use {OWN_FLAGS[flag]} instead")
 
 
 def routing_settings(policy: str, model: str) -> dict[str, Any]:
@@ -83,22 +84,18 @@ def routing_settings(policy: str, model: str) -> dict[str, Any]:
     if policy != "kv_aware":
         return {"prefill_policy": policy, "decode_policy": ProxyConfig.decode_policy, "tokenizer": None}
     if not (Path(model) / "tokenizer.json").is_file():
-        raise ValueError(f"--policy kv_aware needs the model as a local folder with tokenizer.json, not {model!r}")
+        raise ConfigError(f"--policy kv_aware needs the model as a local folder with tokenizer.json, not {model!r}")
     return {"prefill_policy": policy, "decode_policy": "kv_aware", "tokenizer": model}
 
 
 def store_settings(size: str, connector: str) -> dict[str, Any]:
     """The servers' ``store`` config for ``--store SIZE`` (the master's address is added once it runs)."""
     from vllm_pd.connector.config import parse_size
-    from vllm_pd.connector.exceptions import ConfigError as ConnectorConfigError
 
     if connector == "none":
-        raise ValueError("--store needs the KV connector (not --connector none)")
-    try:
-        if parse_size("--store", size) <= 0:
-            raise ValueError(f"--store: must be > 0, got {size!r}")
-    except ConnectorConfigError as e:
-        raise ValueError(str(e)) from None
+        raise ConfigError("--store needs the KV connector (not --connector none)")
+    if parse_size("--store", size) <= 0:
+        raise ConfigError(f"--store: must be > 0, got {size!r}")
     return {"cpu_bytes": size}
 
 

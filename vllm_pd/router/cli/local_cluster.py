@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from vllm_pd import CONNECTOR_NAME
 from vllm_pd.router.config import InstanceConfig
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
+from vllm_pd.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +60,12 @@ def visible_gpus() -> list[str]:
 def gpu_bindings(n_servers: int, per_instance: int, gpus: list[str]) -> list[str | None]:
     """CUDA_VISIBLE_DEVICES of each server: ``per_instance`` GPUs of its own, in order; None when 0."""
     if per_instance < 0:
-        raise ValueError(f"gpus_per_instance must be >= 0, not {per_instance}")
+        raise ConfigError(f"gpus_per_instance must be >= 0, not {per_instance}")
     if per_instance == 0:
         return [None] * n_servers
     if n_servers * per_instance > len(gpus):
-        raise ValueError(f"gpus_per_instance={per_instance} for {n_servers} servers needs "
-                         f"{n_servers * per_instance} GPUs, {len(gpus)} visible ({','.join(gpus) or 'none'})")
+        raise ConfigError(f"gpus_per_instance={per_instance} for {n_servers} servers needs "
+                          f"{n_servers * per_instance} GPUs, {len(gpus)} visible ({','.join(gpus) or 'none'})")
     return [",".join(gpus[i * per_instance:(i + 1) * per_instance]) for i in range(n_servers)]
 
 

@@ -30,6 +30,7 @@ from vllm_pd.router.observability.leg_timings import FastHistogram, LegTimings
 from vllm_pd.router.observability.metrics import ProxyMetrics
 from vllm_pd.router.observability.tracing import RequestTrace
 from vllm_pd.router.pool.instance_pool import Instance, InstancePool, InFlightLeg
+from vllm_pd.errors import RouterError
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ TPOT_WINDOW = 16  # stream events per live TPOT sample
 _DONE = b"data: [DONE]\n\n"
 
 
-class DecodeFailed(Exception):
+class DecodeFailed(RouterError):
     """Decode failed before any byte reached the client; ``sent`` = decode saw the request."""
 
     def __init__(self, message: str, sent: bool, kind: str) -> None:

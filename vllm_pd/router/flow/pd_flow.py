@@ -57,6 +57,7 @@ from vllm_pd.router.pool.partition_watch import InstanceUnreachable, PartitionWa
 from vllm_pd.router.request.request_body import ParsedRequest, decode_body, encode_body, prefill_body
 from vllm_pd.router.routing.kv_locations import KvLocations
 from vllm_pd.router.routing.policies import Policy, held_tokens
+from vllm_pd.errors import RouterError
 
 logger = logging.getLogger(__name__)
 
@@ -537,7 +538,7 @@ class PDFlow:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
 
-class _LegError(Exception):
+class _LegError(RouterError):
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
         self.kind = kind

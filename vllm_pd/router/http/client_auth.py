@@ -15,6 +15,7 @@ import hmac
 from vllm_pd.router.http.errors import ProxyError
 from vllm_pd.router.http.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.http.http_server import Handler
+from vllm_pd.errors import ConfigError
 
 GUARDED_PREFIX = "/v1"
 
@@ -22,7 +23,7 @@ GUARDED_PREFIX = "/v1"
 def check_api_key(key: str | None, name: str) -> None:
     """Raises ValueError naming ``name`` for a key no HTTP header can carry."""
     if key is not None and (not key or not key.isascii() or not key.isprintable() or " " in key):
-        raise ValueError(f"{name}: must be a non-empty string of printable ASCII without spaces")
+        raise ConfigError(f"{name}: must be a non-empty string of printable ASCII without spaces")
 
 
 def bearer(key: str) -> str:

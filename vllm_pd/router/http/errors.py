@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from vllm_pd.errors import RouterError
+
 
 @dataclass
-class ProxyError(Exception):
+class ProxyError(RouterError):
     status: int
     message: str
     type: str = "invalid_request_error"

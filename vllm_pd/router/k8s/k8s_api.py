@@ -22,11 +22,12 @@ import httpx
 import msgspec
 
 from vllm_pd.router.k8s.k8s_pods import Pod, PodList, Status, WatchEvent
+from vllm_pd.errors import RouterError
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
-class ApiError(Exception):
+class ApiError(RouterError):
     """The API server answered with an error, or could not be reached."""
 
 

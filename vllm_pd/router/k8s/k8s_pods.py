@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from vllm_pd.errors import ConfigError
+
 ANNOTATION_HTTP_PORT = "vllm-pd/http-port"
 ANNOTATION_KV_ENDPOINT = "vllm-pd/kv-endpoint"
 ANNOTATION_KV_PORT = "vllm-pd/kv-port"
@@ -97,7 +99,7 @@ class PodTarget:
     kv_endpoint: str | None
 
 
-class PodConfigError(ValueError):
+class PodConfigError(ConfigError):
     """A pod's annotations or ports do not say how to reach it; the message names the annotation."""
 
 

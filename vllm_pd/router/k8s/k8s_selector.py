@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from vllm_pd.errors import ConfigError
+
 # a label key: optional DNS-subdomain prefix and "/", then a name of at most 63 characters
 _KEY = r"(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
@@ -36,7 +38,7 @@ class Requirement:
 def parse_selector(text: str) -> list[Requirement]:
     """The requirements of ``text`` (all must hold); ValueError says which part is wrong."""
     if not text.strip():
-        raise ValueError("empty label selector (it would select every pod)")
+        raise ConfigError("empty label selector (it would select every pod)")
     return [_requirement(part) for part in _split(text)]
 
 
@@ -61,5 +63,5 @@ def _requirement(part: str) -> Requirement:
             return Requirement(m[1], m[2], frozenset(v[1] for v in values if v))
     elif m := _EXISTS.fullmatch(part):
         return Requirement(m[2], "!exists" if m[1] else "exists")
-    raise ValueError(f"{part.strip()!r} is not a label requirement (key=value, key!=value, key in (a,b), "
-                     "key notin (a,b), key or !key)")
+    raise ConfigError(f"{part.strip()!r} is not a label requirement (key=value, key!=value, key in (a,b), "
+                      "key notin (a,b), key or !key)")

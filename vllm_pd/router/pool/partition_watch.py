@@ -25,13 +25,14 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from vllm_pd.router.backend.backend_response import BackendResponse, BackendUnreachable
+from vllm_pd.errors import RouterError
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class InstanceUnreachable(Exception):
+class InstanceUnreachable(RouterError):
     """The instance was found unreachable while this leg waited on it."""
 
 

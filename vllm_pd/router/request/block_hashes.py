@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, BlockExtraKeys, RequestExtraKeys
+from vllm_pd.errors import ConfigError
 
 HASH_ALGOS = ("sha256", "sha256_cbor")
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vllm.v1.core.kv_cache_utils.DEFAULT_NONE_HASH_SEED
@@ -53,7 +54,7 @@ class VllmBlockHasher:
 
     def __init__(self, algo: str = "sha256", seed: str | None = None) -> None:
         if algo not in HASH_ALGOS:
-            raise ValueError(f"kv_hash_algo: {algo!r} is not one of {HASH_ALGOS}")
+            raise ConfigError(f"kv_hash_algo: {algo!r} is not one of {HASH_ALGOS}")
         self.algo = algo
         self._fn: Callable[[Any], bytes] = _sha256_pickle if algo == "sha256" else _sha256_cbor
         self.seed = seed if seed is not None else os.environ.get("PYTHONHASHSEED", VLLM_DEFAULT_SEED)

@@ -24,6 +24,7 @@ from typing import Any
 from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, RequestExtraKeys
 from vllm_pd.router.request.block_hashes import PromptBlocks, VllmBlockHasher
 from vllm_pd.router.request.request_body import CHAT, ParsedRequest
+from vllm_pd.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class PromptTokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise ValueError(f"tokenizer: {path} does not exist")
+            raise ConfigError(f"tokenizer: {path} does not exist")
         self._tok = Tokenizer.from_file(str(path))
         self.hasher = hasher
         self._template: ChatTemplate | None = None

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Protocol
 
 from vllm_pd.router.pool.instance_pool import Instance
+from vllm_pd.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm_pd.router.request.request_body import ParsedRequest
@@ -160,7 +161,7 @@ class KvAware:
 def make_policy(name: str, locations: "KvLocations | None" = None, load_weight: float = 1.0) -> Policy:
     if name == "kv_aware":
         if locations is None:
-            raise ValueError("kv_aware needs a KV location index (the proxy's tokenizer and kv_events)")
+            raise ConfigError("kv_aware needs a KV location index (the proxy's tokenizer and kv_events)")
         return KvAware(locations, load_weight)
     policies: dict[str, type[Policy]] = {"round_robin": RoundRobin, "least_outstanding": LeastOutstanding,
                                          "power_of_two": PowerOfTwo, "prefix_aware": PrefixAware}
