@@ -163,10 +163,16 @@ def circles(graph: dict[str, dict[str, set[str]]], kinds: set[str]) -> list[list
             if len(component) > 1:
                 out.append(sorted(component))
 
-    sys.setrecursionlimit(10000)
-    for v in sorted(graph):
-        if v not in index:
-            strongconnect(v)
+    # restored after: the test suite imports this module, and a raised limit leaks into later tests
+    # (the proxy's "request body nests too deep" 400 depends on the interpreter's default limit)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10000))
+    try:
+        for v in sorted(graph):
+            if v not in index:
+                strongconnect(v)
+    finally:
+        sys.setrecursionlimit(limit)
     return sorted(out)
 
 
