@@ -14,7 +14,7 @@ Cases (each a fresh P/D pair, prefill on core 0, decode on core 1; TP 2 instance
 * ``p1-d2`` beside ``p2-d2``: decode TP 2 from a prefill of TP 1 (each rank takes a window
   of prefill's blocks) and of TP 2.
 
-Per request (unique prompts of ``--length`` tokens, 1 output token on prefill, 8 on decode):
+Per request (unique prompts of ``--length`` tokens, 1 output token on each leg):
 the KV prefill holds for decode (vLLM's KV cache usage while held x the KV cache's bytes), the
 bytes decode loaded (``vllm:pd_loaded_bytes_total``), and the decode leg's time to its first
 token (decode's load + first step; the prefill leg is not in it). Medians.
@@ -39,7 +39,6 @@ from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
 KV_CACHE_BYTES = 256 << 20
 WINDOW = 128
-OUTPUT_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,9 @@ def run_case(case: Case, requests: int, length: int, log_dir: Path, client: http
             d = client.post(decode.url + "/v1/completions", timeout=300,
                             json=dict(body, max_tokens=1, kv_transfer_params=p["kv_transfer_params"]))
             ttft = time.perf_counter() - t0
-            assert d.status_code == 200, d.text[:300]
+            if d.status_code != 200:
+                raise RuntimeError(f"{case.name}: decode answered HTTP {d.status_code}: {d.text[:300]} "
+                                   f"(logs in {log_dir})")
             if i:
                 figures.held_bytes.append(held)
                 figures.loaded_bytes.append(metric(client, decode.url, "vllm:pd_loaded_bytes_total") - loaded)
@@ -136,10 +137,11 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=1500)
     args = parser.parse_args()
     results: dict[str, Figures] = {}
-    with httpx.Client() as client, tempfile.TemporaryDirectory(prefix="kv-shapes-") as tmp:
+    log_dir = Path(tempfile.mkdtemp(prefix="kv-shapes-"))  # kept: the servers' logs, where a case fails
+    with httpx.Client() as client:
         for name in args.cases:
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            results[name] = run_case(CASES[name], args.requests, args.length, Path(tmp), client)
+            print(f"running {name} (logs in {log_dir}) ...", file=sys.stderr, flush=True)
+            results[name] = run_case(CASES[name], args.requests, args.length, log_dir, client)
     print(f"\n{args.length}-token prompts, {args.requests} requests per case, medians\n")
     print("| case | KV held by prefill | bytes loaded by decode | decode leg TTFT |")
     print("|---|---|---|---|")
