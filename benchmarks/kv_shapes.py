@@ -14,7 +14,7 @@ Cases (each a fresh P/D pair, prefill on core 0, decode on core 1; TP 2 instance
 * ``p1-d2`` beside ``p2-d2``: decode TP 2 from a prefill of TP 1 (each rank takes a window
   of prefill's blocks) and of TP 2.
 
-Per request (unique prompts of ``--length`` tokens, 1 output token on prefill, 8 on decode):
+Per request (unique prompts of ``--length`` tokens, 1 output token on each leg):
 the KV prefill holds for decode (vLLM's KV cache usage while held x the KV cache's bytes), the
 bytes decode loaded (``vllm:pd_loaded_bytes_total``), and the decode leg's time to its first
 token (decode's load + first step; the prefill leg is not in it). Medians.
@@ -39,7 +39,6 @@ from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
 KV_CACHE_BYTES = 256 << 20
 WINDOW = 128
-OUTPUT_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -71,11 +70,13 @@ class Figures:
     held_bytes: list[float] = field(default_factory=list)
     loaded_bytes: list[float] = field(default_factory=list)
     decode_ttft_s: list[float] = field(default_factory=list)
+    failed_loads: int = 0  # decode's loads that failed (then recomputed): their TTFT includes the recompute
 
 
 def server_spec(model: Path, tp: int, core: str, role: str, extra: tuple[str, ...]) -> VllmServerSpec:
     kv_port = free_port()
     ktc = {"kv_connector": "PDConnector", "kv_role": role, "kv_port": kv_port,
+           "kv_load_failure_policy": "recompute",  # a failed load is counted (loads failed), not an HTTP 500
            "kv_connector_extra_config": {"transport": "tcp", "host": "127.0.0.1", "lease_s": 60.0}}
     spec = VllmServerSpec(model=str(model), port=free_port(), kv_transfer_config=ktc,
                           cpu_cores="0|1" if tp == 2 else core, max_model_len=2048, served_model_name="bench",
@@ -86,10 +87,12 @@ def server_spec(model: Path, tp: int, core: str, role: str, extra: tuple[str, ..
     return spec
 
 
-def metric(client: httpx.Client, url: str, name: str) -> float:
+def metric(client: httpx.Client, url: str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples (with ``labels``) on a vLLM server."""
     total = 0.0
     for line in client.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name) and not line.startswith("#") and line.split("{", 1)[0].split(" ")[0] == name:
+        if line.startswith(name) and not line.startswith("#") and line.split("{", 1)[0].split(" ")[0] == name \
+                and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rpartition(" ")[2])
     return total
 
@@ -106,6 +109,7 @@ def run_case(case: Case, requests: int, length: int, log_dir: Path, client: http
         for s in servers:
             s.wait_healthy(timeout=900)
         prefill, decode = servers
+        failed_before = 0.0
         for i in range(requests + 1):  # the first warms both up and is not counted
             prompt = [rng.randrange(5, 4000) for _ in range(length)]
             body = {"model": "bench", "prompt": prompt, "temperature": 0}
@@ -118,11 +122,16 @@ def run_case(case: Case, requests: int, length: int, log_dir: Path, client: http
             d = client.post(decode.url + "/v1/completions", timeout=300,
                             json=dict(body, max_tokens=1, kv_transfer_params=p["kv_transfer_params"]))
             ttft = time.perf_counter() - t0
-            assert d.status_code == 200, d.text[:300]
-            if i:
+            if d.status_code != 200:
+                raise RuntimeError(f"{case.name}: decode answered HTTP {d.status_code}: {d.text[:300]} "
+                                   f"(logs in {log_dir})")
+            if not i:
+                failed_before = metric(client, decode.url, "vllm:pd_loads_total", result="failed")
+            else:
                 figures.held_bytes.append(held)
                 figures.loaded_bytes.append(metric(client, decode.url, "vllm:pd_loaded_bytes_total") - loaded)
                 figures.decode_ttft_s.append(ttft)
+        figures.failed_loads = int(metric(client, decode.url, "vllm:pd_loads_total", result="failed") - failed_before)
     finally:
         for s in servers:
             s.stop()
@@ -136,13 +145,16 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=1500)
     args = parser.parse_args()
     results: dict[str, Figures] = {}
-    with httpx.Client() as client, tempfile.TemporaryDirectory(prefix="kv-shapes-") as tmp:
+    log_dir = Path(tempfile.mkdtemp(prefix="kv-shapes-"))  # kept: the servers' logs, where a case fails
+    with httpx.Client() as client:
         for name in args.cases:
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            results[name] = run_case(CASES[name], args.requests, args.length, Path(tmp), client)
+            print(f"running {name} (logs in {log_dir}) ...", file=sys.stderr, flush=True)
+            results[name] = f = run_case(CASES[name], args.requests, args.length, log_dir, client)
+            print(f"  {name}: held {f.held_bytes}, loaded {f.loaded_bytes}, decode TTFT {f.decode_ttft_s}, "
+                  f"failed loads {f.failed_loads}", file=sys.stderr, flush=True)
     print(f"\n{args.length}-token prompts, {args.requests} requests per case, medians\n")
-    print("| case | KV held by prefill | bytes loaded by decode | decode leg TTFT |")
-    print("|---|---|---|---|")
+    print("| case | KV held by prefill | bytes loaded by decode | decode leg TTFT | failed loads |")
+    print("|---|---|---|---|---|")
     for name, f in results.items():
         peer = CASES[name].peer_of
         ratio = ""
@@ -151,7 +163,7 @@ def main() -> int:
             ratio = f" ({statistics.median(f.loaded_bytes) / peer_bytes:.2f}x {peer})"
         print(f"| {name} | {statistics.median(f.held_bytes) / 2**20:.2f} MiB | "
               f"{statistics.median(f.loaded_bytes) / 2**20:.2f} MiB{ratio} | "
-              f"{statistics.median(f.decode_ttft_s) * 1e3:.0f} ms |")
+              f"{statistics.median(f.decode_ttft_s) * 1e3:.0f} ms | {f.failed_loads} |")
     return 0
 
 

@@ -9,6 +9,7 @@ afterwards neither side holds a single KV block.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import httpx
 import pytest
@@ -48,6 +49,46 @@ def assert_nothing_held(client: httpx.Client, instances: list[ec.Instance]) -> N
             timeout=60,  # aborted requests finish their step first; a loaded 2-core CI is slow
         ), (f"{inst.url} still holds KV: usage={ec.metric(client, inst.url, 'vllm:kv_cache_usage_perc')} "
             f"held={ec.metric(client, inst.url, 'vllm:pd_held_transfers')}")
+
+
+def assert_prefill_served(client: httpx.Client, prefill: ec.Instance, decode: ec.Instance, keys: Sequence[str],
+                          mode: str, reference: dict[str, list[int]], sources: Sequence[str] = (),
+                          held: Sequence[ec.Instance] = ()) -> None:
+    """``decode`` answers the prompts ``keys`` (of CONNECTOR_CASES) from ``prefill``'s KV, sent in ``mode``
+    (ec.disagg): each answer == ``reference`` (a plain instance's greedy tokens); decode computes only the
+    prompt's last token (the rest transferred, or found in decode's own prefix cache where an earlier test
+    sent the prompt) and most prompts' KV was transferred; decode counts its loads ok and blocks and bytes
+    loaded from ``sources`` (default: fetch for pull modes, else push); no shape is refused; and afterwards
+    none of ``held`` (default: the pair) holds KV."""
+    sources = tuple(sources) or (("fetch",) if mode.startswith("pull") else ("push",))
+    ok_before = ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok")
+    refused_before = ec.metric(client, decode.url, "vllm:pd_shape_refused_total")
+    bytes_before = ec.metric(client, decode.url, "vllm:pd_loaded_bytes_total")
+    blocks_before = loaded_blocks(client, decode, sources)
+    mismatches, transferred = [], 0
+    for key in keys:
+        before = prompt_sources(client, decode)
+        _, d = ec.disagg(client, prefill, decode, CONNECTOR_CASES[key], mode)
+        ext, local, hit = (a - b for a, b in zip(prompt_sources(client, decode), before))
+        if ec.output_tokens(d) != reference[key]:
+            mismatches.append(key)
+        prompt_tokens = d["usage"]["prompt_tokens"]
+        # decode computes the last prompt token only (beside a layer-wise load)
+        assert local == 1, f"{key} {mode}: decode computed {local} of {prompt_tokens} prompt tokens"
+        assert ext > 0 or hit == prompt_tokens - 1, f"{key}: nothing was transferred ({hit} cached here)"
+        transferred += ext > 0
+    assert not mismatches, f"{prefill.url} -> {decode.url} {mode}: outputs differ from the plain one for {mismatches}"
+    assert transferred >= len(keys) // 2
+    assert ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok") - ok_before >= transferred
+    assert loaded_blocks(client, decode, sources) > blocks_before
+    assert ec.metric(client, decode.url, "vllm:pd_loaded_bytes_total") > bytes_before
+    assert ec.metric(client, decode.url, "vllm:pd_shape_refused_total") == refused_before
+    assert_nothing_held(client, list(held) or [prefill, decode])
+
+
+def loaded_blocks(client: httpx.Client, decode: ec.Instance, sources: Sequence[str]) -> float:
+    """Blocks ``decode`` loaded by any of ``sources`` (fetch, push)."""
+    return sum(ec.metric(client, decode.url, "vllm:pd_loaded_blocks_total", source=s) for s in sources)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push", "push-beside", "pull-beside"])

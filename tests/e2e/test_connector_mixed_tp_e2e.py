@@ -17,7 +17,7 @@ import pytest
 
 from tests.support import e2e_cluster as ec
 from tests.support.prompt_catalogue import CONNECTOR_CASES
-from tests.e2e.test_connector_e2e import assert_nothing_held, prompt_sources
+from tests.e2e.test_connector_e2e import assert_prefill_served
 from tests.e2e.test_connector_tp_e2e import tp_spec
 
 pytestmark = pytest.mark.e2e
@@ -72,28 +72,5 @@ def mixed_pair(plain_by_tp, small_model_dir: Path, tmp_path_factory: pytest.Temp
 def test_other_tp_takes_its_heads(tps: tuple[int, int], mode: str, sources: tuple[str, ...], mixed_pair,
                                   plain_by_tp, client) -> None:
     prefill, decode = mixed_pair[tps[0]], mixed_pair[tps[1]]
-    ok_before = ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok")
-    bytes_before = ec.metric(client, decode.url, "vllm:pd_loaded_bytes_total")
-    blocks_before = _loaded_blocks(client, decode, sources)
-    mismatches, transferred = [], 0
-    for key in KEYS:
-        before = prompt_sources(client, decode)
-        _, d = ec.disagg(client, prefill, decode, CONNECTOR_CASES[key], mode)
-        ext, local, hit = (a - b for a, b in zip(prompt_sources(client, decode), before))
-        if ec.output_tokens(d) != plain_by_tp[tps[1]][key]:
-            mismatches.append(key)
-        prompt_tokens = d["usage"]["prompt_tokens"]
-        assert local == 1, f"{key} {tps}: decode computed {local} of {prompt_tokens} prompt tokens"
-        assert ext > 0 or hit == prompt_tokens - 1, f"{key}: nothing was transferred ({hit} cached here)"
-        transferred += ext > 0
-    assert not mismatches, f"TP {tps} {mode}: outputs differ from the plain TP {tps[1]} instance for {mismatches}"
-    assert transferred >= len(KEYS) // 2
-    assert ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok") - ok_before >= transferred
-    assert _loaded_blocks(client, decode, sources) > blocks_before
-    assert ec.metric(client, decode.url, "vllm:pd_loaded_bytes_total") > bytes_before
+    assert_prefill_served(client, prefill, decode, KEYS, mode, plain_by_tp[tps[1]], sources)
     assert ec.metric(client, decode.url, "vllm:pd_shape_refused_total") == 0
-    assert_nothing_held(client, list(mixed_pair.values()))
-
-
-def _loaded_blocks(client: httpx.Client, decode: ec.Instance, sources: tuple[str, ...]) -> float:
-    return sum(ec.metric(client, decode.url, "vllm:pd_loaded_blocks_total", source=s) for s in sources)

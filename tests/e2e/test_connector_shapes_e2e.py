@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from tests.support import e2e_cluster as ec
-from tests.support.prompt_catalogue import CONNECTOR_CASES
-from tests.e2e.test_connector_e2e import assert_nothing_held, prompt_sources
+from tests.e2e.test_connector_e2e import assert_prefill_served
 
 pytestmark = pytest.mark.e2e
 
@@ -50,26 +49,4 @@ def block_pair(reference_outputs: dict[str, list[int]], small_model_dir: Path,
 def test_other_block_size_is_recut_not_recomputed(sizes: tuple[int, int], mode: str, block_pair,
                                                    reference_outputs, client) -> None:
     prefill, decode = block_pair[sizes[0]], block_pair[sizes[1]]
-    source = "fetch" if mode == "pull" else "push"
-    ok_before = ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok")
-    refused_before = ec.metric(client, decode.url, "vllm:pd_shape_refused_total")
-    blocks_before = ec.metric(client, decode.url, "vllm:pd_loaded_blocks_total", source=source)
-    mismatches, transferred = [], 0
-    for key in KEYS:
-        before = prompt_sources(client, decode)
-        _, d = ec.disagg(client, prefill, decode, CONNECTOR_CASES[key], mode)
-        ext, local, hit = (a - b for a, b in zip(prompt_sources(client, decode), before))
-        if ec.output_tokens(d) != reference_outputs[key]:
-            mismatches.append(key)
-        prompt_tokens = d["usage"]["prompt_tokens"]
-        # decode computes the last prompt token only (beside a layer-wise load); the rest came
-        # from prefill (or decode's own prefix cache, where an earlier test sent the prompt)
-        assert local == 1, f"{key} {sizes}: decode computed {local} of {prompt_tokens} prompt tokens"
-        assert ext > 0 or hit == prompt_tokens - 1, f"{key}: nothing was transferred ({hit} cached here)"
-        transferred += ext > 0
-    assert not mismatches, f"{sizes} {mode}: outputs differ from the plain instance for {mismatches}"
-    assert transferred >= len(KEYS) // 2
-    assert ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok") - ok_before >= transferred
-    assert ec.metric(client, decode.url, "vllm:pd_loaded_blocks_total", source=source) > blocks_before
-    assert ec.metric(client, decode.url, "vllm:pd_shape_refused_total") == refused_before
-    assert_nothing_held(client, list(block_pair.values()))
+    assert_prefill_served(client, prefill, decode, KEYS, mode, reference_outputs)

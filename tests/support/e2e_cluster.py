@@ -66,8 +66,15 @@ class Instance:
         return self.server.url
 
     @property
+    def transport(self) -> str:
+        """The transport its connector config names (TRANSPORT unless a test chose another)."""
+        spec = getattr(self.server, "spec", None)  # none for a server of VLLM_PD_TEST_CLUSTER
+        extra = (spec.kv_transfer_config or {}).get("kv_connector_extra_config", {}) if spec else {}
+        return str(extra.get("transport", TRANSPORT))
+
+    @property
     def kv_endpoint(self) -> str:
-        return f"{TRANSPORT}://127.0.0.1:{self.kv_port}"
+        return f"{self.transport}://127.0.0.1:{self.kv_port}"
 
 
 # VLLM_PD_TEST_COMPILE=1: servers without --enforce-eager (vLLM CPU compiles the model with
