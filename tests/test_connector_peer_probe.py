@@ -194,3 +194,4 @@ def test_two_prefill_ranks_pushes_that_start_after_the_probe_pause_are_waited_fo
     assert (job.blocks_from_push, job.blocks_fetched) == (2, 0)
     landed = regions[0].tensor[[3, 1]]
     assert sorted(set(landed.flatten().tolist())) == [7, 8]  # a head from each rank
+    assert len(staging) == 0  # the ranks' pushes and the announcement are let go once loaded

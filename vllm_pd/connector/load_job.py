@@ -158,7 +158,9 @@ class LoadJob:
     def _staging_keys(self) -> list[str]:
         if self._plan is None or self._plan.identity:
             return [self.spec.transfer_id]
-        return [self._plan.staging_key(self.spec.transfer_id, p) for p in self._plan.sources]
+        # the announcement stays under the transfer id itself, beside the ranks' keys
+        keys = [self._plan.staging_key(self.spec.transfer_id, p) for p in self._plan.sources]
+        return list(dict.fromkeys([self.spec.transfer_id, *keys]))
 
     def _make_plan(self, remote: RemotePrefill) -> bool:
         """This rank's plan for ``remote`` (None for equal shapes told by no shape); False (the
