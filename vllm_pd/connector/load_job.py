@@ -160,7 +160,9 @@ class LoadJob:
     def _staging_keys(self) -> list[str]:
         if self._plan is None or self._plan.identity:
             return [self.spec.transfer_id]
-        return [self._plan.staging_key(self.spec.transfer_id, p) for p in self._plan.sources]
+        # the announcement stays under the transfer id itself, beside the ranks' keys
+        keys = [self._plan.staging_key(self.spec.transfer_id, p) for p in self._plan.sources]
+        return list(dict.fromkeys([self.spec.transfer_id, *keys]))
 
     def _make_plan(self, remote: RemotePrefill) -> bool:
         """This rank's plan for ``remote`` (None for equal shapes told by no shape); False (the
@@ -301,11 +303,17 @@ class LoadJob:
         prefill rank is probed: gone (cut off, paused) - False, the error set, at once rather than after
         push_wait_s; there - waited for on, until push_wait_s passed without a push (the rest is then fetched)."""
         quiet = min(PROBE_PAUSED_PUSHES_S, self._push_wait_s)
-        while not self._staging.wait_layer(unit.key, layer, deadline, stall_s=quiet, since=since):
+        probed = since
+        while not self._staging.wait_layer(unit.key, layer, deadline, stall_s=quiet, since=probed):
             if time.monotonic() >= deadline or not self._peers_answer(remote, {unit.source}):
                 return self.error is None
-            since = time.monotonic()
-            if since - self._staging.last_push(unit.key) >= self._push_wait_s:
+            probed = time.monotonic()
+            # a rank none of whose pushes came yet is waited for from the load's start, not from
+            # "never": its first layer may take longer than the pause that gets it probed
+            last = max(self._staging.last_push(unit.key), since)
+            if probed - last >= self._push_wait_s:
+                logger.debug("request %s: no push of %s for %.1fs; layer %d of prefill rank %d is fetched",
+                             self.spec.request_id, unit.key, probed - last, layer, unit.source)
                 return True
         return True
 

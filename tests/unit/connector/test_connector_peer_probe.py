@@ -22,7 +22,7 @@ from vllm_pd.connector.metadata import LoadSpec
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.transfer_params import LocalPrompt, prompt_hash
 from vllm_pd.connector.transport import create_transport
-from vllm_pd.connector.transport.base import MemoryRegion
+from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 
 PROMPT = [5, 6, 7]
 TIMEOUT_S = 30.0  # the transfer's deadline: what a load waited for a silent prefill before
@@ -134,3 +134,64 @@ def test_a_silent_prefill_is_found_at_the_first_pause_of_its_pushes_not_after_pu
             job._transport.close()
     assert not job.ok and "did not answer within 0.5s" in job.error
     assert elapsed < 5.0  # ~1 s pause + 0.5 s probe; push_wait_s is 20
+
+
+
+def test_two_prefill_ranks_pushes_that_start_after_the_probe_pause_are_waited_for() -> None:
+    """P TP 2 -> D TP 1: decode's block takes a head from each prefill rank, pushed under a staging
+    key per rank (``k#src0``, ``k#src1``). Nothing but those pushes touches such a key - the
+    announcement lands under ``k`` - so a rank whose first layer lands after the pause that gets it
+    probed (a slow first layer) must be waited for from the load's start, up to push_wait_s. Before,
+    a key never pushed under counted as silent since time 0: every layer of both ranks was given up
+    to fetches after the first probe (seen in the mixed-TP e2e: 176 blocks pushed, none loaded)."""
+    import threading
+
+    from tests.test_kv_geometry import shape
+    from vllm_pd.connector.kv_geometry import plan_rank
+    from vllm_pd.connector.layer_groups import LayerGroups
+
+    prefill_shape, decode_shape = shape(2, 2, 2), shape(1, 2, 2)
+    plan = plan_rank(prefill_shape, decode_shape, 0)
+    sink = _PingSink()
+    prefill = create_transport("tcp")
+    prefill.register_regions(sink.regions)
+    endpoint = prefill.start(sink, "127.0.0.1", 0)
+    piece_nbytes = plan.groups[0].pieces[0].src_window(plan.groups[0].remote_format)[1]
+    regions = [MemoryRegion("l0", torch.zeros(4, 2 * piece_nbytes, dtype=torch.uint8))]
+    spec = LoadSpec(request_id="d-1", remote=None, first_position=0, local_block_ids=(3, 1), transfer_id="k",
+                    prompt=LocalPrompt(prompt_hash(PROMPT), len(PROMPT), block_size=2, tp_size=1, shape=decode_shape))
+    staging = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
+    transport = create_transport("tcp")
+    transport.register_regions(regions)
+    transport.start(RecordingSink(regions), "127.0.0.1", 0)
+    job = LoadJob(spec, transport, regions, staging, DirectAccess(BlockCopies(regions, HostDevice())), rank=0,
+                  timeout_s=TIMEOUT_S, push_wait_s=3.0, probe_s=0.5, groups=LayerGroups(decode_shape, 1, 2))
+    staging.announce("k", remote_prefill(mode="push", transfer_id="k", block_ids=(8, 9), num_tokens=3, block_size=2,
+                                         prompt_hash=prompt_hash(PROMPT), endpoint=endpoint, shape=prefill_shape,
+                                         tp_size=2, endpoints=(endpoint, endpoint)).to_params())
+
+    def ranks_push() -> None:  # their one layer lands 1.6 s after the load started: past the 1 s pause
+        time.sleep(1.6)
+        for source in (0, 1):
+            batch = BlockBatch(plan.staging_key("k", source), 0, (0, 1), piece_nbytes, last=True)
+            views = staging.destinations(batch)
+            assert views is not None
+            for v in views:
+                v[:] = bytes([7 + source]) * piece_nbytes
+            staging.landed(batch, True)
+
+    pushes = threading.Thread(target=ranks_push)
+    pushes.start()
+    try:
+        job.run()
+    finally:
+        pushes.join()
+        transport.close()
+        prefill.close()
+    assert {plan.staging_key("k", s) for s in (0, 1)} == {"k#src0", "k#src1"}
+    assert sink.pings >= 1  # the pause got prefill probed; it answered, so its pushes were waited for
+    assert job.ok, job.error
+    assert (job.blocks_from_push, job.blocks_fetched) == (2, 0)
+    landed = regions[0].tensor[[3, 1]]
+    assert sorted(set(landed.flatten().tolist())) == [7, 8]  # a head from each rank
+    assert len(staging) == 0  # the ranks' pushes and the announcement are let go once loaded
