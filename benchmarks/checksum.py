@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(native.load_error(), file=sys.stderr)
         return 2
     from vllm_pd import _C as c
+
     print(f"# one core, best of {args.repeats}; crc32c via SSE4.2: {c.crc32c_hardware()}")
     for nbytes in SIZES:
         src = torch.empty(nbytes, dtype=torch.uint8).random_()

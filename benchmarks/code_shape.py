@@ -231,8 +231,10 @@ def main() -> int:
     for c in every:
         kinds = {k for a in c for b in c if b in graph[a] for k in graph[a][b]}
         print(f"  {' <-> '.join(c)}   (imports: {', '.join(sorted(kinds))})")
-    print(f"  over module-level runtime imports only: {len(runtime)}" +
-          "".join(f"\n    {' <-> '.join(c)}" for c in runtime))
+    print(
+        f"  over module-level runtime imports only: {len(runtime)}"
+        + "".join(f"\n    {' <-> '.join(c)}" for c in runtime)
+    )
 
     static_kinds = {"module", "local"}
     ours = reachable(graph, "vllm_pd.connector.connector", "vllm_pd.connector", static_kinds)
@@ -244,11 +246,17 @@ def main() -> int:
     peer_graph = import_graph(vllm_root, nixl_dir) if nixl_dir.is_dir() else {}
     peer_start = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
     peer = reachable(peer_graph, peer_start, peer_start.rpartition(".")[0], static_kinds) if peer_graph else set()
-    figures["read"] = {"ours": sorted(ours), "ours by folder": ours_folders, "vllm nixl": sorted(peer),
-                       "vllm nixl files": len(peer_graph)}
+    figures["read"] = {
+        "ours": sorted(ours),
+        "ours by folder": ours_folders,
+        "vllm nixl": sorted(peer),
+        "vllm nixl files": len(peer_graph),
+    }
     print(f"\nfiles under vllm_pd/connector/ the facade reaches by its imports: {len(ours)} {ours_folders}")
-    print(f"  peer: vLLM {vllm.__version__}'s NixlConnector, the same within its nixl/ package: {len(peer)} of "
-          f"its {len(peer_graph)} files")
+    print(
+        f"  peer: vLLM {vllm.__version__}'s NixlConnector, the same within its nixl/ package: {len(peer)} of "
+        f"its {len(peer_graph)} files"
+    )
 
     if not args.no_trace:
         import tempfile
@@ -258,10 +266,16 @@ def main() -> int:
         both = set().union(*per_process.values()) if per_process else set()
         rel = sorted(str(Path(p).relative_to(ROOT)) for p in both)
         folders = by_folder({Path(p) for p in both})
-        figures["run"] = {"transport": args.transport, "files": rel, "by folder": folders,
-                          "per process": {pid: len(files) for pid, files in per_process.items()}}
-        print(f"\nfiles whose functions ran in the two worker processes (harness, cpu, {args.transport}, "
-              f"set-up + one push + one pull request): {len(both)} {folders}")
+        figures["run"] = {
+            "transport": args.transport,
+            "files": rel,
+            "by folder": folders,
+            "per process": {pid: len(files) for pid, files in per_process.items()},
+        }
+        print(
+            f"\nfiles whose functions ran in the two worker processes (harness, cpu, {args.transport}, "
+            f"set-up + one push + one pull request): {len(both)} {folders}"
+        )
         print(f"  per process: {sorted(len(f) for f in per_process.values())}")
         for r in rel:
             print(f"    {r}")

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 import httpx
-
 import pd_latency as pd  # benchmarks/ is the script's own folder
+
 from vllm_pd.vllm_server import free_port
 
 
@@ -37,8 +37,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=30, help="requests per kind (turns)")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--gap", type=float, default=0.35,
-                    help="idle seconds before each 'after idle' and 'push beside' request")
+    ap.add_argument(
+        "--gap", type=float, default=0.35, help="idle seconds before each 'after idle' and 'push beside' request"
+    )
     ap.add_argument("--transport", choices=("tcp", "shm"), default="shm")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-bench-logs"))
     args = ap.parse_args()
@@ -46,8 +47,13 @@ def main() -> int:
     prompts = pd.Prompts(seed=2)
     client = httpx.Client()
     pk, dk = free_port(), free_port()
-    p, d = pd.start([pd.spec(model, "0", pd.ours_ktc("kv_producer", pk, args.transport)),
-                     pd.spec(model, "1", pd.ours_ktc("kv_consumer", dk, args.transport))], args.log_dir)
+    p, d = pd.start(
+        [
+            pd.spec(model, "0", pd.ours_ktc("kv_producer", pk, args.transport)),
+            pd.spec(model, "1", pd.ours_ktc("kv_consumer", dk, args.transport)),
+        ],
+        args.log_dir,
+    )
     endpoint = f"{args.transport}://127.0.0.1:{dk}"
 
     def plain(prompt: list[int]) -> tuple[float, float]:
@@ -77,12 +83,16 @@ def main() -> int:
         pd.stop([p, d])
     print(f"{args.tokens} tokens, {args.transport}, prefill on core 0 (decode on core 1), medians:")
     for name in kinds:
-        print(f"  {name:<22} TTFT {statistics.median(ttft[name]):6.2f} ms   prefill's prompt step "
-              f"{statistics.median(step[name]):6.2f} ms")
+        print(
+            f"  {name:<22} TTFT {statistics.median(ttft[name]):6.2f} ms   prefill's prompt step "
+            f"{statistics.median(step[name]):6.2f} ms"
+        )
     extra = [b - a for a, b in zip(step["plain, after idle"], step["push beside"])]
     q1, _, q3 = statistics.quantiles(extra, n=4)
-    print(f"  push beside's prompt step - plain after idle's, same turn: median {statistics.median(extra):+.2f} ms "
-          f"(quartiles {q1:+.2f} / {q3:+.2f}) over {len(extra)} turns")
+    print(
+        f"  push beside's prompt step - plain after idle's, same turn: median {statistics.median(extra):+.2f} ms "
+        f"(quartiles {q1:+.2f} / {q3:+.2f}) over {len(extra)} turns"
+    )
     return 0
 
 

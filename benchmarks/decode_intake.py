@@ -31,8 +31,8 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 import aiohttp
-
 from pd_e2e import proxy_process
+
 from vllm_pd.planner.instance_profiler import UniquePrompts, stream_completion
 from vllm_pd.router.cli.local_cluster import LocalCluster
 from vllm_pd.small_model import ensure_default_model
@@ -40,8 +40,9 @@ from vllm_pd.small_model import ensure_default_model
 SEEDS = itertools.count(5000)
 
 
-async def lone_step(session: aiohttp.ClientSession, url: str, model: str, context: int,
-                    out: int) -> tuple[float, float, float]:
+async def lone_step(
+    session: aiohttp.ClientSession, url: str, model: str, context: int, out: int
+) -> tuple[float, float, float]:
     """(mean step ms over the stream's second half, that window's start and end: time.perf_counter)."""
     s = await stream_completion(session, url, model, UniquePrompts(4000, seed=next(SEEDS)).make(context), out)
     half = out // 2
@@ -49,8 +50,9 @@ async def lone_step(session: aiohttp.ClientSession, url: str, model: str, contex
 
 
 @contextlib.asynccontextmanager
-async def back_to_back(session: aiohttp.ClientSession, url: str, model: str, tokens: int, out: int,
-                       done: list[float]) -> AsyncIterator[None]:
+async def back_to_back(
+    session: aiohttp.ClientSession, url: str, model: str, tokens: int, out: int, done: list[float]
+) -> AsyncIterator[None]:
     """Requests of ``tokens`` prompt tokens, ``out`` out, one after the other until the block ends; each
     one's end time goes to ``done``."""
     stop = asyncio.Event()
@@ -70,8 +72,9 @@ async def back_to_back(session: aiohttp.ClientSession, url: str, model: str, tok
         await task
 
 
-async def measure(kind: str, urls: dict[str, str], model: str, args: argparse.Namespace,
-                  tokens: int) -> tuple[float, float]:
+async def measure(
+    kind: str, urls: dict[str, str], model: str, args: argparse.Namespace, tokens: int
+) -> tuple[float, float]:
     """(step ms, joins per window second) for one block of this kind."""
     async with aiohttp.ClientSession() as session:
         if kind == "alone":
@@ -103,15 +106,17 @@ def main() -> int:
             asyncio.run(measure("beside 1P1D joins", urls, model, args, 128))  # warm-up
             for rnd in range(args.rounds):
                 order = [(k, t) for t in args.prompt_tokens for k in kinds]
-                order = order[rnd % len(order):] + order[:rnd % len(order)]
+                order = order[rnd % len(order) :] + order[: rnd % len(order)]
                 for kind, tokens in order:
                     rows[kind, tokens].append(asyncio.run(measure(kind, urls, model, args, tokens)))
                 print(f"round {rnd + 1} done {time.strftime('%H:%M:%S UTC', time.gmtime())}", flush=True)
         finally:
             proc.terminate()
             proc.wait(10)
-    print(f"medians of {args.rounds} rounds; the measured stream: {args.context_tokens}-token prompt, "
-          f"{args.out} out, steps over its second half")
+    print(
+        f"medians of {args.rounds} rounds; the measured stream: {args.context_tokens}-token prompt, "
+        f"{args.out} out, steps over its second half"
+    )
     for tokens in args.prompt_tokens:
         alone = statistics.median(s for s, _ in rows["alone", tokens])
         plain = statistics.median(s for s, _ in rows["beside plain prefills", tokens])
@@ -119,10 +124,12 @@ def main() -> int:
         rate = statistics.median(r for _, r in rows["beside 1P1D joins", tokens])
         # the share of each step the joins take, over the joins per second: decode's time per join
         per_join = (joins - plain) / joins / rate * 1e3 if rate else float("nan")
-        print(f"{tokens:5d}-token prompts: step alone {alone:.3f} ms; beside plain prefills {plain:.3f} ms "
-              f"(= {plain / alone:.2f} x alone); beside 1P1D joins {joins:.3f} ms (= {joins / alone:.2f} x alone, "
-              f"{joins / plain:.2f} x beside plain prefills) at {rate:.1f} joins/s: {per_join:.2f} ms of decode's "
-              "steps per join")
+        print(
+            f"{tokens:5d}-token prompts: step alone {alone:.3f} ms; beside plain prefills {plain:.3f} ms "
+            f"(= {plain / alone:.2f} x alone); beside 1P1D joins {joins:.3f} ms (= {joins / alone:.2f} x alone, "
+            f"{joins / plain:.2f} x beside plain prefills) at {rate:.1f} joins/s: {per_join:.2f} ms of decode's "
+            "steps per join"
+        )
     print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     return 0
 

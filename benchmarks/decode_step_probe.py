@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 import aiohttp
-
 from pd_e2e import proxy_process
 from plan_first_try import MODEL
+
 from vllm_pd.planner.completion_stream import UniquePrompts, model_name, served_vocabulary, stream_completion
 from vllm_pd.router.cli.local_cluster import LocalCluster
 from vllm_pd.small_model.cache import ensure_model
@@ -47,21 +47,35 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> dict:
         for r in range(args.rounds):
             for context in args.contexts:
                 for batch in args.batches:
-                    streams = await asyncio.gather(*(stream_completion(session, urls["relay_b"], model,
-                                                                       prompts.make(context), args.tokens)
-                                                     for _ in range(batch)))
+                    streams = await asyncio.gather(
+                        *(
+                            stream_completion(session, urls["relay_b"], model, prompts.make(context), args.tokens)
+                            for _ in range(batch)
+                        )
+                    )
                     gaps = [(s.stamps[-1] - s.stamps[half]) / (len(s.stamps) - 1 - half) * 1e3 for s in streams]
-                    row = {"round": r, "batch": batch, "context": context, "step_ms": round(statistics.median(gaps), 3),
-                           "streams_ms": [round(g, 3) for g in gaps]}
+                    row = {
+                        "round": r,
+                        "batch": batch,
+                        "context": context,
+                        "step_ms": round(statistics.median(gaps), 3),
+                        "streams_ms": [round(g, 3) for g in gaps],
+                    }
                     out["points"].append(row)
                     print(row, flush=True)
             for path in ("relay_b", "1p1d", "b"):
-                (s,) = [await stream_completion(session, urls[path], model, prompts.make(args.lone_context),
-                                                args.tokens)]
+                (s,) = [
+                    await stream_completion(session, urls[path], model, prompts.make(args.lone_context), args.tokens)
+                ]
                 gaps = [round((y - x) * 1e3, 2) for x, y in zip(s.stamps, s.stamps[1:])]
-                row = {"round": r, "path": path, "ttft_ms": round(s.ttft * 1e3, 1), "gaps_ms": gaps,
-                       "tpot_ms": round(statistics.fmean(gaps), 3),
-                       "second_half_ms": round(statistics.fmean(gaps[half:]), 3)}
+                row = {
+                    "round": r,
+                    "path": path,
+                    "ttft_ms": round(s.ttft * 1e3, 1),
+                    "gaps_ms": gaps,
+                    "tpot_ms": round(statistics.fmean(gaps), 3),
+                    "second_half_ms": round(statistics.fmean(gaps[half:]), 3),
+                }
                 out["lone"].append(row)
                 print({k: v for k, v in row.items() if k != "gaps_ms"}, flush=True)
         for _ in range(args.beside):
@@ -70,8 +84,9 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> dict:
     return out
 
 
-async def beside(session: aiohttp.ClientSession, urls: dict[str, str], model: str, prompts: UniquePrompts,
-                 args: argparse.Namespace) -> dict:
+async def beside(
+    session: aiohttp.ClientSession, urls: dict[str, str], model: str, prompts: UniquePrompts, args: argparse.Namespace
+) -> dict:
     """A long stream on b and a 1P1D newcomer 1.5 s into it: the long stream's mean gap per phase (ms)."""
     long = asyncio.create_task(stream_completion(session, urls["relay_b"], model, prompts.make(64), 4 * args.tokens))
     await asyncio.sleep(1.5)
@@ -83,11 +98,16 @@ async def beside(session: aiohttp.ClientSession, urls: dict[str, str], model: st
     def mean_gap(lo: float, hi: float) -> float:
         ts = [t for t in old.stamps if lo <= t <= hi]
         return round((ts[-1] - ts[0]) / (len(ts) - 1) * 1e3, 2) if len(ts) > 2 else float("nan")
-    return {"before": mean_gap(old.stamps[2], t0), "newcomer_prefill": mean_gap(t0, first),
-            "newcomer_first_half": mean_gap(first, settled), "newcomer_second_half": mean_gap(settled, end),
-            "after": mean_gap(end, old.stamps[-1]),
-            "newcomer_first_half_own": round((settled - first) / (args.tokens // 2) * 1e3, 2),
-            "newcomer_second_half_own": round((end - settled) / (len(new.stamps) - 1 - args.tokens // 2) * 1e3, 2)}
+
+    return {
+        "before": mean_gap(old.stamps[2], t0),
+        "newcomer_prefill": mean_gap(t0, first),
+        "newcomer_first_half": mean_gap(first, settled),
+        "newcomer_second_half": mean_gap(settled, end),
+        "after": mean_gap(end, old.stamps[-1]),
+        "newcomer_first_half_own": round((settled - first) / (args.tokens // 2) * 1e3, 2),
+        "newcomer_second_half_own": round((end - settled) / (len(new.stamps) - 1 - args.tokens // 2) * 1e3, 2),
+    }
 
 
 def main() -> int:
@@ -105,21 +125,28 @@ def main() -> int:
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.log_dir.mkdir(parents=True, exist_ok=True)
     model = str(ensure_model(dataclasses.replace(MODEL)))
-    cluster = LocalCluster(model=model, n_prefill=0, n_decode=0, n_both=2, transport="shm",
-                           connector="PDConnector", log_dir=args.log_dir)
+    cluster = LocalCluster(
+        model=model, n_prefill=0, n_decode=0, n_both=2, transport="shm", connector="PDConnector", log_dir=args.log_dir
+    )
     procs = []
     with cluster.running(900):
         a, b = cluster.instances()
         urls = {"b": b.url}
         try:
-            for name, flags in (("1p1d", ["--prefill", a.url, "--decode", f"{b.url}@{b.kv_endpoint}"]),
-                                ("relay_b", ["--decode", b.url])):
+            for name, flags in (
+                ("1p1d", ["--prefill", a.url, "--decode", f"{b.url}@{b.kv_endpoint}"]),
+                ("relay_b", ["--decode", b.url]),
+            ):
                 proxy, urls[name] = proxy_process(flags)
                 procs.append(proxy)
             t0, load0 = time.monotonic(), os.getloadavg()
             out = asyncio.run(measure(urls, args))
-            out.update(seconds=round(time.monotonic() - t0), loadavg=[load0, os.getloadavg()],
-                       when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), args=sys.argv[1:])
+            out.update(
+                seconds=round(time.monotonic() - t0),
+                loadavg=[load0, os.getloadavg()],
+                when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                args=sys.argv[1:],
+            )
         finally:
             for p in procs:
                 p.terminate()

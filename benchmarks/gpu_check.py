@@ -75,32 +75,47 @@ def env_step(ctx: Context) -> dict[str, Any]:
     import numpy
     import torch
 
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "torch_cuda": torch.version.cuda, "numpy": numpy.__version__, "cpus": os.cpu_count(),
-                            "triton": _version_of("triton"), "nvcc": _first_line(["nvcc", "--version"], last=True),
-                            "driver": _first_line(["nvidia-smi", "--query-gpu=driver_version",
-                                                   "--format=csv,noheader"])}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "numpy": numpy.__version__,
+        "cpus": os.cpu_count(),
+        "triton": _version_of("triton"),
+        "nvcc": _first_line(["nvcc", "--version"], last=True),
+        "driver": _first_line(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+    }
     if ctx.device != "cuda":
         return {"status": "ok", "key": f"{ctx.device}: torch {torch.__version__}", **info}
     if not torch.cuda.is_available():
         return {"status": "failed", "key": "no CUDA device", "detail": "torch.cuda.is_available() is False", **info}
     props = torch.cuda.get_device_properties(0)
-    info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
-                memory_gib=round(props.total_memory / 2**30, 1),
-                l2_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1))
+    info.update(
+        gpu=props.name,
+        capability=f"{props.major}.{props.minor}",
+        sms=props.multi_processor_count,
+        memory_gib=round(props.total_memory / 2**30, 1),
+        l2_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
+    )
     hopper = (props.major, props.minor) == (9, 0)
-    return {"status": "ok" if hopper else "failed", "key": f"{props.name} sm_{props.major}{props.minor}",
-            "detail": "" if hopper else "not a Hopper GPU: the sm_90a kernels cannot run here", **info}
+    return {
+        "status": "ok" if hopper else "failed",
+        "key": f"{props.name} sm_{props.major}{props.minor}",
+        "detail": "" if hopper else "not a Hopper GPU: the sm_90a kernels cannot run here",
+        **info,
+    }
 
 
 def wheels_step(ctx: Context) -> dict[str, Any]:
     skipped = wheels.nixl_skipped(ctx.wheels)
     installed = wheels.install(ctx.wheels, ctx.site) if ctx.wheels is not None and ctx.wheels.is_dir() else []
     modules = wheels.carried_modules(include_nixl=skipped is None)
-    code = ("import importlib, json, sys\nfound = {}\nfor m in sys.argv[1:]:\n"
-            "    try:\n        found[m] = importlib.import_module(m).__file__\n"
-            "    except Exception as e:\n        found[m] = 'FAILED ' + type(e).__name__ + ': ' + str(e)\n"
-            "print(json.dumps(found))")
+    code = (
+        "import importlib, json, sys\nfound = {}\nfor m in sys.argv[1:]:\n"
+        "    try:\n        found[m] = importlib.import_module(m).__file__\n"
+        "    except Exception as e:\n        found[m] = 'FAILED ' + type(e).__name__ + ': ' + str(e)\n"
+        "print(json.dumps(found))"
+    )
     proc = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True)
     sys.stdout.write(proc.stdout + proc.stderr)
     found = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {}
@@ -110,9 +125,13 @@ def wheels_step(ctx: Context) -> dict[str, Any]:
     source = f"{len(installed)} wheels installed" if installed else "no wheel folder: the environment's own"
     problems = [f"{m}: {why}" for m, why in broken.items()] + ([f"nixl {skipped}"] if skipped else [])
     imported = len(found) - len(broken)
-    return {"status": "failed" if broken else "ok", "key": f"{source}, {imported}/{len(modules)} modules import",
-            "detail": "; ".join(problems)[-LOG_TAIL:],
-            "installed": installed, "modules": found}
+    return {
+        "status": "failed" if broken else "ok",
+        "key": f"{source}, {imported}/{len(modules)} modules import",
+        "detail": "; ".join(problems)[-LOG_TAIL:],
+        "installed": installed,
+        "modules": found,
+    }
 
 
 def build_step(ctx: Context) -> dict[str, Any]:
@@ -122,8 +141,13 @@ def build_step(ctx: Context) -> dict[str, Any]:
             return {"status": "ok", "key": "vllm_pd._C present with CPU kernels (not rebuilt off the GPU)", **kernels}
         rc, seconds, tail = _setup_build(gpu=False)
         kernels = _kernels()
-        return {"status": "ok" if kernels.get("cpu") else "failed", "key": f"CPU-only build, {seconds:.0f} s",
-                "detail": "" if kernels.get("cpu") else tail, "build_s": seconds, **kernels}
+        return {
+            "status": "ok" if kernels.get("cpu") else "failed",
+            "key": f"CPU-only build, {seconds:.0f} s",
+            "detail": "" if kernels.get("cpu") else tail,
+            "build_s": seconds,
+            **kernels,
+        }
     rc, seconds, tail = _setup_build(gpu=True)
     kernels = _kernels()
     if kernels.get("cuda"):
@@ -132,8 +156,13 @@ def build_step(ctx: Context) -> dict[str, Any]:
     rc2, seconds2, tail2 = _setup_build(gpu=False)  # the connector's crc32c needs _C even without CUDA kernels
     kernels = _kernels()
     fallback = "CPU-only build ok" if kernels.get("cpu") else f"CPU-only build failed too: {tail2}"
-    return {"status": "failed", "key": f"no sm_90a kernels after {seconds:.0f} s; {fallback}",
-            "detail": detail[-LOG_TAIL:], "build_s": seconds + seconds2, **kernels}
+    return {
+        "status": "failed",
+        "key": f"no sm_90a kernels after {seconds:.0f} s; {fallback}",
+        "detail": detail[-LOG_TAIL:],
+        "build_s": seconds + seconds2,
+        **kernels,
+    }
 
 
 def ops_step(which: str, backend: str) -> Callable[[Context], dict[str, Any]]:
@@ -143,6 +172,7 @@ def ops_step(which: str, backend: str) -> Callable[[Context], dict[str, Any]]:
 
         device = torch.device("cuda" if ctx.device == "cuda" else "cpu")
         return (gpu_check_ops.mla if which == "mla" else gpu_check_ops.fp8)(backend, device, ctx.size)
+
     return step
 
 
@@ -154,6 +184,7 @@ def connector_step(transport: str) -> Callable[[Context], dict[str, Any]]:
         import gpu_check_connector
 
         return gpu_check_connector.transport_step(ctx.device, transport, ctx.size)
+
     return step
 
 
@@ -185,7 +216,7 @@ STEPS = (
 def _version_of(module: str) -> str | None:
     try:
         return str(__import__(module).__version__)
-    except Exception as e:  # noqa: BLE001 - recorded, not raised: the env step describes what is there
+    except Exception as e:
         return f"unavailable ({type(e).__name__}: {e})"
 
 
@@ -199,12 +230,14 @@ def _first_line(cmd: list[str], last: bool = False) -> str | None:
 
 def _kernels() -> dict[str, Any]:
     """What vllm_pd._C provides, asked of a fresh interpreter (the build may have just replaced it)."""
-    code = ("import json, torch\nfrom vllm_pd.ops import native\nerr = native.load_error()\n"
-            "has = lambda key: err is None and all(torch._C._dispatch_has_kernel_for_dispatch_key("
-            "f'vllm_pd_C::{op}', key) for op in ('mla_decode', 'fp8_gemm_nt'))\n"
-            "import vllm_pd\nfrom pathlib import Path\n"
-            "so = sorted(str(p.name) for p in Path(vllm_pd.__file__).parent.glob('_C*.so'))\n"
-            "print(json.dumps({'load_error': err, 'cpu': has('CPU'), 'cuda': has('CUDA'), 'so': so}))")
+    code = (
+        "import json, torch\nfrom vllm_pd.ops import native\nerr = native.load_error()\n"
+        "has = lambda key: err is None and all(torch._C._dispatch_has_kernel_for_dispatch_key("
+        "f'vllm_pd_C::{op}', key) for op in ('mla_decode', 'fp8_gemm_nt'))\n"
+        "import vllm_pd\nfrom pathlib import Path\n"
+        "so = sorted(str(p.name) for p in Path(vllm_pd.__file__).parent.glob('_C*.so'))\n"
+        "print(json.dumps({'load_error': err, 'cpu': has('CPU'), 'cuda': has('CUDA'), 'so': so}))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         return {"load_error": proc.stderr[-LOG_TAIL:], "cpu": False, "cuda": False}
@@ -213,12 +246,22 @@ def _kernels() -> dict[str, Any]:
 
 def _setup_build(gpu: bool) -> tuple[int, float, str]:
     """``setup.py build_ext --inplace`` (output to this step's log); (exit code, seconds, output tail)."""
-    env = {**os.environ, "VLLM_PD_GPU_KERNELS": "1" if gpu else "0", "TORCH_CUDA_ARCH_LIST": "9.0a",
-           "MAX_JOBS": str(os.cpu_count() or 4)}
+    env = {
+        **os.environ,
+        "VLLM_PD_GPU_KERNELS": "1" if gpu else "0",
+        "TORCH_CUDA_ARCH_LIST": "9.0a",
+        "MAX_JOBS": str(os.cpu_count() or 4),
+    }
     started = time.monotonic()
     tail: deque[str] = deque(maxlen=40)
-    with subprocess.Popen([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=ROOT, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+    with subprocess.Popen(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    ) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
@@ -229,8 +272,9 @@ def _setup_build(gpu: bool) -> tuple[int, float, str]:
 # ---- the parent: one child per step, the report -------------------------------------------------------
 
 
-def run_all(device: str, wheel_folder: Path, out: Path, budget_s: float,
-            only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def run_all(
+    device: str, wheel_folder: Path, out: Path, budget_s: float, only: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "gpu_check.log"
     log_path.write_text("")
@@ -241,8 +285,12 @@ def run_all(device: str, wheel_folder: Path, out: Path, budget_s: float,
         for step in (s for s in STEPS if not only or s.name in only):
             left = deadline - time.monotonic()
             if left < MIN_STEP_S:
-                result = {"status": "timeout", "key": "not started", "seconds": 0.0,
-                          "detail": f"not started: {left:.0f} s of the run's {budget_s:.0f} s budget left"}
+                result = {
+                    "status": "timeout",
+                    "key": "not started",
+                    "seconds": 0.0,
+                    "detail": f"not started: {left:.0f} s of the run's {budget_s:.0f} s budget left",
+                }
             else:
                 result = _run_child(step, device, wheel_folder, site, Path(tmp), log_path, min(step.timeout_s, left))
             result = {"name": step.name, **result}
@@ -253,20 +301,39 @@ def run_all(device: str, wheel_folder: Path, out: Path, budget_s: float,
     return results
 
 
-def _run_child(step: Step, device: str, wheel_folder: Path, site: Path, tmp: Path, log_path: Path,
-               timeout_s: float) -> dict[str, Any]:
+def _run_child(
+    step: Step, device: str, wheel_folder: Path, site: Path, tmp: Path, log_path: Path, timeout_s: float
+) -> dict[str, Any]:
     result_path = tmp / f"{step.name}.json"
     # the folder as given, present or not: the child must not fall back to the default one
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--step", step.name, "--device", device,
-           "--wheels", str(wheel_folder.resolve()), "--site", str(site), "--result", str(result_path)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--step",
+        step.name,
+        "--device",
+        device,
+        "--wheels",
+        str(wheel_folder.resolve()),
+        "--site",
+        str(site),
+        "--result",
+        str(result_path),
+    ]
     with log_path.open("a") as log:
         log.write(f"\n===== {step.name} ({device}, timeout {timeout_s:.0f} s) =====\n")
         log.flush()
         start_offset = log.tell()
         started = time.monotonic()
         # a session of its own: on a timeout the whole group goes (harness processes, NIXL, nvcc)
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(step, device, site), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=_child_env(step, device, site),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=timeout_s)
             timed_out = False
@@ -279,8 +346,13 @@ def _run_child(step: Step, device: str, wheel_folder: Path, site: Path, tmp: Pat
     if timed_out:
         return {"status": "timeout", "key": f"killed after {timeout_s:.0f} s", "seconds": seconds, "log_tail": tail}
     if not result_path.exists():
-        return {"status": "failed", "key": f"no result (exit code {proc.returncode})", "seconds": seconds,
-                "detail": tail[-600:], "log_tail": tail}
+        return {
+            "status": "failed",
+            "key": f"no result (exit code {proc.returncode})",
+            "seconds": seconds,
+            "detail": tail[-600:],
+            "log_tail": tail,
+        }
     result = dict(json.loads(result_path.read_text()))
     result["seconds"] = seconds
     if result.get("status") != "ok":
@@ -321,20 +393,31 @@ def summary_line(r: dict[str, Any]) -> str:
 
 
 def write_reports(out: Path, device: str, results: list[dict[str, Any]], budget_s: float) -> None:
-    report = {"device": device, "budget_s": budget_s, "seconds": sum(r.get("seconds", 0.0) for r in results),
-              "ok": all(r["status"] == "ok" for r in results), "steps": results}
+    report = {
+        "device": device,
+        "budget_s": budget_s,
+        "seconds": sum(r.get("seconds", 0.0) for r in results),
+        "ok": all(r["status"] == "ok" for r in results),
+        "steps": results,
+    }
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "gpu_check.md").write_text(markdown(report))
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# gpu_check on {report['device']}: {'all ok' if report['ok'] else 'NOT all ok'}, "
-             f"{report['seconds']:.0f} s of a {report['budget_s']:.0f} s budget", "",
-             "| step | status | key figure | goal | met | s |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# gpu_check on {report['device']}: {'all ok' if report['ok'] else 'NOT all ok'}, "
+        f"{report['seconds']:.0f} s of a {report['budget_s']:.0f} s budget",
+        "",
+        "| step | status | key figure | goal | met | s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in report["steps"]:
         met = {True: "yes", False: "no"}.get(r.get("goal_met"), "")
-        lines.append(f"| {r['name']} | {r['status']} | {_cell(r.get('key', ''))} | {_cell(r.get('goal', ''))} | "
-                     f"{met} | {r.get('seconds', 0.0):.0f} |")
+        lines.append(
+            f"| {r['name']} | {r['status']} | {_cell(r.get('key', ''))} | {_cell(r.get('goal', ''))} | "
+            f"{met} | {r.get('seconds', 0.0):.0f} |"
+        )
     for r in report["steps"]:
         if r.get("detail"):
             lines += ["", f"**{r['name']}**: {_cell(r['detail'])}"]
@@ -358,7 +441,7 @@ def run_step(name: str, ctx: Context, result_path: Path) -> None:
     step = next(s for s in STEPS if s.name == name)
     try:
         result = step.run(ctx)
-    except Exception as e:  # noqa: BLE001 - a failed step is reported, the next one runs
+    except Exception as e:
         traceback.print_exc()
         result = {"status": "failed", "key": f"{type(e).__name__}", "detail": f"{type(e).__name__}: {e}"[-LOG_TAIL:]}
     result_path.write_text(json.dumps(result, default=str))
@@ -371,26 +454,34 @@ def main() -> int:
     ap.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="the carried wheel folder (default .whl)")
     ap.add_argument("--fetch-wheels", type=Path, metavar="DIR", help="download the wheels to carry into DIR, and stop")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S)
-    ap.add_argument("--only", nargs="+", choices=[s.name for s in STEPS], default=(),
-                    help="run these steps alone (a rerun: wheels and build are needed again on a fresh machine)")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=[s.name for s in STEPS],
+        default=(),
+        help="run these steps alone (a rerun: wheels and build are needed again on a fresh machine)",
+    )
     ap.add_argument("--step", help=argparse.SUPPRESS)
     ap.add_argument("--site", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.step:
-        run_step(args.step, Context(args.device, args.wheels if args.wheels.is_dir() else None, args.site),
-                 args.result)
+        run_step(args.step, Context(args.device, args.wheels if args.wheels.is_dir() else None, args.site), args.result)
         return 0
     if args.fetch_wheels:
         for line in wheels.fetch(args.fetch_wheels, ROOT):
             print(line)
-        print("on the GPU machine (carry the folder):  PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py "
-              f"--wheels {args.fetch_wheels}")
+        print(
+            "on the GPU machine (carry the folder):  PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py "
+            f"--wheels {args.fetch_wheels}"
+        )
         return 0
     out = args.out or Path(os.environ.get("OUT") or "gpu_check_out")
     results = run_all(args.device, args.wheels, out, args.budget_s, tuple(args.only))
-    print(f"\ngpu_check on {args.device}: {sum(r['status'] == 'ok' for r in results)}/{len(results)} steps ok; "
-          f"{out / 'gpu_check.md'}")
+    print(
+        f"\ngpu_check on {args.device}: {sum(r['status'] == 'ok' for r in results)}/{len(results)} steps ok; "
+        f"{out / 'gpu_check.md'}"
+    )
     for r in results:
         print(summary_line(r))
     return 0 if all(r["status"] == "ok" for r in results) else 1

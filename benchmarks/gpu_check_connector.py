@@ -60,11 +60,19 @@ def harness_spec(device: str, transport: str, model: Model, size: str, compute: 
     """The one place gpu_check builds the harness's spec (its fields follow tests/support/gpu_harness.py)."""
     blocks = TOKENS[size] // model.block_size
     return HarnessSpec(
-        device=device, transport=transport, backend=model.backend, model=model.name,
+        device=device,
+        transport=transport,
+        backend=model.backend,
+        model=model.name,
         layers=0 if size == "full" else LAYERS_SMALL,
-        num_blocks=4 * blocks, blocks_per_request=blocks, modes=("push", "pull"), rounds=ROUNDS[size],
+        num_blocks=4 * blocks,
+        blocks_per_request=blocks,
+        modes=("push", "pull"),
+        rounds=ROUNDS[size],
         hidden=(model.hidden if size == "full" else HIDDEN_SMALL) if compute else 0,
-        host_staging_bytes=1 << 30, timeout_s=60.0)
+        host_staging_bytes=1 << 30,
+        timeout_s=60.0,
+    )
 
 
 def layers(model: Model, size: str) -> int:
@@ -93,11 +101,20 @@ def transport_step(device: str, transport: str, size: str) -> dict[str, Any]:
         for mode in bare_spec.modes:
             count = layers(model, size)
             problem = _counts_problem(bare, mode, count) or _counts_problem(full, mode, count)
-            figures = transfer_figures([r for r in bare.requests if r.mode == mode],
-                                       [r for r in full.requests if r.mode == mode])
+            figures = transfer_figures(
+                [r for r in bare.requests if r.mode == mode], [r for r in full.requests if r.mode == mode]
+            )
             peer = limits["d2d"] if transport == "nixl" else min(limits["d2h"], limits["h2d"])
-            rows.append({"model": model.name, "mode": mode, **figures, "blocks_counted": problem is None,
-                         "x_peer": float(figures["gbps"]) / peer, **{f"{k}_gbps": v for k, v in limits.items()}})
+            rows.append(
+                {
+                    "model": model.name,
+                    "mode": mode,
+                    **figures,
+                    "blocks_counted": problem is None,
+                    "x_peer": float(figures["gbps"]) / peer,
+                    **{f"{k}_gbps": v for k, v in limits.items()},
+                }
+            )
             if problem or not figures["exact"]:
                 errors.append(f"{model.name} {mode}: {problem or 'blocks differ from what prefill wrote'}")
     return _verdict(device, transport, rows, errors)
@@ -134,9 +151,11 @@ def _verdict(device: str, transport: str, rows: list[dict[str, Any]], errors: li
     else:
         sync_debug = "not enforced: tests/support/gpu_harness.py has no sync-debug mode yet"
     result: dict[str, Any] = {
-        "status": "failed" if errors or not rows else "ok", "rows": rows, "detail": "; ".join(errors)[:2000],
+        "status": "failed" if errors or not rows else "ok",
+        "rows": rows,
+        "detail": "; ".join(errors)[:2000],
         "goal": f"KV >= {RATE_GOAL} x {peer}, hidden >= {HIDDEN_GOAL:.0%}, slowdown <= {SLOWDOWN_GOAL:.0%}, "
-                "no host sync",
+        "no host sync",
         "sync_debug": sync_debug,
     }
     if not rows:
@@ -144,8 +163,10 @@ def _verdict(device: str, transport: str, rows: list[dict[str, Any]], errors: li
     worst_rate = min(r["x_peer"] for r in rows)
     worst_hidden = min(r["hidden"] for r in rows)
     worst_slowdown = max(r["slowdown"] for r in rows)
-    result["key"] = (f"worst KV {worst_rate:.2f} x {peer}, hidden {worst_hidden:.0%}, "
-                     f"slowdown {worst_slowdown:+.1%}" + ("" if synced else ", sync-debug n/a"))
-    result["goal_met"] = (worst_rate >= RATE_GOAL and worst_hidden >= HIDDEN_GOAL
-                          and worst_slowdown <= SLOWDOWN_GOAL and synced)
+    result["key"] = f"worst KV {worst_rate:.2f} x {peer}, hidden {worst_hidden:.0%}, slowdown {worst_slowdown:+.1%}" + (
+        "" if synced else ", sync-debug n/a"
+    )
+    result["goal_met"] = (
+        worst_rate >= RATE_GOAL and worst_hidden >= HIDDEN_GOAL and worst_slowdown <= SLOWDOWN_GOAL and synced
+    )
     return result

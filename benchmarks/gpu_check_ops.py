@@ -34,18 +34,32 @@ from vllm_pd.ops.testing import fp8_operands
 MLA_GOAL, FP8_GOAL = 0.6, 1.0
 # (batch, context): both ends of the issue's ranges and FlashMLA's headline point (128 x 32K), not the
 # whole product; about 12 M KV tokens in all
-MLA_GRID = {"full": [(1, 1024), (1, 32768), (32, 16384), (64, 4096), (128, 1024), (128, 32768)],
-            "small": [(1, 70), (2, 150)]}
+MLA_GRID = {
+    "full": [(1, 1024), (1, 32768), (32, 16384), (64, 4096), (128, 1024), (128, 32768)],
+    "small": [(1, 70), (2, 150)],
+}
 # (groups, m, n, k), groups 0 = the plain GEMM; m is rows per group (masked: the most rows of a group)
-FP8_GRID = {"full": {"normal": [(0, 128, 2112, 7168), (0, 128, 24576, 1536), (0, 128, 7168, 16384),
-                                (0, 4096, 2112, 7168), (0, 4096, 24576, 1536), (0, 4096, 7168, 16384),
-                                (0, 4096, 4096, 7168)],
-                     "contiguous": [(4, 2048, 4096, 7168), (8, 1024, 7168, 2048)],
-                     "masked": [(1, 1024, 4096, 7168), (4, 256, 7168, 2048)]},
-            "small": {"normal": [(0, 64, 256, 512)], "contiguous": [(2, 128, 256, 256)],
-                      "masked": [(2, 64, 256, 256)]}}
-_FP8_OPS = {"normal": "fp8_gemm_nt", "contiguous": "m_grouped_fp8_gemm_nt_contiguous",
-            "masked": "m_grouped_fp8_gemm_nt_masked"}
+FP8_GRID = {
+    "full": {
+        "normal": [
+            (0, 128, 2112, 7168),
+            (0, 128, 24576, 1536),
+            (0, 128, 7168, 16384),
+            (0, 4096, 2112, 7168),
+            (0, 4096, 24576, 1536),
+            (0, 4096, 7168, 16384),
+            (0, 4096, 4096, 7168),
+        ],
+        "contiguous": [(4, 2048, 4096, 7168), (8, 1024, 7168, 2048)],
+        "masked": [(1, 1024, 4096, 7168), (4, 256, 7168, 2048)],
+    },
+    "small": {"normal": [(0, 64, 256, 512)], "contiguous": [(2, 128, 256, 256)], "masked": [(2, 64, 256, 256)]},
+}
+_FP8_OPS = {
+    "normal": "fp8_gemm_nt",
+    "contiguous": "m_grouped_fp8_gemm_nt_contiguous",
+    "masked": "m_grouped_fp8_gemm_nt_masked",
+}
 
 
 def median_s(fn: Callable[[], object], device: torch.device, budget_s: float = 0.3, max_reps: int = 20) -> float:
@@ -94,9 +108,15 @@ def mla(backend: str, device: torch.device, size: str) -> dict[str, Any]:
 def _mla_point(backend: str, shape: MlaShape, device: torch.device, seed: int, hbm: float) -> dict[str, Any]:
     case = numerics.mla_case(backend, shape, device, seed=seed)
     seconds = median_s(case.run, device)
-    return dict(ok=case.ok, mismatch=case.detail or None, max_abs_error=case.error, ms=seconds * 1e3,
-                gbps=case.bytes / seconds / 1e9, x_hbm=case.bytes / seconds / 1e9 / hbm,
-                tflops=case.flops / seconds / 1e12)
+    return dict(
+        ok=case.ok,
+        mismatch=case.detail or None,
+        max_abs_error=case.error,
+        ms=seconds * 1e3,
+        gbps=case.bytes / seconds / 1e9,
+        x_hbm=case.bytes / seconds / 1e9 / hbm,
+        tflops=case.flops / seconds / 1e12,
+    )
 
 
 def fp8(backend: str, device: torch.device, size: str) -> dict[str, Any]:
@@ -115,15 +135,17 @@ def fp8(backend: str, device: torch.device, size: str) -> dict[str, Any]:
     return _verdict(rows, "x_bf16", FP8_GOAL, "x bf16 matmul TFLOP/s", "median", {})
 
 
-def _fp8_point(backend: str, kind: str, groups: int, m: int, n: int, k: int, device: torch.device,
-               seed: int) -> dict[str, Any]:
+def _fp8_point(
+    backend: str, kind: str, groups: int, m: int, n: int, k: int, device: torch.device, seed: int
+) -> dict[str, Any]:
     count = max(1, groups)
     g = torch.Generator(device=device).manual_seed(seed)
     a_bf = torch.randn(count, m, k, generator=g, device=device, dtype=torch.bfloat16)
     b_bf = torch.randn(count, k, n, generator=g, device=device, dtype=torch.bfloat16)
     bf16_flops = 2.0 * count * m * n * k
-    bf16_s = median_s((lambda: torch.matmul(a_bf[0], b_bf[0])) if kind == "normal" else
-                      (lambda: torch.bmm(a_bf, b_bf)), device)
+    bf16_s = median_s(
+        (lambda: torch.matmul(a_bf[0], b_bf[0])) if kind == "normal" else (lambda: torch.bmm(a_bf, b_bf)), device
+    )
     if kind == "normal":
         case = numerics.fp8_gemm_case(backend, GemmShape(m, n, k), device, seed=seed)
         ok, diff, run, flops = case.ok, case.error, case.run, float(case.flops)
@@ -132,8 +154,14 @@ def _fp8_point(backend: str, kind: str, groups: int, m: int, n: int, k: int, dev
         diff = grouped.diff(backend)
         ok, run, flops = diff < numerics.GEMM_DIFF_TOL, lambda: grouped.kernel(backend), grouped.flops
     seconds = median_s(run, device)
-    return dict(ok=ok, calc_diff=diff, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
-                bf16_tflops=bf16_flops / bf16_s / 1e12, x_bf16=(flops / seconds) / (bf16_flops / bf16_s))
+    return dict(
+        ok=ok,
+        calc_diff=diff,
+        ms=seconds * 1e3,
+        tflops=flops / seconds / 1e12,
+        bf16_tflops=bf16_flops / bf16_s / 1e12,
+        x_bf16=(flops / seconds) / (bf16_flops / bf16_s),
+    )
 
 
 @dataclass
@@ -174,14 +202,26 @@ def _grouped_case(kind: str, groups: int, m: int, n: int, k: int, device: torch.
         a, sfa = a3.reshape(groups * m, k), sfa3.reshape(groups * m, -1)
         layout = torch.arange(groups, device=device, dtype=torch.int32).repeat_interleave(m)
         reference.m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, ref, layout)
-        return _GroupedCase("m_grouped_fp8_gemm_nt_contiguous", lambda out: (a, sfa, b, sfb, out, layout), d, ref,
-                            None, 2.0 * groups * m * n * k)
+        return _GroupedCase(
+            "m_grouped_fp8_gemm_nt_contiguous",
+            lambda out: (a, sfa, b, sfb, out, layout),
+            d,
+            ref,
+            None,
+            2.0 * groups * m * n * k,
+        )
     masked_m = torch.randint(m // 2, m + 1, (groups,), generator=torch.Generator().manual_seed(seed)).int()
     rows, ref3 = masked_m.to(device), ref.view(groups, m, n)
     reference.m_grouped_fp8_gemm_nt_masked(a3, sfa3, b, sfb, ref3, rows, m)
     valid = torch.arange(m, device=device)[None, :] < rows[:, None]  # [groups, m]
-    return _GroupedCase("m_grouped_fp8_gemm_nt_masked", lambda out: (a3, sfa3, b, sfb, out, rows, m),
-                        d.view(groups, m, n), ref3, valid, 2.0 * int(masked_m.sum()) * n * k)
+    return _GroupedCase(
+        "m_grouped_fp8_gemm_nt_masked",
+        lambda out: (a3, sfa3, b, sfb, out, rows, m),
+        d.view(groups, m, n),
+        ref3,
+        valid,
+        2.0 * int(masked_m.sum()) * n * k,
+    )
 
 
 def _guarded(row: dict[str, Any], work: Callable[[], None]) -> None:
@@ -189,12 +229,13 @@ def _guarded(row: dict[str, Any], work: Callable[[], None]) -> None:
     left the CUDA context broken: then every later point says so too)."""
     try:
         work()
-    except Exception as e:  # noqa: BLE001 - recorded in the row, reported by the step
+    except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:500]
 
 
-def _verdict(rows: list[dict[str, Any]], figure: str, goal: float, unit: str, how: str,
-             extra: dict[str, Any]) -> dict[str, Any]:
+def _verdict(
+    rows: list[dict[str, Any]], figure: str, goal: float, unit: str, how: str, extra: dict[str, Any]
+) -> dict[str, Any]:
     """The step's result: failed if the backend is missing or a check fails. The key figure is the
     backend's ``how`` ("best": the largest, the memory-bound point; "median") over its grid points."""
     failed = [r for r in rows if "error" in r or not r.get("ok")]
@@ -204,10 +245,18 @@ def _verdict(rows: list[dict[str, Any]], figure: str, goal: float, unit: str, ho
             values.setdefault(r["backend"], []).append(r[figure])
     summary = {b: max(v) if how == "best" else statistics.median(v) for b, v in values.items()}
     key = f"{how} " + ", ".join(f"{b} {v:.2f}" for b, v in summary.items()) + f" {unit}" if summary else "no figure"
-    detail = "; ".join(f"{r['backend']} {_shape(r)}: {r.get('error') or r.get('mismatch') or 'diff too large'}"
-                       for r in failed[:4])
-    return {"status": "failed" if failed else "ok", "key": key, "goal": f">= {goal} {unit.split(' (')[0]}",
-            "goal_met": bool(summary) and max(summary.values()) >= goal, "detail": detail, "rows": rows, **extra}
+    detail = "; ".join(
+        f"{r['backend']} {_shape(r)}: {r.get('error') or r.get('mismatch') or 'diff too large'}" for r in failed[:4]
+    )
+    return {
+        "status": "failed" if failed else "ok",
+        "key": key,
+        "goal": f">= {goal} {unit.split(' (')[0]}",
+        "goal_met": bool(summary) and max(summary.values()) >= goal,
+        "detail": detail,
+        "rows": rows,
+        **extra,
+    }
 
 
 def _shape(row: dict[str, Any]) -> str:

@@ -27,8 +27,13 @@ from pathlib import Path
 
 TRAVEL_LIMIT_BYTES = 64 << 20
 SKIPPED_MARKER = "SKIPPED-nixl.txt"  # in the wheel folder: why NIXL is not carried
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64")
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 PYTHON_VERSION = "3.12"
 
 
@@ -44,9 +49,28 @@ class Wheel:
 # Top-level modules the bare GPU machine has that our code may reach (beside the standard library):
 # torch with its own requirements, Triton, numpy, uvloop, PyYAML, and pip (which installs the wheels).
 # The rehearsal allows these alone.
-GPU_MACHINE_MODULES = ("torch", "torchgen", "functorch", "triton", "numpy", "uvloop", "yaml", "_yaml",
-                       "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "filelock", "fsspec",
-                       "typing_extensions", "setuptools", "pkg_resources", "_distutils_hack", "pip")
+GPU_MACHINE_MODULES = (
+    "torch",
+    "torchgen",
+    "functorch",
+    "triton",
+    "numpy",
+    "uvloop",
+    "yaml",
+    "_yaml",
+    "sympy",
+    "mpmath",
+    "networkx",
+    "jinja2",
+    "markupsafe",
+    "filelock",
+    "fsspec",
+    "typing_extensions",
+    "setuptools",
+    "pkg_resources",
+    "_distutils_hack",
+    "pip",
+)
 
 WHEELS = (
     Wheel("msgspec", "0.22.0", ("msgspec",)),
@@ -62,8 +86,12 @@ def carried_modules(include_nixl: bool = True) -> tuple[str, ...]:
 
 def travelling_bytes(root: Path) -> int:
     """Bytes of the repository's tree as the device call sends it: tracked and untracked-not-ignored files."""
-    listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
-                             check=True, capture_output=True).stdout.decode()
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
     return sum((root / p).stat().st_size for p in listing.split("\0") if p and (root / p).is_file())
 
 
@@ -74,9 +102,26 @@ def fetch(folder: Path, root: Path) -> list[str]:
         old.unlink()
     platform_args = [a for p in PLATFORMS for a in ("--platform", p)]
     for wheel in WHEELS:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--python-version", PYTHON_VERSION, "--implementation", "cp", *platform_args,
-                        "-d", str(folder), f"{wheel.name}=={wheel.version}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                PYTHON_VERSION,
+                "--implementation",
+                "cp",
+                *platform_args,
+                "-d",
+                str(folder),
+                f"{wheel.name}=={wheel.version}",
+            ],
+            check=True,
+        )
         if wheel.drop:
             _drop_entries(_wheel_file(folder, wheel), wheel.drop)
     lines = [f"  {p.name}: {p.stat().st_size / 2**20:.2f} MiB" for p in sorted(folder.iterdir())]
@@ -91,8 +136,10 @@ def fetch(folder: Path, root: Path) -> list[str]:
         (folder / SKIPPED_MARKER).write_text(why + "\n")
         lines.append(f"  nixl {why}")
         total -= nixl_bytes
-    lines.append(f"  travels: repository {tree / 2**20:.2f} MiB + wheels = {total / 2**20:.2f} MiB "
-                 f"of {TRAVEL_LIMIT_BYTES >> 20} MiB")
+    lines.append(
+        f"  travels: repository {tree / 2**20:.2f} MiB + wheels = {total / 2**20:.2f} MiB "
+        f"of {TRAVEL_LIMIT_BYTES >> 20} MiB"
+    )
     return lines
 
 
@@ -106,9 +153,25 @@ def install(folder: Path, site: Path) -> list[str]:
     """pip-install every wheel in ``folder`` into ``site`` without an index; the wheel file names."""
     wheels = sorted(str(p) for p in folder.glob("*.whl"))
     if wheels:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--no-cache-dir", "--upgrade", "--disable-pip-version-check",
-                        "--target", str(site), *wheels], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                "--no-cache-dir",
+                "--upgrade",
+                "--disable-pip-version-check",
+                "--target",
+                str(site),
+                *wheels,
+            ],
+            check=True,
+        )
     return [Path(w).name for w in wheels]
 
 

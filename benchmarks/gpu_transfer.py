@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support import vllm_kv_cache as replay  # noqa: E402
-from tests.support.gpu_harness import HarnessSpec, run  # noqa: E402
+from tests.support import vllm_kv_cache as replay
+from tests.support.gpu_harness import HarnessSpec, run
 
 
 def copy_gbps(device: str, nbytes: int, kind: str) -> float:
@@ -42,13 +42,16 @@ def copy_gbps(device: str, nbytes: int, kind: str) -> float:
         a, b = torch.zeros(nbytes, dtype=torch.uint8), torch.ones(nbytes, dtype=torch.uint8)
         return _best(lambda: a.copy_(b), nbytes, sync=lambda: None)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    other = torch.empty(nbytes, dtype=torch.uint8, device="cuda") if kind == "d2d" else \
-        torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    other = (
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        if kind == "d2d"
+        else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    )
     src, dst = {"d2h": (dev, other), "h2d": (other, dev), "d2d": (dev, other)}[kind]
     return _best(lambda: dst.copy_(src, non_blocking=True), nbytes, sync=torch.cuda.synchronize)
 
 
-def _best(fn, nbytes: int, sync) -> float:  # noqa: ANN001 - callables
+def _best(fn, nbytes: int, sync) -> float:
     best = float("inf")
     for _ in range(7):
         sync()
@@ -71,21 +74,34 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    print(f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'host'}), "
-          f"{args.blocks} blocks per request, hidden {args.hidden}")
+    print(
+        f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'host'}), "
+        f"{args.blocks} blocks per request, hidden {args.hidden}"
+    )
     for backend in args.backends:
         model = "deepseek-v3" if replay.BACKENDS[backend].mla else "llama3-8b"
-        spec0 = HarnessSpec(device=args.device, backend=backend, kv_layout=args.kv_layout, model=model,
-                            layers=args.layers, num_blocks=4 * args.blocks, block_size=args.block_size,
-                            blocks_per_request=args.blocks, hidden=args.hidden, rounds=args.rounds,
-                            host_staging_bytes=1 << 30)
+        spec0 = HarnessSpec(
+            device=args.device,
+            backend=backend,
+            kv_layout=args.kv_layout,
+            model=model,
+            layers=args.layers,
+            num_blocks=4 * args.blocks,
+            block_size=args.block_size,
+            blocks_per_request=args.blocks,
+            hidden=args.hidden,
+            rounds=args.rounds,
+            host_staging_bytes=1 << 30,
+        )
         nbytes = spec0.request_nbytes()
         kinds = ("d2h", "h2d", "d2d") if args.device == "cuda" else ("memcpy",)
         limits = {k: copy_gbps(args.device, nbytes, k) for k in kinds}
         m = spec0.kv_model()
-        print(f"\n{backend} {spec0.layout().name}, {model} ({m.num_layers} layers, {m.block_size}-token blocks): "
-              f"{nbytes / 2**20:.1f} MiB of KV per request; limits (same run): "
-              + ", ".join(f"{k} {v:.2f} GB/s" for k, v in limits.items()))
+        print(
+            f"\n{backend} {spec0.layout().name}, {model} ({m.num_layers} layers, {m.block_size}-token blocks): "
+            f"{nbytes / 2**20:.1f} MiB of KV per request; limits (same run): "
+            + ", ".join(f"{k} {v:.2f} GB/s" for k, v in limits.items())
+        )
         for transport in args.transports:
             bare = run(HarnessSpec(**{**spec0.__dict__, "transport": transport, "hidden": 0}))
             full = run(HarnessSpec(**{**spec0.__dict__, "transport": transport}))
@@ -93,16 +109,23 @@ def main() -> None:
                 print(f"  {transport}: FAILED {(bare.errors or full.errors)[0].splitlines()[0]}")
                 continue
             for mode in spec0.modes:
-                _report(transport, mode, [r for r in bare.requests if r.mode == mode],
-                        [r for r in full.requests if r.mode == mode], limits)
+                _report(
+                    transport,
+                    mode,
+                    [r for r in bare.requests if r.mode == mode],
+                    [r for r in full.requests if r.mode == mode],
+                    limits,
+                )
 
 
-def _report(transport: str, mode: str, bare: list, full: list, limits: dict[str, float]) -> None:  # noqa: ANN401
+def _report(transport: str, mode: str, bare: list, full: list, limits: dict[str, float]) -> None:
     f = transfer_figures(bare, full)
     peers = ", ".join(f"{f['gbps'] / v:.2f} x {k}" for k, v in limits.items())
-    print(f"  {transport:5s} {mode:4s}: exact {f['exact']}, KV {f['gbps']:6.2f} GB/s = {peers}; "
-          f"hidden {f['hidden'] * 100:5.1f} % (target >= 90), "
-          f"forward slowdown {f['slowdown'] * 100:+.1f} % (target <= 3)")
+    print(
+        f"  {transport:5s} {mode:4s}: exact {f['exact']}, KV {f['gbps']:6.2f} GB/s = {peers}; "
+        f"hidden {f['hidden'] * 100:5.1f} % (target >= 90), "
+        f"forward slowdown {f['slowdown'] * 100:+.1f} % (target <= 3)"
+    )
 
 
 def transfer_figures(bare: list, full: list) -> dict[str, float | bool]:
@@ -112,7 +135,8 @@ def transfer_figures(bare: list, full: list) -> dict[str, float | bool]:
         "exact": all(r.exact and r.load_ok for r in bare + full),
         "gbps": statistics.median(r.nbytes / max(1e-9, r.landed_at - r.first_save_at) for r in bare) / 1e9,
         "hidden": statistics.median(
-            1 - max(0.0, r.landed_at - r.forward_end_at) / max(1e-9, r.landed_at - r.first_save_at) for r in full),
+            1 - max(0.0, r.landed_at - r.forward_end_at) / max(1e-9, r.landed_at - r.first_save_at) for r in full
+        ),
         "slowdown": statistics.median(r.forward_s / r.baseline_forward_s for r in full) - 1,
     }
 

@@ -53,8 +53,10 @@ from vllm_pd.small_model import ensure_model  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402
 
 POLICIES = ("kv_aware", "kv_aware+store", "prefix_aware", "least_outstanding", "round_robin")
-WORDS = ("alpha beta gamma delta river mountain signal vector kernel thread socket buffer window "
-         "planet orbit copper silver garden harbor lantern meadow quartz summit timber velvet").split()
+WORDS = (
+    "alpha beta gamma delta river mountain signal vector kernel thread socket buffer window "
+    "planet orbit copper silver garden harbor lantern meadow quartz summit timber velvet"
+).split()
 
 
 def text(rng: random.Random, words: int) -> str:
@@ -72,11 +74,18 @@ def system_prompt(run: str, conversation: int, seed: int) -> str:
     return f"[{run}] You are assistant {conversation % 2}. " + text(rng, 450)
 
 
-def stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]],
-                max_tokens: int) -> tuple[float, str, int]:
+def stream_chat(
+    client: httpx.Client, url: str, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[float, str, int]:
     """(TTFT s, answer, prompt tokens) of one streamed chat turn."""
-    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "bench",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft, parts, prompt_tokens = None, [], 0
     with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
@@ -118,13 +127,25 @@ def loaded_tokens(client: httpx.Client, urls: list[str]) -> float:
     return server_counter(client, urls, "vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
 
 
-def start_proxy(cluster: LocalCluster, policy: str, model: Path, log: Path,
-                store_master: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_proxy(
+    cluster: LocalCluster, policy: str, model: Path, log: Path, store_master: str | None = None
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     base = policy.split("+")[0]
-    cmd = [sys.executable, "-m", "vllm_pd.cli", "proxy", "--port", str(port), "--tokenizer", str(model),
-        "--prefill-policy", base,
-        "--decode-policy", "kv_aware" if base == "kv_aware" else "least_outstanding"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_pd.cli",
+        "proxy",
+        "--port",
+        str(port),
+        "--tokenizer",
+        str(model),
+        "--prefill-policy",
+        base,
+        "--decode-policy",
+        "kv_aware" if base == "kv_aware" else "least_outstanding",
+    ]
     if policy.endswith("+store"):
         if store_master is None:
             raise SystemExit(f"{policy} needs the store on (drop --no-store)")
@@ -178,27 +199,54 @@ def run_policy(cluster: LocalCluster, policy: str, tag: str, model: Path, args: 
             loaded = loaded_tokens(client, prefills) - before[1]
             served = served_blocks(client, servers) - before[2]
             proxy_lines = client.get(url + "/metrics").text.splitlines()
-            skipped = sum(float(line.rsplit(" ", 1)[1]) for line in proxy_lines
-                          if line.startswith("vllm_pd_proxy_decode_only") and "holds_prompt" in line)
-            hints = sum(float(line.rsplit(" ", 1)[1]) for line in proxy_lines
-                        if line.startswith("vllm_pd_proxy_store_fetch_hints_total"))
+            skipped = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in proxy_lines
+                if line.startswith("vllm_pd_proxy_decode_only") and "holds_prompt" in line
+            )
+            hints = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in proxy_lines
+                if line.startswith("vllm_pd_proxy_store_fetch_hints_total")
+            )
     finally:
         proc.terminate()
         proc.wait(10)
-    return {"policy": policy, "tag": tag, "ttfts": [t for t, _ in turns], "wall_s": wall,
-            "prompt_tokens": sum(n for _, n in turns), "computed_prompt_tokens": computed, "prefill_skipped": skipped,
-            "prefill_loaded_tokens": loaded, "store_served_blocks": served, "store_fetch_hints": hints}
+    return {
+        "policy": policy,
+        "tag": tag,
+        "ttfts": [t for t, _ in turns],
+        "wall_s": wall,
+        "prompt_tokens": sum(n for _, n in turns),
+        "computed_prompt_tokens": computed,
+        "prefill_skipped": skipped,
+        "prefill_loaded_tokens": loaded,
+        "store_served_blocks": served,
+        "store_fetch_hints": hints,
+    }
 
 
 def summary(passes: list[dict[str, Any]]) -> dict[str, Any]:
     """One policy's passes together."""
     ttfts = sorted(t for p in passes for t in p["ttfts"])
-    return {"policy": passes[0]["policy"], "requests": len(ttfts),
-            "ttft_p50_ms": 1000 * statistics.median(ttfts),
-            "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-            **{k: sum(p[k] for p in passes) for k in ("prompt_tokens", "computed_prompt_tokens", "prefill_skipped",
-                                                       "prefill_loaded_tokens", "store_served_blocks",
-                                                       "store_fetch_hints", "wall_s")}}
+    return {
+        "policy": passes[0]["policy"],
+        "requests": len(ttfts),
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        **{
+            k: sum(p[k] for p in passes)
+            for k in (
+                "prompt_tokens",
+                "computed_prompt_tokens",
+                "prefill_skipped",
+                "prefill_loaded_tokens",
+                "store_served_blocks",
+                "store_fetch_hints",
+                "wall_s",
+            )
+        },
+    }
 
 
 def tokenize_cost(model: Path) -> None:
@@ -209,8 +257,12 @@ def tokenize_cost(model: Path) -> None:
 
     tok = PromptTokenizer(model, VllmBlockHasher(), cache_size=0)
     for words in (100, 1000, 8000):
-        body = {"messages": [{"role": "system", "content": text(random.Random(1), words)},
-                             {"role": "user", "content": "go"}]}
+        body = {
+            "messages": [
+                {"role": "system", "content": text(random.Random(1), words)},
+                {"role": "user", "content": "go"},
+            ]
+        }
         req = parse_body(json.dumps(body).encode(), CHAT)
         times, n = [], 0
         for _ in range(20):
@@ -245,9 +297,16 @@ def main() -> int:
     master, address = spawn_master(free_port())
     store = {} if args.no_store else {"store": {"cpu_bytes": "256m", "master": address}}
     args.store_master = None if args.no_store else address
-    cluster = LocalCluster(model=str(model), n_prefill=2, n_decode=1, max_model_len=4096, kv_events=True,
-                           log_dir=args.log_dir, extra_args=["--served-model-name", "bench", "--seed", "0"],
-                           connector_extra=store)
+    cluster = LocalCluster(
+        model=str(model),
+        n_prefill=2,
+        n_decode=1,
+        max_model_len=4096,
+        kv_events=True,
+        log_dir=args.log_dir,
+        extra_args=["--served-model-name", "bench", "--seed", "0"],
+        connector_extra=store,
+    )
     results = []
     try:
         cluster.start()
@@ -257,7 +316,7 @@ def main() -> int:
         policies = [p for p in args.policies.split(",") if not (args.no_store and p.endswith("+store"))]
         passes: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
         for r in range(args.rounds):
-            for policy in policies[r % len(policies):] + policies[:r % len(policies)]:
+            for policy in policies[r % len(policies) :] + policies[: r % len(policies)]:
                 one = run_policy(cluster, policy, f"{policy}-{r}", model, args)
                 passes[policy].append(one)
                 print(json.dumps({k: v for k, v in one.items() if k != "ttfts"}), flush=True)
@@ -266,13 +325,17 @@ def main() -> int:
         cluster.stop()
         master.kill()
         master.wait()
-    print(f"{'policy':<18} {'requests':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'prompt tok':>10} "
-          f"{'computed':>9} {'loaded':>8} {'served blk':>10} {'hints':>6} {'skipped':>7} {'wall s':>7}")
+    print(
+        f"{'policy':<18} {'requests':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'prompt tok':>10} "
+        f"{'computed':>9} {'loaded':>8} {'served blk':>10} {'hints':>6} {'skipped':>7} {'wall s':>7}"
+    )
     for r in results:
-        print(f"{r['policy']:<18} {r['requests']:>8} {r['ttft_p50_ms']:>11.0f} {r['ttft_p99_ms']:>11.0f} "
-              f"{r['prompt_tokens']:>10} {r['computed_prompt_tokens']:>9.0f} {r['prefill_loaded_tokens']:>8.0f} "
-              f"{r['store_served_blocks']:>10.0f} {r['store_fetch_hints']:>6.0f} {r['prefill_skipped']:>7.0f} "
-              f"{r['wall_s']:>7.1f}")
+        print(
+            f"{r['policy']:<18} {r['requests']:>8} {r['ttft_p50_ms']:>11.0f} {r['ttft_p99_ms']:>11.0f} "
+            f"{r['prompt_tokens']:>10} {r['computed_prompt_tokens']:>9.0f} {r['prefill_loaded_tokens']:>8.0f} "
+            f"{r['store_served_blocks']:>10.0f} {r['store_fetch_hints']:>6.0f} {r['prefill_skipped']:>7.0f} "
+            f"{r['wall_s']:>7.1f}"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

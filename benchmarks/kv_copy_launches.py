@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.async_device import AsyncStandInDevice  # noqa: E402
-from vllm_pd.connector.block_copies import BlockCopies, Run, byte_blocks  # noqa: E402
-from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent, HostDevice, KVDevice  # noqa: E402
-from vllm_pd.connector.transport.base import MemoryRegion  # noqa: E402
+from tests.support.async_device import AsyncStandInDevice
+from vllm_pd.connector.block_copies import BlockCopies, Run, byte_blocks
+from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent, HostDevice, KVDevice
+from vllm_pd.connector.transport.base import MemoryRegion
 
 
 class BlockCopiesBefore(BlockCopies):
@@ -73,10 +73,13 @@ def _kv(layers: int, num_blocks: int, block_kib: int, layout: str = "flash") -> 
     apart, block_dim 1) or vLLM's ``cpu`` page [blocks, heads, 16, 256] (block_dim 0)."""
     heads = max(1, block_kib * 1024 // (2 * 16 * 128 * 2))
     if layout == "cpu":
-        return [MemoryRegion(f"l{i}", torch.zeros(num_blocks, heads, 16, 256, dtype=torch.bfloat16))
-                for i in range(layers)]
-    return [MemoryRegion(f"l{i}", torch.zeros(2, num_blocks, 16, heads, 128, dtype=torch.bfloat16), block_dim=1)
-            for i in range(layers)]
+        return [
+            MemoryRegion(f"l{i}", torch.zeros(num_blocks, heads, 16, 256, dtype=torch.bfloat16)) for i in range(layers)
+        ]
+    return [
+        MemoryRegion(f"l{i}", torch.zeros(2, num_blocks, 16, heads, 128, dtype=torch.bfloat16), block_dim=1)
+        for i in range(layers)
+    ]
 
 
 def count(copies_cls: type[BlockCopies], layers: int, blocks: int, block_kib: int) -> dict[str, float]:
@@ -102,8 +105,9 @@ def count(copies_cls: type[BlockCopies], layers: int, blocks: int, block_kib: in
     return out
 
 
-def cpu_land_s(copies_cls: type[BlockCopies], layout: str, layers: int, blocks: int, block_kib: int,
-               repeats: int) -> float:
+def cpu_land_s(
+    copies_cls: type[BlockCopies], layout: str, layers: int, blocks: int, block_kib: int, repeats: int
+) -> float:
     """Median seconds per layer to land pushed KV on vLLM's CPU backend (host memory, inline copies)."""
     device: KVDevice = HostDevice()
     regions = _kv(layers, 2 * blocks, block_kib, layout)

@@ -55,14 +55,17 @@ class Case:
 SLIDING = ModelSpec(sliding_window=WINDOW, full_attention_every=4)
 PLAIN = ModelSpec()
 NO_HMA = ("--disable-hybrid-kv-cache-manager",)
-CASES = {c.name: c for c in (
-    Case("hma", SLIDING),
-    Case("no-hma", SLIDING, NO_HMA, NO_HMA, peer_of="hma"),
-    Case("p64-d64", PLAIN, ("--block-size", "64"), ("--block-size", "64")),
-    Case("p32-d64", PLAIN, ("--block-size", "32"), ("--block-size", "64"), peer_of="p64-d64"),
-    Case("p2-d2", PLAIN, prefill_tp=2, decode_tp=2),
-    Case("p1-d2", PLAIN, decode_tp=2, peer_of="p2-d2"),
-)}
+CASES = {
+    c.name: c
+    for c in (
+        Case("hma", SLIDING),
+        Case("no-hma", SLIDING, NO_HMA, NO_HMA, peer_of="hma"),
+        Case("p64-d64", PLAIN, ("--block-size", "64"), ("--block-size", "64")),
+        Case("p32-d64", PLAIN, ("--block-size", "32"), ("--block-size", "64"), peer_of="p64-d64"),
+        Case("p2-d2", PLAIN, prefill_tp=2, decode_tp=2),
+        Case("p1-d2", PLAIN, decode_tp=2, peer_of="p2-d2"),
+    )
+}
 
 
 @dataclass
@@ -75,12 +78,23 @@ class Figures:
 
 def server_spec(model: Path, tp: int, core: str, role: str, extra: tuple[str, ...]) -> VllmServerSpec:
     kv_port = free_port()
-    ktc = {"kv_connector": "PDConnector", "kv_role": role, "kv_port": kv_port,
-           "kv_load_failure_policy": "recompute",  # a failed load is counted (loads failed), not an HTTP 500
-           "kv_connector_extra_config": {"transport": "tcp", "host": "127.0.0.1", "lease_s": 60.0}}
-    spec = VllmServerSpec(model=str(model), port=free_port(), kv_transfer_config=ktc,
-                          cpu_cores="0|1" if tp == 2 else core, max_model_len=2048, served_model_name="bench",
-                          kv_cache_bytes=f"{KV_CACHE_BYTES >> 20}m", extra_args=["--seed", "0", *extra])
+    ktc = {
+        "kv_connector": "PDConnector",
+        "kv_role": role,
+        "kv_port": kv_port,
+        "kv_load_failure_policy": "recompute",  # a failed load is counted (loads failed), not an HTTP 500
+        "kv_connector_extra_config": {"transport": "tcp", "host": "127.0.0.1", "lease_s": 60.0},
+    }
+    spec = VllmServerSpec(
+        model=str(model),
+        port=free_port(),
+        kv_transfer_config=ktc,
+        cpu_cores="0|1" if tp == 2 else core,
+        max_model_len=2048,
+        served_model_name="bench",
+        kv_cache_bytes=f"{KV_CACHE_BYTES >> 20}m",
+        extra_args=["--seed", "0", *extra],
+    )
     if tp == 2:
         spec.extra_args += ["--tensor-parallel-size", "2"]
         spec.env["TORCHDYNAMO_DISABLE"] = "1"  # see tests/e2e/test_connector_tp_e2e.py
@@ -91,18 +105,28 @@ def metric(client: httpx.Client, url: str, name: str, **labels: str) -> float:
     """Sum of a metric's samples (with ``labels``) on a vLLM server."""
     total = 0.0
     for line in client.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name) and not line.startswith("#") and line.split("{", 1)[0].split(" ")[0] == name \
-                and all(f'{k}="{v}"' in line for k, v in labels.items()):
+        if (
+            line.startswith(name)
+            and not line.startswith("#")
+            and line.split("{", 1)[0].split(" ")[0] == name
+            and all(f'{k}="{v}"' in line for k, v in labels.items())
+        ):
             total += float(line.rpartition(" ")[2])
     return total
 
 
 def run_case(case: Case, requests: int, length: int, log_dir: Path, client: httpx.Client) -> Figures:
     model = ensure_model(case.model)
-    servers = [VllmServer(server_spec(model, case.prefill_tp, "0", "kv_producer", case.prefill_args),
-                          log_dir / f"{case.name}-prefill.log").start(),
-               VllmServer(server_spec(model, case.decode_tp, "1", "kv_consumer", case.decode_args),
-                          log_dir / f"{case.name}-decode.log").start()]
+    servers = [
+        VllmServer(
+            server_spec(model, case.prefill_tp, "0", "kv_producer", case.prefill_args),
+            log_dir / f"{case.name}-prefill.log",
+        ).start(),
+        VllmServer(
+            server_spec(model, case.decode_tp, "1", "kv_consumer", case.decode_args),
+            log_dir / f"{case.name}-decode.log",
+        ).start(),
+    ]
     figures = Figures()
     rng = random.Random(7)
     try:
@@ -119,12 +143,16 @@ def run_case(case: Case, requests: int, length: int, log_dir: Path, client: http
             held = metric(client, prefill.url, "vllm:kv_cache_usage_perc") * KV_CACHE_BYTES
             loaded = metric(client, decode.url, "vllm:pd_loaded_bytes_total")
             t0 = time.perf_counter()
-            d = client.post(decode.url + "/v1/completions", timeout=300,
-                            json=dict(body, max_tokens=1, kv_transfer_params=p["kv_transfer_params"]))
+            d = client.post(
+                decode.url + "/v1/completions",
+                timeout=300,
+                json=dict(body, max_tokens=1, kv_transfer_params=p["kv_transfer_params"]),
+            )
             ttft = time.perf_counter() - t0
             if d.status_code != 200:
-                raise RuntimeError(f"{case.name}: decode answered HTTP {d.status_code}: {d.text[:300]} "
-                                   f"(logs in {log_dir})")
+                raise RuntimeError(
+                    f"{case.name}: decode answered HTTP {d.status_code}: {d.text[:300]} (logs in {log_dir})"
+                )
             if not i:
                 failed_before = metric(client, decode.url, "vllm:pd_loads_total", result="failed")
             else:
@@ -150,8 +178,12 @@ def main() -> int:
         for name in args.cases:
             print(f"running {name} (logs in {log_dir}) ...", file=sys.stderr, flush=True)
             results[name] = f = run_case(CASES[name], args.requests, args.length, log_dir, client)
-            print(f"  {name}: held {f.held_bytes}, loaded {f.loaded_bytes}, decode TTFT {f.decode_ttft_s}, "
-                  f"failed loads {f.failed_loads}", file=sys.stderr, flush=True)
+            print(
+                f"  {name}: held {f.held_bytes}, loaded {f.loaded_bytes}, decode TTFT {f.decode_ttft_s}, "
+                f"failed loads {f.failed_loads}",
+                file=sys.stderr,
+                flush=True,
+            )
     print(f"\n{args.length}-token prompts, {args.requests} requests per case, medians\n")
     print("| case | KV held by prefill | bytes loaded by decode | decode leg TTFT | failed loads |")
     print("|---|---|---|---|---|")
@@ -161,9 +193,11 @@ def main() -> int:
         peer_bytes = statistics.median(results[peer].loaded_bytes) if peer in results else 0
         if peer_bytes:
             ratio = f" ({statistics.median(f.loaded_bytes) / peer_bytes:.2f}x {peer})"
-        print(f"| {name} | {statistics.median(f.held_bytes) / 2**20:.2f} MiB | "
-              f"{statistics.median(f.loaded_bytes) / 2**20:.2f} MiB{ratio} | "
-              f"{statistics.median(f.decode_ttft_s) * 1e3:.0f} ms | {f.failed_loads} |")
+        print(
+            f"| {name} | {statistics.median(f.held_bytes) / 2**20:.2f} MiB | "
+            f"{statistics.median(f.loaded_bytes) / 2**20:.2f} MiB{ratio} | "
+            f"{statistics.median(f.decode_ttft_s) * 1e3:.0f} ms | {f.failed_loads} |"
+        )
     return 0
 
 

@@ -26,8 +26,8 @@ import time
 from collections import defaultdict
 
 import aiohttp
-
 from pd_e2e import proxy_process
+
 from vllm_pd.planner.instance_profiler import UniquePrompts, stream_completion
 from vllm_pd.router.cli.local_cluster import LocalCluster
 from vllm_pd.small_model import ensure_default_model
@@ -38,8 +38,9 @@ ROUNDS = 4
 SEEDS = itertools.count(3000)
 
 
-async def lone_requests(url: str, model: str, pause: float, out_tokens: int, prompt: int = 512,
-                        n: int = 12) -> dict[str, float]:
+async def lone_requests(
+    url: str, model: str, pause: float, out_tokens: int, prompt: int = 512, n: int = 12
+) -> dict[str, float]:
     prompts = UniquePrompts(4000, seed=next(SEEDS))
     ttft, steady, first, tpot = [], [], [], []
     async with aiohttp.ClientSession() as session:
@@ -54,16 +55,21 @@ async def lone_requests(url: str, model: str, pause: float, out_tokens: int, pro
                 tpot.append(statistics.mean(gaps))
     row = {"ttft_ms": statistics.median(ttft)}
     if steady:
-        row |= {"steady_ms": statistics.median(steady), "first_gap_ms": statistics.median(first),
-                "tpot_ms": statistics.median(tpot)}
+        row |= {
+            "steady_ms": statistics.median(steady),
+            "first_gap_ms": statistics.median(first),
+            "tpot_ms": statistics.median(tpot),
+        }
     return row
 
 
 def describe(r: dict[str, float], ref: dict[str, float]) -> str:
     out = f"TTFT {r['ttft_ms']:5.1f} ms (= {r['ttft_ms'] / ref['ttft_ms']:.2f} x)"
     if "steady_ms" in r:
-        out += (f", steady step {r['steady_ms']:.3f} ms (= {r['steady_ms'] / ref['steady_ms']:.2f} x), "
-                f"first gap {r['first_gap_ms']:.2f} ms, TPOT {r['tpot_ms']:.3f} ms")
+        out += (
+            f", steady step {r['steady_ms']:.3f} ms (= {r['steady_ms'] / ref['steady_ms']:.2f} x), "
+            f"first gap {r['first_gap_ms']:.2f} ms, TPOT {r['tpot_ms']:.3f} ms"
+        )
     return out
 
 
@@ -75,35 +81,50 @@ def main() -> int:
         a, b = cluster.instances()
         try:
             paths = {"straight to b": b.url}
-            for name, flags in (("relay proxy", ["--decode", b.url]),
-                                ("colocated x2 proxy", ["--decode", a.url, "--decode", b.url, "--request-log",
-                                                        "/tmp/lone-step-colocated.jsonl"]),
-                                ("1P1D proxy", ["--prefill", a.url, "--decode", f"{b.url}@{b.kv_endpoint}"])):
+            for name, flags in (
+                ("relay proxy", ["--decode", b.url]),
+                (
+                    "colocated x2 proxy",
+                    ["--decode", a.url, "--decode", b.url, "--request-log", "/tmp/lone-step-colocated.jsonl"],
+                ),
+                ("1P1D proxy", ["--prefill", a.url, "--decode", f"{b.url}@{b.kv_endpoint}"]),
+            ):
                 proc, paths[name] = proxy_process(flags)
                 procs.append(proc)
             for url in paths.values():
                 asyncio.run(lone_requests(url, model, 0.0, 16, 512, 4))  # warm-up
-            blocks = [(name, pause, out, prompt) for name in paths for pause in PAUSES_S for prompt in PROMPTS
-                      for out in (1, 16) if out == 16 or name == "relay proxy"]
+            blocks = [
+                (name, pause, out, prompt)
+                for name in paths
+                for pause in PAUSES_S
+                for prompt in PROMPTS
+                for out in (1, 16)
+                if out == 16 or name == "relay proxy"
+            ]
             results: dict[tuple[str, float, int, int], list[dict[str, float]]] = defaultdict(list)
             rng = random.Random(0)
             for rnd in range(ROUNDS):
                 rng.shuffle(blocks)
                 for name, pause, out, prompt in blocks:
                     results[name, pause, out, prompt].append(
-                        asyncio.run(lone_requests(paths[name], model, pause, out, prompt)))
+                        asyncio.run(lone_requests(paths[name], model, pause, out, prompt))
+                    )
                 print(f"round {rnd + 1} done {time.strftime('%H:%M:%S UTC', time.gmtime())}", flush=True)
         finally:
             for proc in procs:
                 proc.terminate()
                 proc.wait(10)
     medians = {key: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for key, rows in results.items()}
-    print(f"medians of {ROUNDS} rounds' block medians; x: against the relay proxy back to back, 16 tokens out, "
-          "same prompt")
+    print(
+        f"medians of {ROUNDS} rounds' block medians; x: against the relay proxy back to back, 16 tokens out, "
+        "same prompt"
+    )
     for (name, pause, out, prompt), med in sorted(medians.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][1:])):
         spread = ", ".join(f"{r['ttft_ms']:.1f}" for r in results[name, pause, out, prompt])
-        print(f"{prompt:4d} tokens {name:19s} pause {pause:.1f} s, {out:2d} out: "
-              f"{describe(med, medians['relay proxy', 0.0, 16, prompt])}; TTFT per round {spread}")
+        print(
+            f"{prompt:4d} tokens {name:19s} pause {pause:.1f} s, {out:2d} out: "
+            f"{describe(med, medians['relay proxy', 0.0, 16, prompt])}; TTFT per round {spread}"
+        )
     print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     return 0
 

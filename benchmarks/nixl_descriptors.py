@@ -23,17 +23,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support import vllm_kv_cache as replay  # noqa: E402
-from vllm_pd.connector.kv_layout import KVLayout, manager_blocks  # noqa: E402
-from vllm_pd.connector.transport.base import MemoryRegion, tensor_spans  # noqa: E402
-from vllm_pd.connector.transport.nixl_regions import RegionLayout, block_pairs, merge_pairs  # noqa: E402
+from tests.support import vllm_kv_cache as replay
+from vllm_pd.connector.kv_layout import KVLayout, manager_blocks
+from vllm_pd.connector.transport.base import MemoryRegion, tensor_spans
+from vllm_pd.connector.transport.nixl_regions import RegionLayout, block_pairs, merge_pairs
 
 NUM_BLOCKS = 32
 ADJACENT = (np.arange(4, 12), np.arange(20, 28))
 SCATTERED = (np.array([0, 3, 6, 9, 13, 17, 22, 30]), np.array([1, 5, 2, 8, 12, 31, 27, 16]))
 
 
-def before(view: "object", ids: tuple[np.ndarray, np.ndarray]) -> tuple[int, int]:
+def before(view: object, ids: tuple[np.ndarray, np.ndarray]) -> tuple[int, int]:
     """(descriptors, bytes each) of the old path: logical-order spans, both sides alike."""
     t = view  # vLLM's [B, H, N, C] view; the old block_dim() found B at dim 0
     spans = [tensor_spans(t[int(b)]) for b in ids[0]]  # type: ignore[index]
@@ -54,8 +54,10 @@ def now(here: MemoryRegion, there: MemoryRegion, ids: tuple[np.ndarray, np.ndarr
 def main() -> None:
     cases = [("llama3-8b", "FLASH_ATTN", 0), ("deepseek-v3", "FLASHMLA", 0), ("deepseek-v3", "FLASHMLA", 128)]
     print("descriptors per layer for 8 blocks (bytes each), ids adjacent / scattered on both sides")
-    print("| model, backend, block | layout | kernel blocks | before: adjacent | before: scattered "
-          "| now: adjacent | now: scattered |")
+    print(
+        "| model, backend, block | layout | kernel blocks | before: adjacent | before: scattered "
+        "| now: adjacent | now: scattered |"
+    )
     print("|---|---|---|---|---|---|---|")
     for model, backend, block_size in cases:
         m = replay.model(model, layers=2, block_size=block_size)
@@ -68,11 +70,16 @@ def main() -> None:
             views = [next(iter(c.views.values())) for c in caches]
             regions = [MemoryRegion("l0", manager_blocks(v, NUM_BLOCKS)) for v in views]
             ratio = caches[0].ratio
-            old = [f"{n} ({b} B)" for n, b in (before(views[0], ADJACENT), before(views[0], SCATTERED))] \
-                if ratio == 1 else ["block_dim() raised"] * 2
+            old = (
+                [f"{n} ({b} B)" for n, b in (before(views[0], ADJACENT), before(views[0], SCATTERED))]
+                if ratio == 1
+                else ["block_dim() raised"] * 2
+            )
             new = [f"{n} ({b} B)" for n, b in (now(*regions, ADJACENT), now(*regions, SCATTERED))]
-            print(f"| {model}, {backend}, {m.block_size} | {layout.name} | {ratio} | {old[0]} | {old[1]} "
-                  f"| {new[0]} | {new[1]} |")
+            print(
+                f"| {model}, {backend}, {m.block_size} | {layout.name} | {ratio} | {old[0]} | {old[1]} "
+                f"| {new[0]} | {new[1]} |"
+            )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ def thread_ticks() -> Counter[str]:
                 stat = f.read()
         except OSError:
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
         out[name] += int(fields[11]) + int(fields[12])
     return out
 
@@ -83,8 +83,12 @@ def _stock_side(name: str, core: int, conn, seconds: float) -> None:
     conn.send((agent.get_agent_metadata(), buf.data_ptr()))
     peer_md, peer_addr = conn.recv()
     peer = agent.add_remote_agent(peer_md)
-    handle = agent.initialize_xfer("READ", agent.get_xfer_descs([(buf.data_ptr(), 4096, 0)], "DRAM"),
-                                   agent.get_xfer_descs([(peer_addr, 4096, 0)], "DRAM"), peer)
+    handle = agent.initialize_xfer(
+        "READ",
+        agent.get_xfer_descs([(buf.data_ptr(), 4096, 0)], "DRAM"),
+        agent.get_xfer_descs([(peer_addr, 4096, 0)], "DRAM"),
+        peer,
+    )
     state = agent.transfer(handle)
     while state == "PROC":
         state = agent.check_xfer_state(handle)
@@ -100,8 +104,10 @@ def measure(name: str, seconds: float) -> list[tuple[float, dict[str, float]]]:
     cores = sorted(os.sched_getaffinity(0))
     target = _stock_side if name == "stock" else _transport_side
     pipes = [ctx.Pipe() for _ in range(2)]
-    procs = [ctx.Process(target=target, args=(name, cores[i % len(cores)], pipes[i][1], seconds), daemon=True)
-             for i in range(2)]
+    procs = [
+        ctx.Process(target=target, args=(name, cores[i % len(cores)], pipes[i][1], seconds), daemon=True)
+        for i in range(2)
+    ]
     for p in procs:
         p.start()
     a, b = (pipe[0] for pipe in pipes)
@@ -128,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.transports:
         for side, (cpu, threads) in zip("AB", measure(name, args.seconds), strict=True):
             top = ", ".join(f"{k} {v:.2f}" for k, v in sorted(threads.items(), key=lambda kv: -kv[1])[:3])
-            print(f"{name} {side}: {cpu:.3f} CPU-s = {100 * cpu / args.seconds:.1f} % of a core"
-                  f"{f' ({top})' if top else ''}", flush=True)
+            print(
+                f"{name} {side}: {cpu:.3f} CPU-s = {100 * cpu / args.seconds:.1f} % of a core"
+                f"{f' ({top})' if top else ''}",
+                flush=True,
+            )
     return 0
 
 

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         handle = agent.register(write_dests, lengths, DRAM, 0)
         t3 = time.perf_counter()
         descs = agent._agent.get_reg_descs(
-            np.stack([write_dests, lengths, np.zeros_like(write_dests)], axis=1).astype(np.uint64), "DRAM")
+            np.stack([write_dests, lengths, np.zeros_like(write_dests)], axis=1).astype(np.uint64), "DRAM"
+        )
         exported = agent._agent.get_partial_agent_metadata(descs, False)
         t4 = time.perf_counter()
         conn.send(("write", (exported, write_dests, lengths)))
@@ -132,15 +133,21 @@ def main(argv: list[str] | None = None) -> int:
     agent.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     mib = nbytes / (1 << 20)
-    print(f"# {args.blocks} blocks x {args.block_kib} KiB = {mib:.1f} MiB per push, fresh destinations "
-          f"({'pages touched' if args.touched else 'pages untouched'}), "
-          f"medians of {args.rounds}; sender core {cores[0]}, receiver core {cores[-1]}")
-    print(f"register the destinations: {med['register'] * 1e6:.0f} us ({med['register'] * 1e6 / args.blocks:.1f} "
-          "us per block) - both designs")
+    print(
+        f"# {args.blocks} blocks x {args.block_kib} KiB = {mib:.1f} MiB per push, fresh destinations "
+        f"({'pages touched' if args.touched else 'pages untouched'}), "
+        f"medians of {args.rounds}; sender core {cores[0]}, receiver core {cores[-1]}"
+    )
+    print(
+        f"register the destinations: {med['register'] * 1e6:.0f} us ({med['register'] * 1e6 / args.blocks:.1f} "
+        "us per block) - both designs"
+    )
     print(f"READ by the receiver:  {med['read'] * 1e3:.2f} ms = {nbytes / med['read'] / 1e9:.2f} GB/s")
     print(f"WRITE by the sender:   {med['write'] * 1e3:.2f} ms = {nbytes / med['write'] / 1e9:.2f} GB/s")
-    print(f"WRITE's extra steps: export keys {med['export'] * 1e6:.0f} us + load them {med['load'] * 1e6:.0f} us "
-          f"+ one more round trip (control pipe here {med['rtt'] * 1e6:.0f} us)")
+    print(
+        f"WRITE's extra steps: export keys {med['export'] * 1e6:.0f} us + load them {med['load'] * 1e6:.0f} us "
+        f"+ one more round trip (control pipe here {med['rtt'] * 1e6:.0f} us)"
+    )
     return 0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -79,8 +79,9 @@ class forced_kernel:
             os.environ["VLLM_PD_MLA_CPU_KERNEL"] = self.before
 
 
-def mla_case(batch: int, seq_len: int, h_q: int, block_size: int, memcpy: float, read: float, kernel: str,
-             peers: bool = True) -> None:
+def mla_case(
+    batch: int, seq_len: int, h_q: int, block_size: int, memcpy: float, read: float, kernel: str, peers: bool = True
+) -> None:
     dim, dim_v = 576, 512
     blocks_per_seq = seq_len // block_size
     # normal_ in place: a float32 randn of the big case would need 4x its memory
@@ -92,17 +93,21 @@ def mla_case(batch: int, seq_len: int, h_q: int, block_size: int, memcpy: float,
     kv_bytes = batch * seq_len * dim * 2
     t_native = bench(lambda: torch.ops.vllm_pd.mla_decode(*args, "native"))
     gbps = kv_bytes / t_native / 1e9
-    print(f"mla_decode b={batch} L={seq_len} h_q={h_q} block={block_size} ({kv_bytes / 1e6:.0f} MB KV): "
-          f"native ({kernel}) {t_native * 1e3:.2f} ms = {gbps:.1f} GB/s = {gbps / memcpy:.2f} x memcpy "
-          f"(target >= 0.6) = {gbps / read:.2f} x read, "
-          f"{4 * batch * seq_len * h_q * (dim + dim_v) / t_native / 1e9:.0f} GFLOP/s")
+    print(
+        f"mla_decode b={batch} L={seq_len} h_q={h_q} block={block_size} ({kv_bytes / 1e6:.0f} MB KV): "
+        f"native ({kernel}) {t_native * 1e3:.2f} ms = {gbps:.1f} GB/s = {gbps / memcpy:.2f} x memcpy "
+        f"(target >= 0.6) = {gbps / read:.2f} x read, "
+        f"{4 * batch * seq_len * h_q * (dim + dim_v) / t_native / 1e9:.0f} GFLOP/s"
+    )
     if not peers:
         return
     if kernel != "portable":
         with forced_kernel("portable"):
             t_port = bench(lambda: torch.ops.vllm_pd.mla_decode(*args, "native"), min_time=0.0, max_iters=3)
-        print(f"    portable kernel {t_port * 1e3:.1f} ms = {kv_bytes / t_port / 1e9:.2f} GB/s "
-              f"({kernel} is {t_port / t_native:.1f}x faster)")
+        print(
+            f"    portable kernel {t_port * 1e3:.1f} ms = {kv_bytes / t_port / 1e9:.2f} GB/s "
+            f"({kernel} is {t_port / t_native:.1f}x faster)"
+        )
     t_ref = bench(lambda: reference.mla_decode(*args), min_time=0.0, max_iters=1)
     print(f"    reference (PyTorch) {t_ref * 1e3:.1f} ms ({t_ref / t_native:.1f}x slower)")
     try:
@@ -114,8 +119,10 @@ def mla_case(batch: int, seq_len: int, h_q: int, block_size: int, memcpy: float,
     out = torch.empty(batch, h_q, dim_v, dtype=torch.bfloat16)
     q3, cache3 = q[:, 0].contiguous(), cache.squeeze(2)
     t_vllm = bench(lambda: vllm_ops.mla_decode_kvcache_cpu(out, q3, cache3, 0.1352, table, lens))
-    print(f"    peer: vLLM's CPU mla_decode_kvcache {t_vllm * 1e3:.2f} ms = {kv_bytes / t_vllm / 1e9:.1f} GB/s "
-          f"(native is {t_vllm / t_native:.2f}x its speed)")
+    print(
+        f"    peer: vLLM's CPU mla_decode_kvcache {t_vllm * 1e3:.2f} ms = {kv_bytes / t_vllm / 1e9:.1f} GB/s "
+        f"(native is {t_vllm / t_native:.2f}x its speed)"
+    )
 
 
 def gemm_case(m: int, n: int, k: int, fp8: torch.dtype) -> None:
@@ -124,9 +131,11 @@ def gemm_case(m: int, n: int, k: int, fp8: torch.dtype) -> None:
     t_native = bench(lambda: torch.ops.vllm_pd.fp8_gemm_nt(a, sfa, b, sfb, d, None, "native"))
     t_ref = bench(lambda: reference.fp8_gemm_nt(a, sfa, b, sfb, d, None), min_time=0.2, max_iters=5)
     flops = 2 * m * n * k
-    print(f"fp8_gemm_nt {str(fp8).split('.')[-1]} m={m} n={n} k={k}: native {t_native * 1e3:.2f} ms "
-          f"({flops / t_native / 1e9:.1f} GFLOP/s, weights {n * k / t_native / 1e9:.2f} GB/s); "
-          f"reference {t_ref * 1e3:.2f} ms = native is {t_ref / t_native:.2f}x the reference's speed")
+    print(
+        f"fp8_gemm_nt {str(fp8).split('.')[-1]} m={m} n={n} k={k}: native {t_native * 1e3:.2f} ms "
+        f"({flops / t_native / 1e9:.1f} GFLOP/s, weights {n * k / t_native / 1e9:.2f} GB/s); "
+        f"reference {t_ref * 1e3:.2f} ms = native is {t_ref / t_native:.2f}x the reference's speed"
+    )
 
 
 def grouped_cases() -> None:
@@ -136,19 +145,23 @@ def grouped_cases() -> None:
     _, _, b, sfb = fp8_operands(n, n, k, groups=groups)
     d = torch.empty(groups * m_per, n, dtype=torch.bfloat16)
     t_native = bench(lambda: torch.ops.vllm_pd.m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, d, layout, "native"))
-    t_ref = bench(lambda: reference.m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, d, layout),
-                  min_time=0.2, max_iters=5)
-    print(f"m_grouped contiguous G={groups} m={m_per}/group n={n} k={k}: native {t_native * 1e3:.2f} ms, "
-          f"reference {t_ref * 1e3:.2f} ms = native is {t_ref / t_native:.2f}x the reference's speed")
+    t_ref = bench(
+        lambda: reference.m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, d, layout), min_time=0.2, max_iters=5
+    )
+    print(
+        f"m_grouped contiguous G={groups} m={m_per}/group n={n} k={k}: native {t_native * 1e3:.2f} ms, "
+        f"reference {t_ref * 1e3:.2f} ms = native is {t_ref / t_native:.2f}x the reference's speed"
+    )
     a, sfa, b, sfb = fp8_operands(64, n, k, groups=groups)
     masked = torch.tensor([64, 3, 17, 40], dtype=torch.int32)
     d = torch.empty(groups, 64, n, dtype=torch.bfloat16)
     t_native = bench(lambda: torch.ops.vllm_pd.m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, d, masked, 32, "native"))
-    t_ref = bench(lambda: reference.m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, d, masked),
-                  min_time=0.2, max_iters=5)
-    print(f"m_grouped masked G={groups} m_max=64 masked_m={masked.tolist()} n={n} k={k}: "
-          f"native {t_native * 1e3:.2f} ms, "
-          f"reference {t_ref * 1e3:.2f} ms = native is {t_ref / t_native:.2f}x the reference's speed")
+    t_ref = bench(lambda: reference.m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, d, masked), min_time=0.2, max_iters=5)
+    print(
+        f"m_grouped masked G={groups} m_max=64 masked_m={masked.tolist()} n={n} k={k}: "
+        f"native {t_native * 1e3:.2f} ms, "
+        f"reference {t_ref * 1e3:.2f} ms = native is {t_ref / t_native:.2f}x the reference's speed"
+    )
 
 
 def main() -> None:

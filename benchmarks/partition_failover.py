@@ -28,18 +28,34 @@ import argparse
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.netns_cluster import (Cluster, ConnectorTimes, load_through, mock_cluster,  # noqa: E402
-                                 multihost_cluster, send, waits_after)
-from tests.support.netns_hosts import netns_unavailable  # noqa: E402
-from vllm_pd.small_model import ensure_default_model  # noqa: E402
+from tests.support.netns_cluster import (
+    Cluster,
+    ConnectorTimes,
+    load_through,
+    mock_cluster,
+    multihost_cluster,
+    send,
+    waits_after,
+)
+from tests.support.netns_hosts import netns_unavailable
+from vllm_pd.small_model import ensure_default_model
 
-FAULTS = ("prefill-cut", "prefill-paused", "proxy-to-prefill", "prefill-to-proxy", "prefill-to-decode",
-          "decode-to-prefill", "decode-cut", "decode-paused")
+FAULTS = (
+    "prefill-cut",
+    "prefill-paused",
+    "proxy-to-prefill",
+    "prefill-to-proxy",
+    "prefill-to-decode",
+    "decode-to-prefill",
+    "decode-cut",
+    "decode-paused",
+)
 
 
 def _fault(cluster: Cluster, name: str) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -70,8 +86,12 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", choices=("default", "blind", "tuned"), default=["default"])
     ap.add_argument("--interval", type=float, default=1.0, help="health check interval and timeout (tuned)")
     ap.add_argument("--transport", default="tcp", choices=("tcp", "nixl"))
-    ap.add_argument("--backend", default="vllm", choices=("vllm", "mock"),
-                    help="mock: tests/support/mock_backend.py (no vLLM, no KV: the proxy's part alone)")
+    ap.add_argument(
+        "--backend",
+        default="vllm",
+        choices=("vllm", "mock"),
+        help="mock: tests/support/mock_backend.py (no vLLM, no KV: the proxy's part alone)",
+    )
     args = ap.parse_args()
     why = netns_unavailable()
     if why is not None:
@@ -79,8 +99,11 @@ def main() -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="partition-failover-"))
     print(f"logs: {log_dir}")
     print(f"{'fault':18} {'mode':8} {'requests':>8} {'wait: median':>13} {'max':>7} {'answered':>9} {'refused':>8}")
-    cluster_cm = (mock_cluster(log_dir) if args.backend == "mock"
-                  else multihost_cluster(ensure_default_model(), log_dir, args.transport, ConnectorTimes(lease_s=20.0)))
+    cluster_cm = (
+        mock_cluster(log_dir)
+        if args.backend == "mock"
+        else multihost_cluster(ensure_default_model(), log_dir, args.transport, ConnectorTimes(lease_s=20.0))
+    )
     with cluster_cm as cluster:
         for fault in args.fault:
             strike, heal = _fault(cluster, fault)
@@ -92,8 +115,11 @@ def main() -> int:
                 ran = [s for s in sent if s.end > struck]
                 answered = sum(s.error is None for s in ran)
                 median = statistics.median(waits) if waits else float("nan")
-                print(f"{fault:18} {mode:8} {len(waits):>8} {median:>12.1f}s "
-                      f"{max(waits, default=float('nan')):>6.1f}s {answered:>9} {len(ran) - answered:>8}", flush=True)
+                print(
+                    f"{fault:18} {mode:8} {len(waits):>8} {median:>12.1f}s "
+                    f"{max(waits, default=float('nan')):>6.1f}s {answered:>9} {len(ran) - answered:>8}",
+                    flush=True,
+                )
                 # the next round starts with every host back and healthy to a new proxy
                 cluster.stop_proxy()
     return 0

@@ -41,10 +41,10 @@ from typing import Any
 import aiohttp
 import httpx
 import psutil
-
 from cpu_meter import CpuMeter
 from pd_latency import BENCH_MODEL, Prompts, ours_ktc, spec, start, stop
 from svg_chart import BarChart
+
 from vllm_pd.small_model import ensure_model
 from vllm_pd.vllm_server import free_port
 
@@ -61,10 +61,17 @@ class Outcome:
     gaps: tuple[float, ...] = ()  # seconds between consecutive tokens (a prefill stalling decode shows here)
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int,
-                      long: bool, rate: float) -> Outcome:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+async def one_request(
+    session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int, long: bool, rate: float
+) -> Outcome:
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     t0 = time.perf_counter()
     stamps: list[float] = []
     try:
@@ -85,8 +92,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
     return Outcome(rate, long, stamps[0] - t0, tpot, True, gaps)
 
 
-async def poisson_load(url: str, rate: float, seconds: float, args: argparse.Namespace,
-                       prompts: Prompts) -> list[Outcome]:
+async def poisson_load(
+    url: str, rate: float, seconds: float, args: argparse.Namespace, prompts: Prompts
+) -> list[Outcome]:
     rng = random.Random(int(rate * 1000))  # the same schedule for every configuration
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         tasks = []
@@ -112,12 +120,17 @@ def summarise(outcomes: list[Outcome]) -> dict[str, float]:
     ok = [o for o in outcomes if o.ok]
     ttft = [o.ttft * 1e3 for o in ok]
     tpot = [o.tpot * 1e3 for o in ok]
-    return {"requests": len(outcomes), "ok": len(ok),
-            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
-            "tpot_p50": pct(tpot, 0.5), "tpot_p99": pct(tpot, 0.99),
-            "itl_p99": pct([g * 1e3 for o in ok for g in o.gaps], 0.99),
-            "ttft_p50_long": pct([o.ttft * 1e3 for o in ok if o.long], 0.5),
-            "ttft_p50_short": pct([o.ttft * 1e3 for o in ok if not o.long], 0.5)}
+    return {
+        "requests": len(outcomes),
+        "ok": len(ok),
+        "ttft_p50": pct(ttft, 0.5),
+        "ttft_p99": pct(ttft, 0.99),
+        "tpot_p50": pct(tpot, 0.5),
+        "tpot_p99": pct(tpot, 0.99),
+        "itl_p99": pct([g * 1e3 for o in ok for g in o.gaps], 0.99),
+        "ttft_p50_long": pct([o.ttft * 1e3 for o in ok if o.long], 0.5),
+        "ttft_p50_short": pct([o.ttft * 1e3 for o in ok if not o.long], 0.5),
+    }
 
 
 def machine_busy() -> float:
@@ -140,8 +153,19 @@ def proxy_process(flags: list[str]) -> tuple[subprocess.Popen, str]:
     """The vllm-pd proxy in a process of its own with these instance flags, once healthy."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen([sys.executable, "-m", "vllm_pd.router.cli.command_proxy", "--port", str(port),
-                          *flags, "--log-level", "WARNING"], env=env)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm_pd.router.cli.command_proxy",
+            "--port",
+            str(port),
+            *flags,
+            "--log-level",
+            "WARNING",
+        ],
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -166,16 +190,18 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         url = servers[0].url
     else:
         pk, dk = free_port(), free_port()
-        servers = start([spec(model, "0", ours_ktc("kv_producer", pk)), spec(model, "1", ours_ktc("kv_consumer", dk))],
-                        args.log_dir)
+        servers = start(
+            [spec(model, "0", ours_ktc("kv_producer", pk)), spec(model, "1", ours_ktc("kv_consumer", dk))], args.log_dir
+        )
         proxy, url = start_proxy(servers[0].url, f"{servers[1].url}@tcp://127.0.0.1:{dk}", args.kv_mode)
         procs.append(proxy)
     print(f"{args.config}: servers up in {time.monotonic() - t_boot:.0f} s", flush=True)
     rows = {}
     try:
         # warm-up: first-request costs (and the connector's first connection) stay out of the figures
-        asyncio.run(poisson_load(url, 2.0, 1.0, argparse.Namespace(**{**vars(args), "long_fraction": 0.5}),
-                                 Prompts(seed=99)))
+        asyncio.run(
+            poisson_load(url, 2.0, 1.0, argparse.Namespace(**{**vars(args), "long_fraction": 0.5}), Prompts(seed=99))
+        )
         for rate in args.rates:
             busy0, ours0 = machine_busy(), own_cpu(servers, procs)
             t0 = time.monotonic()
@@ -184,48 +210,65 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             rows[str(rate)] = summarise(outcomes)
             rows[str(rate)]["foreign_cpu_pct"] = foreign * 100
             r = rows[str(rate)]
-            print(f"  {args.config:10s} {rate:4.1f} req/s  {r['ok']:3d}/{r['requests']:3d} ok  "
-                  f"TTFT p50 {r['ttft_p50']:7.1f} p99 {r['ttft_p99']:7.1f} ms (long {r['ttft_p50_long']:.0f}, "
-                  f"short {r['ttft_p50_short']:.0f})  TPOT p50 {r['tpot_p50']:6.1f} p99 {r['tpot_p99']:6.1f} ms  "
-                  f"ITL p99 {r['itl_p99']:6.1f} ms  other processes {r['foreign_cpu_pct']:.0f} % of a core",
-                  flush=True)
+            print(
+                f"  {args.config:10s} {rate:4.1f} req/s  {r['ok']:3d}/{r['requests']:3d} ok  "
+                f"TTFT p50 {r['ttft_p50']:7.1f} p99 {r['ttft_p99']:7.1f} ms (long {r['ttft_p50_long']:.0f}, "
+                f"short {r['ttft_p50_short']:.0f})  TPOT p50 {r['tpot_p50']:6.1f} p99 {r['tpot_p99']:6.1f} ms  "
+                f"ITL p99 {r['itl_p99']:6.1f} ms  other processes {r['foreign_cpu_pct']:.0f} % of a core",
+                flush=True,
+            )
         if args.config == "1p1d":
             text = httpx.get(servers[1].url + "/metrics", timeout=10).text
-            extra["decode_loads"] = {res: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                                              if line.startswith("vllm:pd_loads_total{") and f'result="{res}"' in line)
-                                     for res in ("ok", "failed")}
+            extra["decode_loads"] = {
+                res: sum(
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith("vllm:pd_loads_total{") and f'result="{res}"' in line
+                )
+                for res in ("ok", "failed")
+            }
             print(f"  decode KV loads: {extra['decode_loads']}", flush=True)
     finally:
         for p in procs:
             p.terminate()
             p.wait(10)
         stop(servers)
-    return {"rows": rows, "extra": extra, "kv_mode": args.kv_mode if args.config == "1p1d" else None,
-            "load": {k: getattr(args, k) for k in ("rates", "seconds", "long", "short", "long_fraction",
-                                                   "output_tokens")},
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return {
+        "rows": rows,
+        "extra": extra,
+        "kv_mode": args.kv_mode if args.config == "1p1d" else None,
+        "load": {k: getattr(args, k) for k in ("rates", "seconds", "long", "short", "long_fraction", "output_tokens")},
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def report(results: dict[str, Any], svg_prefix: Path) -> None:
     names = [n for n in ("colocated", "1p1d") if n in results]
     rates = results[names[0]]["rows"].keys()
     label = {"colocated": "colocated (1 instance, 2 cores)", "1p1d": "1P1D (vllm-pd proxy + connector)"}
-    print("| config | rate (req/s) | TTFT p50 / p99 (ms) | TTFT p50 long / short (ms) | TPOT p50 / p99 (ms) "
-          "| ITL p99 (ms) | other processes (% of a core) | ok |")
+    print(
+        "| config | rate (req/s) | TTFT p50 / p99 (ms) | TTFT p50 long / short (ms) | TPOT p50 / p99 (ms) "
+        "| ITL p99 (ms) | other processes (% of a core) | ok |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for n in names:
         for rate, r in results[n]["rows"].items():
-            print(f"| {label[n]} | {rate} | {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} | {r['ttft_p50_long']:.0f} / "
-                  f"{r['ttft_p50_short']:.0f} | {r['tpot_p50']:.1f} / {r['tpot_p99']:.1f} "
-                  f"| {r.get('itl_p99', float('nan')):.0f} "
-                  f"| {r.get('foreign_cpu_pct', float('nan')):.0f} | {r['ok']}/{r['requests']} |")
+            print(
+                f"| {label[n]} | {rate} | {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} | {r['ttft_p50_long']:.0f} / "
+                f"{r['ttft_p50_short']:.0f} | {r['tpot_p50']:.1f} / {r['tpot_p99']:.1f} "
+                f"| {r.get('itl_p99', float('nan')):.0f} "
+                f"| {r.get('foreign_cpu_pct', float('nan')):.0f} | {r['ok']}/{r['requests']} |"
+            )
     groups = [f"{r} req/s" for r in rates]
-    for metric_name, title, qs in (("ttft", "TTFT", ("p50", "p99")), ("tpot", "TPOT", ("p50", "p99")),
-                                   ("itl", "Inter-token latency", ("p99",))):
-        series = {f"{n} {q}": [results[n]["rows"][r][f"{metric_name}_{q}"] for r in rates]
-                  for n in names for q in qs}
-        path = BarChart(f"{title}, mixed long/short prompts, 1P1D vs colocated (2 cores)", f"{title} (ms)",
-                        groups, series).write(f"{svg_prefix}_{metric_name}.svg")
+    for metric_name, title, qs in (
+        ("ttft", "TTFT", ("p50", "p99")),
+        ("tpot", "TPOT", ("p50", "p99")),
+        ("itl", "Inter-token latency", ("p99",)),
+    ):
+        series = {f"{n} {q}": [results[n]["rows"][r][f"{metric_name}_{q}"] for r in rates] for n in names for q in qs}
+        path = BarChart(
+            f"{title}, mixed long/short prompts, 1P1D vs colocated (2 cores)", f"{title} (ms)", groups, series
+        ).write(f"{svg_prefix}_{metric_name}.svg")
         print(f"wrote {path}")
 
 

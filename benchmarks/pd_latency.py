@@ -35,21 +35,31 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from cpu_meter import CpuMeter  # benchmarks/ is the script's own folder
+
 from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest
 from vllm_pd.small_model import ModelSpec, ensure_model
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
 OUTPUT_TOKENS = 32
-BENCH_MODEL = ModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, head_dim=64, intermediate=1024,
-                        max_positions=4096)  # 8 KiB of KV per token, like the NIXL baseline's model
+BENCH_MODEL = ModelSpec(
+    layers=8, hidden=512, heads=8, kv_heads=4, head_dim=64, intermediate=1024, max_positions=4096
+)  # 8 KiB of KV per token, like the NIXL baseline's model
 
 
 def spec(model: Path, cores: str, ktc: dict[str, Any] | None, env: dict[str, str] | None = None) -> VllmServerSpec:
-    return VllmServerSpec(model=str(model), port=free_port(), kv_transfer_config=ktc, cpu_cores=cores,
-                          max_model_len=4096, served_model_name="bench", kv_cache_bytes="1g",
-                          env=env or {}, extra_args=["--seed", "0"], pin_processes=True)
+    return VllmServerSpec(
+        model=str(model),
+        port=free_port(),
+        kv_transfer_config=ktc,
+        cpu_cores=cores,
+        max_model_len=4096,
+        served_model_name="bench",
+        kv_cache_bytes="1g",
+        env=env or {},
+        extra_args=["--seed", "0"],
+        pin_processes=True,
+    )
 
 
 def start(specs: list[VllmServerSpec], log_dir: Path) -> list[VllmServer]:
@@ -99,8 +109,14 @@ def run_plain(client: httpx.Client, server: VllmServer, prompt: list[int]) -> tu
     return stream_ttft(client, server.url, body, time.perf_counter())
 
 
-def run_pd(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: list[int], params: dict[str, Any],
-           load_ask: dict[str, str]) -> tuple[float, float]:
+def run_pd(
+    client: httpx.Client,
+    p: VllmServer,
+    d: VllmServer,
+    prompt: list[int],
+    params: dict[str, Any],
+    load_ask: dict[str, str],
+) -> tuple[float, float]:
     body = {"model": "bench", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
     t0 = time.perf_counter()
     leg = dict(body, max_tokens=1, stream=False, kv_transfer_params=params)
@@ -109,18 +125,27 @@ def run_pd(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: list[int]
     return stream_ttft(client, d.url, dict(body, kv_transfer_params={**r.json()["kv_transfer_params"], **load_ask}), t0)
 
 
-def run_pd_beside(client: httpx.Client, p: VllmServer, d: VllmServer, prompt: list[int],
-                  decode_endpoint: str, mode: str, load_ask: dict[str, str]) -> tuple[float, float]:
+def run_pd_beside(
+    client: httpx.Client,
+    p: VllmServer,
+    d: VllmServer,
+    prompt: list[int],
+    decode_endpoint: str,
+    mode: str,
+    load_ask: dict[str, str],
+) -> tuple[float, float]:
     """Our proxy's flow: the decode leg goes out with the prefill leg, waiting for prefill's announcement."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
     transfer_id = uuid.uuid4().hex  # the transfer's name in both legs, as our proxy gives it
     params = RemoteDecodeRequest(mode, decode_endpoint, transfer_id).to_params()
     t0 = time.perf_counter()
     awaited = AwaitedPrefill(transfer_id, mode).to_params()
-    decode_leg = _pool.submit(stream_ttft, _decode_client, d.url,
-                              dict(body, kv_transfer_params={**awaited, **load_ask}), t0)
-    r = client.post(p.url + "/v1/completions", json=dict(body, max_tokens=1, stream=False, kv_transfer_params=params),
-                    timeout=600)
+    decode_leg = _pool.submit(
+        stream_ttft, _decode_client, d.url, dict(body, kv_transfer_params={**awaited, **load_ask}), t0
+    )
+    r = client.post(
+        p.url + "/v1/completions", json=dict(body, max_tokens=1, stream=False, kv_transfer_params=params), timeout=600
+    )
     r.raise_for_status()
     return decode_leg.result()
 
@@ -131,25 +156,38 @@ BREAKDOWN: dict[str, dict[int, list[dict[str, dict[str, float]]]]] = {}  # confi
 
 
 def server_times(client: httpx.Client, servers: dict[str, VllmServer]) -> dict[str, dict[str, float]]:
-    return {role: {f"{key}_{part}": metric(client, s.url, f"{name}_{part}")
-                   for key, name in SERVER_TIMES.items() for part in ("sum", "count")}
-            for role, s in servers.items()}
+    return {
+        role: {
+            f"{key}_{part}": metric(client, s.url, f"{name}_{part}")
+            for key, name in SERVER_TIMES.items()
+            for part in ("sum", "count")
+        }
+        for role, s in servers.items()
+    }
 
 
 def mean_ms(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     out = {}
     for role in after:
         a, b = after[role], before[role]
-        out[role] = {k: (a[f"{k}_sum"] - b[f"{k}_sum"]) / max(a[f"{k}_count"] - b[f"{k}_count"], 1) * 1e3
-                     for k in SERVER_TIMES}
+        out[role] = {
+            k: (a[f"{k}_sum"] - b[f"{k}_sum"]) / max(a[f"{k}_count"] - b[f"{k}_count"], 1) * 1e3 for k in SERVER_TIMES
+        }
     return out
 
 
 Samples = dict[int, list[tuple[float, float]]]  # length -> [(ttft, total) in ms] of one configuration
 
 
-def measure(name: str, fn: Any, lengths: list[int], n: int, prompts: Prompts,
-            client: httpx.Client, servers: dict[str, VllmServer]) -> Samples:
+def measure(
+    name: str,
+    fn: Any,
+    lengths: list[int],
+    n: int,
+    prompts: Prompts,
+    client: httpx.Client,
+    servers: dict[str, VllmServer],
+) -> Samples:
     fn(prompts.make(64))  # warm-up (NIXL's handshake, first-request costs)
     out: Samples = {}
     for length in lengths:
@@ -183,9 +221,17 @@ def metric(client: httpx.Client, url: str, name: str) -> float:
 
 
 def ours_ktc(role: str, kv_port: int, transport: str, secret_file: str | None = None) -> dict[str, Any]:
-    return {"kv_connector": "PDConnector", "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"transport": transport, "host": "127.0.0.1",
-                                          **({"secret_file": secret_file} if secret_file else {})}}
+    return {
+        "kv_connector": "PDConnector",
+        "kv_role": role,
+        "kv_port": kv_port,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "transport": transport,
+            "host": "127.0.0.1",
+            **({"secret_file": secret_file} if secret_file else {}),
+        },
+    }
 
 
 def secret_file(log_dir: Path) -> str:
@@ -210,8 +256,15 @@ def plain_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client:
     """The plain 1-core instance on core 0: its samples and its idle CPU (vLLM's own floor)."""
     [plain] = start([spec(model, "0", None)], args.log_dir)
     try:
-        samples = measure("plain 1-core", lambda pr: run_plain(client, plain, pr),
-                          args.lengths, args.requests, prompts, client, {"plain": plain})
+        samples = measure(
+            "plain 1-core",
+            lambda pr: run_plain(client, plain, pr),
+            args.lengths,
+            args.requests,
+            prompts,
+            client,
+            {"plain": plain},
+        )
         return samples, idle_cpu([plain])
     finally:
         stop([plain])
@@ -221,15 +274,25 @@ def ours_name(args: argparse.Namespace, mode: str, transport: str) -> str:
     return f"vllm-pd 1P1D {mode}" + (f" [{transport}]" if len(args.transports) > 1 else "")
 
 
-def ours_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: httpx.Client,
-               overlap: dict[str, float], transport: str) -> tuple[dict[str, Samples], float]:
+def ours_phase(
+    args: argparse.Namespace,
+    model: Path,
+    prompts: Prompts,
+    client: httpx.Client,
+    overlap: dict[str, float],
+    transport: str,
+) -> tuple[dict[str, Samples], float]:
     """Our 1P1D pair (prefill core 0, decode core 1), each mode in turn; adds push beside's overlap counters."""
     pk, dk = free_port(), free_port()
     transport, _, secured = transport.partition("+")
     secret = secret_file(args.log_dir) if secured else None
-    p, d = start([spec(model, "0", ours_ktc("kv_producer", pk, transport, secret)),
-                  spec(model, "1", ours_ktc("kv_consumer", dk, transport, secret))],
-                 args.log_dir)
+    p, d = start(
+        [
+            spec(model, "0", ours_ktc("kv_producer", pk, transport, secret)),
+            spec(model, "1", ours_ktc("kv_consumer", dk, transport, secret)),
+        ],
+        args.log_dir,
+    )
     endpoint = f"{transport}://127.0.0.1:{dk}"
     out: dict[str, Samples] = {}
     try:
@@ -254,8 +317,9 @@ def ours_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: 
         stop([p, d])
 
 
-def nixl_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: httpx.Client
-               ) -> tuple[Samples, float] | None:
+def nixl_phase(
+    args: argparse.Namespace, model: Path, prompts: Prompts, client: httpx.Client
+) -> tuple[Samples, float] | None:
     try:
         import nixl  # noqa: F401
     except ImportError:
@@ -263,13 +327,21 @@ def nixl_phase(args: argparse.Namespace, model: Path, prompts: Prompts, client: 
         return None
     print("phase: vLLM NixlConnector 1P1D (prefill core 0, decode core 1)", flush=True)
     ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-    envs = [{"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-            for _ in range(2)]
+    envs = [
+        {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} for _ in range(2)
+    ]
     p, d = start([spec(model, "0", ktc, envs[0]), spec(model, "1", ktc, envs[1])], args.log_dir)
     try:
         params = RemoteDecodeRequest().to_params()  # vLLM's standard prefill leg, as NixlConnector's proxies send it
-        samples = measure("NIXL 1P1D", lambda pr: run_pd(client, p, d, pr, params, {}),
-                          args.lengths, args.requests, prompts, client, {"prefill": p, "decode": d})
+        samples = measure(
+            "NIXL 1P1D",
+            lambda pr: run_pd(client, p, d, pr, params, {}),
+            args.lengths,
+            args.requests,
+            prompts,
+            client,
+            {"prefill": p, "decode": d},
+        )
         return samples, idle_cpu([p, d])
     finally:
         stop([p, d])
@@ -279,14 +351,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
     ap.add_argument("--requests", type=int, default=5, help="requests per length, configuration and round")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of (plain phase, our phase) one after the other: a ratio is only as good as the "
-                         "host is steady between the phases it compares, so each round gives its own ratio")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of (plain phase, our phase) one after the other: a ratio is only as good as the "
+        "host is steady between the phases it compares, so each round gives its own ratio",
+    )
     ap.add_argument("--no-nixl", action="store_true")
-    ap.add_argument("--transport", "--transports", dest="transports", nargs="+",
-                    choices=[t + s for t in ("tcp", "shm", "nixl") for s in ("", "+secret")], default=["tcp"],
-                    help="our connector's transport(s): one pair per transport and round (+secret: with a "
-                         "deployment secret)")
+    ap.add_argument(
+        "--transport",
+        "--transports",
+        dest="transports",
+        nargs="+",
+        choices=[t + s for t in ("tcp", "shm", "nixl") for s in ("", "+secret")],
+        default=["tcp"],
+        help="our connector's transport(s): one pair per transport and round (+secret: with a deployment secret)",
+    )
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="configurations of ours to run")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-bench-logs"))
     args = ap.parse_args()
@@ -302,8 +383,10 @@ def main() -> int:
         rounds.append({"plain 1-core": plain})
         idle.setdefault("plain 1-core", []).append(plain_idle)
         for transport in args.transports:
-            print(f"round {r + 1}/{args.rounds}, phase: vllm-pd 1P1D over {transport} (prefill core 0, decode core 1)",
-                  flush=True)
+            print(
+                f"round {r + 1}/{args.rounds}, phase: vllm-pd 1P1D over {transport} (prefill core 0, decode core 1)",
+                flush=True,
+            )
             ours, pair_idle = ours_phase(args, model, prompts, client, overlap, transport)
             rounds[-1].update(ours)
             idle.setdefault(f"vllm-pd 1P1D [{transport}]", []).append(pair_idle)
@@ -332,8 +415,9 @@ def main() -> int:
         ours_row = results[name]
         cells = []
         for n_tok in args.lengths:
-            each = " ".join(f"{medians(rnd[name][n_tok])[0] / medians(rnd['plain 1-core'][n_tok])[0]:.2f}"
-                            for rnd in rounds)
+            each = " ".join(
+                f"{medians(rnd[name][n_tok])[0] / medians(rnd['plain 1-core'][n_tok])[0]:.2f}" for rnd in rounds
+            )
             cells.append(f"L={n_tok}: {ours_row[n_tok][0] / plain_row[n_tok][0]:.2f}x (rounds {each})")
         print(f"TTFT vllm-pd {mode} / plain 1-core (target <= 1.15): " + " ".join(cells))
         if "NIXL 1P1D" in results:
@@ -341,32 +425,44 @@ def main() -> int:
             ratios = " ".join(f"L={n}: {ours_row[n][0] / nixl_row[n][0]:.2f}x" for n in args.lengths)
             print(f"TTFT vllm-pd {mode} / NIXL 1P1D   (target <= 0.5):  {ratios}")
     print()
-    print("inside the servers (vLLM's histograms, mean ms per request): prefill = the step(s) computing the prompt "
-          "(on decode: the step computing the last prompt token to sample the first output token - with a "
-          "layer-wise load it runs beside prefill's forward, waiting per layer); "
-          "queue = waiting before that (on decode: for the KV, or for prefill's announcement)")
+    print(
+        "inside the servers (vLLM's histograms, mean ms per request): prefill = the step(s) computing the prompt "
+        "(on decode: the step computing the last prompt token to sample the first output token - with a "
+        "layer-wise load it runs beside prefill's forward, waiting per layer); "
+        "queue = waiting before that (on decode: for the KV, or for prefill's announcement)"
+    )
     for name, rows in BREAKDOWN.items():
         cells = []
         for n_tok in args.lengths:
             parts = rows[n_tok]
-            cells.append(f"L={n_tok}: " + ", ".join(
-                f"{role} prefill {statistics.mean(p[role]['prefill'] for p in parts):.1f} "
-                f"queue {statistics.mean(p[role]['queue'] for p in parts):.1f}" for role in parts[0]))
+            cells.append(
+                f"L={n_tok}: "
+                + ", ".join(
+                    f"{role} prefill {statistics.mean(p[role]['prefill'] for p in parts):.1f} "
+                    f"queue {statistics.mean(p[role]['queue'] for p in parts):.1f}"
+                    for role in parts[0]
+                )
+            )
         print(f"  {name}: " + " | ".join(cells))
     plain_idle = statistics.median(idle["plain 1-core"])
-    print(f"idle CPU of the plain 1-core instance (vLLM's own: API server, gloo's loops): {plain_idle:.1f} % "
-          "of one core")
+    print(
+        f"idle CPU of the plain 1-core instance (vLLM's own: API server, gloo's loops): {plain_idle:.1f} % of one core"
+    )
     for name, pcts in idle.items():
         if name != "plain 1-core":
             pct = statistics.median(pcts)
-            print(f"idle CPU of the {name} pair: {pct:.1f} % of one core (2 cores = 200 %) = "
-                  f"{pct / max(2 * plain_idle, 1e-9):.2f} x two plain instances' idle")
+            print(
+                f"idle CPU of the {name} pair: {pct:.1f} % of one core (2 cores = 200 %) = "
+                f"{pct / max(2 * plain_idle, 1e-9):.2f} x two plain instances' idle"
+            )
     if overlap.get("transfers"):
         n = overlap["transfers"]
         tail_ms, span_ms = overlap["tail_seconds"] / n * 1e3, overlap["span_seconds"] / n * 1e3
-        print(f"push overlap: after prefill's last layer, all KV landed in {tail_ms:.2f} ms on average, "
-              f"of a {span_ms:.2f} ms transfer (first push to last landed), over {n:.0f} "
-              f"transfers: {100 * (1 - tail_ms / max(span_ms, 1e-9)):.0f} % of the transfer hidden behind compute")
+        print(
+            f"push overlap: after prefill's last layer, all KV landed in {tail_ms:.2f} ms on average, "
+            f"of a {span_ms:.2f} ms transfer (first push to last landed), over {n:.0f} "
+            f"transfers: {100 * (1 - tail_ms / max(span_ms, 1e-9)):.0f} % of the transfer hidden behind compute"
+        )
     print(json.dumps({"results": results, "idle_cpu_pct": idle, "overlap": overlap}), file=sys.stderr)
     return 0
 

@@ -23,20 +23,28 @@ from typing import Any
 
 import httpx
 
-from tests.support.e2e_cluster import metric
 from tests.e2e.test_router_e2e import ProxyThread, _model_dir
+from tests.support.e2e_cluster import metric
 from vllm_pd.router.cli.local_cluster import LocalCluster
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
 log = logging.getLogger(__name__)
 
-SYSTEM = ("You are a careful assistant. Answer in short sentences, cite numbers exactly, never repeat the "
-          "question, and keep every answer under twenty words unless asked for more detail. ") * 5
+SYSTEM = (
+    "You are a careful assistant. Answer in short sentences, cite numbers exactly, never repeat the "
+    "question, and keep every answer under twenty words unless asked for more detail. "
+) * 5
 
 
 def prompts() -> list[dict[str, Any]]:
-    chat = [{"messages": [{"role": "system", "content": SYSTEM},
-                          {"role": "user", "content": "List the first five prime numbers."}]}]
+    chat = [
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "List the first five prime numbers."},
+            ]
+        }
+    ]
     # completions of token ids, exactly one token either side of the 128-token block boundaries
     comp = [{"prompt": [100 + (7 * i) % 5000 for i in range(n)]} for n in (127, 128, 129, 255, 256, 257, 383, 384, 385)]
     return chat + comp
@@ -65,8 +73,14 @@ def run_all(url: str) -> list[dict[str, Any]]:
 
 
 def phase_pd(extra: list[str]) -> dict[str, Any]:
-    c = LocalCluster(model=_model_dir(), n_prefill=1, n_decode=1, max_model_len=1024, extra_args=extra,
-                     connector_extra={"lease_s": 15.0})
+    c = LocalCluster(
+        model=_model_dir(),
+        n_prefill=1,
+        n_decode=1,
+        max_model_len=1024,
+        extra_args=extra,
+        connector_extra={"lease_s": 15.0},
+    )
     try:
         c.start()
         c.wait_healthy(600)
@@ -89,16 +103,18 @@ def phase_pd(extra: list[str]) -> dict[str, Any]:
 
 def phase_plain(extra: list[str], cores: str | None) -> dict[str, Any]:
     if cores is None:
-        c = LocalCluster(model=_model_dir(), n_prefill=0, n_decode=1, max_model_len=1024, connector=None,
-                         extra_args=extra)
+        c = LocalCluster(
+            model=_model_dir(), n_prefill=0, n_decode=1, max_model_len=1024, connector=None, extra_args=extra
+        )
         c.start()
         try:
             c.wait_healthy(600)
             return {"plain": run_all(c.servers[0].server.url)}
         finally:
             c.stop()
-    spec = VllmServerSpec(model=_model_dir(), port=free_port(), cpu_cores=cores, pin_processes=True,
-                          max_model_len=1024, extra_args=extra)
+    spec = VllmServerSpec(
+        model=_model_dir(), port=free_port(), cpu_cores=cores, pin_processes=True, max_model_len=1024, extra_args=extra
+    )
     s = VllmServer(spec, log_path=Path("/tmp/pddiff-plain.log")).start()
     try:
         s.wait_healthy(600)

@@ -73,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     trace = spec.sample(args.duration, args.seed)
     write_trace(trace, args.out)
     span = trace[-1].arrival - trace[0].arrival if len(trace) > 1 else 0.0
-    print(f"wrote {args.out}: {len(trace)} requests over {span:.0f} s (seed {args.seed}); prompts "
-          f"{min(r.input_tokens for r in trace)}-{max(r.input_tokens for r in trace)} tokens")
+    print(
+        f"wrote {args.out}: {len(trace)} requests over {span:.0f} s (seed {args.seed}); prompts "
+        f"{min(r.input_tokens for r in trace)}-{max(r.input_tokens for r in trace)} tokens"
+    )
     return 0
 
 

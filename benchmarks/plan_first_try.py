@@ -39,10 +39,10 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
-
 from pd_e2e import machine_busy, own_cpu, proxy_process
 from plan_bursty_trace import BurstyTrace
 from plan_validate import foreign_cpu, replay, speed_probe, wait_quiet
+
 from vllm_pd import cli
 from vllm_pd.planner.completion_stream import model_name, served_vocabulary
 from vllm_pd.planner.deployment_search import percentile
@@ -60,8 +60,20 @@ DEPLOYMENTS = {"1p1d": Deployment(1, 1), "colocated2": Deployment(0, 2)}
 SEEDS = range(5)  # the simulator's decode-spread draws, pooled
 SLO = "ttft=6,tpot=300ms"
 # the profile's points, fewer than the defaults: a 1,536-token prefill takes ~4 s here
-PROFILE_FLAGS = ["--decode-batches", "1,2,3,4", "--decode-contexts", "64,512", "--decode-repeats", "2",
-                 "--wake-repeats", "4", "--join-repeats", "3", "--max-num-seqs", "64"]
+PROFILE_FLAGS = [
+    "--decode-batches",
+    "1,2,3,4",
+    "--decode-contexts",
+    "64,512",
+    "--decode-repeats",
+    "2",
+    "--wake-repeats",
+    "4",
+    "--join-repeats",
+    "3",
+    "--max-num-seqs",
+    "64",
+]
 
 
 def traces(seeds: list[int], duration: float) -> dict[int, list[TraceRequest]]:
@@ -79,8 +91,9 @@ def cli_output(argv: list[str]) -> tuple[int, str]:
 
 def run(args: argparse.Namespace, by_seed: dict[int, list[TraceRequest]]) -> dict:
     model = str(ensure_model(dataclasses.replace(MODEL, layers=args.layers)))
-    cluster = LocalCluster(model=model, n_prefill=0, n_decode=0, n_both=2, transport="shm",
-                           connector="PDConnector", log_dir=args.log_dir)
+    cluster = LocalCluster(
+        model=model, n_prefill=0, n_decode=0, n_both=2, transport="shm", connector="PDConnector", log_dir=args.log_dir
+    )
     procs: list[subprocess.Popen] = []
     out: dict = {"model": model, "replays": {}, "loadavg": []}
     t0 = time.monotonic()
@@ -88,35 +101,69 @@ def run(args: argparse.Namespace, by_seed: dict[int, list[TraceRequest]]) -> dic
         a, b = cluster.instances()
         servers = [s.server for s in cluster.servers]
         urls = {}
-        for name, flags in (("1p1d", ["--prefill", a.url, "--decode", f"{b.url}@{b.kv_endpoint}"]),
-                            ("colocated2", ["--decode", a.url, "--decode", b.url]),
-                            ("relay_b", ["--decode", b.url]), ("relay_a", ["--decode", a.url])):
+        for name, flags in (
+            ("1p1d", ["--prefill", a.url, "--decode", f"{b.url}@{b.kv_endpoint}"]),
+            ("colocated2", ["--decode", a.url, "--decode", b.url]),
+            ("relay_b", ["--decode", b.url]),
+            ("relay_a", ["--decode", a.url]),
+        ):
             proxy, urls[name] = proxy_process(flags)
             procs.append(proxy)
         print(f"pair up in {time.monotonic() - t0:.0f} s; a={a.url} b={b.url}; proxies {urls}", flush=True)
         try:
             served = asyncio.run(_served(b.url))
-            profile_argv = ["profile", b.url, "--relay-url", urls["relay_b"], "--pd-url", urls["1p1d"],
-                            "--neighbour-url", a.url, "--prefill-relay-url", urls["relay_a"], "--out",
-                            str(args.profile), *PROFILE_FLAGS]
+            profile_argv = [
+                "profile",
+                b.url,
+                "--relay-url",
+                urls["relay_b"],
+                "--pd-url",
+                urls["1p1d"],
+                "--neighbour-url",
+                a.url,
+                "--prefill-relay-url",
+                urls["relay_a"],
+                "--out",
+                str(args.profile),
+                *PROFILE_FLAGS,
+            ]
             out["profile_command"] = "vllm-pd " + " ".join(profile_argv)
             busy0, ours0, t1 = machine_busy(), own_cpu(servers, procs), time.monotonic()
             rc, text = cli_output(profile_argv)
-            out["profile"] = {"rc": rc, "output": text, "seconds": round(time.monotonic() - t1),
-                              "foreign_cpu_pct": foreign_cpu(busy0, ours0, t1, servers, procs),
-                              "loadavg": os.getloadavg()}
+            out["profile"] = {
+                "rc": rc,
+                "output": text,
+                "seconds": round(time.monotonic() - t1),
+                "foreign_cpu_pct": foreign_cpu(busy0, ours0, t1, servers, procs),
+                "loadavg": os.getloadavg(),
+            }
             if rc != 0:
                 raise SystemExit(f"vllm-pd profile failed (rc {rc})")
             out["plans"] = {}
             for seed, trace in by_seed.items():
                 path = args.log_dir / f"trace_{seed}.jsonl"
                 write_trace(trace, path)
-                _, out["plans"][seed] = cli_output(["plan", "--profile", str(args.profile), "--workload", str(path),
-                                                    "--slo", SLO, "--devices", "2", "--deployments",
-                                                    "1P1D,colocated x2", "--yaml", str(args.log_dir / "plan.yaml")])
+                _, out["plans"][seed] = cli_output(
+                    [
+                        "plan",
+                        "--profile",
+                        str(args.profile),
+                        "--workload",
+                        str(path),
+                        "--slo",
+                        SLO,
+                        "--devices",
+                        "2",
+                        "--deployments",
+                        "1P1D,colocated x2",
+                        "--yaml",
+                        str(args.log_dir / "plan.yaml"),
+                    ]
+                )
             for seed, url in enumerate((urls["1p1d"], urls["colocated2"]), start=9000):  # first connections
-                asyncio.run(replay(url, served[0], [TraceRequest(0.0, 128, 4), TraceRequest(0.1, 512, 4)], seed,
-                                   served[1]))
+                asyncio.run(
+                    replay(url, served[0], [TraceRequest(0.0, 128, 4), TraceRequest(0.1, 512, 4)], seed, served[1])
+                )
             out["replays"] = replays(urls, served, by_seed, servers, procs)
             out["speed_after"] = asyncio.run(speed_probe(urls["relay_b"], served[0], vocab_size=served[1]))
         finally:
@@ -132,25 +179,37 @@ async def _served(url: str) -> tuple[str, int]:
         return model, await served_vocabulary(session, url, model)
 
 
-def replays(urls: dict[str, str], served: tuple[str, int], by_seed: dict[int, list[TraceRequest]], servers: list,
-            procs: list[subprocess.Popen]) -> dict[str, dict[str, dict]]:
+def replays(
+    urls: dict[str, str],
+    served: tuple[str, int],
+    by_seed: dict[int, list[TraceRequest]],
+    servers: list,
+    procs: list[subprocess.Popen],
+) -> dict[str, dict[str, dict]]:
     model, vocab = served
     out: dict[str, dict[str, dict]] = {}
     names = list(DEPLOYMENTS)
     for i, (seed, trace) in enumerate(by_seed.items()):
         out[str(seed)] = {}
-        for name in (names if i % 2 == 0 else list(reversed(names))):
+        for name in names if i % 2 == 0 else list(reversed(names)):
             speed = asyncio.run(speed_probe(urls["relay_b"], model, n=2, vocab_size=vocab))
             load0 = os.getloadavg()
             busy0, ours0, t1 = machine_busy(), own_cpu(servers, procs), time.monotonic()
             rows = asyncio.run(replay(urls[name], model, trace, 20000 + 10 * seed + len(out[str(seed)]), vocab))
             foreign = foreign_cpu(busy0, ours0, t1, servers, procs)
-            out[str(seed)][name] = {"requests": [{k: v for k, v in r.items() if k != "gaps_ms"} for r in rows],
-                                    "speed": speed, "foreign_cpu_pct": round(foreign, 1),
-                                    "loadavg": [load0, os.getloadavg()], "seconds": round(time.monotonic() - t1),
-                                    "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-            print(f"  trace {seed} {name}: {len(rows)} requests in {time.monotonic() - t1:.0f} s; speed probe "
-                  f"{speed}; other processes {foreign:.0f} % of a core; load {os.getloadavg()[0]:.2f}", flush=True)
+            out[str(seed)][name] = {
+                "requests": [{k: v for k, v in r.items() if k != "gaps_ms"} for r in rows],
+                "speed": speed,
+                "foreign_cpu_pct": round(foreign, 1),
+                "loadavg": [load0, os.getloadavg()],
+                "seconds": round(time.monotonic() - t1),
+                "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            }
+            print(
+                f"  trace {seed} {name}: {len(rows)} requests in {time.monotonic() - t1:.0f} s; speed probe "
+                f"{speed}; other processes {foreign:.0f} % of a core; load {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
             time.sleep(2.0)
     return out
 
@@ -162,8 +221,10 @@ def simulated(profiles: list[LatencyProfile], d: Deployment, trace: list[TraceRe
 
 def report(results: dict, profile: LatencyProfile, by_seed: dict[int, list[TraceRequest]]) -> None:
     fast, slow = band_profiles(profile)
-    print("| deployment | trace | metric | measured (ms) | simulated (ms) | error | band (ms) | in band |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print(
+        "| deployment | trace | metric | measured (ms) | simulated (ms) | error | band (ms) | in band |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     within = total = in_band = 0
     for name, d in DEPLOYMENTS.items():
         for seed, trace in by_seed.items():
@@ -173,8 +234,10 @@ def report(results: dict, profile: LatencyProfile, by_seed: dict[int, list[Trace
             rows = run["requests"]
             meas = {"ttft": [r["ttft"] for r in rows], "tpot": [r["tpot"] for r in rows if r["tokens"] > 1]}
             sim, lo, hi = (simulated([p], d, trace) for p in (profile, fast, slow))
-            where = (f"seed {seed} ({len(trace)} req; other processes {run['foreign_cpu_pct']:.0f} % of a core, "
-                     f"load {run['loadavg'][0][0]:.1f}-{run['loadavg'][1][0]:.1f})")
+            where = (
+                f"seed {seed} ({len(trace)} req; other processes {run['foreign_cpu_pct']:.0f} % of a core, "
+                f"load {run['loadavg'][0][0]:.1f}-{run['loadavg'][1][0]:.1f})"
+            )
             for metric in ("ttft", "tpot"):
                 for q in (50, 90):
                     m = percentile(meas[metric], q / 100) * 1e3
@@ -182,12 +245,16 @@ def report(results: dict, profile: LatencyProfile, by_seed: dict[int, list[Trace
                     b = sorted(percentile(x[metric], q / 100) * 1e3 for x in (lo, hi))
                     ok, inside = abs(s - m) / m <= 0.15, b[0] <= m <= b[1]
                     within, in_band, total = within + ok, in_band + inside, total + 1
-                    print(f"| {d.label} | {where} | {metric.upper()} p{q} | {m:.0f} | {s:.0f} "
-                          f"| {(s - m) / m * 100:+.0f} % | {b[0]:.0f}-{b[1]:.0f} | {'yes' if inside else 'no'} |")
+                    print(
+                        f"| {d.label} | {where} | {metric.upper()} p{q} | {m:.0f} | {s:.0f} "
+                        f"| {(s - m) / m * 100:+.0f} % | {b[0]:.0f}-{b[1]:.0f} | {'yes' if inside else 'no'} |"
+                    )
     print(f"\nwithin 15 %: {within} of {total}; measured inside the profile's band: {in_band} of {total}")
     prof = results.get("profile", {})
-    print(f"profile: {prof.get('seconds')} s, other processes {prof.get('foreign_cpu_pct', 0):.0f} % of a core, "
-          f"load {prof.get('loadavg')}")
+    print(
+        f"profile: {prof.get('seconds')} s, other processes {prof.get('foreign_cpu_pct', 0):.0f} % of a core, "
+        f"load {prof.get('loadavg')}"
+    )
     speeds = [(seed, name, run["speed"]) for seed, runs in results["replays"].items() for name, run in runs.items()]
     for seed, name, sp in speeds:
         print(f"speed probe before trace {seed} {name}: {sp}")
@@ -201,13 +268,20 @@ def main() -> int:
     ap.add_argument("--seeds", default="301,302", help="trace seeds (fresh ones: the planner never saw them)")
     ap.add_argument("--duration", type=float, default=150.0, help="seconds of arrivals per trace")
     ap.add_argument("--layers", type=int, default=MODEL.layers, help="the model's layers (fewer: a quick try)")
-    ap.add_argument("--refit", action="store_true",
-                    help="--report from the profile's samples fitted again by this code (a refit, not a validation)")
+    ap.add_argument(
+        "--refit",
+        action="store_true",
+        help="--report from the profile's samples fitted again by this code (a refit, not a validation)",
+    )
     ap.add_argument("--profile", type=Path, default=HERE / "plan_first_try_profile.json")
     ap.add_argument("--results", type=Path, default=HERE / "plan_first_try_results.json")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-plan-first-try"))
-    ap.add_argument("--quiet-wait", type=float, default=120.0,
-                    help="before the run, wait at most this long for the machine to be quiet (s)")
+    ap.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=120.0,
+        help="before the run, wait at most this long for the machine to be quiet (s)",
+    )
     args = ap.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -222,8 +296,10 @@ def main() -> int:
         profile = load_profile(args.profile)
         if args.refit:
             profile = msgspec.structs.replace(profile, instances=[refit(i) for i in profile.instances])
-            print(f"refit: {args.profile}'s samples fitted again by this code (the replays it is set against are "
-                  "the ones it was first fitted for: not a validation)")
+            print(
+                f"refit: {args.profile}'s samples fitted again by this code (the replays it is set against are "
+                "the ones it was first fitted for: not a validation)"
+            )
         report(results, profile, traces(results["seeds"], results["duration"]))
     return 0
 

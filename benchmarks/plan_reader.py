@@ -33,8 +33,8 @@ import statistics
 import time
 
 import torch
-
 from push_cost import BLOCK_TOKENS, BLOCKS, LAYERS, LandingSink, kv_regions  # benchmarks/ is the script's folder
+
 from vllm_pd.connector.transport import create_transport, serve_session
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.layer_plan import ReadyPacer
@@ -105,8 +105,9 @@ def _plans(conn, ep: str, tokens: int, layer_s: float, n: int) -> dict[str, tupl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layer-ms", nargs="+", type=float, default=[5.0, 110.0])
-    p.add_argument("--tokens", nargs="+", type=int, default=[128, 2048],
-                   help="one per --layer-ms: the plan's size for that pace")
+    p.add_argument(
+        "--tokens", nargs="+", type=int, default=[128, 2048], help="one per --layer-ms: the plan's size for that pace"
+    )
     p.add_argument("--plans", type=int, default=12, help="plans per kind and case")
     args = p.parse_args(argv)
     if len(args.tokens) != len(args.layer_ms):
@@ -124,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
             rx.join(timeout=10)
         cpu = {k: statistics.median(v[0]) * 1e3 for k, v in out.items()}
         tail = {k: statistics.median(v[1]) * 1e3 for k, v in out.items()}
-        print(f"{tokens:5d} tokens, a layer every {layer_ms:g} ms: reader CPU per plan paced {cpu['paced']:6.2f} ms "
-              f"= {cpu['paced'] / max(cpu['fine'], 1e-9):.2f} x fine {cpu['fine']:6.2f} ms (unpaced "
-              f"{cpu['unpaced']:6.2f} ms); limit (copies and checks alone) {cpu['limit']:5.2f} ms; last layer -> "
-              f"answer: paced {tail['paced']:.2f} ms, unpaced {tail['unpaced']:.2f} ms, fine {tail['fine']:.2f} ms",
-              flush=True)
+        print(
+            f"{tokens:5d} tokens, a layer every {layer_ms:g} ms: reader CPU per plan paced {cpu['paced']:6.2f} ms "
+            f"= {cpu['paced'] / max(cpu['fine'], 1e-9):.2f} x fine {cpu['fine']:6.2f} ms (unpaced "
+            f"{cpu['unpaced']:6.2f} ms); limit (copies and checks alone) {cpu['limit']:5.2f} ms; last layer -> "
+            f"answer: paced {tail['paced']:.2f} ms, unpaced {tail['unpaced']:.2f} ms, fine {tail['fine']:.2f} ms",
+            flush=True,
+        )
     return 0
 
 

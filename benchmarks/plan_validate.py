@@ -48,17 +48,16 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import aiohttp
 import msgspec
-
 from pd_e2e import machine_busy, own_cpu, proxy_process
+
 from vllm_pd.planner.deployment_search import percentile
 from vllm_pd.planner.instance_profiler import InstanceProfiler, ProfilePlan, UniquePrompts, stream_completion
-from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, load_profile, merge_samples,
-                                             save_profile)
+from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, load_profile, merge_samples, save_profile
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.workload import TraceRequest, load_trace, parse_distributions, write_trace
 from vllm_pd.router.cli.local_cluster import LocalCluster
@@ -68,12 +67,16 @@ HERE = Path(__file__).resolve().parent
 DEPLOYMENTS = {"1p1d": Deployment(1, 1), "colocated2": Deployment(0, 2)}
 TRACE_SPEC = "poisson:1.5,in=uniform:64:1024,out=16"
 # load name: (trace file, requests, rate, seed) - a missing file is sampled from TRACE_SPEC
-LOADS = {"1x": ("plan_trace.jsonl", 40, 1.5, 16), "3x": ("plan_trace_3x.jsonl", 100, 3.3, 17),
-         "8x": ("plan_trace_8x.jsonl", 100, 9.0, 18)}
+LOADS = {
+    "1x": ("plan_trace.jsonl", 40, 1.5, 16),
+    "3x": ("plan_trace_3x.jsonl", 100, 3.3, 17),
+    "8x": ("plan_trace_8x.jsonl", 100, 9.0, 18),
+}
 
 
-async def replay(url: str, model: str, trace: list[TraceRequest], seed: int,
-                 vocab_size: int = 4000) -> list[dict[str, float]]:
+async def replay(
+    url: str, model: str, trace: list[TraceRequest], seed: int, vocab_size: int = 4000
+) -> list[dict[str, float]]:
     """Open loop; every replay needs a ``seed`` of its own: the pair's prefix caches outlive a replay. Prompt ids
     are drawn below ``vocab_size`` (the served model's: the default model's is 4096)."""
     prompts = UniquePrompts(vocab_size, seed=seed)
@@ -82,9 +85,14 @@ async def replay(url: str, model: str, trace: list[TraceRequest], seed: int,
         await asyncio.sleep(max(0.0, t_start + req.arrival - time.perf_counter()))
         s = await stream_completion(session, url, model, prompts.make(req.input_tokens), req.output_tokens)
         n = len(s.stamps)
-        return {"arrival": req.arrival, "input_tokens": req.input_tokens, "ttft": s.ttft,
-                "tpot": (s.stamps[-1] - s.stamps[0]) / (n - 1) if n > 1 else 0.0, "tokens": n,
-                "gaps_ms": [round((b - a) * 1e3, 2) for a, b in zip(s.stamps, s.stamps[1:])]}
+        return {
+            "arrival": req.arrival,
+            "input_tokens": req.input_tokens,
+            "ttft": s.ttft,
+            "tpot": (s.stamps[-1] - s.stamps[0]) / (n - 1) if n > 1 else 0.0,
+            "tokens": n,
+            "gaps_ms": [round((b - a) * 1e3, 2) for a, b in zip(s.stamps, s.stamps[1:])],
+        }
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         t_start = time.perf_counter()
@@ -95,8 +103,9 @@ def run_pair(args: argparse.Namespace, traces: dict[str, list[TraceRequest]]) ->
     """One pair of kv_both instances serves both deployments, each behind a proxy of its own; the replays
     alternate between them, so the same instances and the same minutes of this machine's drift are in both."""
     model = str(ensure_default_model())
-    cluster = LocalCluster(model=model, n_prefill=0, n_decode=0, n_both=2, transport="shm",
-                           connector="PDConnector", log_dir=args.log_dir)
+    cluster = LocalCluster(
+        model=model, n_prefill=0, n_decode=0, n_both=2, transport="shm", connector="PDConnector", log_dir=args.log_dir
+    )
     procs: list[subprocess.Popen] = []
     out: dict = {"loads": {}}
     t0 = time.monotonic()
@@ -104,8 +113,10 @@ def run_pair(args: argparse.Namespace, traces: dict[str, list[TraceRequest]]) ->
         a, b = cluster.instances()
         servers = [s.server for s in cluster.servers]
         urls, logs = {}, {}
-        for name, flags in (("1p1d", ["--prefill", a.url, "--decode", f"{b.url}@{b.kv_endpoint}"]),
-                            ("colocated2", ["--decode", a.url, "--decode", b.url])):
+        for name, flags in (
+            ("1p1d", ["--prefill", a.url, "--decode", f"{b.url}@{b.kv_endpoint}"]),
+            ("colocated2", ["--decode", a.url, "--decode", b.url]),
+        ):
             logs[name] = args.log_dir / f"requests-{name}.jsonl"
             logs[name].unlink(missing_ok=True)
             proxy, urls[name] = proxy_process(flags + ["--request-log", str(logs[name])])
@@ -123,11 +134,20 @@ def run_pair(args: argparse.Namespace, traces: dict[str, list[TraceRequest]]) ->
             for seed, url in enumerate(urls.values(), start=1000):
                 asyncio.run(replay(url, model, [TraceRequest(0.0, 128, 4), TraceRequest(0.1, 512, 4)], seed))
             out["speed_at_profile"] = asyncio.run(speed_probe(relay_url, model))
-            out["loads"] = replay_rounds(urls, relay_url, model, traces, args.repeats, servers, procs,
-                                         lambda i: profile.slice(f"after round {i + 1}"))
+            out["loads"] = replay_rounds(
+                urls,
+                relay_url,
+                model,
+                traces,
+                args.repeats,
+                servers,
+                procs,
+                lambda i: profile.slice(f"after round {i + 1}"),
+            )
             over_run = functools.reduce(merge_samples, profile.slices)
-            save_profile(LatencyProfile(profile.model, [over_run], source=profile.source),
-                         run_profile_path(args.profile))
+            save_profile(
+                LatencyProfile(profile.model, [over_run], source=profile.source), run_profile_path(args.profile)
+            )
             slices = [LatencyProfile(profile.model, [inst], source=profile.source) for inst in profile.slices]
             slices_path(args.profile).write_bytes(msgspec.json.encode(slices))
             out["profile_slices"] = profile.summaries
@@ -136,18 +156,23 @@ def run_pair(args: argparse.Namespace, traces: dict[str, list[TraceRequest]]) ->
                 p.terminate()
                 p.wait(10)
     out["instances"] = {"a (prefill in 1P1D)": a.url, "b (decode in 1P1D, profiled)": b.url}
-    out["proxy_log"] = {name: [slim(json.loads(line)) for line in log.read_text().splitlines() if line.strip()]
-                        for name, log in logs.items() if log.exists()}
+    out["proxy_log"] = {
+        name: [slim(json.loads(line)) for line in log.read_text().splitlines() if line.strip()]
+        for name, log in logs.items()
+        if log.exists()
+    }
     return out
 
 
 class Profiling:
     """`vllm-pd profile` of the pair's instance b, taken in slices: before the replays and after each round."""
 
-    def __init__(self, url: str, pd_url: str, relay_url: str, neighbour_url: str, servers: list,
-                 procs: list[subprocess.Popen]) -> None:
-        self.profiler = InstanceProfiler(url, ProfilePlan(repeats=3), pd_url=pd_url, relay_url=relay_url,
-                                         neighbour_url=neighbour_url)
+    def __init__(
+        self, url: str, pd_url: str, relay_url: str, neighbour_url: str, servers: list, procs: list[subprocess.Popen]
+    ) -> None:
+        self.profiler = InstanceProfiler(
+            url, ProfilePlan(repeats=3), pd_url=pd_url, relay_url=relay_url, neighbour_url=neighbour_url
+        )
         self.source = f"{url} (relay: {relay_url}, pd: {pd_url}, neighbour: {neighbour_url})"
         self.servers, self.procs = servers, procs
         self.model = ""
@@ -159,20 +184,38 @@ class Profiling:
         self.model, inst = asyncio.run(self.profiler.run(1))
         foreign = foreign_cpu(busy0, ours0, t0, self.servers, self.procs)
         self.slices.append(inst)
-        self.summaries.append({"when": when, "foreign_cpu_pct": foreign, "decode_ms_1x512": inst.decode_ms(1, 512),
-                               "prefill_ms_512": inst.prefill_ms(512), "beside_prefill": inst.beside_prefill,
-                               "beside_decode": inst.beside_decode, "wake_after_idle": inst.wake_after_idle,
-                               "pd_wake_after_idle": inst.pd_wake_after_idle,
-                               "first_step_ms": inst.first_step_ms, "join_ms_640": inst.join_ms(640)})
-        print(f"  profile {when} in {time.monotonic() - t0:.0f} s: a lone decode step {inst.decode_ms(1, 512):.2f} ms, "
-              f"a lone 512-token prefill {inst.prefill_ms(512):.1f} ms; other processes {foreign:.0f} % of a core",
-              flush=True)
+        self.summaries.append(
+            {
+                "when": when,
+                "foreign_cpu_pct": foreign,
+                "decode_ms_1x512": inst.decode_ms(1, 512),
+                "prefill_ms_512": inst.prefill_ms(512),
+                "beside_prefill": inst.beside_prefill,
+                "beside_decode": inst.beside_decode,
+                "wake_after_idle": inst.wake_after_idle,
+                "pd_wake_after_idle": inst.pd_wake_after_idle,
+                "first_step_ms": inst.first_step_ms,
+                "join_ms_640": inst.join_ms(640),
+            }
+        )
+        print(
+            f"  profile {when} in {time.monotonic() - t0:.0f} s: a lone decode step {inst.decode_ms(1, 512):.2f} ms, "
+            f"a lone 512-token prefill {inst.prefill_ms(512):.1f} ms; other processes {foreign:.0f} % of a core",
+            flush=True,
+        )
         return inst
 
 
-def replay_rounds(urls: dict[str, str], relay_url: str, model: str, traces: dict[str, list[TraceRequest]],
-                  repeats: int, servers: list, procs: list[subprocess.Popen],
-                  after_round: Callable[[int], object]) -> dict[str, dict[str, list[dict]]]:
+def replay_rounds(
+    urls: dict[str, str],
+    relay_url: str,
+    model: str,
+    traces: dict[str, list[TraceRequest]],
+    repeats: int,
+    servers: list,
+    procs: list[subprocess.Popen],
+    after_round: Callable[[int], object],
+) -> dict[str, dict[str, list[dict]]]:
     """``repeats`` rounds; each replays every trace once per deployment (the deployments' order flips every
     round), so the machine's drift is spread over every load and deployment alike. Before each replay a
     speed probe of the profiled instance."""
@@ -180,16 +223,25 @@ def replay_rounds(urls: dict[str, str], relay_url: str, model: str, traces: dict
     seeds = itertools.count(2000)
     for i in range(repeats):
         for load, trace in traces.items():
-            for name in (list(urls) if i % 2 == 0 else list(reversed(urls))):
+            for name in list(urls) if i % 2 == 0 else list(reversed(urls)):
                 speed = asyncio.run(speed_probe(relay_url, model))
                 busy0, ours0, t1 = machine_busy(), own_cpu(servers, procs), time.monotonic()
                 rows = asyncio.run(replay(urls[name], model, trace, next(seeds)))
                 foreign = foreign_cpu(busy0, ours0, t1, servers, procs)
-                runs[load][name].append({"requests": rows, "speed": speed, "foreign_cpu_pct": foreign,
-                                         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                                         "loadavg": os.getloadavg()[0]})
-                print(f"  round {i + 1} {load} {name}: {len(rows)} requests in {time.monotonic() - t1:.0f} s; "
-                      f"speed probe {speed}; other processes {foreign:.0f} % of a core", flush=True)
+                runs[load][name].append(
+                    {
+                        "requests": rows,
+                        "speed": speed,
+                        "foreign_cpu_pct": foreign,
+                        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                        "loadavg": os.getloadavg()[0],
+                    }
+                )
+                print(
+                    f"  round {i + 1} {load} {name}: {len(rows)} requests in {time.monotonic() - t1:.0f} s; "
+                    f"speed probe {speed}; other processes {foreign:.0f} % of a core",
+                    flush=True,
+                )
                 time.sleep(1.0)  # let the last streams' teardown settle before the next replay
         after_round(i)
     return runs
@@ -213,9 +265,17 @@ def foreign_cpu(busy0: float, ours0: float, t0: float, servers: list, procs: lis
     return (machine_busy() - busy0 - (own_cpu(servers, procs) - ours0)) / (time.monotonic() - t0) * 100
 
 
-
-PROXY_LOG_KEYS = ("ts", "decode_instance", "prefill_s", "decode_first_token_s", "prefill_to_decode_gap_s", "ttft_s",
-                  "tpot_s", "events", "outcome")
+PROXY_LOG_KEYS = (
+    "ts",
+    "decode_instance",
+    "prefill_s",
+    "decode_first_token_s",
+    "prefill_to_decode_gap_s",
+    "ttft_s",
+    "tpot_s",
+    "events",
+    "outcome",
+)
 
 
 def slim(line: dict) -> dict:
@@ -227,9 +287,16 @@ def without_raw(results: dict) -> dict:
     """The results less each request's token gaps and the proxies' logs (they stay in --log-dir's
     plan_validate_full.json): what --report reads, small enough to keep in the repository."""
     out = {k: v for k, v in results.items() if k != "proxy_log"}
-    out["loads"] = {load: {name: [{**run, "requests": [{k: v for k, v in r.items() if k != "gaps_ms"}
-                                                         for r in run["requests"]]} for run in runs]
-                           for name, runs in d.items()} for load, d in results["loads"].items()}
+    out["loads"] = {
+        load: {
+            name: [
+                {**run, "requests": [{k: v for k, v in r.items() if k != "gaps_ms"} for r in run["requests"]]}
+                for run in runs
+            ]
+            for name, runs in d.items()
+        }
+        for load, d in results["loads"].items()
+    }
     return out
 
 
@@ -263,8 +330,9 @@ CHECK_SEEDS = itertools.count(100)
 SEEDS = range(5)  # the simulator's decode-spread draws: every seed's requests are pooled, as the repeats are
 
 
-def simulated(profiles: list[LatencyProfile], deployment: Deployment,
-              trace: list[TraceRequest]) -> dict[str, list[float]]:
+def simulated(
+    profiles: list[LatencyProfile], deployment: Deployment, trace: list[TraceRequest]
+) -> dict[str, list[float]]:
     """Every profile's simulation with every seed, pooled."""
     sims = [r for profile in profiles for seed in SEEDS for r in simulate(profile, deployment, trace, seed=seed)]
     return {"ttft": [r.ttft for r in sims], "tpot": [r.tpot for r in sims if r.spec.output_tokens > 1]}
@@ -275,8 +343,13 @@ def measured(runs: list[dict]) -> dict[str, list[float]]:
     return {"ttft": [r["ttft"] for r in rows], "tpot": [r["tpot"] for r in rows if r["tokens"] > 1]}
 
 
-def report(results: dict, before: LatencyProfile, over_run: LatencyProfile | None, slices: list[LatencyProfile],
-           traces: dict[str, list[TraceRequest]]) -> None:
+def report(
+    results: dict,
+    before: LatencyProfile,
+    over_run: LatencyProfile | None,
+    slices: list[LatencyProfile],
+    traces: dict[str, list[TraceRequest]],
+) -> None:
     """Simulated vs measured (every round's requests pooled) per deployment, load and metric: with the
     profile taken before the replays (what a user of `vllm-pd plan` has); with the profile over the run
     (the samples of every slice fitted together: the machine's drift over the run, averaged into one fit);
@@ -314,19 +387,23 @@ def report(results: dict, before: LatencyProfile, over_run: LatencyProfile | Non
     print("\nwithin 15 %: " + ", ".join(f"{n} of {total} with the {k}" for k, n in within.items()))
     ttft_by_gap(results, over_run or before, traces)
     for sl in results.get("profile_slices", []):
-        print(f"profile slice {sl['when']}: a lone decode step {sl['decode_ms_1x512']:.2f} ms, a lone 512-token "
-              f"prefill {sl['prefill_ms_512']:.1f} ms, beside a neighbour x{sl['beside_prefill']} (decode) / "
-              f"x{sl['beside_decode']} (prefill), after idle {wake_text(sl.get('wake_after_idle', []))} "
-              f"(through the pair {wake_text(sl.get('pd_wake_after_idle', []))}), first "
-              f"decode steps +{sl.get('first_step_ms', 0.0):.2f} ms, a 640-token join "
-              f"{sl.get('join_ms_640', 0.0):.1f} ms of decode's steps; other processes {sl['foreign_cpu_pct']:.0f} % "
-              "of a core")
+        print(
+            f"profile slice {sl['when']}: a lone decode step {sl['decode_ms_1x512']:.2f} ms, a lone 512-token "
+            f"prefill {sl['prefill_ms_512']:.1f} ms, beside a neighbour x{sl['beside_prefill']} (decode) / "
+            f"x{sl['beside_decode']} (prefill), after idle {wake_text(sl.get('wake_after_idle', []))} "
+            f"(through the pair {wake_text(sl.get('pd_wake_after_idle', []))}), first "
+            f"decode steps +{sl.get('first_step_ms', 0.0):.2f} ms, a 640-token join "
+            f"{sl.get('join_ms_640', 0.0):.1f} ms of decode's steps; other processes {sl['foreign_cpu_pct']:.0f} % "
+            "of a core"
+        )
     speeds = [run["speed"] for d in results["loads"].values() for runs in d.values() for run in runs]
     reference = results["speed_at_profile"]
     for key in ("prefill_ms", "decode_ms"):
         xs = sorted(sp[key] for sp in speeds)
-        print(f"speed probe {key}: {reference[key]} after the first profile, {xs[0]}-{xs[-1]} before the replays "
-              f"(median {xs[len(xs) // 2]})")
+        print(
+            f"speed probe {key}: {reference[key]} after the first profile, {xs[0]}-{xs[-1]} before the replays "
+            f"(median {xs[len(xs) // 2]})"
+        )
 
 
 GAPS_S = (0.0, 0.3, 0.6, 1.0, 2.0, float("inf"))
@@ -347,10 +424,13 @@ def ttft_by_gap(results: dict, profile: LatencyProfile, traces: dict[str, list[T
         for i, req in enumerate(trace):
             gap = req.arrival - trace[i - 1].arrival if i else float("inf")
             diff = statistics.median(run["requests"][i]["ttft"] for run in runs) - statistics.mean(
-                sim[i].ttft for sim in sims)
+                sim[i].ttft for sim in sims
+            )
             by_gap.setdefault(min(bisect.bisect_right(GAPS_S, gap), len(GAPS_S) - 1) - 1, []).append(diff * 1e3)
-        cells = [f"{GAPS_S[k]:g}-{GAPS_S[k + 1]:g} s {statistics.median(v):+.1f} ms (n={len(v)})"
-                 for k, v in sorted(by_gap.items())]
+        cells = [
+            f"{GAPS_S[k]:g}-{GAPS_S[k + 1]:g} s {statistics.median(v):+.1f} ms (n={len(v)})"
+            for k, v in sorted(by_gap.items())
+        ]
         print(f"{d.label} {load}, measured - simulated TTFT by the gap since the previous arrival: " + ", ".join(cells))
 
 
@@ -372,16 +452,25 @@ def load_traces(names: list[str]) -> dict[str, list[TraceRequest]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", action="store_true", help="start the pair, profile it and replay the traces")
-    ap.add_argument("--load", nargs="+", choices=sorted(LOADS), default=sorted(LOADS),
-                    help="replay these traces (default: all)")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="rounds: replays of each trace per deployment, a profile slice after each (default 3)")
+    ap.add_argument(
+        "--load", nargs="+", choices=sorted(LOADS), default=sorted(LOADS), help="replay these traces (default: all)"
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds: replays of each trace per deployment, a profile slice after each (default 3)",
+    )
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--profile", type=Path, default=HERE / "plan_profile.json")
     ap.add_argument("--results", type=Path, default=HERE / "plan_validate_results.json")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vllm-pd-plan-logs"))
-    ap.add_argument("--quiet-wait", type=float, default=60.0,
-                    help="before the run, wait at most this long for the machine to be quiet (s)")
+    ap.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=60.0,
+        help="before the run, wait at most this long for the machine to be quiet (s)",
+    )
     args = ap.parse_args()
     traces = load_traces(args.load)
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -392,8 +481,13 @@ def main() -> int:
         args.results.write_text(json.dumps(without_raw(full), indent=1) + "\n")
     if args.report:
         over_run = run_profile_path(args.profile)
-        report(json.loads(args.results.read_text()), load_profile(args.profile),
-               load_profile(over_run) if over_run.exists() else None, load_slices(slices_path(args.profile)), traces)
+        report(
+            json.loads(args.results.read_text()),
+            load_profile(args.profile),
+            load_profile(over_run) if over_run.exists() else None,
+            load_slices(slices_path(args.profile)),
+            traces,
+        )
     return 0
 
 

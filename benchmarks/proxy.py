@@ -39,12 +39,12 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cpu_meter import CpuMeter  # noqa: E402 - benchmarks/ is the script's own folder
+
 from vllm_pd.connector.transfer_params import RemoteDecodeRequest  # noqa: E402
 from vllm_pd.router.backend.backend_response import BackendError  # noqa: E402
 from vllm_pd.router.backend.http_client import BackendClient  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402
-
-from cpu_meter import CpuMeter  # noqa: E402 - benchmarks/ is the script's own folder
 
 KV = RemoteDecodeRequest().to_params()
 
@@ -87,9 +87,23 @@ def _wait(url: str, timeout: float = 30.0) -> None:
 
 def start_mock(layout: Layout, itl: float, ttft: float, name: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    p = subprocess.Popen(layout.prefix(layout.load_core) + [
-        sys.executable, "-m", "tests.support.mock_backend", "--port", str(port), "--name", name,
-        "--itl", str(itl), "--ttft", str(ttft)], env=_env())
+    p = subprocess.Popen(
+        layout.prefix(layout.load_core)
+        + [
+            sys.executable,
+            "-m",
+            "tests.support.mock_backend",
+            "--port",
+            str(port),
+            "--name",
+            name,
+            "--itl",
+            str(itl),
+            "--ttft",
+            str(ttft),
+        ],
+        env=_env(),
+    )
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health")
     return p, url
@@ -105,9 +119,15 @@ def proxy_module(tree: str | None) -> str:
     return "vllm_pd.router.command_proxy" if flat else "vllm_pd.router.cli.command_proxy"
 
 
-def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
-               profile: str | None = None, tree: str | None = None,
-               lag_out: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_ours(
+    layout: Layout,
+    prefill: str,
+    decode: str,
+    loop: str = "uvloop",
+    profile: str | None = None,
+    tree: str | None = None,
+    lag_out: str | None = None,
+) -> tuple[subprocess.Popen, str]:
     """Our proxy from this checkout, or from another source tree (``tree``) for an A/B of two versions;
     ``lag_out``: under the loop-lag probe (benchmarks/loop_lag.py), its samples to that file on exit."""
     port = free_port()
@@ -118,13 +138,30 @@ def start_ours(layout: Layout, prefill: str, decode: str, loop: str = "uvloop",
         env["VLLM_PD_PROXY_LOOP"] = "asyncio"
     # cProfile writes its file when the proxy exits on SIGTERM (it stops cleanly)
     prof = ["-m", "cProfile", "-o", profile] if profile else []
-    main = ([str(ROOT / "benchmarks" / "loop_lag.py"), lag_out] if lag_out
-            else ["-m", proxy_module(tree)])
-    p = subprocess.Popen(layout.router_prefix() + [
-        sys.executable, *prof, *main, "--port", str(port),
-        "--prefill", prefill, "--decode", decode, "--prefill-policy", "round_robin",
-        "--decode-policy", "round_robin", "--log-level", "WARNING", *(PROXY_FLAGS if tree is None else [])], env=env,
-        cwd=tree or None)  # `python -m` puts the working directory first on sys.path
+    main = [str(ROOT / "benchmarks" / "loop_lag.py"), lag_out] if lag_out else ["-m", proxy_module(tree)]
+    p = subprocess.Popen(
+        layout.router_prefix()
+        + [
+            sys.executable,
+            *prof,
+            *main,
+            "--port",
+            str(port),
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--prefill-policy",
+            "round_robin",
+            "--decode-policy",
+            "round_robin",
+            "--log-level",
+            "WARNING",
+            *(PROXY_FLAGS if tree is None else []),
+        ],
+        env=env,
+        cwd=tree or None,
+    )  # `python -m` puts the working directory first on sys.path
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health")
     return p, url
@@ -134,11 +171,30 @@ def start_vllm_router(layout: Layout, path: str, prefill: str, decode: str) -> t
     port = free_port()
     env = _env()
     env["PYTHONPATH"] = path + os.pathsep + env["PYTHONPATH"]
-    p = subprocess.Popen(layout.router_prefix() + [
-        sys.executable, "-m", "vllm_router.launch_router", "--port", str(port),
-        "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-        "--policy", "round_robin", "--log-level", "error", "--prometheus-port", str(free_port())],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        layout.router_prefix()
+        + [
+            sys.executable,
+            "-m",
+            "vllm_router.launch_router",
+            "--port",
+            str(port),
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "error",
+            "--prometheus-port",
+            str(free_port()),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health", 60)
     return p, url
@@ -167,8 +223,9 @@ class Sample:
 JSON_HEADERS = [("Content-Type", "application/json")]
 
 
-async def _request(client: BackendClient, url: str | None, direct: tuple[str, str] | None,
-                   stream: bool, max_tokens: int) -> Sample:
+async def _request(
+    client: BackendClient, url: str | None, direct: tuple[str, str] | None, stream: bool, max_tokens: int
+) -> Sample:
     """One client request. direct=(prefill, decode) runs both legs here, as a zero-cost proxy would."""
     body = dict(BODY, max_tokens=max_tokens, stream=stream)
     t0 = time.perf_counter()
@@ -220,9 +277,17 @@ class LoadResult:
         return LoadResult(samples, len(samples) / wall, cpu, per_req, wall, p99s)
 
 
-async def closed_loop(url: str | None, direct: tuple[str, str] | None, concurrency: int, seconds: float,
-                      stream: bool, max_tokens: int, meters: dict[str, CpuMeter], router: str | None,
-                      stagger: float = 0.0) -> LoadResult:
+async def closed_loop(
+    url: str | None,
+    direct: tuple[str, str] | None,
+    concurrency: int,
+    seconds: float,
+    stream: bool,
+    max_tokens: int,
+    meters: dict[str, CpuMeter],
+    router: str | None,
+    stagger: float = 0.0,
+) -> LoadResult:
     """`concurrency` clients each sending the next request when the last one ended; the first quarter
     (at most 1 s) is warm-up, not measured. Client i starts after a random delay in [0, stagger): with
     fixed backend latencies, clients that all start at once stay in lockstep forever and hit the router
@@ -291,12 +356,22 @@ class Routers:
     windows: dict[tuple[int, str], list[tuple[float, float]]] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, layout: Layout, ttft: float, itl: float, vr_path: str | None, profile: str | None,
-              compare_tree: str | None = None, loop_lag: bool = False) -> Routers:
+    def start(
+        cls,
+        layout: Layout,
+        ttft: float,
+        itl: float,
+        vr_path: str | None,
+        profile: str | None,
+        compare_tree: str | None = None,
+        loop_lag: bool = False,
+    ) -> Routers:
         r = cls(layout)
         if loop_lag:
-            r.lag_files = {name: f"/tmp/proxy-loop-lag-{os.getpid()}-{i}.json"
-                           for i, name in enumerate(("vllm-pd proxy", "vllm-pd other tree"))}
+            r.lag_files = {
+                name: f"/tmp/proxy-loop-lag-{os.getpid()}-{i}.json"
+                for i, name in enumerate(("vllm-pd proxy", "vllm-pd other tree"))
+            }
         try:
             pp, purl = start_mock(layout, itl, ttft, "p0")
             dp, durl = start_mock(layout, itl, ttft, "d0")
@@ -308,8 +383,9 @@ class Routers:
             r.procs.append(ours)
             r.entries.append(("vllm-pd proxy", ours_url, ours.pid))
             if compare_tree:
-                other, other_url = start_ours(layout, purl, durl, tree=compare_tree,
-                                              lag_out=r.lag_files.get("vllm-pd other tree"))
+                other, other_url = start_ours(
+                    layout, purl, durl, tree=compare_tree, lag_out=r.lag_files.get("vllm-pd other tree")
+                )
                 r.procs.append(other)
                 r.entries.append(("vllm-pd other tree", other_url, other.pid))
             if vr_path:
@@ -324,8 +400,9 @@ class Routers:
             raise
         return r
 
-    def run(self, concurrency: int, seconds: float, stream: bool, max_tokens: int, rounds: int,
-            stagger: float = 0.0) -> dict[str, LoadResult]:
+    def run(
+        self, concurrency: int, seconds: float, stream: bool, max_tokens: int, rounds: int, stagger: float = 0.0
+    ) -> dict[str, LoadResult]:
         """`rounds` interleaved rounds (direct, ours, vllm-router, direct, ...) so that load from outside
         this benchmark hits every router alike; results pooled per router."""
         out: dict[str, list[LoadResult]] = {name: [] for name, _, _ in self.entries}
@@ -336,15 +413,31 @@ class Routers:
                     meters["router"] = CpuMeter([pid])
                 direct = self.backends if url is None else None
                 t0 = time.monotonic() + min(1.0, seconds / 4)  # (closed_loop's warm-up is not measured)
-                out[name].append(asyncio.run(closed_loop(url, direct, concurrency, seconds, stream, max_tokens,
-                                                         meters, "router" if pid is not None else None, stagger)))
+                out[name].append(
+                    asyncio.run(
+                        closed_loop(
+                            url,
+                            direct,
+                            concurrency,
+                            seconds,
+                            stream,
+                            max_tokens,
+                            meters,
+                            "router" if pid is not None else None,
+                            stagger,
+                        )
+                    )
+                )
                 self.windows.setdefault((concurrency, name), []).append((t0, time.monotonic()))
         return {name: LoadResult.pooled(rs) for name, rs in out.items()}
 
 
 def _layout(args: argparse.Namespace) -> Layout:
-    layout = Layout(None, None, args.router_nice) if args.no_pin else Layout(args.router_core, args.load_core,
-                                                                              args.router_nice)
+    layout = (
+        Layout(None, None, args.router_nice)
+        if args.no_pin
+        else Layout(args.router_core, args.load_core, args.router_nice)
+    )
     if layout.load_core is not None:
         os.sched_setaffinity(0, {layout.load_core})
     return layout
@@ -352,25 +445,33 @@ def _layout(args: argparse.Namespace) -> Layout:
 
 def _latency_level(rs: Routers, args: argparse.Namespace, streams: int, stagger: float) -> None:
     """Added latency of each router over direct at ``streams`` concurrent streams."""
-    print(f"\n[latency] {streams} concurrent streams, {args.rounds} rounds of {args.seconds:.0f} s "
-          f"(first second not measured), client starts spread over {stagger * 1e3:.0f} ms")
+    print(
+        f"\n[latency] {streams} concurrent streams, {args.rounds} rounds of {args.seconds:.0f} s "
+        f"(first second not measured), client starts spread over {stagger * 1e3:.0f} ms"
+    )
     res = rs.run(streams, args.seconds, True, args.tokens, args.rounds, stagger)
     base = res.pop("direct (no proxy)")
     b_tot, b_fb = pct([s.total for s in base.samples], 0.5), pct([s.ttfb for s in base.samples], 0.5)
     b_tot99, b_fb99 = pct([s.total for s in base.samples], 0.99), pct([s.ttfb for s in base.samples], 0.99)
-    print(f"  {'direct (no proxy)':18s} total p50 {b_tot * 1e3:7.2f} p99 {b_tot99 * 1e3:7.2f} ms   "
-          f"TTFB p50 {b_fb * 1e3:7.2f} p99 {b_fb99 * 1e3:7.2f} ms  "
-          f"({len(base.samples)} req, {base.rate:.0f} req/s)")
+    print(
+        f"  {'direct (no proxy)':18s} total p50 {b_tot * 1e3:7.2f} p99 {b_tot99 * 1e3:7.2f} ms   "
+        f"TTFB p50 {b_fb * 1e3:7.2f} p99 {b_fb99 * 1e3:7.2f} ms  "
+        f"({len(base.samples)} req, {base.rate:.0f} req/s)"
+    )
     print(_cpu_line(base))
     for name, r in res.items():
         tot, fb = [s.total for s in r.samples], [s.ttfb for s in r.samples]
-        print(f"  {name:18s} total p50 {pct(tot, .5) * 1e3:7.2f} p99 {pct(tot, .99) * 1e3:7.2f} ms   "
-              f"TTFB p50 {pct(fb, .5) * 1e3:7.2f} p99 {pct(fb, .99) * 1e3:7.2f} ms  "
-              f"({len(r.samples)} req, {r.rate:.0f} req/s)")
-        print(f"  {'':18s} added: total p50 {(pct(tot, .5) - b_tot) * 1e3:+6.2f} ms p99 "
-              f"{(pct(tot, .99) - b_tot99) * 1e3:+6.2f} ms   "
-              f"TTFB p50 {(pct(fb, .5) - b_fb) * 1e3:+6.2f} ms p99 "
-              f"{(pct(fb, .99) - b_fb99) * 1e3:+6.2f} ms   (goal: added p50 <= 1 ms, p99 <= 5 ms)")
+        print(
+            f"  {name:18s} total p50 {pct(tot, 0.5) * 1e3:7.2f} p99 {pct(tot, 0.99) * 1e3:7.2f} ms   "
+            f"TTFB p50 {pct(fb, 0.5) * 1e3:7.2f} p99 {pct(fb, 0.99) * 1e3:7.2f} ms  "
+            f"({len(r.samples)} req, {r.rate:.0f} req/s)"
+        )
+        print(
+            f"  {'':18s} added: total p50 {(pct(tot, 0.5) - b_tot) * 1e3:+6.2f} ms p99 "
+            f"{(pct(tot, 0.99) - b_tot99) * 1e3:+6.2f} ms   "
+            f"TTFB p50 {(pct(fb, 0.5) - b_fb) * 1e3:+6.2f} ms p99 "
+            f"{(pct(fb, 0.99) - b_fb99) * 1e3:+6.2f} ms   (goal: added p50 <= 1 ms, p99 <= 5 ms)"
+        )
         print(_cpu_line(r))
     if base.cpu.get("loadgen", 0.0) + base.cpu.get("mocks", 0.0) > 0.9:
         print("  (the load core was busy > 90 % even direct: the figures above include its own queueing)")
@@ -391,21 +492,26 @@ def _print_loop_lag(rs: Routers) -> None:
         if name not in samples:
             continue
         lags = [lag for t, lag in samples[name] if any(a <= t <= b for a, b in windows)]
-        print(f"  {streams:5d} streams  {name:18s} lag p50 {pct(lags, .5) * 1e3:6.2f}  "
-              f"p99 {pct(lags, .99) * 1e3:6.2f}  max {max(lags, default=float('nan')) * 1e3:6.2f} ms  "
-              f"({len(lags)} ticks)")
+        print(
+            f"  {streams:5d} streams  {name:18s} lag p50 {pct(lags, 0.5) * 1e3:6.2f}  "
+            f"p99 {pct(lags, 0.99) * 1e3:6.2f}  max {max(lags, default=float('nan')) * 1e3:6.2f} ms  "
+            f"({len(lags)} ticks)"
+        )
 
 
 def run_suite(args: argparse.Namespace) -> None:
     layout = _layout(args)
-    print(f"backends: mock prefill+decode, ttft={args.ttft * 1e3:.0f} ms itl={args.itl * 1e3:.0f} ms, "
-          f"{args.tokens} output tokens, prompt {len(BODY['prompt'])} chars; cores={os.cpu_count()}; "
-          f"router on core {layout.router_core} (nice {layout.router_nice}), "
-          f"load generator + mocks on core {layout.load_core}; "
-          f"load average at start {os.getloadavg()[0]:.2f}")
+    print(
+        f"backends: mock prefill+decode, ttft={args.ttft * 1e3:.0f} ms itl={args.itl * 1e3:.0f} ms, "
+        f"{args.tokens} output tokens, prompt {len(BODY['prompt'])} chars; cores={os.cpu_count()}; "
+        f"router on core {layout.router_core} (nice {layout.router_nice}), "
+        f"load generator + mocks on core {layout.load_core}; "
+        f"load average at start {os.getloadavg()[0]:.2f}"
+    )
     if not args.skip_latency:
-        rs = Routers.start(layout, args.ttft, args.itl, args.vllm_router_path, args.profile, args.compare_tree,
-                           args.loop_lag)
+        rs = Routers.start(
+            layout, args.ttft, args.itl, args.vllm_router_path, args.profile, args.compare_tree, args.loop_lag
+        )
         try:
             stagger = 0.0 if args.lockstep else 2 * args.ttft + args.itl * (args.tokens - 1)
             for streams in args.streams:  # the same mocks and routers for every level: one run
@@ -416,10 +522,13 @@ def run_suite(args: argparse.Namespace) -> None:
             _print_loop_lag(rs)
     if args.skip_saturation:
         return
-    print(f"\n[saturation] non-streaming, max_tokens=2, zero-delay backends, concurrency {args.sat_concurrency}, "
-          f"{args.rounds} rounds of {args.seconds:.0f} s")
-    rs = Routers.start(layout, 0.0, 0.0, args.vllm_router_path, args.profile and args.profile + ".saturation",
-                       args.compare_tree)
+    print(
+        f"\n[saturation] non-streaming, max_tokens=2, zero-delay backends, concurrency {args.sat_concurrency}, "
+        f"{args.rounds} rounds of {args.seconds:.0f} s"
+    )
+    rs = Routers.start(
+        layout, 0.0, 0.0, args.vllm_router_path, args.profile and args.profile + ".saturation", args.compare_tree
+    )
     try:
         res = rs.run(args.sat_concurrency, args.seconds, False, 2, args.rounds)
     finally:
@@ -431,8 +540,10 @@ def run_suite(args: argparse.Namespace) -> None:
         ours, vr = res["vllm-pd proxy"], res["vllm-router"]
         line = f"  saturation: vllm-pd proxy = {ours.rate / vr.rate:.2f} x vllm-router (target >= 1.1)"
         if ours.router_cpu_per_req and vr.router_cpu_per_req:
-            line += (f"; CPU per request {ours.router_cpu_per_req * 1e3:.3f} ms vs "
-                     f"{vr.router_cpu_per_req * 1e3:.3f} ms = {ours.router_cpu_per_req / vr.router_cpu_per_req:.2f} x")
+            line += (
+                f"; CPU per request {ours.router_cpu_per_req * 1e3:.3f} ms vs "
+                f"{vr.router_cpu_per_req * 1e3:.3f} ms = {ours.router_cpu_per_req / vr.router_cpu_per_req:.2f} x"
+            )
         print(line)
 
 
@@ -443,13 +554,16 @@ async def _client_rate(kind: str, url: str, concurrency: int, seconds: float) ->
     stop_at = time.perf_counter() + seconds
     if kind == "aiohttp":
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
             async def w() -> None:
                 nonlocal n
                 while time.perf_counter() < stop_at:
-                    async with s.post(url + "/v1/completions", data=body,
-                                      headers={"Content-Type": "application/json"}) as r:
+                    async with s.post(
+                        url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+                    ) as r:
                         await r.read()
                     n += 1
+
             await asyncio.gather(*(w() for _ in range(concurrency)))
     elif kind == "vllm-pd":
         client = BackendClient()
@@ -461,18 +575,23 @@ async def _client_rate(kind: str, url: str, concurrency: int, seconds: float) ->
                 await r.read()
                 r.close()
                 n += 1
+
         await asyncio.gather(*(w2() for _ in range(concurrency)))
         client.close()
     else:
         import httpx
+
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as c:
+
             async def w() -> None:
                 nonlocal n
                 while time.perf_counter() < stop_at:
-                    r = await c.post(url + "/v1/completions", content=body,
-                                     headers={"Content-Type": "application/json"})
+                    r = await c.post(
+                        url + "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+                    )
                     r.read()
                     n += 1
+
             await asyncio.gather(*(w() for _ in range(concurrency)))
     return n / seconds
 
@@ -488,6 +607,7 @@ def run_stacks(args: argparse.Namespace) -> None:
         for kind in ("vllm-pd", "aiohttp", "httpx"):
             for loop in ("asyncio", "uvloop"):
                 import uvloop
+
                 # an explicit loop factory: main() installed uvloop's policy, which asyncio.run would follow
                 factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.SelectorEventLoop
                 with asyncio.Runner(loop_factory=factory) as runner:
@@ -501,8 +621,9 @@ def run_stacks(args: argparse.Namespace) -> None:
         print("[proxy event loop] vllm-pd proxy saturation, non-streaming, concurrency 128")
         for loop in ("asyncio", "uvloop"):
             p, url = start_ours(layout, murl, murl2, loop)
-            res = asyncio.run(closed_loop(url, None, 128, args.seconds, False, 2, {"router": CpuMeter([p.pid])},
-                                          "router"))
+            res = asyncio.run(
+                closed_loop(url, None, 128, args.seconds, False, 2, {"router": CpuMeter([p.pid])}, "router")
+            )
             print(f"  {loop:8s} {res.rate:8.0f} req/s  p50 {pct([x.total for x in res.samples], 0.5) * 1e3:.2f} ms")
             print(_cpu_line(res))
             stop([p])
@@ -533,8 +654,10 @@ def run_cpu_split(args: argparse.Namespace) -> None:
     layout = _layout(args)
     rs = Routers.start(layout, 0.0, 0.0, args.vllm_router_path, None, args.compare_tree)
     stream = args.split_tokens > 2
-    print(f"[cpu per request] {'streaming ' + str(args.split_tokens) + ' events' if stream else 'non-streaming'}, "
-          f"zero-delay backends, 64 clients, {args.rounds} rounds of {args.seconds:.0f} s")
+    print(
+        f"[cpu per request] {'streaming ' + str(args.split_tokens) + ' events' if stream else 'non-streaming'}, "
+        f"zero-delay backends, 64 clients, {args.rounds} rounds of {args.seconds:.0f} s"
+    )
     out: dict[str, list[tuple[float, float, int]]] = {}
     try:
         for _ in range(args.rounds):
@@ -543,22 +666,30 @@ def run_cpu_split(args: argparse.Namespace) -> None:
                     continue
                 meters = {"user": _CpuFieldMeter(pid, "user"), "sys": _CpuFieldMeter(pid, "system")}
                 res = asyncio.run(closed_loop(url, None, 64, args.seconds, stream, args.split_tokens, meters, None))
-                out.setdefault(name, []).append((res.cpu["user"] * res.wall, res.cpu["sys"] * res.wall,
-                                                 len(res.samples)))
+                out.setdefault(name, []).append(
+                    (res.cpu["user"] * res.wall, res.cpu["sys"] * res.wall, len(res.samples))
+                )
     finally:
         stop(rs.procs)
     for name, rounds in out.items():
         n = sum(r[2] for r in rounds)
         user, sys_ = sum(r[0] for r in rounds) / n, sum(r[1] for r in rounds) / n
-        print(f"  {name:18s} user {user * 1e6:6.1f} us  sys {sys_ * 1e6:6.1f} us  total {(user + sys_) * 1e6:6.1f} us"
-              f" per request  ({n} requests)")
+        print(
+            f"  {name:18s} user {user * 1e6:6.1f} us  sys {sys_ * 1e6:6.1f} us  total {(user + sys_) * 1e6:6.1f} us"
+            f" per request  ({n} requests)"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--streams", type=int, nargs="+", default=[100],
-                    help="concurrent streams of the latency phase; several levels run one after the other against "
-                    "the same mocks and routers (e.g. --streams 200 1000)")
+    ap.add_argument(
+        "--streams",
+        type=int,
+        nargs="+",
+        default=[100],
+        help="concurrent streams of the latency phase; several levels run one after the other against "
+        "the same mocks and routers (e.g. --streams 200 1000)",
+    )
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--itl", type=float, default=0.05)
     ap.add_argument("--ttft", type=float, default=0.02)
@@ -572,27 +703,49 @@ def main() -> None:
     ap.add_argument("--router-core", type=int, default=1, help="core of the router under test")
     ap.add_argument("--load-core", type=int, default=0, help="core of the load generator and the mocks")
     ap.add_argument("--no-pin", action="store_true", help="let every process float over all cores")
-    ap.add_argument("--router-nice", type=int, default=0, help="nice value of the router under test (e.g. -10 "
-                    "on a shared machine: CFS shares a core per thread, so against other users' processes a "
-                    "router with more threads would get more of it)")
+    ap.add_argument(
+        "--router-nice",
+        type=int,
+        default=0,
+        help="nice value of the router under test (e.g. -10 "
+        "on a shared machine: CFS shares a core per thread, so against other users' processes a "
+        "router with more threads would get more of it)",
+    )
     ap.add_argument("--lockstep", action="store_true", help="start all latency clients at once (bursts)")
-    ap.add_argument("--compare-tree", metavar="DIR", help="also run the proxy of another source tree (e.g. a "
-                    "`git worktree` of the previous commit), interleaved with this one")
+    ap.add_argument(
+        "--compare-tree",
+        metavar="DIR",
+        help="also run the proxy of another source tree (e.g. a "
+        "`git worktree` of the previous commit), interleaved with this one",
+    )
     ap.add_argument("--profile", metavar="FILE", help="run our proxy under cProfile, writing FILE")
-    ap.add_argument("--loop-lag", action="store_true", help="run each vllm-pd proxy under a 10 ms event-loop lag "
-                    "probe (benchmarks/loop_lag.py) and print its lag in the measured rounds")
-    ap.add_argument("--proxy-flag", action="append", default=[], metavar="FLAG",
-                    help="a flag for this checkout's proxy, e.g. --proxy-flag=--request-log=/dev/null (repeatable; "
-                    "--compare-tree's proxy runs without them)")
+    ap.add_argument(
+        "--loop-lag",
+        action="store_true",
+        help="run each vllm-pd proxy under a 10 ms event-loop lag "
+        "probe (benchmarks/loop_lag.py) and print its lag in the measured rounds",
+    )
+    ap.add_argument(
+        "--proxy-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for this checkout's proxy, e.g. --proxy-flag=--request-log=/dev/null (repeatable; "
+        "--compare-tree's proxy runs without them)",
+    )
     ap.add_argument("--stacks", action="store_true", help="compare client libraries and event loops instead")
-    ap.add_argument("--cpu-split", action="store_true", help="user/system CPU per request of each router "
-                    "at a fixed load below saturation instead")
+    ap.add_argument(
+        "--cpu-split",
+        action="store_true",
+        help="user/system CPU per request of each router at a fixed load below saturation instead",
+    )
     ap.add_argument("--split-tokens", type=int, default=2, help="with --cpu-split: output tokens (> 2: stream)")
     args = ap.parse_args()
-    BODY["prompt"] = ("benchmark prompt " * (args.prompt_chars // 17 + 1))[:args.prompt_chars]
+    BODY["prompt"] = ("benchmark prompt " * (args.prompt_chars // 17 + 1))[: args.prompt_chars]
     PROXY_FLAGS.extend(args.proxy_flag)
     try:
         import uvloop
+
         uvloop.install()
     except ImportError:
         pass

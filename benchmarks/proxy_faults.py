@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from proxy import Layout, _env, _wait, proxy_module, start_mock, stop  # noqa: E402 - benchmarks/ is the script's own folder
+
 from vllm_pd.vllm_server import free_port  # noqa: E402
 
 MIB = 1024 * 1024
@@ -51,10 +52,28 @@ def start_proxy(layout: Layout, prefill: str, decode: str, tree: str | None) -> 
     env = _env()
     if tree:
         env["PYTHONPATH"] = tree
-    p = subprocess.Popen(layout.router_prefix() + [
-        sys.executable, "-m", proxy_module(tree), "--port", str(port), "--prefill", prefill,
-        "--decode", decode, "--decode-idle-timeout", "2", "--decode-attempts", "1", "--log-level", "ERROR"],
-        env=env, cwd=tree or None)  # `python -m` puts the working directory first on sys.path
+    p = subprocess.Popen(
+        layout.router_prefix()
+        + [
+            sys.executable,
+            "-m",
+            proxy_module(tree),
+            "--port",
+            str(port),
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--decode-idle-timeout",
+            "2",
+            "--decode-attempts",
+            "1",
+            "--log-level",
+            "ERROR",
+        ],
+        env=env,
+        cwd=tree or None,
+    )  # `python -m` puts the working directory first on sys.path
     url = f"http://127.0.0.1:{port}"
     _wait(url + "/health")
     return p, url
@@ -104,8 +123,11 @@ def main() -> None:
         for case, (mock_fail, stream, n) in CASES.items():
             for name, proc, url in proxies:
                 statuses, elapsed, peak, after = run_case(url, proc.pid, mock_fail, stream, n)
-                print(f"{case:22} {name[-28:]:28} {statuses:>10} {elapsed:>8.2f} {peak / MIB:>9.1f} MB "
-                      f"{after / MIB:>9.1f} MB", flush=True)
+                print(
+                    f"{case:22} {name[-28:]:28} {statuses:>10} {elapsed:>8.2f} {peak / MIB:>9.1f} MB "
+                    f"{after / MIB:>9.1f} MB",
+                    flush=True,
+                )
     finally:
         stop(procs)
 

@@ -92,8 +92,8 @@ class _Layer:
         h = torch.nn.functional.rms_norm(self.x, (HIDDEN,))
         qkv = h @ self.w_qkv
         q = qkv[:, :HIDDEN].reshape(-1, 8, 64).transpose(0, 1)
-        k = qkv[:, HIDDEN:HIDDEN + 256].reshape(-1, 4, 64).transpose(0, 1).repeat_interleave(2, 0)
-        v = qkv[:, HIDDEN + 256:].reshape(-1, 4, 64).transpose(0, 1).repeat_interleave(2, 0)
+        k = qkv[:, HIDDEN : HIDDEN + 256].reshape(-1, 4, 64).transpose(0, 1).repeat_interleave(2, 0)
+        v = qkv[:, HIDDEN + 256 :].reshape(-1, 4, 64).transpose(0, 1).repeat_interleave(2, 0)
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = self.x + a.transpose(0, 1).reshape(-1, HIDDEN) @ self.w_o
         u = torch.nn.functional.rms_norm(h, (HIDDEN,)) @ self.w_up
@@ -198,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     rx_a, rx_b = ctx.Pipe()
     tx_a, tx_b = ctx.Pipe()
-    procs = [ctx.Process(target=_receiver, args=(rx_b, 1), daemon=True),
-             ctx.Process(target=_sender, args=(tx_b, 0), daemon=True)]
+    procs = [
+        ctx.Process(target=_receiver, args=(rx_b, 1), daemon=True),
+        ctx.Process(target=_sender, args=(tx_b, 0), daemon=True),
+    ]
     for pr in procs:
         pr.start()
     try:
@@ -212,12 +214,18 @@ def main(argv: list[str] | None = None) -> int:
                 rx_a.send(None)
                 rx_a.recv()
                 plain, pushed, raw = (statistics.median(times[k]) * 1e3 for k in ("none", "push", "raw"))
-                planned = (f"+{statistics.median(times['plan']) * 1e3 - plain:5.2f} ms as one layer plan"
-                           if times["plan"] else "no layer plan (transport cannot)")
-                print(f"{transport} {tokens:5d} tokens: forward {pushed:6.2f} ms with {LAYERS} pushes vs "
-                      f"{plain:6.2f} ms without = +{pushed - plain:5.2f} ms "
-                      f"(+{(pushed - plain) / LAYERS * 1e3:4.0f} us per push), {planned}; limit: raw socket "
-                      f"sends of the same bytes +{raw - plain:5.2f} ms", flush=True)
+                planned = (
+                    f"+{statistics.median(times['plan']) * 1e3 - plain:5.2f} ms as one layer plan"
+                    if times["plan"]
+                    else "no layer plan (transport cannot)"
+                )
+                print(
+                    f"{transport} {tokens:5d} tokens: forward {pushed:6.2f} ms with {LAYERS} pushes vs "
+                    f"{plain:6.2f} ms without = +{pushed - plain:5.2f} ms "
+                    f"(+{(pushed - plain) / LAYERS * 1e3:4.0f} us per push), {planned}; limit: raw socket "
+                    f"sends of the same bytes +{raw - plain:5.2f} ms",
+                    flush=True,
+                )
     finally:
         rx_a.send(None)
         tx_a.send(None)

@@ -66,6 +66,7 @@ def measure(root: Path, block: int, count: int, rounds: int) -> dict[str, float]
         tier_dir = root / f"tier{r}"
         tier = DiskTier(tier_dir, SALT.digest(), 0, capacity_bytes=4 * block * count)
         try:
+
             def tier_write() -> None:
                 futures = [tier.write(k, None, p, SCOPE, s) for k, p, s in zip(keys, payloads, sums)]
                 if not all(f.result() for f in futures):
@@ -87,7 +88,7 @@ def measure(root: Path, block: int, count: int, rounds: int) -> dict[str, float]
                 with open(raw_path, "rb") as f:
                     view = memoryview(raw_dst)
                     for i in range(count):
-                        f.readinto(view[i * block:(i + 1) * block])
+                        f.readinto(view[i * block : (i + 1) * block])
 
             samples["tier_w"].append(timed(tier_write))
             samples["raw_w"].append(timed(raw_write))
@@ -122,8 +123,10 @@ def main() -> None:
         for kib in args.block_kib:
             block = kib << 10
             g = measure(Path(tmp), block, (args.total_mib << 20) // block, args.rounds)
-            cells = [f"tier {g['tier_' + k]:.2f} GB/s = {g['tier_' + k] / g['raw_' + k]:.2f} x raw "
-                     f"({g['raw_' + k]:.2f})" for k in ("w", "rc", "rw")]
+            cells = [
+                f"tier {g['tier_' + k]:.2f} GB/s = {g['tier_' + k] / g['raw_' + k]:.2f} x raw ({g['raw_' + k]:.2f})"
+                for k in ("w", "rc", "rw")
+            ]
             print(f"| {kib} KiB | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -55,9 +55,18 @@ MAX_MODEL_LEN = 4096
 def trace_prompts(conversations: int, seed: int) -> list[tuple[int, int, list[int]]]:
     """(conversation, turn, prompt token ids) in trace order."""
     cfg = TraceConfig(
-        conversations=conversations, arrival_rate=1.0, system_prompts=3, system_prompt_blocks=(3, 6),
-        single_turn_fraction=0.3, mean_turns=4.0, max_turns=6, user_blocks_median=1.5,
-        reply_blocks_median=2.0, length_sigma=0.5, think_time_median_s=5.0, seed=seed,
+        conversations=conversations,
+        arrival_rate=1.0,
+        system_prompts=3,
+        system_prompt_blocks=(3, 6),
+        single_turn_fraction=0.3,
+        mean_turns=4.0,
+        max_turns=6,
+        user_blocks_median=1.5,
+        reply_blocks_median=2.0,
+        length_sigma=0.5,
+        think_time_median_s=5.0,
+        seed=seed,
     )
     prompts = []
     for req in generate(cfg):
@@ -73,18 +82,36 @@ def server_spec(model: Path, store: dict[str, Any] | None, core: str = "0") -> V
     extra: dict[str, Any] = {"transport": "tcp", "host": "127.0.0.1"}
     if store is not None:
         extra["store"] = store
-    ktc = {"kv_connector": "PDConnector", "kv_role": "kv_both", "kv_port": free_port(),
-           "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
-    return VllmServerSpec(model=str(model), port=free_port(), kv_transfer_config=ktc, cpu_cores=core,
-                          max_model_len=MAX_MODEL_LEN, served_model_name="bench", kv_cache_bytes="1g",
-                          extra_args=["--seed", "0", "--no-enable-prefix-caching", "--enable-prompt-tokens-details"],
-                          pin_processes=True)
+    ktc = {
+        "kv_connector": "PDConnector",
+        "kv_role": "kv_both",
+        "kv_port": free_port(),
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+    return VllmServerSpec(
+        model=str(model),
+        port=free_port(),
+        kv_transfer_config=ktc,
+        cpu_cores=core,
+        max_model_len=MAX_MODEL_LEN,
+        served_model_name="bench",
+        kv_cache_bytes="1g",
+        extra_args=["--seed", "0", "--no-enable-prefix-caching", "--enable-prompt-tokens-details"],
+        pin_processes=True,
+    )
 
 
 def stream(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, int, int]:
     """(TTFT s, prompt tokens, cached tokens) of one streamed completion."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft = None
     usage: dict[str, Any] = {}
@@ -102,11 +129,18 @@ def stream(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, in
     return ttft or float("nan"), int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens") or 0)
 
 
-def run_phase(model: Path, stores: list[dict[str, Any] | None], prompts: list[tuple[int, int, list[int]]],
-              log_dir: Path, name: str) -> dict[str, Any]:
+def run_phase(
+    model: Path,
+    stores: list[dict[str, Any] | None],
+    prompts: list[tuple[int, int, list[int]]],
+    log_dir: Path,
+    name: str,
+) -> dict[str, Any]:
     """One server per entry of ``stores`` (core i); a conversation's turn t goes to server (c + t) % n."""
-    servers = [VllmServer(server_spec(model, store, str(i)), log_dir / f"{name}-{i}.log").start()
-               for i, store in enumerate(stores)]
+    servers = [
+        VllmServer(server_spec(model, store, str(i)), log_dir / f"{name}-{i}.log").start()
+        for i, store in enumerate(stores)
+    ]
     try:
         for server in servers:
             server.wait_healthy(timeout=600)
@@ -141,8 +175,12 @@ def main() -> int:
     ap.add_argument("--conversations", type=int, default=14)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nodes", action="store_true", help="two nodes, turns alternating: without vs with a master")
-    ap.add_argument("--svg", type=Path, default=None,
-                    help="default: benchmarks/store_e2e.svg (benchmarks/store_e2e_nodes.svg with --nodes)")
+    ap.add_argument(
+        "--svg",
+        type=Path,
+        default=None,
+        help="default: benchmarks/store_e2e.svg (benchmarks/store_e2e_nodes.svg with --nodes)",
+    )
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/store-e2e-bench"))
     args = ap.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -150,9 +188,12 @@ def main() -> int:
     model = ensure_model(BENCH_MODEL)
     prompts = trace_prompts(args.conversations, args.seed)
     lengths = [len(p) for _, _, p in prompts]
-    print(f"trace: {len(prompts)} requests from {args.conversations} conversations, prompt tokens "
-          f"median {statistics.median(lengths):.0f}, max {max(lengths)}; model {BENCH_MODEL.layers} layers, "
-          f"hidden {BENCH_MODEL.hidden}; 1 core per server, {OUTPUT_TOKENS} output tokens", flush=True)
+    print(
+        f"trace: {len(prompts)} requests from {args.conversations} conversations, prompt tokens "
+        f"median {statistics.median(lengths):.0f}, max {max(lengths)}; model {BENCH_MODEL.layers} layers, "
+        f"hidden {BENCH_MODEL.hidden}; 1 core per server, {OUTPUT_TOKENS} output tokens",
+        flush=True,
+    )
     t0 = time.monotonic()
     if args.nodes:
         return compare_nodes(model, prompts, args.log_dir, svg, t0)
@@ -160,11 +201,13 @@ def main() -> int:
     print(f"no store : {json.dumps(without)}", flush=True)
     with_store = run_phase(model, [{"cpu_bytes": "1g"}], prompts, args.log_dir, "store")
     print(f"store    : {json.dumps(with_store)}", flush=True)
-    print(f"TTFT p50 {with_store['ttft_p50_ms']:.1f} ms vs {without['ttft_p50_ms']:.1f} ms without the store "
-          f"= {with_store['ttft_p50_ms'] / without['ttft_p50_ms']:.2f} x; p99 {with_store['ttft_p99_ms']:.1f} vs "
-          f"{without['ttft_p99_ms']:.1f} ms = {with_store['ttft_p99_ms'] / without['ttft_p99_ms']:.2f} x; "
-          f"prompt tokens not recomputed {100 * with_store['not_recomputed']:.1f} % "
-          f"(without: {100 * without['not_recomputed']:.1f} %); {time.monotonic() - t0:.0f} s")
+    print(
+        f"TTFT p50 {with_store['ttft_p50_ms']:.1f} ms vs {without['ttft_p50_ms']:.1f} ms without the store "
+        f"= {with_store['ttft_p50_ms'] / without['ttft_p50_ms']:.2f} x; p99 {with_store['ttft_p99_ms']:.1f} vs "
+        f"{without['ttft_p99_ms']:.1f} ms = {with_store['ttft_p99_ms'] / without['ttft_p99_ms']:.2f} x; "
+        f"prompt tokens not recomputed {100 * with_store['not_recomputed']:.1f} % "
+        f"(without: {100 * without['not_recomputed']:.1f} %); {time.monotonic() - t0:.0f} s"
+    )
     chart = BarChart(
         title=f"TTFT, multi-turn trace: the store serves {100 * with_store['not_recomputed']:.0f} % of prompt tokens",
         y_label="TTFT (ms)",
@@ -178,8 +221,7 @@ def main() -> int:
     return 0
 
 
-def compare_nodes(model: Path, prompts: list[tuple[int, int, list[int]]], log_dir: Path, svg: Path,
-                  t0: float) -> int:
+def compare_nodes(model: Path, prompts: list[tuple[int, int, list[int]]], log_dir: Path, svg: Path, t0: float) -> int:
     alone = run_phase(model, [{"cpu_bytes": "1g"}] * 2, prompts, log_dir, "nodes-alone")
     print(f"2 nodes, no master : {json.dumps(alone)}", flush=True)
     master, address = spawn_master(free_port())
@@ -190,24 +232,34 @@ def compare_nodes(model: Path, prompts: list[tuple[int, int, list[int]]], log_di
         master.kill()
         master.wait()
     print(f"2 nodes, master    : {json.dumps(shared)}", flush=True)
-    print(f"turns alternating between 2 nodes: TTFT p50 {shared['ttft_p50_ms']:.1f} ms with the master vs "
-          f"{alone['ttft_p50_ms']:.1f} ms without = {shared['ttft_p50_ms'] / alone['ttft_p50_ms']:.2f} x; p99 "
-          f"{shared['ttft_p99_ms']:.1f} vs {alone['ttft_p99_ms']:.1f} ms = "
-          f"{shared['ttft_p99_ms'] / alone['ttft_p99_ms']:.2f} x; prompt tokens not recomputed "
-          f"{100 * shared['not_recomputed']:.1f} % vs {100 * alone['not_recomputed']:.1f} %; "
-          f"{time.monotonic() - t0:.0f} s")
-    print(f"the {shared['later_turns']} later turns (history on the other node): TTFT p50 "
-          f"{shared['later_turns_ttft_p50_ms']:.1f} vs {alone['later_turns_ttft_p50_ms']:.1f} ms, mean "
-          f"{shared['later_turns_ttft_mean_ms']:.1f} vs {alone['later_turns_ttft_mean_ms']:.1f} ms")
+    print(
+        f"turns alternating between 2 nodes: TTFT p50 {shared['ttft_p50_ms']:.1f} ms with the master vs "
+        f"{alone['ttft_p50_ms']:.1f} ms without = {shared['ttft_p50_ms'] / alone['ttft_p50_ms']:.2f} x; p99 "
+        f"{shared['ttft_p99_ms']:.1f} vs {alone['ttft_p99_ms']:.1f} ms = "
+        f"{shared['ttft_p99_ms'] / alone['ttft_p99_ms']:.2f} x; prompt tokens not recomputed "
+        f"{100 * shared['not_recomputed']:.1f} % vs {100 * alone['not_recomputed']:.1f} %; "
+        f"{time.monotonic() - t0:.0f} s"
+    )
+    print(
+        f"the {shared['later_turns']} later turns (history on the other node): TTFT p50 "
+        f"{shared['later_turns_ttft_p50_ms']:.1f} vs {alone['later_turns_ttft_p50_ms']:.1f} ms, mean "
+        f"{shared['later_turns_ttft_mean_ms']:.1f} vs {alone['later_turns_ttft_mean_ms']:.1f} ms"
+    )
     chart = BarChart(
         title="TTFT, turns alternating between 2 nodes: each node alone vs fetching through the master",
         y_label="TTFT (ms)",
         groups=["p50", "p99", "mean"],
         series={
-            f"no master ({100 * alone['not_recomputed']:.0f} % reused)":
-                [alone["ttft_p50_ms"], alone["ttft_p99_ms"], alone["ttft_mean_ms"]],
-            f"master ({100 * shared['not_recomputed']:.0f} % reused)":
-                [shared["ttft_p50_ms"], shared["ttft_p99_ms"], shared["ttft_mean_ms"]],
+            f"no master ({100 * alone['not_recomputed']:.0f} % reused)": [
+                alone["ttft_p50_ms"],
+                alone["ttft_p99_ms"],
+                alone["ttft_mean_ms"],
+            ],
+            f"master ({100 * shared['not_recomputed']:.0f} % reused)": [
+                shared["ttft_p50_ms"],
+                shared["ttft_p99_ms"],
+                shared["ttft_mean_ms"],
+            ],
         },
     )
     print(f"plot: {chart.write(svg)}")

@@ -33,12 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.store_disk import drop_from_page_cache  # noqa: E402
-from vllm_pd.connector.store.cpu_pool import CpuBlockPool  # noqa: E402
-from vllm_pd.connector.store.disk_staging import DiskStaging  # noqa: E402
-from vllm_pd.connector.store.disk_tier import DiskTier  # noqa: E402
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, chain_keys  # noqa: E402
-from vllm_pd.connector.store.pool_exchange import POOL_REGION, PoolExchange, SlotDirectory  # noqa: E402
+from benchmarks.store_disk import drop_from_page_cache
+from vllm_pd.connector.store.cpu_pool import CpuBlockPool
+from vllm_pd.connector.store.disk_staging import DiskStaging
+from vllm_pd.connector.store.disk_tier import DiskTier
+from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, chain_keys
+from vllm_pd.connector.store.pool_exchange import POOL_REGION, PoolExchange, SlotDirectory
 
 SCOPE = NO_EXTRA_KEYS.scope(KeySalt("bench", "bf16", "cpu", 4, 1))  # what the blocks were written for
 
@@ -58,7 +58,7 @@ def exchange(slots: int, layers: int, layer_nbytes: int, disk_dir: str | None = 
     return ex
 
 
-def timed_pair(first, second, rounds: int) -> tuple[float, float]:  # noqa: ANN001
+def timed_pair(first, second, rounds: int) -> tuple[float, float]:
     """Median seconds of ``first`` and of ``second``, run alternately."""
     samples: tuple[list[float], list[float]] = ([], [])
     for _ in range(rounds):
@@ -109,8 +109,7 @@ def main() -> None:
     disk_keys = chain_keys(list(range(10**6, 10**6 + n * 4)), salt)
     assert holder.staging is not None
     for i, key in enumerate(disk_keys):
-        holder.staging.disk.write(key, disk_keys[i - 1] if i else None, holder.pool.slot_view(n + i),
-                                  SCOPE).result()
+        holder.staging.disk.write(key, disk_keys[i - 1] if i else None, holder.pool.slot_view(n + i), SCOPE).result()
     disk_files = [p for p in Path(tmp.name).rglob("*") if p.is_file()]
     local = list(range(n))
     layers = args.layers
@@ -120,17 +119,24 @@ def main() -> None:
     local_rows = [s * layers + layer for s in local for layer in range(layers)]
     nbytes = n * holder.pool.slot_nbytes
     try:
+
         def store_fetch() -> None:
             if len(asker.fetch(holder.endpoint, keys, local, SCOPE)) != n:
                 raise SystemExit("store fetch failed")
 
         store_fetch()
-        assert torch.equal(asker.pool.data[:n], holder.pool.data[n:2 * n])
+        assert torch.equal(asker.pool.data[:n], holder.pool.data[n : 2 * n])
         holder.transport.allow_fetch("bench-standing", remote_rows)
 
         def bare_fetch(count: int) -> None:
-            asker.transport.fetch(holder.endpoint, "bench-standing", POOL_REGION, remote_rows[:count * layers],
-                                  local_rows[:count * layers], 30.0).result()
+            asker.transport.fetch(
+                holder.endpoint,
+                "bench-standing",
+                POOL_REGION,
+                remote_rows[: count * layers],
+                local_rows[: count * layers],
+                30.0,
+            ).result()
 
         first_layer: list[float] = []
 
@@ -176,7 +182,7 @@ def main() -> None:
                 raise SystemExit("store fetch from the holder's disk failed")
 
         from_disk()
-        assert torch.equal(asker.pool.data[:n], holder.pool.data[n:2 * n])
+        assert torch.equal(asker.pool.data[:n], holder.pool.data[n : 2 * n])
         disk_warm, pool_again = timed_pair(from_disk, store_fetch, args.rounds)
         cold = []
         for _ in range(max(3, args.rounds // 4)):
@@ -185,28 +191,39 @@ def main() -> None:
             from_disk()
             cold.append(time.perf_counter() - t0)
         disk_cold = statistics.median(cold)
-        one, one_bare = timed_pair(lambda: asker.fetch(holder.endpoint, keys[:1], local[:1], SCOPE),
-                                   lambda: bare_fetch(1), args.rounds)
+        one, one_bare = timed_pair(
+            lambda: asker.fetch(holder.endpoint, keys[:1], local[:1], SCOPE), lambda: bare_fetch(1), args.rounds
+        )
     finally:
         holder.close()
         asker.close()
         if holder.staging is not None:
             holder.staging.disk.close()
         tmp.cleanup()
-    print(f"{n} slots x {holder.pool.slot_nbytes / (1 << 20):.2f} MiB = {nbytes / (1 << 20):.0f} MiB per fetch, "
-          f"median of {args.rounds}")
-    print(f"store fetch (grant + fetch + release/intact check): {nbytes / store / 1e9:.2f} GB/s "
-          f"= {bare / store:.2f} x bare transport fetch ({nbytes / bare / 1e9:.2f} GB/s)")
+    print(
+        f"{n} slots x {holder.pool.slot_nbytes / (1 << 20):.2f} MiB = {nbytes / (1 << 20):.0f} MiB per fetch, "
+        f"median of {args.rounds}"
+    )
+    print(
+        f"store fetch (grant + fetch + release/intact check): {nbytes / store / 1e9:.2f} GB/s "
+        f"= {bare / store:.2f} x bare transport fetch ({nbytes / bare / 1e9:.2f} GB/s)"
+    )
     layer0 = statistics.median(first_layer)
-    print(f"first layer landed after {layer0 * 1e3:.2f} ms = {layer0 / store:.2f} x the whole store fetch "
-          f"({store * 1e3:.2f} ms): what the forward's layer 0 waits for")
+    print(
+        f"first layer landed after {layer0 * 1e3:.2f} ms = {layer0 / store:.2f} x the whole store fetch "
+        f"({store * 1e3:.2f} ms): what the forward's layer 0 waits for"
+    )
     print(f"one slot: store {one * 1e3:.2f} ms vs bare transport {one_bare * 1e3:.2f} ms")
-    print(f"from the holder's disk (staged + verified there, then sent): page cache warm "
-          f"{nbytes / disk_warm / 1e9:.2f} GB/s = {pool_again / disk_warm:.2f} x from its CPU pool "
-          f"({nbytes / pool_again / 1e9:.2f} GB/s); cold {nbytes / disk_cold / 1e9:.2f} GB/s")
-    print(f"step = fetch + {layers}-layer forward ({fwd * 1e3:.1f} ms alone, one thread): layer-wise "
-          f"{after * 1e3:.1f} ms vs whole fetch first {before * 1e3:.1f} ms = {after / before:.2f} x "
-          f"(saves {(before - after) * 1e3:.1f} ms; the fetch alone takes {store * 1e3:.1f} ms)")
+    print(
+        f"from the holder's disk (staged + verified there, then sent): page cache warm "
+        f"{nbytes / disk_warm / 1e9:.2f} GB/s = {pool_again / disk_warm:.2f} x from its CPU pool "
+        f"({nbytes / pool_again / 1e9:.2f} GB/s); cold {nbytes / disk_cold / 1e9:.2f} GB/s"
+    )
+    print(
+        f"step = fetch + {layers}-layer forward ({fwd * 1e3:.1f} ms alone, one thread): layer-wise "
+        f"{after * 1e3:.1f} ms vs whole fetch first {before * 1e3:.1f} ms = {after / before:.2f} x "
+        f"(saves {(before - after) * 1e3:.1f} ms; the fetch alone takes {store * 1e3:.1f} ms)"
+    )
 
 
 if __name__ == "__main__":

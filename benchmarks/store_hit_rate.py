@@ -32,7 +32,7 @@ from vllm_pd.connector.store.reuse_cache import LruCache
 from vllm_pd.connector.store.trace import TraceConfig, TraceRequest, generate
 
 
-def serve(index: RadixIndex, cache, req: TraceRequest, on_hit: Callable[[int], None] | None = None) -> int:  # noqa: ANN001
+def serve(index: RadixIndex, cache, req: TraceRequest, on_hit: Callable[[int], None] | None = None) -> int:
     """One request: hit the longest cached prefix of its prompt, then store prompt + reply.
     Returns the hit length; ``on_hit(n)`` sees the cache just before the hit is recorded."""
     adaptive = isinstance(cache, AdaptiveCache)
@@ -52,7 +52,7 @@ def serve(index: RadixIndex, cache, req: TraceRequest, on_hit: Callable[[int], N
     return n
 
 
-def simulate(requests: list[TraceRequest], cache) -> float:  # noqa: ANN001
+def simulate(requests: list[TraceRequest], cache) -> float:
     index = RadixIndex()
     hit = sum(serve(index, cache, req) for req in requests)
     return hit / sum(len(req.prompt) for req in requests)
@@ -80,15 +80,21 @@ def main() -> None:
     ap.add_argument("--arrival-rate", type=float, default=1.0)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--fractions", default="0.005,0.01,0.02,0.05,0.1,0.2,0.5")
-    ap.add_argument("--sample-rate", type=float, default=None,
-                    help="fraction of keys the shadow caches see (default: the store's choice per capacity)")
+    ap.add_argument(
+        "--sample-rate",
+        type=float,
+        default=None,
+        help="fraction of keys the shadow caches see (default: the store's choice per capacity)",
+    )
     args = ap.parse_args()
     rate = SAMPLE_RATE if args.sample_rate is None else args.sample_rate
     if rate < 1.0:
         for blocks in (128, 8192):
             full, sampled = shadow_cost_ms(blocks, 1.0), shadow_cost_ms(blocks, rate)
-            print(f"shadows, {blocks}-block request: {sampled:.3f} ms sampled at {rate:g} "
-                  f"vs {full:.3f} ms unsampled = {sampled / full:.2f} x")
+            print(
+                f"shadows, {blocks}-block request: {sampled:.3f} ms sampled at {rate:g} "
+                f"vs {full:.3f} ms unsampled = {sampled / full:.2f} x"
+            )
         print()
     fractions = [float(f) for f in args.fractions.split(",")]
     t0 = time.perf_counter()
@@ -101,8 +107,9 @@ def main() -> None:
         for frac in fractions:
             cap = max(16, int(unique * frac))
             lru = simulate(reqs, LruCache(cap))
-            cache = AdaptiveCache(cap, sample_rate=shadow_sample_rate(cap) if args.sample_rate is None
-                                  else args.sample_rate)
+            cache = AdaptiveCache(
+                cap, sample_rate=shadow_sample_rate(cap) if args.sample_rate is None else args.sample_rate
+            )
             used: Counter[float] = Counter()
             index = RadixIndex()
             hit = 0
@@ -112,11 +119,16 @@ def main() -> None:
             ours = hit / sum(len(r.prompt) for r in reqs)
             ratio = ours / lru if lru else float("inf")
             ratios[frac].append(ratio)
-            print(f"| {seed} | {cap} | {frac:.1%} | {lru:.1%} | {ours:.1%} | {ratio:.3f}x "
-                  f"| {used.most_common(1)[0][0]} |",
-                  flush=True)
-        print(f"<!-- seed {seed}: {len(reqs)} requests, {unique} unique blocks, "
-              f"infinite-cache hit {simulate(reqs, LruCache(10 ** 9)):.1%} -->", flush=True)
+            print(
+                f"| {seed} | {cap} | {frac:.1%} | {lru:.1%} | {ours:.1%} | {ratio:.3f}x "
+                f"| {used.most_common(1)[0][0]} |",
+                flush=True,
+            )
+        print(
+            f"<!-- seed {seed}: {len(reqs)} requests, {unique} unique blocks, "
+            f"infinite-cache hit {simulate(reqs, LruCache(10**9)):.1%} -->",
+            flush=True,
+        )
     print()
     print("| capacity | worst ours / LRU | best | over seeds |")
     print("|---|---|---|---|")

@@ -42,8 +42,10 @@ def main() -> None:
     t_hash, t_hash_med = best(lambda: chain_keys(prompt, salt), 5)
     chain = chain_keys(prompt, salt)
     print(f"prompt: {TOKENS} tokens = {len(chain)} blocks of {BLOCK}")
-    print(f"hashing the chain (blake3, both indexes need it): {t_hash * 1e3:.1f} ms (median {t_hash_med * 1e3:.1f})"
-          f" = {TOKENS / t_hash / 1e6:.1f} M tokens/s")
+    print(
+        f"hashing the chain (blake3, both indexes need it): {t_hash * 1e3:.1f} ms (median {t_hash_med * 1e3:.1f})"
+        f" = {TOKENS / t_hash / 1e6:.1f} M tokens/s"
+    )
 
     radix, plain = RadixIndex(), {}
     # background load: 2000 other conversations of 64 blocks
@@ -78,12 +80,15 @@ def main() -> None:
     n = sum(len(c) for c in fresh)
     r, _ = best(radix_batch, 5)
     d, _ = best(dict_batch, 5)
-    print(f"| batched, 1000 chains x 64 keys | {n / r / 1e6:.2f} M keys/s | {n / d / 1e6:.2f} M keys/s "
-          f"| {d / r:.2f}x |")
+    print(
+        f"| batched, 1000 chains x 64 keys | {n / r / 1e6:.2f} M keys/s | {n / d / 1e6:.2f} M keys/s | {d / r:.2f}x |"
+    )
     r, _ = best(lambda: RadixIndex().insert_chain(chain), 5)
     d, _ = best(lambda: dict.fromkeys(chain), 5)
-    print(f"| one 128K-token chain (8192 keys) | {len(chain) / r / 1e6:.2f} M keys/s "
-          f"| {len(chain) / d / 1e6:.2f} M keys/s | {d / r:.2f}x |")
+    print(
+        f"| one 128K-token chain (8192 keys) | {len(chain) / r / 1e6:.2f} M keys/s "
+        f"| {len(chain) / d / 1e6:.2f} M keys/s | {d / r:.2f}x |"
+    )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def keys_before(token_ids: list[int]) -> list[bytes]:
     """The store's keys before extra keys: key[i] = blake3(key[i-1] || block i's ids as u32 LE)."""
     prev, out, data = SALT.digest(), [], token_bytes(token_ids)
     for start in range(0, len(data) // (4 * BLOCK) * 4 * BLOCK, 4 * BLOCK):
-        prev = blake3.blake3(prev + data[start:start + 4 * BLOCK]).digest(length=KEY_BYTES)
+        prev = blake3.blake3(prev + data[start : start + 4 * BLOCK]).digest(length=KEY_BYTES)
         out.append(prev)
     return out
 
@@ -69,8 +69,15 @@ def keyed(requests: list[TraceRequest], extra: dict[int, RequestExtraKeys] | Non
         else:
             e = extra.get(r.conversation) or request_extra_keys(Request("r", tokens, PARAMS, None))
             saved = keys.get(tokens, extra_keys=e)
-        out.append(TraceRequest(r.time_s, r.conversation, r.turn, tuple(saved[: len(r.prompt)]),  # type: ignore[arg-type]
-                                tuple(saved)))  # type: ignore[arg-type]
+        out.append(
+            TraceRequest(
+                r.time_s,
+                r.conversation,
+                r.turn,
+                tuple(saved[: len(r.prompt)]),  # type: ignore[arg-type]
+                tuple(saved),
+            )
+        )  # type: ignore[arg-type]
     return out
 
 
@@ -81,15 +88,13 @@ def hit_rate(requests: list[TraceRequest], capacity: int) -> float:
 
 
 def hit_rates(args: argparse.Namespace) -> None:
-    print("| seed | capacity | of unique | keys before | keys now, plain | keys now, "
-          f"{args.tenants} salted tenants |")
+    print(f"| seed | capacity | of unique | keys before | keys now, plain | keys now, {args.tenants} salted tenants |")
     print("|---|---|---|---|---|---|")
     for seed in range(args.seeds):
         reqs = list(generate(TraceConfig(conversations=args.conversations, seed=seed)))
         before, plain = keyed(reqs, None), keyed(reqs, {})
         assert [r.saved for r in before] == [r.saved for r in plain], "plain requests' keys changed"
-        tenants = {c: RequestExtraKeys(cache_salt=f"tenant-{c % args.tenants}")
-                   for c in {r.conversation for r in reqs}}
+        tenants = {c: RequestExtraKeys(cache_salt=f"tenant-{c % args.tenants}") for c in {r.conversation for r in reqs}}
         salted = keyed(reqs, tenants)
         unique = len({b for r in reqs for b in r.saved})
         for frac in (0.02, 0.1, 0.5):
@@ -101,10 +106,18 @@ def hit_rates(args: argparse.Namespace) -> None:
 def vllm_request(n: int, kind: str) -> Request:
     lora = LoRARequest("sql", 1, "/adapters/sql") if kind in ("adapter", "adapter+salt") else None
     salt = "tenant-a" if kind in ("salt", "adapter+salt") else None
-    mm = [MultiModalFeatureSpec(data=None, modality="image", identifier="0" * 64,
-                                mm_position=PlaceholderRange(offset=10, length=576))] if kind == "image" else None
-    return Request(kind, list(range(n)), SamplingParams(max_tokens=1), None, lora_request=lora, cache_salt=salt,
-                   mm_features=mm)
+    mm = (
+        [
+            MultiModalFeatureSpec(
+                data=None, modality="image", identifier="0" * 64, mm_position=PlaceholderRange(offset=10, length=576)
+            )
+        ]
+        if kind == "image"
+        else None
+    )
+    return Request(
+        kind, list(range(n)), SamplingParams(max_tokens=1), None, lora_request=lora, cache_salt=salt, mm_features=mm
+    )
 
 
 def key_cost_ms(n: int, kind: str, rounds: int) -> float:

@@ -20,11 +20,11 @@ import argparse
 import statistics
 import time
 
+from store_hit_rate import serve  # benchmarks/ is the script's own folder
+
+from vllm_pd.connector.store.adaptive_cache import AdaptiveCache
 from vllm_pd.connector.store.radix import RadixIndex
 from vllm_pd.connector.store.trace import TraceConfig, generate
-from vllm_pd.connector.store.adaptive_cache import AdaptiveCache
-
-from store_hit_rate import serve  # benchmarks/ is the script's own folder
 
 
 def replay(requests, capacity: int) -> dict[str, float]:
@@ -33,7 +33,7 @@ def replay(requests, capacity: int) -> dict[str, float]:
     moves = 0
     real_hit = cache.real.hit
 
-    def counting_hit(chain) -> None:  # noqa: ANN001
+    def counting_hit(chain) -> None:
         # every key leaving level 0 is a hot-tree insert
         nonlocal moves
         moves += sum(1 for k in chain if cache.real.level(k) == 0)
@@ -47,7 +47,7 @@ def replay(requests, capacity: int) -> dict[str, float]:
         index.longest_prefix(req.prompt)
         lookup_s += time.perf_counter() - t0
 
-        def count_second_lookup(n: int, prompt=req.prompt) -> None:  # noqa: ANN001
+        def count_second_lookup(n: int, prompt=req.prompt) -> None:
             # a two-tree lookup walks the hot tree first and continues in the cold one
             # unless the whole hit is hot
             nonlocal second_lookups
@@ -56,8 +56,13 @@ def replay(requests, capacity: int) -> dict[str, float]:
 
         hit += serve(index, cache, req, count_second_lookup)
         total += len(req.prompt)
-    return {"requests": len(requests), "hit_rate": hit / total, "moves": moves,
-            "second_lookups": second_lookups, "lookup_us": 1e6 * lookup_s / len(requests)}
+    return {
+        "requests": len(requests),
+        "hit_rate": hit / total,
+        "moves": moves,
+        "second_lookups": second_lookups,
+        "lookup_us": 1e6 * lookup_s / len(requests),
+    }
 
 
 def time_move(chain_len: int = 64, rounds: int = 2000) -> float:
@@ -87,18 +92,24 @@ def main() -> None:
     reqs = list(generate(TraceConfig(conversations=args.conversations, seed=args.seed)))
     unique = len({b for r in reqs for b in r.saved})
     move_us = time_move()
-    print(f"trace seed {args.seed}: {len(reqs)} requests, {unique} unique blocks; one move between trees "
-          f"(remove leaf + insert) = {move_us:.2f} us on RadixIndex")
-    print("| capacity | hit rate (both) | lookup, one tree | second lookups | moves / request | "
-          "two trees: extra index time / request |")
+    print(
+        f"trace seed {args.seed}: {len(reqs)} requests, {unique} unique blocks; one move between trees "
+        f"(remove leaf + insert) = {move_us:.2f} us on RadixIndex"
+    )
+    print(
+        "| capacity | hit rate (both) | lookup, one tree | second lookups | moves / request | "
+        "two trees: extra index time / request |"
+    )
     print("|---|---|---|---|---|---|")
     for frac in (float(f) for f in args.fractions.split(",")):
         cap = max(16, int(unique * frac))
         r = replay(reqs, cap)
         extra = (r["second_lookups"] * r["lookup_us"] + r["moves"] * move_us) / r["requests"]
-        print(f"| {frac:.0%} ({cap}) | {r['hit_rate']:.1%} | {r['lookup_us']:.2f} us | "
-              f"{r['second_lookups'] / r['requests']:.0%} of requests | {r['moves'] / r['requests']:.1f} | "
-              f"+{extra:.1f} us (= {extra / r['lookup_us']:.1f}x the one-tree lookup) |")
+        print(
+            f"| {frac:.0%} ({cap}) | {r['hit_rate']:.1%} | {r['lookup_us']:.2f} us | "
+            f"{r['second_lookups'] / r['requests']:.0%} of requests | {r['moves'] / r['requests']:.1f} | "
+            f"+{extra:.1f} us (= {extra / r['lookup_us']:.1f}x the one-tree lookup) |"
+        )
 
 
 if __name__ == "__main__":

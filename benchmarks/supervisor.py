@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import math
+import random
 import sys
 import tempfile
 import time
@@ -37,10 +37,10 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, fit_instance, save_profile  # noqa: E402
-from vllm_pd.router.config import InstanceConfig, ProxyConfig  # noqa: E402
-from vllm_pd.router.server.app import ProxyServer, serve  # noqa: E402
-from vllm_pd.vllm_server import free_port  # noqa: E402
+from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, fit_instance, save_profile
+from vllm_pd.router.config import InstanceConfig, ProxyConfig
+from vllm_pd.router.server.app import ProxyServer, serve
+from vllm_pd.vllm_server import free_port
 
 PREFILL_S_PER_TOKEN = 0.0002
 STEP_S = 0.02
@@ -151,7 +151,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, ph: Phase, out: 
                     n += 1
                     last = time.monotonic()
                     first = first or last
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         pass
     if first is None or last is None or n < ph.output:
         out.append((ph.name, float("inf"), float("inf")))
@@ -180,8 +180,9 @@ def _timeline(timeline: list[tuple[float, str]], limit: int = 14) -> str:
     return " > ".join(shown) + more
 
 
-async def run_case(name: str, roles: list[str], supervisor: bool, phases: list[Phase], seed: int,
-                   profile: str | None = None) -> None:
+async def run_case(
+    name: str, roles: list[str], supervisor: bool, phases: list[Phase], seed: int, profile: str | None = None
+) -> None:
     sims, runners, instances = [], [], []
     for role in roles:
         sim = SimInstance()
@@ -193,9 +194,17 @@ async def run_case(name: str, roles: list[str], supervisor: bool, phases: list[P
         sims.append(sim)
         runners.append(runner)
         instances.append(InstanceConfig(f"http://127.0.0.1:{port}", role))
-    cfg = ProxyConfig(port=free_port(), instances=instances, prefill_policy="least_outstanding",
-                      decode_policy="least_outstanding", supervisor=supervisor, supervisor_interval=1.0,
-                      supervisor_ttft_slo=TTFT_SLO, supervisor_tpot_slo=TPOT_SLO, supervisor_profile=profile)
+    cfg = ProxyConfig(
+        port=free_port(),
+        instances=instances,
+        prefill_policy="least_outstanding",
+        decode_policy="least_outstanding",
+        supervisor=supervisor,
+        supervisor_interval=1.0,
+        supervisor_ttft_slo=TTFT_SLO,
+        supervisor_tpot_slo=TPOT_SLO,
+        supervisor_profile=profile,
+    )
     proxy = ProxyServer(cfg)
     prunner = await serve(proxy)
     url = f"http://127.0.0.1:{cfg.port}"
@@ -231,9 +240,11 @@ async def run_case(name: str, roles: list[str], supervisor: bool, phases: list[P
         tpots = sorted(r[2] for r in rs)
         total_good += good
         total_time += ph.seconds
-        print(f"    {ph.name:28s} split at end {splits[ph.name]}  "
-              f"goodput {good / ph.seconds:5.2f} req/s ({good}/{len(rs)} in SLO)  "
-              f"TTFT p50 {ttfts[len(ttfts) // 2]:6.2f} s  TPOT p50 {tpots[len(tpots) // 2] * 1e3:6.1f} ms")
+        print(
+            f"    {ph.name:28s} split at end {splits[ph.name]}  "
+            f"goodput {good / ph.seconds:5.2f} req/s ({good}/{len(rs)} in SLO)  "
+            f"TTFT p50 {ttfts[len(ttfts) // 2]:6.2f} s  TPOT p50 {tpots[len(tpots) // 2] * 1e3:6.1f} ms"
+        )
     print(f"    overall goodput {total_good / total_time:.2f} req/s")
 
 
@@ -248,17 +259,24 @@ def main() -> None:
     args = ap.parse_args()
     try:
         import uvloop
+
         uvloop.install()
     except ImportError:
         pass
-    phases = [Phase("A long prompts (3000/16)", 4.0, 3000, 16, args.seconds),
-              Phase("B long outputs (200/200)", 5.0, 200, 200, args.seconds),
-              Phase("C long prompts again", 4.0, 3000, 16, args.seconds)]
+    phases = [
+        Phase("A long prompts (3000/16)", 4.0, 3000, 16, args.seconds),
+        Phase("B long outputs (200/200)", 5.0, 200, 200, args.seconds),
+        Phase("C long prompts again", 4.0, 3000, 16, args.seconds),
+    ]
     profile = sim_profile()
-    print(f"sim: prefill {PREFILL_S_PER_TOKEN * 1e3:.1f} ms/token, decode step {STEP_S * 1e3:.0f} ms for up to "
-          f"{BATCH} streams; SLO TTFT <= {TTFT_SLO} s, TPOT <= {TPOT_SLO * 1e3:.0f} ms; 4 instances")
-    print(f"profile of the sim: prefill_ms = {profile.prefill.b:.3f}*t, decode_ms = {profile.decode.a:.1f} + "
-          f"{profile.decode.b:.2f}*batch, kv_ms = {profile.kv.a:.1f}")
+    print(
+        f"sim: prefill {PREFILL_S_PER_TOKEN * 1e3:.1f} ms/token, decode step {STEP_S * 1e3:.0f} ms for up to "
+        f"{BATCH} streams; SLO TTFT <= {TTFT_SLO} s, TPOT <= {TPOT_SLO * 1e3:.0f} ms; 4 instances"
+    )
+    print(
+        f"profile of the sim: prefill_ms = {profile.prefill.b:.3f}*t, decode_ms = {profile.decode.a:.1f} + "
+        f"{profile.decode.b:.2f}*batch, kv_ms = {profile.kv.a:.1f}"
+    )
     for ph in phases:
         print(f"  phase {ph.name}: {ph.rate} req/s for {ph.seconds:.0f} s")
     cases = args.cases.split(",")
@@ -266,8 +284,7 @@ def main() -> None:
         path = str(Path(tmp) / "sim_profile.json")
         save_profile(LatencyProfile("sim", [profile], source="benchmarks/supervisor.py sim_profile()"), path)
         if "fixed" in cases:
-            asyncio.run(run_case("fixed 2P2D", ["prefill", "prefill", "decode", "decode"], False, phases,
-                                 args.seed))
+            asyncio.run(run_case("fixed 2P2D", ["prefill", "prefill", "decode", "decode"], False, phases, args.seed))
         if "supervisor" in cases:
             asyncio.run(run_case("supervisor, 4 x both", ["both"] * 4, True, phases, args.seed))
         if "profile" in cases:

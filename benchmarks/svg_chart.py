@@ -25,9 +25,7 @@ class BarChart:
     def __post_init__(self) -> None:
         for name, values in self.series.items():
             if len(values) != len(self.groups):
-                raise ValueError(
-                    f"series {name!r} has {len(values)} values for {len(self.groups)} groups"
-                )
+                raise ValueError(f"series {name!r} has {len(values)} values for {len(self.groups)} groups")
 
     def to_svg(self, width: int = 760, height: int = 360) -> str:
         left, right, top, bottom = 64, 16, 40, 72
@@ -41,18 +39,13 @@ class BarChart:
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'font-family="sans-serif" font-size="12">',
             f'<rect width="{width}" height="{height}" fill="white"/>',
-            f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="15">'
-            f"{escape(self.title)}</text>",
+            f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="15">{escape(self.title)}</text>',
         ]
         for i in range(5):
             value = y_max * i / 4
             y = top + plot_h - plot_h * i / 4
-            out.append(
-                f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>'
-            )
-            out.append(
-                f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{value:g}</text>'
-            )
+            out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
+            out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{value:g}</text>')
         out.append(
             f'<text x="16" y="{top + plot_h / 2}" transform="rotate(-90 16 {top + plot_h / 2})" '
             f'text-anchor="middle">{escape(self.y_label)}</text>'
@@ -75,8 +68,7 @@ class BarChart:
         for s, name in enumerate(self.series):
             x = left + s * (plot_w / n_series)
             out.append(
-                f'<rect x="{x:.1f}" y="{legend_y - 10}" width="12" height="12" '
-                f'fill="{PALETTE[s % len(PALETTE)]}"/>'
+                f'<rect x="{x:.1f}" y="{legend_y - 10}" width="12" height="12" fill="{PALETTE[s % len(PALETTE)]}"/>'
             )
             out.append(f'<text x="{x + 16:.1f}" y="{legend_y}">{escape(name)}</text>')
         out.append("</svg>")

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import httpx
 
+from tests.e2e.test_connector_tp_e2e import KEYS, LEASE_S, tp_spec
 from tests.support import e2e_cluster as ec
 from tests.support.prompt_catalogue import CONNECTOR_CASES
-from tests.e2e.test_connector_tp_e2e import KEYS, LEASE_S, tp_spec
 from vllm_pd.small_model.cache import ensure_default_model
 
 # what the connector and vLLM say when a transfer or a release went wrong
@@ -47,17 +47,23 @@ def run(rounds: int, logs: Path) -> None:
                         t0 = time.monotonic()
                         try:
                             ec.disagg(client, prefill, decode, CONNECTOR_CASES[key], mode)
-                        except Exception as e:  # noqa: BLE001 - counted as a failure, the run goes on
+                        except Exception as e:
                             print(f"round {r} {mode} {key}: failed: {e!r:.200}")
                         times.append(time.monotonic() - t0)
-                print(f"round {r}: max {max(times[-2 * len(KEYS):]):.1f} s", flush=True)
+                print(f"round {r}: max {max(times[-2 * len(KEYS) :]):.1f} s", flush=True)
     finally:
         ec.stop_all(pair)
     times.sort()
-    trouble = [ln.strip()[:200] for p in logs.glob("vllm-*.log") for ln in p.read_text(errors="replace").splitlines()
-               if "WARNING" in ln and any(w in ln for w in TROUBLE) and "shutdown" not in ln]
-    print(f"{len(times)} requests: p50 {statistics.median(times):.1f} s, p90 {times[int(0.9 * len(times))]:.1f} s, "
-          f"max {times[-1]:.1f} s (the test's HTTP timeout: 300 s); over 20 s: {sum(t > 20 for t in times)}")
+    trouble = [
+        ln.strip()[:200]
+        for p in logs.glob("vllm-*.log")
+        for ln in p.read_text(errors="replace").splitlines()
+        if "WARNING" in ln and any(w in ln for w in TROUBLE) and "shutdown" not in ln
+    ]
+    print(
+        f"{len(times)} requests: p50 {statistics.median(times):.1f} s, p90 {times[int(0.9 * len(times))]:.1f} s, "
+        f"max {times[-1]:.1f} s (the test's HTTP timeout: 300 s); over 20 s: {sum(t > 20 for t in times)}"
+    )
     print(f"connector / vLLM warnings about transfers: {len(trouble)}")
     for line in trouble:
         print("  " + line)

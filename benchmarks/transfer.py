@@ -59,9 +59,11 @@ class Case:
 
     def options(self) -> dict:
         """The transport's options for this case's security."""
-        return {"checksum": self.checksum,
-                **({"secret": BENCH_SECRET} if "secret" in self.security else {}),
-                **({"tls": self.tls} if "tls" in self.security else {})}
+        return {
+            "checksum": self.checksum,
+            **({"secret": BENCH_SECRET} if "secret" in self.security else {}),
+            **({"tls": self.tls} if "tls" in self.security else {}),
+        }
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -196,9 +198,16 @@ def _measure(case: Case, ep: str) -> tuple[float, float]:
     def one_round(r: int) -> list:
         if case.op == "push":
             # as the connector: a round's last layer answered, the others covered by its answer
-            return [t.push(ep, BlockBatch(f"r{r}", layer, tuple(ids), case.block_nbytes), ids, timeout=120,
-                           answer=layer == case.layers - 1)
-                    for layer in range(case.layers)]
+            return [
+                t.push(
+                    ep,
+                    BlockBatch(f"r{r}", layer, tuple(ids), case.block_nbytes),
+                    ids,
+                    timeout=120,
+                    answer=layer == case.layers - 1,
+                )
+                for layer in range(case.layers)
+            ]
         return [t.fetch(ep, "bench", layer, ids, ids, timeout=120) for layer in range(case.layers)]
 
     for f in one_round(-1):  # warm-up: connect, page in
@@ -225,8 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-tokens", nargs="+", type=int, default=[32, 64, 128])
     p.add_argument("--layers", nargs="+", type=int, default=[4, 32])
     p.add_argument("--checksums", nargs="+", default=["blake3"])
-    p.add_argument("--security", nargs="+", default=["none"], choices=["none", "secret", "tls", "tls+secret"],
-                   help="connections without a secret, authenticated (keyed block checks), TLS (tcp), both")
+    p.add_argument(
+        "--security",
+        nargs="+",
+        default=["none"],
+        choices=["none", "secret", "tls", "tls+secret"],
+        help="connections without a secret, authenticated (keyed block checks), TLS (tcp), both",
+    )
     p.add_argument("--mib", type=int, default=64, help="bytes moved per measurement")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
@@ -237,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     rx_parent, rx_child = ctx.Pipe()
     tx_parent, tx_child = ctx.Pipe()
-    procs = [ctx.Process(target=_receiver, args=(rx_child, cores[1]), daemon=True),
-             ctx.Process(target=_sender, args=(tx_child, cores[0]), daemon=True)]
+    procs = [
+        ctx.Process(target=_receiver, args=(rx_child, cores[1]), daemon=True),
+        ctx.Process(target=_sender, args=(tx_child, cores[0]), daemon=True),
+    ]
     for proc in procs:
         proc.start()
     total = args.mib << 20
@@ -264,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = [[run_once(c) for c in cases] for _ in range(args.repeats)]
         return [(max(r[i][0] for r in runs), max(r[i][1] for r in runs)) for i in range(len(cases))]
 
-    print(f"# {args.mib} MiB per measurement, best of {args.repeats} interleaved; sender on core "
-          f"{cores[0]}, receiver on core {cores[1]}; cpu-bound = bytes / CPU time of the busier side")
+    print(
+        f"# {args.mib} MiB per measurement, best of {args.repeats} interleaved; sender on core "
+        f"{cores[0]}, receiver on core {cores[1]}; cpu-bound = bytes / CPU time of the busier side"
+    )
     try:
         for name in args.transports:
             raw_kind = "raw_tcp" if name == "tcp" else "raw_memcpy"
@@ -274,16 +292,22 @@ def main(argv: list[str] | None = None) -> int:
                 for layers in args.layers:
                     cases = [Case(raw_kind, "push", tokens, layers, "none", total)] + [
                         Case(name, op, tokens, layers, checksum, total, security, tls)
-                        for op in args.ops for checksum in args.checksums for security in args.security
-                        if name == "tcp" or "tls" not in security]
+                        for op in args.ops
+                        for checksum in args.checksums
+                        for security in args.security
+                        if name == "tcp" or "tls" not in security
+                    ]
                     (raw, raw_cpu), *results = best(cases)
                     for case, (gbs, cpu_gbs) in zip(cases[1:], results, strict=True):
                         check = "keyed blake3" if case.security == "secret" else case.checksum
-                        print(f"{name} {case.op} {case.block_nbytes >> 10} KiB blocks ({tokens} tok) x "
-                              f"{layers} layers, {case.security}, checksum {check}: {gbs:.2f} GB/s = "
-                              f"{gbs / raw:.2f} x {raw_label} ({raw:.2f} GB/s); cpu-bound "
-                              f"{cpu_gbs:.2f} GB/s = {cpu_gbs / raw_cpu:.2f} x {raw_label} "
-                              f"({raw_cpu:.2f})", flush=True)
+                        print(
+                            f"{name} {case.op} {case.block_nbytes >> 10} KiB blocks ({tokens} tok) x "
+                            f"{layers} layers, {case.security}, checksum {check}: {gbs:.2f} GB/s = "
+                            f"{gbs / raw:.2f} x {raw_label} ({raw:.2f} GB/s); cpu-bound "
+                            f"{cpu_gbs:.2f} GB/s = {cpu_gbs / raw_cpu:.2f} x {raw_label} "
+                            f"({raw_cpu:.2f})",
+                            flush=True,
+                        )
     finally:
         rx_parent.send(None)
         tx_parent.send(None)

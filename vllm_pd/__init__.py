@@ -21,9 +21,7 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(
-            CONNECTOR_NAME, "vllm_pd.connector.connector", CONNECTOR_NAME
-        )
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_pd.connector.connector", CONNECTOR_NAME)
     _register_ops()
 
 

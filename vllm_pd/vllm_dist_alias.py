@@ -79,7 +79,8 @@ def write_alias(site_dir: Path, cpu_version: str) -> Path:
         f"Version: {version}\n"
         f"Summary: distribution name 'vllm' for the installed {CPU_DIST} {cpu_version} (metadata only, "
         "written by vllm-pd so that vLLM's CLI finds its version)\n"
-        f"Requires-Dist: {CPU_DIST}=={cpu_version}\n")
+        f"Requires-Dist: {CPU_DIST}=={cpu_version}\n"
+    )
     (folder / "INSTALLER").write_text(INSTALLER + "\n")
     lines = [_record_line(folder, "METADATA"), _record_line(folder, "INSTALLER"), f"{folder.name}/RECORD,,"]
     (folder / "RECORD").write_text("\n".join(lines) + "\n")

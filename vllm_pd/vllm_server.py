@@ -111,14 +111,23 @@ class VllmServerSpec:
         cmd = [
             *netns,
             *pin,
-            *(_vllm_serve(self.model) if self.serve_cli else
-              [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]),
-            "--host", self.host,
-            "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--kv-cache-memory-bytes", self.kv_cache_bytes,
-            "--dtype", "bfloat16",
+            *(
+                _vllm_serve(self.model)
+                if self.serve_cli
+                else [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
+            ),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--kv-cache-memory-bytes",
+            self.kv_cache_bytes,
+            "--dtype",
+            "bfloat16",
         ]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
@@ -167,7 +176,7 @@ class VllmServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")
@@ -176,7 +185,10 @@ class VllmServer:
             out = subprocess.DEVNULL
         logger.info("starting vLLM: %s", " ".join(self.spec.command()))
         self._proc = subprocess.Popen(
-            self.spec.command(), env=self.spec.environment(), stdout=out, stderr=subprocess.STDOUT,
+            self.spec.command(),
+            env=self.spec.environment(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         return self
@@ -240,5 +252,4 @@ class VllmServer:
             time.sleep(0.05)  # the engine core and workers exit after the API server
         removed = remove_orphans(segments)
         if removed:
-            logger.info("removed %d shared-memory file(s) the killed server left: %s", len(removed),
-                        " ".join(removed))
+            logger.info("removed %d shared-memory file(s) the killed server left: %s", len(removed), " ".join(removed))

@@ -22,7 +22,7 @@ from mkdocs.structure.pages import Page
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import reference_pages  # noqa: E402 - beside this file, which mkdocs loads by path
+import reference_pages
 
 _CHART_LINK = re.compile(r"\]\(\.\./\.\./benchmarks/([\w.-]+\.svg)\)")
 

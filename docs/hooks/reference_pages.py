@@ -38,8 +38,10 @@ PAGES = {
     "cli": f"{REFERENCE_DIR}/cli.md",
     "metrics": f"{REFERENCE_DIR}/metrics.md",
 }
-GENERATED_NOTE = ("<!-- generated at build time by docs/hooks/reference_pages.py from the code; "
-                  "edit the code's comments and help texts, not this page -->")
+GENERATED_NOTE = (
+    "<!-- generated at build time by docs/hooks/reference_pages.py from the code; "
+    "edit the code's comments and help texts, not this page -->"
+)
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,13 @@ def dataclass_default(f: dataclasses.Field[Any]) -> Any:
     return None
 
 
-def dataclass_entries(cls: type, prefix: str = "", skip: frozenset[str] = frozenset(),
-                      meanings: dict[str, str] | None = None, required: frozenset[str] = frozenset()) -> list[Entry]:
+def dataclass_entries(
+    cls: type,
+    prefix: str = "",
+    skip: frozenset[str] = frozenset(),
+    meanings: dict[str, str] | None = None,
+    required: frozenset[str] = frozenset(),
+) -> list[Entry]:
     """One entry per field of ``cls`` (those in ``skip`` left out); meaning: its comment, else ``meanings``."""
     comments = field_comments(cls)
     hints = typing.get_type_hints(cls)
@@ -157,23 +164,37 @@ def store_entries() -> list[Entry]:
     cls = store_config.StoreConfig
     own = frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("connector"))
     renamed_to = {new: old for old, new in store_config._RENAMED.items()}
-    return [dataclasses.replace(with_sizes(e), extra=f"old name: `store.{renamed_to[e.name[6:]]}`"
-                                if e.name[6:] in renamed_to else "")
-            for e in dataclass_entries(cls, prefix="store.", skip=own)]
+    return [
+        dataclasses.replace(
+            with_sizes(e), extra=f"old name: `store.{renamed_to[e.name[6:]]}`" if e.name[6:] in renamed_to else ""
+        )
+        for e in dataclass_entries(cls, prefix="store.", skip=own)
+    ]
 
 
 def connector_page() -> str:
-    rows = [GENERATED_NOTE, "# Connector settings", "",
-            "Every key of the connector's `kv_connector_extra_config` (`PDConnectorConfig`, "
-            "`vllm_pd/connector/config.py`) and of its `store` object (`StoreConfig`, "
-            "`vllm_pd/connector/store/config.py`). Sizes take an integer of bytes or a string such as "
-            "`512m`, `4g`. An unknown key or a bad value stops vLLM at start-up with a message naming the key. "
-            "How the settings work together: [the connector guide](../guides/connector.md) and "
-            "[the store guide](../guides/store.md).", "",
-            "## `kv_connector_extra_config`", ""]
+    rows = [
+        GENERATED_NOTE,
+        "# Connector settings",
+        "",
+        "Every key of the connector's `kv_connector_extra_config` (`PDConnectorConfig`, "
+        "`vllm_pd/connector/config.py`) and of its `store` object (`StoreConfig`, "
+        "`vllm_pd/connector/store/config.py`). Sizes take an integer of bytes or a string such as "
+        "`512m`, `4g`. An unknown key or a bad value stops vLLM at start-up with a message naming the key. "
+        "How the settings work together: [the connector guide](../guides/connector.md) and "
+        "[the store guide](../guides/store.md).",
+        "",
+        "## `kv_connector_extra_config`",
+        "",
+    ]
     rows += table(connector_entries(), ("key", "type", "default", "meaning"))
-    rows += ["", "## `kv_connector_extra_config.store`", "",
-             "Present = a KV store in every worker of the instance; absent = no store.", ""]
+    rows += [
+        "",
+        "## `kv_connector_extra_config.store`",
+        "",
+        "Present = a KV store in every worker of the instance; absent = no store.",
+        "",
+    ]
     rows += table(store_entries(), ("key", "type", "default", "meaning", "note"))
     return "\n".join(rows) + "\n"
 
@@ -181,9 +202,14 @@ def connector_page() -> str:
 # ---- the proxy's configuration -----------------------------------------------------------------
 
 # K8sDiscoveryConfig field -> the flag that sets it (command_proxy._kubernetes_from_args)
-_K8S_FLAGS = {"namespace": "--k8s-namespace", "api_url": "--k8s-api-url", "http_port": "--k8s-port",
-              "prefill_selector": "--prefill-selector", "decode_selector": "--decode-selector",
-              "both_selector": "--both-selector"}
+_K8S_FLAGS = {
+    "namespace": "--k8s-namespace",
+    "api_url": "--k8s-api-url",
+    "http_port": "--k8s-port",
+    "prefill_selector": "--prefill-selector",
+    "decode_selector": "--decode-selector",
+    "both_selector": "--both-selector",
+}
 
 
 @contextlib.contextmanager
@@ -247,30 +273,50 @@ def kubernetes_entries() -> list[Entry]:
     out = []
     for e in dataclass_entries(K8sDiscoveryConfig, prefix="kubernetes."):
         field_name = e.name.removeprefix("kubernetes.")
-        action = flag_of(proxy, _K8S_FLAGS[field_name].lstrip("-").replace("-", "_")) \
-            if field_name in _K8S_FLAGS else None
+        action = (
+            flag_of(proxy, _K8S_FLAGS[field_name].lstrip("-").replace("-", "_")) if field_name in _K8S_FLAGS else None
+        )
         meaning = e.meaning or (action.help or "" if action else "")
-        out.append(dataclasses.replace(e, meaning=meaning, extra=f"`{_K8S_FLAGS[field_name]}`"
-                                       if field_name in _K8S_FLAGS else "YAML only"))
+        out.append(
+            dataclasses.replace(
+                e, meaning=meaning, extra=f"`{_K8S_FLAGS[field_name]}`" if field_name in _K8S_FLAGS else "YAML only"
+            )
+        )
     return out
 
 
 def proxy_page() -> str:
-    rows = [GENERATED_NOTE, "# Proxy configuration", "",
-            "`vllm-pd proxy` takes its settings from flags, a YAML file (`--config FILE`, the keys below; a flag "
-            "given overrides the file) or both (`ProxyConfig`, `vllm_pd/router/config.py`). An unknown key or a bad "
-            "value stops start-up with a message naming the key. An example file: `examples/router/proxy.yaml`; "
-            "the guide: [the PD proxy](../guides/proxy.md). Every flag, including those with no YAML key "
-            "(`--prefill`, `--decode`, `--kv-events`, ...): [CLI](cli.md#vllm-pd-proxy).", "",
-            "## Top-level keys", ""]
+    rows = [
+        GENERATED_NOTE,
+        "# Proxy configuration",
+        "",
+        "`vllm-pd proxy` takes its settings from flags, a YAML file (`--config FILE`, the keys below; a flag "
+        "given overrides the file) or both (`ProxyConfig`, `vllm_pd/router/config.py`). An unknown key or a bad "
+        "value stops start-up with a message naming the key. An example file: `examples/router/proxy.yaml`; "
+        "the guide: [the PD proxy](../guides/proxy.md). Every flag, including those with no YAML key "
+        "(`--prefill`, `--decode`, `--kv-events`, ...): [CLI](cli.md#vllm-pd-proxy).",
+        "",
+        "## Top-level keys",
+        "",
+    ]
     rows += table(proxy_entries(), ("key", "type", "default", "meaning", "flag"))
-    rows += ["", "## `instances`", "",
-             "A list of mappings, one per vLLM instance (the flags `--prefill`, `--decode URL[@KV]` and "
-             "`--both URL[@KV]` add to it).", ""]
+    rows += [
+        "",
+        "## `instances`",
+        "",
+        "A list of mappings, one per vLLM instance (the flags `--prefill`, `--decode URL[@KV]` and "
+        "`--both URL[@KV]` add to it).",
+        "",
+    ]
     rows += table(instance_entries(), ("key", "type", "default", "meaning"))
-    rows += ["", "## `kubernetes`", "",
-             "Instances found in Kubernetes: the pods of one label selector per role, watched "
-             "([Kubernetes guide](../guides/kubernetes.md)). Present = `--service-discovery k8s`.", ""]
+    rows += [
+        "",
+        "## `kubernetes`",
+        "",
+        "Instances found in Kubernetes: the pods of one label selector per role, watched "
+        "([Kubernetes guide](../guides/kubernetes.md)). Present = `--service-discovery k8s`.",
+        "",
+    ]
     rows += table(kubernetes_entries(), ("key", "type", "default", "meaning", "flag"))
     return "\n".join(rows) + "\n"
 
@@ -298,8 +344,9 @@ def _action_entries(parser: argparse.ArgumentParser) -> Iterator[tuple[str, Entr
                     value += " (repeatable)" if action.option_strings else " ..."
             default = action.default
             unset = default is None or default is False or default == [] or default == argparse.SUPPRESS
-            shown = "" if unset or isinstance(action, argparse._StoreFalseAction) else render_default(
-                "", _plain(default))
+            shown = (
+                "" if unset or isinstance(action, argparse._StoreFalseAction) else render_default("", _plain(default))
+            )
             yield group.title or "", Entry(name, value, shown, (action.help or "").replace("%%", "%"))
 
 
@@ -325,10 +372,16 @@ def cli_entries() -> dict[str, list[Entry]]:
 def cli_page() -> str:
     from vllm_pd.cli import SUBCOMMANDS
 
-    rows = [GENERATED_NOTE, "# CLI: `vllm-pd`", "",
-            "One command, one subcommand per job (`vllm_pd/cli.py`; each subcommand's module defines its flags). "
-            "`vllm-pd SUBCOMMAND --help` prints the same.", "",
-            "| subcommand | what it does |", "|---|---|"]
+    rows = [
+        GENERATED_NOTE,
+        "# CLI: `vllm-pd`",
+        "",
+        "One command, one subcommand per job (`vllm_pd/cli.py`; each subcommand's module defines its flags). "
+        "`vllm-pd SUBCOMMAND --help` prints the same.",
+        "",
+        "| subcommand | what it does |",
+        "|---|---|",
+    ]
     rows += [f"| [`{name}`](#vllm-pd-{name}) | {help_text} |" for name, (_, help_text) in SUBCOMMANDS.items()]
     rows += ["", "## `vllm-pd`", "", "Options before the subcommand:", ""]
     rows += table([e for _, e in _action_entries(build_parser())], ("argument", "value", "default", "meaning"))
@@ -361,11 +414,14 @@ def proxy_metric_entries() -> list[Entry]:
     out = []
     for collector in list(metrics.registry._collector_to_names):  # every registered collector
         if isinstance(collector, MetricWrapperBase):  # a prometheus_client Counter, Gauge, ...
-            out.append(metric_entry(collector._name, collector._type or "", collector._documentation,
-                                    list(collector._labelnames)))
+            out.append(
+                metric_entry(
+                    collector._name, collector._type or "", collector._documentation, list(collector._labelnames)
+                )
+            )
             continue
         describe = getattr(collector, "describe", None)  # a custom collector: its families carry their labels
-        for fam in (describe() if describe is not None else collector.collect()):
+        for fam in describe() if describe is not None else collector.collect():
             out.append(metric_entry(fam.name, fam.type, fam.documentation, list(getattr(fam, "_labelnames", ()))))
     return sorted(out, key=lambda e: e.name)
 
@@ -381,8 +437,7 @@ class _RecordedMetric:
     kind = ""
     made: list[tuple[str, str, str, list[str]]] = []
 
-    def __init__(self, name: str, documentation: str = "", labelnames: list[str] | None = None,
-                 **_: Any) -> None:
+    def __init__(self, name: str, documentation: str = "", labelnames: list[str] | None = None, **_: Any) -> None:
         _RecordedMetric.made.append((self.kind, name, documentation, list(labelnames or [])))
 
 
@@ -406,37 +461,60 @@ def connector_metric_entries() -> list[Entry]:
     from vllm_pd.connector.stats import PDPromMetrics
 
     _RecordedMetric.made = []
-    types = {prometheus_client.Counter: _RecordedCounter, prometheus_client.Gauge: _RecordedGauge,
-             prometheus_client.Histogram: _RecordedHistogram}
+    types = {
+        prometheus_client.Counter: _RecordedCounter,
+        prometheus_client.Gauge: _RecordedGauge,
+        prometheus_client.Histogram: _RecordedHistogram,
+    }
     PDPromMetrics(SimpleNamespace(kv_transfer_config=None), types, list(VLLM_LABELS), {0: ["model", "0"]})
-    out = [metric_entry(name, kind, doc, [label for label in labels if label not in VLLM_LABELS])
-           for kind, name, doc, labels in _RecordedMetric.made]
+    out = [
+        metric_entry(name, kind, doc, [label for label in labels if label not in VLLM_LABELS])
+        for kind, name, doc, labels in _RecordedMetric.made
+    ]
     return sorted(out, key=lambda e: e.name)
 
 
 def metrics_page() -> str:
-    rows = [GENERATED_NOTE, "# Metrics", "",
-            "Counters are exposed with Prometheus' `_total` suffix, histograms as `_bucket`, `_sum` and `_count`.",
-            "", "## The connector, in vLLM's `/metrics`", "",
-            "Registered by `PDPromMetrics` (`vllm_pd/connector/stats.py`) through vLLM's KV connector stats: every "
-            "sample also carries vLLM's own labels (`model_name`, `engine`). Gauges have one sample per TP rank "
-            "(`tp_rank`): with TP > 1 every rank holds its own shard of a transfer's KV, so a rank that was never "
-            "released shows on its own. vLLM also logs the counters (summed over ranks) in its periodic stats "
-            "line.", ""]
+    rows = [
+        GENERATED_NOTE,
+        "# Metrics",
+        "",
+        "Counters are exposed with Prometheus' `_total` suffix, histograms as `_bucket`, `_sum` and `_count`.",
+        "",
+        "## The connector, in vLLM's `/metrics`",
+        "",
+        "Registered by `PDPromMetrics` (`vllm_pd/connector/stats.py`) through vLLM's KV connector stats: every "
+        "sample also carries vLLM's own labels (`model_name`, `engine`). Gauges have one sample per TP rank "
+        "(`tp_rank`): with TP > 1 every rank holds its own shard of a transfer's KV, so a rank that was never "
+        "released shows on its own. vLLM also logs the counters (summed over ranks) in its periodic stats "
+        "line.",
+        "",
+    ]
     rows += table(connector_metric_entries(), ("metric", "type", "meaning", "labels"), skip_default=True)
-    rows += ["", "## The proxy, on its `/metrics`", "",
-             "`vllm-pd proxy` has its own registry (`vllm_pd/router/observability/metrics.py`, the per-instance leg histograms in "
-             "`vllm_pd/router/observability/leg_timings.py`). The vLLM instance a sample is about is the `backend` label (its "
-             "URL); Prometheus' own `instance` label is the proxy. A Grafana dashboard of these beside vLLM's own "
-             "metrics: `examples/grafana/vllm-pd.json`.", ""]
+    rows += [
+        "",
+        "## The proxy, on its `/metrics`",
+        "",
+        "`vllm-pd proxy` has its own registry (`vllm_pd/router/observability/metrics.py`, the per-instance leg "
+        "histograms in `vllm_pd/router/observability/leg_timings.py`). The vLLM instance a sample is about is the "
+        "`backend` label (its "
+        "URL); Prometheus' own `instance` label is the proxy. A Grafana dashboard of these beside vLLM's own "
+        "metrics: `examples/grafana/vllm-pd.json`.",
+        "",
+    ]
     rows += table(proxy_metric_entries(), ("metric", "type", "meaning", "labels"), skip_default=True)
-    rows += ["", "## The store master", "",
-             "`vllm-pd store-master` exports no Prometheus metrics. Its `Stats` request "
-             "(`MasterClient.stats()`, `vllm_pd/connector/store/master_client.py`) answers `nodes` (nodes "
-             "publishing), `keys` (block keys indexed), `refused` (messages from peers that did not prove the "
-             "deployment secret) and `sessions` (authenticated sessions open; the last two with a secret). The "
-             "blocks store nodes serve each other are counted on the serving node: "
-             "`vllm:pd_store_served_blocks_total`.", ""]
+    rows += [
+        "",
+        "## The store master",
+        "",
+        "`vllm-pd store-master` exports no Prometheus metrics. Its `Stats` request "
+        "(`MasterClient.stats()`, `vllm_pd/connector/store/master_client.py`) answers `nodes` (nodes "
+        "publishing), `keys` (block keys indexed), `refused` (messages from peers that did not prove the "
+        "deployment secret) and `sessions` (authenticated sessions open; the last two with a secret). The "
+        "blocks store nodes serve each other are counted on the serving node: "
+        "`vllm:pd_store_served_blocks_total`.",
+        "",
+    ]
     return "\n".join(rows) + "\n"
 
 
@@ -459,15 +537,24 @@ def table(entries: list[Entry], header: tuple[str, ...], skip_default: bool = Fa
 
 def generate() -> dict[str, str]:
     """Page path (relative to docs/) -> markdown, for every generated reference page."""
-    return {PAGES["connector"]: connector_page(), PAGES["proxy"]: proxy_page(), PAGES["cli"]: cli_page(),
-            PAGES["metrics"]: metrics_page()}
+    return {
+        PAGES["connector"]: connector_page(),
+        PAGES["proxy"]: proxy_page(),
+        PAGES["cli"]: cli_page(),
+        PAGES["metrics"]: metrics_page(),
+    }
 
 
 def all_entries() -> dict[str, list[Entry]]:
     """Every entry the pages hold, by source (what tests/unit/docs/test_docs.py checks)."""
-    out = {"connector": connector_entries(), "store": store_entries(), "proxy": proxy_entries(),
-           "instances": instance_entries(), "kubernetes": kubernetes_entries(),
-           "metrics": connector_metric_entries() + proxy_metric_entries()}
+    out = {
+        "connector": connector_entries(),
+        "store": store_entries(),
+        "proxy": proxy_entries(),
+        "instances": instance_entries(),
+        "kubernetes": kubernetes_entries(),
+        "metrics": connector_metric_entries() + proxy_metric_entries(),
+    }
     for command, entries in cli_entries().items():
         out[f"cli: {command}"] = entries
     return out

@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa: ANN201 - pluggy wrapper
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """A failing end-to-end test's report carries what the servers' logs said (CI keeps nothing else)."""
     outcome = yield
     report = outcome.get_result()
@@ -75,8 +75,7 @@ def _reference_answers(client: httpx.Client, url: str) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="session")
-def pd_pair(reference_outputs: dict[str, list[int]], small_model_dir: Path,
-            tmp_path_factory: pytest.TempPathFactory):
+def pd_pair(reference_outputs: dict[str, list[int]], small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """Two kv_both instances with the connector: [0] on core 0, [1] on core 1; their KV connections
     authenticate with a deployment secret (VLLM_PD_TEST_SECRET=0: without one, on loopback; the TP,
     store and router suites run that way)."""
@@ -84,8 +83,10 @@ def pd_pair(reference_outputs: dict[str, list[int]], small_model_dir: Path,
 
     running = _running_cluster()
     if running:
-        yield [ec.Instance(_External(r["url"]), r["kv"], r.get("secret_file"))  # type: ignore[arg-type]
-               for r in running[1:]]
+        yield [
+            ec.Instance(_External(r["url"]), r["kv"], r.get("secret_file"))  # type: ignore[arg-type]
+            for r in running[1:]
+        ]
         return
     log_dir = tmp_path_factory.mktemp("vllm-logs")
     secret = {} if os.environ.get("VLLM_PD_TEST_SECRET") == "0" else {"secret_file": ec.write_secret(log_dir)}

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from tests.support import e2e_cluster as ec
-from vllm_pd.connector.transfer_params import AwaitedPrefill
 from tests.support.prompt_catalogue import CONNECTOR_CASES
+from vllm_pd.connector.transfer_params import AwaitedPrefill
 
 pytestmark = pytest.mark.e2e
 
@@ -31,8 +31,10 @@ def prompt_sources(client: httpx.Client, inst: ec.Instance) -> tuple[float, floa
     """vLLM's count of prompt tokens (transferred from elsewhere, computed here, found in the local
     prefix cache) on ``inst``."""
     name = "vllm:prompt_tokens_by_source_total"
-    return tuple(ec.metric(client, inst.url, name, source=source)  # type: ignore[return-value]
-                 for source in ("external_kv_transfer", "local_compute", "local_cache_hit"))
+    return tuple(
+        ec.metric(client, inst.url, name, source=source)  # type: ignore[return-value]
+        for source in ("external_kv_transfer", "local_compute", "local_cache_hit")
+    )
 
 
 def held_soon(client: httpx.Client, prefill: ec.Instance) -> bool:
@@ -43,17 +45,28 @@ def held_soon(client: httpx.Client, prefill: ec.Instance) -> bool:
 def assert_nothing_held(client: httpx.Client, instances: list[ec.Instance]) -> None:
     for inst in instances:
         assert ec.wait_until(
-            lambda: ec.metric(client, inst.url, "vllm:kv_cache_usage_perc") == 0
-            and ec.metric(client, inst.url, "vllm:pd_held_transfers") == 0
-            and ec.metric(client, inst.url, "vllm:pd_loading_requests") == 0,
+            lambda: (
+                ec.metric(client, inst.url, "vllm:kv_cache_usage_perc") == 0
+                and ec.metric(client, inst.url, "vllm:pd_held_transfers") == 0
+                and ec.metric(client, inst.url, "vllm:pd_loading_requests") == 0
+            ),
             timeout=60,  # aborted requests finish their step first; a loaded 2-core CI is slow
-        ), (f"{inst.url} still holds KV: usage={ec.metric(client, inst.url, 'vllm:kv_cache_usage_perc')} "
-            f"held={ec.metric(client, inst.url, 'vllm:pd_held_transfers')}")
+        ), (
+            f"{inst.url} still holds KV: usage={ec.metric(client, inst.url, 'vllm:kv_cache_usage_perc')} "
+            f"held={ec.metric(client, inst.url, 'vllm:pd_held_transfers')}"
+        )
 
 
-def assert_prefill_served(client: httpx.Client, prefill: ec.Instance, decode: ec.Instance, keys: Sequence[str],
-                          mode: str, reference: dict[str, list[int]], sources: Sequence[str] = (),
-                          held: Sequence[ec.Instance] = ()) -> None:
+def assert_prefill_served(
+    client: httpx.Client,
+    prefill: ec.Instance,
+    decode: ec.Instance,
+    keys: Sequence[str],
+    mode: str,
+    reference: dict[str, list[int]],
+    sources: Sequence[str] = (),
+    held: Sequence[ec.Instance] = (),
+) -> None:
     """``decode`` answers the prompts ``keys`` (of CONNECTOR_CASES) from ``prefill``'s KV, sent in ``mode``
     (ec.disagg): each answer == ``reference`` (a plain instance's greedy tokens); decode computes only the
     prompt's last token (the rest transferred, or found in decode's own prefix cache where an earlier test
@@ -119,8 +132,9 @@ def test_disaggregated_output_equals_plain(mode: str, pd_pair, reference_outputs
                 # the transferred tokens as cached (our proxy rewrites usage with prefill's figure)
                 assert cached == prompt_tokens - 1 and ext <= cached, f"{key}: {ext} transferred, {cached} cached"
             else:
-                assert ext + cached + local == prompt_tokens, \
+                assert ext + cached + local == prompt_tokens, (
                     f"{key}: {ext} transferred + {cached} cached + {local} computed != {prompt_tokens}"
+                )
             # nothing to transfer when decode's own prefix cache held all but the last token
             assert ext > 0 or hit == prompt_tokens - 1, f"{key}: nothing was transferred ({hit} cached here)"
             transferred += ext > 0

@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.test_connector_e2e import assert_nothing_held, assert_prefill_served, prompt_sources
 from tests.support import e2e_cluster as ec
 from tests.support.prompt_catalogue import CONNECTOR_CASES
-from tests.e2e.test_connector_e2e import assert_nothing_held, assert_prefill_served, prompt_sources
 from vllm_pd.small_model import ModelSpec
 from vllm_pd.small_model.cache import ensure_model
 
@@ -51,15 +51,18 @@ def client():
 
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_model(ModelSpec(sliding_window=WINDOW, full_attention_every=4),
-                        cache_dir=tmp_path_factory.mktemp("vllm-pd-hybrid-cache"))
+    return ensure_model(
+        ModelSpec(sliding_window=WINDOW, full_attention_every=4),
+        cache_dir=tmp_path_factory.mktemp("vllm-pd-hybrid-cache"),
+    )
 
 
 @pytest.fixture(scope="module")
 def hybrid_reference(hybrid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
     """Greedy outputs of a plain instance of the hybrid model (hybrid KV cache manager on), alone."""
-    [plain] = ec.start_all([(ec.server_spec(hybrid_model, "0-1", None), None)],
-                           tmp_path_factory.mktemp("vllm-hybrid-logs"))
+    [plain] = ec.start_all(
+        [(ec.server_spec(hybrid_model, "0-1", None), None)], tmp_path_factory.mktemp("vllm-hybrid-logs")
+    )
     try:
         with httpx.Client() as client:
             return {key: ec.output_tokens(ec.post(client, plain.url, CONNECTOR_CASES[key])) for key in KEYS}
@@ -68,8 +71,7 @@ def hybrid_reference(hybrid_model: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="module")
-def hybrid_pair(hybrid_reference: dict[str, list[int]], hybrid_model: Path,
-                tmp_path_factory: pytest.TempPathFactory):
+def hybrid_pair(hybrid_reference: dict[str, list[int]], hybrid_model: Path, tmp_path_factory: pytest.TempPathFactory):
     specs = []
     for cores in ("0", "1"):
         kv_port = ec.free_port()
@@ -108,8 +110,9 @@ def one_group_decode(hybrid_pair, hybrid_model: Path, tmp_path_factory: pytest.T
 
 
 @pytest.mark.parametrize("mode", ["pull", "push-beside"])
-def test_other_kv_cache_groups_are_refused_at_once(mode: str, hybrid_pair, one_group_decode, hybrid_reference,
-                                                   client) -> None:
+def test_other_kv_cache_groups_are_refused_at_once(
+    mode: str, hybrid_pair, one_group_decode, hybrid_reference, client
+) -> None:
     """Prefill (hybrid manager on) -> decode (off): refused for its KV cache groups, recomputed at once.
 
     pull: decode refuses when the decode leg comes (prefill's answer names its shape) and computes the
@@ -117,8 +120,9 @@ def test_other_kv_cache_groups_are_refused_at_once(mode: str, hybrid_pair, one_g
     announces; decode's worker refuses the announced shape, the layer-wise load fails at once, and vLLM
     recomputes its tokens (it counted them as transferred when it admitted the request)."""
     prefill, decode = hybrid_pair[0], one_group_decode
-    refused_before = {inst.url: ec.metric(client, inst.url, "vllm:pd_shape_refused_total")
-                      for inst in (prefill, decode)}
+    refused_before = {
+        inst.url: ec.metric(client, inst.url, "vllm:pd_shape_refused_total") for inst in (prefill, decode)
+    }
     failed_before = ec.metric(client, decode.url, "vllm:pd_loads_total", result="failed")
     keys = REFUSED_KEYS[mode]
     for key in keys:
@@ -134,12 +138,14 @@ def test_other_kv_cache_groups_are_refused_at_once(mode: str, hybrid_pair, one_g
         new_lines = log_text(decode)[logged:]
         assert GROUPS_REFUSED in new_lines, f"{key} {mode}: decode logged no reason: {new_lines}"
         if mode == "pull":
-            assert (ext, local, hit) == (0, prompt_tokens, 0), \
+            assert (ext, local, hit) == (0, prompt_tokens, 0), (
                 f"{key}: {ext} transferred, {local} computed, {hit} cached of {prompt_tokens} prompt tokens"
+            )
         else:
             recomputed = [int(n) for n in RECOVERED.findall(new_lines)]
-            assert recomputed == [prompt_tokens - 1] and hit == 0, \
+            assert recomputed == [prompt_tokens - 1] and hit == 0, (
                 f"{key}: vLLM recomputed {recomputed} of {prompt_tokens} prompt tokens ({hit} cached)"
+            )
     assert ec.metric(client, decode.url, "vllm:pd_shape_refused_total") - refused_before[decode.url] == len(keys)
     failed = ec.metric(client, decode.url, "vllm:pd_loads_total", result="failed") - failed_before
     assert failed == (len(keys) if mode == "push-beside" else 0)

@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import e2e_cluster as ec
-from tests.support.prompt_catalogue import CONNECTOR_CASES
 from tests.e2e.test_connector_e2e import assert_prefill_served
 from tests.e2e.test_connector_tp_e2e import tp_spec
+from tests.support import e2e_cluster as ec
+from tests.support.prompt_catalogue import CONNECTOR_CASES
 
 pytestmark = pytest.mark.e2e
 
@@ -61,12 +61,19 @@ def mixed_pair(plain_by_tp, small_model_dir: Path, tmp_path_factory: pytest.Temp
     ec.stop_all(instances)
 
 
-@pytest.mark.parametrize("tps, mode, sources", [
-    ((1, 2), "pull", ("fetch",)), ((2, 1), "pull", ("fetch",)), ((1, 2), "push-beside", ("push",)),
-    ((2, 1), "push-beside", ("push",)),
-], ids=["p1-d2-pull", "p2-d1-pull", "p1-d2-push-beside", "p2-d1-push-beside"])
-def test_other_tp_takes_its_heads(tps: tuple[int, int], mode: str, sources: tuple[str, ...], mixed_pair,
-                                  plain_by_tp, client) -> None:
+@pytest.mark.parametrize(
+    "tps, mode, sources",
+    [
+        ((1, 2), "pull", ("fetch",)),
+        ((2, 1), "pull", ("fetch",)),
+        ((1, 2), "push-beside", ("push",)),
+        ((2, 1), "push-beside", ("push",)),
+    ],
+    ids=["p1-d2-pull", "p2-d1-pull", "p1-d2-push-beside", "p2-d1-push-beside"],
+)
+def test_other_tp_takes_its_heads(
+    tps: tuple[int, int], mode: str, sources: tuple[str, ...], mixed_pair, plain_by_tp, client
+) -> None:
     prefill, decode = mixed_pair[tps[0]], mixed_pair[tps[1]]
     assert_prefill_served(client, prefill, decode, KEYS, mode, plain_by_tp[tps[1]], sources)
     assert ec.metric(client, decode.url, "vllm:pd_shape_refused_total") == 0

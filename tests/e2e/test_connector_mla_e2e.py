@@ -63,9 +63,14 @@ def mla_pair(tmp_path_factory: pytest.TempPathFactory):
 
 def _logprobs(resp: dict) -> list:
     lp = resp["choices"][0]["logprobs"]
-    return lp["content"] if "content" in lp else [
-        {"logprob": c, "top_logprobs": [{"logprob": v} for v in top.values()]}
-        for c, top in zip(lp["token_logprobs"], lp["top_logprobs"])]
+    return (
+        lp["content"]
+        if "content" in lp
+        else [
+            {"logprob": c, "top_logprobs": [{"logprob": v} for v in top.values()]}
+            for c, top in zip(lp["token_logprobs"], lp["top_logprobs"])
+        ]
+    )
 
 
 def chosen_logprobs(resp: dict) -> list[float]:
@@ -115,7 +120,11 @@ def test_mla_disaggregated_output_equals_local(mode: str, load_mode: str | None,
     assert len(near_ties) <= 1, f"MLA {mode}: too many near-tie divergences: {near_ties}"
     assert ec.metric(client, decode.url, "vllm:pd_loaded_blocks_total", source=source) > blocks_before
     for inst in (prefill, decode):
-        assert ec.wait_until(lambda: ec.metric(client, inst.url, "vllm:kv_cache_usage_perc") == 0
-                             and ec.metric(client, inst.url, "vllm:pd_held_transfers") == 0
-                             and ec.metric(client, inst.url, "vllm:pd_loading_requests") == 0, timeout=60), \
-            f"{inst.url} still holds KV"
+        assert ec.wait_until(
+            lambda: (
+                ec.metric(client, inst.url, "vllm:kv_cache_usage_perc") == 0
+                and ec.metric(client, inst.url, "vllm:pd_held_transfers") == 0
+                and ec.metric(client, inst.url, "vllm:pd_loading_requests") == 0
+            ),
+            timeout=60,
+        ), f"{inst.url} still holds KV"

@@ -32,8 +32,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def multi_config(kv_port: int) -> dict[str, Any]:
     pd = ec.connector_config("kv_both", kv_port, lease_s=20.0)
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"connectors": [pd, OFFLOAD]}}
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [pd, OFFLOAD]},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +71,16 @@ def family(client: httpx.Client, url: str, prefix: str) -> float:
 
 
 def counters(client: httpx.Client, inst: ec.Instance) -> dict[str, float]:
-    sources = {s: ec.metric(client, inst.url, "vllm:prompt_tokens_by_source_total", source=s)
-               for s in ("external_kv_transfer", "local_compute")}
-    return {**sources, "offload_loaded": family(client, inst.url, "vllm:kv_offload_load_bytes"),
-            "offload_stored": family(client, inst.url, "vllm:kv_offload_store_bytes"),
-            "pd_loads": ec.metric(client, inst.url, "vllm:pd_loads_total", result="ok")}
+    sources = {
+        s: ec.metric(client, inst.url, "vllm:prompt_tokens_by_source_total", source=s)
+        for s in ("external_kv_transfer", "local_compute")
+    }
+    return {
+        **sources,
+        "offload_loaded": family(client, inst.url, "vllm:kv_offload_load_bytes"),
+        "offload_stored": family(client, inst.url, "vllm:kv_offload_store_bytes"),
+        "pd_loads": ec.metric(client, inst.url, "vllm:pd_loads_total", result="ok"),
+    }
 
 
 def delta(client: httpx.Client, inst: ec.Instance, before: dict[str, float]) -> dict[str, float]:
@@ -80,9 +89,13 @@ def delta(client: httpx.Client, inst: ec.Instance, before: dict[str, float]) -> 
 
 def settled(client: httpx.Client, inst: ec.Instance) -> None:
     """No KV held by a request or a transfer (offload stores finished too: their blocks are freed last)."""
-    assert ec.wait_until(lambda: ec.metric(client, inst.url, "vllm:kv_cache_usage_perc") == 0
-                         and ec.metric(client, inst.url, "vllm:pd_held_transfers") == 0, timeout=60), \
-        f"{inst.url} still holds KV"
+    assert ec.wait_until(
+        lambda: (
+            ec.metric(client, inst.url, "vllm:kv_cache_usage_perc") == 0
+            and ec.metric(client, inst.url, "vllm:pd_held_transfers") == 0
+        ),
+        timeout=60,
+    ), f"{inst.url} still holds KV"
 
 
 def test_output_equals_plain_and_repeats_come_from_the_offload_tier(multi, reference_outputs, client) -> None:
@@ -142,7 +155,8 @@ def test_both_connectors_report_their_metrics(multi, client) -> None:
 
 @pytest.mark.parametrize("mode,key", [("pull", "ids1000"), ("push", "ids300")])
 def test_a_prefill_leg_that_loads_from_the_offload_tier_still_hands_everything_to_decode(
-        mode: str, key: str, multi, reference_outputs, client) -> None:
+    mode: str, key: str, multi, reference_outputs, client
+) -> None:
     """The prompt's full blocks are in the offload tier (the first test sent it twice): the prefill
     leg loads them from there instead of computing them, and PD still moves the whole prompt."""
     before = counters(client, multi)

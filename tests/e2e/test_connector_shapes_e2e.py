@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import e2e_cluster as ec
 from tests.e2e.test_connector_e2e import assert_prefill_served
+from tests.support import e2e_cluster as ec
 
 pytestmark = pytest.mark.e2e
 
@@ -30,8 +30,9 @@ def client():
 
 
 @pytest.fixture(scope="module")
-def block_pair(reference_outputs: dict[str, list[int]], small_model_dir: Path,
-               tmp_path_factory: pytest.TempPathFactory):
+def block_pair(
+    reference_outputs: dict[str, list[int]], small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+):
     """{block size: instance}: two kv_both instances of 32- and 64-token blocks."""
     specs = []
     for cores, block_size in zip(("0", "1"), BLOCK_SIZES, strict=True):
@@ -46,7 +47,8 @@ def block_pair(reference_outputs: dict[str, list[int]], small_model_dir: Path,
 
 @pytest.mark.parametrize("mode", ["pull", "push-beside"])
 @pytest.mark.parametrize("sizes", [(32, 64), (64, 32)], ids=["p32-d64", "p64-d32"])
-def test_other_block_size_is_recut_not_recomputed(sizes: tuple[int, int], mode: str, block_pair,
-                                                   reference_outputs, client) -> None:
+def test_other_block_size_is_recut_not_recomputed(
+    sizes: tuple[int, int], mode: str, block_pair, reference_outputs, client
+) -> None:
     prefill, decode = block_pair[sizes[0]], block_pair[sizes[1]]
     assert_prefill_served(client, prefill, decode, KEYS, mode, reference_outputs)

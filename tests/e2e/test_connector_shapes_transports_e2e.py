@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import e2e_cluster as ec
 from tests.e2e.test_connector_e2e import assert_prefill_served
+from tests.support import e2e_cluster as ec
 
 pytestmark = pytest.mark.e2e
 
@@ -33,14 +33,19 @@ def client():
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def p32_d64(request: pytest.FixtureRequest, reference_outputs: dict[str, list[int]], small_model_dir: Path,
-            tmp_path_factory: pytest.TempPathFactory):
+def p32_d64(
+    request: pytest.FixtureRequest,
+    reference_outputs: dict[str, list[int]],
+    small_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+):
     """(prefill of 32-token blocks, decode of 64-token blocks), their KV over transport ``request.param``."""
     specs = []
     for cores, role, block_size in (("0", "kv_producer", 32), ("1", "kv_consumer", 64)):
         kv_port = ec.free_port()
-        spec = ec.server_spec(small_model_dir, cores,
-                              ec.connector_config(role, kv_port, transport=request.param, lease_s=20.0))
+        spec = ec.server_spec(
+            small_model_dir, cores, ec.connector_config(role, kv_port, transport=request.param, lease_s=20.0)
+        )
         spec.block_size = block_size
         specs.append((spec, kv_port))
     instances = ec.start_all(specs, tmp_path_factory.mktemp(f"vllm-shapes-{request.param}-logs"))

@@ -61,8 +61,7 @@ def tp_reference(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
-def tp_pair(tp_reference: dict[str, list[int]], small_model_dir: Path,
-            tmp_path_factory: pytest.TempPathFactory):
+def tp_pair(tp_reference: dict[str, list[int]], small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """A TP=2 prefill (kv_producer) and a TP=2 decode (kv_consumer); rank r listens on kv_port + r."""
     specs = []
     for role in ("kv_producer", "kv_consumer"):
@@ -79,11 +78,16 @@ def held(client: httpx.Client, prefill: ec.Instance) -> dict[str, float]:
 
 
 def assert_every_rank_released(client: httpx.Client, prefill: ec.Instance) -> None:
-    assert ec.wait_until(lambda: held(client, prefill) == {r: 0.0 for r in RANKS}
-                         and ec.metric(client, prefill.url, "vllm:kv_cache_usage_perc") == 0,
-                         timeout=RELEASED_WITHIN_S), \
-        (f"prefill still holds KV {RELEASED_WITHIN_S:.0f}s after the release (lease {LEASE_S:.0f}s): "
-         f"per rank {held(client, prefill)}, usage {ec.metric(client, prefill.url, 'vllm:kv_cache_usage_perc')}")
+    assert ec.wait_until(
+        lambda: (
+            held(client, prefill) == {r: 0.0 for r in RANKS}
+            and ec.metric(client, prefill.url, "vllm:kv_cache_usage_perc") == 0
+        ),
+        timeout=RELEASED_WITHIN_S,
+    ), (
+        f"prefill still holds KV {RELEASED_WITHIN_S:.0f}s after the release (lease {LEASE_S:.0f}s): "
+        f"per rank {held(client, prefill)}, usage {ec.metric(client, prefill.url, 'vllm:kv_cache_usage_perc')}"
+    )
     assert ec.metric(client, prefill.url, "vllm:pd_lease_expired_total") == 0
 
 

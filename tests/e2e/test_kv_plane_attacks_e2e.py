@@ -26,10 +26,10 @@ from tests.support.prompt_catalogue import CONNECTOR_CASES
 from tests.support.transport_harness import TcpRelay
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.control import ReleaseMessage
-from vllm_pd.errors import TransportError
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion, Transport
+from vllm_pd.errors import TransportError
 
 pytestmark = pytest.mark.e2e
 
@@ -87,8 +87,9 @@ def _landed(t: Transport, n: int) -> bytes:
     return b"".join(bytes(v) for v in t._regions.views(0, list(range(n))))  # type: ignore[attr-defined]
 
 
-def test_without_the_secret_nothing_is_read_released_or_pushed(guarded, reference_outputs, small_model_dir,
-                                                               client) -> None:
+def test_without_the_secret_nothing_is_read_released_or_pushed(
+    guarded, reference_outputs, small_model_dir, client
+) -> None:
     prefill, decode = guarded
     body = CONNECTOR_CASES[PROMPT]
     params = ec.post(client, prefill.url, ec.prefill_leg(body, "pull", decode))["kv_transfer_params"]
@@ -103,15 +104,18 @@ def test_without_the_secret_nothing_is_read_released_or_pushed(guarded, referenc
         outsider = _client_transport(nbytes, n, secret)
         try:
             with pytest.raises(TransportError):  # read: the outsider got all prompt token ids back
-                outsider.fetch(remote.endpoint, remote.transfer_id, 0, list(remote.block_ids), list(range(n)),
-                               timeout=10).result(timeout=20)
+                outsider.fetch(
+                    remote.endpoint, remote.transfer_id, 0, list(remote.block_ids), list(range(n)), timeout=10
+                ).result(timeout=20)
             assert not _landed(outsider, n).strip(b"\0")
             with pytest.raises(TransportError):  # deny: the outsider released it
-                outsider.notify(remote.endpoint, ReleaseMessage(remote.transfer_id).encode(),
-                                timeout=10).result(timeout=20)
+                outsider.notify(remote.endpoint, ReleaseMessage(remote.transfer_id).encode(), timeout=10).result(
+                    timeout=20
+                )
             with pytest.raises(TransportError):  # write: the outsider pushed garbage into decode
-                outsider.push(decode.kv_endpoint, BlockBatch(remote.transfer_id, 0, (0,), nbytes), [0],
-                              timeout=10).result(timeout=20)
+                outsider.push(
+                    decode.kv_endpoint, BlockBatch(remote.transfer_id, 0, (0,), nbytes), [0], timeout=10
+                ).result(timeout=20)
         finally:
             outsider.close()
     assert ec.metric(client, prefill.url, "vllm:pd_held_transfers") >= 1  # still held for decode
@@ -120,8 +124,9 @@ def test_without_the_secret_nothing_is_read_released_or_pushed(guarded, referenc
     # a member reads it as today (the positive control: the same call, with the secret)
     member = _client_transport(nbytes, n, prefill.secret)
     try:
-        member.fetch(remote.endpoint, remote.transfer_id, 0, list(remote.block_ids), list(range(n)),
-                     timeout=10).result(timeout=20)
+        member.fetch(remote.endpoint, remote.transfer_id, 0, list(remote.block_ids), list(range(n)), timeout=10).result(
+            timeout=20
+        )
         assert _landed(member, n).strip(b"\0")
     finally:
         member.close()
@@ -133,8 +138,9 @@ def test_without_the_secret_nothing_is_read_released_or_pushed(guarded, referenc
     assert ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok") == ok_before + 1
     # refused and counted (the counter reaches /metrics with prefill's next step)
     ec.post(client, prefill.url, ec.completion_body("one more step", max_tokens=1))
-    assert ec.wait_until(lambda: ec.metric(client, prefill.url, "vllm:pd_connections_refused_total")
-                         >= refused_before + 2, timeout=30)
+    assert ec.wait_until(
+        lambda: ec.metric(client, prefill.url, "vllm:pd_connections_refused_total") >= refused_before + 2, timeout=30
+    )
 
 
 def test_a_recorded_member_session_replayed_gets_nothing(guarded, client) -> None:
@@ -143,8 +149,10 @@ def test_a_recorded_member_session_replayed_gets_nothing(guarded, client) -> Non
     member = _client_transport(64, 1, prefill.secret)
     try:
         # a member's release of a transfer prefill never held (harmless): recorded on the path
-        assert member.notify(relay.endpoint, ReleaseMessage("recorded-release").encode(),
-                             timeout=10).result(timeout=20) == b"ok"
+        assert (
+            member.notify(relay.endpoint, ReleaseMessage("recorded-release").encode(), timeout=10).result(timeout=20)
+            == b"ok"
+        )
     finally:
         member.close()
         relay.close()

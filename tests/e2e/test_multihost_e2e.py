@@ -17,15 +17,22 @@ is no other) - far below the outage. Afterwards the system recovers and neither 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import httpx
 import pytest
 
 from tests.support import e2e_cluster as ec
-from tests.support.netns_cluster import (Cluster, ConnectorTimes, Sent, load_through, multihost_cluster, send,
-                                         waits_after)
+from tests.support.netns_cluster import (
+    Cluster,
+    ConnectorTimes,
+    Sent,
+    load_through,
+    multihost_cluster,
+    send,
+    waits_after,
+)
 from tests.support.netns_hosts import netns_unavailable
 from tests.support.reference_margins import MARGINS, divergence
 
@@ -40,8 +47,9 @@ CHECK_KEYS = ("ids300", "ids1000", "text2", "chat2", "ids129")
 
 
 @pytest.fixture(scope="module")
-def cluster(reference_outputs: dict[str, list[int]], small_model_dir: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    reference_outputs: dict[str, list[int]], small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
     why = netns_unavailable()
     if why is not None:
         pytest.skip(f"network namespaces refused by the kernel: {why}")
@@ -54,9 +62,11 @@ def _assert_bounded(sent: list[Sent], struck: float, cluster: Cluster, refused_o
     waits = waits_after(sent, struck)
     assert len(waits) >= 3, "too few requests ran during the fault: the test proved nothing"
     assert cluster.proxy_log is not None
-    assert max(waits) < BOUND_S, (f"a request running during the fault took {max(waits):.1f}s after it "
-                                  f"(bound {BOUND_S:.0f}s, outage {OUTAGE_S:.0f}s); proxy log: "
-                                  f"{cluster.proxy_log.read_text()[-2000:]}")
+    assert max(waits) < BOUND_S, (
+        f"a request running during the fault took {max(waits):.1f}s after it "
+        f"(bound {BOUND_S:.0f}s, outage {OUTAGE_S:.0f}s); proxy log: "
+        f"{cluster.proxy_log.read_text()[-2000:]}"
+    )
     errors = [s.error for s in sent if s.error is not None]
     if refused_ok:  # nothing could answer: the proxy says so, no client waits for a timeout of its own
         assert all(e.startswith(("HTTP 502", "HTTP 503", "HTTP 504")) for e in errors), errors
@@ -68,8 +78,11 @@ def _assert_exact(sent: list[Sent], reference: dict[str, list[int]]) -> None:
     """Every answer is the plain instance's - up to a near tie of it (tests/support/reference_margins.py: decode
     computing a prompt itself sums in another order; where the plain instance's two best tokens were
     within a nat, either may win on another CPU)."""
-    wrong = {s.key: why for s in sent if s.error is None
-             and (why := divergence(s.tokens, reference[s.key], MARGINS.get(s.key))) is not None}
+    wrong = {
+        s.key: why
+        for s in sent
+        if s.error is None and (why := divergence(s.tokens, reference[s.key], MARGINS.get(s.key))) is not None
+    }
     assert not wrong, f"outputs differ from the plain instance's: {wrong}"
 
 
@@ -88,16 +101,20 @@ def _assert_recovered_and_nothing_held(cluster: Cluster, reference: dict[str, li
 
     assert ec.wait_until(pd_again, timeout=30, interval=1.0), "prefill never served through the proxy again"
     for server in (cluster.prefill, cluster.decode):
+
         def released() -> bool:
             # a short plain request makes the engine step: expiries run and the gauges are reported
             ec.post(client, server.url, ec.completion_body("nudge", max_tokens=1))
-            return (ec.metric(client, server.url, "vllm:pd_held_transfers") == 0
-                    and ec.metric(client, server.url, "vllm:pd_loading_requests") == 0
-                    and ec.metric(client, server.url, "vllm:pd_staged_bytes") == 0)
+            return (
+                ec.metric(client, server.url, "vllm:pd_held_transfers") == 0
+                and ec.metric(client, server.url, "vllm:pd_loading_requests") == 0
+                and ec.metric(client, server.url, "vllm:pd_staged_bytes") == 0
+            )
 
         assert ec.wait_until(released, timeout=TIMES.lease_s + 30, interval=1.0), (
             f"{server.url} still holds KV: held={ec.metric(client, server.url, 'vllm:pd_held_transfers')} "
-            f"staged={ec.metric(client, server.url, 'vllm:pd_staged_bytes')}")
+            f"staged={ec.metric(client, server.url, 'vllm:pd_staged_bytes')}"
+        )
 
 
 def test_outputs_across_hosts_equal_the_plain_instance(cluster: Cluster, reference_outputs) -> None:
@@ -121,23 +138,32 @@ def _fault(cluster: Cluster, name: str) -> tuple[Callable[[], None], Callable[[]
     faults: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
         "prefill-cut": (lambda: net.cut("prefill"), lambda: net.restore("prefill")),
         "prefill-paused": (cluster.pause_prefill, cluster.resume_prefill),
-        "proxy-to-prefill-dropped": (lambda: net.blackhole("proxy", "prefill"),
-                                     lambda: net.unblackhole("proxy", "prefill")),
-        "prefill-to-proxy-dropped": (lambda: net.blackhole("prefill", "proxy"),
-                                     lambda: net.unblackhole("prefill", "proxy")),
+        "proxy-to-prefill-dropped": (
+            lambda: net.blackhole("proxy", "prefill"),
+            lambda: net.unblackhole("proxy", "prefill"),
+        ),
+        "prefill-to-proxy-dropped": (
+            lambda: net.blackhole("prefill", "proxy"),
+            lambda: net.unblackhole("prefill", "proxy"),
+        ),
         # the proxy sees both healthy: decode gives up on the transfer itself
-        "prefill-to-decode-dropped": (lambda: net.blackhole("prefill", "decode"),
-                                      lambda: net.unblackhole("prefill", "decode")),
-        "decode-to-prefill-dropped": (lambda: net.blackhole("decode", "prefill"),
-                                      lambda: net.unblackhole("decode", "prefill")),
+        "prefill-to-decode-dropped": (
+            lambda: net.blackhole("prefill", "decode"),
+            lambda: net.unblackhole("prefill", "decode"),
+        ),
+        "decode-to-prefill-dropped": (
+            lambda: net.blackhole("decode", "prefill"),
+            lambda: net.unblackhole("decode", "prefill"),
+        ),
         "decode-cut": (lambda: net.cut("decode"), lambda: net.restore("decode")),
         "decode-paused": (cluster.pause_decode, cluster.resume_decode),
     }
     return faults[name]
 
 
-@pytest.mark.parametrize("fault", ["prefill-cut", "prefill-paused", "proxy-to-prefill-dropped",
-                                   "prefill-to-proxy-dropped"])
+@pytest.mark.parametrize(
+    "fault", ["prefill-cut", "prefill-paused", "proxy-to-prefill-dropped", "prefill-to-proxy-dropped"]
+)
 def test_prefill_lost_under_load(cluster: Cluster, reference_outputs, fault: str) -> None:
     """Decode computes the prompts prefill was to compute; the proxy sees prefill lost and moves on."""
     cut_off = _unreachable_legs(cluster)

@@ -17,15 +17,22 @@ MARKER = "vllm_pd MLA decode"
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
     # vLLM's CPU MLA kernel only takes head size 576 (kv_lora_rank 512 + rope 64), like FlashMLA.
-    model = write_model(ModelSpec(arch="deepseek_v2", kv_lora_rank=512, qk_rope_head_dim=64),
-                        tmp_path_factory.mktemp("mla") / "model")
+    model = write_model(
+        ModelSpec(arch="deepseek_v2", kv_lora_rank=512, qk_rope_head_dim=64), tmp_path_factory.mktemp("mla") / "model"
+    )
     logs = tmp_path_factory.mktemp("logs")
     started = {}
     try:
         for name, core, plugin in (("vllm_pd", "0", "1"), ("vllm", "1", "0")):
-            spec = VllmServerSpec(model=str(model), port=free_port(), cpu_cores=core, max_model_len=512,
-                                  max_num_seqs=8, extra_args=["--attention-backend", "CPU_MLA"],
-                                  env={"VLLM_PD_VLLM_OPS": plugin})
+            spec = VllmServerSpec(
+                model=str(model),
+                port=free_port(),
+                cpu_cores=core,
+                max_model_len=512,
+                max_num_seqs=8,
+                extra_args=["--attention-backend", "CPU_MLA"],
+                env={"VLLM_PD_VLLM_OPS": plugin},
+            )
             started[name] = VllmServer(spec, log_path=logs / f"{name}.log").start()
         for server in started.values():
             server.wait_healthy(timeout=600)

@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -87,7 +88,7 @@ class ProxyThread:
         self._ready.set()
         self._loop.run_forever()
 
-    def client(self, **kw: Any) -> "openai.OpenAI":
+    def client(self, **kw: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kw)
 
     def close(self) -> None:
@@ -99,9 +100,15 @@ class ProxyThread:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     # a short lease so KV that nobody releases explicitly is provably freed within the test
-    c = LocalCluster(model=_model_dir(), n_prefill=1, n_decode=1, n_both=1, max_model_len=1024,
-                     connector_extra={"lease_s": 15.0},
-                     connector=None if not _connector_mode() else "PDConnector")
+    c = LocalCluster(
+        model=_model_dir(),
+        n_prefill=1,
+        n_decode=1,
+        n_both=1,
+        max_model_len=1024,
+        connector_extra={"lease_s": 15.0},
+        connector=None if not _connector_mode() else "PDConnector",
+    )
     with c.running(600):
         yield c
 
@@ -115,7 +122,7 @@ def _as(cluster: LocalCluster, **roles: str) -> list[InstanceConfig]:
     return out
 
 
-def _direct(cluster: LocalCluster, name: str) -> "openai.OpenAI":
+def _direct(cluster: LocalCluster, name: str) -> openai.OpenAI:
     url = next(s.server.url for s in cluster.servers if s.name == name)
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
@@ -128,8 +135,10 @@ def _kv_usage(cluster: LocalCluster) -> dict[str, float]:
         text = urllib.request.urlopen(s.server.url + "/metrics", timeout=5).read().decode()
         vals = [float(v) for v in re.findall(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M)]
         # the connector's gauges: KV held for another instance, loads in progress
-        held = [float(v) for v in re.findall(r"^vllm:pd_(?:held_transfers|loading_requests)(?:\{[^}]*\})? (\S+)$",
-                                             text, re.M)]
+        held = [
+            float(v)
+            for v in re.findall(r"^vllm:pd_(?:held_transfers|loading_requests)(?:\{[^}]*\})? (\S+)$", text, re.M)
+        ]
         out[s.name] = sum(vals) + sum(held)
     return out
 
@@ -154,13 +163,17 @@ def _pd_metric_lines(cluster: LocalCluster) -> str:
     for s in cluster.servers:
         if s.server.alive():
             text = urllib.request.urlopen(s.server.url + "/metrics", timeout=5).read().decode()
-            lines += [f"{s.name}: {ln}" for ln in text.splitlines()
-                      if ln.startswith(("vllm:pd_", "vllm:kv_cache_usage_perc"))]
+            lines += [
+                f"{s.name}: {ln}" for ln in text.splitlines() if ln.startswith(("vllm:pd_", "vllm:kv_cache_usage_perc"))
+            ]
     return "\n".join(lines)
 
 
-PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived a",
-           "def fibonacci(n):\n    " * 8]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a land far away, there lived a",
+    "def fibonacci(n):\n    " * 8,
+]
 
 
 def test_completions_2p1d_equal_plain_instance(cluster: LocalCluster) -> None:
@@ -170,8 +183,7 @@ def test_completions_2p1d_equal_plain_instance(cluster: LocalCluster) -> None:
         model = cluster.model
         for prompt in PROMPTS:
             via = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
-            ref = _direct(cluster, "b0").completions.create(model=model, prompt=prompt, max_tokens=12,
-                                                            temperature=0)
+            ref = _direct(cluster, "b0").completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
             assert via.choices[0].text == ref.choices[0].text
             assert via.usage.prompt_tokens == ref.usage.prompt_tokens
             assert via.usage.completion_tokens == 12
@@ -185,10 +197,10 @@ def test_completions_2p1d_equal_plain_instance(cluster: LocalCluster) -> None:
 def test_pull_mode_equal_plain_instance(cluster: LocalCluster) -> None:
     proxy = ProxyThread(_as(cluster, p0="prefill", d0="decode"), kv_mode="pull")
     try:
-        via = proxy.client().completions.create(model=cluster.model, prompt=PROMPTS[1], max_tokens=12,
-                                                temperature=0)
-        ref = _direct(cluster, "b0").completions.create(model=cluster.model, prompt=PROMPTS[1], max_tokens=12,
-                                                        temperature=0)
+        via = proxy.client().completions.create(model=cluster.model, prompt=PROMPTS[1], max_tokens=12, temperature=0)
+        ref = _direct(cluster, "b0").completions.create(
+            model=cluster.model, prompt=PROMPTS[1], max_tokens=12, temperature=0
+        )
         assert via.choices[0].text == ref.choices[0].text
         _assert_no_kv_held(cluster)
     finally:
@@ -200,23 +212,29 @@ def test_chat_streaming_1p2d_equal_plain_instance(cluster: LocalCluster) -> None
     try:
         client = proxy.client()
         messages = [{"role": "user", "content": "Write a short poem about the sea."}]
-        ref = _direct(cluster, "p0").chat.completions.create(model=cluster.model, messages=messages,
-                                                             max_tokens=10, temperature=0)
+        ref = _direct(cluster, "p0").chat.completions.create(
+            model=cluster.model, messages=messages, max_tokens=10, temperature=0
+        )
         for _ in range(2):  # both decode instances
-            stream = client.chat.completions.create(model=cluster.model, messages=messages, max_tokens=10,
-                                                    temperature=0, stream=True,
-                                                    stream_options={"include_usage": True})
+            stream = client.chat.completions.create(
+                model=cluster.model,
+                messages=messages,
+                max_tokens=10,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             chunks = list(stream)
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             assert text == ref.choices[0].message.content
             assert chunks[-1].usage.prompt_tokens == ref.usage.prompt_tokens
             assert chunks[-1].usage.completion_tokens == 10
-        nonstream = client.chat.completions.create(model=cluster.model, messages=messages, max_tokens=10,
-                                                   temperature=0)
+        nonstream = client.chat.completions.create(model=cluster.model, messages=messages, max_tokens=10, temperature=0)
         assert nonstream.choices[0].message.content == ref.choices[0].message.content
         # streamed completions too, with logprobs passed through
-        s = client.completions.create(model=cluster.model, prompt=PROMPTS[1], max_tokens=6, temperature=0,
-                                      stream=True, logprobs=1)
+        s = client.completions.create(
+            model=cluster.model, prompt=PROMPTS[1], max_tokens=6, temperature=0, stream=True, logprobs=1
+        )
         assert sum(len(c.choices[0].logprobs.tokens) for c in s if c.choices) == 6
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
@@ -230,8 +248,14 @@ def test_client_disconnect_mid_stream_releases_everything(cluster: LocalCluster)
     try:
         client = proxy.client()
         for _ in range(3):
-            stream = client.completions.create(model=cluster.model, prompt=PROMPTS[2], max_tokens=400,
-                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
+            stream = client.completions.create(
+                model=cluster.model,
+                prompt=PROMPTS[2],
+                max_tokens=400,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             for i, _chunk in enumerate(stream):
                 if i == 3:
                     break
@@ -249,8 +273,18 @@ def test_client_disconnect_mid_stream_releases_everything(cluster: LocalCluster)
 def _proxy_process(instances: list[InstanceConfig], *flags: str) -> tuple[subprocess.Popen, str]:
     """`vllm-pd proxy` as its own process (signals reach it as in production)."""
     port = free_port()
-    argv = [sys.executable, "-m", "vllm_pd.router.cli.command_proxy", "--port", str(port), "--log-level", "INFO",
-            "--health-interval", "0.5", *flags]
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm_pd.router.cli.command_proxy",
+        "--port",
+        str(port),
+        "--log-level",
+        "INFO",
+        "--health-interval",
+        "0.5",
+        *flags,
+    ]
     for ic in instances:
         argv += [f"--{ic.role}", ic.url + (f"@{ic.kv_endpoint}" if ic.kv_endpoint else "")]
     proc = subprocess.Popen(argv)
@@ -274,9 +308,15 @@ def _sigterm_during_stream(cluster: LocalCluster, max_tokens: int, grace: float)
     proc, url = _proxy_process(_as(cluster, p0="prefill", d0="decode"), "--drain-grace", str(grace))
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        s = client.completions.create(model=cluster.model, prompt=PROMPTS[1], max_tokens=max_tokens,
-                                      temperature=0, stream=True, extra_body={"ignore_eos": True},
-                                      stream_options={"include_usage": True})
+        s = client.completions.create(
+            model=cluster.model,
+            prompt=PROMPTS[1],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+        )
         chunks = iter(s)
         usage = next(chunks).usage
         t_term = time.monotonic()
@@ -312,15 +352,19 @@ def test_sigterm_drains_finishes_in_flight_cancels_the_rest(cluster: LocalCluste
 
 
 def test_kill_prefill_during_load_every_request_succeeds(cluster: LocalCluster) -> None:
-    proxy = ProxyThread(_as(cluster, p0="prefill", b0="prefill", d0="decode"), prefill_policy="round_robin",
-                        decode_policy="least_outstanding")
+    proxy = ProxyThread(
+        _as(cluster, p0="prefill", b0="prefill", d0="decode"),
+        prefill_policy="round_robin",
+        decode_policy="least_outstanding",
+    )
     try:
         client = proxy.client(timeout=120)
         done = []
 
         def one(i: int) -> str:
-            r = client.completions.create(model=cluster.model, prompt=f"Request {i}: " + PROMPTS[i % 3],
-                                          max_tokens=4, temperature=0)
+            r = client.completions.create(
+                model=cluster.model, prompt=f"Request {i}: " + PROMPTS[i % 3], max_tokens=4, temperature=0
+            )
             done.append(i)
             return r.choices[0].text
 

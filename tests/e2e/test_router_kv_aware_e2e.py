@@ -9,7 +9,8 @@ must equal vLLM's own, and every answer must equal a plain instance's.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -20,16 +21,24 @@ from vllm_pd.router.request.request_body import CHAT, parse_body
 
 pytestmark = pytest.mark.e2e
 
-SYSTEM = ("You are a careful assistant for conversation {i}. Answer in short sentences, cite numbers exactly, "
-          "and never repeat the question. ") * 6
+SYSTEM = (
+    "You are a careful assistant for conversation {i}. Answer in short sentences, cite numbers exactly, "
+    "and never repeat the question. "
+) * 6
 QUESTIONS = ("List the first five prime numbers.", "Now add them up and say the total.")
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = LocalCluster(model=_model_dir(), n_prefill=2, n_decode=1, max_model_len=1024, kv_events=True,
-                     connector_extra={"lease_s": 15.0})
+    c = LocalCluster(
+        model=_model_dir(),
+        n_prefill=2,
+        n_decode=1,
+        max_model_len=1024,
+        kv_events=True,
+        connector_extra={"lease_s": 15.0},
+    )
     with c.running(600):
         yield c
 
@@ -55,8 +64,9 @@ def _wait(pred: Any, timeout: float = 30.0) -> bool:
 
 
 def test_second_turn_goes_where_its_prefix_is_and_outputs_equal_plain(cluster: LocalCluster) -> None:
-    proxy = ProxyThread(cluster.instances(), prefill_policy="kv_aware", decode_policy="kv_aware",
-                        tokenizer=_model_dir())
+    proxy = ProxyThread(
+        cluster.instances(), prefill_policy="kv_aware", decode_policy="kv_aware", tokenizer=_model_dir()
+    )
     routing = proxy.server.kv_routing
     assert routing is not None and proxy.server.flow is not None
     flow = proxy.server.flow
@@ -75,20 +85,24 @@ def test_second_turn_goes_where_its_prefix_is_and_outputs_equal_plain(cluster: L
         with httpx.Client(timeout=120) as client:
             first: dict[int, tuple[list[dict[str, Any]], str, str]] = {}
             for i in range(3):
-                messages = [{"role": "system", "content": SYSTEM.format(i=i)},
-                            {"role": "user", "content": QUESTIONS[0]}]
+                messages = [
+                    {"role": "system", "content": SYSTEM.format(i=i)},
+                    {"role": "user", "content": QUESTIONS[0]},
+                ]
                 body = _body(messages)
                 text, vllm_tokens = _answer(client, proxy.url, body)
                 blocks = routing.tokenizer.blocks(parse_body(httpx.Request("POST", "/", json=body).content, CHAT))
                 assert blocks is not None and len(blocks.token_ids) == vllm_tokens  # vLLM's own count
                 first[i] = (messages, chosen[-1], text)
                 sent.append((body, text))
-                assert _wait(lambda: routing.locations.cached_tokens(chosen[-1], blocks) > 0), \
+                assert _wait(lambda: routing.locations.cached_tokens(chosen[-1], blocks) > 0), (
                     "the prefill's KV events never announced the prompt"
+                )
             assert not routing.locations.hash_mismatch
             for i, (messages, prefill_url, text) in first.items():
-                body = _body(messages + [{"role": "assistant", "content": text},
-                                         {"role": "user", "content": QUESTIONS[1]}])
+                body = _body(
+                    messages + [{"role": "assistant", "content": text}, {"role": "user", "content": QUESTIONS[1]}]
+                )
                 before = len(chosen)
                 answer, _ = _answer(client, proxy.url, body)
                 assert chosen[before:] == [prefill_url], f"turn 2 of conversation {i} left its prefix"
@@ -97,8 +111,9 @@ def test_second_turn_goes_where_its_prefix_is_and_outputs_equal_plain(cluster: L
             body = sent[0][0]
             blocks = routing.tokenizer.blocks(parse_body(httpx.Request("POST", "/", json=body).content, CHAT))
             assert blocks is not None
-            assert _wait(lambda: routing.locations.holds_prompt(decode_url, blocks)), \
+            assert _wait(lambda: routing.locations.holds_prompt(decode_url, blocks)), (
                 "decode's KV events never announced the prompt it decoded"
+            )
             before = len(chosen)
             answer, _ = _answer(client, proxy.url, body)
             assert chosen[before:] == []

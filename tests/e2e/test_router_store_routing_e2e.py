@@ -12,13 +12,14 @@ equal a plain instance's (no connector, no store, the same vLLM flags).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.e2e_cluster import metric
 from tests.e2e.test_router_e2e import ProxyThread, _model_dir
+from tests.support.e2e_cluster import metric
 from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.router.cli.local_cluster import LocalCluster
 from vllm_pd.router.request.request_body import CHAT, parse_body
@@ -27,13 +28,18 @@ from vllm_pd.vllm_server import free_port
 
 pytestmark = pytest.mark.e2e
 
-SYSTEM = ("You are a careful assistant. Answer in short sentences, cite numbers exactly, never repeat the "
-          "question, and keep every answer under twenty words unless asked for more detail. ") * 5
+SYSTEM = (
+    "You are a careful assistant. Answer in short sentences, cite numbers exactly, never repeat the "
+    "question, and keep every answer under twenty words unless asked for more detail. "
+) * 5
 # each follow-up adds more than a block (128 tokens): decode's store, which saved the previous turn,
 # never holds every full block of the next one, so those turns need a prefill leg
 DETAIL = " Think about it step by step, check each number twice, and say which rule you used and why." * 3
-QUESTIONS = ("List the first five prime numbers.", "Now add them up and say the total." + DETAIL,
-             "Is that total itself a prime number?" + DETAIL)
+QUESTIONS = (
+    "List the first five prime numbers.",
+    "Now add them up and say the total." + DETAIL,
+    "Is that total itself a prime number?" + DETAIL,
+)
 MAX_TOKENS = 8
 EXTERNAL = "vllm:prompt_tokens_by_source_total"  # source="external_kv_transfer": loaded by the connector
 
@@ -48,9 +54,14 @@ def master() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def cluster(master: str) -> Iterator[LocalCluster]:
-    c = LocalCluster(model=_model_dir(), n_prefill=2, n_decode=1, max_model_len=1024,
-                     extra_args=["--no-enable-prefix-caching"],
-                     connector_extra={"lease_s": 15.0, "store": {"cpu_bytes": "64m", "master": master}})
+    c = LocalCluster(
+        model=_model_dir(),
+        n_prefill=2,
+        n_decode=1,
+        max_model_len=1024,
+        extra_args=["--no-enable-prefix-caching"],
+        connector_extra={"lease_s": 15.0, "store": {"cpu_bytes": "64m", "master": master}},
+    )
     with c.running(600):
         yield c
 
@@ -81,9 +92,15 @@ def _external(client: httpx.Client, url: str) -> float:
 
 
 def test_turns_follow_the_store_fetch_on_hint_and_skip_prefill_outputs_equal_plain(
-        cluster: LocalCluster, master: str) -> None:
-    proxy = ProxyThread(cluster.instances(), prefill_policy="kv_aware", decode_policy="kv_aware",
-                        tokenizer=_model_dir(), store_master=master)
+    cluster: LocalCluster, master: str
+) -> None:
+    proxy = ProxyThread(
+        cluster.instances(),
+        prefill_policy="kv_aware",
+        decode_policy="kv_aware",
+        tokenizer=_model_dir(),
+        store_master=master,
+    )
     routing, flow = proxy.server.kv_routing, proxy.server.flow
     assert routing is not None and routing.store is not None and flow is not None
     chosen: list[str] = []
@@ -112,8 +129,11 @@ def test_turns_follow_the_store_fetch_on_hint_and_skip_prefill_outputs_equal_pla
         return got is not None and (got.holds_prompt(url) if whole else got.tokens(url) > 0)
 
     def proxy_metric(name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in proxy.server.metrics.render().decode().splitlines()
-                   if line.startswith(name))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in proxy.server.metrics.render().decode().splitlines()
+            if line.startswith(name)
+        )
 
     try:
         with httpx.Client(timeout=180) as client:
@@ -163,8 +183,14 @@ def test_turns_follow_the_store_fetch_on_hint_and_skip_prefill_outputs_equal_pla
         view.close()
         proxy.close()
         cluster.stop()
-    plain = LocalCluster(model=_model_dir(), n_prefill=0, n_decode=1, max_model_len=1024, connector=None,
-                         extra_args=["--no-enable-prefix-caching"])
+    plain = LocalCluster(
+        model=_model_dir(),
+        n_prefill=0,
+        n_decode=1,
+        max_model_len=1024,
+        connector=None,
+        extra_args=["--no-enable-prefix-caching"],
+    )
     try:
         plain.start()
         plain.wait_healthy(600)

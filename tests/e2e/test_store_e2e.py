@@ -86,12 +86,22 @@ def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.Te
     out: dict[str, object] = {}
     secret_file = write_secret(log_dir)
     master, address = spawn_master(free_port(), secret_file=secret_file)
-    store_a = {"cpu_bytes": f"{A_SLOTS * 256}k", "disk_path": str(disk), "disk_bytes": "256m",
-               "master": address, "node_id": "A"}
+    store_a = {
+        "cpu_bytes": f"{A_SLOTS * 256}k",
+        "disk_path": str(disk),
+        "disk_bytes": "256m",
+        "master": address,
+        "node_id": "A",
+    }
     store_b = {"cpu_bytes": f"{B_SLOTS * 256}k", "master": address, "node_id": "B"}  # 256 KiB per block
     try:
-        node_a, node_b = start_all([store_spec(small_model_dir, "0", store_a, secret_file),
-                                    store_spec(small_model_dir, "1", store_b, secret_file)], log_dir)
+        node_a, node_b = start_all(
+            [
+                store_spec(small_model_dir, "0", store_a, secret_file),
+                store_spec(small_model_dir, "1", store_b, secret_file),
+            ],
+            log_dir,
+        )
         try:
             a, b = node_a.url, node_b.url
             out["turn1"] = post(client, a, completion_body(TURN1))
@@ -109,8 +119,9 @@ def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.Te
             out["late"] = late_requests_while_the_master_dies(a, b, master)
             post(client, a, completion_body(OTHER))  # A's last blocks on disk, for the corruption phase
             time.sleep(THINK_TIME_S)
-            out["served_by_a"] = {tier: metric(client, a, "vllm:pd_store_served_blocks_total", tier=tier)
-                                  for tier in ("cpu", "disk")}
+            out["served_by_a"] = {
+                tier: metric(client, a, "vllm:pd_store_served_blocks_total", tier=tier) for tier in ("cpu", "disk")
+            }
         finally:
             stop_all([node_a, node_b])
     finally:
@@ -150,9 +161,16 @@ def outsider_attacks(address: str, secret_file: str) -> dict[str, object]:
         answers = {
             "nodes": outsider.call(Nodes()),
             "holders": outsider.call(Holders(chain_keys(list(TURN1), guess))),
-            "publish": outsider.call(Publish("Z", "tcp://127.0.0.1:1", [(k, None) for k in chain_keys(list(TURN2),
-                                                                                                   guess)],
-                                             snapshot=True, salt=guess, instance_url="http://127.0.0.1:1")),
+            "publish": outsider.call(
+                Publish(
+                    "Z",
+                    "tcp://127.0.0.1:1",
+                    [(k, None) for k in chain_keys(list(TURN2), guess)],
+                    snapshot=True,
+                    salt=guess,
+                    instance_url="http://127.0.0.1:1",
+                )
+            ),
         }
         nodes = member.call(Nodes())
         return {**answers, "member_nodes": None if nodes is None else sorted(n.node for n in nodes.nodes)}
@@ -170,11 +188,13 @@ def late_requests_while_the_master_dies(a: str, b: str, master: subprocess.Popen
         try:
             with httpx.Client() as own:  # one client per thread
                 results[name] = post(own, url, completion_body(ids))
-        except Exception as exc:  # noqa: BLE001 - reported by the test
+        except Exception as exc:
             results[name] = exc
 
-    threads = [threading.Thread(target=send, args=(f"store_late{i}", a if i % 2 == 0 else b, ids))
-               for i, ids in enumerate(LATE)]
+    threads = [
+        threading.Thread(target=send, args=(f"store_late{i}", a if i % 2 == 0 else b, ids))
+        for i, ids in enumerate(LATE)
+    ]
     threads[0].start()
     threads[0].join()
     master.kill()

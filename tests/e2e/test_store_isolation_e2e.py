@@ -48,8 +48,10 @@ ADAPTER = "sql"  # served model name of the adapter
 THINK_TIME_S = 2.0  # blocks are saved after the answer, then published to the master
 _rng = random.Random(25)
 # token-id prompts of 2 full blocks and a tail, one per case (ids clear of the special tokens)
-X = {name: [_rng.randrange(300, 4000) for _ in range(2 * BLOCK + 40)]
-     for name in ("pd", "pd_base", "lora_first", "base_first", "base_first_too", "salted")}
+X = {
+    name: [_rng.randrange(300, 4000) for _ in range(2 * BLOCK + 40)]
+    for name in ("pd", "pd_base", "lora_first", "base_first", "base_first_too", "salted")
+}
 FULL = 2 * BLOCK
 
 
@@ -101,6 +103,7 @@ def runs(expected, small_model_dir: Path, adapter: Path, tmp_path_factory: pytes
         p, d = start_all(specs, log_dir)
         try:
             with httpx.Client() as client:
+
                 def ask(name: str, inst: Any, prompt: str, model: str = "small", **kw: Any) -> None:
                     out[name] = post(client, inst.url, body(prompt, model, **kw))
 
@@ -138,13 +141,21 @@ def runs(expected, small_model_dir: Path, adapter: Path, tmp_path_factory: pytes
 
 # every request of ``runs``: (prompt, model) it was asked with
 ASKED = {
-    "pd_lora": ("pd", ADAPTER), "pd_base": ("pd_base", "small"),
-    "lora_first": ("lora_first", ADAPTER), "base_after_lora": ("lora_first", "small"),
-    "lora_again": ("lora_first", ADAPTER), "base_first": ("base_first", "small"),
-    "base_first_too": ("base_first_too", "small"), "lora_after_base": ("base_first", ADAPTER),
-    "lora_after_base_other_node": ("base_first_too", ADAPTER), "base_again_other_node": ("base_first", "small"),
-    "salt_a": ("salted", "small"), "salt_b": ("salted", "small"), "no_salt": ("salted", "small"),
-    "salt_a_other_node": ("salted", "small"), "salt_a_again": ("salted", "small"),
+    "pd_lora": ("pd", ADAPTER),
+    "pd_base": ("pd_base", "small"),
+    "lora_first": ("lora_first", ADAPTER),
+    "base_after_lora": ("lora_first", "small"),
+    "lora_again": ("lora_first", ADAPTER),
+    "base_first": ("base_first", "small"),
+    "base_first_too": ("base_first_too", "small"),
+    "lora_after_base": ("base_first", ADAPTER),
+    "lora_after_base_other_node": ("base_first_too", ADAPTER),
+    "base_again_other_node": ("base_first", "small"),
+    "salt_a": ("salted", "small"),
+    "salt_b": ("salted", "small"),
+    "no_salt": ("salted", "small"),
+    "salt_a_other_node": ("salted", "small"),
+    "salt_a_again": ("salted", "small"),
 }
 
 
@@ -159,8 +170,9 @@ def test_every_answer_equals_a_plain_instance_serving_the_adapter(runs, expected
     assert output_tokens(runs[name]) == expected[ASKED[name]]
 
 
-@pytest.mark.parametrize("name", ["base_after_lora", "lora_after_base", "lora_after_base_other_node", "salt_b",
-                                  "no_salt"])
+@pytest.mark.parametrize(
+    "name", ["base_after_lora", "lora_after_base", "lora_after_base_other_node", "salt_b", "no_salt"]
+)
 def test_no_store_hit_across_adapters_or_salts(runs, name):
     assert cached(runs[name]) == 0, f"{name} was served KV stored for another adapter or salt"
 

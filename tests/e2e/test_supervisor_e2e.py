@@ -34,9 +34,10 @@ import itertools
 import json
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -95,8 +96,9 @@ async def stream(session: Any, url: str, key: str, body: dict[str, Any]) -> Answ
     t0 = time.monotonic()
     first = last = 0.0
     tokens: list[int] = []
-    async with session.post(url + "/v1/completions", json={**body, "stream": True},
-                            timeout=aiohttp.ClientTimeout(total=120)) as r:
+    async with session.post(
+        url + "/v1/completions", json={**body, "stream": True}, timeout=aiohttp.ClientTimeout(total=120)
+    ) as r:
         assert r.status == 200, f"{key}: HTTP {r.status}: {(await r.text())[:300]}"
         async for line in r.content:
             if not line.startswith(b"data: {"):
@@ -110,8 +112,7 @@ async def stream(session: Any, url: str, key: str, body: dict[str, Any]) -> Answ
     return Answer(key, tokens, first - t0, tpot)
 
 
-async def drive(session: Any, url: str, keys: Iterator[str], clients: int, done: Any,
-                answers: list[Answer]) -> None:
+async def drive(session: Any, url: str, keys: Iterator[str], clients: int, done: Any, answers: list[Answer]) -> None:
     """``clients`` clients in a closed loop over ``keys`` until ``done()`` (requests in flight finish)."""
 
     async def client(n: int) -> None:
@@ -128,8 +129,14 @@ async def drive(session: Any, url: str, keys: Iterator[str], clients: int, done:
 async def profile_server(url: str, path: Path) -> InstanceProfile:
     """The planner's profile of one of the pair (both run alike, one core each), made as `vllm-pd profile`
     makes it, with fewer points (seconds, not minutes), saved where ``--supervisor-profile`` reads it."""
-    plan = ProfilePlan(prefill_tokens=(128, 512, 1200), prefill_batches=(1, 2), decode_batches=(1, 4, 8, 16),
-                       decode_contexts=(64, 512), repeats=1, wake_repeats=3)
+    plan = ProfilePlan(
+        prefill_tokens=(128, 512, 1200),
+        prefill_batches=(1, 2),
+        decode_batches=(1, 4, 8, 16),
+        decode_contexts=(64, 512),
+        repeats=1,
+        wake_repeats=3,
+    )
     model, inst = await InstanceProfiler(url, plan).run(tp=1)
     save_profile(LatencyProfile(model, [inst], source=url), path)
     return inst
@@ -152,12 +159,21 @@ async def _follows_the_mix(pd_pair: list, reference_outputs: dict[str, list[int]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         profile = await profile_server(pd_pair[0].url, profile_path)
         ttft_slo, tpot_slo = slos(profile)
-        print(f"profile: prefill {profile.prefill}, decode {profile.decode}; SLOs: TTFT {ttft_slo * 1e3:.0f} ms, "
-              f"TPOT {tpot_slo * 1e3:.1f} ms")
-        cfg = ProxyConfig(port=free_port(), instances=instances, supervisor=True, supervisor_interval=0.5,
-                          supervisor_ttft_slo=ttft_slo, supervisor_tpot_slo=tpot_slo,
-                          supervisor_profile=str(profile_path), admin_token=ADMIN["Authorization"].split()[1],
-                          secret_file=pd_pair[0].secret_file)
+        print(
+            f"profile: prefill {profile.prefill}, decode {profile.decode}; SLOs: TTFT {ttft_slo * 1e3:.0f} ms, "
+            f"TPOT {tpot_slo * 1e3:.1f} ms"
+        )
+        cfg = ProxyConfig(
+            port=free_port(),
+            instances=instances,
+            supervisor=True,
+            supervisor_interval=0.5,
+            supervisor_ttft_slo=ttft_slo,
+            supervisor_tpot_slo=tpot_slo,
+            supervisor_profile=str(profile_path),
+            admin_token=ADMIN["Authorization"].split()[1],
+            secret_file=pd_pair[0].secret_file,
+        )
         proxy = ProxyServer(cfg)
         running = await serve(proxy)
         url = f"http://127.0.0.1:{cfg.port}"
@@ -170,20 +186,31 @@ async def _follows_the_mix(pd_pair: list, reference_outputs: dict[str, list[int]
         try:
             await asyncio.sleep(1.0)  # the supervisor's first tick places them
             assert watch.split == "1P1D", watch.timeline
-            for target, keys, clients in (("0P2D", itertools.cycle(SUPERVISOR_OUTPUT_HEAVY), 16),
-                                          ("1P1D", iter(SUPERVISOR_PROMPT_HEAVY), 10),
-                                          ("0P2D", itertools.cycle(SUPERVISOR_OUTPUT_HEAVY), 16)):
+            for target, keys, clients in (
+                ("0P2D", itertools.cycle(SUPERVISOR_OUTPUT_HEAVY), 16),
+                ("1P1D", iter(SUPERVISOR_PROMPT_HEAVY), 10),
+                ("0P2D", itertools.cycle(SUPERVISOR_OUTPUT_HEAVY), 16),
+            ):
                 deadline = time.monotonic() + PHASE_S
                 started, before = time.monotonic() - t0, len(answers)
                 # the load goes on until the move and HOLD_S beyond it: a flap back would show
-                await drive(session, url, keys, clients,
-                            lambda: watch.held(target, HOLD_S, t0) or time.monotonic() > deadline, answers)
+                await drive(
+                    session,
+                    url,
+                    keys,
+                    clients,
+                    lambda: watch.held(target, HOLD_S, t0) or time.monotonic() > deadline,
+                    answers,
+                )
                 starts.append(started)
                 phase_s.append(time.monotonic() - t0 - started)
-                assert watch.split == target, \
+                assert watch.split == target, (
                     f"never reached {target} ({len(answers) - before} answers in {phase_s[-1]:.1f} s): {watch.timeline}"
-                print(f"{clients} clients from {started:.1f} s: {target} at {watch.timeline[-1][0]:.1f} s, "
-                      f"{len(answers) - before} answers")
+                )
+                print(
+                    f"{clients} clients from {started:.1f} s: {target} at {watch.timeline[-1][0]:.1f} s, "
+                    f"{len(answers) - before} answers"
+                )
         finally:
             watcher.cancel()
             await running.cleanup()
@@ -199,8 +226,9 @@ async def _follows_the_mix(pd_pair: list, reference_outputs: dict[str, list[int]
     ends = starts[1:] + [float("inf")]
     per_phase = [sum(1 for t, _ in watch.timeline if a <= t < b) for a, b in zip(starts, ends)]
     assert all(n % 2 == 1 for n in per_phase), f"moves per phase {per_phase}: {watch.timeline}"
-    assert all(n <= max(3.0, secs) for n, secs in zip(per_phase, phase_s)), \
+    assert all(n <= max(3.0, secs) for n, secs in zip(per_phase, phase_s)), (
         f"moves per phase {per_phase} in {[round(x, 1) for x in phase_s]} s: {watch.timeline}"
+    )
     wrong = [a.key for a in answers if a.tokens != reference_outputs[a.key]]
     assert not wrong, f"{len(wrong)} of {len(answers)} answers differ from the plain instance: {wrong[:5]}"
     assert all(len(a.tokens) == CATALOGUE[a.key]["max_tokens"] for a in answers)

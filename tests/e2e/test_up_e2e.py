@@ -16,9 +16,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -86,8 +86,7 @@ def _environment(tmp: Path) -> dict[str, str]:
 
 
 class Up:
-    def __init__(self, proc: subprocess.Popen[str], url: str, model_dir: Path, env: dict[str, str],
-                 log: Path) -> None:
+    def __init__(self, proc: subprocess.Popen[str], url: str, model_dir: Path, env: dict[str, str], log: Path) -> None:
         self.proc, self.url, self.model_dir, self.env, self.log = proc, url, model_dir, env, log
 
 
@@ -98,14 +97,25 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     # the model `up` makes when no --model is given, made first so the bench can name its tokenizer
     model_dir = ensure_default_model(cache_dir=tmp / "cache" / "models")
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm_pd.cli", "up", "--port", str(port), "--log-dir", str(tmp / "logs"),
-           "--max-model-len", "1024", "--", *PASSED_THROUGH]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_pd.cli",
+        "up",
+        "--port",
+        str(port),
+        "--log-dir",
+        str(tmp / "logs"),
+        "--max-model-len",
+        "1024",
+        "--",
+        *PASSED_THROUGH,
+    ]
     # its own session: the SIGINT below reaches `up` alone, as Ctrl-C reaches the foreground job;
     # output to a file, never an unread pipe that would block it once full
     log = tmp / "up.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -142,7 +152,7 @@ def test_servers_run_vllm_serve_with_the_connector_and_passed_through_args(up: U
         extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
         secrets.add(extra["secret_file"])
         assert cmd[cmd.index("--served-model-name") + 1] == SMALL_MODEL_NAME
-        assert cmd[-len(PASSED_THROUGH):] == PASSED_THROUGH
+        assert cmd[-len(PASSED_THROUGH) :] == PASSED_THROUGH
     # one secret for the cluster, made by `up`, readable by its user only
     [secret] = secrets
     assert os.stat(secret).st_mode & 0o777 == 0o600 and len(Path(secret).read_text()) >= 32
@@ -151,13 +161,22 @@ def test_servers_run_vllm_serve_with_the_connector_and_passed_through_args(up: U
 def test_requests_through_the_proxy_under_the_short_name(up: Up) -> None:
     models = httpx.get(up.url + "/v1/models", timeout=30).json()
     assert SMALL_MODEL_NAME in [m["id"] for m in models["data"]]
-    body = {"model": SMALL_MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 8,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": SMALL_MODEL_NAME,
+        "prompt": "The capital of France is",
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     r = httpx.post(up.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 8
-    chat = {"model": SMALL_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "ignore_eos": True}
+    chat = {
+        "model": SMALL_MODEL_NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+    }
     r = httpx.post(up.url + "/v1/chat/completions", json=chat, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
@@ -165,10 +184,29 @@ def test_requests_through_the_proxy_under_the_short_name(up: Up) -> None:
 
 def test_vllm_bench_serve_through_the_proxy(up: Up) -> None:
     vllm = Path(sys.executable).parent / "vllm"
-    cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", up.url,
-           "--model", SMALL_MODEL_NAME, "--tokenizer", str(up.model_dir), "--dataset-name", "random",
-           "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "4", "--ignore-eos",
-           "--disable-tqdm"]
+    cmd = [
+        str(vllm),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        up.url,
+        "--model",
+        SMALL_MODEL_NAME,
+        "--tokenizer",
+        str(up.model_dir),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "32",
+        "--random-output-len",
+        "4",
+        "--num-prompts",
+        "4",
+        "--ignore-eos",
+        "--disable-tqdm",
+    ]
     out = subprocess.run(cmd, env=up.env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     done = re.search(r"Successful requests:\s+(\d+)", out.stdout)

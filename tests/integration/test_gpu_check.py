@@ -34,9 +34,13 @@ def gpu_machine_env(tmp_path: Path) -> dict[str, str]:
     """The environment of a process that may import only what the GPU machine (plus the wheels) has."""
     allowed = gpu_check_wheels.GPU_MACHINE_MODULES + gpu_check_wheels.carried_modules()
     imports = ROOT / "tests" / "support" / "gpu_machine_imports"
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(imports), str(ROOT)]),
-            "VLLM_PD_IMPORT_ALLOW": ",".join(allowed), "VLLM_PD_IMPORT_ROOT": str(ROOT),
-            "VLLM_PD_IMPORT_BLOCKED_LOG": str(tmp_path / "blocked.log")}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(imports), str(ROOT)]),
+        "VLLM_PD_IMPORT_ALLOW": ",".join(allowed),
+        "VLLM_PD_IMPORT_ROOT": str(ROOT),
+        "VLLM_PD_IMPORT_BLOCKED_LOG": str(tmp_path / "blocked.log"),
+    }
 
 
 def test_the_blocker_refuses_what_the_gpu_machine_lacks(tmp_path: Path) -> None:
@@ -46,8 +50,12 @@ def test_the_blocker_refuses_what_the_gpu_machine_lacks(tmp_path: Path) -> None:
     for module in ("vllm", "blake3", "zmq", "httptools"):
         proc = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True)
         assert proc.returncode != 0 and "not on the bare GPU machine" in proc.stderr, (module, proc.stderr)
-    data_path = ("vllm_pd.connector.worker", "vllm_pd.connector.transfer_params",
-                 "vllm_pd.connector.transport.checksum", "tests.support.gpu_harness")
+    data_path = (
+        "vllm_pd.connector.worker",
+        "vllm_pd.connector.transfer_params",
+        "vllm_pd.connector.transport.checksum",
+        "tests.support.gpu_harness",
+    )
     code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
     proc = subprocess.run([sys.executable, "-c", code, *data_path], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -57,9 +65,23 @@ def test_the_blocker_refuses_what_the_gpu_machine_lacks(tmp_path: Path) -> None:
 def test_gpu_check_runs_every_step_with_only_the_gpu_machines_imports(device: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", device, "--out", str(out),
-                           "--wheels", str(tmp_path / "no-wheels")],
-                          cwd=ROOT, env=gpu_machine_env(tmp_path), capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/gpu_check.py",
+            "--device",
+            device,
+            "--out",
+            str(out),
+            "--wheels",
+            str(tmp_path / "no-wheels"),
+        ],
+        cwd=ROOT,
+        env=gpu_machine_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     seconds = time.monotonic() - started
     report = json.loads((out / "gpu_check.json").read_text())
     steps = report["steps"]
@@ -78,8 +100,9 @@ def test_gpu_check_runs_every_step_with_only_the_gpu_machines_imports(device: st
         assert all("x_bf16" in r for r in by_name[f"ops_fp8_{backend}"]["rows"])
     for transport in ("tcp", "shm", "nixl"):
         rows = by_name[f"connector_{transport}"]["rows"]
-        assert {(r["model"], r["mode"]) for r in rows} == {(m.name, mode) for m in _models() for mode in
-                                                            ("push", "pull")}
+        assert {(r["model"], r["mode"]) for r in rows} == {
+            (m.name, mode) for m in _models() for mode in ("push", "pull")
+        }
     # the blocker ran in the step processes and in the harness processes they spawned
     assert len({line.split()[0] for line in (tmp_path / "blocked.log").read_text().splitlines()}) >= 4
     print(f"gpu_check --device {device}: {seconds:.0f} s here (budget {report['budget_s']:.0f} s)")
@@ -99,9 +122,9 @@ def test_nixl_left_behind_is_a_failed_step_never_a_pass(tmp_path: Path) -> None:
 def test_a_wrong_kernel_fails_its_ops_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control of the ops steps (CPU, native backend): an output 2 % off, and a masked GEMM that
     writes the rows it must leave alone, are failures with the shape named."""
+    import gpu_check_ops
     import torch
 
-    import gpu_check_ops
     from vllm_pd.ops import native
 
     real_mla, real_masked = native.mla_decode, native.m_grouped_fp8_gemm_nt_masked
@@ -110,7 +133,7 @@ def test_a_wrong_kernel_fails_its_ops_step(monkeypatch: pytest.MonkeyPatch) -> N
         out, lse = real_mla(*args)
         return out * 1.02, lse
 
-    def all_rows(a, sfa, b, sfb, d, masked_m, expected_m):  # noqa: ANN001, ANN202 - the kernel's signature
+    def all_rows(a, sfa, b, sfb, d, masked_m, expected_m):
         real_masked(a, sfa, b, sfb, d, torch.full_like(masked_m, a.shape[1]), expected_m)
 
     monkeypatch.setattr(native, "mla_decode", off_mla)

@@ -10,21 +10,29 @@ import pytest
 from tests.support.netns_hosts import PREFIX, NetnsHosts, _ip, netns_unavailable, remove_leftovers
 
 _why = netns_unavailable()
-pytestmark = [pytest.mark.netns,
-              pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")]
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}"),
+]
 
 # connect to host:port from where this runs; prints "ok" or the error's name
-_DIAL = ("import socket,sys\n"
-         "try:\n"
-         "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()\n"
-         "    print('ok')\n"
-         "except OSError as e:\n"
-         "    print(type(e).__name__)\n")
+_DIAL = (
+    "import socket,sys\n"
+    "try:\n"
+    "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()\n"
+    "    print('ok')\n"
+    "except OSError as e:\n"
+    "    print(type(e).__name__)\n"
+)
 
 
 def _dial(argv_prefix: list[str], address: str, port: int, timeout: float = 1.0) -> str:
-    out = subprocess.run([*argv_prefix, sys.executable, "-c", _DIAL, address, str(port), str(timeout)],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [*argv_prefix, sys.executable, "-c", _DIAL, address, str(port), str(timeout)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return out.stdout.strip() or out.stderr.strip()
 
 
@@ -35,8 +43,11 @@ def _names_left() -> str:
 def test_hosts_reach_each_other_and_faults_cut_them() -> None:
     with NetnsHosts(["a", "b"]) as net:
         a, b = net["a"], net["b"]
-        server = subprocess.Popen(a.command([sys.executable, "-m", "http.server", "--bind", a.address, "18080"]),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = subprocess.Popen(
+            a.command([sys.executable, "-m", "http.server", "--bind", a.address, "18080"]),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             for _ in range(50):
                 if _dial([], a.address, 18080) == "ok":

@@ -10,7 +10,7 @@ tests/e2e/test_multihost_e2e.py."""
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -20,8 +20,10 @@ from tests.support.netns_cluster import Cluster, load_through, mock_cluster, wai
 from tests.support.netns_hosts import netns_unavailable
 
 _why = netns_unavailable()
-pytestmark = [pytest.mark.netns,
-              pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")]
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}"),
+]
 
 OUTAGE_S = 40.0
 BOUND_S = 10.0  # detection ~3 s with the default flags; far below the outage
@@ -40,8 +42,9 @@ def _prefill_legs(url: str) -> float:
 
 def test_requests_in_flight_when_prefills_host_is_cut_move_on_and_prefill_returns(cluster: Cluster) -> None:
     url = cluster.proxy_url
-    sent, struck = load_through(url, lambda: cluster.net.cut("prefill"), lambda: cluster.net.restore("prefill"),
-                                OUTAGE_S, streams=4, busy_s=5.0)
+    sent, struck = load_through(
+        url, lambda: cluster.net.cut("prefill"), lambda: cluster.net.restore("prefill"), OUTAGE_S, streams=4, busy_s=5.0
+    )
     assert all(s.error is None for s in sent), [s.error for s in sent if s.error]
     waits = waits_after(sent, struck)
     assert len(waits) >= 4, "too few requests ran while the link was down"
@@ -52,16 +55,21 @@ def test_requests_in_flight_when_prefills_host_is_cut_move_on_and_prefill_return
     before = _prefill_legs(url)
     deadline = time.monotonic() + 30
     while _prefill_legs(url) == before and time.monotonic() < deadline:
-        assert httpx.post(url + "/v1/completions", json={"model": "small", "prompt": "x " * 200,
-                                                          "max_tokens": 2}, timeout=60).status_code == 200
+        assert (
+            httpx.post(
+                url + "/v1/completions", json={"model": "small", "prompt": "x " * 200, "max_tokens": 2}, timeout=60
+            ).status_code
+            == 200
+        )
         time.sleep(0.5)
     assert _prefill_legs(url) > before, "prefill never served again after the link came back"
 
 
 def test_requests_in_flight_when_decodes_host_is_cut_end_within_the_bound(cluster: Cluster) -> None:
     url = cluster.proxy_url
-    sent, struck = load_through(url, lambda: cluster.net.cut("decode"), lambda: cluster.net.restore("decode"),
-                                OUTAGE_S, streams=4, busy_s=5.0)
+    sent, struck = load_through(
+        url, lambda: cluster.net.cut("decode"), lambda: cluster.net.restore("decode"), OUTAGE_S, streams=4, busy_s=5.0
+    )
     waits = waits_after(sent, struck)
     assert len(waits) >= 4, "too few requests ran while the link was down"
     assert cluster.proxy_log is not None
@@ -72,8 +80,12 @@ def test_requests_in_flight_when_decodes_host_is_cut_end_within_the_bound(cluste
     # the link is back: decode is found healthy and answers again
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if httpx.post(url + "/v1/completions", json={"model": "small", "prompt": "x " * 200, "max_tokens": 2},
-                      timeout=60).status_code == 200:
+        if (
+            httpx.post(
+                url + "/v1/completions", json={"model": "small", "prompt": "x " * 200, "max_tokens": 2}, timeout=60
+            ).status_code
+            == 200
+        ):
             return
         time.sleep(0.5)
     raise AssertionError("decode never served again after the link came back")

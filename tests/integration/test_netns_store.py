@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -20,8 +20,10 @@ from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.vllm_server import free_port
 
 _why = netns_unavailable()
-pytestmark = [pytest.mark.netns,
-              pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")]
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}"),
+]
 
 MASTER_TIMEOUT_S = 2.0  # tests/unit/store/test_store_peer.Node's master_timeout_s
 
@@ -29,11 +31,18 @@ MASTER_TIMEOUT_S = 2.0  # tests/unit/store/test_store_peer.Node's master_timeout
 SECRET = new_secret()
 
 
-def _node(net: NetnsHosts, host: str, role: str, name: str, master: str, seed: int,
-          **kw: object) -> subprocess.Popen[str]:
+def _node(
+    net: NetnsHosts, host: str, role: str, name: str, master: str, seed: int, **kw: object
+) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "tests.support.netns_store_node", role, name, master, net[host].address, str(seed)]
-    return subprocess.Popen(net[host].command(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, VLLM_PD_SECRET=SECRET), **kw)
+    return subprocess.Popen(
+        net[host].command(argv),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, VLLM_PD_SECRET=SECRET),
+        **kw,
+    )
 
 
 def _load(net: NetnsHosts, name: str, master: str) -> dict:
@@ -49,8 +58,9 @@ def store_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Netn
     secret_file.touch(mode=0o600)
     secret_file.write_text(SECRET)
     with NetnsHosts(["master", "a", "b"]) as net:
-        master, address = spawn_master(free_port(), host=net["master"].address, netns=net["master"].netns,
-                                       secret_file=str(secret_file))
+        master, address = spawn_master(
+            free_port(), host=net["master"].address, netns=net["master"].netns, secret_file=str(secret_file)
+        )
         server = None
         try:
             server = _node(net, "a", "serve", "a", address, seed=1)

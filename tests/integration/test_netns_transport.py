@@ -18,8 +18,10 @@ from tests.support.netns_hosts import NetnsHosts, netns_unavailable
 from vllm_pd.connector.auth_protocol import new_secret
 
 _why = netns_unavailable()
-pytestmark = [pytest.mark.netns,
-              pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}")]
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}"),
+]
 
 
 def _json_line(proc: subprocess.Popen[str]) -> dict:
@@ -38,13 +40,23 @@ def test_fetch_and_push_across_hosts(case: str) -> None:
         pytest.skip("nixl is not installed (pip install 'vllm-pd[nixl]')")
     with NetnsHosts(["a", "b"]) as net:
         module = [sys.executable, "-m", "tests.support.netns_transport_peer"]
-        server = subprocess.Popen(net["a"].command([*module, "serve", name, net["a"].address]),
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        server = subprocess.Popen(
+            net["a"].command([*module, "serve", name, net["a"].address]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         try:
             endpoint = _json_line(server)["endpoint"]
             assert net["a"].address in endpoint
-            client = subprocess.run(net["b"].command([*module, "client", name, net["b"].address, endpoint]),
-                                    capture_output=True, text=True, timeout=180, env=env)
+            client = subprocess.run(
+                net["b"].command([*module, "client", name, net["b"].address, endpoint]),
+                capture_output=True,
+                text=True,
+                timeout=180,
+                env=env,
+            )
             assert client.returncode == 0, client.stderr[-2000:]
             got = json.loads(next(ln for ln in reversed(client.stdout.splitlines()) if ln.startswith("{")))
             assert got["fetched_exact"] and got["pushed"]

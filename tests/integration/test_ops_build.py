@@ -17,8 +17,18 @@ NVCC = shutil.which("nvcc")
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed on this machine")
 def test_cuda_kernels_compile_for_sm90a(tmp_path):
-    cmd = [NVCC, "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
-           "-c", str(ROOT / "csrc/cuda/kernels.cu"), "-o", str(tmp_path / "kernels.o")]
+    cmd = [
+        NVCC,
+        "-std=c++17",
+        "-gencode",
+        "arch=compute_90a,code=sm_90a",
+        "-Xptxas",
+        "-v",
+        "-c",
+        str(ROOT / "csrc/cuda/kernels.cu"),
+        "-o",
+        str(tmp_path / "kernels.o"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     # every kernel fits the 48 KB of static shared memory a CTA may have without opt-in
@@ -40,12 +50,25 @@ def test_torch_bindings_compile_for_sm90a(tmp_path):
     stub = tmp_path / "include" / "c10" / "cuda" / "impl"
     stub.mkdir(parents=True)
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    includes = [tmp_path / "include", *cpp_extension.include_paths(), sysconfig.get_paths()["include"],
-                ROOT / "csrc" / "cuda"]
-    cmd = [NVCC, "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-c",  # as setup.py
-           str(ROOT / "csrc/cuda/bindings.cu"), "-o", str(tmp_path / "bindings.o"),
-           "-DTORCH_EXTENSION_NAME=_C", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-           *(f"-I{p}" for p in includes)]
+    includes = [
+        tmp_path / "include",
+        *cpp_extension.include_paths(),
+        sysconfig.get_paths()["include"],
+        ROOT / "csrc" / "cuda",
+    ]
+    cmd = [
+        NVCC,
+        "-std=c++17",
+        "-gencode",
+        "arch=compute_90a,code=sm_90a",
+        "-c",  # as setup.py
+        str(ROOT / "csrc/cuda/bindings.cu"),
+        "-o",
+        str(tmp_path / "bindings.o"),
+        "-DTORCH_EXTENSION_NAME=_C",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+        *(f"-I{p}" for p in includes),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 
@@ -115,13 +138,23 @@ def plan_driver(tmp_path_factory):
         pytest.skip("no C++ compiler (g++ / c++) on PATH; setup.py needs one too")
     folder = tmp_path_factory.mktemp("mla_plan")
     (folder / "driver.cpp").write_text(PLAN_DRIVER)
-    done = subprocess.run([CXX, "-std=c++17", f"-I{ROOT / 'csrc/cuda'}", str(folder / "driver.cpp"), "-o",
-                           str(folder / "driver")], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [CXX, "-std=c++17", f"-I{ROOT / 'csrc/cuda'}", str(folder / "driver.cpp"), "-o", str(folder / "driver")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
 
     def run(*commands: str) -> list[str]:
-        out = subprocess.run([str(folder / "driver")], input="\n".join(commands) + "\n", capture_output=True,
-                             text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            [str(folder / "driver")],
+            input="\n".join(commands) + "\n",
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         return out.splitlines()
 
     return run
@@ -143,12 +176,12 @@ def test_mla_workspace_is_bounded_by_the_batch_not_the_table(plan_driver):
     big = _plan(plan_driver, 128, 32768)
     assert big["splits"] == 1 and big["error"] == ""  # 1,024 CTAs already fill 132 SMs
     assert big["workspace"] == 128 * 128 * 514 * 4  # 33.7 MB
-    assert _capacity_sized_workspace(128, 32768) > 4 * 10 ** 9  # the former 4.3 GB
+    assert _capacity_sized_workspace(128, 32768) > 4 * 10**9  # the former 4.3 GB
     # a longer table (capacity) changes nothing once the SMs are covered
     assert _plan(plan_driver, 128, 1 << 20) == big
     small = _plan(plan_driver, 1, 32768)
     assert small["splits"] == -(-2 * H100_SMS // 8)  # 8 row tiles: 33 splits fill the GPU twice
-    assert small["workspace"] < 10 * 2 ** 20
+    assert small["workspace"] < 10 * 2**20
     assert _plan(plan_driver, 1, 100)["splits"] == 1  # never more splits than 256-token chunks
 
 
@@ -207,15 +240,17 @@ def unchecked_calls(source: str) -> list[str]:
     for i, line in enumerate(lines):
         launch = _LAUNCH.search(line)
         if launch:
-            after = next((x for x in lines[i + 1:] if x.strip()), "")
+            after = next((x for x in lines[i + 1 :] if x.strip()), "")
             if "VLLM_PD_CHECK_LAUNCH(" not in after:
                 found.append(f"line {i + 1}: launch of {launch.group(1)} is not checked")
             config = _split_arguments(launch.group(2))
             if len(config) > 2 and config[2] != "0":
-                before = "\n".join(lines[max(0, i - 8):i])
+                before = "\n".join(lines[max(0, i - 8) : i])
                 if f"cudaFuncSetAttribute({launch.group(1)}" not in before:
-                    found.append(f"line {i + 1}: {launch.group(1)} takes dynamic shared memory without "
-                                 "cudaFuncAttributeMaxDynamicSharedMemorySize")
+                    found.append(
+                        f"line {i + 1}: {launch.group(1)} takes dynamic shared memory without "
+                        "cudaFuncAttributeMaxDynamicSharedMemorySize"
+                    )
         if _RUNTIME_CALL.search(line) and not line.lstrip().startswith("#"):
             if "VLLM_PD_CHECK(" not in line and "VLLM_PD_CHECK(" not in lines[i - 1]:
                 found.append(f"line {i + 1}: runtime call not checked: {line.strip()}")
@@ -238,5 +273,6 @@ def test_launch_lint_finds_what_it_looks_for():
     found = unchecked_calls(source)
     assert len(found) == 4, found
     assert "runtime call not checked" in found[0] and all("is not checked" in f for f in found[1:]), found
-    assert unchecked_calls("  big<T><<<grid, 256, smem, stream>>>(p);\n  VLLM_PD_CHECK_LAUNCH(\"big\");\n") == [
-        "line 1: big takes dynamic shared memory without cudaFuncAttributeMaxDynamicSharedMemorySize"]
+    assert unchecked_calls('  big<T><<<grid, 256, smem, stream>>>(p);\n  VLLM_PD_CHECK_LAUNCH("big");\n') == [
+        "line 1: big takes dynamic shared memory without cudaFuncAttributeMaxDynamicSharedMemorySize"
+    ]

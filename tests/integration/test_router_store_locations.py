@@ -47,22 +47,33 @@ def master() -> Iterator[tuple[object, str, int]]:
     proc.wait()
 
 
-def node(address: str, name: str, url: str, blocks: int, ids: list[int] = IDS, salt: KeySalt = SALT,
-         endpoint: str | None = None) -> MasterClient:
+def node(
+    address: str,
+    name: str,
+    url: str,
+    blocks: int,
+    ids: list[int] = IDS,
+    salt: KeySalt = SALT,
+    endpoint: str | None = None,
+) -> MasterClient:
     """A store node that holds the first ``blocks`` blocks of ``ids``, published as the store does."""
     keys = chain_keys(ids, salt)[:blocks]
     chain = [(k, keys[i - 1] if i else None) for i, k in enumerate(keys)]
-    client = MasterClient(address, name, endpoint or f"tcp://{name}:7000", lambda: chain, timeout_s=2.0,
-                          salt=salt, instance_url=url)
+    client = MasterClient(
+        address, name, endpoint or f"tcp://{name}:7000", lambda: chain, timeout_s=2.0, salt=salt, instance_url=url
+    )
     assert client.flush()
     return client
 
 
 def test_locate_counts_each_instances_store_and_hints_the_best_other_node(master) -> None:
     _, address, _ = master
-    nodes = [node(address, "n-p0", "http://p0:1", 2), node(address, "n-p1", "http://p1:1", 4),
-             node(address, "n-x", "", 5),  # not an instance the proxy routes to, but fetchable
-             node(address, "n-d0", "http://d0:1", 5, salt=KeySalt("other-model", "bf16", "cpu", BS, 2))]
+    nodes = [
+        node(address, "n-p0", "http://p0:1", 2),
+        node(address, "n-p1", "http://p1:1", 4),
+        node(address, "n-x", "", 5),  # not an instance the proxy routes to, but fetchable
+        node(address, "n-d0", "http://d0:1", 5, salt=KeySalt("other-model", "bf16", "cpu", BS, 2)),
+    ]
     loc = StoreLocations(address, timeout_s=2.0)
     try:
         got = loc.locate(IDS)
@@ -76,7 +87,7 @@ def test_locate_counts_each_instances_store_and_hints_the_best_other_node(master
         assert got.fetch_hint("http://p0:1", 5 * BS) is None  # p0 holds as much itself (prefix cache)
         assert got.fetch_hint("http://d0:1", 0) is None  # nobody of d0's salt holds more than d0
         assert got.fetch_hint("http://unknown:1", 0) is None  # no salt known for it: no hint
-        assert loc.locate(IDS[:BS - 1]) == StorePrompt(BS - 1, (), got.salts)  # no full block: nothing held
+        assert loc.locate(IDS[: BS - 1]) == StorePrompt(BS - 1, (), got.salts)  # no full block: nothing held
     finally:
         loc.close()
         for n in nodes:
@@ -84,7 +95,8 @@ def test_locate_counts_each_instances_store_and_hints_the_best_other_node(master
 
 
 def test_master_down_is_logged_once_retried_with_backoff_and_found_again_after_restart(
-        master, caplog: pytest.LogCaptureFixture) -> None:
+    master, caplog: pytest.LogCaptureFixture
+) -> None:
     proc, address, port = master
     p1 = node(address, "n-p1", "http://p1:1", 3)
     loc = StoreLocations(address, timeout_s=0.3, retry_after_s=0.5, refresh_s=0.0)
@@ -147,8 +159,13 @@ def test_an_instances_salt_outlives_its_nodes_expiry() -> None:
     """An idle instance's node stops publishing and the master drops it; the proxy still knows its
     salt, so that instance can still be told where to fetch from."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", "from vllm_pd.connector.store.master import serve; "
-                             f"serve('tcp://127.0.0.1:{port}', node_ttl_s=0.5)"])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from vllm_pd.connector.store.master import serve; serve('tcp://127.0.0.1:{port}', node_ttl_s=0.5)",
+        ]
+    )
     address = f"tcp://127.0.0.1:{port}"
     loc = StoreLocations(address, timeout_s=2.0, refresh_s=0.0, retry_after_s=0.1)
     idle = holder = None
@@ -199,14 +216,24 @@ def test_policy_counts_the_longer_of_prefix_cache_and_own_store() -> None:
 
 
 def test_flow_hints_the_prefill_leg_and_skips_prefill_when_decodes_store_holds_the_prompt(
-        master, small_model_dir: Path) -> None:
+    master, small_model_dir: Path
+) -> None:
     _, address, _ = master
-    body = {"model": "mock-model", "messages": [{"role": "user", "content": "Name three primes. " * 20}],
-            "max_tokens": 3}
+    body = {
+        "model": "mock-model",
+        "messages": [{"role": "user", "content": "Name three primes. " * 20}],
+        "max_tokens": 3,
+    }
 
     async def go() -> None:
-        async with harness(n_prefill=2, n_decode=1, prefill_policy="kv_aware", decode_policy="kv_aware",
-                           tokenizer=str(small_model_dir), store_master=address) as h:
+        async with harness(
+            n_prefill=2,
+            n_decode=1,
+            prefill_policy="kv_aware",
+            decode_policy="kv_aware",
+            tokenizer=str(small_model_dir),
+            store_master=address,
+        ) as h:
             routing = h.proxy.kv_routing
             assert routing is not None and routing.store is not None
             # the model must be known as a base model (its /v1/models card) before a hit is claimed
@@ -215,8 +242,11 @@ def test_flow_hints_the_prefill_leg_and_skips_prefill_when_decodes_store_holds_t
             assert ids is not None and len(ids) > 4 * BS
             full = len(ids) // BS
             u = h.backend_urls
-            nodes = [node(address, "n-p0", u["p0"], 1, ids), node(address, "n-p1", u["p1"], 2, ids),
-                     node(address, "n-d0", u["d0"], full - 1, ids)]
+            nodes = [
+                node(address, "n-p0", u["p0"], 1, ids),
+                node(address, "n-p1", u["p1"], 2, ids),
+                node(address, "n-d0", u["d0"], full - 1, ids),
+            ]
             try:
                 status, _ = await h.post(CHAT, body)
                 assert status == 200
@@ -235,6 +265,7 @@ def test_flow_hints_the_prefill_leg_and_skips_prefill_when_decodes_store_holds_t
             finally:
                 for n in nodes:
                     n.close()
+
     run(go)
 
 
@@ -242,8 +273,9 @@ def test_store_master_from_flag_and_yaml_validated_naming_the_key(tmp_path: Path
     p = argparse.ArgumentParser()
     command_proxy.add_arguments(p)
     base = ["--prefill", "http://p:1", "--decode", "http://d:1", "--tokenizer", str(small_model_dir)]
-    cfg = command_proxy.config_from_args(p.parse_args(
-        base + ["--prefill-policy", "kv_aware", "--store-master", "tcp://10.0.0.9:7700"]))
+    cfg = command_proxy.config_from_args(
+        p.parse_args(base + ["--prefill-policy", "kv_aware", "--store-master", "tcp://10.0.0.9:7700"])
+    )
     assert cfg.store_master == "tcp://10.0.0.9:7700"
     for bad in ("10.0.0.9:7700", "tcp://10.0.0.9", "http://10.0.0.9:7700"):
         with pytest.raises(ConfigError, match="store_master"):
@@ -251,6 +283,8 @@ def test_store_master_from_flag_and_yaml_validated_naming_the_key(tmp_path: Path
     with pytest.raises(ConfigError, match="store_master: only the kv_aware policy"):
         command_proxy.config_from_args(p.parse_args(base + ["--store-master", "tcp://h:1"]))
     yml = tmp_path / "proxy.yaml"
-    yml.write_text(f"prefill_policy: kv_aware\ntokenizer: {small_model_dir}\nstore_master: tcp://m:7700\n"
-                   "instances:\n  - {url: 'http://p:1', role: prefill}\n")
+    yml.write_text(
+        f"prefill_policy: kv_aware\ntokenizer: {small_model_dir}\nstore_master: tcp://m:7700\n"
+        "instances:\n  - {url: 'http://p:1', role: prefill}\n"
+    )
     assert load_yaml(yml)["store_master"] == "tcp://m:7700"

@@ -10,8 +10,8 @@ import pytest
 
 from vllm_pd.connector.auth_protocol import SECRET_ENV
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.errors import ConfigError
 from vllm_pd.connector.worker import advertised_host
+from vllm_pd.errors import ConfigError
 from vllm_pd.vllm_server import free_port
 
 
@@ -49,13 +49,16 @@ def test_insecure_network_is_explicit() -> None:
     assert cfg.bind_host == "0.0.0.0" and cfg.insecure  # the worker warns at start
 
 
-@pytest.mark.parametrize(("extra", "env", "names"), [
-    ({"secret_file": "/nonexistent/secret"}, None, "kv_connector_extra_config.secret_file: cannot read"),
-    ({"secret_file": ""}, None, "kv_connector_extra_config.secret_file"),
-    ({}, "short", f"{SECRET_ENV}: the secret is 5 bytes"),
-    ({}, "", f"{SECRET_ENV}: the secret is empty"),
-    ({"insecure_network": "yes"}, None, "kv_connector_extra_config.insecure_network"),
-])
+@pytest.mark.parametrize(
+    ("extra", "env", "names"),
+    [
+        ({"secret_file": "/nonexistent/secret"}, None, "kv_connector_extra_config.secret_file: cannot read"),
+        ({"secret_file": ""}, None, "kv_connector_extra_config.secret_file"),
+        ({}, "short", f"{SECRET_ENV}: the secret is 5 bytes"),
+        ({}, "", f"{SECRET_ENV}: the secret is empty"),
+        ({"insecure_network": "yes"}, None, "kv_connector_extra_config.insecure_network"),
+    ],
+)
 def test_secret_errors_name_the_key(extra, env, names, monkeypatch: pytest.MonkeyPatch) -> None:
     if env is not None:
         monkeypatch.setenv(SECRET_ENV, env)
@@ -71,8 +74,12 @@ def test_store_master_refuses_a_wide_bind_without_a_secret() -> None:
 
 def test_store_master_listens_on_loopback_by_default() -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_pd.cli", "store-master", "--port", str(port)],
-                            stderr=subprocess.PIPE, text=True, env=_env_without_secret())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_pd.cli", "store-master", "--port", str(port)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env_without_secret(),
+    )
     try:
         assert proc.stderr is not None
         for line in proc.stderr:

@@ -61,8 +61,9 @@ def wait_ready(address):
 @pytest.fixture
 def master():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c",
-                             f"from vllm_pd.connector.store.master import serve; serve('tcp://127.0.0.1:{port}')"])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"from vllm_pd.connector.store.master import serve; serve('tcp://127.0.0.1:{port}')"]
+    )
     yield proc, f"tcp://127.0.0.1:{port}"
     proc.kill()
     proc.wait()
@@ -125,8 +126,13 @@ def test_scheduler_publishes_commits_and_resyncs_after_master_restart(tmp_path):
 
 
 def _serve(address: str, node_ttl_s: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "from vllm_pd.connector.store.master import serve; "
-                             f"serve('{address}', node_ttl_s={node_ttl_s})"])
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from vllm_pd.connector.store.master import serve; serve('{address}', node_ttl_s={node_ttl_s})",
+        ]
+    )
 
 
 def test_an_idle_node_keeps_its_keys_on_the_master_and_resyncs_a_restarted_one():
@@ -211,6 +217,7 @@ def test_master_answers_each_request_kind():
 def test_protocol_is_backwards_tolerant_with_version_1():
     """A version 1 node's publish decodes on a version 2 master, a version 2 publish on a version 1
     master (the new fields ignored), and a version 1 node reads a version 2 reply."""
+
     class PublishV1(msgspec.Struct, tag="publish"):
         node: str
         endpoint: str
@@ -236,8 +243,9 @@ def test_protocol_is_backwards_tolerant_with_version_1():
 
     v1 = msgspec.msgpack.encode(RequestV1(1, PublishV1("a", "tcp://a", [(KEYS[0], None)], snapshot=True)))
     assert msgspec.msgpack.decode(v1, type=Request).body == Publish("a", "tcp://a", [(KEYS[0], None)], snapshot=True)
-    v2 = msgspec.msgpack.encode(Request(1, Publish("a", "tcp://a", [], snapshot=True, salt=SALT,
-                                                   instance_url="http://a:1")))
+    v2 = msgspec.msgpack.encode(
+        Request(1, Publish("a", "tcp://a", [], snapshot=True, salt=SALT, instance_url="http://a:1"))
+    )
     assert msgspec.msgpack.decode(v2, type=RequestV1).body == PublishV1("a", "tcp://a", snapshot=True)
     reply = Reply(7, node="a", endpoint="tcp://a", blocks=2, nodes=[NodeInfo("a", "tcp://a", "", SALT)])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(reply), type=ReplyV1) == ReplyV1(7, True, "a", "tcp://a", 2)
@@ -248,8 +256,15 @@ def test_protocol_is_backwards_tolerant_with_version_1():
 def test_node_publishes_salt_and_instance_url_and_the_proxy_reads_them(master):
     proc, address = master
     wait_ready(address)
-    cfg = StoreConfig.from_dict({"cpu_bytes": 64 * 1024, "master": address, "master_timeout_s": 2.0,
-                                 "node_id": "p0", "instance_url": "http://10.0.0.5:8000/"})
+    cfg = StoreConfig.from_dict(
+        {
+            "cpu_bytes": 64 * 1024,
+            "master": address,
+            "master_timeout_s": 2.0,
+            "node_id": "p0",
+            "instance_url": "http://10.0.0.5:8000/",
+        }
+    )
     sched = StoreScheduler(cfg, SALT, slot_nbytes=1024, endpoint="tcp://p0:1")
     link = MasterLink(address, timeout_s=2.0)
     try:
@@ -278,8 +293,10 @@ def test_local_cluster_sets_each_stores_instance_url():
     from vllm_pd.router.cli.local_cluster import _with_instance_url
 
     extra = {"transport": "tcp", "store": {"cpu_bytes": "1g"}}
-    assert _with_instance_url(extra, "127.0.0.1", 8123)["store"] == {"cpu_bytes": "1g",
-                                                                    "instance_url": "http://127.0.0.1:8123"}
+    assert _with_instance_url(extra, "127.0.0.1", 8123)["store"] == {
+        "cpu_bytes": "1g",
+        "instance_url": "http://127.0.0.1:8123",
+    }
     assert extra["store"] == {"cpu_bytes": "1g"}  # the cluster's shared dict is not changed
     mine = {"store": {"instance_url": "http://lb:1"}}
     assert _with_instance_url(mine, "h", 1) is mine

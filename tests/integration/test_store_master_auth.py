@@ -36,8 +36,16 @@ def secret_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def guarded_master(secret_file: str) -> Iterator[str]:
     proc, address = spawn_master(free_port(), secret_file=secret_file)
-    member = MasterClient(address, "member", "tcp://member:1", lambda: [(k, None) for k in KEYS[:5]],
-                          timeout_s=2.0, retry_after_s=0.0, salt=SALT, secret=SECRET)
+    member = MasterClient(
+        address,
+        "member",
+        "tcp://member:1",
+        lambda: [(k, None) for k in KEYS[:5]],
+        timeout_s=2.0,
+        retry_after_s=0.0,
+        salt=SALT,
+        secret=SECRET,
+    )
     assert member.flush(force=True)  # a node with the secret publishes as today
     member.close()
     yield address
@@ -56,15 +64,18 @@ def test_a_member_reads_the_index(guarded_master: str) -> None:
         link.close()
 
 
-@pytest.mark.parametrize("secret", [None, DeploymentSecret(b"another-deployment-secret-98765", "t")],
-                         ids=["no-secret", "other-secret"])
+@pytest.mark.parametrize(
+    "secret", [None, DeploymentSecret(b"another-deployment-secret-98765", "t")], ids=["no-secret", "other-secret"]
+)
 def test_an_outsider_reads_nothing_and_publishes_nothing(guarded_master: str, secret) -> None:
     outsider = MasterLink(guarded_master, timeout_s=2.0, retry_after_s=0.0, secret=secret)
     try:
         assert outsider.call(Nodes()) is None
         assert outsider.call(Holders(KEYS[:8])) is None
-        assert outsider.call(Publish("fake", "tcp://attacker:1", [(k, None) for k in KEYS[:40]],
-                                     snapshot=True, salt=SALT)) is None
+        assert (
+            outsider.call(Publish("fake", "tcp://attacker:1", [(k, None) for k in KEYS[:40]], snapshot=True, salt=SALT))
+            is None
+        )
     finally:
         outsider.close()
     member = MasterLink(guarded_master, timeout_s=2.0, retry_after_s=0.0, secret=SECRET)
@@ -120,8 +131,10 @@ def test_negative_control_a_master_without_a_secret_answers_anyone(tmp_path: Pat
     proc, address = spawn_master(free_port())
     try:
         outsider = MasterLink(address, timeout_s=2.0, retry_after_s=0.0)
-        assert outsider.call(Publish("fake", "tcp://attacker:1", [(k, None) for k in KEYS[:4]], snapshot=True,
-                                     salt=SALT)) is not None
+        assert (
+            outsider.call(Publish("fake", "tcp://attacker:1", [(k, None) for k in KEYS[:4]], snapshot=True, salt=SALT))
+            is not None
+        )
         nodes = outsider.call(Nodes())
         assert nodes is not None and "fake" in [n.node for n in nodes.nodes]
         outsider.close()

@@ -64,9 +64,17 @@ DEVICE, PINNED, PAGEABLE = "device", "pinned", "pageable"
 
 aten = torch.ops.aten
 # device values the host would read (the GPU's host waits for them)
-HOST_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default,
-              aten.allclose.default, aten.nonzero.default, aten.masked_select.default,
-              aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default}
+HOST_READS = {
+    aten._local_scalar_dense.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+    aten.allclose.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+}
 # outputs alias their input without the schema saying so (reshape's copy-then-view)
 ALIASING = {aten._unsafe_view.default, aten.lift_fresh.default}
 
@@ -115,13 +123,14 @@ class StandInStream:
         def run() -> None:
             time.sleep(self.delay_s)
             item()
+
         return run
 
     def _run(self) -> None:
         while (item := self._items.get()) is not None:
             try:
                 item()
-            except BaseException as e:  # noqa: BLE001 - surfaced by the test through .errors
+            except BaseException as e:
                 self.errors.append(e)
 
     def stop(self) -> None:
@@ -169,8 +178,13 @@ class _Checks(TorchDispatchMode):
 class AsyncStandInDevice(KVDevice):
     host_accessible = False
 
-    def __init__(self, compute_delay_s: float = 0.02, copy_delay_s: float = 0.005, checked: bool = False,
-                 raise_on_sync: bool = True) -> None:
+    def __init__(
+        self,
+        compute_delay_s: float = 0.02,
+        copy_delay_s: float = 0.005,
+        checked: bool = False,
+        raise_on_sync: bool = True,
+    ) -> None:
         """``raise_on_sync=False``: host syncs are only recorded (``violations``), the work goes on
         (a benchmark counting them)."""
         self.copy_delay_s = copy_delay_s
@@ -312,21 +326,25 @@ class AsyncStandInDevice(KVDevice):
         stream.ops[str(func)] += 1
         return self._defer(stream, func, args, kwargs)
 
-    def _check_operands(self, func: Any, args: Any, kwargs: dict[str, Any], tensors: list[torch.Tensor],
-                        kinds: list[str]) -> None:
+    def _check_operands(
+        self, func: Any, args: Any, kwargs: dict[str, Any], tensors: list[torch.Tensor], kinds: list[str]
+    ) -> None:
         copy = func is aten.copy_.default
         for t, kind in zip(tensors, kinds):
             if kind == PAGEABLE and (copy or t.dim() > 0):
-                self._fail(f"{func} with device memory and pageable host memory {tuple(t.shape)} {t.dtype}: "
-                           "a GPU copies it with a host synchronize (pin it: host_empty, indices)")
+                self._fail(
+                    f"{func} with device memory and pageable host memory {tuple(t.shape)} {t.dtype}: "
+                    "a GPU copies it with a host synchronize (pin it: host_empty, indices)"
+                )
             if t.dtype == torch.bool and func in (aten.index.Tensor, aten.index_put_.default):
                 self._fail(f"{func} with a boolean mask: its shape depends on device data")
             if kind == PINNED:
                 if not copy:
                     self._fail(f"{func} given pinned host memory {tuple(t.shape)}: copy it to the device first")
                 if not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
-                    self._fail("a copy between device and pinned host memory without non_blocking=True: "
-                               "the host waits for it")
+                    self._fail(
+                        "a copy between device and pinned host memory without non_blocking=True: the host waits for it"
+                    )
 
     def _defer(self, stream: StandInStream, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """Queue ``func`` on ``stream``; what it returns now: the memory it writes, or outputs that
@@ -368,8 +386,14 @@ def _mutated(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         return None
     returns = []
     for r in schema.returns:
-        alias = next((a.name for a in schema.arguments if a.name in written and r.alias_info is not None
-                      and a.alias_info.before_set == r.alias_info.before_set), None)
+        alias = next(
+            (
+                a.name
+                for a in schema.arguments
+                if a.name in written and r.alias_info is not None and a.alias_info.before_set == r.alias_info.before_set
+            ),
+            None,
+        )
         returns.append(bound[alias] if alias is not None else None)
     return returns[0] if len(returns) == 1 else tuple(returns)
 
@@ -411,8 +435,7 @@ def _check_host_reads_of_tensors() -> None:
     for name in ("tolist", "numpy"):
         original = getattr(torch.Tensor, name)
 
-        def checked(self: torch.Tensor, *args: Any, _original: Any = original, _name: str = name,
-                    **kwargs: Any) -> Any:
+        def checked(self: torch.Tensor, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
             device = getattr(_current, "device", None)
             if device is not None and device.memory.kind(self) == DEVICE:
                 device._fail(f".{_name}() of device memory: the host waits for the device")

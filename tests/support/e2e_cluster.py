@@ -20,7 +20,7 @@ import httpx
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest
-from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port  # noqa: F401 - re-exported
+from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Instance:
     secret_file: str | None = None  # the deployment secret its KV endpoint requires (None: loopback, none)
 
     @property
-    def secret(self) -> "DeploymentSecret | None":
+    def secret(self) -> DeploymentSecret | None:
         from vllm_pd.connector.auth_protocol import load_secret
 
         return load_secret(self.secret_file, env={}) if self.secret_file else None
@@ -84,8 +84,13 @@ COMPILE = os.environ.get("VLLM_PD_TEST_COMPILE") == "1"
 
 def server_spec(model: Path, cores: str, ktc: dict[str, Any] | None) -> VllmServerSpec:
     return VllmServerSpec(
-        model=str(model), port=free_port(), kv_transfer_config=ktc, cpu_cores=cores, enforce_eager=not COMPILE,
-        max_model_len=MAX_MODEL_LEN, served_model_name="small",
+        model=str(model),
+        port=free_port(),
+        kv_transfer_config=ktc,
+        cpu_cores=cores,
+        enforce_eager=not COMPILE,
+        max_model_len=MAX_MODEL_LEN,
+        served_model_name="small",
         extra_args=["--enable-prompt-tokens-details", "--seed", "0"],
     )
 
@@ -94,14 +99,27 @@ def server_spec(model: Path, cores: str, ktc: dict[str, Any] | None) -> VllmServ
 LIVE: list[Instance] = []
 # what a failure report keeps of a server's log: our connector's lines and vLLM's complaints
 NOTEWORTHY = ("WARNING", "ERROR", "Traceback", "vllm_pd", "Error:", "KV Transfer metrics")
-NOISE = ("LD_PRELOAD", "Triton is not installed", "ulimit", "Enforce eager", "Inductor compilation",
-         "Model Runner V2", "SSM cache", "KVConnectorBase_V1", "DeprecationWarning", "FutureWarning")
+NOISE = (
+    "LD_PRELOAD",
+    "Triton is not installed",
+    "ulimit",
+    "Enforce eager",
+    "Inductor compilation",
+    "Model Runner V2",
+    "SSM cache",
+    "KVConnectorBase_V1",
+    "DeprecationWarning",
+    "FutureWarning",
+)
 
 
 def start_all(specs: list[tuple[VllmServerSpec, int | None]], log_dir: Path) -> list[Instance]:
     instances = [
-        Instance(VllmServer(spec, log_dir / f"vllm-{spec.port}.log").start(), kv_port,
-                 (spec.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("secret_file"))
+        Instance(
+            VllmServer(spec, log_dir / f"vllm-{spec.port}.log").start(),
+            kv_port,
+            (spec.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("secret_file"),
+        )
         for spec, kv_port in specs
     ]
     LIVE.extend(instances)
@@ -128,20 +146,34 @@ def live_log_digest(lines_per_server: int = 60) -> str:
         path = inst.server.log_path
         text = path.read_text(errors="replace").splitlines() if path is not None and path.exists() else []
         kept = [ln[:400] for ln in text if any(w in ln for w in NOTEWORTHY) and not any(w in ln for w in NOISE)]
-        parts.append(f"--- {inst.url} ({path}): last {lines_per_server} noteworthy of {len(text)} lines\n"
-                     + "\n".join(kept[-lines_per_server:]))
+        parts.append(
+            f"--- {inst.url} ({path}): last {lines_per_server} noteworthy of {len(text)} lines\n"
+            + "\n".join(kept[-lines_per_server:])
+        )
     return "\n".join(parts)
 
 
 # ---- requests ---------------------------------------------------------------------------------
 def completion_body(prompt: str | list[int], max_tokens: int = MAX_TOKENS, **kw: Any) -> dict[str, Any]:
-    return {"model": "small", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True, **kw}
+    return {
+        "model": "small",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        **kw,
+    }
 
 
 def chat_body(text: str, max_tokens: int = MAX_TOKENS, **kw: Any) -> dict[str, Any]:
-    return {"model": "small", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "return_token_ids": True, **kw}
+    return {
+        "model": "small",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        **kw,
+    }
 
 
 def endpoint_for(body: dict[str, Any]) -> str:
@@ -176,8 +208,14 @@ _beside_pool = ThreadPoolExecutor(1)
 _beside_client = httpx.Client()
 
 
-def disagg(client: httpx.Client, prefill: Instance, decode: Instance, body: dict[str, Any],
-           mode: str, load_mode: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def disagg(
+    client: httpx.Client,
+    prefill: Instance,
+    decode: Instance,
+    body: dict[str, Any],
+    mode: str,
+    load_mode: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """vLLM's standard two-leg PD flow, by hand: (prefill response, decode response).
 
     modes "push-beside" / "pull-beside": our proxy's flow - the decode leg goes out first, waiting

@@ -116,7 +116,6 @@ class HarnessSpec:
         return p.num_layers * self.decode_tp * d.num_kv_heads * tokens * p.content_nbytes
 
 
-
 @dataclass
 class RequestResult:
     mode: str
@@ -143,8 +142,10 @@ def _device(spec: HarnessSpec) -> tuple[torch.device, Any]:
     """(where the tensors live, the KVDevice to run them on)."""
     if spec.device == "standin":
         from tests.support.async_device import AsyncStandInDevice
+
         return torch.device("cpu"), AsyncStandInDevice(compute_delay_s=0.002, copy_delay_s=0.001)
     from vllm_pd.connector.kv_device import kv_device_for
+
     device = torch.device(spec.device)
     return device, kv_device_for([torch.empty(0, device=device)])
 
@@ -165,15 +166,16 @@ def model_kv(spec: HarnessSpec, layer: int, request: int) -> torch.Tensor:
     return torch.randint(0, 256, (spec.total_kv_heads, tokens, m.content_nbytes), generator=g, dtype=torch.uint8)
 
 
-def block_contents(spec: HarnessSpec, layer: int, request: int, side: str, rank: int, kv_format: str,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def block_contents(
+    spec: HarnessSpec, layer: int, request: int, side: str, rank: int, kv_format: str, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank`` of ``side``'s blocks of a request's prompt, of ``layer``: ([n, block_nbytes]
     bytes, each row a block's bytes in memory order; the same shape of bools: which bytes hold a
     token of the prompt)."""
     m = spec.kv_model(side)
     heads = rank_heads(spec.total_kv_heads, spec.prefill_tp if side == "prefill" else spec.decode_tp, rank)
     n, bs = spec.blocks(side), m.block_size
-    kv = model_kv(spec, layer, request)[heads.start:heads.stop, :n * bs]
+    kv = model_kv(spec, layer, request)[heads.start : heads.stop, : n * bs]
     valid = (torch.arange(n * bs) < spec.num_tokens).view(1, -1, 1).expand(kv.shape)
     return _memory_order(kv, n, kv_format).to(device), _memory_order(valid, n, kv_format).to(device)
 
@@ -192,7 +194,7 @@ def _memory_order(kv: torch.Tensor, n: int, kv_format: str) -> torch.Tensor:
 
 def _block_ids(spec: HarnessSpec, request: int, side: int, n: int | None = None) -> list[int]:
     g = torch.Generator().manual_seed(7919 * request + side)
-    return torch.randperm(spec.num_blocks, generator=g)[:n or spec.blocks_per_request].tolist()
+    return torch.randperm(spec.num_blocks, generator=g)[: n or spec.blocks_per_request].tolist()
 
 
 class _Forward:
@@ -212,13 +214,14 @@ class _Forward:
                 self.x = torch.tanh(self.x @ self.w)
             if then is not None:
                 then()
+
         self.kv_device.launch(self.kv_device.compute_stream(), work)
 
     def finish(self) -> None:
         self.kv_device.record(self.kv_device.compute_stream()).synchronize()
 
 
-def _worker(spec: HarnessSpec, side: str, rank: int, base_port: int):  # noqa: ANN202 - (worker, kv, views, ...)
+def _worker(spec: HarnessSpec, side: str, rank: int, base_port: int):
     from vllm_pd.connector.block_copies import byte_blocks
     from vllm_pd.connector.config import PDConnectorConfig
     from vllm_pd.connector.kv_geometry import KVGroup
@@ -228,15 +231,29 @@ def _worker(spec: HarnessSpec, side: str, rank: int, base_port: int):  # noqa: A
     layout = spec.layout()
     m = spec.kv_model(side)
     cache = replay.allocate(m, replay.BACKENDS[spec.backend], layout, spec.num_blocks, device)
-    config = PDConnectorConfig.from_extra_config({
-        "transport": spec.transport, "host": "127.0.0.1", "bind_host": "127.0.0.1",
-        "transfer_timeout_s": spec.timeout_s, "host_staging_bytes": spec.host_staging_bytes,
-        "load_mode": "layerwise"})
+    config = PDConnectorConfig.from_extra_config(
+        {
+            "transport": spec.transport,
+            "host": "127.0.0.1",
+            "bind_host": "127.0.0.1",
+            "transfer_timeout_s": spec.timeout_s,
+            "host_staging_bytes": spec.host_staging_bytes,
+            "load_mode": "layerwise",
+        }
+    )
     tp = spec.prefill_tp if side == "prefill" else spec.decode_tp
-    worker = PDConnectorWorker(config, block_size=m.block_size, tp_rank=rank, base_port=base_port,
-                               is_producer=side == "prefill", is_consumer=side != "prefill", tp_size=tp,
-                               kv_heads=spec.total_kv_heads, groups=(KVGroup("full", m.block_size, ""),),
-                               layer_groups=dict.fromkeys(cache.views, 0))
+    worker = PDConnectorWorker(
+        config,
+        block_size=m.block_size,
+        tp_rank=rank,
+        base_port=base_port,
+        is_producer=side == "prefill",
+        is_consumer=side != "prefill",
+        tp_size=tp,
+        kv_heads=spec.total_kv_heads,
+        groups=(KVGroup("full", m.block_size, ""),),
+        layer_groups=dict.fromkeys(cache.views, 0),
+    )
     # as PDConnector.register_kv_caches: vLLM's views, the scheduler's block count, the resolved layout
     worker.register_kv_caches(cache.views, spec.num_blocks, device=kv_device, kv_layout=layout.name)
     views = [byte_blocks(r) for r in worker.regions]  # [num_blocks, ...] bytes, each block in memory order
@@ -256,20 +273,39 @@ def _prefill_main(spec: HarnessSpec, conn: Any, rank: int, base_port: int) -> No
     timings = []
     for r, mode in enumerate(_requests(spec)):
         block_ids = _block_ids(spec, r, side=100 + rank, n=n)
-        contents = [block_contents(spec, i, r, "prefill", rank, worker.kv_format, device)[0]
-                    for i in range(spec.layers)]
+        contents = [
+            block_contents(spec, i, r, "prefill", rank, worker.kv_format, device)[0] for i in range(spec.layers)
+        ]
         idx = torch.tensor(block_ids, device=device)
         baseline = _step(worker, forward, names, None, views, idx, contents)
         transfer_id, request_id = f"t{r}", f"p{r}"
         ep0 = prefill_endpoints[0]
         host, port = ep0.split("://", 1)[1].rsplit(":", 1)
-        announcement = RemotePrefill(transfer_id, "harness", ep0, host, int(port), tuple(block_ids),
-                                     tokens, bs, mode, tp_size=spec.prefill_tp,
-                                     endpoints=tuple(prefill_endpoints) if spec.prefill_tp > 1 else (),
-                                     kv_format=worker.kv_format, shape=worker.shape).to_params()
-        send = SendSpec(transfer_id, tuple(block_ids), 0, tokens, tokens,
-                        decode_endpoint if mode == "push" else None,
-                        announcement=announcement, announce_endpoint=decode_endpoint)
+        announcement = RemotePrefill(
+            transfer_id,
+            "harness",
+            ep0,
+            host,
+            int(port),
+            tuple(block_ids),
+            tokens,
+            bs,
+            mode,
+            tp_size=spec.prefill_tp,
+            endpoints=tuple(prefill_endpoints) if spec.prefill_tp > 1 else (),
+            kv_format=worker.kv_format,
+            shape=worker.shape,
+        ).to_params()
+        send = SendSpec(
+            transfer_id,
+            tuple(block_ids),
+            0,
+            tokens,
+            tokens,
+            decode_endpoint if mode == "push" else None,
+            announcement=announcement,
+            announce_endpoint=decode_endpoint,
+        )
         first_save, forward_s, forward_end = _step(worker, forward, names, send, views, idx, contents)
         worker.begin_step(WorkerStep(finished_sends=[FinishedSend(transfer_id, request_id, held=True)]))
         deadline = time.monotonic() + spec.timeout_s
@@ -281,8 +317,15 @@ def _prefill_main(spec: HarnessSpec, conn: Any, rank: int, base_port: int) -> No
     worker.shutdown()
 
 
-def _step(worker: Any, forward: _Forward, names: list[str], send: Any, views: list[torch.Tensor],
-          idx: torch.Tensor, contents: list[torch.Tensor]) -> tuple[float, float, float]:
+def _step(
+    worker: Any,
+    forward: _Forward,
+    names: list[str],
+    send: Any,
+    views: list[torch.Tensor],
+    idx: torch.Tensor,
+    contents: list[torch.Tensor],
+) -> tuple[float, float, float]:
     """One prefill step; (first save_kv_layer at, forward seconds, forward complete at)."""
     from vllm_pd.connector.step_specs import WorkerStep
 
@@ -320,8 +363,9 @@ def _decode_main(spec: HarnessSpec, conn: Any, rank: int, base_port: int) -> Non
         remote = RemotePrefill.from_params(params)
         assert remote is not None, f"no usable announcement for {transfer_id}: {params}"
         if spec.prefill_tp == spec.decode_tp and not (spec.prefill_block_size or spec.decode_block_size):
-            assert remote.kv_format == worker.kv_format, \
+            assert remote.kv_format == worker.kv_format, (
                 f"prefill's blocks are {remote.kv_format}, ours {worker.kv_format}"
+            )
         local_ids = _block_ids(spec, r, side=200 + rank, n=n)
         load = LoadSpec(f"d{r}", transfer_id, remote, 0, tuple(local_ids), layerwise=True)
         _host_syncs_fail(device, True)
@@ -341,9 +385,17 @@ def _decode_main(spec: HarnessSpec, conn: Any, rank: int, base_port: int) -> Non
             want, valid = block_contents(spec, i, r, "decode", rank, worker.kv_format, device)
             got = v.index_select(0, idx).reshape(n, -1)
             exact = exact and torch.equal(got[valid], want[valid])
-        results.append(dict(mode=mode, exact=exact, load_ok=not bad and job.ok, from_push=job.blocks_from_push,
-                            fetched=job.blocks_fetched, nbytes=job.bytes_landed,
-                            landed_at=job.finished_at or time.monotonic()))
+        results.append(
+            dict(
+                mode=mode,
+                exact=exact,
+                load_ok=not bad and job.ok,
+                from_push=job.blocks_from_push,
+                fetched=job.blocks_fetched,
+                nbytes=job.bytes_landed,
+                landed_at=job.finished_at or time.monotonic(),
+            )
+        )
         worker.get_finished()
     conn.send(results)
     conn.recv()
@@ -358,8 +410,9 @@ def _run_side(main: Any, spec_dict: dict[str, Any], conn: Any, rank: int, base_p
     spec = HarnessSpec(**{**spec_dict, "modes": tuple(spec_dict["modes"])})
     try:
         main(spec, conn, rank, base_port)
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
+    except BaseException as e:
         import traceback
+
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise
 
@@ -418,12 +471,21 @@ def run(spec: HarnessSpec) -> HarnessResult:
             c.send("done")
         for k, (baseline_s, first_save, forward_s, forward_end) in enumerate(timings):
             per_rank = [rank_loads[k] for rank_loads in loads]
-            result.requests.append(RequestResult(
-                baseline_forward_s=baseline_s, first_save_at=first_save, forward_s=forward_s,
-                forward_end_at=forward_end, mode=per_rank[0]["mode"],
-                exact=all(x["exact"] for x in per_rank), load_ok=all(x["load_ok"] for x in per_rank),
-                from_push=sum(x["from_push"] for x in per_rank), fetched=sum(x["fetched"] for x in per_rank),
-                nbytes=sum(x["nbytes"] for x in per_rank), landed_at=max(x["landed_at"] for x in per_rank)))
+            result.requests.append(
+                RequestResult(
+                    baseline_forward_s=baseline_s,
+                    first_save_at=first_save,
+                    forward_s=forward_s,
+                    forward_end_at=forward_end,
+                    mode=per_rank[0]["mode"],
+                    exact=all(x["exact"] for x in per_rank),
+                    load_ok=all(x["load_ok"] for x in per_rank),
+                    from_push=sum(x["from_push"] for x in per_rank),
+                    fetched=sum(x["fetched"] for x in per_rank),
+                    nbytes=sum(x["nbytes"] for x in per_rank),
+                    landed_at=max(x["landed_at"] for x in per_rank),
+                )
+            )
     except _SideFailed as e:
         result.errors.append(str(e))
     finally:

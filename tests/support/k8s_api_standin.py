@@ -23,19 +23,37 @@ from vllm_pd.router.http.http_server import HttpServer
 from vllm_pd.router.k8s.k8s_selector import parse_selector
 
 
-def make_pod(name: str, labels: dict[str, str], ip: str, ready: bool = True, http_port: int | None = None,
-             annotations: dict[str, str] | None = None) -> dict[str, Any]:
+def make_pod(
+    name: str,
+    labels: dict[str, str],
+    ip: str,
+    ready: bool = True,
+    http_port: int | None = None,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """A pod as the API server returns it (the fields that matter, plus some that do not)."""
     ports = [{"name": "http", "containerPort": http_port, "protocol": "TCP"}] if http_port else []
     return {
-        "kind": "Pod", "apiVersion": "v1",
-        "metadata": {"name": name, "namespace": "", "uid": f"uid-{name}", "labels": labels,
-                     "annotations": annotations or {}, "creationTimestamp": "2026-01-01T00:00:00Z"},
-        "spec": {"containers": [{"name": "vllm", "image": "vllm-pd:test", "ports": ports}],
-                 "nodeName": "node-1"},
-        "status": {"phase": "Running", "podIP": ip, "hostIP": "10.0.0.1",
-                   "conditions": [{"type": "Initialized", "status": "True"},
-                                  {"type": "Ready", "status": "True" if ready else "False"}]},
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {
+            "name": name,
+            "namespace": "",
+            "uid": f"uid-{name}",
+            "labels": labels,
+            "annotations": annotations or {},
+            "creationTimestamp": "2026-01-01T00:00:00Z",
+        },
+        "spec": {"containers": [{"name": "vllm", "image": "vllm-pd:test", "ports": ports}], "nodeName": "node-1"},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "hostIP": "10.0.0.1",
+            "conditions": [
+                {"type": "Initialized", "status": "True"},
+                {"type": "Ready", "status": "True" if ready else "False"},
+            ],
+        },
     }
 
 
@@ -119,21 +137,31 @@ class StandInApiServer:
         self.authorizations.append(request.headers.get("authorization", ""))
         requirements = parse_selector(query.get("labelSelector", "")) if query.get("labelSelector") else []
         if query.get("watch") in ("1", "true"):
-            return await self._watch(request, requirements, int(query.get("resourceVersion") or self.version),
-                                     float(query.get("timeoutSeconds") or 3600))
+            return await self._watch(
+                request,
+                requirements,
+                int(query.get("resourceVersion") or self.version),
+                float(query.get("timeoutSeconds") or 3600),
+            )
         self.requests.append("LIST")
         items = [p for p in self.pods.values() if _selected(requirements, p)]
-        return json_response({"kind": "PodList", "apiVersion": "v1",
-                              "metadata": {"resourceVersion": str(self.version)}, "items": items})
+        return json_response(
+            {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.version)}, "items": items}
+        )
 
-    async def _watch(self, request: HttpRequest, requirements: list, since: int,
-                     timeout_s: float) -> StreamResponse:
+    async def _watch(self, request: HttpRequest, requirements: list, since: int, timeout_s: float) -> StreamResponse:
         self.requests.append(f"WATCH {since}")
         resp = StreamResponse(200, {"Content-Type": "application/json"})
         await resp.prepare(request)
         if since < self.compacted_at:
-            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired",
-                      "code": 410, "message": f"too old resource version: {since} ({self.compacted_at})"}
+            status = {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "status": "Failure",
+                "reason": "Expired",
+                "code": 410,
+                "message": f"too old resource version: {since} ({self.compacted_at})",
+            }
             await resp.write(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")
             await resp.write_eof()
             return resp

@@ -17,8 +17,15 @@ from typing import Any
 import yaml
 
 # strategic merge patch: list field -> the key its items are merged by (from the Kubernetes API schemas)
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-              "volumeMounts": "mountPath", "ports": "containerPort", "imagePullSecrets": "name"}
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+    "imagePullSecrets": "name",
+}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass"}
 
 
@@ -30,8 +37,11 @@ def render(directory: Path) -> list[dict[str, Any]]:
         docs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
     for patch_entry in spec.get("patches", []):
         patch = yaml.safe_load((directory / patch_entry["path"]).read_text())
-        i = next(i for i, d in enumerate(docs)
-                 if d["kind"] == patch["kind"] and d["metadata"]["name"] == patch["metadata"]["name"])
+        i = next(
+            i
+            for i, d in enumerate(docs)
+            if d["kind"] == patch["kind"] and d["metadata"]["name"] == patch["metadata"]["name"]
+        )
         docs[i] = merge(docs[i], patch)
     for image in spec.get("images", []):
         for container in _containers(docs):

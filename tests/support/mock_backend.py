@@ -72,8 +72,12 @@ class MockBackend:
         return mode if isinstance(mode, str) else None
 
     def routes(self) -> dict[str, dict[str, Handler]]:
-        return {"/v1/completions": {"POST": self._completion}, "/v1/chat/completions": {"POST": self._completion},
-                "/v1/models": {"GET": self._models}, "/health": {"GET": self._health}}
+        return {
+            "/v1/completions": {"POST": self._completion},
+            "/v1/chat/completions": {"POST": self._completion},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._health},
+        }
 
     async def _health(self, request: HttpRequest) -> HttpResponse:
         while self.unreachable:
@@ -100,13 +104,16 @@ class MockBackend:
             seen.cancelled = True
             return HttpResponse(b"")
 
-    async def _answer(self, request: HttpRequest, body: dict, seen: SeenRequest,
-                      failure: str | None) -> HttpResponse | StreamResponse:
+    async def _answer(
+        self, request: HttpRequest, body: dict, seen: SeenRequest, failure: str | None
+    ) -> HttpResponse | StreamResponse:
         if failure == "500":
             return json_response({"error": {"message": "injected", "type": "InternalServerError"}}, status=500)
         if failure == "400":
-            return json_response({"error": {"message": "bad prompt", "type": "BadRequestError",
-                                            "param": "prompt", "code": 400}}, status=400)
+            return json_response(
+                {"error": {"message": "bad prompt", "type": "BadRequestError", "param": "prompt", "code": 400}},
+                status=400,
+            )
         if failure == "hang":
             await asyncio.sleep(3600)
         if failure == "reset":
@@ -121,8 +128,10 @@ class MockBackend:
             mode, size = failure.split(":")
             return await _huge(request, int(size), bool(body.get("stream")), stall=mode == "huge-stall")
         if failure == "truncate" and not body.get("stream"):
-            request.conn.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 4096\r\n\r\n'
-                               b'{"choices": [{"text": "cut')
+            request.conn.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 4096\r\n\r\n"
+                b'{"choices": [{"text": "cut'
+            )
             request.conn.close()
             return HttpResponse(b"")
         chat = request.path.endswith("chat/completions")
@@ -130,8 +139,11 @@ class MockBackend:
         prompt = body.get("prompt") if not chat else json.dumps(body.get("messages"))
         prompt_tokens = len(prompt) if isinstance(prompt, list) else max(1, len(str(prompt)) // 4)
         rid = request.headers.get("x-request-id", "x")
-        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
-                                 "total_tokens": prompt_tokens + n_tokens}
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n_tokens,
+            "total_tokens": prompt_tokens + n_tokens,
+        }
         if self.cached_tokens is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         kvp = body.get("kv_transfer_params") or {}
@@ -144,15 +156,25 @@ class MockBackend:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            out: dict[str, Any] = {"id": f"cmpl-{rid}", "object": "chat.completion" if chat else "text_completion",
-                                   "model": self.model, "choices": [choice], "usage": usage,
-                                   "served_by": self.name}
+            out: dict[str, Any] = {
+                "id": f"cmpl-{rid}",
+                "object": "chat.completion" if chat else "text_completion",
+                "model": self.model,
+                "choices": [choice],
+                "usage": usage,
+                "served_by": self.name,
+            }
             if asks_remote_decode(kvp) and self.kv_params:
                 # a NixlConnector-style answer: the proxy passes any connector's params on verbatim
-                out["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                             "remote_engine_id": self.name, "remote_block_ids": [1, 2, 3],
-                                             "remote_request_id": rid, "remote_host": "127.0.0.1",
-                                             "remote_port": 5600}
+                out["kv_transfer_params"] = {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_engine_id": self.name,
+                    "remote_block_ids": [1, 2, 3],
+                    "remote_request_id": rid,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 5600,
+                }
             seen.finished = True
             return json_response(out)
         resp = StreamResponse(200, {"Content-Type": "text/event-stream"})
@@ -179,8 +201,12 @@ class MockBackend:
                 await resp.write(b"data: <html>not json</html>\n\n")
                 continue
             delta = {"delta": {"content": f" t{i}"}} if chat else {"text": f" t{i}"}
-            chunk = {"id": f"cmpl-{rid}", "model": self.model, "served_by": self.name,
-                     "choices": [{"index": 0, **delta, "finish_reason": None}]}
+            chunk = {
+                "id": f"cmpl-{rid}",
+                "model": self.model,
+                "served_by": self.name,
+                "choices": [{"index": 0, **delta, "finish_reason": None}],
+            }
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
             final = {"id": f"cmpl-{rid}", "model": self.model, "choices": [], "usage": usage}
@@ -230,6 +256,7 @@ def main() -> None:
     a = p.parse_args()
     try:
         import uvloop
+
         uvloop.install()
     except ImportError:
         pass

@@ -16,9 +16,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 import httpx
 import yaml
@@ -80,7 +81,8 @@ class Cluster:
         README starts it)."""
         self.stop_proxy()
         self._proxy, self.proxy_url, self.proxy_log = start_proxy(
-            self.net, self.log_dir, self.prefill.url, self.decode.url, self.decode_kv, **config)
+            self.net, self.log_dir, self.prefill.url, self.decode.url, self.decode_kv, **config
+        )
 
     def proxy_ready(self) -> bool:
         return proxy_ready(self.proxy_url)
@@ -110,8 +112,9 @@ class Cluster:
         return server.pid
 
 
-def start_proxy(net: NetnsHosts, log_dir: Path, prefill_url: str, decode_url: str, decode_kv: str | None,
-                **config: Any) -> tuple[subprocess.Popen[bytes], str, Path]:
+def start_proxy(
+    net: NetnsHosts, log_dir: Path, prefill_url: str, decode_url: str, decode_kv: str | None, **config: Any
+) -> tuple[subprocess.Popen[bytes], str, Path]:
     """The proxy as its own process on host "proxy", over one prefill and one decode, with these
     ProxyConfig fields; returns (process, its URL, its log). The caller kills it."""
     host = net["proxy"]
@@ -120,15 +123,23 @@ def start_proxy(net: NetnsHosts, log_dir: Path, prefill_url: str, decode_url: st
     if decode_kv is not None:
         decode["kv_endpoint"] = decode_kv
     secret = log_dir / "deployment-secret"  # the cluster's (multihost_cluster), for releases
-    full = {"host": host.address, "port": port, **({"secret_file": str(secret)} if secret.exists() else {}),
-            **config, "instances": [{"url": prefill_url, "role": "prefill"}, decode]}
+    full = {
+        "host": host.address,
+        "port": port,
+        **({"secret_file": str(secret)} if secret.exists() else {}),
+        **config,
+        "instances": [{"url": prefill_url, "role": "prefill"}, decode],
+    }
     path = log_dir / f"proxy-{port}.yaml"
     path.write_text(yaml.safe_dump(full))
     log_path = log_dir / f"proxy-{port}.log"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(host.command([sys.executable, "-m", "vllm_pd.cli", "--log-level", "INFO", "proxy",
-                                              "--config", str(path)]),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            host.command([sys.executable, "-m", "vllm_pd.cli", "--log-level", "INFO", "proxy", "--config", str(path)]),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://{host.address}:{port}"
     if not ec.wait_until(lambda: proxy_ready(url), timeout=60):
         proc.kill()
@@ -144,19 +155,29 @@ def proxy_ready(url: str) -> bool:
         return False
 
 
-def _connector(address: str, kv_port: int, transport: str, times: ConnectorTimes,
-               secret_file: str) -> dict[str, Any]:
-    extra: dict[str, Any] = {"transport": transport, "host": address, "lease_s": times.lease_s,
-                             "secret_file": secret_file}
-    extra.update({k: v for k, v in (("push_wait_s", times.push_wait_s), ("peer_probe_s", times.peer_probe_s))
-                  if v is not None})
-    return {"kv_connector": "PDConnector", "kv_role": "kv_both", "kv_port": kv_port,
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+def _connector(address: str, kv_port: int, transport: str, times: ConnectorTimes, secret_file: str) -> dict[str, Any]:
+    extra: dict[str, Any] = {
+        "transport": transport,
+        "host": address,
+        "lease_s": times.lease_s,
+        "secret_file": secret_file,
+    }
+    extra.update(
+        {k: v for k, v in (("push_wait_s", times.push_wait_s), ("peer_probe_s", times.peer_probe_s)) if v is not None}
+    )
+    return {
+        "kv_connector": "PDConnector",
+        "kv_role": "kv_both",
+        "kv_port": kv_port,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
 
 
 @contextlib.contextmanager
-def multihost_cluster(model: Path, log_dir: Path, transport: str = "tcp",
-                      times: ConnectorTimes | None = None) -> Iterator[Cluster]:
+def multihost_cluster(
+    model: Path, log_dir: Path, transport: str = "tcp", times: ConnectorTimes | None = None
+) -> Iterator[Cluster]:
     """The hosts and both servers (no proxy yet: ``start_proxy``); everything is torn down after."""
     times = times or ConnectorTimes()
     secret_file = ec.write_secret(log_dir)  # across hosts the KV endpoints listen beyond loopback: with a secret
@@ -172,8 +193,7 @@ def multihost_cluster(model: Path, log_dir: Path, transport: str = "tcp",
             for server, _ in servers:
                 server.wait_healthy(timeout=900)
             (prefill, _), (decode, decode_kv_port) = servers
-            cluster = Cluster(net, prefill, decode, f"{transport}://{net['decode'].address}:{decode_kv_port}",
-                              log_dir)
+            cluster = Cluster(net, prefill, decode, f"{transport}://{net['decode'].address}:{decode_kv_port}", log_dir)
             yield cluster
         finally:
             if cluster is not None:
@@ -188,9 +208,24 @@ def multihost_cluster(model: Path, log_dir: Path, transport: str = "tcp",
 def start_mock(net: NetnsHosts, host: str, name: str, ttft: float) -> MockServer:
     """A mock backend on ``host`` answering after ``ttft`` seconds."""
     port = free_port()
-    proc = subprocess.Popen(net[host].command([sys.executable, "-m", "tests.support.mock_backend", "--host",
-                                               net[host].address, "--port", str(port), "--name", name,
-                                               "--ttft", str(ttft)]), start_new_session=True)
+    proc = subprocess.Popen(
+        net[host].command(
+            [
+                sys.executable,
+                "-m",
+                "tests.support.mock_backend",
+                "--host",
+                net[host].address,
+                "--port",
+                str(port),
+                "--name",
+                name,
+                "--ttft",
+                str(ttft),
+            ]
+        ),
+        start_new_session=True,
+    )
     mock = MockServer(proc, f"http://{net[host].address}:{port}")
     if not ec.wait_until(lambda: _answers(mock.url), timeout=60, interval=0.2):
         proc.kill()
@@ -251,8 +286,15 @@ def send(url: str, key: str) -> Sent:
         return Sent(key, t0, time.monotonic(), None, repr(e))
 
 
-def load_through(url: str, fault: Callable[[], None], heal: Callable[[], None], outage_s: float,
-                 heal_early: bool = True, streams: int = 3, busy_s: float = 10.0) -> tuple[list[Sent], float]:
+def load_through(
+    url: str,
+    fault: Callable[[], None],
+    heal: Callable[[], None],
+    outage_s: float,
+    heal_early: bool = True,
+    streams: int = 3,
+    busy_s: float = 10.0,
+) -> tuple[list[Sent], float]:
     """``streams`` clients send requests back to back from 1 s before the fault until ``busy_s``
     after it (so some go out while the fault is not yet detected); the fault heals after
     ``outage_s`` - or, with ``heal_early``, as soon as every request finished. Returns what was

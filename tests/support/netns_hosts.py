@@ -110,7 +110,7 @@ class NetnsHosts:
     _bridge: str = ""
     _blackholes: set[tuple[str, str]] = field(default_factory=set)
 
-    def __enter__(self) -> "NetnsHosts":
+    def __enter__(self) -> NetnsHosts:
         remove_leftovers()
         try:
             self._create()

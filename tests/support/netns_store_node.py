@@ -36,8 +36,9 @@ def main(role: str, name: str, master: str, host: str, seed: str) -> None:
     try:
         if role == "serve":
             save_on(node, SAVED_IDS)
-            print(json.dumps({"endpoint": node.worker.exchange.endpoint, "digest": digest(node, SAVED_IDS)}),
-                  flush=True)
+            print(
+                json.dumps({"endpoint": node.worker.exchange.endpoint, "digest": digest(node, SAVED_IDS)}), flush=True
+            )
             sys.stdin.read()
             return
         t0 = time.monotonic()

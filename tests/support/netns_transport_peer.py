@@ -39,8 +39,9 @@ def main(role: str, name: str, host: str, peer: str = "") -> None:
         for layer in range(LAYERS):
             transport.fetch(peer, "granted", layer, ids, ids, timeout=30).result(timeout=35)
         fetched = all(torch.equal(regions[i].tensor, seeded[i].tensor) for i in range(LAYERS))
-        transport.push(peer, BlockBatch("back", 0, tuple(ids), regions[0].block_nbytes), ids,
-                       timeout=30).result(timeout=35)
+        transport.push(peer, BlockBatch("back", 0, tuple(ids), regions[0].block_nbytes), ids, timeout=30).result(
+            timeout=35
+        )
         print(json.dumps({"endpoint": endpoint, "fetched_exact": fetched, "pushed": True}), flush=True)
     finally:
         transport.close()

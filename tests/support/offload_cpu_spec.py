@@ -24,13 +24,15 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-
 # an OffloadingConnector child of MultiConnector on vLLM CPU: 64 MiB of host chunks
 OFFLOAD = {
-    "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-    "kv_connector_extra_config": {"spec_name": "HostCopyOffloadingSpec",
-                                  "spec_module_path": "tests.support.offload_cpu_spec",
-                                  "cpu_bytes_to_use": 64 << 20},
+    "kv_connector": "OffloadingConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {
+        "spec_name": "HostCopyOffloadingSpec",
+        "spec_module_path": "tests.support.offload_cpu_spec",
+        "cpu_bytes_to_use": 64 << 20,
+    },
 }
 
 

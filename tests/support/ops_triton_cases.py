@@ -15,19 +15,23 @@ from vllm_pd.ops.reference import calc_diff  # noqa: E402
 from vllm_pd.ops.testing import LSE_TOL, OUT_TOL, flash_mla_mismatch, fp8_operands, mla_inputs  # noqa: E402
 
 
-@pytest.mark.parametrize("seqlens,s_q,h_q,block_size,causal", [
-    ([0, 1, 17, 33], 1, 16, 16, True),
-    ([1, 40], 2, 4, 16, True),  # first causal query of the 1-token sequence sees nothing
-    ([64, 65], 1, 20, 64, False),  # rows across two programs, block boundary
-])
+@pytest.mark.parametrize(
+    "seqlens,s_q,h_q,block_size,causal",
+    [
+        ([0, 1, 17, 33], 1, 16, 16, True),
+        ([1, 40], 2, 4, 16, True),  # first causal query of the 1-token sequence sees nothing
+        ([64, 65], 1, 20, 64, False),  # rows across two programs, block boundary
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mla_decode(seqlens, s_q, h_q, block_size, causal, dtype):
     q, cache, table, lens = mla_inputs(seqlens, s_q, h_q, block_size, dtype)
     args = (q, cache, table, lens, 512, 0.1352, causal)
     out, lse = torch.ops.vllm_pd.mla_decode(*args, "triton")
     ref_out, ref_lse = reference.mla_decode(*args)
-    assert flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL) is None, \
-        flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL)
+    assert flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL) is None, flash_mla_mismatch(
+        "out", out.float(), ref_out.float(), **OUT_TOL
+    )
     lse_mismatch = flash_mla_mismatch("lse", lse, ref_lse, **LSE_TOL)
     assert lse_mismatch is None, lse_mismatch
 

@@ -19,8 +19,7 @@ def _ids(n: int) -> list[int]:
     return [_rng.randrange(5, 4000) for _ in range(n)]  # 0-4 are special tokens
 
 
-TOKEN_LENGTHS = (1, 2, 17, 100, 127, 128, 129, 255, 256, 300, 512, 640, 1000, 1500,
-                 MAX_MODEL_LEN - MAX_TOKENS - 4)
+TOKEN_LENGTHS = (1, 2, 17, 100, 127, 128, 129, 255, 256, 300, 512, 640, 1000, 1500, MAX_MODEL_LEN - MAX_TOKENS - 4)
 TEXTS = (
     "hello",
     "the prefill instance computes the prompt and the decode instance",
@@ -74,11 +73,19 @@ STORE_CASES: dict[str, dict[str, Any]] = {
 # slow CI machine - 96 ran out there, the move unmade). Every output runs to max_tokens, so the load is
 # what it says.
 _sup_rng = random.Random(16)
-SUPERVISOR_OUTPUT_HEAVY = {f"sup_out{i}": completion_body([_sup_rng.randrange(5, 4000) for _ in range(16)],
-                                                          max_tokens=64, ignore_eos=True) for i in range(12)}
-SUPERVISOR_PROMPT_HEAVY = {f"sup_long{i}": completion_body([_sup_rng.randrange(5, 4000) for _ in range(1200)],
-                                                           max_tokens=1, ignore_eos=True) for i in range(288)}
+SUPERVISOR_OUTPUT_HEAVY = {
+    f"sup_out{i}": completion_body([_sup_rng.randrange(5, 4000) for _ in range(16)], max_tokens=64, ignore_eos=True)
+    for i in range(12)
+}
+SUPERVISOR_PROMPT_HEAVY = {
+    f"sup_long{i}": completion_body([_sup_rng.randrange(5, 4000) for _ in range(1200)], max_tokens=1, ignore_eos=True)
+    for i in range(288)
+}
 
 # Other areas add their own dicts here; the reference phase runs all of them.
-CATALOGUE: dict[str, dict[str, Any]] = {**CONNECTOR_CASES, **STORE_CASES, **SUPERVISOR_OUTPUT_HEAVY,
-                                        **SUPERVISOR_PROMPT_HEAVY}
+CATALOGUE: dict[str, dict[str, Any]] = {
+    **CONNECTOR_CASES,
+    **STORE_CASES,
+    **SUPERVISOR_OUTPUT_HEAVY,
+    **SUPERVISOR_PROMPT_HEAVY,
+}

@@ -35,8 +35,9 @@ def top2_margins(resp: dict[str, Any]) -> list[float]:
     return [max(s) - min(s) if len(s) > 1 else float("inf") for s in (sorted(s, reverse=True)[:2] for s in steps)]
 
 
-def divergence(tokens: list[int] | None, reference: list[int], margins: list[float] | None,
-               near_tie: float = NEAR_TIE) -> str | None:
+def divergence(
+    tokens: list[int] | None, reference: list[int], margins: list[float] | None, near_tie: float = NEAR_TIE
+) -> str | None:
     """None if ``tokens`` is the reference answer, or equal to it up to a near tie of the reference;
     else where and how it differs."""
     if tokens == reference:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 
+from tests.support.mock_backend import MockBackend, start_backend
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
 from vllm_pd.router.http.http_server import HttpServer
 from vllm_pd.router.server.app import ProxyServer, RunningProxy, serve
-from tests.support.mock_backend import MockBackend, start_backend
 from vllm_pd.vllm_server import free_port
 
 
@@ -33,6 +34,7 @@ class Harness:
             raw = await r.read()
             try:
                 import json
+
                 return r.status, json.loads(raw)
             except ValueError:
                 return r.status, raw
@@ -42,9 +44,14 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def harness(n_prefill: int = 1, n_decode: int = 1, release_ok: bool = True,
-                  decode_kv: bool = False, backend_kw: dict | None = None,
-                  **config_kw: Any) -> AsyncIterator[Harness]:
+async def harness(
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    release_ok: bool = True,
+    decode_kv: bool = False,
+    backend_kw: dict | None = None,
+    **config_kw: Any,
+) -> AsyncIterator[Harness]:
     runners: dict[str, HttpServer] = {}
     urls: dict[str, str] = {}
     prefills = [MockBackend(name=f"p{i}", **(backend_kw or {})) for i in range(n_prefill)]
@@ -67,8 +74,7 @@ async def harness(n_prefill: int = 1, n_decode: int = 1, release_ok: bool = True
     proxy = ProxyServer(cfg, release_kv=release)
     runner = await serve(proxy)
     session = aiohttp.ClientSession()
-    h = Harness(proxy, f"http://127.0.0.1:{cfg.port}", prefills, decodes, urls, runners, session, released,
-                runner)
+    h = Harness(proxy, f"http://127.0.0.1:{cfg.port}", prefills, decodes, urls, runners, session, released, runner)
     try:
         yield h
     finally:

@@ -27,8 +27,9 @@ from vllm_pd.connector.transport.framing import (
 BLOCK_SHAPE = (2, 16, 128)
 
 
-def make_regions(num_layers: int, num_blocks: int, seed: int | None = 0,
-                 block_shape: tuple[int, ...] = BLOCK_SHAPE) -> list[MemoryRegion]:
+def make_regions(
+    num_layers: int, num_blocks: int, seed: int | None = 0, block_shape: tuple[int, ...] = BLOCK_SHAPE
+) -> list[MemoryRegion]:
     """Regions of random bf16 (or zeros if seed is None). Filled with numpy, not
     torch ops: forked peer processes must not touch torch's OpenMP pool."""
     rng = np.random.default_rng(seed) if seed is not None else None
@@ -67,7 +68,7 @@ class RecordingSink:
             return None
         t = self.regions[batch.layer].tensor
         views = [memoryview(t[p].view(-1).view(torch.uint8).numpy()) for p in batch.positions]
-        return [v[:batch.block_nbytes] for v in views] if self.windows else views
+        return [v[: batch.block_nbytes] for v in views] if self.windows else views
 
     def landed(self, batch: BlockBatch, ok: bool) -> None:
         with self.cond:
@@ -98,8 +99,9 @@ def started(name: str, regions: Sequence[MemoryRegion], **options) -> tuple[Tran
 # -- a peer in another process ----------------------------------------------------------
 
 
-def _peer_main(name: str, num_layers: int, num_blocks: int, hold: bool, push_to: str | None,
-               options: dict, conn) -> None:
+def _peer_main(
+    name: str, num_layers: int, num_blocks: int, hold: bool, push_to: str | None, options: dict, conn
+) -> None:
     regions = make_regions(num_layers, num_blocks, seed=1)
     t, sink, endpoint = started(name, regions, **options)
     if hold:
@@ -112,8 +114,9 @@ def _peer_main(name: str, num_layers: int, num_blocks: int, hold: bool, push_to:
     threading.Event().wait()  # until killed
 
 
-def spawn_peer(name: str, num_layers: int, num_blocks: int, hold: bool,
-               push_to: str | None = None, **options) -> tuple[mp.Process, str]:
+def spawn_peer(
+    name: str, num_layers: int, num_blocks: int, hold: bool, push_to: str | None = None, **options
+) -> tuple[mp.Process, str]:
     # fork, not spawn: re-importing torch in a child takes ~1 min on the loaded CI
     # box. The child builds its own transport and never touches the parent's
     # threads' objects, so forking a threaded parent is safe here. Not for nixl: UCX
@@ -124,8 +127,7 @@ def spawn_peer(name: str, num_layers: int, num_blocks: int, hold: bool,
     if name == "nixl":
         ctx.set_forkserver_preload(["torch", "tests.support.transport_harness"])
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_peer_main, args=(name, num_layers, num_blocks, hold, push_to, options, child),
-                    daemon=True)
+    p = ctx.Process(target=_peer_main, args=(name, num_layers, num_blocks, hold, push_to, options, child), daemon=True)
     p.start()
     if not parent.poll(60):
         p.kill()
@@ -161,9 +163,16 @@ class RawFetchServer:
             assert read_frame(conn).kind is Kind.HELLO
             send_buffers(conn, [Frame(Kind.HELLO, payload=b"{}").encode()])
             req = read_frame(conn)
-            frame = Frame(Kind.DATA, req_id=req.req_id, checksum=Checksum.BLAKE3, layer=req.layer,
-                          block_nbytes=req.block_nbytes, transfer_id=req.transfer_id, ids=req.ids,
-                          lengths=tuple(len(d) for d in self.data))
+            frame = Frame(
+                Kind.DATA,
+                req_id=req.req_id,
+                checksum=Checksum.BLAKE3,
+                layer=req.layer,
+                block_nbytes=req.block_nbytes,
+                transfer_id=req.transfer_id,
+                ids=req.ids,
+                lengths=tuple(len(d) for d in self.data),
+            )
             body = b"".join(self.data)
             trailer = b"".join(Checksum.BLAKE3.digest(memoryview(d)) for d in self.digest_of)
             if self.truncate:

@@ -55,16 +55,19 @@ class Backend:
     layouts: tuple[KVLayout, ...]  # the layouts it runs, vLLM's preference first
 
 
-BACKENDS = {b.name: b for b in (
-    Backend("FLASH_ATTN", False, (MultipleOf(16),), DEFAULT_LAYOUTS),
-    # declares no set on Hopper (any layout), but its kernels take a layout only by its NHD / HND
-    # name (get_flashinfer_layout_string), which LHBNC has not: the first forward would assert
-    Backend("FLASHINFER", False, (16, 32, 64), tuple(m for m in DEFAULT_LAYOUTS if m is not KVLayout.LHBNC)),
-    Backend("FLASHMLA", True, (64,), DEFAULT_LAYOUTS),
-    Backend("CUTLASS_MLA", True, (128,), DEFAULT_LAYOUTS),  # vLLM runs it on sm_100 only
-    Backend("TRITON_MLA", True, (MultipleOf(16),), DEFAULT_LAYOUTS),
-    Backend("CPU_ATTN", False, (MultipleOf(32),), (KVLayout.LBHNC,)),  # vLLM's CPU backend
-)}
+BACKENDS = {
+    b.name: b
+    for b in (
+        Backend("FLASH_ATTN", False, (MultipleOf(16),), DEFAULT_LAYOUTS),
+        # declares no set on Hopper (any layout), but its kernels take a layout only by its NHD / HND
+        # name (get_flashinfer_layout_string), which LHBNC has not: the first forward would assert
+        Backend("FLASHINFER", False, (16, 32, 64), tuple(m for m in DEFAULT_LAYOUTS if m is not KVLayout.LHBNC)),
+        Backend("FLASHMLA", True, (64,), DEFAULT_LAYOUTS),
+        Backend("CUTLASS_MLA", True, (128,), DEFAULT_LAYOUTS),  # vLLM runs it on sm_100 only
+        Backend("TRITON_MLA", True, (MultipleOf(16),), DEFAULT_LAYOUTS),
+        Backend("CPU_ATTN", False, (MultipleOf(32),), (KVLayout.LBHNC,)),  # vLLM's CPU backend
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -89,12 +92,29 @@ class KVModel:
         return self.num_kv_heads * (block_size or self.block_size) * self.content_nbytes
 
 
-PRESETS = {m.name: m for m in (
-    KVModel("llama3-8b", num_layers=32, num_kv_heads=8, head_size=128, head_size_v=128, dtype=torch.bfloat16,
-            block_size=16),
-    KVModel("deepseek-v3", num_layers=61, num_kv_heads=1, head_size=576, head_size_v=0, dtype=torch.bfloat16,
-            block_size=64),
-)}
+PRESETS = {
+    m.name: m
+    for m in (
+        KVModel(
+            "llama3-8b",
+            num_layers=32,
+            num_kv_heads=8,
+            head_size=128,
+            head_size_v=128,
+            dtype=torch.bfloat16,
+            block_size=16,
+        ),
+        KVModel(
+            "deepseek-v3",
+            num_layers=61,
+            num_kv_heads=1,
+            head_size=576,
+            head_size_v=0,
+            dtype=torch.bfloat16,
+            block_size=64,
+        ),
+    )
+}
 
 
 def model(name: str, layers: int = 0, block_size: int = 0, kv_heads: int = 0) -> KVModel:
@@ -103,8 +123,12 @@ def model(name: str, layers: int = 0, block_size: int = 0, kv_heads: int = 0) ->
         m = PRESETS[name]
     except KeyError:
         raise ValueError(f"model: {name!r} is not one of {sorted(PRESETS)}") from None
-    return replace(m, num_layers=layers or m.num_layers, block_size=block_size or m.block_size,
-                   num_kv_heads=kv_heads or m.num_kv_heads)
+    return replace(
+        m,
+        num_layers=layers or m.num_layers,
+        block_size=block_size or m.block_size,
+        num_kv_heads=kv_heads or m.num_kv_heads,
+    )
 
 
 def resolved_layout(backend: Backend, requested: str = "") -> KVLayout:
@@ -140,8 +164,7 @@ def _shape_bytes(m: KVModel, num_blocks: int, kernel_block_size: int) -> tuple[i
     return num_blocks * (m.block_size // kernel_block_size), m.num_kv_heads, kernel_block_size, m.content_nbytes
 
 
-def _strides(shape: tuple[int, ...], layout: KVLayout,
-             fixed: tuple[int | None, ...] = (None,) * 5) -> tuple[int, ...]:
+def _strides(shape: tuple[int, ...], layout: KVLayout, fixed: tuple[int | None, ...] = (None,) * 5) -> tuple[int, ...]:
     """compute_layout_strides: byte strides of logical [L, B, H, N, C], fixed ones kept."""
     strides = [0] * 5
     current = 1
@@ -156,7 +179,8 @@ def placement(m: KVModel, num_blocks: int, layout: KVLayout) -> Placement:
     bytes_per_block = m.num_layers * m.page_nbytes()  # pages need no padding (unpadded specs)
     shape = (m.num_layers, *_shape_bytes(m, num_blocks, m.block_size))
     layer_stride, block_stride, *_ = _strides(
-        shape, layout, (None, bytes_per_block if layout.is_block_outermost else None, None, None, None))
+        shape, layout, (None, bytes_per_block if layout.is_block_outermost else None, None, None, None)
+    )
     return Placement(bytes_per_block * num_blocks, layer_stride, block_stride)
 
 
@@ -180,8 +204,9 @@ def kernel_block_size(backend: Backend, m: KVModel, layout: KVLayout) -> int:
     raise ValueError(f"No common block size for {bs} ({backend.name}: {list(backend.kernel_block_sizes)}).")
 
 
-def layer_views(raw: torch.Tensor, m: KVModel, num_blocks: int, layout: KVLayout, where: Placement,
-                kernel_block: int) -> list[torch.Tensor]:
+def layer_views(
+    raw: torch.Tensor, m: KVModel, num_blocks: int, layout: KVLayout, where: Placement, kernel_block: int
+) -> list[torch.Tensor]:
     """create_kv_cache_views: each layer's ``[B, H, N, C]`` view (kernel blocks as B) in the KV dtype."""
     shape = _shape_bytes(m, num_blocks, kernel_block)
     ratio = shape[0] // num_blocks
@@ -189,9 +214,11 @@ def layer_views(raw: torch.Tensor, m: KVModel, num_blocks: int, layout: KVLayout
     if ratio > 1:
         dense_page = m.page_nbytes()
         if block_stride != dense_page:
-            raise ValueError(f"The resolved KV cache layout ({layout.name}) does not store blocks as dense, "
-                             f"unpadded pages (block stride {block_stride} != page {dense_page}), so a manager "
-                             f"block cannot be split into {ratio} kernel blocks of {kernel_block} tokens.")
+            raise ValueError(
+                f"The resolved KV cache layout ({layout.name}) does not store blocks as dense, "
+                f"unpadded pages (block stride {block_stride} != page {dense_page}), so a manager "
+                f"block cannot be split into {ratio} kernel blocks of {kernel_block} tokens."
+            )
         block_stride //= ratio
     logical = (m.num_layers, *shape)
     strides = _strides(logical, layout, (where.layer_stride, block_stride, None, None, None))
@@ -219,15 +246,17 @@ def layer_name(i: int) -> str:
     return f"model.layers.{i}.self_attn.attn"
 
 
-def allocate(m: KVModel, backend: Backend, layout: KVLayout, num_blocks: int,
-             device: torch.device | str = "cpu") -> KVCache:
+def allocate(
+    m: KVModel, backend: Backend, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"
+) -> KVCache:
     """allocate_kv_cache for ``m`` on ``backend`` in ``layout`` (zeroed, as vLLM's)."""
     if backend.mla != (m.num_kv_heads == 1 and m.head_size_v == 0):
-        raise ValueError(f"backend {backend.name} is {'' if backend.mla else 'not '}MLA; model {m.name} is "
-                         f"{'' if m.head_size_v == 0 else 'not '}MLA")
+        raise ValueError(
+            f"backend {backend.name} is {'' if backend.mla else 'not '}MLA; model {m.name} is "
+            f"{'' if m.head_size_v == 0 else 'not '}MLA"
+        )
     kernel = kernel_block_size(backend, m, layout)
     where = placement(m, num_blocks, layout)
     raw = torch.zeros(where.size, dtype=torch.int8, device=device)
     views = layer_views(raw, m, num_blocks, layout, where, kernel)
     return KVCache(raw, {layer_name(i): v for i, v in enumerate(views)}, layout, kernel, num_blocks)
-

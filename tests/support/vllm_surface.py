@@ -51,18 +51,47 @@ CLASSES = {
 # ours, and those vllm_pd imports from; the contract test flags an import from any other
 KV = "vllm.distributed.kv_transfer.kv_connector"
 MODULES = (
-    f"{KV}.factory", f"{KV}.base", f"{KV}.utils", f"{KV}.v1", BASE_MODULE, METRICS_MODULE, f"{KV}.v1.multi_connector",
-    f"{KV}.v1.offloading_connector", f"{KV}.v1.simple_cpu_offload_connector", f"{KV}.v1.lmcache_connector",
-    f"{KV}.v1.nixl", "vllm.distributed.kv_transfer.kv_transfer_state", "vllm.distributed.parallel_state",
-    "vllm.config", "vllm.config.kv_transfer", "vllm.config.vllm", "vllm.forward_context", "vllm.platforms",
-    "vllm.v1.request", "vllm.v1.outputs", "vllm.v1.core.sched.output", "vllm.v1.core.kv_cache_manager",
-    "vllm.v1.core.kv_cache_utils", "vllm.v1.core.block_pool", "vllm.v1.kv_cache_interface",
-    "vllm.v1.attention.backend", "vllm.v1.attention.backends.registry", "vllm.v1.attention.backends.mla.triton_mla",
-    "vllm.v1.attention.backends.mla.cpu_mla", "vllm.model_executor.layers.attention.mla_attention",
-    "vllm.v1.metrics.cache_hit_source", "vllm._custom_ops", "vllm.utils.deep_gemm", "vllm.logger",
+    f"{KV}.factory",
+    f"{KV}.base",
+    f"{KV}.utils",
+    f"{KV}.v1",
+    BASE_MODULE,
+    METRICS_MODULE,
+    f"{KV}.v1.multi_connector",
+    f"{KV}.v1.offloading_connector",
+    f"{KV}.v1.simple_cpu_offload_connector",
+    f"{KV}.v1.lmcache_connector",
+    f"{KV}.v1.nixl",
+    "vllm.distributed.kv_transfer.kv_transfer_state",
+    "vllm.distributed.parallel_state",
+    "vllm.config",
+    "vllm.config.kv_transfer",
+    "vllm.config.vllm",
+    "vllm.forward_context",
+    "vllm.platforms",
+    "vllm.v1.request",
+    "vllm.v1.outputs",
+    "vllm.v1.core.sched.output",
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.core.kv_cache_utils",
+    "vllm.v1.core.block_pool",
+    "vllm.v1.kv_cache_interface",
+    "vllm.v1.attention.backend",
+    "vllm.v1.attention.backends.registry",
+    "vllm.v1.attention.backends.mla.triton_mla",
+    "vllm.v1.attention.backends.mla.cpu_mla",
+    "vllm.model_executor.layers.attention.mla_attention",
+    "vllm.v1.metrics.cache_hit_source",
+    "vllm._custom_ops",
+    "vllm.utils.deep_gemm",
+    "vllm.logger",
 )
-DECORATOR_KINDS = {"classmethod": "classmethod", "staticmethod": "staticmethod", "property": "property",
-                   "cached_property": "property"}
+DECORATOR_KINDS = {
+    "classmethod": "classmethod",
+    "staticmethod": "staticmethod",
+    "property": "property",
+    "cached_property": "property",
+}
 
 
 # ---- reading source (no import) -----------------------------------------------------------------
@@ -73,8 +102,10 @@ def _param(name: str, kind: str, has_default: bool) -> list[Any]:
 def _ast_params(args: ast.arguments) -> list[list[Any]]:
     positional = [*args.posonlyargs, *args.args]
     first_default = len(positional) - len(args.defaults)
-    out = [_param(a.arg, "positional_only" if i < len(args.posonlyargs) else "positional_or_keyword",
-                  i >= first_default) for i, a in enumerate(positional)]
+    out = [
+        _param(a.arg, "positional_only" if i < len(args.posonlyargs) else "positional_or_keyword", i >= first_default)
+        for i, a in enumerate(positional)
+    ]
     if args.vararg is not None:
         out.append(_param(args.vararg.arg, "var_positional", False))
     out += [_param(a.arg, "keyword_only", d is not None) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
@@ -99,8 +130,11 @@ def _ast_class(node: ast.ClassDef) -> dict[str, Any]:
             if "setter" in decorators or "deleter" in decorators:
                 continue  # the property's getter is the member
             kind = next((DECORATOR_KINDS[d] for d in decorators if d in DECORATOR_KINDS), "method")
-            members[item.name] = {"kind": kind, "abstract": "abstractmethod" in decorators,
-                                  "params": [] if kind == "property" else _ast_params(item.args)}
+            members[item.name] = {
+                "kind": kind,
+                "abstract": "abstractmethod" in decorators,
+                "params": [] if kind == "property" else _ast_params(item.args),
+            }
         elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
             members[item.target.id] = {"kind": "field", "abstract": False, "has_default": item.value is not None}
         elif isinstance(item, ast.Assign):
@@ -109,8 +143,9 @@ def _ast_class(node: ast.ClassDef) -> dict[str, Any]:
                     members[t.id] = {"kind": "attribute", "abstract": False}
     init = next((i for i in node.body if isinstance(i, ast.FunctionDef) and i.name == "__init__"), None)
     for stmt in ast.walk(init) if init is not None else ():  # what instances get: self.x = ...
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(
-            stmt, ast.AnnAssign) else []
+        targets = (
+            stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        )
         for t in targets:
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
                 members.setdefault(t.attr, {"kind": "instance_attribute", "abstract": False})
@@ -133,8 +168,12 @@ def _module_names(tree: ast.Module) -> dict[str, Any]:
             names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
             dynamic |= any(a.name == "*" for a in node.names)
         elif isinstance(node, (ast.If, ast.Try)):  # guarded imports and definitions count too
-            body = [*node.body, *node.orelse, *getattr(node, "finalbody", []),
-                    *(s for h in getattr(node, "handlers", []) for s in h.body)]
+            body = [
+                *node.body,
+                *node.orelse,
+                *getattr(node, "finalbody", []),
+                *(s for h in getattr(node, "handlers", []) for s in h.body),
+            ]
             inner = _module_names(ast.Module(body=body, type_ignores=[]))
             names.update(inner["names"])
             dynamic |= inner["dynamic"]
@@ -178,15 +217,22 @@ def surface_from_source(source: Path, version: str = "") -> dict[str, Any]:
     missing = CLASSES - set(classes)
     if missing:
         raise ValueError(f"{source}: classes not found: {sorted(missing)}")
-    return {"vllm": version, "source": source.name, "classes": dict(sorted(classes.items())),
-            "modules": dict(sorted(modules.items()))}
+    return {
+        "vllm": version,
+        "source": source.name,
+        "classes": dict(sorted(classes.items())),
+        "modules": dict(sorted(modules.items())),
+    }
 
 
 # ---- reading a live class ------------------------------------------------------------------------
-_KINDS = {inspect.Parameter.POSITIONAL_ONLY: "positional_only",
-          inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional_or_keyword",
-          inspect.Parameter.VAR_POSITIONAL: "var_positional", inspect.Parameter.KEYWORD_ONLY: "keyword_only",
-          inspect.Parameter.VAR_KEYWORD: "var_keyword"}
+_KINDS = {
+    inspect.Parameter.POSITIONAL_ONLY: "positional_only",
+    inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional_or_keyword",
+    inspect.Parameter.VAR_POSITIONAL: "var_positional",
+    inspect.Parameter.KEYWORD_ONLY: "keyword_only",
+    inspect.Parameter.VAR_KEYWORD: "var_keyword",
+}
 
 
 def live_params(fn: Any) -> list[list[Any]]:
@@ -202,8 +248,7 @@ def live_member(cls: type, name: str) -> dict[str, Any] | None:
     if isinstance(raw, (classmethod, staticmethod)):
         kind, fn = type(raw).__name__, raw.__func__
     elif isinstance(raw, property):
-        return {"kind": "property", "abstract": bool(getattr(raw.fget, "__isabstractmethod__", False)),
-                "params": []}
+        return {"kind": "property", "abstract": bool(getattr(raw.fget, "__isabstractmethod__", False)), "params": []}
     elif inspect.isfunction(raw):
         kind, fn = "method", raw
     else:
@@ -275,8 +320,7 @@ def defined_on(cls: type, name: str, stop: str) -> type | None:
     return None
 
 
-def check_connector(cls: type, base: dict[str, Any], base_name: str,
-                    decisions: dict[str, str]) -> list[str]:
+def check_connector(cls: type, base: dict[str, Any], base_name: str, decisions: dict[str, str]) -> list[str]:
     """What ``cls`` (a KVConnectorBase_V1 subclass) gets wrong about one version's base class surface
     ``base`` (``{"members": ...}``): an abstract member not implemented, an override of another kind
     or signature, a member nobody decided about (``decisions``: member -> "ours" when we override
@@ -288,8 +332,9 @@ def check_connector(cls: type, base: dict[str, Any], base_name: str,
         where = defined_on(cls, name, base_name)
         decision = decisions.get(name)
         if decision is None:
-            problems.append(f"{name}: new in vLLM's {base_name}: decide (implement it, or record why "
-                            f"the default is right)")
+            problems.append(
+                f"{name}: new in vLLM's {base_name}: decide (implement it, or record why the default is right)"
+            )
         elif decision == "ours" and where is None:
             problems.append(f"{name}: decided 'ours' but {cls.__name__} does not define it")
         elif decision != "ours" and where is not None:
@@ -312,13 +357,19 @@ def check_connector(cls: type, base: dict[str, Any], base_name: str,
 
 def dump(surface: dict[str, Any]) -> str:
     """JSON with one line per member and per module: diffs between versions read line by line."""
+
     def block(items: dict[str, Any], indent: str) -> str:
         return ",\n".join(f"{indent}{json.dumps(k)}: {json.dumps(v)}" for k, v in items.items())
 
-    classes = ",\n".join(f'  {json.dumps(name)}: {{"bases": {json.dumps(c["bases"])}, "members": {{\n'
-                         f'{block(c["members"], "   ")}\n  }}}}' for name, c in surface["classes"].items())
-    return (f'{{"vllm": {json.dumps(surface["vllm"])}, "source": {json.dumps(surface["source"])},\n'
-            f' "classes": {{\n{classes}\n }},\n "modules": {{\n{block(surface["modules"], "  ")}\n }}\n}}\n')
+    classes = ",\n".join(
+        f'  {json.dumps(name)}: {{"bases": {json.dumps(c["bases"])}, "members": {{\n'
+        f"{block(c['members'], '   ')}\n  }}}}"
+        for name, c in surface["classes"].items()
+    )
+    return (
+        f'{{"vllm": {json.dumps(surface["vllm"])}, "source": {json.dumps(surface["source"])},\n'
+        f' "classes": {{\n{classes}\n }},\n "modules": {{\n{block(surface["modules"], "  ")}\n }}\n}}\n'
+    )
 
 
 # ---- the generator ------------------------------------------------------------------------------

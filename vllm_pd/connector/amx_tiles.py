@@ -24,6 +24,8 @@ def request_amx_tiles() -> bool:
         return False
     granted = bool(torch.cpu._init_amx())
     if not granted:
-        logger.warning("this CPU has AMX but Linux did not grant this process its tile state: "
-                       "vLLM's AMX attention kernels will fault")
+        logger.warning(
+            "this CPU has AMX but Linux did not grant this process its tile state: "
+            "vLLM's AMX attention kernels will fault"
+        )
     return granted

@@ -52,14 +52,15 @@ class AnnounceProbe:
         if fut is not None and fut.done():
             ping.future = None
             if fut.exception() is not None:
-                logger.warning("prefill %s did not answer a ping within %.1fs: %s", endpoint, self.probe_s,
-                               fut.exception())
+                logger.warning(
+                    "prefill %s did not answer a ping within %.1fs: %s", endpoint, self.probe_s, fut.exception()
+                )
                 return True
             ping.answered_at = now
         if ping.future is None and now - ping.answered_at >= self.probe_s:
             try:
                 ping.future = self._client(endpoint).notify(endpoint, PingMessage().encode(), timeout=self.probe_s)
-            except Exception as e:  # noqa: BLE001 - an endpoint we cannot even address is lost
+            except Exception as e:
                 logger.warning("prefill %s cannot be pinged: %s", endpoint, e)
                 return True
         return False

@@ -37,7 +37,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 
-
 from vllm_pd.errors import AuthFailed, ConfigError
 
 AUTH_VERSION = 1
@@ -89,8 +88,9 @@ class DeploymentSecret:
         return f"DeploymentSecret(from {self.source})"
 
 
-def load_secret(secret_file: str | None, key: str = "secret_file",
-                env: Mapping[str, str] | None = None) -> DeploymentSecret | None:
+def load_secret(
+    secret_file: str | None, key: str = "secret_file", env: Mapping[str, str] | None = None
+) -> DeploymentSecret | None:
     """The secret from ``secret_file`` or the ``VLLM_PD_SECRET`` environment variable; None if
     neither is set. ConfigError naming ``key`` (or the variable) on an unreadable file, an empty
     or short secret, or both set to different values."""
@@ -119,8 +119,10 @@ def _check_secret(value: bytes, where: str) -> None:
     if not value:
         raise ConfigError(f"{where}: the secret is empty")
     if len(value) < MIN_SECRET_NBYTES:
-        raise ConfigError(f"{where}: the secret is {len(value)} bytes; use at least {MIN_SECRET_NBYTES} random "
-                          "bytes (e.g. `openssl rand -hex 32`)")
+        raise ConfigError(
+            f"{where}: the secret is {len(value)} bytes; use at least {MIN_SECRET_NBYTES} random "
+            "bytes (e.g. `openssl rand -hex 32`)"
+        )
 
 
 def new_secret() -> str:
@@ -157,21 +159,26 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
 
-def check_bind(host: str, secret: DeploymentSecret | None, insecure_network: bool, key: str,
-               insecure_key: str = "insecure_network") -> bool:
+def check_bind(
+    host: str, secret: DeploymentSecret | None, insecure_network: bool, key: str, insecure_key: str = "insecure_network"
+) -> bool:
     """Whether listening on ``host`` is allowed: loopback always; beyond it only with a secret, or
     with ``insecure_network`` (True returned: the caller logs a warning). ConfigError naming ``key``."""
     if secret is not None or is_loopback(host):
         return False
     if insecure_network:
         return True
-    raise ConfigError(f"{key}: {host!r} is reachable from other hosts, and no deployment secret is set: anyone "
-                      f"who can reach it could read, write or release KV. Set {SECRET_ENV} (or secret_file), "
-                      f"bind to 127.0.0.1, or set {insecure_key} to accept that")
+    raise ConfigError(
+        f"{key}: {host!r} is reachable from other hosts, and no deployment secret is set: anyone "
+        f"who can reach it could read, write or release KV. Set {SECRET_ENV} (or secret_file), "
+        f"bind to 127.0.0.1, or set {insecure_key} to accept that"
+    )
 
 
-INSECURE_WARNING = ("%s listens on %s without a deployment secret (%s): any process that reaches it can read, "
-                    "write and release KV. Set %s or secret_file to require one.")
+INSECURE_WARNING = (
+    "%s listens on %s without a deployment secret (%s): any process that reaches it can read, "
+    "write and release KV. Set %s or secret_file to require one."
+)
 
 
 # -- the handshake -------------------------------------------------------------------------------------
@@ -190,9 +197,10 @@ def _unpack(data: bytes, kind: _Kind, service: Service, nbytes: int) -> bytes:
     if version != AUTH_VERSION:
         raise AuthFailed(f"handshake version {version}, this side speaks {AUTH_VERSION}")
     if got_kind != kind or got_service != service:
-        raise AuthFailed(f"expected handshake {kind.name} for {service.name}, got kind {got_kind} "
-                         f"for service {got_service}")
-    return data[_HEAD.size:]
+        raise AuthFailed(
+            f"expected handshake {kind.name} for {service.name}, got kind {got_kind} for service {got_service}"
+        )
+    return data[_HEAD.size :]
 
 
 def is_handshake_hello(data: bytes) -> bool:
@@ -224,8 +232,9 @@ class SessionKeys:
         return "SessionKeys(...)"
 
 
-def _session_keys(secret: DeploymentSecret, service: Service, nonce_c: bytes, nonce_s: bytes,
-                  dialler: bool) -> SessionKeys:
+def _session_keys(
+    secret: DeploymentSecret, service: Service, nonce_c: bytes, nonce_s: bytes, dialler: bool
+) -> SessionKeys:
     master = _proof(secret, b"session", service, nonce_c, nonce_s)
     c2s, s2c = hmac.digest(master, b"dialler->listener", "sha256"), hmac.digest(master, b"listener->dialler", "sha256")
     blocks = hmac.digest(master, b"blocks", "sha256")
@@ -245,8 +254,9 @@ class DiallerHandshake:
 
     def proof(self, challenge: bytes) -> bytes:
         self._peer_nonce = _unpack(challenge, _Kind.CHALLENGE, self._service, NONCE_NBYTES)
-        return _pack(_Kind.PROOF, self._service,
-                     _proof(self._secret, b"dialler", self._service, self._nonce, self._peer_nonce))
+        return _pack(
+            _Kind.PROOF, self._service, _proof(self._secret, b"dialler", self._service, self._nonce, self._peer_nonce)
+        )
 
     def finish(self, listener_proof: bytes) -> SessionKeys:
         """The session's keys once the listener proved the secret; AuthFailed otherwise."""
@@ -279,8 +289,9 @@ class ListenerHandshake:
         want = _proof(self._secret, b"dialler", self._service, self._peer_nonce, self._nonce)
         if not hmac.compare_digest(got, want):
             raise AuthFailed("the dialler's proof is wrong (no or another deployment's secret)")
-        ours = _pack(_Kind.PROOF, self._service,
-                     _proof(self._secret, b"listener", self._service, self._peer_nonce, self._nonce))
+        ours = _pack(
+            _Kind.PROOF, self._service, _proof(self._secret, b"listener", self._service, self._peer_nonce, self._nonce)
+        )
         return ours, _session_keys(self._secret, self._service, self._peer_nonce, self._nonce, dialler=False)
 
 
@@ -344,8 +355,26 @@ class MessageSeal:
 
 
 __all__ = [
-    "AUTH_VERSION", "CHALLENGE_NBYTES", "HELLO_NBYTES", "INSECURE_WARNING", "PROOF_MESSAGE_NBYTES", "REFUSED",
-    "SECRET_ENV", "TAG_NBYTES", "DeploymentSecret", "DiallerHandshake", "ListenerHandshake", "MessageSeal",
-    "Service", "SessionKeys", "StreamSeal", "check_bind", "describe_unauthenticated", "is_handshake_hello",
-    "is_loopback", "load_secret", "new_secret", "write_new_secret",
+    "AUTH_VERSION",
+    "CHALLENGE_NBYTES",
+    "HELLO_NBYTES",
+    "INSECURE_WARNING",
+    "PROOF_MESSAGE_NBYTES",
+    "REFUSED",
+    "SECRET_ENV",
+    "TAG_NBYTES",
+    "DeploymentSecret",
+    "DiallerHandshake",
+    "ListenerHandshake",
+    "MessageSeal",
+    "Service",
+    "SessionKeys",
+    "StreamSeal",
+    "check_bind",
+    "describe_unauthenticated",
+    "is_handshake_hello",
+    "is_loopback",
+    "load_secret",
+    "new_secret",
+    "write_new_secret",
 ]

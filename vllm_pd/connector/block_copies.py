@@ -119,12 +119,14 @@ class BlockCopies:
             try:
                 flat = byte_blocks(region).view(region.num_blocks, region.block_nbytes)
             except RuntimeError:
-                raise ValueError(f"region {region.name!r}: a block's bytes are not contiguous, so parts of "
-                                 "it cannot be placed") from None
+                raise ValueError(
+                    f"region {region.name!r}: a block's bytes are not contiguous, so parts of it cannot be placed"
+                ) from None
             if offset < 0 or nbytes <= 0 or offset + nbytes > region.block_nbytes:
-                raise ValueError(f"window [{offset}, {offset + nbytes}) is not inside a block of "
-                                 f"{region.block_nbytes} bytes")
-            view = self._windows[key] = widest_elements(flat[:, offset:offset + nbytes])
+                raise ValueError(
+                    f"window [{offset}, {offset + nbytes}) is not inside a block of {region.block_nbytes} bytes"
+                )
+            view = self._windows[key] = widest_elements(flat[:, offset : offset + nbytes])
         return view
 
     def record_compute(self) -> DeviceEvent:
@@ -141,13 +143,14 @@ class BlockCopies:
             gathered = src.index_select(0, self._index.get(block_ids)).view(len(block_ids), -1).view(torch.uint8)
             start = 0
             for ids, rows in runs:
-                rows.copy_(gathered[start:start + len(ids)], non_blocking=True)
+                rows.copy_(gathered[start : start + len(ids)], non_blocking=True)
                 start += len(ids)
 
         return self._launch(after, work)
 
-    def from_rows(self, layer: int, runs: Sequence[Run], after: DeviceEvent = COMPLETED,
-                  window: tuple[int, int] | None = None) -> DeviceEvent:
+    def from_rows(
+        self, layer: int, runs: Sequence[Run], after: DeviceEvent = COMPLETED, window: tuple[int, int] | None = None
+    ) -> DeviceEvent:
         """Copy each run's host rows into its blocks of ``layer`` once ``after`` is complete (vLLM
         zeroing the blocks on the compute stream, say): one host-to-device copy per run into one
         device buffer, then one scatter. The rows must stay untouched until the returned event.
@@ -168,7 +171,7 @@ class BlockCopies:
                 staged = self.device.empty((n, nbytes), torch.uint8)
                 start = 0
                 for ids, rows in runs:
-                    staged[start:start + len(ids)].copy_(rows, non_blocking=True)
+                    staged[start : start + len(ids)].copy_(rows, non_blocking=True)
                     start += len(ids)
             dst.index_copy_(0, self._index.get(block_ids), as_elements(staged, dst))
 

@@ -17,9 +17,16 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def recut_rows(rows: Sequence[torch.Tensor], heads: int, remote_block_size: int, local_block_size: int,
-               first_token: int, num_local: int, runs: Sequence[tuple[int, int]],
-               alloc: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+def recut_rows(
+    rows: Sequence[torch.Tensor],
+    heads: int,
+    remote_block_size: int,
+    local_block_size: int,
+    first_token: int,
+    num_local: int,
+    runs: Sequence[tuple[int, int]],
+    alloc: Callable[[int], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Prefill's rows (consecutive block positions, the first holding token ``first_token``'s
     block's start: ``rows[0]`` is the block at ``first_token // remote_block_size``) as
     ``num_local`` rows of decode's block size starting at token ``first_token``: ``[num_local,
@@ -41,15 +48,19 @@ def recut_rows(rows: Sequence[torch.Tensor], heads: int, remote_block_size: int,
         out.zero_()
     at = 0  # a run's offset per token of a block
     for run_rows, e in runs:
-        src = remote[:, :, at * remote_block_size:(at + run_rows * e) * remote_block_size]
+        src = remote[:, :, at * remote_block_size : (at + run_rows * e) * remote_block_size]
         # [heads, rows, tokens of all k blocks, e]: per head and row, the tokens in order
-        by_row = src.reshape(k, heads, run_rows, remote_block_size, e).permute(1, 2, 0, 3, 4).reshape(
-            heads, run_rows, k * remote_block_size, e)
-        dst = out[:, :, at * local_block_size:(at + run_rows * e) * local_block_size].view(
-            num_local, heads, run_rows, local_block_size, e)
+        by_row = (
+            src.reshape(k, heads, run_rows, remote_block_size, e)
+            .permute(1, 2, 0, 3, 4)
+            .reshape(heads, run_rows, k * remote_block_size, e)
+        )
+        dst = out[:, :, at * local_block_size : (at + run_rows * e) * local_block_size].view(
+            num_local, heads, run_rows, local_block_size, e
+        )
         for j in range(num_local):  # per decode block: one strided copy of every head's rows' tokens
             lo, hi = j * local_block_size, min((j + 1) * local_block_size, take)
             if hi > lo:
-                dst[j, :, :, :hi - lo].copy_(by_row[:, :, offset + lo:offset + hi])
+                dst[j, :, :, : hi - lo].copy_(by_row[:, :, offset + lo : offset + hi])
         at += run_rows * e
     return out.view(num_local, -1)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret, check_bind, is_loopback, load_secret
-from vllm_pd.errors import ConfigError
-from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transfer_params import LoadMode, TransferMode
+from vllm_pd.connector.transport.tls_stream import TlsSettings
+from vllm_pd.errors import ConfigError
 
 TransportName = Literal["tcp", "shm", "nixl"]
 
@@ -119,7 +119,7 @@ class PDConnectorConfig:
         return self.secret is None and not is_loopback(self.bind_host)
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> "PDConnectorConfig":
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> PDConnectorConfig:
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls) if not f.metadata.get("loaded")}
         unknown = sorted(set(extra) - set(known))
@@ -132,11 +132,14 @@ class PDConnectorConfig:
         for key, value in extra.items():
             values[key] = _coerce(key, known[key].type, value)
         values["secret"] = load_secret(values.get("secret_file"), "kv_connector_extra_config.secret_file")
-        values["tls"] = TlsSettings.from_keys(values.get("tls_cert"), values.get("tls_key"), values.get("tls_ca"),
-                                              "kv_connector_extra_config.")
+        values["tls"] = TlsSettings.from_keys(
+            values.get("tls_cert"), values.get("tls_key"), values.get("tls_ca"), "kv_connector_extra_config."
+        )
         if values["tls"] is not None and values.get("transport", "tcp") != "tcp":
-            raise ConfigError("kv_connector_extra_config.tls_cert: TLS is for the tcp transport (shm never leaves "
-                              "the host; nixl's RDMA cannot be encrypted by us: see docs/guides/security.md)")
+            raise ConfigError(
+                "kv_connector_extra_config.tls_cert: TLS is for the tcp transport (shm never leaves "
+                "the host; nixl's RDMA cannot be encrypted by us: see docs/guides/security.md)"
+            )
         cfg = cls(**values)
         for key in ("lease_s", "transfer_timeout_s", "push_wait_s", "peer_probe_s"):
             if getattr(cfg, key) <= 0:
@@ -166,8 +169,13 @@ def _listen_host(bind_host: str, secret: DeploymentSecret | None, insecure_netwo
     """The address the KV endpoint binds to: loopback unless a secret (or insecure_network) allows more."""
     if bind_host == "auto":
         return "0.0.0.0" if secret is not None or insecure_network else "127.0.0.1"
-    check_bind(bind_host, secret, insecure_network, "kv_connector_extra_config.bind_host",
-               "kv_connector_extra_config.insecure_network")
+    check_bind(
+        bind_host,
+        secret,
+        insecure_network,
+        "kv_connector_extra_config.bind_host",
+        "kv_connector_extra_config.insecure_network",
+    )
     return bind_host
 
 

@@ -16,7 +16,6 @@ refused at start, with the reason.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,12 +34,12 @@ from vllm_pd.connector.kv_layout import TRANSFER_LAYOUT
 from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, PDWorkerMeta
 from vllm_pd.connector.scheduler import PDConnectorScheduler, kv_cache_groups
 from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
-from vllm_pd.connector.transfer_params import asks_remote_decode, asks_remote_prefill
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store_bridge import StoreBridgeScheduler, StoreBridgeWorker
+from vllm_pd.connector.transfer_params import asks_remote_decode, asks_remote_prefill
 from vllm_pd.connector.worker import PDConnectorWorker
-from vllm_pd.vllm_logging import vllm_logger
 from vllm_pd.errors import ConfigError
+from vllm_pd.vllm_logging import vllm_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,7 +53,7 @@ if TYPE_CHECKING:
 logger = vllm_logger(__name__)
 
 
-def total_kv_heads(vllm_config: "VllmConfig") -> int:
+def total_kv_heads(vllm_config: VllmConfig) -> int:
     """The model's KV heads before TP sharding; 1 for MLA (one latent, on every rank)."""
     model_config = vllm_config.model_config
     if model_config is None:
@@ -64,7 +63,7 @@ def total_kv_heads(vllm_config: "VllmConfig") -> int:
     return int(model_config.get_total_num_kv_heads())
 
 
-def attention_kernel(vllm_config: "VllmConfig") -> str:
+def attention_kernel(vllm_config: VllmConfig) -> str:
     """How vLLM's attention kernel packs a head's tokens in our blocks (``kv_geometry.kernel_format``):
     "" where the tensor's dims say it (GPU backends, MLA). vLLM CPU attention packs per ISA
     (``cpu_attn._get_attn_isa``, private: its choice for x86 is repeated here): "vec" (x86 without
@@ -79,14 +78,19 @@ def attention_kernel(vllm_config: "VllmConfig") -> str:
     if not current_platform.is_cpu() or model_config is None or model_config.use_mla:
         return ""
     amx = torch.cpu._is_amx_tile_supported() and model_config.dtype == torch.bfloat16
-    vec = (platform.machine().lower() in ("x86_64", "amd64") and not amx
-           and vllm_config.cache_config.block_size % 32 == 0 and model_config.get_head_size() % 32 == 0)
+    vec = (
+        platform.machine().lower() in ("x86_64", "amd64")
+        and not amx
+        and vllm_config.cache_config.block_size % 32 == 0
+        and model_config.get_head_size() % 32 == 0
+    )
     return CPU_VEC_KERNEL if vec else "cpu-" + ("amx" if amx else "other")
 
 
 class PDConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
@@ -94,26 +98,36 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         self.is_producer = bool(ktc.is_kv_producer)
         self.is_consumer = bool(ktc.is_kv_consumer)
         if self.is_consumer and ktc.kv_load_failure_policy != "recompute":
-            logger.warning("kv_load_failure_policy=%r: a failed KV transfer fails the request; "
-                           "set \"kv_load_failure_policy\": \"recompute\" to recompute it instead",
-                           ktc.kv_load_failure_policy)
+            logger.warning(
+                "kv_load_failure_policy=%r: a failed KV transfer fails the request; "
+                'set "kv_load_failure_policy": "recompute" to recompute it instead',
+                ktc.kv_load_failure_policy,
+            )
         self._scheduler: PDConnectorScheduler | None = None
         self._worker: PDConnectorWorker | None = None
-        store_config = (dataclasses.replace(StoreConfig.from_dict(self.config.store), secret=self.config.secret,
-                                            tls=self.config.tls)
-                        if self.config.store is not None else None)
+        store_config = (
+            dataclasses.replace(
+                StoreConfig.from_dict(self.config.store), secret=self.config.secret, tls=self.config.tls
+            )
+            if self.config.store is not None
+            else None
+        )
         self._store_scheduler: StoreBridgeScheduler | None = None
         self._store_worker: StoreBridgeWorker | None = None
         groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
         if any(g.kind == "state" for g in groups):
             # a recurrent state is rewritten every step and sharded unlike heads: moving it is not done yet
-            raise ConfigError("PDConnector: this model keeps a recurrent state (Mamba / linear attention KV cache "
-                              "group), which the PD connector does not move yet; serve it without "
-                              "--kv-transfer-config PDConnector (sliding-window hybrids are supported)")
+            raise ConfigError(
+                "PDConnector: this model keeps a recurrent state (Mamba / linear attention KV cache "
+                "group), which the PD connector does not move yet; serve it without "
+                "--kv-transfer-config PDConnector (sliding-window hybrids are supported)"
+            )
         if store_config is not None and len(groups) > 1:
             # its keys and blocks are one group's: a hybrid model's other groups would be missing
-            logger.warning("PD connector: the KV store is off for this model: it has %d KV cache groups (the "
-                           "store keeps one)", len(groups))
+            logger.warning(
+                "PD connector: the KV store is off for this model: it has %d KV cache groups (the store keeps one)",
+                len(groups),
+            )
             store_config = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PDConnectorScheduler(vllm_config, self.config, str(ktc.engine_id), kv_cache_config)
@@ -122,8 +136,11 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            layer_groups = ({name: g for g, group in enumerate(kv_cache_config.kv_cache_groups)
-                             for name in group.layer_names} if kv_cache_config is not None else {})
+            layer_groups = (
+                {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
+                if kv_cache_config is not None
+                else {}
+            )
             self._worker = PDConnectorWorker(
                 self.config,
                 block_size=vllm_config.cache_config.block_size,
@@ -155,8 +172,13 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register_kv_caches(kv_caches, num_blocks, kv_layout=self._vllm_config.cache_config.kv_cache_layout)
         if self._store_worker is not None:
             blocks = {r.name: r.tensor for r in self.worker.regions}
-            self._store_worker.register_kv_caches(blocks, self.config.bind_host, self.worker.host,
-                                                  device=self.worker.device, kv_format=self.worker.kv_format)
+            self._store_worker.register_kv_caches(
+                blocks,
+                self.config.bind_host,
+                self.worker.host,
+                device=self.worker.device,
+                kv_format=self.worker.kv_format,
+            )
 
     def unregister_kv_caches(self) -> None:
         """vLLM >= 0.33, sleep mode: the KV cache's pages are freed next (see the worker's)."""
@@ -169,9 +191,15 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         w = self.worker
-        handshake = PDHandshake(endpoint=w.endpoint, host=w.host, port=w.port, num_layers=len(w.regions),
-                                block_nbytes=w.regions[0].block_nbytes, kv_format=w.kv_format,
-                                kv_shape=encode_shape(w.shape) if w.shape is not None else b"")
+        handshake = PDHandshake(
+            endpoint=w.endpoint,
+            host=w.host,
+            port=w.port,
+            num_layers=len(w.regions),
+            block_nbytes=w.regions[0].block_nbytes,
+            kv_format=w.kv_format,
+            kv_shape=encode_shape(w.shape) if w.shape is not None else b"",
+        )
         if self._store_worker is not None:
             handshake.store_endpoint = self._store_worker.endpoint
         return handshake
@@ -183,7 +211,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         if self._store_worker is not None:
             self._store_worker.begin_step(connector_metadata.store)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_loads()
         if self._store_worker is not None:
             self._store_worker.start()
@@ -207,8 +235,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         sent, recvd, failed = self.worker.get_finished()
         if self._store_worker is not None:
             sent = self._store_worker.merge_finished(sent)
-        return KVConnectorTransferResults(finished_sending=sent, finished_recving=recvd,
-                                          failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=recvd, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad = self.worker.block_ids_with_load_errors()
@@ -254,11 +281,14 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         if self._store_scheduler is not None and by_rank:
             first = by_rank[min(by_rank)]
             store_endpoints = [by_rank[r].store_endpoint for r in sorted(by_rank)]
-            self._store_scheduler.on_handshake(first.num_layers, first.block_nbytes,
-                                               ",".join(store_endpoints) if all(store_endpoints) else "",
-                                               kv_format=self.scheduler.kv_format)
+            self._store_scheduler.on_handshake(
+                first.num_layers,
+                first.block_nbytes,
+                ",".join(store_endpoints) if all(store_endpoints) else "",
+                kv_format=self.scheduler.kv_format,
+            )
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.scheduler.note_request(request.request_id)
         if self._store_scheduler is not None and not asks_remote_prefill(request.kv_transfer_params):
             hit = self._store_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -268,25 +298,25 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """Our loads land the request's own blocks of every KV cache group that transfers KV."""
         assert self._kv_cache_config is not None
         return tuple(self._kv_cache_config.transfer_group_ids)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._store_scheduler is not None:
             self._store_scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
         if asks_remote_decode(request.kv_transfer_params) and not self.is_producer:
             return
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = self.scheduler.build_connector_meta(scheduler_output)
         if self._store_scheduler is not None:
             meta.store = self._store_scheduler.build_meta()
         return meta
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.note_sent(connector_output.finished_sending or set())
         if connector_output.invalid_block_ids:
             self.scheduler.forget_failed_blocks(connector_output.invalid_block_ids)
@@ -298,12 +328,13 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         if self._store_scheduler is not None:
             self._store_scheduler.update_connector_output(meta.store)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Without the hybrid KV cache manager: one KV cache group."""
         return self.request_finished_all_groups(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: "Request",
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """SupportsHMA: every KV cache group's blocks, held together until decode took them."""
         delay, params = self.scheduler.request_finished(request, block_ids)
         if self._store_scheduler is not None:
@@ -322,7 +353,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """LBHNC, where the attention backends accept it (vLLM falls back to their first choice,
         with a warning, where not; ``VLLM_KV_CACHE_LAYOUT`` overrides both): a block of a layer
         is one contiguous page (one NIXL descriptor per block, or per run of adjacent blocks),
@@ -347,6 +378,11 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         return PDConnectorStats(data=dict(data)) if data is not None else PDConnectorStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Any, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> PDPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PDPromMetrics:
         return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

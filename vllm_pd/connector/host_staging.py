@@ -16,7 +16,6 @@ import bisect
 import threading
 from collections.abc import Sequence
 
-
 from vllm_pd.connector.kv_device import KVDevice
 from vllm_pd.connector.transport.base import MemoryRegion
 from vllm_pd.errors import ConfigError
@@ -27,8 +26,7 @@ class StagingArena:
         per_row = sum(block_nbytes)
         self.rows = capacity_bytes // per_row if per_row else 0
         if self.rows < 1:
-            raise ConfigError(f"host staging of {capacity_bytes} bytes holds no block of all layers "
-                              f"({per_row} bytes)")
+            raise ConfigError(f"host staging of {capacity_bytes} bytes holds no block of all layers ({per_row} bytes)")
         self.tensors = [device.host_empty(self.rows * n).view(self.rows, n) for n in block_nbytes]
         self.regions = [MemoryRegion(f"host-staging-{i}", t) for i, t in enumerate(self.tensors)]
         self._lock = threading.Lock()
@@ -51,12 +49,12 @@ class StagingArena:
             i = bisect.bisect(self._free, (start, n))
             self._free.insert(i, (start, n))
             merged: list[tuple[int, int]] = []
-            for s, length in self._free[max(0, i - 1):i + 2]:
+            for s, length in self._free[max(0, i - 1) : i + 2]:
                 if merged and merged[-1][0] + merged[-1][1] == s:
                     merged[-1] = (merged[-1][0], merged[-1][1] + length)
                 else:
                     merged.append((s, length))
-            self._free[max(0, i - 1):i + 2] = merged
+            self._free[max(0, i - 1) : i + 2] = merged
 
     @property
     def free_rows(self) -> int:

@@ -52,14 +52,16 @@ class KVAccess(abc.ABC):
         """Transport ids ``block_ids`` will be sent from (before any copy); None: no room."""
 
     @abc.abstractmethod
-    def stage_send(self, transfer_id: str, layer: int, block_ids: Sequence[int],
-                   after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
+    def stage_send(
+        self, transfer_id: str, layer: int, block_ids: Sequence[int], after: DeviceEvent
+    ) -> tuple[list[int], DeviceEvent] | None:
         """Transport ids of ``block_ids`` of ``layer`` and the event after which they may
         leave; ``after`` marks the forward's write. None: no room (do not send)."""
 
     @abc.abstractmethod
-    def stage_hold(self, transfer_id: str, block_ids_by_layer: Sequence[Sequence[int]],
-                   after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
+    def stage_hold(
+        self, transfer_id: str, block_ids_by_layer: Sequence[Sequence[int]], after: DeviceEvent
+    ) -> tuple[list[int], DeviceEvent] | None:
         """As ``stage_send`` for every layer, each its own blocks (a hybrid model's groups hold
         different ones): the blocks decode may read (pull). The transport ids come in the order of
         :func:`layer_groups.union` of the blocks."""
@@ -77,8 +79,9 @@ class KVAccess(abc.ABC):
         """A read into ``landing_ids(key, ...)`` of ``layer`` is complete: place it in
         ``block_ids`` once ``after`` is (vLLM's zeroing of new blocks); the event marks them final."""
 
-    def land_pushed(self, layer: int, runs: Sequence[Run], after: DeviceEvent,
-                    window: tuple[int, int] | None = None) -> DeviceEvent:
+    def land_pushed(
+        self, layer: int, runs: Sequence[Run], after: DeviceEvent, window: tuple[int, int] | None = None
+    ) -> DeviceEvent:
         """Place runs of host rows (pushed KV) into their blocks of ``layer`` once ``after`` is
         complete (``window``: (offset, nbytes) - the rows are that part of each block); the rows
         stay untouched until the returned event."""
@@ -96,12 +99,14 @@ class DirectAccess(KVAccess):
     def send_ids(self, transfer_id: str, block_ids: Sequence[int]) -> list[int] | None:
         return list(block_ids)
 
-    def stage_send(self, transfer_id: str, layer: int, block_ids: Sequence[int],
-                   after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
+    def stage_send(
+        self, transfer_id: str, layer: int, block_ids: Sequence[int], after: DeviceEvent
+    ) -> tuple[list[int], DeviceEvent] | None:
         return list(block_ids), after
 
-    def stage_hold(self, transfer_id: str, block_ids_by_layer: Sequence[Sequence[int]],
-                   after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
+    def stage_hold(
+        self, transfer_id: str, block_ids_by_layer: Sequence[Sequence[int]], after: DeviceEvent
+    ) -> tuple[list[int], DeviceEvent] | None:
         return union(block_ids_by_layer), after
 
     def landing_ids(self, key: str, block_ids: Sequence[int]) -> list[int] | None:
@@ -135,16 +140,19 @@ class StagedAccess(KVAccess):
             st = self._sends.setdefault(transfer_id, _Staged())
             return [st.rows[b] for b in block_ids] if self._map(st, block_ids) else None
 
-    def stage_send(self, transfer_id: str, layer: int, block_ids: Sequence[int],
-                   after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
+    def stage_send(
+        self, transfer_id: str, layer: int, block_ids: Sequence[int], after: DeviceEvent
+    ) -> tuple[list[int], DeviceEvent] | None:
         return self._stage(transfer_id, {layer: block_ids}, block_ids, after)
 
-    def stage_hold(self, transfer_id: str, block_ids_by_layer: Sequence[Sequence[int]],
-                   after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
+    def stage_hold(
+        self, transfer_id: str, block_ids_by_layer: Sequence[Sequence[int]], after: DeviceEvent
+    ) -> tuple[list[int], DeviceEvent] | None:
         return self._stage(transfer_id, dict(enumerate(block_ids_by_layer)), union(block_ids_by_layer), after)
 
-    def _stage(self, transfer_id: str, layers: dict[int, Sequence[int]], block_ids: Sequence[int],
-               after: DeviceEvent) -> tuple[list[int], DeviceEvent] | None:
+    def _stage(
+        self, transfer_id: str, layers: dict[int, Sequence[int]], block_ids: Sequence[int], after: DeviceEvent
+    ) -> tuple[list[int], DeviceEvent] | None:
         with self._lock:
             st = self._sends.setdefault(transfer_id, _Staged())
             if not self._map(st, block_ids):
@@ -190,7 +198,7 @@ class StagedAccess(KVAccess):
     def _arena_runs(self, layer: int, block_ids: Sequence[int], st: _Staged) -> list[Run]:
         """``block_ids`` with their arena rows of ``layer``, cut where the rows stop being consecutive."""
         rows = self.arena.tensors[layer]
-        return [(ids, rows[first:first + len(ids)]) for first, ids in _runs(block_ids, st.rows)]
+        return [(ids, rows[first : first + len(ids)]) for first, ids in _runs(block_ids, st.rows)]
 
     def release_landing(self, key: str) -> None:
         with self._lock:

@@ -38,8 +38,20 @@ from vllm_pd.errors import ConfigError, ProtocolError
 GroupKind = Literal["full", "window", "state"]
 
 # bytes per element of the dtypes vLLM keeps KV in (block_format names them as torch does)
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int16": 2, "int32": 4,
-             "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
+_ITEMSIZE = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+}
 
 
 class KVGroup(msgspec.Struct, frozen=True):
@@ -97,7 +109,7 @@ class BlockFormat:
             name = part.rstrip("0123456789")
             if not name or name == part:
                 raise ConfigError(f"block format {text!r}: bad dim {part!r}")
-            dims.append((name, int(part[len(name):])))
+            dims.append((name, int(part[len(name) :])))
         return cls(dtype, tuple(dims), kernel)
 
     def size(self, name: str) -> int:
@@ -149,8 +161,7 @@ class BlockFormat:
         formats like MLA's), packed as :attr:`runs` says: a run of heads is one byte range, and per
         head (and row of a run) a run of tokens."""
         names = [d for d, _ in self.dims]
-        return self.itemsize > 0 and self.runs is not None and names in (["H", "N", "C"], ["N", "C"], ["H", "C"],
-                                                                         ["C"])
+        return self.itemsize > 0 and self.runs is not None and names in (["H", "N", "C"], ["N", "C"], ["H", "C"], ["C"])
 
 
 # vLLM CPU attention's "vec" ISA (x86 without AMX, blocks of 32k tokens): kernel_format's tag
@@ -236,9 +247,13 @@ class GroupPlan:
     @property
     def identity(self) -> bool:
         """Whole blocks of one prefill rank become whole blocks here, one for one."""
-        return (len(self.pieces) == 1 and self.remote.block_size == self.local.block_size
-                and self.remote.block_format == self.local.block_format
-                and self.pieces[0].src_head == 0 and self.pieces[0].dst_head == 0)
+        return (
+            len(self.pieces) == 1
+            and self.remote.block_size == self.local.block_size
+            and self.remote.block_format == self.local.block_format
+            and self.pieces[0].src_head == 0
+            and self.pieces[0].dst_head == 0
+        )
 
 
 @dataclass(frozen=True)
@@ -279,11 +294,12 @@ def incompatibility(remote: KVShape, local: KVShape) -> str | None:
     if remote.kv_heads != local.kv_heads:
         return f"prefill's model has {remote.kv_heads} KV heads, ours {local.kv_heads}"
     if not (shardable(remote.kv_heads, remote.tp_size) and shardable(local.kv_heads, local.tp_size)):
-        return (f"{remote.kv_heads} KV heads do not shard over prefill TP {remote.tp_size} and "
-                f"decode TP {local.tp_size}")
+        return f"{remote.kv_heads} KV heads do not shard over prefill TP {remote.tp_size} and decode TP {local.tp_size}"
     if remote.layer_groups != local.layer_groups or len(remote.groups) != len(local.groups):
-        return (f"KV cache groups differ: prefill's {len(remote.groups)} over its layers, ours "
-                f"{len(local.groups)} (is the hybrid KV cache manager on for one side only?)")
+        return (
+            f"KV cache groups differ: prefill's {len(remote.groups)} over its layers, ours "
+            f"{len(local.groups)} (is the hybrid KV cache manager on for one side only?)"
+        )
     same_tp = remote.tp_size == local.tp_size
     for i, (r, lo) in enumerate(zip(remote.groups, local.groups, strict=True)):
         why = _group_incompatibility(r, lo, same_tp, remote, local)
@@ -302,20 +318,27 @@ def _group_incompatibility(r: KVGroup, lo: KVGroup, same_tp: bool, remote: KVSha
     if r.block_format == lo.block_format and r.block_size == lo.block_size and same_tp:
         return None  # the equal shape: whole blocks, one for one
     if r.kind == "state":
-        return (f"recurrent state moves between equal shapes only: prefill TP {remote.tp_size}, "
-                f"{r.block_format}; ours TP {local.tp_size}, {lo.block_format}")
+        return (
+            f"recurrent state moves between equal shapes only: prefill TP {remote.tp_size}, "
+            f"{r.block_format}; ours TP {local.tp_size}, {lo.block_format}"
+        )
     if rf.dtype != lf.dtype or rf.token_nbytes != lf.token_nbytes:
         return f"prefill's blocks are {r.block_format}, ours {lo.block_format} (another dtype or head size)"
     if rf.kernel != lf.kernel:
-        return (f"prefill's blocks are packed for attention kernel {rf.kernel or '(plain)'}, ours for "
-                f"{lf.kernel or '(plain)'}: not re-cut")
+        return (
+            f"prefill's blocks are packed for attention kernel {rf.kernel or '(plain)'}, ours for "
+            f"{lf.kernel or '(plain)'}: not re-cut"
+        )
     if not (rf.head_major and lf.head_major):
-        return (f"blocks laid out as {r.block_format} (prefill) and {lo.block_format} (ours): only head-major "
-                "blocks (LBHNC) are re-cut across TP or block sizes")
+        return (
+            f"blocks laid out as {r.block_format} (prefill) and {lo.block_format} (ours): only head-major "
+            "blocks (LBHNC) are re-cut across TP or block sizes"
+        )
     if rf.tokens != r.block_size or lf.tokens != lo.block_size:
         return f"a block of {r.block_size} / {lo.block_size} tokens is split into kernel blocks"
-    if rf.heads != len(rank_heads(remote.kv_heads, remote.tp_size, 0)) or \
-            lf.heads != len(rank_heads(local.kv_heads, local.tp_size, 0)):
+    if rf.heads != len(rank_heads(remote.kv_heads, remote.tp_size, 0)) or lf.heads != len(
+        rank_heads(local.kv_heads, local.tp_size, 0)
+    ):
         return f"blocks of {rf.heads} (prefill) / {lf.heads} (ours) heads do not shard {local.kv_heads} KV heads"
     return None
 
@@ -367,8 +390,7 @@ class Span:
     nbytes: int
 
 
-def piece_spans(plan: GroupPlan, piece: Piece, first_position: int, num_positions: int,
-                num_tokens: int) -> list[Span]:
+def piece_spans(plan: GroupPlan, piece: Piece, first_position: int, num_positions: int, num_tokens: int) -> list[Span]:
     """The spans that carry ``piece`` of our blocks at positions ``[first_position,
     first_position + num_positions)`` (``dst_index`` counts from ``first_position``) from prefill's
     blocks (``src_index``: prefill's block position), for a prompt of ``num_tokens`` tokens. Per
@@ -388,8 +410,13 @@ def piece_spans(plan: GroupPlan, piece: Piece, first_position: int, num_position
                 dst = (piece.dst_head + i) * lf.head_nbytes + run_offset * nl + row * nl * e + (a - j * nl) * e
                 n = (b - a) * e
                 last = spans[-1] if spans else None
-                if (last is not None and last.src_index == k and last.dst_index == j - first_position
-                        and last.src_offset + last.nbytes == src and last.dst_offset + last.nbytes == dst):
+                if (
+                    last is not None
+                    and last.src_index == k
+                    and last.dst_index == j - first_position
+                    and last.src_offset + last.nbytes == src
+                    and last.dst_offset + last.nbytes == dst
+                ):
                     spans[-1] = Span(k, last.src_offset, last.dst_index, last.dst_offset, last.nbytes + n)
                 else:
                     spans.append(Span(k, src, j - first_position, dst, n))

@@ -91,8 +91,10 @@ def manager_blocks(kv_layer: torch.Tensor, num_blocks: int) -> torch.Tensor:
         return kv_layer
     grouped = kv_layer.unflatten(0, (num_blocks, ratio))
     if grouped.stride(0) != ratio * grouped.stride(1):
-        raise ValueError(f"KV cache layer of shape {shape}: its {ratio} kernel blocks per block are not "
-                         f"consecutive (strides {tuple(kv_layer.stride())})")
+        raise ValueError(
+            f"KV cache layer of shape {shape}: its {ratio} kernel blocks per block are not "
+            f"consecutive (strides {tuple(kv_layer.stride())})"
+        )
     return grouped
 
 
@@ -112,8 +114,11 @@ def block_format(blocks: torch.Tensor) -> str:
     the dtype, then the block's dims of more than one element, outermost first. Kernel blocks
     that continue the tokens of the one before (token-major pages) merge into N: a layout's
     bytes that mean the same give the same format, others a different one."""
-    dims = [(name, int(n), int(s)) for name, n, s in
-            zip(block_dim_names(blocks), blocks.shape[1:], blocks.stride()[1:], strict=True) if n > 1]
+    dims = [
+        (name, int(n), int(s))
+        for name, n, s in zip(block_dim_names(blocks), blocks.shape[1:], blocks.stride()[1:], strict=True)
+        if n > 1
+    ]
     dims.sort(key=lambda d: -d[2])
     merged: list[tuple[str, int, int]] = []
     for name, n, s in dims:
@@ -134,6 +139,8 @@ def memory_order_mismatch(kv_layer: torch.Tensor, layout: KVLayout) -> str | Non
     seen = sorted(wanted, key=lambda d: -kv_layer.stride(d))
     if seen != wanted:
         names = "BHNC"
-        return (f"memory order {''.join(names[d] for d in seen)} (strides {tuple(kv_layer.stride())}), "
-                f"{layout.name} gives {''.join(names[d] for d in wanted)}")
+        return (
+            f"memory order {''.join(names[d] for d in seen)} (strides {tuple(kv_layer.stride())}), "
+            f"{layout.name} gives {''.join(names[d] for d in wanted)}"
+        )
     return None

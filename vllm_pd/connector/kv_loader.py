@@ -33,10 +33,20 @@ logger = vllm_logger(__name__)
 
 
 class KVLoader:
-    def __init__(self, config: PDConnectorConfig, transport: Transport, access: KVAccess, device: KVDevice,
-                 regions: list[MemoryRegion], rank: int, tp_size: int, stats: TransferCounters,
-                 release: Callable[[RemotePrefill], None], changed: threading.Event,
-                 groups: LayerGroups | None = None) -> None:
+    def __init__(
+        self,
+        config: PDConnectorConfig,
+        transport: Transport,
+        access: KVAccess,
+        device: KVDevice,
+        regions: list[MemoryRegion],
+        rank: int,
+        tp_size: int,
+        stats: TransferCounters,
+        release: Callable[[RemotePrefill], None],
+        changed: threading.Event,
+        groups: LayerGroups | None = None,
+    ) -> None:
         self.config = config
         self.transport = transport
         self.access = access
@@ -48,8 +58,9 @@ class KVLoader:
         self._release = release  # free prefill's copy on this rank's share of its ranks
         self.groups = groups or LayerGroups(None, len(regions), 1)
         self._changed = changed  # wakes an idle step waiting for transfer events
-        self.staging = PushStaging(config.staging_bytes, ttl_s=config.lease_s,
-                                   peer_capacity_bytes=config.staging_peer_limit)
+        self.staging = PushStaging(
+            config.staging_bytes, ttl_s=config.lease_s, peer_capacity_bytes=config.staging_peer_limit
+        )
         self.staging.alloc = device.host_empty
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pd-load")
         self._jobs: dict[str, LoadJob] = {}
@@ -84,9 +95,20 @@ class KVLoader:
     def begin_step(self, meta: WorkerStep) -> None:
         self.awaited_transfers = meta.awaited_transfers
         self._step_jobs = [
-            LoadJob(spec, self.transport, self.regions, self.staging, self.access, self.rank,
-                    self.config.transfer_timeout_s, self.config.push_wait_s, tp_size=self.tp_size,
-                    probe_s=self.config.peer_probe_s, groups=self.groups, host_alloc=self.device.host_empty)
+            LoadJob(
+                spec,
+                self.transport,
+                self.regions,
+                self.staging,
+                self.access,
+                self.rank,
+                self.config.transfer_timeout_s,
+                self.config.push_wait_s,
+                tp_size=self.tp_size,
+                probe_s=self.config.peer_probe_s,
+                groups=self.groups,
+                host_alloc=self.device.host_empty,
+            )
             for spec in meta.loads
         ]
         for rel in meta.remote_releases:
@@ -171,8 +193,7 @@ class KVLoader:
             self.stats.record_load(job)
             if not job.ok:
                 failed.add(req_id)
-                logger.warning("KV load for request %s failed (%s): decode recomputes the prompt",
-                               req_id, job.error)
+                logger.warning("KV load for request %s failed (%s): decode recomputes the prompt", req_id, job.error)
         self.staging.expire()
         return recvd, failed
 
@@ -195,8 +216,9 @@ class KVLoader:
             self._jobs.pop(job.spec.request_id, None)
             self.stats.record_load(job)
             if not job.ok:
-                logger.warning("layer-wise KV load for %s failed (%s): its blocks are recomputed",
-                               job.spec.request_id, job.error)
+                logger.warning(
+                    "layer-wise KV load for %s failed (%s): its blocks are recomputed", job.spec.request_id, job.error
+                )
                 bad.update(job.spec.all_local_block_ids)
         return bad
 

@@ -71,8 +71,17 @@ class _Target:
 
 
 class KVSender:
-    def __init__(self, config: PDConnectorConfig, transport: Transport, access: KVAccess, num_layers: int,
-                 block_size: int, rank: int, stats: TransferCounters, groups: LayerGroups | None = None) -> None:
+    def __init__(
+        self,
+        config: PDConnectorConfig,
+        transport: Transport,
+        access: KVAccess,
+        num_layers: int,
+        block_size: int,
+        rank: int,
+        stats: TransferCounters,
+        groups: LayerGroups | None = None,
+    ) -> None:
         self.config = config
         self.transport = transport
         self.access = access
@@ -125,14 +134,19 @@ class KVSender:
         shape: KVShape | None = None
         try:
             reply = self.transport.notify(endpoint, ShapeQuery().encode(), timeout=self.config.peer_probe_s).result(
-                timeout=self.config.peer_probe_s + 1.0)
+                timeout=self.config.peer_probe_s + 1.0
+            )
             shape = decode_shape(reply) if reply else None
         except (msgspec.DecodeError, msgspec.ValidationError):
-            logger.warning("decode at %s answered its KV shape with something else (an older vllm-pd?): pushing "
-                           "and announcing rank to rank", endpoint)
-        except Exception as e:  # noqa: BLE001 - not reachable now: pushes fail and decode reads instead
-            logger.warning("decode at %s did not tell its KV shape (%s): pushing and announcing rank to rank",
-                           endpoint, e)
+            logger.warning(
+                "decode at %s answered its KV shape with something else (an older vllm-pd?): pushing "
+                "and announcing rank to rank",
+                endpoint,
+            )
+        except Exception as e:
+            logger.warning(
+                "decode at %s did not tell its KV shape (%s): pushing and announcing rank to rank", endpoint, e
+            )
             return None  # asked again next time
         self._decode_shapes[endpoint] = shape
         return shape
@@ -142,8 +156,9 @@ class KVSender:
         local = self.groups.shape
         remote = self._decode_shape(endpoint) if local is not None else None
         if local is None or remote is None or remote == local:
-            return [_Target(rank_endpoint(endpoint, self.rank), transfer_id,
-                            dict.fromkeys(range(self.groups.num_groups)))]
+            return [
+                _Target(rank_endpoint(endpoint, self.rank), transfer_id, dict.fromkeys(range(self.groups.num_groups)))
+            ]
         why = incompatibility(local, remote)
         if why is not None:
             self._refuse(endpoint, why)
@@ -167,8 +182,9 @@ class KVSender:
         self.stats.record_shape_refused()
         if endpoint not in self._refused:
             self._refused.add(endpoint)
-            logger.warning("decode at %s cannot take our KV (%s): nothing is pushed to it; it recomputes", endpoint,
-                           why)
+            logger.warning(
+                "decode at %s cannot take our KV (%s): nothing is pushed to it; it recomputes", endpoint, why
+            )
 
     # ---- pushes ---------------------------------------------------------------------------------
     def _push_blocks(self, spec: SendSpec, group: int) -> tuple[tuple[int, ...], list[int]]:
@@ -193,9 +209,15 @@ class KVSender:
             return  # no staging room: each layer finds none either, and decode reads what we hold
         try:
             plan = self.transport.push_layers(
-                target.endpoint, target.key, range(self.num_layers), positions, send_ids,
-                timeout=self.config.transfer_timeout_s, last=spec.prefill_done)
-        except Exception as e:  # noqa: BLE001 - pushed layer by layer instead
+                target.endpoint,
+                target.key,
+                range(self.num_layers),
+                positions,
+                send_ids,
+                timeout=self.config.transfer_timeout_s,
+                last=spec.prefill_done,
+            )
+        except Exception as e:
             logger.warning("layer plan of %s failed to start: %s", spec.transfer_id, e)
             return
         if plan is None or plan.future is None:
@@ -235,9 +257,18 @@ class KVSender:
             window = target.windows[group]
             nbytes = window.nbytes if window is not None else self.access.regions[layer].block_nbytes
             batch = BlockBatch(target.key, layer, positions, nbytes, last=spec.prefill_done)
-            fut = self.sends.future_after(ready, functools.partial(
-                self.transport.push, target.endpoint, batch, send_ids, timeout=self.config.transfer_timeout_s,
-                answer=answer, window=window))
+            fut = self.sends.future_after(
+                ready,
+                functools.partial(
+                    self.transport.push,
+                    target.endpoint,
+                    batch,
+                    send_ids,
+                    timeout=self.config.transfer_timeout_s,
+                    answer=answer,
+                    window=window,
+                ),
+            )
             self.stats.record_push(len(block_ids), len(block_ids) * nbytes)
             self.outgoing.add_push(spec.transfer_id, fut)
 
@@ -275,13 +306,17 @@ class KVSender:
         message = PrefillDoneMessage(spec.transfer_id, spec.announcement).encode()
         local = self.groups.shape
         remote = self._decode_shape(spec.announce_endpoint) if local is not None else None
-        ranks = announced_ranks(local.tp_size, remote.tp_size, self.rank) if local is not None and remote is not None \
+        ranks = (
+            announced_ranks(local.tp_size, remote.tp_size, self.rank)
+            if local is not None and remote is not None
             else range(self.rank, self.rank + 1)
+        )
         for d in ranks:
             try:
-                self.transport.notify(rank_endpoint(spec.announce_endpoint, d), message,
-                                      timeout=self.config.transfer_timeout_s)
-            except Exception as e:  # noqa: BLE001 - decode times out and recomputes; our lease frees the KV
+                self.transport.notify(
+                    rank_endpoint(spec.announce_endpoint, d), message, timeout=self.config.transfer_timeout_s
+                )
+            except Exception as e:
                 logger.warning("announcing the KV of %s failed: %s", spec.transfer_id, e)
 
     def release(self, transfer_id: str, releaser: int = -1, of: int = 1) -> None:
@@ -292,8 +327,9 @@ class KVSender:
         """Requests whose blocks vLLM may free now (their transfers' reads revoked, staging given back)."""
         for t in self.outgoing.take_reportable():
             if t.first_push_at is not None and t.computed_at is not None and t.last_push_done_at is not None:
-                self.stats.record_push_overlap(tail_s=max(0.0, t.last_push_done_at - t.computed_at),
-                                               span_s=t.last_push_done_at - t.first_push_at)
+                self.stats.record_push_overlap(
+                    tail_s=max(0.0, t.last_push_done_at - t.computed_at), span_s=t.last_push_done_at - t.first_push_at
+                )
             # behind every send queued so far - a grant still queued behind its copy must not
             # re-open reads after the revoke - on the send thread if one is queued (the next
             # collect reports it), never waiting here for the device; at once on the CPU

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_pd.connector.block_copies import Run
 from vllm_pd.connector.block_recut import recut_rows
 from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S
 from vllm_pd.connector.control import PingMessage
-from vllm_pd.connector.block_copies import Run
 from vllm_pd.connector.kv_access import KVAccess
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
 from vllm_pd.connector.kv_geometry import (
@@ -50,8 +50,8 @@ from vllm_pd.connector.release import release_plan_share, release_rank_share
 from vllm_pd.connector.step_specs import LoadSpec
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport.base import FetchSpans, MemoryRegion, Transport
-from vllm_pd.vllm_logging import vllm_logger
 from vllm_pd.errors import ProtocolError
+from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
@@ -131,7 +131,7 @@ class LoadJob:
     def run(self) -> None:
         try:
             self._run()
-        except Exception as e:  # noqa: BLE001 - any failure means: recompute
+        except Exception as e:
             logger.exception("KV load for request %s failed", self.spec.request_id)
             self.error = f"{type(e).__name__}: {e}"
         finally:
@@ -182,9 +182,15 @@ class LoadJob:
         group = self._groups.group(layer)
         plan = self._plan
         if plan is None or plan.groups[group].identity:
-            return [_Unit(group, self._rank if plan is None else plan.groups[group].pieces[0].source,
-                          self.spec.transfer_id if plan is None else
-                          plan.staging_key(self.spec.transfer_id, plan.groups[group].pieces[0].source))]
+            return [
+                _Unit(
+                    group,
+                    self._rank if plan is None else plan.groups[group].pieces[0].source,
+                    self.spec.transfer_id
+                    if plan is None
+                    else plan.staging_key(self.spec.transfer_id, plan.groups[group].pieces[0].source),
+                )
+            ]
         gp = plan.groups[group]
         return [_Unit(group, p.source, plan.staging_key(self.spec.transfer_id, p.source), gp, p) for p in gp.pieces]
 
@@ -209,11 +215,15 @@ class LoadJob:
                 if miss:
                     missing[layer] = miss
             if missing:
-                logger.info("request %s: %d layer(s) incomplete after push; fetching them from prefill",
-                            spec.request_id, len(missing))
+                logger.info(
+                    "request %s: %d layer(s) incomplete after push; fetching them from prefill",
+                    spec.request_id,
+                    len(missing),
+                )
                 sources = {u.source for units in missing.values() for u, _ in units}
                 if time.monotonic() - self._peer_seen_at > PROBE_PAUSED_PUSHES_S and not self._peers_answer(
-                        remote, sources):
+                    remote, sources
+                ):
                     return
         else:
             for layer in range(len(self._regions)):
@@ -242,7 +252,7 @@ class LoadJob:
             for fut, nbytes, blocks in fetches:
                 try:
                     fut.result(timeout=max(0.1, deadline - time.monotonic() + 1.0))
-                except Exception as e:  # noqa: BLE001 - run() turns any failure into "recompute"
+                except Exception as e:
                     self.error = self.error or f"fetch of layer {layer} failed: {type(e).__name__}: {e}"
                     ok = False
                     continue
@@ -252,11 +262,13 @@ class LoadJob:
                 self._layer_landed(layer, False)
                 continue
             _, ids = spec.group(self._groups.group(layer))
-            self._layer_landed(layer, True, self._access.land_read(spec.request_id, layer, list(ids),
-                                                                   self.blocks_ready))
+            self._layer_landed(
+                layer, True, self._access.land_read(spec.request_id, layer, list(ids), self.blocks_ready)
+            )
 
-    def _fetch_unit(self, remote: RemotePrefill, layer: int, unit: _Unit, idxs: list[int], landing: dict[int, int],
-                    deadline: float) -> tuple[Future[None], int]:
+    def _fetch_unit(
+        self, remote: RemotePrefill, layer: int, unit: _Unit, idxs: list[int], landing: dict[int, int], deadline: float
+    ) -> tuple[Future[None], int]:
         """Start reading ``unit``'s part of our blocks at indexes ``idxs`` of its group; (the read, its bytes)."""
         first, ids = self.spec.group(unit.group)
         remote_ids = remote.group_blocks(unit.group)
@@ -272,8 +284,9 @@ class LoadJob:
         for i in idxs:  # our block i, from the spans of prefill's blocks that hold its tokens
             for s in piece_spans(unit.plan, unit.piece, first + i, 1, remote.num_tokens):
                 if s.src_index >= len(remote_ids):
-                    raise ProtocolError(f"prefill's {len(remote_ids)} blocks of group {unit.group} "
-                                        "do not hold our tokens")
+                    raise ProtocolError(
+                        f"prefill's {len(remote_ids)} blocks of group {unit.group} do not hold our tokens"
+                    )
                 src.append(remote_ids[s.src_index])
                 dst.append(landing[ids[i]])
                 src_off.append(s.src_offset)
@@ -283,8 +296,9 @@ class LoadJob:
         fut = self._transport.fetch(peer, remote.transfer_id, layer, src, dst, timeout=timeout, spans=parts)
         return fut, sum(parts.lengths)
 
-    def _land_layer_pushed(self, remote: RemotePrefill, layer: int, deadline: float,
-                           since: float) -> list[tuple[_Unit, list[int]]] | None:
+    def _land_layer_pushed(
+        self, remote: RemotePrefill, layer: int, deadline: float, since: float
+    ) -> list[tuple[_Unit, list[int]]] | None:
         """Place what was pushed of ``layer`` in our blocks; per unit, the indexes (into its group's
         blocks) still missing (None: a prefill rank is gone, the error set)."""
         missing = []
@@ -312,8 +326,14 @@ class LoadJob:
             # "never": its first layer may take longer than the pause that gets it probed
             last = max(self._staging.last_push(unit.key), since)
             if probed - last >= self._push_wait_s:
-                logger.debug("request %s: no push of %s for %.1fs; layer %d of prefill rank %d is fetched",
-                             self.spec.request_id, unit.key, probed - last, layer, unit.source)
+                logger.debug(
+                    "request %s: no push of %s for %.1fs; layer %d of prefill rank %d is fetched",
+                    self.spec.request_id,
+                    unit.key,
+                    probed - last,
+                    layer,
+                    unit.source,
+                )
                 return True
         return True
 
@@ -325,10 +345,13 @@ class LoadJob:
             peer = self._peer(remote, source)
             try:
                 self._transport.notify(peer, PingMessage().encode(), timeout=self._probe_s).result(
-                    timeout=self._probe_s + 1.0)
-            except Exception as e:  # noqa: BLE001 - no answer, whatever the reason: recompute
-                self.error = (f"prefill {peer} did not answer within {self._probe_s:.1f}s after its pushes "
-                              f"stalled ({type(e).__name__}: {e})")
+                    timeout=self._probe_s + 1.0
+                )
+            except Exception as e:
+                self.error = (
+                    f"prefill {peer} did not answer within {self._probe_s:.1f}s after its pushes "
+                    f"stalled ({type(e).__name__}: {e})"
+                )
                 return False
         self._peer_seen_at = time.monotonic()
         return True
@@ -338,8 +361,11 @@ class LoadJob:
         spec = self.spec
         params = self._staging.wait_announced(spec.transfer_id, time.monotonic() if self.cancelled else deadline)
         if params is None:
-            self.error = ("request aborted before prefill announced transfer " + spec.transfer_id if self.cancelled
-                          else f"prefill never announced transfer {spec.transfer_id} within {self._timeout_s:.0f}s")
+            self.error = (
+                "request aborted before prefill announced transfer " + spec.transfer_id
+                if self.cancelled
+                else f"prefill never announced transfer {spec.transfer_id} within {self._timeout_s:.0f}s"
+            )
             return None
         remote = RemotePrefill.from_params(params)
         if remote is None:
@@ -351,8 +377,9 @@ class LoadJob:
             problem = f"prefill's answer names transfer {remote.transfer_id}"
         if problem is not None:
             local = spec.prompt.shape if spec.prompt is not None else None
-            self.refused = local is not None and remote.shape is not None and \
-                incompatibility(remote.shape, local) is not None
+            self.refused = (
+                local is not None and remote.shape is not None and incompatibility(remote.shape, local) is not None
+            )
             self.error = f"announced KV of transfer {spec.transfer_id} is not for this request: {problem}"
             return None
         if not self._make_plan(remote):
@@ -368,8 +395,11 @@ class LoadJob:
         for g in range(self._groups.num_groups):
             first, ids = self.spec.group(g)
             plan = self._plan.groups[g] if self._plan is not None else None
-            need = (remote_positions(plan, first, len(ids), remote.num_tokens).stop if plan is not None
-                    else first + len(ids))
+            need = (
+                remote_positions(plan, first, len(ids), remote.num_tokens).stop
+                if plan is not None
+                else first + len(ids)
+            )
             if len(remote.group_blocks(g)) < need:
                 return f"prefill computed {remote.num_tokens} tokens, fewer than this prompt's"
         return None
@@ -380,8 +410,9 @@ class LoadJob:
         first, ids = self.spec.group(unit.group)
         region = self._regions[layer]
         if unit.whole:
-            runs, missing = self._staging.landed_runs(unit.key, layer, range(first, first + len(ids)),
-                                                      region.block_nbytes)
+            runs, missing = self._staging.landed_runs(
+                unit.key, layer, range(first, first + len(ids)), region.block_nbytes
+            )
             if runs:
                 self._place(layer, [([ids[i] for i in idxs], rows) for idxs, rows in runs], None)
                 n = sum(len(idxs) for idxs, _ in runs)
@@ -407,8 +438,16 @@ class LoadJob:
             return list(range(len(ids)))  # re-cut needs every row: read the piece instead
         rows = [r for _, chunk in runs for r in chunk]
         fmt = plan.local_format
-        recut = recut_rows(rows, piece.heads, plan.remote.block_size, plan.local.block_size,
-                           first * plan.local.block_size, len(ids), fmt.runs or (), self._host_alloc)
+        recut = recut_rows(
+            rows,
+            piece.heads,
+            plan.remote.block_size,
+            plan.local.block_size,
+            first * plan.local.block_size,
+            len(ids),
+            fmt.runs or (),
+            self._host_alloc,
+        )
         self._place(layer, [(list(ids), recut)], dst_window)
         self.blocks_from_push += len(ids) * counted
         self.bytes_landed += len(rows) * src_nbytes

@@ -23,8 +23,16 @@ from vllm_pd.connector.step_specs import (
     WorkerStep,
 )
 
-__all__ = ["FinishedSend", "LoadSpec", "PDConnectorMetadata", "PDHandshake", "PDWorkerMeta", "RemoteRelease",
-           "SendSpec", "WorkerStep"]
+__all__ = [
+    "FinishedSend",
+    "LoadSpec",
+    "PDConnectorMetadata",
+    "PDHandshake",
+    "PDWorkerMeta",
+    "RemoteRelease",
+    "SendSpec",
+    "WorkerStep",
+]
 
 
 @dataclass
@@ -56,6 +64,11 @@ class PDWorkerMeta(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PDWorkerMeta)
         # a rank that has not seen an announcement yet waits for it in its own load job
-        store = self.store if other.store is None else other.store if self.store is None \
+        store = (
+            self.store
+            if other.store is None
+            else other.store
+            if self.store is None
             else self.store.aggregate(other.store)
+        )
         return PDWorkerMeta(self.announced | other.announced, store)

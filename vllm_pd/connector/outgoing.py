@@ -148,8 +148,9 @@ class OutgoingTransfers:
                     continue
                 if expired and not t.released:
                     self.expired_total += 1
-                    logger.warning("lease of transfer %s expired after %.0fs: releasing its KV blocks",
-                                   transfer_id, self.lease_s)
+                    logger.warning(
+                        "lease of transfer %s expired after %.0fs: releasing its KV blocks", transfer_id, self.lease_s
+                    )
                 out.append(t)
                 del self._transfers[transfer_id]
         return out

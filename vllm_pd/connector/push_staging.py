@@ -88,8 +88,12 @@ class PushStaging:
             st = self._transfers.get(batch.transfer_id)
             if st is not None and st.peer and st.peer != batch.peer:
                 self.rejected_total += 1
-                logger.warning("push of transfer %s from %s rejected: its blocks come from %s",
-                               batch.transfer_id, batch.peer, st.peer)
+                logger.warning(
+                    "push of transfer %s from %s rejected: its blocks come from %s",
+                    batch.transfer_id,
+                    batch.peer,
+                    st.peer,
+                )
                 return None
             layer = st.chunks.get(batch.layer, []) if st is not None else []
             n = len(batch.positions)
@@ -98,9 +102,16 @@ class PushStaging:
             peer_used = self._peer_bytes.get(batch.peer, 0)
             if self.used_bytes + need > self.capacity_bytes or peer_used + need > self.peer_capacity_bytes:
                 self.rejected_total += 1
-                logger.warning("push staging full (%d/%d bytes; %d/%d of them from %s): rejecting transfer %s "
-                               "layer %d", self.used_bytes, self.capacity_bytes, peer_used, self.peer_capacity_bytes,
-                               batch.peer or "this peer", batch.transfer_id, batch.layer)
+                logger.warning(
+                    "push staging full (%d/%d bytes; %d/%d of them from %s): rejecting transfer %s layer %d",
+                    self.used_bytes,
+                    self.capacity_bytes,
+                    peer_used,
+                    self.peer_capacity_bytes,
+                    batch.peer or "this peer",
+                    batch.transfer_id,
+                    batch.layer,
+                )
                 return None
             base = self._transfers.get(transfer_of_key(batch.transfer_id))
             if base is not None and base.abandoned:
@@ -169,8 +180,9 @@ class PushStaging:
         st = self._wait_for(transfer_id, lambda st: st.announcement is not None, deadline)
         return st.announcement if st is not None else None
 
-    def wait_layer(self, transfer_id: str, layer: int, deadline: float, stall_s: float | None = None,
-                   since: float = 0.0) -> bool:
+    def wait_layer(
+        self, transfer_id: str, layer: int, deadline: float, stall_s: float | None = None, since: float = 0.0
+    ) -> bool:
         """Wait until the layer's final batch has landed (True) or the deadline passed - or, with
         ``stall_s``, until no push of the transfer has landed for that long (counted from ``since``
         at the earliest): pushes that keep coming are waited for, stalled ones are not."""
@@ -188,8 +200,9 @@ class PushStaging:
                     return False
                 self._cond.wait(timeout=min(remaining, 0.5))
 
-    def _wait_for(self, transfer_id: str, ready: Callable[[_StagedTransfer], bool],
-                  deadline: float) -> _StagedTransfer | None:
+    def _wait_for(
+        self, transfer_id: str, ready: Callable[[_StagedTransfer], bool], deadline: float
+    ) -> _StagedTransfer | None:
         with self._cond:
             while True:
                 st = self._transfers.get(transfer_id)
@@ -206,8 +219,9 @@ class PushStaging:
             st = self._transfers.get(transfer_id)
             return st.touched if st is not None else 0.0
 
-    def landed_runs(self, transfer_id: str, layer: int, positions: Sequence[int],
-                    block_nbytes: int) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
+    def landed_runs(
+        self, transfer_id: str, layer: int, positions: Sequence[int], block_nbytes: int
+    ) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
         """What of ``positions`` landed for ``layer``: (runs, missing). A run is (indexes into
         ``positions``, their rows): consecutive rows of one batch. ``missing``: indexes of
         positions with no landed ``block_nbytes`` bytes. The rows are read by copies after
@@ -231,7 +245,7 @@ class PushStaging:
                 runs[-1][0].append(i)
             else:
                 runs.append(([i], chunk, row))
-        return [(idxs, chunk.rows[row:row + len(idxs)]) for idxs, chunk, row in runs], missing
+        return [(idxs, chunk.rows[row : row + len(idxs)]) for idxs, chunk, row in runs], missing
 
     def drop(self, transfer_id: str) -> None:
         with self._cond:
@@ -262,8 +276,9 @@ class PushStaging:
             self._drop_locked(transfer_id)
             if abandoned:
                 continue  # never announced: prefill's lease frees its copy
-            logger.warning("pushed KV of transfer %s never claimed by a request within %.0fs: dropped",
-                           transfer_id, self.ttl_s)
+            logger.warning(
+                "pushed KV of transfer %s never claimed by a request within %.0fs: dropped", transfer_id, self.ttl_s
+            )
 
     def expire(self) -> None:
         with self._cond:

@@ -36,8 +36,9 @@ def _transport(endpoint: str, secret: DeploymentSecret | None, tls: TlsSettings 
     with _lock:
         if key not in _clients:
             # only control messages go out, no block bytes: no checksum, so no vllm_pd._C (and torch) loaded
-            _clients[key] = create_transport(scheme, checksum="none", secret=secret,
-                                             **({"tls": key[2]} if key[2] is not None else {}))
+            _clients[key] = create_transport(
+                scheme, checksum="none", secret=secret, **({"tls": key[2]} if key[2] is not None else {})
+            )
         return _clients[key]
 
 
@@ -48,29 +49,33 @@ RELEASE_TIMEOUT_S = 5.0
 RELEASE_BACKOFF_S = 1.0
 
 
-def send_release(transport: Transport, peer: str, transfer_id: str, attempt: int = 1, releaser: int = -1,
-                 of: int = 1) -> None:
+def send_release(
+    transport: Transport, peer: str, transfer_id: str, attempt: int = 1, releaser: int = -1, of: int = 1
+) -> None:
     """Tell ``peer`` (one prefill rank) to free ``transfer_id`` (``releaser`` of ``of`` decode
     ranks reading it, see ReleaseMessage); never blocks, retries with backoff.
 
     A release is idempotent (one the peer already applied, or one for a transfer it never held,
     changes nothing), so a retry after an unanswered attempt is safe."""
+
     def retry_or_give_up(fut: Future[bytes | None] | None, error: BaseException | None) -> None:
         error = error if fut is None else fut.exception()
         if error is None:
             return
         if attempt >= RELEASE_ATTEMPTS:
-            logger.warning("release of %s at %s failed %d times (%s): its lease frees it", transfer_id, peer,
-                           attempt, error)
+            logger.warning(
+                "release of %s at %s failed %d times (%s): its lease frees it", transfer_id, peer, attempt, error
+            )
             return
-        timer = threading.Timer(RELEASE_BACKOFF_S * attempt, send_release,
-                                (transport, peer, transfer_id, attempt + 1, releaser, of))
+        timer = threading.Timer(
+            RELEASE_BACKOFF_S * attempt, send_release, (transport, peer, transfer_id, attempt + 1, releaser, of)
+        )
         timer.daemon = True
         timer.start()
 
     try:
         fut = transport.notify(peer, ReleaseMessage(transfer_id, releaser, of).encode(), timeout=RELEASE_TIMEOUT_S)
-    except Exception as e:  # noqa: BLE001 - retried like a failed answer
+    except Exception as e:
         retry_or_give_up(None, e)
         return
     fut.add_done_callback(lambda f: retry_or_give_up(f, None))
@@ -83,8 +88,9 @@ def release_rank_share(transport: Transport, remote: RemotePrefill, rank: int, t
         send_release(transport, peer, remote.transfer_id)
 
 
-def release_plan_share(transport: Transport, remote: RemotePrefill, remote_shape: KVShape, local_shape: KVShape,
-                       rank: int) -> None:
+def release_plan_share(
+    transport: Transport, remote: RemotePrefill, remote_shape: KVShape, local_shape: KVShape, rank: int
+) -> None:
     """Decode's TP rank ``rank`` tells the prefill ranks it is a releaser of (``kv_geometry.releasers``:
     those it read from, and its share of those nobody read) that it is done; each frees ``remote``'s
     KV once all of its releasers are. Never blocks, each release retried."""
@@ -93,8 +99,12 @@ def release_plan_share(transport: Transport, remote: RemotePrefill, remote_shape
             send_release(transport, remote.endpoint_for_rank(source), remote.transfer_id, releaser=rank, of=len(ranks))
 
 
-def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float = 2.0,
-                      secret: DeploymentSecret | None = None, tls: TlsSettings | None = None) -> bool:
+def release_remote_kv(
+    kv_transfer_params: dict[str, Any] | None,
+    timeout: float = 2.0,
+    secret: DeploymentSecret | None = None,
+    tls: TlsSettings | None = None,
+) -> bool:
     """Tell every TP rank of the prefill instance named in ``kv_transfer_params`` to free that
     request's KV (``secret``, ``tls``: the deployment's, which the instances' KV endpoints require).
 
@@ -114,13 +124,13 @@ def release_remote_kv(kv_transfer_params: dict[str, Any] | None, timeout: float 
     for endpoint in remote.release_endpoints():
         try:
             sent.append((endpoint, _transport(endpoint, secret, tls).notify(endpoint, message, timeout=timeout)))
-        except Exception as e:  # noqa: BLE001 - the lease is the backstop
+        except Exception as e:
             logger.warning("could not release KV of %s at %s: %s", remote.transfer_id, endpoint, e)
             ok = False
     for endpoint, fut in sent:
         try:
             fut.result(timeout=timeout + 1.0)
-        except Exception as e:  # noqa: BLE001 - the lease is the backstop
+        except Exception as e:
             logger.warning("could not release KV of %s at %s: %s", remote.transfer_id, endpoint, e)
             ok = False
     return ok

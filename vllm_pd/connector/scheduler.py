@@ -61,9 +61,10 @@ if TYPE_CHECKING:
 
 logger = vllm_logger(__name__)
 
+
 @dataclass
 class _OutgoingRequest:
-    request: "Request"
+    request: Request
     ask: RemoteDecodeRequest  # resolved: its mode is the one used
     next_token: int = 0  # first token not yet handed to the worker (block-aligned)
     seen_by_worker: bool = False
@@ -76,7 +77,7 @@ class _OutgoingRequest:
         return self.ask.transfer_id or self.request.request_id
 
 
-def full_cudagraphs(vllm_config: "VllmConfig") -> bool:
+def full_cudagraphs(vllm_config: VllmConfig) -> bool:
     """Whether vLLM may replay this instance's forward as a FULL CUDA graph (no Python between layers)."""
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
     return bool(mode is not None and mode.has_full_cudagraphs())
@@ -102,8 +103,9 @@ def kv_cache_groups(kv_cache_config: Any, block_size: int) -> tuple[KVGroup, ...
 
 
 class PDConnectorScheduler:
-    def __init__(self, vllm_config: "VllmConfig", config: PDConnectorConfig, engine_id: str,
-                 kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, config: PDConnectorConfig, engine_id: str, kv_cache_config: Any = None
+    ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
@@ -159,11 +161,15 @@ class PDConnectorScheduler:
         self.kv_format = "|".join(sorted({by_rank[r].kv_format for r in ranks}))  # one, as ranks shard alike
         shapes = {by_rank[r].kv_shape for r in ranks}
         self.shape = decode_shape(shapes.pop()) if len(shapes) == 1 and b"" not in shapes else None
-        logger.info("PD connector KV endpoints: %s; KV blocks %s; %s", ", ".join(self._endpoints),
-                    self.kv_format or "(format not reported)",
-                    f"TP {self.shape.tp_size}, {self.shape.kv_heads} KV heads, groups "
-                    + ", ".join(f"{g.kind}/{g.block_size}" for g in self.shape.groups)
-                    if self.shape is not None else "KV shape not reported (equal shapes only)")
+        logger.info(
+            "PD connector KV endpoints: %s; KV blocks %s; %s",
+            ", ".join(self._endpoints),
+            self.kv_format or "(format not reported)",
+            f"TP {self.shape.tp_size}, {self.shape.kv_heads} KV heads, groups "
+            + ", ".join(f"{g.kind}/{g.block_size}" for g in self.shape.groups)
+            if self.shape is not None
+            else "KV shape not reported (equal shapes only)",
+        )
 
     # ---- decode side: remote prefill -> load --------------------------------------------------
     def note_request(self, request_id: str) -> None:
@@ -178,7 +184,7 @@ class PDConnectorScheduler:
         for transfer_id in [t for t, at in self._announced.items() if now - at > self.config.lease_s]:
             del self._announced[transfer_id]  # its decode leg never came (prefill's lease frees the KV)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         remote = self._decode_leg(request)
         if isinstance(remote, AwaitedPrefill):
             return self._match_awaited(request, remote, num_computed_tokens)
@@ -197,7 +203,7 @@ class PDConnectorScheduler:
         self._matched[request.request_id] = (remote, num_computed_tokens, layerwise)
         return count, not layerwise
 
-    def _decode_leg(self, request: "Request") -> RemotePrefill | AwaitedPrefill | None:
+    def _decode_leg(self, request: Request) -> RemotePrefill | AwaitedPrefill | None:
         """Where this decode leg's prompt KV comes from; None (logged) if its params are malformed."""
         try:
             return parse_decode_leg(request.kv_transfer_params)
@@ -205,8 +211,9 @@ class PDConnectorScheduler:
             logger.warning("request %s: %s; decode recomputes the prompt", request.request_id, e)
             return None
 
-    def _match_awaited(self, request: "Request", awaited: AwaitedPrefill,
-                       num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _match_awaited(
+        self, request: Request, awaited: AwaitedPrefill, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """A decode leg sent beside its prefill leg. Unless async loads are asked for, it stays
         unscheduled (None) until prefill announces its KV - the announcement of a push comes as
         prefill's last forward starts - and then takes a layer-wise load if nothing else runs
@@ -225,8 +232,12 @@ class PDConnectorScheduler:
                     if not self._prefill_lost(awaited, waited):
                         return None, False
                 else:
-                    logger.warning("request %s: prefill never announced %s within %.0fs; decode recomputes the "
-                                   "prompt", req_id, awaited.transfer_id, self.config.transfer_timeout_s)
+                    logger.warning(
+                        "request %s: prefill never announced %s within %.0fs; decode recomputes the prompt",
+                        req_id,
+                        awaited.transfer_id,
+                        self.config.transfer_timeout_s,
+                    )
                 del self._awaited_since[req_id]
                 return 0, False  # update_state_after_alloc abandons the push
             layerwise = self._layerwise(request)
@@ -245,15 +256,18 @@ class PDConnectorScheduler:
             return False
         if not self._announce_probe.lost(awaited.prefill_endpoints[0]):
             return False
-        logger.warning("transfer %s: prefill %s does not answer; decode computes the prompt", awaited.transfer_id,
-                       awaited.prefill_endpoints[0])
+        logger.warning(
+            "transfer %s: prefill %s does not answer; decode computes the prompt",
+            awaited.transfer_id,
+            awaited.prefill_endpoints[0],
+        )
         return True
 
-    def _layerwise(self, request: "Request") -> bool:
+    def _layerwise(self, request: Request) -> bool:
         mode = self._load_mode(request)
         return mode == "layerwise" or (mode == "auto" and self._live <= {request.request_id})
 
-    def _load_mode(self, request: "Request") -> str:
+    def _load_mode(self, request: Request) -> str:
         """The instance's load_mode, unless the request's kv_transfer_params ask for another;
         async under FULL CUDA graphs."""
         mode = requested_load_mode(request.kv_transfer_params, self.config.load_mode)
@@ -261,27 +275,40 @@ class PDConnectorScheduler:
             return mode
         if not self._layerwise_refused:
             self._layerwise_refused = True
-            logger.warning("request %s asks for a %s KV load, but this instance runs FULL CUDA graphs "
-                           "(load_mode async): its KV loads before its step instead", request.request_id, mode)
+            logger.warning(
+                "request %s asks for a %s KV load, but this instance runs FULL CUDA graphs "
+                "(load_mode async): its KV loads before its step instead",
+                request.request_id,
+                mode,
+            )
         return "async"
 
     def _local_prompt(self, prompt: list[int]) -> LocalPrompt:
-        return LocalPrompt(prompt_hash(prompt), len(prompt), self.groups[0].block_size, self.tp_size,
-                           self.kv_format, self.shape)
+        return LocalPrompt(
+            prompt_hash(prompt), len(prompt), self.groups[0].block_size, self.tp_size, self.kv_format, self.shape
+        )
 
-    def _remote_usable(self, request: "Request", remote: RemotePrefill, prompt: list[int]) -> bool:
+    def _remote_usable(self, request: Request, remote: RemotePrefill, prompt: list[int]) -> bool:
         reason = self._local_prompt(prompt).mismatch(remote)
         if reason:
-            refused = remote.shape is not None and self.shape is not None and \
-                incompatibility(remote.shape, self.shape) is not None
-            logger.warning("request %s: remote KV not usable (%s); decode recomputes the prompt%s",
-                           request.request_id, reason, " (refused: shapes)" if refused else "")
+            refused = (
+                remote.shape is not None
+                and self.shape is not None
+                and incompatibility(remote.shape, self.shape) is not None
+            )
+            logger.warning(
+                "request %s: remote KV not usable (%s); decode recomputes the prompt%s",
+                request.request_id,
+                reason,
+                " (refused: shapes)" if refused else "",
+            )
             if refused:
                 self._refused.add(request.request_id)
         return reason is None
 
-    def _group_loads(self, blocks: "KVCacheBlocks", num_local: int,
-                     num_tokens: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    def _group_loads(
+        self, blocks: KVCacheBlocks, num_local: int, num_tokens: int
+    ) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """Per KV cache group, (first position, our blocks) the load of ``num_tokens`` tokens lands
         in, past the ``num_local`` tokens of our own prefix cache: a sliding window's from the first
         block decode reads."""
@@ -292,7 +319,7 @@ class PDConnectorScheduler:
             out.append((first, tuple(ids[first:last])))
         return tuple(out)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if asks_remote_decode(params):
             self._track_outgoing(request)
@@ -315,18 +342,21 @@ class PDConnectorScheduler:
             return
         _, num_local, layerwise = matched
         loads = self._group_loads(blocks, num_local, min(remote.num_tokens, request.num_prompt_tokens))
-        self._loads.append(LoadSpec(
-            request_id=request.request_id,
-            transfer_id=remote.transfer_id,
-            remote=remote,
-            first_position=loads[0][0],
-            local_block_ids=loads[0][1],
-            layerwise=layerwise,
-            group_loads=loads if len(loads) > 1 else (),
-        ))
+        self._loads.append(
+            LoadSpec(
+                request_id=request.request_id,
+                transfer_id=remote.transfer_id,
+                remote=remote,
+                first_position=loads[0][0],
+                local_block_ids=loads[0][1],
+                layerwise=layerwise,
+                group_loads=loads if len(loads) > 1 else (),
+            )
+        )
 
-    def _load_awaited(self, request: "Request", awaited: AwaitedPrefill, blocks: "KVCacheBlocks",
-                      num_external_tokens: int) -> None:
+    def _load_awaited(
+        self, request: Request, awaited: AwaitedPrefill, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         matched = self._matched.pop(request.request_id, None)
         self._awaited_since.pop(request.request_id, None)
         self._announced.pop(awaited.transfer_id, None)
@@ -337,19 +367,21 @@ class PDConnectorScheduler:
         loads = self._group_loads(blocks, num_local, request.num_prompt_tokens)
         if not layerwise:
             self._awaiting.add(request.request_id)
-        self._loads.append(LoadSpec(
-            request_id=request.request_id,
-            transfer_id=awaited.transfer_id,
-            remote=None,
-            first_position=loads[0][0],
-            local_block_ids=loads[0][1],
-            layerwise=layerwise,
-            prompt=self._local_prompt(request.prompt_token_ids or []),
-            group_loads=loads if len(loads) > 1 else (),
-        ))
+        self._loads.append(
+            LoadSpec(
+                request_id=request.request_id,
+                transfer_id=awaited.transfer_id,
+                remote=None,
+                first_position=loads[0][0],
+                local_block_ids=loads[0][1],
+                layerwise=layerwise,
+                prompt=self._local_prompt(request.prompt_token_ids or []),
+                group_loads=loads if len(loads) > 1 else (),
+            )
+        )
 
     # ---- prefill side ---------------------------------------------------------------------------
-    def _track_outgoing(self, request: "Request") -> None:
+    def _track_outgoing(self, request: Request) -> None:
         if request.request_id in self._outgoing:
             return
         try:
@@ -363,14 +395,18 @@ class PDConnectorScheduler:
         out = _OutgoingRequest(request, ask.resolve(self.config.default_mode))
         if out.transfer_id in self._transfer_owners:
             # a second transfer of that id would take the first one's pushes, grants and release
-            logger.warning("request %s: transfer_id %s is already in use here (request %s); its KV is not "
-                           "kept for a remote decode", request.request_id, out.transfer_id,
-                           self._transfer_owners[out.transfer_id])
+            logger.warning(
+                "request %s: transfer_id %s is already in use here (request %s); its KV is not "
+                "kept for a remote decode",
+                request.request_id,
+                out.transfer_id,
+                self._transfer_owners[out.transfer_id],
+            )
             return
         self._outgoing[request.request_id] = out
         self._transfer_owners[out.transfer_id] = request.request_id
 
-    def forget_failed_blocks(self, block_ids: "set[int]") -> None:
+    def forget_failed_blocks(self, block_ids: set[int]) -> None:
         """Blocks a sync (layer-wise) load failed to fill leave vLLM's prefix cache now.
 
         vLLM cached them when it scheduled the forward that was to fill them, and under
@@ -383,14 +419,14 @@ class PDConnectorScheduler:
             self._kv_cache_manager.evict_blocks(set(block_ids))
             logger.info("%d block(s) of a failed KV load removed from the prefix cache", len(block_ids))
 
-    def note_sent(self, request_ids: "set[str] | frozenset[str]") -> None:
+    def note_sent(self, request_ids: set[str] | frozenset[str]) -> None:
         """vLLM frees these requests' blocks: the workers are done with their transfers, whose ids
         may name new ones."""
         if request_ids:
             for transfer_id in [t for t, r in self._transfer_owners.items() if r in request_ids]:
                 del self._transfer_owners[transfer_id]
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PDConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
         meta = PDConnectorMetadata(
             finished_sends=self._finished_sends,
             loads=self._loads,
@@ -420,24 +456,27 @@ class PDConnectorScheduler:
                 continue  # prompt fully handed over; generated tokens are not transferred
             by_group = tuple(tuple(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
             announce = out.ask.announce_endpoint is not None and end >= prompt_len
-            meta.sends.append(SendSpec(
-                transfer_id=out.transfer_id,
-                block_ids=by_group[0],
-                first_token=out.next_token,
-                end_token=min(end, prompt_len),
-                num_prompt_tokens=prompt_len,
-                push_endpoint=out.ask.push_endpoint,
-                announcement=self._remote_prefill(out, by_group).to_params() if announce else None,
-                announce_endpoint=out.ask.announce_endpoint,
-                group_block_ids=by_group if len(by_group) > 1 else (),
-            ))
+            meta.sends.append(
+                SendSpec(
+                    transfer_id=out.transfer_id,
+                    block_ids=by_group[0],
+                    first_token=out.next_token,
+                    end_token=min(end, prompt_len),
+                    num_prompt_tokens=prompt_len,
+                    push_endpoint=out.ask.push_endpoint,
+                    announcement=self._remote_prefill(out, by_group).to_params() if announce else None,
+                    announce_endpoint=out.ask.announce_endpoint,
+                    group_block_ids=by_group if len(by_group) > 1 else (),
+                )
+            )
             out.seen_by_worker = True
             # A partly filled last block is sent again with the next chunk.
             out.next_token = prompt_len if end >= prompt_len else end - end % self._token_step
         return meta
 
-    def request_finished(self, request: "Request",
-                         block_ids: "list[int] | tuple[list[int], ...]") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int] | tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: the request's blocks (one group), or each KV cache group's (the hybrid manager's)."""
         from vllm.v1.request import RequestStatus
 
@@ -481,8 +520,10 @@ class PDConnectorScheduler:
     def _remote_prefill(self, out: _OutgoingRequest, by_group: tuple[tuple[int, ...], ...]) -> RemotePrefill:
         """Where decode finds this request's prompt KV (``by_group``: each KV cache group's blocks)."""
         request = out.request
-        blocks = tuple(tuple(ids[:-(-request.num_prompt_tokens // g.block_size)])
-                       for g, ids in zip(self.groups, by_group, strict=False))
+        blocks = tuple(
+            tuple(ids[: -(-request.num_prompt_tokens // g.block_size)])
+            for g, ids in zip(self.groups, by_group, strict=False)
+        )
         if not out.prompt_hash:
             out.prompt_hash = prompt_hash(request.prompt_token_ids or [])
         return RemotePrefill(
@@ -507,5 +548,4 @@ class PDConnectorScheduler:
         self._announce_probe.close()
 
     def has_pending_work(self) -> bool:
-        return bool(self._finished_sends or self._loads or self._releases or self._abandoned
-                    or self._cancelled_loads)
+        return bool(self._finished_sends or self._loads or self._releases or self._abandoned or self._cancelled_loads)

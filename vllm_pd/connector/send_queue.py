@@ -45,14 +45,14 @@ class SendQueue:
         if inline:
             _run(send)
 
-    def future_after(self, event: DeviceEvent, start: Callable[[], "Future[T]"]) -> "Future[T]":
+    def future_after(self, event: DeviceEvent, start: Callable[[], Future[T]]) -> Future[T]:
         """``after`` for a send that returns a future: a future now, resolved as that one is."""
         proxy: Future[T] = Future()
 
         def send() -> None:
             try:
                 inner = start()
-            except Exception as e:  # noqa: BLE001 - the caller sees it on the future
+            except Exception as e:
                 proxy.set_exception(e)
                 return
             inner.add_done_callback(lambda f: _settle(proxy, f))
@@ -96,11 +96,11 @@ class SendQueue:
 def _run(send: Callable[[], None]) -> None:
     try:
         send()
-    except Exception:  # noqa: BLE001 - a send reports failure on its future; this is a bug guard
+    except Exception:
         logger.exception("queued KV send failed")
 
 
-def _settle(proxy: "Future[Any]", inner: "Future[Any]") -> None:
+def _settle(proxy: Future[Any], inner: Future[Any]) -> None:
     exc = inner.exception()
     if exc is not None:
         proxy.set_exception(exc)

@@ -27,7 +27,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from vllm_pd.connector.transfer_counters import COUNTERS, GAUGES, RANK_GAUGES, TransferCounters
 
-
 # the help text of each metric in /metrics (and in the docs' generated metrics reference)
 HELP = {
     "pushed_blocks": "KV blocks prefill pushed to decode, counted per layer",
@@ -40,9 +39,9 @@ HELP = {
     "connections_refused": "KV connections refused: they did not prove the deployment secret",
     "connections_broken": "authenticated KV connections closed for a bad seal or a malformed or oversized frame",
     "shape_refused": "transfers refused because prefill's and decode's KV shapes (TP, block size, KV cache "
-                     "groups, kernel packing) cannot be re-cut: decode recomputed at once",
+    "groups, kernel packing) cannot be re-cut: decode recomputed at once",
     "loaded_blocks": "KV blocks decode landed, counted per layer, by source (push: pushed by prefill; "
-                     "fetch: read from the peer)",
+    "fetch: read from the peer)",
     "loads": "remote KV loads by result (failed: decode recomputed the prompt)",
     "store_served_blocks": "KV store blocks this node served to other nodes' fetches, by tier",
     "held_transfers": "transfers whose KV prefill holds for decode (until released or the lease ends)",
@@ -56,7 +55,7 @@ class PDConnectorStats(TransferCounters, KVConnectorStats):
     """The counters as vLLM's connector stats (sent to its logger and /metrics)."""
 
     # ---- KVConnectorStats -----------------------------------------------------------------------
-    def aggregate(self, other: KVConnectorStats) -> "PDConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> PDConnectorStats:
         for k in COUNTERS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
         if RANK_GAUGES in other.data:  # the ranks' latest values; a later interval's win
@@ -73,24 +72,47 @@ class PDConnectorStats(TransferCounters, KVConnectorStats):
 
 
 class PDPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         c, g = self._counter_cls, self._gauge_cls
         self._counters: dict[str, Any] = {}
-        for name in ("pushed_blocks", "pushed_bytes", "loaded_bytes", "lease_expired", "push_transfers",
-                     "push_tail_seconds", "push_span_seconds", "connections_refused", "connections_broken",
-                     "shape_refused"):
+        for name in (
+            "pushed_blocks",
+            "pushed_bytes",
+            "loaded_bytes",
+            "lease_expired",
+            "push_transfers",
+            "push_tail_seconds",
+            "push_span_seconds",
+            "connections_refused",
+            "connections_broken",
+            "shape_refused",
+        ):
             self._counters[name] = c(name=f"vllm:pd_{name}", documentation=HELP[name], labelnames=labelnames)
-        self._loaded_blocks = c(name="vllm:pd_loaded_blocks", documentation=HELP["loaded_blocks"],
-                                labelnames=[*labelnames, "source"])
-        self._loads = c(name="vllm:pd_loads", documentation=HELP["loads"],
-                        labelnames=[*labelnames, "result"])
-        self._store_served = c(name="vllm:pd_store_served_blocks", documentation=HELP["store_served_blocks"],
-                               labelnames=[*labelnames, "tier"])
-        self._gauges = {name: g(name=f"vllm:pd_{name}", documentation=f"{HELP[name]}, per TP rank",
-                                labelnames=[*labelnames, "tp_rank"], multiprocess_mode="mostrecent")
-                        for name in GAUGES}
+        self._loaded_blocks = c(
+            name="vllm:pd_loaded_blocks", documentation=HELP["loaded_blocks"], labelnames=[*labelnames, "source"]
+        )
+        self._loads = c(name="vllm:pd_loads", documentation=HELP["loads"], labelnames=[*labelnames, "result"])
+        self._store_served = c(
+            name="vllm:pd_store_served_blocks",
+            documentation=HELP["store_served_blocks"],
+            labelnames=[*labelnames, "tier"],
+        )
+        self._gauges = {
+            name: g(
+                name=f"vllm:pd_{name}",
+                documentation=f"{HELP[name]}, per TP rank",
+                labelnames=[*labelnames, "tp_rank"],
+                multiprocess_mode="mostrecent",
+            )
+            for name in GAUGES
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]

@@ -78,7 +78,7 @@ class LoadSpec:
 
     def remote_block_ids(self, remote: RemotePrefill, group: int = 0) -> tuple[int, ...]:
         first, ids = self.group(group)
-        return remote.group_blocks(group)[first:first + len(ids)]
+        return remote.group_blocks(group)[first : first + len(ids)]
 
     def group_positions(self, group: int) -> range:
         first, ids = self.group(group)
@@ -116,5 +116,3 @@ class WorkerStep:
     idle: bool = False
     # the KV block store's work for this step (store_bridge.StoreStepMeta), None = no store
     store: Any = None
-
-

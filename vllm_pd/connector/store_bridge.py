@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 logger = vllm_logger(__name__)
 
 
-def make_salt(vllm_config: "VllmConfig", num_layers: int, block_nbytes: int, kv_format: str = "") -> KeySalt:
+def make_salt(vllm_config: VllmConfig, num_layers: int, block_nbytes: int, kv_format: str = "") -> KeySalt:
     """``kv_format``: what a block's bytes mean (kv_layout.block_format): stores of other layouts
     hold other bytes for the same prompt, so their keys differ."""
     from vllm.platforms import current_platform
@@ -60,7 +60,7 @@ def make_salt(vllm_config: "VllmConfig", num_layers: int, block_nbytes: int, kv_
     )
 
 
-def request_extra_keys(request: "Request") -> RequestExtraKeys:
+def request_extra_keys(request: Request) -> RequestExtraKeys:
     """The request's extra keys, block by block exactly as vLLM's prefix cache derives them.
 
     vLLM's function is asked only for requests that have something it keys on (an adapter,
@@ -77,9 +77,12 @@ def request_extra_keys(request: "Request") -> RequestExtraKeys:
         keys: tuple[Any, ...] | None = generate_block_hash_extra_keys(request, start, end, 0)[0]
         return keys
 
-    return RequestExtraKeys(lora=(lora.lora_name, lora.lora_path) if lora is not None else None,
-                            cache_salt=request.cache_salt, per_block=per_block,
-                            varies_by_block=bool(request.mm_features) or request.prompt_embeds is not None)
+    return RequestExtraKeys(
+        lora=(lora.lora_name, lora.lora_path) if lora is not None else None,
+        cache_salt=request.cache_salt,
+        per_block=per_block,
+        varies_by_block=bool(request.mm_features) or request.prompt_embeds is not None,
+    )
 
 
 @dataclass
@@ -102,7 +105,7 @@ class StoreWorkerMeta(KVConnectorWorkerMetadata):
 
 
 class StoreBridgeScheduler:
-    def __init__(self, vllm_config: "VllmConfig", config: StoreConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: StoreConfig) -> None:
         self.vllm_config = vllm_config
         self.config = config
         self.store: StoreScheduler | None = None  # built once the workers' handshake says the block size
@@ -122,36 +125,43 @@ class StoreBridgeScheduler:
         salt = make_salt(self.vllm_config, num_layers, block_nbytes, kv_format)
         world = self.vllm_config.parallel_config.tensor_parallel_size
         self.store = StoreScheduler(self.config, salt, num_layers * block_nbytes, world_size=world, endpoint=endpoint)
-        logger.info("KV store: %d CPU slots of %d bytes, disk %s", self.store.slots.num_slots,
-                    num_layers * block_nbytes, self.config.disk_path or "off")
+        logger.info(
+            "KV store: %d CPU slots of %d bytes, disk %s",
+            self.store.slots.num_slots,
+            num_layers * block_nbytes,
+            self.config.disk_path or "off",
+        )
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         if self.store is None:
             return 0
         prompt = request.prompt_token_ids or []
         # >= 1 token left to compute; the master is asked only beyond the local prefix
-        hit, remote = self.store.match_with_remote(prompt[: len(prompt) - 1], request_id=request.request_id,
-                                                   fetch=self._fetch_hint(request),
-                                                   extra_keys=self._request_extra_keys(request))
+        hit, remote = self.store.match_with_remote(
+            prompt[: len(prompt) - 1],
+            request_id=request.request_id,
+            fetch=self._fetch_hint(request),
+            extra_keys=self._request_extra_keys(request),
+        )
         if hit <= num_computed_tokens:
             self._matched.pop(request.request_id, None)
             return 0
         self._matched[request.request_id] = (hit, remote)
         return hit - num_computed_tokens
 
-    def _request_extra_keys(self, request: "Request") -> RequestExtraKeys:
+    def _request_extra_keys(self, request: Request) -> RequestExtraKeys:
         got = self._extra_keys.get(request.request_id)
         if got is None:
             got = self._extra_keys[request.request_id] = request_extra_keys(request)
         return got
 
-    def _fetch_hint(self, request: "Request") -> StoreFetch | None:
+    def _fetch_hint(self, request: Request) -> StoreFetch | None:
         """The proxy's store_fetch hint, parsed once per request (vLLM asks again every step it waits)."""
         if request.request_id not in self._hints:
             self._hints[request.request_id] = StoreFetch.from_params(request.kv_transfer_params)
         return self._hints[request.request_id]
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> bool:
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> bool:
         """True if the store serves this request's external tokens."""
         matched = self._matched.pop(request.request_id, None)
         if self.store is None or matched is None or num_external_tokens <= 0:
@@ -159,14 +169,20 @@ class StoreBridgeScheduler:
         hit, remote = matched
         start = hit - num_external_tokens
         bs = self.store.block_size
-        blocks = block_ids[start // bs: hit // bs]
-        _, missing = self.store.plan_load(request.request_id, request.prompt_token_ids or [], start,
-                                          num_external_tokens, blocks, remote=remote,
-                                          extra_keys=self._request_extra_keys(request))
+        blocks = block_ids[start // bs : hit // bs]
+        _, missing = self.store.plan_load(
+            request.request_id,
+            request.prompt_token_ids or [],
+            start,
+            num_external_tokens,
+            blocks,
+            remote=remote,
+            extra_keys=self._request_extra_keys(request),
+        )
         self._meta.missing_block_ids.extend(missing)
         return True
 
-    def request_finished(self, request: "Request", block_ids: list[int], pd_holds: bool) -> bool:
+    def request_finished(self, request: Request, block_ids: list[int], pd_holds: bool) -> bool:
         """Queue the save of the request's computed blocks; True if vLLM must keep them for it."""
         self._matched.pop(request.request_id, None)
         self._hints.pop(request.request_id, None)
@@ -196,7 +212,7 @@ class StoreBridgeScheduler:
 
 
 class StoreBridgeWorker:
-    def __init__(self, config: StoreConfig, vllm_config: "VllmConfig", tp_rank: int) -> None:
+    def __init__(self, config: StoreConfig, vllm_config: VllmConfig, tp_rank: int) -> None:
         self.config = config
         self.vllm_config = vllm_config
         self.tp_rank = tp_rank
@@ -207,9 +223,15 @@ class StoreBridgeWorker:
         self._pd_done_early: set[str] = set()
         self._missing: set[int] = set()
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], bind_host: str, advertised_host: str,
-                           block_dims: dict[str, int] | None = None, device: KVDevice | None = None,
-                           kv_format: str = "") -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        bind_host: str,
+        advertised_host: str,
+        block_dims: dict[str, int] | None = None,
+        device: KVDevice | None = None,
+        kv_format: str = "",
+    ) -> None:
         """``block_dims`` / ``device`` / ``kv_format``: as the connector worker read them from
         vLLM's layout (default: blocks along dim 0, the device of the tensors, no format)."""
         tensors = list(kv_caches.values())

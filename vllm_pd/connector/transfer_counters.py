@@ -9,15 +9,25 @@ if TYPE_CHECKING:
     from vllm_pd.connector.load_job import LoadJob
 
 COUNTERS = (
-    "pushed_blocks", "pushed_bytes", "loaded_blocks_push", "loaded_blocks_fetch", "loaded_bytes",
-    "loads_ok", "loads_failed", "lease_expired",
+    "pushed_blocks",
+    "pushed_bytes",
+    "loaded_blocks_push",
+    "loaded_blocks_fetch",
+    "loaded_bytes",
+    "loads_ok",
+    "loads_failed",
+    "lease_expired",
     # layer-wise overlap of pushes: time after the last layer computed until all KV landed
     # (tail) vs first push to all landed (span), summed over push transfers
-    "push_transfers", "push_tail_seconds", "push_span_seconds",
-    "store_served_blocks_cpu", "store_served_blocks_disk",
+    "push_transfers",
+    "push_tail_seconds",
+    "push_span_seconds",
+    "store_served_blocks_cpu",
+    "store_served_blocks_disk",
     # KV connections refused for not proving the deployment secret; authenticated ones closed
     # for breaking the protocol (a bad seal, a malformed or oversized frame)
-    "connections_refused", "connections_broken",
+    "connections_refused",
+    "connections_broken",
     # transfers refused for prefill's and decode's KV shapes (kv_geometry.incompatibility): recomputed
     "shape_refused",
 )
@@ -65,7 +75,7 @@ class TransferCounters:
     def record_shape_refused(self) -> None:
         self.data["shape_refused"] += 1
 
-    def record_load(self, job: "LoadJob") -> None:
+    def record_load(self, job: LoadJob) -> None:
         self.data["shape_refused"] += int(job.refused)
         self.data["loaded_blocks_push"] += job.blocks_from_push
         self.data["loaded_blocks_fetch"] += job.blocks_fetched
@@ -82,7 +92,7 @@ class TransferCounters:
             self._expired_reported = self.expired
         self.data["_dirty"] = bool(self.data.get("_dirty")) or changed
 
-    def take(self) -> "TransferCounters | None":
+    def take(self) -> TransferCounters | None:
         """The interval's stats (None if nothing happened), then start a new interval."""
         dirty = self.data.pop("_dirty", False)
         if not dirty and not any(self.data.get(k) for k in COUNTERS):

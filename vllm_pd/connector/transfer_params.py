@@ -41,8 +41,8 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 import msgspec
 
 from vllm_pd.connector.kv_geometry import KVShape, incompatibility
-from vllm_pd.vllm_logging import vllm_logger
 from vllm_pd.errors import ProtocolError
+from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
@@ -66,8 +66,13 @@ STORE_FETCH = "store_fetch"
 _RETIRED_TRANSFER_KEY = "transfer_key"
 
 # what NixlConnector's proxies send on the prefill leg besides do_remote_decode
-_NIXL_PREFILL_LEG = {DO_REMOTE_PREFILL: False, "remote_engine_id": None, "remote_block_ids": None,
-                     "remote_host": None, "remote_port": None}
+_NIXL_PREFILL_LEG = {
+    DO_REMOTE_PREFILL: False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 _Positive = Annotated[int, msgspec.Meta(gt=0)]
@@ -83,8 +88,10 @@ _S = TypeVar("_S", bound=msgspec.Struct)
 
 def _convert(params: dict[str, Any], cls: type[_S], what: str) -> _S:
     if _RETIRED_TRANSFER_KEY in params:
-        raise TransferParamsError(f"kv_transfer_params ({what}): `{_RETIRED_TRANSFER_KEY}` is not accepted any more; "
-                                  f"the proxy names the transfer with `transfer_id` (protocol {PROTOCOL_VERSION})")
+        raise TransferParamsError(
+            f"kv_transfer_params ({what}): `{_RETIRED_TRANSFER_KEY}` is not accepted any more; "
+            f"the proxy names the transfer with `transfer_id` (protocol {PROTOCOL_VERSION})"
+        )
     try:
         return msgspec.convert(params, cls)
     except msgspec.ValidationError as e:
@@ -98,10 +105,14 @@ def _require_ours(params: dict[str, Any], what: str) -> None:
         return
     if isinstance(version, int) and not isinstance(version, bool):
         side = "an older" if version < PROTOCOL_VERSION else "a newer"
-        raise TransferParamsError(f"kv_transfer_params ({what}): made by {side} vllm-pd ({PROTOCOL_KEY}={version}, "
-                                  f"ours {PROTOCOL_VERSION}): run the same vllm-pd version on prefill and decode")
-    raise TransferParamsError(f"kv_transfer_params ({what}): {PROTOCOL_KEY}={version!r}, "
-                              f"expected {PROTOCOL_VERSION} (made by another connector or version?)")
+        raise TransferParamsError(
+            f"kv_transfer_params ({what}): made by {side} vllm-pd ({PROTOCOL_KEY}={version}, "
+            f"ours {PROTOCOL_VERSION}): run the same vllm-pd version on prefill and decode"
+        )
+    raise TransferParamsError(
+        f"kv_transfer_params ({what}): {PROTOCOL_KEY}={version!r}, "
+        f"expected {PROTOCOL_VERSION} (made by another connector or version?)"
+    )
 
 
 class RemoteDecodeRequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -128,7 +139,7 @@ class RemoteDecodeRequest(msgspec.Struct, frozen=True, omit_defaults=True):
         """Where prefill announces the KV once computed (None: no decode leg waits for it)."""
         return self.decode_endpoint if self.transfer_id else None
 
-    def resolve(self, default_mode: TransferMode) -> "RemoteDecodeRequest":
+    def resolve(self, default_mode: TransferMode) -> RemoteDecodeRequest:
         """This ask with the mode prefill will use: ``default_mode`` where the proxy did not say,
         and pull where there is no decode endpoint to push to."""
         mode = self.mode or default_mode
@@ -142,7 +153,7 @@ class RemoteDecodeRequest(msgspec.Struct, frozen=True, omit_defaults=True):
         return params
 
     @classmethod
-    def from_params(cls, params: dict[str, Any] | None) -> "RemoteDecodeRequest | None":
+    def from_params(cls, params: dict[str, Any] | None) -> RemoteDecodeRequest | None:
         """None unless the params ask for a remote decode; TransferParamsError if malformed."""
         if not params or not params.get(DO_REMOTE_DECODE):
             return None
@@ -174,8 +185,10 @@ class RemotePrefill(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         if len(self.block_ids) < -(-self.num_tokens // self.block_size):
-            raise TransferParamsError(f"remote_block_ids: {len(self.block_ids)} blocks cannot hold "
-                                      f"{self.num_tokens} tokens of {self.block_size}")
+            raise TransferParamsError(
+                f"remote_block_ids: {len(self.block_ids)} blocks cannot hold "
+                f"{self.num_tokens} tokens of {self.block_size}"
+            )
         if self.endpoints and len(self.endpoints) != self.tp_size:
             raise TransferParamsError(f"remote_endpoints: {len(self.endpoints)} endpoints for tp_size {self.tp_size}")
         if not self.endpoints and self.tp_size != 1:
@@ -183,8 +196,10 @@ class RemotePrefill(msgspec.Struct, frozen=True):
         if self.shape is not None and self.shape.tp_size != self.tp_size:
             raise TransferParamsError(f"kv_shape: tp_size {self.shape.tp_size} != tp_size {self.tp_size}")
         if self.group_block_ids and (self.shape is None or len(self.group_block_ids) != len(self.shape.groups)):
-            raise TransferParamsError(f"remote_group_block_ids: {len(self.group_block_ids)} groups, kv_shape has "
-                                      f"{len(self.shape.groups) if self.shape is not None else 'none'}")
+            raise TransferParamsError(
+                f"remote_group_block_ids: {len(self.group_block_ids)} groups, kv_shape has "
+                f"{len(self.shape.groups) if self.shape is not None else 'none'}"
+            )
 
     def group_blocks(self, group: int) -> tuple[int, ...]:
         """Prefill's blocks of KV cache group ``group``, in prompt order."""
@@ -211,15 +226,22 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     def to_params(self) -> dict[str, Any]:
         params: dict[str, Any] = msgspec.to_builtins(self)
         # lists, as JSON gives them back (to_builtins keeps tuples)
-        params.update({"remote_block_ids": list(self.block_ids), "remote_endpoints": list(self.endpoints),
-                       "remote_group_block_ids": [list(g) for g in self.group_block_ids],
-                       DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, PROTOCOL_KEY: PROTOCOL_VERSION})
+        params.update(
+            {
+                "remote_block_ids": list(self.block_ids),
+                "remote_endpoints": list(self.endpoints),
+                "remote_group_block_ids": [list(g) for g in self.group_block_ids],
+                DO_REMOTE_PREFILL: True,
+                DO_REMOTE_DECODE: False,
+                PROTOCOL_KEY: PROTOCOL_VERSION,
+            }
+        )
         if self.shape is None:
             params.pop("kv_shape", None)
         return params
 
     @classmethod
-    def parse(cls, params: dict[str, Any] | None) -> "RemotePrefill | None":
+    def parse(cls, params: dict[str, Any] | None) -> RemotePrefill | None:
         """None unless the params name a remote prefill; TransferParamsError if malformed or not ours."""
         if not params or not params.get(DO_REMOTE_PREFILL):
             return None
@@ -227,7 +249,7 @@ class RemotePrefill(msgspec.Struct, frozen=True):
         return _convert(params, cls, "prefill's answer")
 
     @classmethod
-    def from_params(cls, params: dict[str, Any] | None) -> "RemotePrefill | None":
+    def from_params(cls, params: dict[str, Any] | None) -> RemotePrefill | None:
         """:meth:`parse`, logging malformed params and returning None for them: decode then
         computes the prompt itself, which is slower but always correct."""
         try:
@@ -253,15 +275,18 @@ class AwaitedPrefill(msgspec.Struct, frozen=True, omit_defaults=True):
         return params
 
     @classmethod
-    def parse(cls, params: dict[str, Any] | None) -> "AwaitedPrefill | None":
+    def parse(cls, params: dict[str, Any] | None) -> AwaitedPrefill | None:
         """None unless these are awaited-prefill params (ours, naming no prefill request yet);
         TransferParamsError if malformed."""
-        if (not params or not params.get(DO_REMOTE_PREFILL) or PROTOCOL_KEY not in params
-                or "remote_request_id" in params):
+        if (
+            not params
+            or not params.get(DO_REMOTE_PREFILL)
+            or PROTOCOL_KEY not in params
+            or "remote_request_id" in params
+        ):
             return None
         _require_ours(params, "awaited prefill")
         return _convert(params, cls, "awaited prefill")
-
 
 
 class StoreFetch(msgspec.Struct, frozen=True):
@@ -279,7 +304,7 @@ class StoreFetch(msgspec.Struct, frozen=True):
         return {STORE_FETCH: msgspec.to_builtins(self)}
 
     @classmethod
-    def from_params(cls, params: dict[str, Any] | None) -> "StoreFetch | None":
+    def from_params(cls, params: dict[str, Any] | None) -> StoreFetch | None:
         """The hint in ``params``, or None (none given, or malformed: logged, the store then asks
         its master itself as without a hint)."""
         raw = (params or {}).get(STORE_FETCH)
@@ -303,8 +328,9 @@ def requested_load_mode(params: dict[str, Any] | None, default: LoadMode) -> Loa
     """The load mode a decode leg asks for (``load_mode``), else ``default``."""
     mode = (params or {}).get(LOAD_MODE, default)
     if mode not in get_args(LoadMode):
-        logger.warning("kv_transfer_params.%s=%r is not one of %s: using %s", LOAD_MODE, mode,
-                       list(get_args(LoadMode)), default)
+        logger.warning(
+            "kv_transfer_params.%s=%r is not one of %s: using %s", LOAD_MODE, mode, list(get_args(LoadMode)), default
+        )
         return default
     return mode  # type: ignore[no-any-return]
 
@@ -355,7 +381,7 @@ class LocalPrompt(msgspec.Struct, frozen=True):
         return None
 
 
-def prompt_hash(token_ids: "list[int] | tuple[int, ...]") -> str:
+def prompt_hash(token_ids: list[int] | tuple[int, ...]) -> str:
     """Deterministic digest of a prompt's token ids (same on every machine and process)."""
     ids = array.array("q", token_ids)
     if sys.byteorder != "little":

@@ -21,19 +21,19 @@ from vllm_pd.connector.auth_protocol import INSECURE_WARNING, SECRET_ENV, is_loo
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.control import PingMessage, ReleaseMessage, decode_control
-from vllm_pd.connector.release import release_rank_share
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
 from vllm_pd.connector.kv_device import KVDevice, kv_device_for
 from vllm_pd.connector.kv_geometry import KVGroup, KVShape, ShapeQuery, encode_shape, kernel_format
 from vllm_pd.connector.kv_layout import KVLayout, block_format, manager_blocks, memory_order_mismatch
 from vllm_pd.connector.kv_loader import KVLoader
-from vllm_pd.connector.layer_groups import LayerGroups
 from vllm_pd.connector.kv_sender import KVSender
+from vllm_pd.connector.layer_groups import LayerGroups
 from vllm_pd.connector.push_staging import PushStaging
+from vllm_pd.connector.release import release_rank_share
 from vllm_pd.connector.step_specs import WorkerStep
-from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transfer_counters import TransferCounters
+from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 from vllm_pd.vllm_logging import vllm_logger
@@ -62,10 +62,21 @@ def advertised_host(config: PDConnectorConfig) -> str:
 
 
 class PDConnectorWorker:
-    def __init__(self, config: PDConnectorConfig, block_size: int, tp_rank: int, base_port: int,
-                 is_producer: bool, is_consumer: bool, tp_size: int = 1,
-                 stats: TransferCounters | None = None, kv_heads: int = 0, groups: tuple[KVGroup, ...] = (),
-                 layer_groups: dict[str, int] | None = None, kernel: str = "") -> None:
+    def __init__(
+        self,
+        config: PDConnectorConfig,
+        block_size: int,
+        tp_rank: int,
+        base_port: int,
+        is_producer: bool,
+        is_consumer: bool,
+        tp_size: int = 1,
+        stats: TransferCounters | None = None,
+        kv_heads: int = 0,
+        groups: tuple[KVGroup, ...] = (),
+        layer_groups: dict[str, int] | None = None,
+        kernel: str = "",
+    ) -> None:
         """``kv_heads`` (the model's KV heads; 1 for MLA), ``groups`` (vLLM's KV cache groups, their
         block formats filled in at registration) and ``layer_groups`` (each layer's group, by name)
         make this worker's :class:`KVShape`, which lets it take KV from a prefill of another TP or
@@ -85,9 +96,12 @@ class PDConnectorWorker:
         self.is_consumer = is_consumer
         # the transport's default checksum (crc32c, fused with the copies) unless turned off; with a
         # deployment secret every connection authenticates, and blocks get the session's keyed check
-        self.transport = create_transport(config.transport, secret=config.secret,
-                                          **({"tls": config.tls} if config.tls is not None else {}),
-                                          **({} if config.checksum else {"checksum": "none"}))
+        self.transport = create_transport(
+            config.transport,
+            secret=config.secret,
+            **({"tls": config.tls} if config.tls is not None else {}),
+            **({} if config.checksum else {"checksum": "none"}),
+        )
         self.stats = stats if stats is not None else TransferCounters()
         self.regions: list[MemoryRegion] = []
         self.kv_format = ""  # what a block's bytes mean (kv_layout.block_format), once registered
@@ -100,8 +114,13 @@ class PDConnectorWorker:
         self.port = 0
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None,
-                           device: KVDevice | None = None, kv_layout: str | None = None) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int | None = None,
+        device: KVDevice | None = None,
+        kv_layout: str | None = None,
+    ) -> None:
         """``kv_caches``: vLLM's per-layer views (0.32: ``[num_blocks * ratio, H, N, C]`` in any
         layout, see :mod:`kv_layout`); ``num_blocks``: the blocks the scheduler hands out
         (default: dim 0's size); ``device``: where the tensors live (default: read from them);
@@ -117,28 +136,57 @@ class PDConnectorWorker:
         if self.regions and self.regions[0].tensor.device.type == "cpu":
             request_amx_tiles()  # before this worker's first forward, which may be a step of loaded KV
         self.access = self._access()
-        self.sender = KVSender(self.config, self.transport, self.access, len(self.regions), self.block_size,
-                               self.tp_rank, self.stats, groups)
-        self.loader = KVLoader(self.config, self.transport, self.access, self.device, self.regions, self.tp_rank,
-                               self.tp_size, self.stats, self._release, self.sender.outgoing.changed, groups)
+        self.sender = KVSender(
+            self.config,
+            self.transport,
+            self.access,
+            len(self.regions),
+            self.block_size,
+            self.tp_rank,
+            self.stats,
+            groups,
+        )
+        self.loader = KVLoader(
+            self.config,
+            self.transport,
+            self.access,
+            self.device,
+            self.regions,
+            self.tp_rank,
+            self.tp_size,
+            self.stats,
+            self._release,
+            self.sender.outgoing.changed,
+            groups,
+        )
         self.transport.register_regions(self.access.transport_regions)
         port = self.base_port + self.tp_rank if self.base_port else 0
         if self.config.insecure:
-            logger.warning(INSECURE_WARNING, "the KV endpoint", self.config.bind_host, "insecure_network",
-                           SECRET_ENV)
+            logger.warning(INSECURE_WARNING, "the KV endpoint", self.config.bind_host, "insecure_network", SECRET_ENV)
         self.endpoint = self.transport.start(self, self.config.bind_host, port)
         self.host = advertised_host(self.config)
         self.port = int(self.endpoint.rsplit(":", 1)[1])
         # peers reach us by the advertised host, not the bind address
         self.endpoint = f"{self.endpoint.split('://', 1)[0]}://{self.host}:{self.port}"
         r0 = self.regions[0]
-        logger.info("PD connector worker %d: %d layers of %d blocks x %d bytes (%s, %s, %d span(s) a block) on "
-                    "%s (%s), KV endpoint %s, %s", self.tp_rank, len(self.regions), r0.num_blocks, r0.block_nbytes,
-                    kv_layout or "layout not given", self.kv_format, len(r0.block_spans(0)), r0.tensor.device,
-                    type(self.access).__name__, self.endpoint,
-                    f"TP {self.tp_size} of {self.shape.kv_heads} KV heads, groups "
-                    + ", ".join(f"{g.kind}/{g.block_size}" for g in self.shape.groups)
-                    if self.shape is not None else "shape not known (equal shapes only)")
+        logger.info(
+            "PD connector worker %d: %d layers of %d blocks x %d bytes (%s, %s, %d span(s) a block) on "
+            "%s (%s), KV endpoint %s, %s",
+            self.tp_rank,
+            len(self.regions),
+            r0.num_blocks,
+            r0.block_nbytes,
+            kv_layout or "layout not given",
+            self.kv_format,
+            len(r0.block_spans(0)),
+            r0.tensor.device,
+            type(self.access).__name__,
+            self.endpoint,
+            f"TP {self.tp_size} of {self.shape.kv_heads} KV heads, groups "
+            + ", ".join(f"{g.kind}/{g.block_size}" for g in self.shape.groups)
+            if self.shape is not None
+            else "shape not known (equal shapes only)",
+        )
 
     def _shape(self, names: list[str]) -> KVShape | None:
         """This rank's KV shape: the groups vLLM told us of, each with its layers' block format."""
@@ -151,11 +199,17 @@ class PDConnectorWorker:
             return None
         groups = []
         for g, spec in enumerate(self._group_specs):
-            formats = {self.regions[i].name: self._group_format(self.regions[i].tensor)
-                       for i, lg in enumerate(layer_groups) if lg == g}
+            formats = {
+                self.regions[i].name: self._group_format(self.regions[i].tensor)
+                for i, lg in enumerate(layer_groups)
+                if lg == g
+            }
             if len(set(formats.values())) != 1:
-                logger.warning("PD connector: KV cache group %d's layers have blocks %s; KV moves between equal "
-                               "shapes only", g, sorted(set(formats.values())) or "(none)")
+                logger.warning(
+                    "PD connector: KV cache group %d's layers have blocks %s; KV moves between equal shapes only",
+                    g,
+                    sorted(set(formats.values())) or "(none)",
+                )
                 return None
             groups.append(KVGroup(spec.kind, spec.block_size, next(iter(formats.values())), spec.window))
         return KVShape(self.tp_size, self._kv_heads, tuple(groups), layer_groups)
@@ -175,8 +229,12 @@ class PDConnectorWorker:
         except ValueError as e:
             why = str(e)
         if why is not None:
-            logger.warning("PD connector: KV cache layer %s is not in vLLM's %s layout: %s; moving its blocks "
-                           "by their strides", name, kv_layout, why)
+            logger.warning(
+                "PD connector: KV cache layer %s is not in vLLM's %s layout: %s; moving its blocks by their strides",
+                name,
+                kv_layout,
+                why,
+            )
 
     def unregister_kv_caches(self) -> None:
         """vLLM's sleep mode is about to free the KV cache's pages (their contents are lost; the
@@ -201,8 +259,9 @@ class PDConnectorWorker:
         """Direct where the transport can read the KV itself, else through pinned host staging;
         sends and landings copy on a stream each."""
         sends, landings = BlockCopies(self.regions, self.device), BlockCopies(self.regions, self.device)
-        if self.transport.device_memory or (self.device.host_accessible
-                                            and all(r.block_contiguous for r in self.regions)):
+        if self.transport.device_memory or (
+            self.device.host_accessible and all(r.block_contiguous for r in self.regions)
+        ):
             return DirectAccess(sends, landings)
         arena = StagingArena(self.device, [r.block_nbytes for r in self.regions], self.config.host_staging_bytes)
         return StagedAccess(sends, arena, landings)
@@ -218,8 +277,12 @@ class PDConnectorWorker:
         ours = self.regions[batch.layer].block_nbytes
         if batch.block_nbytes <= 0 or (self.shape is None and batch.block_nbytes != ours):
             # of another shape, a push carries parts of blocks or blocks of another size: its load checks them
-            logger.warning("push of transfer %s has %d-byte blocks, ours are %d: rejected",
-                           batch.transfer_id, batch.block_nbytes, ours)
+            logger.warning(
+                "push of transfer %s has %d-byte blocks, ours are %d: rejected",
+                batch.transfer_id,
+                batch.block_nbytes,
+                ours,
+            )
             return None
         return self.loader.staging.destinations(batch)
 
@@ -254,8 +317,9 @@ class PDConnectorWorker:
         if self.is_producer:
             self.sender.begin_step(meta)
         else:
-            self.sender.begin_step(WorkerStep(finished_sends=meta.finished_sends,
-                                              preempted_transfers=meta.preempted_transfers))
+            self.sender.begin_step(
+                WorkerStep(finished_sends=meta.finished_sends, preempted_transfers=meta.preempted_transfers)
+            )
         self.loader.begin_step(meta)
 
     def start_loads(self) -> None:
@@ -280,8 +344,9 @@ class PDConnectorWorker:
         if self._idle and not (sent or recvd) and (self.sender.pending() or self.loader.busy):
             self.sender.outgoing.changed.wait(IDLE_WAIT_S)
             sent, recvd, failed = self._collect()
-        self.stats.set_gauges(held=self.sender.outgoing.held(), loading=self.loader.loading,
-                              staged_bytes=self.loader.staging.used_bytes)
+        self.stats.set_gauges(
+            held=self.sender.outgoing.held(), loading=self.loader.loading, staged_bytes=self.loader.staging.used_bytes
+        )
         self.stats.record_connections(self.transport.refused_connections, self.transport.broken_connections)
         return sent, recvd, failed
 

@@ -94,6 +94,4 @@ def select(op: str, device: torch.device, argument: str | None = None, args: tup
 def describe(device: torch.device) -> dict[str, dict[str, str]]:
     """For logs and benchmarks: each op's backends on `device` and why each is unavailable."""
     ops = ("mla_decode", "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked")
-    return {
-        op: {name: unavailable_reason(name, op, device) or "available" for name in BACKENDS} for op in ops
-    }
+    return {op: {name: unavailable_reason(name, op, device) or "available" for name in BACKENDS} for op in ops}

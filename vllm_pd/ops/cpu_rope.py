@@ -52,9 +52,16 @@ def _kernel_rows(t: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, bool]:
 def stride_safe(kernel: Callable[..., None]) -> Callable[..., None]:
     """``kernel`` (in-place rotary embedding) made correct for CPU query/key of any layout."""
 
-    def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
-                         head_size: int, cos_sin_cache: torch.Tensor, is_neox: bool,
-                         *args: Any, **kwargs: Any) -> None:
+    def rotary_embedding(
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        head_size: int,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
         if query.device.type != "cpu":
             return kernel(positions, query, key, head_size, cos_sin_cache, is_neox, *args, **kwargs)
         n = positions.numel()

@@ -28,22 +28,46 @@ def _check_recipe(recipe: tuple[int, int, int] | None) -> None:
         raise NotImplementedError(f"only recipe {_RECIPE} is supported, got {recipe}")
 
 
-def fp8_gemm_nt(a: Pair, b: Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None,
-                compiled_dims: str = "nk", disable_ue8m0_cast: bool = False, backend: str | None = None) -> None:
+def fp8_gemm_nt(
+    a: Pair,
+    b: Pair,
+    d: torch.Tensor,
+    c: torch.Tensor | None = None,
+    recipe=None,
+    compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False,
+    backend: str | None = None,
+) -> None:
     _check_recipe(recipe)
     torch.ops.vllm_pd.fp8_gemm_nt(a[0], a[1], b[0], b[1], d, c, backend)
 
 
-def m_grouped_fp8_gemm_nt_contiguous(a: Pair, b: Pair, d: torch.Tensor, grouped_layout: torch.Tensor,
-                                     recipe=None, compiled_dims: str = "nk", disable_ue8m0_cast: bool = False,
-                                     backend: str | None = None, **_layout_hints: object) -> None:
+def m_grouped_fp8_gemm_nt_contiguous(
+    a: Pair,
+    b: Pair,
+    d: torch.Tensor,
+    grouped_layout: torch.Tensor,
+    recipe=None,
+    compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False,
+    backend: str | None = None,
+    **_layout_hints: object,
+) -> None:
     _check_recipe(recipe)
     torch.ops.vllm_pd.m_grouped_fp8_gemm_nt_contiguous(a[0], a[1], b[0], b[1], d, grouped_layout, backend)
 
 
-def m_grouped_fp8_gemm_nt_masked(a: Pair, b: Pair, d: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
-                                 recipe=None, compiled_dims: str = "nk", disable_ue8m0_cast: bool = False,
-                                 backend: str | None = None) -> None:
+def m_grouped_fp8_gemm_nt_masked(
+    a: Pair,
+    b: Pair,
+    d: torch.Tensor,
+    masked_m: torch.Tensor,
+    expected_m: int,
+    recipe=None,
+    compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False,
+    backend: str | None = None,
+) -> None:
     _check_recipe(recipe)
     torch.ops.vllm_pd.m_grouped_fp8_gemm_nt_masked(a[0], a[1], b[0], b[1], d, masked_m, int(expected_m), backend)
 

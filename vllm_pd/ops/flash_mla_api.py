@@ -44,8 +44,11 @@ def flash_mla_with_kvcache(
     **unsupported: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out [b, s_q, h_q, head_dim_v] and softmax_lse [b, h_q, s_q] (natural log, fp32)."""
-    if is_fp8_kvcache or indices is not None or attn_sink is not None or any(
-        v is not None for v in unsupported.values()
+    if (
+        is_fp8_kvcache
+        or indices is not None
+        or attn_sink is not None
+        or any(v is not None for v in unsupported.values())
     ):
         raise NotImplementedError("vllm_pd mla_decode is dense BF16/FP16/FP32 decode only")
     if softmax_scale is None:

@@ -38,9 +38,7 @@ def unavailable_reason(op: str, device: torch.device) -> str | None:
 
 
 def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal):
-    return torch.ops.vllm_pd_C.mla_decode(
-        q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal
-    )
+    return torch.ops.vllm_pd_C.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
 
 
 def fp8_gemm_nt(a, sfa, b, sfb, d, c):

@@ -16,8 +16,8 @@ report a fraction of HBM bandwidth or TFLOP/s. Built for CUDA; runs on CPU too (
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -92,21 +92,43 @@ def mla_bytes_flops(shape: MlaShape, element_size: int = 2) -> tuple[int, int]:
     return moved, 2 * rows * tokens * (shape.dim + shape.dim_v)
 
 
-def mla_case(backend: str, shape: MlaShape, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-             seed: int = 0, causal: bool = True) -> Case:
-    q, cache, table, lens = mla_inputs(shape.seqlens(), shape.s_q, shape.h_q, shape.page, dtype, seed=seed,
-                                       dim=shape.dim, device=device)
-    args = (q, cache, table, lens, shape.dim_v, shape.dim ** -0.5, causal)
+def mla_case(
+    backend: str,
+    shape: MlaShape,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    causal: bool = True,
+) -> Case:
+    q, cache, table, lens = mla_inputs(
+        shape.seqlens(), shape.s_q, shape.h_q, shape.page, dtype, seed=seed, dim=shape.dim, device=device
+    )
+    args = (q, cache, table, lens, shape.dim_v, shape.dim**-0.5, causal)
     out, lse = torch.ops.vllm_pd.mla_decode(*args, backend)
     ref_out, ref_lse = reference.mla_decode(*args)
-    mismatch = [m for m in (flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL),
-                            flash_mla_mismatch("lse", lse, ref_lse, **LSE_TOL)) if m]
+    mismatch = [
+        m
+        for m in (
+            flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL),
+            flash_mla_mismatch("lse", lse, ref_lse, **LSE_TOL),
+        )
+        if m
+    ]
     finite = torch.isfinite(ref_out)
     error = float((out.float() - ref_out.float())[finite].abs().max()) if finite.any() else 0.0
     impl = backends.select("mla_decode", q.device, backend, args)
     moved, flops = mla_bytes_flops(shape, q.element_size())
-    return Case("mla_decode", backend, shape, not mismatch, "; ".join(mismatch), error, moved, flops,
-                functools.partial(impl.mla_decode, *args))
+    return Case(
+        "mla_decode",
+        backend,
+        shape,
+        not mismatch,
+        "; ".join(mismatch),
+        error,
+        moved,
+        flops,
+        functools.partial(impl.mla_decode, *args),
+    )
 
 
 def gemm_bytes_flops(shape: GemmShape, out_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
@@ -117,8 +139,14 @@ def gemm_bytes_flops(shape: GemmShape, out_dtype: torch.dtype = torch.bfloat16) 
     return moved, 2 * shape.m * shape.n * shape.k
 
 
-def fp8_gemm_case(backend: str, shape: GemmShape, device: torch.device, fp8: torch.dtype = torch.float8_e4m3fn,
-                  out_dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Case:
+def fp8_gemm_case(
+    backend: str,
+    shape: GemmShape,
+    device: torch.device,
+    fp8: torch.dtype = torch.float8_e4m3fn,
+    out_dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> Case:
     a, sfa, b, sfb = fp8_operands(shape.m, shape.n, shape.k, fp8, seed=seed, device=device)
     d = torch.empty(shape.m, shape.n, dtype=out_dtype, device=device)
     ref = torch.empty(shape.m, shape.n, dtype=torch.float32, device=device)
@@ -128,5 +156,14 @@ def fp8_gemm_case(backend: str, shape: GemmShape, device: torch.device, fp8: tor
     ok = diff < GEMM_DIFF_TOL  # False for NaN too
     impl = backends.select("fp8_gemm_nt", a.device, backend, (a, sfa, b, sfb, d, None))
     moved, flops = gemm_bytes_flops(shape, out_dtype)
-    return Case("fp8_gemm_nt", backend, shape, ok, "" if ok else f"calc_diff {diff:.3g} >= {GEMM_DIFF_TOL}", diff,
-                moved, flops, functools.partial(impl.fp8_gemm_nt, a, sfa, b, sfb, d, None))
+    return Case(
+        "fp8_gemm_nt",
+        backend,
+        shape,
+        ok,
+        "" if ok else f"calc_diff {diff:.3g} >= {GEMM_DIFF_TOL}",
+        diff,
+        moved,
+        flops,
+        functools.partial(impl.fp8_gemm_nt, a, sfa, b, sfb, d, None),
+    )

@@ -86,7 +86,7 @@ def per_block_cast_to_fp8(
 
 def dequant_token(a: torch.Tensor, sfa: torch.Tensor) -> torch.Tensor:
     k = a.shape[-1]
-    return (a.float() * sfa.float().repeat_interleave(FP8_BLOCK, dim=-1)[..., :k])
+    return a.float() * sfa.float().repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
 
 
 def dequant_block(b: torch.Tensor, sfb: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ LSE_TOL = dict(abs_tol=1e-6, rel_tol=8.01 / 65536, cos_diff_tol=5e-6)
 BAD_BLOCK = 2147480000  # FlashMLA's marker for block-table entries past a sequence's end
 
 
-def flash_mla_mismatch(name: str, ans: torch.Tensor, ref: torch.Tensor, abs_tol: float, rel_tol: float,
-                       cos_diff_tol: float) -> str | None:
+def flash_mla_mismatch(
+    name: str, ans: torch.Tensor, ref: torch.Tensor, abs_tol: float, rel_tol: float, cos_diff_tol: float
+) -> str | None:
     """FlashMLA's check_is_allclose: None when `ans` passes, otherwise what failed.
 
     NaN / +inf / -inf positions must match; each finite element passes if abs_err < abs_tol or
@@ -39,9 +40,16 @@ def flash_mla_mismatch(name: str, ans: torch.Tensor, ref: torch.Tensor, abs_tol:
     return None
 
 
-def mla_inputs(seqlens: list[int], s_q: int, h_q: int, block_size: int, dtype: torch.dtype,
-               seed: int = 0, dim: int = 576, device: torch.device | str = "cpu",
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def mla_inputs(
+    seqlens: list[int],
+    s_q: int,
+    h_q: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    dim: int = 576,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashMLA-style data: q, k ~ randn/10 clamped to [-1, 1]; blocks in random order; every
     unused cache slot is NaN and unused block-table entries are out of range, so a kernel that
     reads past a sequence shows it. Built on `device` (DeepSeek-sized caches are gigabytes)."""
@@ -73,9 +81,15 @@ def mla_inputs(seqlens: list[int], s_q: int, h_q: int, block_size: int, dtype: t
     return q, cache, table.to(torch.int32), lens
 
 
-def fp8_operands(m: int, n: int, k: int, dtype: torch.dtype = torch.float8_e4m3fn, groups: int | None = None,
-                 seed: int = 0, device: torch.device | str = "cpu",
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_operands(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    groups: int | None = None,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepGEMM-style quantised operands: a [(G,) m, k] 1x128-scaled, b [(G,) n, k] 128x128-scaled."""
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -88,5 +102,9 @@ def fp8_operands(m: int, n: int, k: int, dtype: torch.dtype = torch.float8_e4m3f
         return a, sfa, b, sfb
     pairs_a = [per_token_cast_to_fp8(randn(m), dtype) for _ in range(groups)]
     pairs_b = [per_block_cast_to_fp8(randn(n), dtype) for _ in range(groups)]
-    return (torch.stack([p[0] for p in pairs_a]), torch.stack([p[1] for p in pairs_a]),
-            torch.stack([p[0] for p in pairs_b]), torch.stack([p[1] for p in pairs_b]))
+    return (
+        torch.stack([p[0] for p in pairs_a]),
+        torch.stack([p[1] for p in pairs_a]),
+        torch.stack([p[0] for p in pairs_b]),
+        torch.stack([p[1] for p in pairs_b]),
+    )

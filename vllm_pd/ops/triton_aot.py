@@ -70,8 +70,9 @@ def mla_variants() -> list[Variant]:
             table, lens = _meta(1, blocks, dtype=torch.int32), _meta(1, dtype=torch.int32)
             out = _meta(1, s_q, MLA_HEADS, MLA_DIM_V, dtype=dtype)
             lse = _meta(1, MLA_HEADS, s_q, dtype=torch.float32)
-            launch = tb.mla_decode_launch(q, cache, table, lens, out, lse, MLA_DIM_V, MLA_DIM ** -0.5, True,
-                                          interpreted=False)
+            launch = tb.mla_decode_launch(
+                q, cache, table, lens, out, lse, MLA_DIM_V, MLA_DIM**-0.5, True, interpreted=False
+            )
             name = f"mla_decode[{tb.TRITON_DTYPES[dtype]}, causal={launch.constexprs['CAUSAL']}]"
             variants.append(Variant(name, launch, fp8_dot=False))
     return variants
@@ -82,15 +83,34 @@ def _gemm_operands(mode: int, fp8: torch.dtype, out: torch.dtype, with_c: bool) 
     kb, nb = triton.cdiv(k, 128), triton.cdiv(n, 128)
     c = _meta(m, n, dtype=torch.float32) if with_c else None
     if mode == tk.MODE_MASKED:
-        return (_meta(g, m, k, dtype=fp8), _meta(g, m, kb, dtype=torch.float32), _meta(g, n, k, dtype=fp8),
-                _meta(g, nb, kb, dtype=torch.float32), _meta(g, m, n, dtype=out), None, None,
-                _meta(g, dtype=torch.int32), g, m)
+        return (
+            _meta(g, m, k, dtype=fp8),
+            _meta(g, m, kb, dtype=torch.float32),
+            _meta(g, n, k, dtype=fp8),
+            _meta(g, nb, kb, dtype=torch.float32),
+            _meta(g, m, n, dtype=out),
+            None,
+            None,
+            _meta(g, dtype=torch.int32),
+            g,
+            m,
+        )
     groups = g if mode == tk.MODE_CONTIGUOUS else None
     b = _meta(g, n, k, dtype=fp8) if groups else _meta(n, k, dtype=fp8)
     sfb = _meta(g, nb, kb, dtype=torch.float32) if groups else _meta(nb, kb, dtype=torch.float32)
     layout = _meta(m, dtype=torch.int32) if groups else None
-    return (_meta(m, k, dtype=fp8), _meta(m, kb, dtype=torch.float32), b, sfb, _meta(m, n, dtype=out), c,
-            layout, None, 1, m)
+    return (
+        _meta(m, k, dtype=fp8),
+        _meta(m, kb, dtype=torch.float32),
+        b,
+        sfb,
+        _meta(m, n, dtype=out),
+        c,
+        layout,
+        None,
+        1,
+        m,
+    )
 
 
 def gemm_variants(target: GPUTarget) -> tuple[list[Variant], dict[str, str]]:
@@ -104,13 +124,13 @@ def gemm_variants(target: GPUTarget) -> tuple[list[Variant], dict[str, str]]:
             refused[str(fp8)] = reason
             continue
         for mode, op in modes.items():
-            for with_c in ((False, True) if mode == tk.MODE_PLAIN else (False,)):
+            for with_c in (False, True) if mode == tk.MODE_PLAIN else (False,):
                 for out in (torch.bfloat16, torch.float16, torch.float32):
                     a, sfa, b, sfb, d, c, layout, masked_m, groups, m = _gemm_operands(mode, fp8, out, with_c)
-                    launch = tb.fp8_gemm_launch(mode, a, sfa, b, sfb, d, c, layout, masked_m, groups, m,
-                                                fp8_dot=True, interpreted=False)
-                    name = (f"{op}[{tb.TRITON_DTYPES[fp8]} -> {tb.TRITON_DTYPES[out]}"
-                            f"{', c' if with_c else ''}]")
+                    launch = tb.fp8_gemm_launch(
+                        mode, a, sfa, b, sfb, d, c, layout, masked_m, groups, m, fp8_dot=True, interpreted=False
+                    )
+                    name = f"{op}[{tb.TRITON_DTYPES[fp8]} -> {tb.TRITON_DTYPES[out]}{', c' if with_c else ''}]"
                     variants.append(Variant(name, launch, fp8_dot=True))
     return variants, refused
 
@@ -129,7 +149,7 @@ def _arg_type(value: Any) -> tuple[str, bool]:
     if isinstance(value, bool):
         return "u1", False
     if isinstance(value, int):
-        return ("i32" if -2 ** 31 <= value < 2 ** 31 else "i64"), value % 16 == 0
+        return ("i32" if -(2**31) <= value < 2**31 else "i64"), value % 16 == 0
     if isinstance(value, float):
         return "fp32", False
     raise TypeError(f"no Triton type for kernel argument {value!r}")
@@ -162,5 +182,11 @@ def compile_variant(variant: Variant, target: GPUTarget = HOPPER) -> Compiled:
     kernel = triton.compile(source_of(variant.launch), target=target)
     seconds = time.perf_counter() - start
     ptx = kernel.asm["ptx"]
-    return Compiled(variant.name, seconds, ptx, len(kernel.asm.get("cubin", b"")), int(kernel.metadata.shared),
-                    frozenset(_MMA.findall(ptx)))
+    return Compiled(
+        variant.name,
+        seconds,
+        ptx,
+        len(kernel.asm.get("cubin", b"")),
+        int(kernel.metadata.shared),
+        frozenset(_MMA.findall(ptx)),
+    )

@@ -28,8 +28,12 @@ GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 128, 128
 GEMM_OPS = ("fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked")
 # Triton's names of the torch dtypes the kernels take (triton/_utils.py spells them the same).
 TRITON_DTYPES = {
-    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-    torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e4m3fnuz: "fp8e4b8",
 }
 
 
@@ -78,8 +82,10 @@ def fp8_rejection(dtype: torch.dtype, target: GPUTarget) -> str | None:
         return None
     where = f"{target.backend} arch {target.arch}"
     if dtype == torch.float8_e4m3fnuz and target.backend == "cuda":
-        return (f"float8_e4m3fnuz is AMD's FP8 format and {where} has no e4m3fnuz type or MMA: quantize "
-                "with float8_e4m3fn on NVIDIA GPUs (the native backend decodes either format in software)")
+        return (
+            f"float8_e4m3fnuz is AMD's FP8 format and {where} has no e4m3fnuz type or MMA: quantize "
+            "with float8_e4m3fn on NVIDIA GPUs (the native backend decodes either format in software)"
+        )
     return f"Triton takes no {dtype} on {where} (it takes {', '.join(allowed)} there)"
 
 
@@ -112,24 +118,44 @@ def _store_dtype(dtype: torch.dtype, interpreted: bool) -> torch.dtype:
     return torch.float32 if interpreted else dtype
 
 
-def mla_decode_launch(q, k_cache, block_table, cache_seqlens, out, lse, head_dim_v, softmax_scale, causal,
-                      interpreted: bool) -> Launch:
+def mla_decode_launch(
+    q, k_cache, block_table, cache_seqlens, out, lse, head_dim_v, softmax_scale, causal, interpreted: bool
+) -> Launch:
     b, s_q, h_q, d = q.shape
     rows = s_q * h_q
     return Launch(
         tk.mla_decode_kernel,
         (b, triton.cdiv(rows, BLOCK_H)),
-        (q, k_cache, block_table, cache_seqlens, out, lse,
-         q.stride(0), q.stride(1), q.stride(2),
-         k_cache.stride(0), k_cache.stride(1),
-         block_table.stride(0),
-         out.stride(0), out.stride(1), out.stride(2),
-         h_q, s_q, rows, float(softmax_scale)),
+        (
+            q,
+            k_cache,
+            block_table,
+            cache_seqlens,
+            out,
+            lse,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            block_table.stride(0),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            h_q,
+            s_q,
+            rows,
+            float(softmax_scale),
+        ),
         dict(
-            D=d, DV=head_dim_v,
+            D=d,
+            DV=head_dim_v,
             BLOCK_DV=triton.next_power_of_2(head_dim_v),
             BLOCK_DR=max(16, triton.next_power_of_2(max(d - head_dim_v, 1))),
-            PAGE=k_cache.shape[1], CAUSAL=bool(causal and s_q > 1), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+            PAGE=k_cache.shape[1],
+            CAUSAL=bool(causal and s_q > 1),
+            BLOCK_H=BLOCK_H,
+            BLOCK_N=BLOCK_N,
             DOT_F32=interpreted or q.dtype == torch.float32,  # the interpreter's dot is only right in fp32
         ),
     )
@@ -141,13 +167,15 @@ def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
     lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     if b == 0:
         return out, lse
-    mla_decode_launch(q, k_cache, block_table, cache_seqlens, out, lse, head_dim_v, softmax_scale, causal,
-                      _interpreted())()
+    mla_decode_launch(
+        q, k_cache, block_table, cache_seqlens, out, lse, head_dim_v, softmax_scale, causal, _interpreted()
+    )()
     return out.to(q.dtype), lse
 
 
-def fp8_gemm_launch(mode, a, sfa, b, sfb, d, c, layout, masked_m, groups, m, fp8_dot: bool,
-                    interpreted: bool) -> Launch:
+def fp8_gemm_launch(
+    mode, a, sfa, b, sfb, d, c, layout, masked_m, groups, m, fp8_dot: bool, interpreted: bool
+) -> Launch:
     """`fp8_dot`: FP8 MMA (the operands' type must be one the target supports natively);
     otherwise e4m3 tiles are widened to bf16 (exact) or, in the interpreter, fp32."""
     n, k = b.shape[-2], b.shape[-1]
@@ -156,15 +184,41 @@ def fp8_gemm_launch(mode, a, sfa, b, sfb, d, c, layout, masked_m, groups, m, fp8
     return Launch(
         tk.fp8_gemm_kernel,
         (triton.cdiv(m, GEMM_BLOCK_M), triton.cdiv(n, GEMM_BLOCK_N), groups),
-        (a, sfa, b, sfb, d, c if c is not None else dummy,
-         layout if layout is not None else dummy, masked_m if masked_m is not None else dummy,
-         m, n, k,
-         a.stride(0) if three else 0, a.stride(-2), b.stride(0) if b.dim() == 3 else 0, b.stride(-2),
-         sfa.stride(0) if three else 0, sfa.stride(-2), sfa.stride(-1),
-         sfb.stride(0) if sfb.dim() == 3 else 0, sfb.stride(-2), sfb.stride(-1),
-         d.stride(0) if three else 0, d.stride(-2), c.stride(0) if c is not None else 0),
-        dict(MODE=mode, HAS_C=c is not None, FP8_DOT=fp8_dot and not interpreted, DOT_F32=interpreted,
-             BLOCK_M=GEMM_BLOCK_M, BLOCK_N=GEMM_BLOCK_N, BLOCK_K=GEMM_BLOCK_K),
+        (
+            a,
+            sfa,
+            b,
+            sfb,
+            d,
+            c if c is not None else dummy,
+            layout if layout is not None else dummy,
+            masked_m if masked_m is not None else dummy,
+            m,
+            n,
+            k,
+            a.stride(0) if three else 0,
+            a.stride(-2),
+            b.stride(0) if b.dim() == 3 else 0,
+            b.stride(-2),
+            sfa.stride(0) if three else 0,
+            sfa.stride(-2),
+            sfa.stride(-1),
+            sfb.stride(0) if sfb.dim() == 3 else 0,
+            sfb.stride(-2),
+            sfb.stride(-1),
+            d.stride(0) if three else 0,
+            d.stride(-2),
+            c.stride(0) if c is not None else 0,
+        ),
+        dict(
+            MODE=mode,
+            HAS_C=c is not None,
+            FP8_DOT=fp8_dot and not interpreted,
+            DOT_F32=interpreted,
+            BLOCK_M=GEMM_BLOCK_M,
+            BLOCK_N=GEMM_BLOCK_N,
+            BLOCK_K=GEMM_BLOCK_K,
+        ),
     )
 
 

@@ -74,8 +74,7 @@ def check_mla_decode(
     )
     _require(
         cache_seqlens.dtype == torch.int32 and tuple(cache_seqlens.shape) == (batch,),
-        f"{op}: cache_seqlens must be int32 [batch={batch}], "
-        f"got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}",
+        f"{op}: cache_seqlens must be int32 [batch={batch}], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}",
     )
     _same_device(op, q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens)
 
@@ -92,8 +91,7 @@ def _check_fp8_operand(op: str, name: str, x: torch.Tensor, dims: int) -> None:
 def _check_scales(op: str, name: str, sf: torch.Tensor, shape: tuple[int, ...]) -> None:
     _require(
         sf.dtype == torch.float32,
-        f"{op}: {name} must be float32 scales (packed UE8M0 int32 scales are not supported), "
-        f"got {sf.dtype}",
+        f"{op}: {name} must be float32 scales (packed UE8M0 int32 scales are not supported), got {sf.dtype}",
     )
     _require(tuple(sf.shape) == shape, f"{op}: {name} must have shape {shape}, got {tuple(sf.shape)}")
 
@@ -125,7 +123,11 @@ def check_fp8_gemm_nt(
 
 
 def check_grouped_contiguous(
-    a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
+    a: torch.Tensor,
+    sfa: torch.Tensor,
+    b: torch.Tensor,
+    sfb: torch.Tensor,
+    d: torch.Tensor,
     grouped_layout: torch.Tensor,
 ) -> None:
     op = "m_grouped_fp8_gemm_nt_contiguous"

@@ -16,9 +16,9 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
 
@@ -109,8 +109,11 @@ def unavailable_reason(op: str, device: torch.device) -> str | None:
     lib = deep_gemm()
     if lib is None:
         return "deep_gemm is not importable"
-    fn = {"fp8_gemm_nt": lib.gemm, "m_grouped_fp8_gemm_nt_contiguous": lib.contiguous,
-          "m_grouped_fp8_gemm_nt_masked": lib.masked}[op]
+    fn = {
+        "fp8_gemm_nt": lib.gemm,
+        "m_grouped_fp8_gemm_nt_contiguous": lib.contiguous,
+        "m_grouped_fp8_gemm_nt_masked": lib.masked,
+    }[op]
     return None if fn is not None else f"this deep_gemm has no {op}"
 
 
@@ -152,8 +155,15 @@ def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale
         extra = {k: v for k, v in wanted.items() if k in params}
         meta, splits = lib.module.get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv, **extra)
     return lib.module.flash_mla_with_kvcache(
-        q, k_cache, block_table, cache_seqlens, head_dim_v, meta, splits,
-        softmax_scale=softmax_scale, causal=causal,
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens,
+        head_dim_v,
+        meta,
+        splits,
+        softmax_scale=softmax_scale,
+        causal=causal,
     )
 
 

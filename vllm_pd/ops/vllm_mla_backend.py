@@ -10,7 +10,6 @@ torch.ops.vllm_pd.mla_decode; prefill, KV-cache writes and metadata stay vLLM's.
 
 from __future__ import annotations
 
-
 import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backend import AttentionLayer
@@ -26,13 +25,20 @@ logger = vllm_logger(__name__)  # shows in the server log next to vLLM's own bac
 
 def _announce(impl: object, device: str) -> None:
     choice = backends.requested_backend(None)
-    logger.info("vllm_pd MLA decode: %s runs torch.ops.vllm_pd.mla_decode (backend %s on %s)",
-                type(impl).__name__, choice, device)
+    logger.info(
+        "vllm_pd MLA decode: %s runs torch.ops.vllm_pd.mla_decode (backend %s on %s)",
+        type(impl).__name__,
+        choice,
+        device,
+    )
 
 
-def decode_with_vllm_pd(impl: CPUMLAImpl | TritonMLAImpl, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                        kv_c_and_k_pe_cache: torch.Tensor,
-                        attn_metadata: MLACommonMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_with_vllm_pd(
+    impl: CPUMLAImpl | TritonMLAImpl,
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    kv_c_and_k_pe_cache: torch.Tensor,
+    attn_metadata: MLACommonMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM hands one query token per decode request: q [B, H, 576], cache [blocks, block, 576]."""
     assert attn_metadata.decode is not None
     if isinstance(q, tuple):
@@ -55,8 +61,9 @@ class PDCpuMLAImpl(CPUMLAImpl):
         super().__init__(*args, **kwargs)
         _announce(self, "cpu")
 
-    def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata,
-                    layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_mqa(
+        self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata, layer: AttentionLayer
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return decode_with_vllm_pd(self, q, kv_c_and_k_pe_cache, attn_metadata)
 
 
@@ -71,8 +78,9 @@ class PDTritonMLAImpl(TritonMLAImpl):
         super().__init__(*args, **kwargs)
         _announce(self, "cuda")
 
-    def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata,
-                    layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_mqa(
+        self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata, layer: AttentionLayer
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return decode_with_vllm_pd(self, q, kv_c_and_k_pe_cache, attn_metadata)
 
 

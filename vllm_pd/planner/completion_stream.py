@@ -82,8 +82,12 @@ def _tokens_of(event: bytes, where: str) -> int:
         kind = OutOfVocabulary if "out of vocabulary" in str(message) else MeasurementError
         raise kind(f"{where}: the stream carried an error: {message}")
     choices = obj.get("choices") if isinstance(obj, dict) else None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
-            or not isinstance(choices[0].get("text"), str):
+    if (
+        not isinstance(choices, list)
+        or not choices
+        or not isinstance(choices[0], dict)
+        or not isinstance(choices[0].get("text"), str)
+    ):
         raise MeasurementError(f"{where}: the stream carried an event that is not a token: {event[:200]!r}")
     if choices[0].get("finish_reason") == "error":
         raise MeasurementError(f"{where}: the stream ended in an error: {event[:200]!r}")
@@ -91,12 +95,25 @@ def _tokens_of(event: bytes, where: str) -> int:
     return len(ids) if isinstance(ids, list) else 1  # a server not sending them: one token an event
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
-                            max_tokens: int, first: asyncio.Event | None = None) -> Stream:
+async def stream_completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    first: asyncio.Event | None = None,
+) -> Stream:
     """One streamed completion of exactly ``max_tokens`` tokens; ``first`` is set as its first token arrives."""
     # token_ids: vLLM sends two tokens in one event when its stream falls behind (seen on a busy machine)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     where = f"{url}/v1/completions"
     t0 = time.perf_counter()
     stamps: list[float] = []
@@ -119,8 +136,10 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, model: str
             if first is not None and stamps:
                 first.set()
     if len(stamps) != max_tokens:
-        raise MeasurementError(f"{where}: the stream carried {len(stamps)} tokens, not the {max_tokens} asked "
-                               f"(a {len(prompt)}-token prompt; is it within the server's max_model_len?)")
+        raise MeasurementError(
+            f"{where}: the stream carried {len(stamps)} tokens, not the {max_tokens} asked "
+            f"(a {len(prompt)}-token prompt; is it within the server's max_model_len?)"
+        )
     return Stream(stamps[0] - t0, stamps)
 
 

@@ -13,8 +13,8 @@ within reach of the best (the others cannot change the pick; a bisection costs a
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from vllm_pd.planner.latency_profile import LatencyProfile
 from vllm_pd.planner.pd_simulator import Deployment, SimRequest, simulate
@@ -66,8 +66,13 @@ def percentile(values: list[float], q: float) -> float:
 def summarise(requests: list[SimRequest], slo: Slo) -> LatencySummary:
     ttft = [r.ttft for r in requests]
     tpot = [r.tpot for r in requests if r.spec.output_tokens > 1]
-    return LatencySummary(percentile(ttft, 0.5), percentile(ttft, 0.9), percentile(tpot, 0.5),
-                          percentile(tpot, 0.9), sum(slo.met(r) for r in requests) / len(requests))
+    return LatencySummary(
+        percentile(ttft, 0.5),
+        percentile(ttft, 0.9),
+        percentile(tpot, 0.5),
+        percentile(tpot, 0.9),
+        sum(slo.met(r) for r in requests) / len(requests),
+    )
 
 
 def enumerate_deployments(devices: int, tps: list[int]) -> list[Deployment]:
@@ -78,8 +83,7 @@ def enumerate_deployments(devices: int, tps: list[int]) -> list[Deployment]:
     for tp_p in tps:
         for tp_d in tps:
             for n_p in range(1, devices // tp_p + 1):
-                out += [Deployment(n_p, n_d, tp_p, tp_d)
-                        for n_d in range(1, (devices - n_p * tp_p) // tp_d + 1)]
+                out += [Deployment(n_p, n_d, tp_p, tp_d) for n_d in range(1, (devices - n_p * tp_p) // tp_d + 1)]
     return out
 
 
@@ -98,9 +102,17 @@ def distributions_at(dist: Distributions, n: int, seed: int) -> tuple[float, Req
     return dist.rate, lambda rate: dist.sample(n, seed, rate)
 
 
-def goodput(profile: LatencyProfile, deployment: Deployment, requests_at: RequestsAt, slo: Slo,
-            start_rate: float, iterations: int = 12, seed: int = 0) -> float:
+def goodput(
+    profile: LatencyProfile,
+    deployment: Deployment,
+    requests_at: RequestsAt,
+    slo: Slo,
+    start_rate: float,
+    iterations: int = 12,
+    seed: int = 0,
+) -> float:
     """The highest rate whose simulated SLO attainment is >= ``slo.attainment`` (0 if none)."""
+
     def ok(rate: float) -> bool:
         sims = simulate(profile, deployment, requests_at(rate), seed)
         return sum(slo.met(r) for r in sims) / len(sims) >= slo.attainment
@@ -124,8 +136,14 @@ def goodput(profile: LatencyProfile, deployment: Deployment, requests_at: Reques
     return lo
 
 
-def search(profile: LatencyProfile, deployments: list[Deployment], requests_at: RequestsAt, own_rate: float,
-           slo: Slo, seed: int = 0) -> list[Candidate]:
+def search(
+    profile: LatencyProfile,
+    deployments: list[Deployment],
+    requests_at: RequestsAt,
+    own_rate: float,
+    slo: Slo,
+    seed: int = 0,
+) -> list[Candidate]:
     """Every deployment's goodput, best goodput per device first (fewer devices break ties), with bands.
 
     ``seed`` seeds the simulated decode spread (the same draws for every deployment and rate).
@@ -136,15 +154,29 @@ def search(profile: LatencyProfile, deployments: list[Deployment], requests_at: 
     for d in deployments:
         g = goodput(profile, d, requests_at, slo, own_rate, seed=seed)
         at = summarise(simulate(profile, d, requests_at(own_rate), seed), slo)
-        band = None if ends is None else (
-            summarise(simulate(ends[0], d, requests_at(own_rate), seed), slo),
-            summarise(simulate(ends[1], d, requests_at(own_rate), seed), slo))
+        band = (
+            None
+            if ends is None
+            else (
+                summarise(simulate(ends[0], d, requests_at(own_rate), seed), slo),
+                summarise(simulate(ends[1], d, requests_at(own_rate), seed), slo),
+            )
+        )
         logger.info("%s: goodput %.3f req/s (%.3f per device)", d.label, g, g / d.devices)
         out.append(Candidate(d, g, at, band))
     ranked = sorted(out, key=lambda c: (-c.per_device, c.deployment.devices, c.deployment.label))
     if ends is None or not ranked:
         return ranked
     best = ranked[0].per_device
-    return [replace(c, goodput_band=(goodput(ends[0], c.deployment, requests_at, slo, own_rate, seed=seed),
-                                     goodput(ends[1], c.deployment, requests_at, slo, own_rate, seed=seed)))
-            if c.per_device >= best * (1 - 2 * noise) - 1e-12 else c for c in ranked]
+    return [
+        replace(
+            c,
+            goodput_band=(
+                goodput(ends[0], c.deployment, requests_at, slo, own_rate, seed=seed),
+                goodput(ends[1], c.deployment, requests_at, slo, own_rate, seed=seed),
+            ),
+        )
+        if c.per_device >= best * (1 - 2 * noise) - 1e-12
+        else c
+        for c in ranked
+    ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 RESOLVED_SE = 2.0  # a term is resolved when it stands this many standard errors above 0
 

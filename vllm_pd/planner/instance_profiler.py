@@ -61,8 +61,14 @@ from typing import Any
 
 import aiohttp
 
-from vllm_pd.planner.completion_stream import (MeasurementError, Stream, UniquePrompts, model_name,
-                                               served_vocabulary, stream_completion)
+from vllm_pd.planner.completion_stream import (
+    MeasurementError,
+    Stream,
+    UniquePrompts,
+    model_name,
+    served_vocabulary,
+    stream_completion,
+)
 from vllm_pd.planner.latency_profile import InstanceProfile, ProfileError, fit_instance, resolved_wake_points
 
 __all__ = ["InstanceProfiler", "MeasurementError", "ProfilePlan", "UniquePrompts", "stream_completion"]
@@ -121,9 +127,16 @@ class _Target:
 
 
 class InstanceProfiler:
-    def __init__(self, url: str, plan: ProfilePlan, pd_url: str | None = None, relay_url: str | None = None,
-                 neighbour_url: str | None = None, prefill_url: str | None = None,
-                 prefill_relay_url: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        plan: ProfilePlan,
+        pd_url: str | None = None,
+        relay_url: str | None = None,
+        neighbour_url: str | None = None,
+        prefill_url: str | None = None,
+        prefill_relay_url: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.pd_url = pd_url.rstrip("/") if pd_url else None
         self.relay_url = relay_url.rstrip("/") if relay_url else None
@@ -184,16 +197,36 @@ class InstanceProfiler:
         # where the pair's wake-up is noise, the prefill instance's own (where resolved) stands in
         floor = resolved_wake_points(self.prefill_target.wake) if self.prefill_target is not self.main else []
         p = self.plan
-        return model, [fit_instance(tp, t.prefill, t.decode, kv, p.max_num_batched_tokens, p.max_num_seqs,
-                                    statistics.median(t.windows) if t.windows else 0.0, neighbour, t.first_steps,
-                                    t.wake, join, pd_wake, url=t.url, role=t.role, speed_checks=t.checks,
-                                    pd_wake_floor=floor)
-                       for t in self.targets]
+        return model, [
+            fit_instance(
+                tp,
+                t.prefill,
+                t.decode,
+                kv,
+                p.max_num_batched_tokens,
+                p.max_num_seqs,
+                statistics.median(t.windows) if t.windows else 0.0,
+                neighbour,
+                t.first_steps,
+                t.wake,
+                join,
+                pd_wake,
+                url=t.url,
+                role=t.role,
+                speed_checks=t.checks,
+                pd_wake_floor=floor,
+            )
+            for t in self.targets
+        ]
 
-    async def _batch(self, session: aiohttp.ClientSession, url: str, model: str, lengths: list[int],
-                     max_tokens: int) -> list[Stream]:
-        return list(await asyncio.gather(*(stream_completion(session, url, model, self._prompts.make(n), max_tokens)
-                                           for n in lengths)))
+    async def _batch(
+        self, session: aiohttp.ClientSession, url: str, model: str, lengths: list[int], max_tokens: int
+    ) -> list[Stream]:
+        return list(
+            await asyncio.gather(
+                *(stream_completion(session, url, model, self._prompts.make(n), max_tokens) for n in lengths)
+            )
+        )
 
     async def _speed_check(self, session: aiohttp.ClientSession, model: str) -> None:
         """Each instance's lone prefill of ``speed_tokens`` and a lone stream's steady step, as :meth:`_prefill`
@@ -202,17 +235,30 @@ class InstanceProfiler:
         tokens = min(p.speed_tokens, p.max_model_len - p.decode_tokens - 1)
         half = p.decode_tokens // 2
         for target in self.targets:
-            prefill = [(await self._batch(session, target.prefill_url, model, [tokens], 1))[0].ttft * 1e3
-                       for _ in range(p.speed_repeats)]
+            prefill = [
+                (await self._batch(session, target.prefill_url, model, [tokens], 1))[0].ttft * 1e3
+                for _ in range(p.speed_repeats)
+            ]
             steps = []
             for _ in range(p.speed_repeats):
                 (s,) = await self._batch(session, target.decode_url, model, [tokens], p.decode_tokens)
                 steps.append((s.stamps[-1] - s.stamps[half]) / (len(s.stamps) - 1 - half) * 1e3)
-            check = (round(time.perf_counter() - self._t0, 1), tokens, round(statistics.median(prefill), 3),
-                     tokens + (half + p.decode_tokens) // 2, round(statistics.median(steps), 3))
+            check = (
+                round(time.perf_counter() - self._t0, 1),
+                tokens,
+                round(statistics.median(prefill), 3),
+                tokens + (half + p.decode_tokens) // 2,
+                round(statistics.median(steps), 3),
+            )
             target.checks.append(check)
-            logger.info("%s speed check at %.0f s: a lone %d-token prefill %.1f ms, a lone decode step %.2f ms",
-                        target.url, check[0], tokens, check[2], check[4])
+            logger.info(
+                "%s speed check at %.0f s: a lone %d-token prefill %.1f ms, a lone decode step %.2f ms",
+                target.url,
+                check[0],
+                tokens,
+                check[2],
+                check[4],
+            )
 
     async def _prefill(self, session: aiohttp.ClientSession, model: str) -> None:
         """Every point on every instance in turn, ``repeats`` samples each, into each one's ``prefill``."""
@@ -224,7 +270,7 @@ class InstanceProfiler:
                         streams = await self._batch(session, target.prefill_url, model, [tokens] * batch, 1)
                         target.prefill.append((tokens, batch, max(s.ttft for s in streams) * 1e3))
                 for target in self.targets:
-                    ms = [m for t, b, m in target.prefill[-p.repeats:]]
+                    ms = [m for t, b, m in target.prefill[-p.repeats :]]
                     logger.info("%s prefill %d x %d tokens: %.1f ms", target.url, batch, tokens, statistics.median(ms))
 
     async def _decode(self, session: aiohttp.ClientSession, model: str) -> None:
@@ -237,8 +283,9 @@ class InstanceProfiler:
             for context in (c for c in p.decode_contexts if c + p.decode_tokens < p.max_model_len):
                 for batch in (b for b in p.decode_batches if b <= p.max_num_seqs):
                     for target in self.targets:
-                        streams = await self._batch(session, target.decode_url, model, [context] * batch,
-                                                    p.decode_tokens)
+                        streams = await self._batch(
+                            session, target.decode_url, model, [context] * batch, p.decode_tokens
+                        )
                         gaps = [(s.stamps[-1] - s.stamps[half]) / (len(s.stamps) - 1 - half) for s in streams]
                         mean_context = context + (half + p.decode_tokens) // 2
                         target.decode.append((batch, batch * mean_context, statistics.median(gaps) * 1e3))
@@ -246,11 +293,17 @@ class InstanceProfiler:
                         if batch == 1:  # alone, its first gaps are its own first steps (in a batch, others' prompts)
                             s = streams[0]
                             target.first_steps.append((s.stamps[half] - s.stamps[0] - half * gaps[0]) * 1e3)
-                        logger.info("%s decode batch %d context %d: %.2f ms/step", target.url, batch, context,
-                                    target.decode[-1][2])
+                        logger.info(
+                            "%s decode batch %d context %d: %.2f ms/step",
+                            target.url,
+                            batch,
+                            context,
+                            target.decode[-1][2],
+                        )
 
-    async def _wake(self, session: aiohttp.ClientSession, model: str, url: str,
-                    max_tokens: int) -> list[tuple[float, float, float]]:
+    async def _wake(
+        self, session: aiohttp.ClientSession, model: str, url: str, max_tokens: int
+    ) -> list[tuple[float, float, float]]:
         """[(idle ms, a lone request's TTFT back to back, its TTFT after that idle time)] through ``url``,
         ``max_tokens`` out, pairs interleaved."""
         p = self.plan
@@ -262,9 +315,14 @@ class InstanceProfiler:
                 await asyncio.sleep(idle / 1e3)
                 (cold,) = await self._batch(session, url, model, [tokens], max_tokens)
                 out.append((float(idle), hot.ttft * 1e3, cold.ttft * 1e3))
-        for idle_ms, hot_ms, cold_ms in out[-len(p.wake_idle_ms):]:
-            logger.info("%s: a lone request's TTFT after %.0f ms idle: %.1f ms (back to back %.1f ms)", url, idle_ms,
-                        cold_ms, hot_ms)
+        for idle_ms, hot_ms, cold_ms in out[-len(p.wake_idle_ms) :]:
+            logger.info(
+                "%s: a lone request's TTFT after %.0f ms idle: %.1f ms (back to back %.1f ms)",
+                url,
+                idle_ms,
+                cold_ms,
+                hot_ms,
+            )
         return out
 
     async def _kv(self, session: aiohttp.ClientSession, model: str) -> list[tuple[int, float]]:
@@ -275,14 +333,22 @@ class InstanceProfiler:
         prefill_url = self.prefill_target.prefill_url
         out = []
         for tokens in (t for t in p.prefill_tokens if t < p.max_model_len - 2):
-            alone = [s.ttft for s in [await self._one(session, prefill_url, model, tokens, 1)
-                                      for _ in range(p.kv_repeats + 1)][1:]]
-            pair = [s.ttft for s in [await self._one(session, self.pd_url, model, tokens, 2)
-                                     for _ in range(p.kv_repeats + 1)][1:]]
+            alone = [
+                s.ttft
+                for s in [await self._one(session, prefill_url, model, tokens, 1) for _ in range(p.kv_repeats + 1)][1:]
+            ]
+            pair = [
+                s.ttft
+                for s in [await self._one(session, self.pd_url, model, tokens, 2) for _ in range(p.kv_repeats + 1)][1:]
+            ]
             out += [(tokens, round((b - a) * 1e3, 3)) for a, b in zip(alone, pair)]
-            logger.info("PD hand-over %d tokens: %.1f ms (the pair's TTFT %.1f ms, the prefill instance's %.1f ms)",
-                        tokens, statistics.median(ms for _, ms in out[-p.kv_repeats:]), statistics.median(pair) * 1e3,
-                        statistics.median(alone) * 1e3)
+            logger.info(
+                "PD hand-over %d tokens: %.1f ms (the pair's TTFT %.1f ms, the prefill instance's %.1f ms)",
+                tokens,
+                statistics.median(ms for _, ms in out[-p.kv_repeats :]),
+                statistics.median(pair) * 1e3,
+                statistics.median(alone) * 1e3,
+            )
         return out
 
     async def _one(self, session: aiohttp.ClientSession, url: str, model: str, tokens: int, out: int) -> Stream:
@@ -326,13 +392,19 @@ class InstanceProfiler:
                 span = window[1] - window[0]  # 0 only from a server that sends every token at once
                 rate = sum(window[0] <= t < window[1] for t in done) / span if span > 0 else 0.0
                 out.append((tokens, plain, joins, rate))
-                logger.info("decode step beside %.1f joins/s of %d tokens: %.2f ms (beside plain prefills %.2f ms)",
-                            rate, tokens, joins, plain)
+                logger.info(
+                    "decode step beside %.1f joins/s of %d tokens: %.2f ms (beside plain prefills %.2f ms)",
+                    rate,
+                    tokens,
+                    joins,
+                    plain,
+                )
         return out
 
     @contextlib.asynccontextmanager
-    async def _back_to_back(self, session: aiohttp.ClientSession, url: str, model: str, tokens: int, out: int,
-                            done: list[float]) -> AsyncIterator[None]:
+    async def _back_to_back(
+        self, session: aiohttp.ClientSession, url: str, model: str, tokens: int, out: int, done: list[float]
+    ) -> AsyncIterator[None]:
         """Requests of ``tokens`` prompt tokens, ``out`` out, one after the other until the block ends (the last
         one is let finish); each one's end (time.perf_counter) goes to ``done``."""
         stop = asyncio.Event()
@@ -355,8 +427,7 @@ class InstanceProfiler:
         ``window`` gets that half's start and end (time.perf_counter)."""
         p = self.plan
         context = min(p.neighbour_context, p.max_model_len - p.decode_tokens - 1)
-        (s,) = await self._batch(session, self.relay_url or self.pd_url or self.url, model, [context],
-                                 p.decode_tokens)
+        (s,) = await self._batch(session, self.relay_url or self.pd_url or self.url, model, [context], p.decode_tokens)
         half = p.decode_tokens // 2
         if window is not None:
             window[:] = [s.stamps[half], s.stamps[-1]]
@@ -385,8 +456,19 @@ class InstanceProfiler:
         p = self.plan
         tokens = min(p.neighbour_stream_tokens, p.max_model_len // 2)
         firsts = [asyncio.Event() for _ in range(p.neighbour_streams)]
-        streams = [asyncio.create_task(stream_completion(session, self.neighbour_url, model, self._prompts.make(tokens),
-                                                         p.max_model_len - tokens - 1, first=e)) for e in firsts]
+        streams = [
+            asyncio.create_task(
+                stream_completion(
+                    session,
+                    self.neighbour_url,
+                    model,
+                    self._prompts.make(tokens),
+                    p.max_model_len - tokens - 1,
+                    first=e,
+                )
+            )
+            for e in firsts
+        ]
         ready: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in firsts)))
         waits: list[asyncio.Future[Any]] = [ready, *streams]
         try:

@@ -72,14 +72,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import msgspec
 
-from vllm_pd.planner.fit_noise import (RESOLVED_SE, difference_se, median_se, non_decreasing, resolved,
-                                      robust_sigma)
 from vllm_pd.errors import PlannerError
+from vllm_pd.planner.fit_noise import RESOLVED_SE, difference_se, median_se, non_decreasing, resolved, robust_sigma
 
 PROFILE_FORMAT = 2
 
@@ -157,8 +156,15 @@ class InstanceProfile(msgspec.Struct, frozen=True):
         """The same for a prefill instance of a PD pair: :attr:`pd_wake_after_idle`, else the relay's curve."""
         return wake_at(self.pd_wake_after_idle or self.wake_after_idle, idle_ms)
 
-    def mixed_ms(self, chunks: Sequence[int], batch: int, context: int, spread: float = 1.0,
-                 beside_prefill: float = 1.0, beside_decode: float = 1.0) -> float:
+    def mixed_ms(
+        self,
+        chunks: Sequence[int],
+        batch: int,
+        context: int,
+        spread: float = 1.0,
+        beside_prefill: float = 1.0,
+        beside_decode: float = 1.0,
+    ) -> float:
         """One step: prompt chunks of these sizes and a decode batch in one forward (one fixed cost).
 
         With chunks, the decode part is the line's ``b*batch + c*context`` (the step's GEMMs have the chunks'
@@ -236,12 +242,22 @@ class _ProfileV1(msgspec.Struct, frozen=True):
 def _from_v1(old: _ProfileV1) -> LatencyProfile:
     """Format 1 as format 2: each prefill sample one prompt (its ``T^2`` is then the sum of squares),
     no per-prompt term, no decode spread; kv gains the decode step format 1 added after it."""
+
     def convert(i: _InstanceV1) -> InstanceProfile:
         kv = Poly(i.kv.a + i.decode.a + i.decode.b, i.kv.b + i.decode.c)
         kv_samples = [(t, ms + i.decode.at(1, t)) for t, ms in i.kv_samples]
-        return InstanceProfile(i.tp, i.prefill, i.decode, kv, i.max_num_batched_tokens, i.max_num_seqs,
-                               prefill_samples=[(t, 1, ms) for t, ms in i.prefill_samples],
-                               decode_samples=list(i.decode_samples), kv_samples=kv_samples)
+        return InstanceProfile(
+            i.tp,
+            i.prefill,
+            i.decode,
+            kv,
+            i.max_num_batched_tokens,
+            i.max_num_seqs,
+            prefill_samples=[(t, 1, ms) for t, ms in i.prefill_samples],
+            decode_samples=list(i.decode_samples),
+            kv_samples=kv_samples,
+        )
+
     return LatencyProfile(old.model, [convert(i) for i in old.instances], old.source)
 
 
@@ -256,8 +272,10 @@ def load_profile(path: str | Path) -> LatencyProfile:
         head = json.loads(raw)
         version = head.get("format", 1) if isinstance(head, dict) else PROFILE_FORMAT
         if version not in (1, PROFILE_FORMAT):
-            raise ProfileError(f"profile {path}: format: {version!r} is not one this vllm-pd reads (1, "
-                               f"{PROFILE_FORMAT}); profile the instance again with this version")
+            raise ProfileError(
+                f"profile {path}: format: {version!r} is not one this vllm-pd reads (1, "
+                f"{PROFILE_FORMAT}); profile the instance again with this version"
+            )
         if version == 1:
             profile = _from_v1(msgspec.json.decode(raw, type=_ProfileV1))
         else:
@@ -285,9 +303,13 @@ def fit_poly(rows: Sequence[Row], weights: Sequence[float] | None = None) -> Pol
     w = list(weights) if weights is not None else [1.0] * len(rows)
     if len(rows) < 5:
         return fit_terms(rows, w)
-    loo = [abs(r[-1] - _predict(fit_terms([o for j, o in enumerate(rows) if j != i],
-                                          [x for j, x in enumerate(w) if j != i]), r))
-           for i, r in enumerate(rows)]
+    loo = [
+        abs(
+            r[-1]
+            - _predict(fit_terms([o for j, o in enumerate(rows) if j != i], [x for j, x in enumerate(w) if j != i]), r)
+        )
+        for i, r in enumerate(rows)
+    ]
     limit = max(1.0, 4 * sorted(loo)[len(loo) // 2])
     keep = [i for i, r in enumerate(loo) if r <= limit]
     return fit_terms([rows[i] for i in keep], [w[i] for i in keep])
@@ -325,8 +347,11 @@ def _least_squares(rows: Sequence[Row], terms: list[int], weights: Sequence[floa
     feats = [[(1.0, *r[:-1])[t] for t in terms] for r in rows]
     # normal equations: (F^T W F) c = F^T W z, solved by Gaussian elimination with partial pivoting
     n = len(terms)
-    m = [[sum(w * f[i] * f[j] for f, w in zip(feats, weights)) for j in range(n)]
-         + [sum(w * f[i] * r[-1] for f, r, w in zip(feats, rows, weights))] for i in range(n)]
+    m = [
+        [sum(w * f[i] * f[j] for f, w in zip(feats, weights)) for j in range(n)]
+        + [sum(w * f[i] * r[-1] for f, r, w in zip(feats, rows, weights))]
+        for i in range(n)
+    ]
     for col in range(n):
         piv = max(range(col, n), key=lambda r: abs(m[r][col]))
         if abs(m[piv][col]) < 1e-12 * max(1.0, max(abs(v) for row in m for v in row[:n])):
@@ -344,15 +369,30 @@ def refit(inst: InstanceProfile) -> InstanceProfile:
 
     A neighbour factor with no samples of its kind (set by hand) is kept as it is.
     """
-    new = fit_instance(inst.tp, inst.prefill_samples, inst.decode_samples, inst.kv_samples,
-                       inst.max_num_batched_tokens, inst.max_num_seqs, inst.decode_spread_window_ms,
-                       inst.neighbour_samples, inst.first_step_samples, inst.wake_samples, inst.join_samples,
-                       inst.pd_wake_samples, url=inst.url, role=inst.role, speed_checks=inst.speed_checks,
-                       pd_wake_floor=inst.pd_wake_floor)
+    new = fit_instance(
+        inst.tp,
+        inst.prefill_samples,
+        inst.decode_samples,
+        inst.kv_samples,
+        inst.max_num_batched_tokens,
+        inst.max_num_seqs,
+        inst.decode_spread_window_ms,
+        inst.neighbour_samples,
+        inst.first_step_samples,
+        inst.wake_samples,
+        inst.join_samples,
+        inst.pd_wake_samples,
+        url=inst.url,
+        role=inst.role,
+        speed_checks=inst.speed_checks,
+        pd_wake_floor=inst.pd_wake_floor,
+    )
     kinds = {kind for kind, _, _ in inst.neighbour_samples}
     return msgspec.structs.replace(
-        new, beside_prefill=new.beside_prefill if "decode" in kinds else inst.beside_prefill,
-        beside_decode=new.beside_decode if "prefill" in kinds else inst.beside_decode)
+        new,
+        beside_prefill=new.beside_prefill if "decode" in kinds else inst.beside_prefill,
+        beside_decode=new.beside_decode if "prefill" in kinds else inst.beside_decode,
+    )
 
 
 def merge_samples(old: InstanceProfile, new: InstanceProfile) -> InstanceProfile:
@@ -361,20 +401,31 @@ def merge_samples(old: InstanceProfile, new: InstanceProfile) -> InstanceProfile
     A profile taken at one moment holds the machine's speed of that moment; on a shared host or VM,
     profiles taken minutes apart differ by 10-20 %, and their samples pooled describe it better.
     """
-    if (old.tp, old.max_num_batched_tokens, old.max_num_seqs) != (new.tp, new.max_num_batched_tokens,
-                                                                   new.max_num_seqs):
-        raise ProfileError(f"instances: cannot merge tp={new.tp} (max_num_batched_tokens="
-                           f"{new.max_num_batched_tokens}, max_num_seqs={new.max_num_seqs}) into tp={old.tp} "
-                           f"({old.max_num_batched_tokens}, {old.max_num_seqs}): not the same instance kind")
+    if (old.tp, old.max_num_batched_tokens, old.max_num_seqs) != (new.tp, new.max_num_batched_tokens, new.max_num_seqs):
+        raise ProfileError(
+            f"instances: cannot merge tp={new.tp} (max_num_batched_tokens="
+            f"{new.max_num_batched_tokens}, max_num_seqs={new.max_num_seqs}) into tp={old.tp} "
+            f"({old.max_num_batched_tokens}, {old.max_num_seqs}): not the same instance kind"
+        )
     windows = [w for w in (old.decode_spread_window_ms, new.decode_spread_window_ms) if w > 0]
-    return fit_instance(old.tp, old.prefill_samples + new.prefill_samples, old.decode_samples + new.decode_samples,
-                        old.kv_samples + new.kv_samples, old.max_num_batched_tokens, old.max_num_seqs,
-                        sum(windows) / len(windows) if windows else 0.0,
-                        old.neighbour_samples + new.neighbour_samples, old.first_step_samples + new.first_step_samples,
-                        old.wake_samples + new.wake_samples, old.join_samples + new.join_samples,
-                        old.pd_wake_samples + new.pd_wake_samples, url=new.url or old.url, role=new.role,
-                        speed_checks=old.speed_checks + new.speed_checks,
-                        pd_wake_floor=new.pd_wake_floor or old.pd_wake_floor)
+    return fit_instance(
+        old.tp,
+        old.prefill_samples + new.prefill_samples,
+        old.decode_samples + new.decode_samples,
+        old.kv_samples + new.kv_samples,
+        old.max_num_batched_tokens,
+        old.max_num_seqs,
+        sum(windows) / len(windows) if windows else 0.0,
+        old.neighbour_samples + new.neighbour_samples,
+        old.first_step_samples + new.first_step_samples,
+        old.wake_samples + new.wake_samples,
+        old.join_samples + new.join_samples,
+        old.pd_wake_samples + new.pd_wake_samples,
+        url=new.url or old.url,
+        role=new.role,
+        speed_checks=old.speed_checks + new.speed_checks,
+        pd_wake_floor=new.pd_wake_floor or old.pd_wake_floor,
+    )
 
 
 def _wake_by_idle(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float, float, int]]:
@@ -400,12 +451,16 @@ def wake_points(samples: Sequence[tuple[float, float, float]]) -> list[tuple[flo
 
 def resolved_wake_points(samples: Sequence[tuple[float, float, float]]) -> list[tuple[float, float]]:
     """:func:`wake_points` less those not resolved above their noise (what may stand in for another curve)."""
-    return [(idle, value) for (idle, value), (_, _, se, _) in zip(wake_points(samples), _wake_by_idle(samples))
-            if resolved(value, se)]
+    return [
+        (idle, value)
+        for (idle, value), (_, _, se, _) in zip(wake_points(samples), _wake_by_idle(samples))
+        if resolved(value, se)
+    ]
 
 
-def wake_fit(samples: Sequence[tuple[float, float, float]], name: str,
-             floor: Sequence[tuple[float, float]] = ()) -> tuple[list[tuple[float, float]], list[str]]:
+def wake_fit(
+    samples: Sequence[tuple[float, float, float]], name: str, floor: Sequence[tuple[float, float]] = ()
+) -> tuple[list[tuple[float, float]], list[str]]:
     """:func:`wake_points`, and notes on the points not resolved above their noise; where ``floor`` (a curve
     measured otherwise: the prefill instance's own wake-up for the pair's) is higher there, it stands in."""
     points = wake_points(samples)
@@ -418,8 +473,10 @@ def wake_fit(samples: Sequence[tuple[float, float, float]], name: str,
             continue
         stand_in = round(wake_at(floor, idle), 3) if floor else 0.0
         if stand_in > value:
-            notes.append(f"{name} after {idle:.0f} ms idle: {value:+.1f} ms +- {se:.1f} ms ({n} pairs) is not resolved "
-                         f"above its noise: the prefill instance's own wake-up there, +{stand_in:.1f} ms, stands in")
+            notes.append(
+                f"{name} after {idle:.0f} ms idle: {value:+.1f} ms +- {se:.1f} ms ({n} pairs) is not resolved "
+                f"above its noise: the prefill instance's own wake-up there, +{stand_in:.1f} ms, stands in"
+            )
             out.append((idle, stand_in))
         else:
             unresolved.append(f"{idle:.0f} ms ({value:+.1f} +- {se:.1f})")
@@ -463,11 +520,14 @@ def kv_fit(samples: Sequence[tuple[int, float]]) -> tuple[Poly, list[str]]:
     sharpest = min(by_t, key=lambda t: (median_se(by_t[t]), t))
     stand_in = max(0.0, statistics.median(by_t[sharpest]))
     ts = sorted(by_t)
-    note = (f"kv hand-over: {level:+.1f} ms +- {se:.1f} ms over {len(rows)} samples ({ts[0]}-{ts[-1]} tokens) is not "
-            f"resolved above the noise of the prefills it is taken from: ")
+    note = (
+        f"kv hand-over: {level:+.1f} ms +- {se:.1f} ms over {len(rows)} samples ({ts[0]}-{ts[-1]} tokens) is not "
+        f"resolved above the noise of the prefills it is taken from: "
+    )
     if stand_in > level:
-        return Poly(round(stand_in, 3)), [note + f"{stand_in:.1f} ms stands in (the median at {sharpest} tokens, "
-                                          "the length measured most sharply)"]
+        return Poly(round(stand_in, 3)), [
+            note + f"{stand_in:.1f} ms stands in (the median at {sharpest} tokens, the length measured most sharply)"
+        ]
     return fit, [note + "kept as fitted"]
 
 
@@ -481,8 +541,9 @@ def join_notes(join: Poly, samples: Sequence[tuple[int, float, float, float]]) -
     if join.a == join.b == 0:
         return [f"join: fitted 0 ({spread}): a join's cost is not resolved above the noise of the steps around it"]
     if join.b == 0 and len(ts) > 1:
-        return [f"join: no growth with the prompt resolved over {ts[0]}-{ts[-1]} tokens ({spread}): flat "
-                f"{join.a:.1f} ms"]
+        return [
+            f"join: no growth with the prompt resolved over {ts[0]}-{ts[-1]} tokens ({spread}): flat {join.a:.1f} ms"
+        ]
     return []
 
 
@@ -513,16 +574,21 @@ def neighbour_factor(samples: Sequence[tuple[str, float, float]], kind: str) -> 
 def join_points(samples: Sequence[tuple[int, float, float, float]]) -> list[tuple[int, float]]:
     """[(prompt tokens, decode ms per join)]: per sample, the share of each step the joins add over the
     neighbour's plain prefills, over the joins per second (floored at 0)."""
-    return [(t, max(0.0, round((joins - plain) / joins / rate * 1e3, 3)) if joins > 0 and rate > 0 else 0.0)
-            for t, plain, joins, rate in samples]
+    return [
+        (t, max(0.0, round((joins - plain) / joins / rate * 1e3, 3)) if joins > 0 and rate > 0 else 0.0)
+        for t, plain, joins, rate in samples
+    ]
 
 
-def spread_of(decode: Poly, points: Sequence[tuple[int, int, float]],
-              levels: Sequence[tuple[int, float]] = ()) -> list[float]:
+def spread_of(
+    decode: Poly, points: Sequence[tuple[int, int, float]], levels: Sequence[tuple[int, float]] = ()
+) -> list[float]:
     """Each measured point over what ``decode`` (with its per-batch ``levels``) predicts for it, sorted (3
     decimals: a compact file)."""
+
     def fit(n: int, k: int) -> float:
         return decode_level(levels, decode.b, n) + decode.c * k if levels else decode.at(n, k)
+
     return sorted(round(ms / fit(n, k), 3) for n, k, ms in points if fit(n, k) > 0)
 
 
@@ -572,14 +638,19 @@ def _level_notes(line: Poly, levels: list[tuple[int, float]], by_n: dict[int, li
     if free < 1:
         return []
     sigma = math.sqrt(sum(r * r for r in residuals) / free)
-    off = [(n, ms) for n, ms in levels
-           if abs(ms - line.at(n)) > RESOLVED_SE * 1.253 * sigma / math.sqrt(len(by_n[n])) and line.at(n) > 0]
+    off = [
+        (n, ms)
+        for n, ms in levels
+        if abs(ms - line.at(n)) > RESOLVED_SE * 1.253 * sigma / math.sqrt(len(by_n[n])) and line.at(n) > 0
+    ]
     if not off:
         return []
     said = ", ".join(f"batch {n} {ms:.1f} ms ({ms / line.at(n):.2f} x)" for n, ms in off)
-    return [f"decode: a step's cost is not linear in its batch: {said} at no context, against the line "
-            f"{line.a:.1f} + {line.b:.2f}*batch ms (+- {sigma:.1f} ms a point): each batch measured steps at "
-            "its own level, the line between and beyond them"]
+    return [
+        f"decode: a step's cost is not linear in its batch: {said} at no context, against the line "
+        f"{line.a:.1f} + {line.b:.2f}*batch ms (+- {sigma:.1f} ms a point): each batch measured steps at "
+        "its own level, the line between and beyond them"
+    ]
 
 
 def prefill_spread_of(prefill: Poly, samples: Sequence[tuple[int, int, float]]) -> list[float]:
@@ -592,16 +663,25 @@ def prefill_spread_of(prefill: Poly, samples: Sequence[tuple[int, int, float]]) 
     return sorted(out)
 
 
-def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tuple[int, int, float]],
-                 kv: list[tuple[int, float]], max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, spread_window_ms: float = 0.0,
-                 neighbour: Sequence[tuple[str, float, float]] = (),
-                 first_step: Sequence[float] = (),
-                 wake: Sequence[tuple[float, float, float]] = (),
-                 join: Sequence[tuple[int, float, float, float]] = (),
-                 pd_wake: Sequence[tuple[float, float, float]] = (), *, url: str = "", role: str = "",
-                 speed_checks: Sequence[tuple[float, int, float, int, float]] = (),
-                 pd_wake_floor: Sequence[tuple[float, float]] = ()) -> InstanceProfile:
+def fit_instance(
+    tp: int,
+    prefill: list[tuple[int, int, float]],
+    decode: list[tuple[int, int, float]],
+    kv: list[tuple[int, float]],
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 256,
+    spread_window_ms: float = 0.0,
+    neighbour: Sequence[tuple[str, float, float]] = (),
+    first_step: Sequence[float] = (),
+    wake: Sequence[tuple[float, float, float]] = (),
+    join: Sequence[tuple[int, float, float, float]] = (),
+    pd_wake: Sequence[tuple[float, float, float]] = (),
+    *,
+    url: str = "",
+    role: str = "",
+    speed_checks: Sequence[tuple[float, int, float, int, float]] = (),
+    pd_wake_floor: Sequence[tuple[float, float]] = (),
+) -> InstanceProfile:
     """Fit the models from raw samples (kv: at least one sample, or a fixed model in ``kv``).
 
     prefill: (tokens per prompt, prompts in the step, ms); decode: (batch, summed context, the mean ms
@@ -621,18 +701,33 @@ def fit_instance(tp: int, prefill: list[tuple[int, int, float]], decode: list[tu
     pd_wake_after_idle, pd_notes = wake_fit(pd_wake, "the pair's wake-up", pd_wake_floor)
     join_poly = fit_poly(join_points(join)) if join else Poly()
     return InstanceProfile(
-        tp=tp, prefill=pre, decode=dec, kv=kv_poly,
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        decode_spread=spread_of(dec, decode, levels) if spread_window_ms > 0 else [], decode_levels=levels,
+        tp=tp,
+        prefill=pre,
+        decode=dec,
+        kv=kv_poly,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        decode_spread=spread_of(dec, decode, levels) if spread_window_ms > 0 else [],
+        decode_levels=levels,
         decode_spread_window_ms=spread_window_ms,
-        prefill_samples=list(prefill), decode_samples=list(decode), kv_samples=list(kv),
-        beside_prefill=neighbour_factor(neighbour, "decode"), beside_decode=neighbour_factor(neighbour, "prefill"),
+        prefill_samples=list(prefill),
+        decode_samples=list(decode),
+        kv_samples=list(kv),
+        beside_prefill=neighbour_factor(neighbour, "decode"),
+        beside_decode=neighbour_factor(neighbour, "prefill"),
         neighbour_samples=list(neighbour),
         first_step_ms=max(0.0, round(statistics.median(first_step), 3)) if first_step else 0.0,
         first_step_samples=list(first_step),
-        wake_after_idle=wake_after_idle, wake_samples=list(wake),
-        pd_wake_after_idle=pd_wake_after_idle, pd_wake_samples=list(pd_wake),
-        join=join_poly, join_samples=list(join), url=url, role=role,
-        prefill_spread=prefill_spread_of(pre, prefill), speed_checks=list(speed_checks),
+        wake_after_idle=wake_after_idle,
+        wake_samples=list(wake),
+        pd_wake_after_idle=pd_wake_after_idle,
+        pd_wake_samples=list(pd_wake),
+        join=join_poly,
+        join_samples=list(join),
+        url=url,
+        role=role,
+        prefill_spread=prefill_spread_of(pre, prefill),
+        speed_checks=list(speed_checks),
         pd_wake_floor=list(pd_wake_floor),
-        fit_notes=decode_notes + notes + wake_notes + pd_notes + join_notes(join_poly, join))
+        fit_notes=decode_notes + notes + wake_notes + pd_notes + join_notes(join_poly, join),
+    )

@@ -10,8 +10,8 @@ changes the order, with the SLO that binds each at its goodput.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import msgspec
 
@@ -34,16 +34,20 @@ class NearTie:
 
     def describe(self) -> str:
         b, o = self.best.deployment.label, self.other.deployment.label
-        text = (f"near-tie: {b} ({self.best.per_device:.3f} req/s per device) and {o} ({self.other.per_device:.3f}) "
-                f"are {self.gap * 100:.0f} % apart, within the profile's own noise (+-{self.noise * 100:.0f} %: how "
-                f"far its speed moved over its run) or swapped at an end of its band. At its goodput {b} misses on "
-                f"{self.binds[b]}, {o} on {self.binds[o]}. ")
+        text = (
+            f"near-tie: {b} ({self.best.per_device:.3f} req/s per device) and {o} ({self.other.per_device:.3f}) "
+            f"are {self.gap * 100:.0f} % apart, within the profile's own noise (+-{self.noise * 100:.0f} %: how "
+            f"far its speed moved over its run) or swapped at an end of its band. At its goodput {b} misses on "
+            f"{self.binds[b]}, {o} on {self.binds[o]}. "
+        )
         if self.separators:
             text += f"{o} would lead with " + "; with ".join(self.separators) + ". "
         else:
             text += "No single term moved by that noise puts the other first. "
-        return text + ("To separate them: profile again (vllm-pd profile --merge, on a quiet machine) until the "
-                       f"noise is under {self.gap * 100:.0f} %, or replay both on the real servers.")
+        return text + (
+            "To separate them: profile again (vllm-pd profile --merge, on a quiet machine) until the "
+            f"noise is under {self.gap * 100:.0f} %, or replay both on the real servers."
+        )
 
 
 def _with(profile: LatencyProfile, change: Callable[[InstanceProfile], InstanceProfile]) -> LatencyProfile:
@@ -53,11 +57,13 @@ def _with(profile: LatencyProfile, change: Callable[[InstanceProfile], InstanceP
 def _kv_times(f: float) -> Callable[[InstanceProfile], InstanceProfile]:
     def change(i: InstanceProfile) -> InstanceProfile:
         return msgspec.structs.replace(i, kv=Poly(i.kv.a * f, i.kv.b * f))
+
     return change
 
 
-def binding_slo(profile: LatencyProfile, d: Deployment, requests_at: RequestsAt, rate: float, slo: Slo,
-                seed: int) -> str:
+def binding_slo(
+    profile: LatencyProfile, d: Deployment, requests_at: RequestsAt, rate: float, slo: Slo, seed: int
+) -> str:
     """Which SLO the requests missing theirs miss most, just above ``rate`` ("neither" if none miss)."""
     sims = simulate(profile, d, requests_at(max(rate, 1e-9) * 1.05), seed)
     ttft = sum(r.ttft > slo.ttft for r in sims)
@@ -67,8 +73,9 @@ def binding_slo(profile: LatencyProfile, d: Deployment, requests_at: RequestsAt,
     return "TTFT" if ttft > 2 * tpot else "TPOT" if tpot > 2 * ttft else "TTFT and TPOT"
 
 
-def near_tie(ranked: list[Candidate], profile: LatencyProfile, requests_at: RequestsAt, own_rate: float, slo: Slo,
-             seed: int = 0) -> NearTie | None:
+def near_tie(
+    ranked: list[Candidate], profile: LatencyProfile, requests_at: RequestsAt, own_rate: float, slo: Slo, seed: int = 0
+) -> NearTie | None:
     """The first two of ``ranked`` (from :func:`~vllm_pd.planner.deployment_search.search`) as a near-tie,
     or None when the first leads by more than the profile's noise at both ends of its band."""
     if len(ranked) < 2 or ranked[0].per_device <= 0:
@@ -78,8 +85,10 @@ def near_tie(ranked: list[Candidate], profile: LatencyProfile, requests_at: Requ
     gap = 1 - other.per_device / best.per_device
     swapped = False
     if best.goodput_band and other.goodput_band:
-        swapped = any(o / other.deployment.devices > b / best.deployment.devices
-                      for b, o in zip(best.goodput_band, other.goodput_band))
+        swapped = any(
+            o / other.deployment.devices > b / best.deployment.devices
+            for b, o in zip(best.goodput_band, other.goodput_band)
+        )
     if gap > noise and not swapped:
         return None
     step = max(noise, MIN_STEP)
@@ -87,7 +96,8 @@ def near_tie(ranked: list[Candidate], profile: LatencyProfile, requests_at: Requ
         (f"prefill {step * 100:.0f} % faster than profiled", lambda i: scaled(i, 1 - step, 1.0)),
         (f"prefill {step * 100:.0f} % slower", lambda i: scaled(i, 1 + step, 1.0)),
         (f"decode {step * 100:.0f} % faster", lambda i: scaled(i, 1.0, 1 - step)),
-        (f"decode {step * 100:.0f} % slower", lambda i: scaled(i, 1.0, 1 + step))]
+        (f"decode {step * 100:.0f} % slower", lambda i: scaled(i, 1.0, 1 + step)),
+    ]
     if not (best.deployment.colocated and other.deployment.colocated):
         moves += [("the KV hand-over half as long", _kv_times(0.5)), ("the KV hand-over twice as long", _kv_times(2.0))]
     separators = []
@@ -97,6 +107,7 @@ def near_tie(ranked: list[Candidate], profile: LatencyProfile, requests_at: Requ
         g_other = goodput(moved, other.deployment, requests_at, slo, own_rate, seed=seed) / other.deployment.devices
         if g_other > g_best:
             separators.append(f"{what} ({g_other:.3f} against {g_best:.3f} req/s per device)")
-    binds = {c.deployment.label: binding_slo(profile, c.deployment, requests_at, c.goodput, slo, seed)
-             for c in (best, other)}
+    binds = {
+        c.deployment.label: binding_slo(profile, c.deployment, requests_at, c.goodput, slo, seed) for c in (best, other)
+    }
     return NearTie(best, other, gap, noise, binds, separators)

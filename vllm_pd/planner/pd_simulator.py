@@ -48,12 +48,12 @@ import heapq
 import itertools
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from vllm_pd.planner.latency_profile import LatencyProfile, InstanceProfile
-from vllm_pd.planner.workload import TraceRequest
 from vllm_pd.errors import ConfigError
+from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile
+from vllm_pd.planner.workload import TraceRequest
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class SimRequest:
     generated: int = 0
     first_token: float | None = None
     finish: float | None = None
-    decoder: "_Instance | None" = None  # the decode instance the proxy picked at arrival (colocated: its one)
+    decoder: _Instance | None = None  # the decode instance the proxy picked at arrival (colocated: its one)
 
     @property
     def context(self) -> int:
@@ -141,14 +141,15 @@ class _Instance:
         samples = self.profile.first_step_samples
         return max(0.0, samples[self.rng.randrange(len(samples))]) if samples else self.profile.first_step_ms
 
-    def plan_step(self, t: float, neighbour_prefills: bool = False,
-                  neighbour_decodes: bool = False) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
+    def plan_step(
+        self, t: float, neighbour_prefills: bool = False, neighbour_decodes: bool = False
+    ) -> tuple[float, list[tuple[SimRequest, int]], list[SimRequest]]:
         """(duration in s, prompt chunks [(request, tokens)], decoding requests) of the next step.
 
         ``neighbour_prefills``/``neighbour_decodes``: another instance is in a step with prompt chunks /
         that decodes (the profile's ``beside_prefill``/``beside_decode`` then apply).
         """
-        decoding = self.running[:self.profile.max_num_seqs] if self.role != "prefill" else []
+        decoding = self.running[: self.profile.max_num_seqs] if self.role != "prefill" else []
         budget = self.profile.max_num_batched_tokens - len(decoding)
         chunks: list[tuple[SimRequest, int]] = []
         if self.role != "decode":
@@ -161,8 +162,14 @@ class _Instance:
         context = sum(r.context for r in decoding)
         spread = self.spread(t) if decoding else 1.0
         p = self.profile
-        ms = p.mixed_ms([t for _, t in chunks], len(decoding), context, spread,
-                        p.beside_prefill if neighbour_prefills else 1.0, p.beside_decode if neighbour_decodes else 1.0)
+        ms = p.mixed_ms(
+            [t for _, t in chunks],
+            len(decoding),
+            context,
+            spread,
+            p.beside_prefill if neighbour_prefills else 1.0,
+            p.beside_decode if neighbour_decodes else 1.0,
+        )
         ms += sum(self.first_steps() for r in decoding if r.generated == 1)
         if decoding:
             ms, self.joins_ms = ms + self.joins_ms, 0.0
@@ -252,8 +259,11 @@ class Simulation:
         inst.busy = True
         inst.step_prefill, inst.step_decode = bool(chunks), bool(decoding)
         # prefill announces a prompt as its last chunk's step starts; an idle decode then loads layer-wise
-        layerwise = [r for r, n in chunks if inst.role == "prefill" and r.prefilled + n >= r.spec.input_tokens
-                     and self._takes_layerwise(r)]
+        layerwise = [
+            r
+            for r, n in chunks
+            if inst.role == "prefill" and r.prefilled + n >= r.spec.input_tokens and self._takes_layerwise(r)
+        ]
         for req in layerwise:
             assert req.decoder is not None
             req.decoder.busy = True
@@ -271,8 +281,14 @@ class Simulation:
         dec = req.decoder
         return dec is not None and not dec.busy and not dec.running and dec.awaiting == 1
 
-    def _step_done(self, t: float, inst: _Instance, chunks: list[tuple[SimRequest, int]],
-                   decoding: list[SimRequest], layerwise: list[SimRequest]) -> None:
+    def _step_done(
+        self,
+        t: float,
+        inst: _Instance,
+        chunks: list[tuple[SimRequest, int]],
+        decoding: list[SimRequest],
+        layerwise: list[SimRequest],
+    ) -> None:
         inst.busy = False
         inst.idle_since = t
         inst.step_prefill = inst.step_decode = False
@@ -287,8 +303,11 @@ class Simulation:
                 n = req.spec.input_tokens
                 assert req.decoder is not None
                 hand_over = req.decoder.profile  # measured through the pair, with the decode instance's steps
-                done, ms = ((self._layerwise_done, hand_over.kv_ms(n)) if req in layerwise
-                            else (self._kv_ready, hand_over.transfer_ms(n)))
+                done, ms = (
+                    (self._layerwise_done, hand_over.kv_ms(n))
+                    if req in layerwise
+                    else (self._kv_ready, hand_over.transfer_ms(n))
+                )
                 self._at(t + ms / 1e3, functools.partial(done, req=req))
             else:  # colocated: the last chunk samples the first token
                 inst.running.append(req)
@@ -305,6 +324,7 @@ class Simulation:
             inst.running.remove(req)
 
 
-def simulate(profile: LatencyProfile, deployment: Deployment, requests: list[TraceRequest],
-             seed: int = 0) -> list[SimRequest]:
+def simulate(
+    profile: LatencyProfile, deployment: Deployment, requests: list[TraceRequest], seed: int = 0
+) -> list[SimRequest]:
     return Simulation(profile, deployment, seed).run(requests)

@@ -77,26 +77,34 @@ def _times(p: Poly, f: float) -> Poly:
 def scaled(inst: InstanceProfile, prefill_f: float, decode_f: float) -> InstanceProfile:
     """``inst`` running ``prefill_f`` x slower on prompts (its wake-ups and hand-over with them) and ``decode_f``
     x on decode steps (with their first steps and joins). The samples are left as measured."""
+
     def wake(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
         return [(idle, ms * prefill_f) for idle, ms in points]
 
     return msgspec.structs.replace(
-        inst, prefill=_times(inst.prefill, prefill_f), decode=_times(inst.decode, decode_f),
+        inst,
+        prefill=_times(inst.prefill, prefill_f),
+        decode=_times(inst.decode, decode_f),
         decode_levels=[(n, ms * decode_f) for n, ms in inst.decode_levels],
-        kv=_times(inst.kv, prefill_f), join=_times(inst.join, decode_f),
+        kv=_times(inst.kv, prefill_f),
+        join=_times(inst.join, decode_f),
         first_step_ms=inst.first_step_ms * decode_f,
         first_step_samples=[ms * decode_f for ms in inst.first_step_samples],
-        wake_after_idle=wake(inst.wake_after_idle), pd_wake_after_idle=wake(inst.pd_wake_after_idle))
+        wake_after_idle=wake(inst.wake_after_idle),
+        pd_wake_after_idle=wake(inst.pd_wake_after_idle),
+    )
 
 
 def band_profiles(profile: LatencyProfile) -> tuple[LatencyProfile, LatencyProfile]:
     """(fast, slow): every instance at the fast and at the slow end of its :func:`speed_range`."""
+
     def at(end: str) -> LatencyProfile:
         out = []
         for inst in profile.instances:
             r = speed_range(inst)
-            out.append(scaled(inst, r.prefill_lo, r.decode_lo) if end == "fast" else
-                       scaled(inst, r.prefill_hi, r.decode_hi))
+            out.append(
+                scaled(inst, r.prefill_lo, r.decode_lo) if end == "fast" else scaled(inst, r.prefill_hi, r.decode_hi)
+            )
         return msgspec.structs.replace(profile, instances=out)
 
     return at("fast"), at("slow")
@@ -119,23 +127,33 @@ def describe(profile: LatencyProfile) -> list[str]:
             role = f" ({inst.role})" if inst.role else ""
             p_drift, d_drift = drift(inst)
             r = speed_range(inst)
-            text = (f"tp={tp} {inst.url or 'instance'}{role}: a lone 512-token prefill {inst.prefill_ms(512):.1f} ms, "
-                    f"a decode step of 1 x 512 {inst.decode_ms(1, 512):.2f} ms")
+            text = (
+                f"tp={tp} {inst.url or 'instance'}{role}: a lone 512-token prefill {inst.prefill_ms(512):.1f} ms, "
+                f"a decode step of 1 x 512 {inst.decode_ms(1, 512):.2f} ms"
+            )
             if inst is not ref:
-                text += (f" ({inst.prefill_ms(512) / ref.prefill_ms(512):.2f} x and "
-                         f"{inst.decode_ms(1, 512) / ref.decode_ms(1, 512):.2f} x {ref.url or 'the other'}'s)")
+                text += (
+                    f" ({inst.prefill_ms(512) / ref.prefill_ms(512):.2f} x and "
+                    f"{inst.decode_ms(1, 512) / ref.decode_ms(1, 512):.2f} x {ref.url or 'the other'}'s)"
+                )
             if inst.speed_checks:
                 span = inst.speed_checks[-1][0] - inst.speed_checks[0][0]
-                text += (f"; over its run ({len(inst.speed_checks)} checks in {span:.0f} s) prefill drifted "
-                         f"{p_drift * 100:+.0f} %, decode {d_drift * 100:+.0f} %")
-            text += (f"; speeds seen x{r.prefill_lo:.2f}-{r.prefill_hi:.2f} (prefill), "
-                     f"x{r.decode_lo:.2f}-{r.decode_hi:.2f} (decode) of the fit")
+                text += (
+                    f"; over its run ({len(inst.speed_checks)} checks in {span:.0f} s) prefill drifted "
+                    f"{p_drift * 100:+.0f} %, decode {d_drift * 100:+.0f} %"
+                )
+            text += (
+                f"; speeds seen x{r.prefill_lo:.2f}-{r.prefill_hi:.2f} (prefill), "
+                f"x{r.decode_lo:.2f}-{r.decode_hi:.2f} (decode) of the fit"
+            )
             lines.append(text)
             lines += [f"tp={tp} {inst.url or 'instance'}: {note}" for note in inst.fit_notes if note not in seen]
             seen.update(inst.fit_notes)
     noise = profile_noise(profile)
     if noise > UNSURE:
-        lines.append(f"this profile's speed moved +-{noise * 100:.0f} % over its own run (other work on the machine, "
-                     "or drift): every figure from it is as unsure - profile again on a quiet machine, or pool "
-                     "several profiles (--merge)")
+        lines.append(
+            f"this profile's speed moved +-{noise * 100:.0f} % over its own run (other work on the machine, "
+            "or drift): every figure from it is as unsure - profile again on a quiet machine, or pool "
+            "several profiles (--merge)"
+        )
     return lines

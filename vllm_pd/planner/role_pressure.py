@@ -55,8 +55,15 @@ def pressures(profile: InstanceProfile, load: SplitLoad, ttft_slo: float, tpot_s
     return predicted_ttft(profile, load) / ttft_slo, predicted_tpot(profile, load) / tpot_slo
 
 
-def move_helps(profile: InstanceProfile, load: SplitLoad, to_role: str, ttft_slo: float, tpot_slo: float,
-               receiving_pressure: float, dead_band: float = 1.2) -> bool:
+def move_helps(
+    profile: InstanceProfile,
+    load: SplitLoad,
+    to_role: str,
+    ttft_slo: float,
+    tpot_slo: float,
+    receiving_pressure: float,
+    dead_band: float = 1.2,
+) -> bool:
     """Whether one instance may move to ``to_role``: the side it leaves must, by the model, still meet its
     SLO afterwards or stay below the pressure the receiving side is under now by ``dead_band`` (else the
     move only makes the other side the bottleneck)."""

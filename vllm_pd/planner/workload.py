@@ -39,7 +39,7 @@ class LengthDist:
         if self.kind == "uniform":
             return rng.randint(int(self.p1), int(self.p2))
         # a lognormal with the given mean: mu = ln(mean) - sigma^2/2
-        return max(1, round(rng.lognormvariate(math.log(self.p1) - self.p2 ** 2 / 2, self.p2)))
+        return max(1, round(rng.lognormvariate(math.log(self.p1) - self.p2**2 / 2, self.p2)))
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,15 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
 
 
 def write_trace(requests: list[TraceRequest], path: str | Path) -> None:
-    Path(path).write_text("".join(json.dumps({"arrival": round(r.arrival, 6), "input_tokens": r.input_tokens,
-                                              "output_tokens": r.output_tokens}) + "\n" for r in requests))
+    Path(path).write_text(
+        "".join(
+            json.dumps(
+                {"arrival": round(r.arrival, 6), "input_tokens": r.input_tokens, "output_tokens": r.output_tokens}
+            )
+            + "\n"
+            for r in requests
+        )
+    )
 
 
 def parse_length(spec: str, key: str) -> LengthDist:

@@ -15,13 +15,18 @@ from urllib.parse import urlparse
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret, load_secret
 from vllm_pd.connector.transport.tls_stream import TlsSettings
+from vllm_pd.errors import ConfigError
 from vllm_pd.router.backend.backend_url import parse_networks
 from vllm_pd.router.backend.sse_relay import DEFAULT_MAX_EVENT_BYTES
 from vllm_pd.router.http.client_auth import check_api_key
-from vllm_pd.router.http.http_limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES,
-                                             DEFAULT_MAX_HEADERS, DEFAULT_MAX_URL_BYTES)
+from vllm_pd.router.http.http_limits import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_HEADERS,
+    DEFAULT_MAX_URL_BYTES,
+)
 from vllm_pd.router.request.block_hashes import HASH_ALGOS as KV_HASH_ALGOS
-from vllm_pd.errors import ConfigError
 
 ROLES = ("prefill", "decode", "both")
 KV_MODES = ("push", "pull", "auto")
@@ -49,8 +54,9 @@ class InstanceConfig:
         if self.kv_endpoint is not None:
             parsed = urlparse(self.kv_endpoint)
             if parsed.scheme not in KV_SCHEMES or not parsed.hostname or not parsed.port:
-                raise ConfigError(f"kv_endpoint: {self.kv_endpoint!r} is not tcp://host:port "
-                                  "(or shm://host:port, nixl://host:port)")
+                raise ConfigError(
+                    f"kv_endpoint: {self.kv_endpoint!r} is not tcp://host:port (or shm://host:port, nixl://host:port)"
+                )
 
 
 @dataclass
@@ -179,15 +185,37 @@ class ProxyConfig:
             raise ConfigError(f"decode_policy: {self.decode_policy!r} is not one of {DECODE_POLICIES}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port: {self.port} is out of range")
-        for name in ("prefill_timeout", "decode_timeout", "decode_idle_timeout", "connect_timeout",
-                     "health_interval", "health_timeout", "probe_after", "probe_timeout", "breaker_cooldown",
-                     "supervisor_interval",
-                     "supervisor_ttft_slo", "supervisor_tpot_slo", "header_timeout", "body_timeout"):
+        for name in (
+            "prefill_timeout",
+            "decode_timeout",
+            "decode_idle_timeout",
+            "connect_timeout",
+            "health_interval",
+            "health_timeout",
+            "probe_after",
+            "probe_timeout",
+            "breaker_cooldown",
+            "supervisor_interval",
+            "supervisor_ttft_slo",
+            "supervisor_tpot_slo",
+            "header_timeout",
+            "body_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("max_body_bytes", "prefill_attempts", "decode_attempts", "breaker_failures",
-                     "max_header_bytes", "max_headers", "max_url_bytes", "max_prefill_answer_bytes",
-                     "max_decode_answer_bytes", "max_sse_event_bytes", "max_error_body_bytes"):
+        for name in (
+            "max_body_bytes",
+            "prefill_attempts",
+            "decode_attempts",
+            "breaker_failures",
+            "max_header_bytes",
+            "max_headers",
+            "max_url_bytes",
+            "max_prefill_answer_bytes",
+            "max_decode_answer_bytes",
+            "max_sse_event_bytes",
+            "max_error_body_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.drain_grace < 0:
@@ -218,8 +246,10 @@ class ProxyConfig:
         if self.store_master is not None:
             _check_zmq_tcp(self.store_master, "store_master")
             if "kv_aware" not in (self.prefill_policy, self.decode_policy):
-                raise ConfigError("store_master: only the kv_aware policy reads it; set --prefill-policy kv_aware "
-                                  "(or --decode-policy kv_aware)")
+                raise ConfigError(
+                    "store_master: only the kv_aware policy reads it; set --prefill-policy kv_aware "
+                    "(or --decode-policy kv_aware)"
+                )
         if "kv_aware" in (self.prefill_policy, self.decode_policy) and not self.tokenizer:
             raise ConfigError("tokenizer: the kv_aware policy needs the model's tokenizer directory")
         if self.short_prompt_tokens < 0:
@@ -265,25 +295,64 @@ def parse_instance_flag(value: str, role: str) -> InstanceConfig:
 
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "host": str, "port": int, "kv_mode": str, "prefill_policy": str, "decode_policy": str,
-    "require_disagg": bool, "short_prompt_tokens": int, "prefill_timeout": (int, float),
-    "decode_timeout": (int, float), "decode_idle_timeout": (int, float), "connect_timeout": (int, float),
-    "max_body_bytes": int, "prefill_attempts": int, "decode_attempts": int,
-    "health_interval": (int, float), "health_timeout": (int, float), "probe_after": (int, float),
-    "probe_timeout": (int, float), "max_prefill_answer_bytes": int, "max_decode_answer_bytes": int,
-    "max_sse_event_bytes": int, "max_error_body_bytes": int, "breaker_failures": int,
-    "breaker_cooldown": (int, float), "admin_token": str, "supervisor": bool,
-    "supervisor_interval": (int, float), "supervisor_ttft_slo": (int, float),
-    "supervisor_tpot_slo": (int, float), "supervisor_profile": str, "tokenizer": str, "model_names": list,
-    "otlp_endpoint": str, "request_log": str, "drain_grace": (int, float),
-    "api_key": str, "backend_api_key": str, "backend_networks": list, "backend_ca_file": str,
-    "backend_tls_verify": bool, "max_header_bytes": int, "max_headers": int, "max_url_bytes": int,
-    "header_timeout": (int, float), "body_timeout": (int, float), "max_concurrent_requests": int,
-    "max_queued_requests": int, "kv_hash_algo": str, "kv_load_weight": (int, float), "store_master": str,
-    "secret_file": str, "kv_tls_cert": str, "kv_tls_key": str, "kv_tls_ca": str,
+    "host": str,
+    "port": int,
+    "kv_mode": str,
+    "prefill_policy": str,
+    "decode_policy": str,
+    "require_disagg": bool,
+    "short_prompt_tokens": int,
+    "prefill_timeout": (int, float),
+    "decode_timeout": (int, float),
+    "decode_idle_timeout": (int, float),
+    "connect_timeout": (int, float),
+    "max_body_bytes": int,
+    "prefill_attempts": int,
+    "decode_attempts": int,
+    "health_interval": (int, float),
+    "health_timeout": (int, float),
+    "probe_after": (int, float),
+    "probe_timeout": (int, float),
+    "max_prefill_answer_bytes": int,
+    "max_decode_answer_bytes": int,
+    "max_sse_event_bytes": int,
+    "max_error_body_bytes": int,
+    "breaker_failures": int,
+    "breaker_cooldown": (int, float),
+    "admin_token": str,
+    "supervisor": bool,
+    "supervisor_interval": (int, float),
+    "supervisor_ttft_slo": (int, float),
+    "supervisor_tpot_slo": (int, float),
+    "supervisor_profile": str,
+    "tokenizer": str,
+    "model_names": list,
+    "otlp_endpoint": str,
+    "request_log": str,
+    "drain_grace": (int, float),
+    "api_key": str,
+    "backend_api_key": str,
+    "backend_networks": list,
+    "backend_ca_file": str,
+    "backend_tls_verify": bool,
+    "max_header_bytes": int,
+    "max_headers": int,
+    "max_url_bytes": int,
+    "header_timeout": (int, float),
+    "body_timeout": (int, float),
+    "max_concurrent_requests": int,
+    "max_queued_requests": int,
+    "kv_hash_algo": str,
+    "kv_load_weight": (int, float),
+    "store_master": str,
+    "secret_file": str,
+    "kv_tls_cert": str,
+    "kv_tls_key": str,
+    "kv_tls_ca": str,
 }
 assert set(_FIELD_TYPES) | {"instances", "kubernetes", "secret", "kv_tls"} == {
-    f.name for f in dataclasses.fields(ProxyConfig)}
+    f.name for f in dataclasses.fields(ProxyConfig)
+}
 
 
 def config_from_mapping(data: Any, where: str = "config") -> dict[str, Any]:
@@ -299,8 +368,9 @@ def config_from_mapping(data: Any, where: str = "config") -> dict[str, Any]:
             out["kubernetes"] = _kubernetes_from_mapping(value)
             continue
         if key not in _FIELD_TYPES:
-            raise ConfigError(f"{key}: unknown key in {where} "
-                              f"(known: instances, kubernetes, {', '.join(sorted(_FIELD_TYPES))})")
+            raise ConfigError(
+                f"{key}: unknown key in {where} (known: instances, kubernetes, {', '.join(sorted(_FIELD_TYPES))})"
+            )
         want = _FIELD_TYPES[key]
         # bool is an int subclass; reject it where a number is wanted
         if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
@@ -318,14 +388,21 @@ def _instances_from_list(value: Any) -> list[InstanceConfig]:
             raise ConfigError(f"instances[{i}]: expected a mapping with url and role")
         unknown = set(item) - {"url", "role", "kv_endpoint", "kv_events"}
         if unknown:
-            raise ConfigError(f"instances[{i}].{sorted(unknown)[0]}: unknown key "
-                              "(known: url, role, kv_endpoint, kv_events)")
+            raise ConfigError(
+                f"instances[{i}].{sorted(unknown)[0]}: unknown key (known: url, role, kv_endpoint, kv_events)"
+            )
         for req in ("url", "role"):
             if req not in item:
                 raise ConfigError(f"instances[{i}].{req}: missing")
         try:
-            result.append(InstanceConfig(url=item["url"], role=item["role"], kv_endpoint=item.get("kv_endpoint"),
-                                         kv_events=item.get("kv_events")))
+            result.append(
+                InstanceConfig(
+                    url=item["url"],
+                    role=item["role"],
+                    kv_endpoint=item.get("kv_endpoint"),
+                    kv_events=item.get("kv_events"),
+                )
+            )
         except ConfigError as e:
             raise ConfigError(f"instances[{i}].{e}") from None
     return result

@@ -37,7 +37,8 @@ def make_lora_weights(spec: ModelSpec, lora: LoraSpec) -> dict[str, torch.Tensor
         p = f"base_model.model.model.layers.0.self_attn.{target}"
         t[f"{p}.lora_A.weight"] = torch.randn(lora.rank, spec.hidden, generator=gen) / math.sqrt(spec.hidden)
         t[f"{p}.lora_B.weight"] = torch.randn(out_dims[target], lora.rank, generator=gen) * (
-            QK_GAIN / math.sqrt(lora.rank))
+            QK_GAIN / math.sqrt(lora.rank)
+        )
     return {name: w.to(torch.bfloat16).contiguous() for name, w in t.items()}
 
 
@@ -69,6 +70,7 @@ def write_lora(spec: ModelSpec, lora: LoraSpec, adapter_dir: Path, base_model: s
     weights = make_lora_weights(spec, lora)
     adapter_dir.mkdir(parents=True, exist_ok=True)
     (adapter_dir / "adapter_config.json").write_text(
-        json.dumps(adapter_config(lora, base_model), indent=2, sort_keys=True) + "\n")
+        json.dumps(adapter_config(lora, base_model), indent=2, sort_keys=True) + "\n"
+    )
     save_file(weights, str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     return adapter_dir

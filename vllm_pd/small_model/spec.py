@@ -49,8 +49,20 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ModelSpecError(f"--arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
-        positive = ["layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
-                    "max_positions", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"]
+        positive = [
+            "layers",
+            "hidden",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "intermediate",
+            "vocab",
+            "max_positions",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+        ]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ModelSpecError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
@@ -63,8 +75,10 @@ class ModelSpec:
         if self.sliding_window and self.arch != "llama":
             raise ModelSpecError(f"--sliding-window: only the llama arch has sliding-window layers, got {self.arch}")
         if self.sliding_window and not 2 <= self.full_attention_every <= self.layers:
-            raise ModelSpecError(f"--full-attention-every must be in [2, --layers ({self.layers})] with "
-                                 f"--sliding-window, got {self.full_attention_every}")
+            raise ModelSpecError(
+                f"--full-attention-every must be in [2, --layers ({self.layers})] with "
+                f"--sliding-window, got {self.full_attention_every}"
+            )
         if self.vocab < 512:
             # room for the 256 byte tokens, the special tokens and some merges
             raise ModelSpecError(f"--vocab must be >= 512, got {self.vocab}")
@@ -72,16 +86,19 @@ class ModelSpec:
             if self.heads % self.kv_heads:
                 raise ModelSpecError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})")
             if self.head_dim not in CPU_HEAD_SIZES:
-                raise ModelSpecError(f"--head-dim must be one of {CPU_HEAD_SIZES} (vLLM CPU attention), "
-                                     f"got {self.head_dim}")
+                raise ModelSpecError(
+                    f"--head-dim must be one of {CPU_HEAD_SIZES} (vLLM CPU attention), got {self.head_dim}"
+                )
 
     @property
     def layer_types(self) -> list[str]:
         """Each layer's attention (HF ``layer_types``); empty without a sliding window."""
         if not self.sliding_window:
             return []
-        return ["full_attention" if (i + 1) % self.full_attention_every == 0 else "sliding_attention"
-                for i in range(self.layers)]
+        return [
+            "full_attention" if (i + 1) % self.full_attention_every == 0 else "sliding_attention"
+            for i in range(self.layers)
+        ]
 
     def key(self) -> str:
         """Short stable hash of every field: names a cached copy of this model."""
@@ -119,8 +136,11 @@ class ModelSpec:
                 "head_dim": self.head_dim,
                 "mlp_bias": False,
                 **common,
-                **({"layer_types": self.layer_types, "sliding_window": self.sliding_window}
-                   if self.sliding_window else {}),
+                **(
+                    {"layer_types": self.layer_types, "sliding_window": self.sliding_window}
+                    if self.sliding_window
+                    else {}
+                ),
             }
         return {
             "architectures": ["DeepseekV2ForCausalLM"],

@@ -60,15 +60,22 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     tok.train_from_iterator(synthetic_corpus(), trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
     return tok
 
 
 def write_tokenizer(tok: Tokenizer, model_dir: Path, max_length: int) -> None:
     tok.save(str(model_dir / "tokenizer.json"))
     added = {
-        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                  "single_word": False, "special": True}
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t in SPECIAL_TOKENS
     }
     config = {
@@ -86,6 +93,10 @@ def write_tokenizer(tok: Tokenizer, model_dir: Path, max_length: int) -> None:
         "chat_template": CHAT_TEMPLATE,
     }
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    special_map = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
-                   "additional_special_tokens": [IM_START, IM_END]}
+    special_map = {
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "additional_special_tokens": [IM_START, IM_END],
+    }
     (model_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")

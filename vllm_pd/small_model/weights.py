@@ -61,7 +61,8 @@ def _attention_mla(spec: ModelSpec, gen: torch.Generator, p: str) -> dict[str, t
     t[f"{p}.kv_a_proj_with_mqa.weight"] = _linear(gen, spec.kv_lora_rank + spec.qk_rope_head_dim, spec.hidden)
     t[f"{p}.kv_a_layernorm.weight"] = torch.ones(spec.kv_lora_rank)
     t[f"{p}.kv_b_proj.weight"] = _linear(
-        gen, spec.heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank, gain=2.0)
+        gen, spec.heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank, gain=2.0
+    )
     t[f"{p}.o_proj.weight"] = _linear(gen, spec.hidden, spec.heads * spec.v_head_dim)
     return t
 

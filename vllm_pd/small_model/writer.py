@@ -13,8 +13,14 @@ from vllm_pd.small_model.tokenizer import EOS, IM_END, SPECIAL_TOKENS, train_tok
 
 logger = logging.getLogger(__name__)
 
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -39,14 +45,18 @@ def write_model(spec: ModelSpec, model_dir: Path) -> Path:
     write_tokenizer(tok, model_dir, spec.max_positions)
 
     _write_json(model_dir / "config.json", spec.hf_config(bos_id, eos_id))
-    _write_json(model_dir / "generation_config.json", {
-        "bos_token_id": bos_id, "eos_token_id": [eos_id, im_end_id], "do_sample": False,
-    })
+    _write_json(
+        model_dir / "generation_config.json",
+        {
+            "bos_token_id": bos_id,
+            "eos_token_id": [eos_id, im_end_id],
+            "do_sample": False,
+        },
+    )
     # one metadata key only: safetensors writes metadata from a hash map, so several keys come out
     # in random order and the file bytes would differ between runs
     special_ids = tuple(_token_id(tok, t) for t in SPECIAL_TOKENS)
-    save_file(make_weights(spec, special_ids), str(model_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(make_weights(spec, special_ids), str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     logger.info("wrote %s model to %s (key %s)", spec.arch, model_dir, spec.key())
     return model_dir
 

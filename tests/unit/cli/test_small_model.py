@@ -42,7 +42,9 @@ def test_weights_match_config_shapes(tmp_path: Path) -> None:
     with safe_open(d / "model.safetensors", "pt") as f:
         assert list(f.get_slice("model.embed_tokens.weight").get_shape()) == [cfg["vocab_size"], cfg["hidden_size"]]
         assert list(f.get_slice("model.layers.0.self_attn.k_proj.weight").get_shape()) == [
-            cfg["num_key_value_heads"] * cfg["head_dim"], cfg["hidden_size"]]
+            cfg["num_key_value_heads"] * cfg["head_dim"],
+            cfg["hidden_size"],
+        ]
         assert str(f.get_tensor("lm_head.weight").dtype) == "torch.bfloat16"
 
 
@@ -58,8 +60,9 @@ def test_transformers_loads_config_and_tokenizer(tmp_path: Path) -> None:
     ids = tok(text)["input_ids"]
     assert ids[0] == tok.bos_token_id
     assert tok.decode(ids, skip_special_tokens=True) == text
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False,
-                                   add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi there"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
     # the chat markers are single special tokens, not spelled out byte by byte
     assert tok.convert_tokens_to_ids("<|im_start|>") in tok(chat, add_special_tokens=False)["input_ids"]
@@ -68,8 +71,21 @@ def test_transformers_loads_config_and_tokenizer(tmp_path: Path) -> None:
 def test_deepseek_v2_config_is_mla_and_dense(tmp_path: Path) -> None:
     from transformers import AutoConfig
 
-    d = write_model(ModelSpec(arch="deepseek_v2", layers=2, hidden=64, heads=2, intermediate=128, vocab=600,
-                              kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32), tmp_path / "m")
+    d = write_model(
+        ModelSpec(
+            arch="deepseek_v2",
+            layers=2,
+            hidden=64,
+            heads=2,
+            intermediate=128,
+            vocab=600,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+        ),
+        tmp_path / "m",
+    )
     cfg = AutoConfig.from_pretrained(d)
     assert cfg.model_type == "deepseek_v2" and cfg.kv_lora_rank == 32 and cfg.q_lora_rank is None
     assert cfg.first_k_dense_replace == cfg.num_hidden_layers
@@ -82,8 +98,12 @@ def test_sliding_window_model_has_gemma3_style_layer_types(tmp_path: Path) -> No
     vLLM's llama reads per layer); without one the config (and the cached model's key) is as before."""
     from transformers import AutoConfig
 
-    d = write_model(ModelSpec(sliding_window=64, full_attention_every=2, layers=4, **{
-        k: v for k, v in TINY.items() if k != "layers"}), tmp_path / "m")
+    d = write_model(
+        ModelSpec(
+            sliding_window=64, full_attention_every=2, layers=4, **{k: v for k, v in TINY.items() if k != "layers"}
+        ),
+        tmp_path / "m",
+    )
     cfg = AutoConfig.from_pretrained(d)
     assert cfg.layer_types == ["sliding_attention", "full_attention"] * 2 and cfg.sliding_window == 64
     plain = json.loads((write_model(ModelSpec(**TINY), tmp_path / "p") / "config.json").read_text())
@@ -91,18 +111,21 @@ def test_sliding_window_model_has_gemma3_style_layer_types(tmp_path: Path) -> No
     assert ModelSpec().key() == "5a43f570519c"  # the default model's cached copy keeps its name
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(arch="gpt2"), "--arch"),
-    (dict(heads=4, kv_heads=3), "--kv-heads"),
-    (dict(head_dim=48), "--head-dim"),
-    (dict(layers=0), "--layers"),
-    (dict(vocab=100), "--vocab"),
-    (dict(seed=-1), "--seed"),
-    (dict(sliding_window=-1), "--sliding-window"),
-    (dict(arch="deepseek_v2", sliding_window=64), "--sliding-window"),
-    (dict(sliding_window=64, full_attention_every=1), "--full-attention-every"),
-    (dict(sliding_window=64, layers=4, full_attention_every=5), "--full-attention-every"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(arch="gpt2"), "--arch"),
+        (dict(heads=4, kv_heads=3), "--kv-heads"),
+        (dict(head_dim=48), "--head-dim"),
+        (dict(layers=0), "--layers"),
+        (dict(vocab=100), "--vocab"),
+        (dict(seed=-1), "--seed"),
+        (dict(sliding_window=-1), "--sliding-window"),
+        (dict(arch="deepseek_v2", sliding_window=64), "--sliding-window"),
+        (dict(sliding_window=64, full_attention_every=1), "--full-attention-every"),
+        (dict(sliding_window=64, layers=4, full_attention_every=5), "--full-attention-every"),
+    ],
+)
 def test_bad_spec_names_the_argument(kwargs: dict, message: str) -> None:
     with pytest.raises(ModelSpecError, match=message):
         ModelSpec(**kwargs)
@@ -120,15 +143,37 @@ def test_cli_rejects_bad_args_and_existing_dir(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_cli_writes_model(tmp_path: Path) -> None:
-    assert cli.main(["make-model", str(tmp_path / "m"), "--layers", "1", "--hidden", "64", "--heads", "2",
-                     "--kv-heads", "1", "--head-dim", "32", "--intermediate", "128", "--vocab", "600"]) == 0
+    assert (
+        cli.main(
+            [
+                "make-model",
+                str(tmp_path / "m"),
+                "--layers",
+                "1",
+                "--hidden",
+                "64",
+                "--heads",
+                "2",
+                "--kv-heads",
+                "1",
+                "--head-dim",
+                "32",
+                "--intermediate",
+                "128",
+                "--vocab",
+                "600",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "m" / "config.json").read_text())["num_hidden_layers"] == 1
 
 
 def test_ensure_default_model_concurrent_callers(tmp_path: Path) -> None:
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(ensure_default_model(cache_dir=tmp_path)))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: results.append(ensure_default_model(cache_dir=tmp_path))) for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -143,6 +188,7 @@ def test_ensure_default_model_honours_env(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("VLLM_PD_CACHE", str(tmp_path))
     d = ensure_default_model()
     assert d.parent == tmp_path / "models" and d.name.startswith("llama-")
+
 
 def test_lora_adapter_is_peft_format_vllm_accepts_and_deterministic(tmp_path: Path) -> None:
     """vLLM's own PEFT reader takes the config; the tensors are PEFT's names and shapes, for
@@ -164,8 +210,22 @@ def test_lora_adapter_is_peft_format_vllm_accepts_and_deterministic(tmp_path: Pa
 
 
 def test_cli_writes_lora_beside_the_model_and_refuses_it_for_mla(tmp_path: Path) -> None:
-    tiny = ["--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
-            "--intermediate", "128", "--vocab", "600"]
+    tiny = [
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "32",
+        "--intermediate",
+        "128",
+        "--vocab",
+        "600",
+    ]
     assert cli.main(["make-model", str(tmp_path / "m"), *tiny, "--lora", str(tmp_path / "l"), "--lora-rank", "2"]) == 0
     assert json.loads((tmp_path / "l" / "adapter_config.json").read_text())["r"] == 2
     with pytest.raises(SystemExit, match="--lora"):
@@ -180,6 +240,7 @@ def test_ensure_lora_is_cached_per_model_and_adapter(tmp_path: Path) -> None:
     assert ensure_lora(ModelSpec(**TINY), cache_dir=tmp_path) == first
     assert ensure_lora(ModelSpec(**TINY), LoraSpec(seed=2), cache_dir=tmp_path) != first
     assert (first / "adapter_config.json").is_file()
+
 
 # vLLM serving the made adapter (with --enable-lora) is proven by tests/e2e/test_store_isolation_e2e.py.
 # vLLM serving the made model (completions and chat) is proven by every end-to-end test:

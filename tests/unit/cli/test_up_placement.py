@@ -61,9 +61,17 @@ def test_no_gpus_on_this_cpu_torch() -> None:
 def test_cluster_hands_each_server_its_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # no process is started: the GPUs the servers would use do not exist here
     monkeypatch.setattr(VllmServer, "start", lambda self: self)
-    cluster = LocalCluster(model="m", n_prefill=1, n_decode=2, log_dir=tmp_path, gpus_per_instance=1,
-                           gpus=["0", "1", "2"], served_model_name="short", serve_cli=True,
-                           extra_args=["--enable-prefix-caching"])
+    cluster = LocalCluster(
+        model="m",
+        n_prefill=1,
+        n_decode=2,
+        log_dir=tmp_path,
+        gpus_per_instance=1,
+        gpus=["0", "1", "2"],
+        served_model_name="short",
+        serve_cli=True,
+        extra_args=["--enable-prefix-caching"],
+    )
     cluster.start()
     specs = [s.server.spec for s in cluster.servers]
     assert [s.gpus for s in specs] == ["0", "1", "2"]
@@ -73,8 +81,7 @@ def test_cluster_hands_each_server_its_gpus(monkeypatch: pytest.MonkeyPatch, tmp
     assert cmd[cmd.index("--served-model-name") + 1] == "short"
     assert cmd[-1] == "--enable-prefix-caching"  # passed through last
     with pytest.raises(ValueError, match="needs 3 GPUs, 2 visible"):
-        LocalCluster(model="m", n_prefill=1, n_decode=2, log_dir=tmp_path, gpus_per_instance=1,
-                     gpus=["0", "1"]).start()
+        LocalCluster(model="m", n_prefill=1, n_decode=2, log_dir=tmp_path, gpus_per_instance=1, gpus=["0", "1"]).start()
 
 
 def test_the_module_launcher_stays_the_default() -> None:
@@ -97,8 +104,11 @@ def test_vllm_arguments_after_the_separator_pass_through_but_not_ups_own() -> No
     assert a.vllm_args == ["--enable-prefix-caching", "--max-num-batched-tokens", "512"]
     assert _parse().vllm_args == [] and _parse().gpus_per_instance is None
     command_up.check_vllm_args(a.vllm_args)
-    for bad, hint in (("--port", "free port"), ("--kv-transfer-config={}", "--connector"),
-                      ("--served-model-name", "--served-model-name")):
+    for bad, hint in (
+        ("--port", "free port"),
+        ("--kv-transfer-config={}", "--connector"),
+        ("--served-model-name", "--served-model-name"),
+    ):
         with pytest.raises(ValueError, match=hint):
             command_up.check_vllm_args([bad, "x"])
     assert command_up.run(_parse("--", "--port", "9")) == 2
@@ -110,15 +120,20 @@ def test_more_gpus_asked_than_visible_stops_before_any_server(monkeypatch: pytes
 
 
 def test_kv_aware_turns_on_kv_events_and_gives_the_proxy_the_tokenizer(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # no process is started: only what `up` hands the servers and the proxy is checked
     from vllm_pd.router.cli import command_proxy
 
     model = tmp_path / "model"
     model.mkdir()
     (model / "tokenizer.json").write_text("{}")
-    for name, value in (("start", lambda self: self), ("alive", lambda self: True),
-                        ("healthy", lambda self: True), ("stop", lambda self: None)):
+    for name, value in (
+        ("start", lambda self: self),
+        ("alive", lambda self: True),
+        ("healthy", lambda self: True),
+        ("stop", lambda self: None),
+    ):
         monkeypatch.setattr(VllmServer, name, value)
     configs: list = []
 
@@ -148,7 +163,8 @@ def test_kv_aware_needs_a_local_tokenizer(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_store_gives_every_server_a_store_and_the_proxy_the_master(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # no vLLM server is started (only what `up` hands them is checked); the store master is a real process
     from vllm_pd.router.cli import command_proxy
 
@@ -161,8 +177,12 @@ def test_store_gives_every_server_a_store_and_the_proxy_the_master(
         specs.append(self.spec)
         return self
 
-    for name, value in (("start", start), ("alive", lambda self: True),
-                        ("healthy", lambda self: True), ("stop", lambda self: None)):
+    for name, value in (
+        ("start", start),
+        ("alive", lambda self: True),
+        ("healthy", lambda self: True),
+        ("stop", lambda self: None),
+    ):
         monkeypatch.setattr(VllmServer, name, value)
     configs: list = []
     masters: list = []
@@ -195,22 +215,26 @@ def test_store_gives_every_server_a_store_and_the_proxy_the_master(
     assert configs[1].store_master is None and len(masters) == 2
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--store", "lots"], "--store: not a size"),
-    (["--store", "0"], "--store: must be > 0"),
-    (["--store", "1g", "--connector", "none"], "--store needs the KV connector"),
-])
-def test_a_bad_store_flag_stops_before_any_server(argv: list[str], message: str,
-                                                   capsys: pytest.CaptureFixture[str],
-                                                   monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--store", "lots"], "--store: not a size"),
+        (["--store", "0"], "--store: must be > 0"),
+        (["--store", "1g", "--connector", "none"], "--store needs the KV connector"),
+    ],
+)
+def test_a_bad_store_flag_stops_before_any_server(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setattr(command_up.signal, "signal", lambda *a: None)
     monkeypatch.setattr(VllmServer, "start", lambda self: pytest.fail("a server was started"))
     assert command_up.run(_parse("--model", str(tmp_path), *argv)) == 2
     assert message in capsys.readouterr().err
 
 
-def test_a_running_cluster_is_stopped_also_when_its_start_fails(monkeypatch: pytest.MonkeyPatch,
-                                                                 tmp_path: Path) -> None:
+def test_a_running_cluster_is_stopped_also_when_its_start_fails(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # no process is started: a server that dies during start-up is played by alive() -> False
     stopped: list[str] = []
     monkeypatch.setattr(VllmServer, "start", lambda self: self)

@@ -40,8 +40,9 @@ print(before, after)
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="no AMX on this CPU: no tile state to ask for")
 def test_a_cpu_worker_holds_the_tile_state_once_its_kv_caches_are_registered() -> None:
-    out = subprocess.run([sys.executable, "-c", _PERMISSION_AROUND_REGISTER], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _PERMISSION_AROUND_REGISTER], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["False", "True"]  # not granted to a fresh process; granted after
 

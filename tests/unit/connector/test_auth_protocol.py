@@ -24,8 +24,9 @@ from vllm_pd.errors import AuthFailed, ConfigError
 SECRET = DeploymentSecret(b"s" * 32, "test")
 
 
-def _shake(dialler_secret: DeploymentSecret = SECRET, listener_secret: DeploymentSecret = SECRET,
-           service: Service = Service.KV):
+def _shake(
+    dialler_secret: DeploymentSecret = SECRET, listener_secret: DeploymentSecret = SECRET, service: Service = Service.KV
+):
     d, listener = DiallerHandshake(dialler_secret, service), ListenerHandshake(listener_secret, service)
     challenge = listener.challenge(d.hello())
     ours, lkeys = listener.verify(d.proof(challenge))

@@ -30,28 +30,45 @@ PROMPT = list(range(100, 100 + 5 * BLOCK + 3))  # 5 full blocks and a partial on
 
 
 def _scheduler(model: Path) -> Any:
-    import vllm_pd
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
+    import vllm_pd
+
     vllm_pd.register()
     model_config = ModelConfig(model=str(model), dtype="bfloat16", seed=0, max_model_len=1024)
     vllm_config = VllmConfig(
         model_config=model_config,
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
-                                         enable_chunked_prefill=True, is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=1024,
+            max_model_len=1024,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(kv_connector="PDConnector", kv_role="kv_both",
-                                            kv_load_failure_policy="recompute"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PDConnector", kv_role="kv_both", kv_load_failure_policy="recompute"
+        ),
     )
-    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer.0"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16,
-                                                        dtype=torch.bfloat16))])
+    kv_cache_config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer.0"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.bfloat16)
+            )
+        ],
+    )
     vllm_config.cache_config.num_gpu_blocks = 64
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                     structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK)
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+    )
 
 
 def _request(req_id: str, kv_params: dict | None) -> Any:
@@ -62,19 +79,27 @@ def _request(req_id: str, kv_params: dict | None) -> Any:
 
     init_none_hash(sha256)
     params = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": kv_params} if kv_params else None)
-    return Request(request_id=req_id, prompt_token_ids=list(PROMPT), sampling_params=params, pooling_params=None,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=list(PROMPT),
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
 
 
 def _output(sched_out: Any, invalid: set[int] = frozenset(), announced: frozenset[str] = frozenset()) -> Any:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     req_ids = list(sched_out.num_scheduled_tokens)
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=[[7] for _ in req_ids],
-                             kv_connector_output=KVConnectorOutput(
-                                 invalid_block_ids=set(invalid),
-                                 kv_connector_worker_meta=PDWorkerMeta(announced) if announced else None))
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[7] for _ in req_ids],
+        kv_connector_output=KVConnectorOutput(
+            invalid_block_ids=set(invalid), kv_connector_worker_meta=PDWorkerMeta(announced) if announced else None
+        ),
+    )
 
 
 def _failed_layerwise_load(sched: Any) -> tuple[Any, set[int]]:

@@ -18,13 +18,18 @@ from tests.support.offload_cpu_spec import OFFLOAD
 from vllm_pd.connector.connector import PDConnector
 from vllm_pd.connector.stats import PDConnectorStats
 
-PD = {"kv_connector": "PDConnector", "kv_connector_module_path": "vllm_pd.connector.connector",
-      "kv_role": "kv_both", "kv_connector_extra_config": {"transport": "tcp"}}
+PD = {
+    "kv_connector": "PDConnector",
+    "kv_connector_module_path": "vllm_pd.connector.connector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"transport": "tcp"},
+}
 
 
 def multi(*children: dict[str, Any]) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
-                            kv_connector_extra_config={"connectors": list(children)})
+    return KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={"connectors": list(children)}
+    )
 
 
 def test_piecewise_cuda_graphs_are_asked_for_by_pd_alone() -> None:

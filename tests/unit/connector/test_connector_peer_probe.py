@@ -9,9 +9,9 @@ import time
 
 import torch
 
+from tests.support.transport_harness import RecordingSink, make_regions
 from tests.unit.connector.test_connector_units import _land
 from tests.unit.connector.test_transfer_params import remote_prefill
-from tests.support.transport_harness import RecordingSink, make_regions
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.control import PingMessage, decode_control
@@ -44,18 +44,43 @@ class _PingSink(RecordingSink):
 def _stalled_push_job(endpoint: str, push_wait_s: float = 0.2) -> tuple[LoadJob, PushStaging]:
     """A decode load whose announced push landed layer 0 only: layer 1's bytes never come."""
     regions = [MemoryRegion(f"l{i}", torch.zeros(4, 8, dtype=torch.uint8)) for i in range(2)]
-    spec = LoadSpec(request_id="d-1", remote=None, first_position=0, local_block_ids=(3, 1), transfer_id="k",
-                    prompt=LocalPrompt(prompt_hash(PROMPT), len(PROMPT), block_size=2, tp_size=1))
+    spec = LoadSpec(
+        request_id="d-1",
+        remote=None,
+        first_position=0,
+        local_block_ids=(3, 1),
+        transfer_id="k",
+        prompt=LocalPrompt(prompt_hash(PROMPT), len(PROMPT), block_size=2, tp_size=1),
+    )
     staging = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
     # a connect as slow as the transfer's deadline: without the probe the load would wait that long
     transport = create_transport("tcp", connect_timeout=TIMEOUT_S)
     transport.register_regions(regions)
     transport.start(RecordingSink(regions), "127.0.0.1", 0)
-    job = LoadJob(spec, transport, regions, staging, DirectAccess(BlockCopies(regions, HostDevice())), rank=0,
-                  timeout_s=TIMEOUT_S, push_wait_s=push_wait_s, probe_s=0.5)
+    job = LoadJob(
+        spec,
+        transport,
+        regions,
+        staging,
+        DirectAccess(BlockCopies(regions, HostDevice())),
+        rank=0,
+        timeout_s=TIMEOUT_S,
+        push_wait_s=push_wait_s,
+        probe_s=0.5,
+    )
     _land(staging, "k", 0, (0, 1), fill=1, last=True)
-    staging.announce("k", remote_prefill(mode="push", transfer_id="k", block_ids=(8, 9), num_tokens=3, block_size=2,
-                                         prompt_hash=prompt_hash(PROMPT), endpoint=endpoint).to_params())
+    staging.announce(
+        "k",
+        remote_prefill(
+            mode="push",
+            transfer_id="k",
+            block_ids=(8, 9),
+            num_tokens=3,
+            block_size=2,
+            prompt_hash=prompt_hash(PROMPT),
+            endpoint=endpoint,
+        ).to_params(),
+    )
     return job, staging
 
 
@@ -136,7 +161,6 @@ def test_a_silent_prefill_is_found_at_the_first_pause_of_its_pushes_not_after_pu
     assert elapsed < 5.0  # ~1 s pause + 0.5 s probe; push_wait_s is 20
 
 
-
 def test_two_prefill_ranks_pushes_that_start_after_the_probe_pause_are_waited_for() -> None:
     """P TP 2 -> D TP 1: decode's block takes a head from each prefill rank, pushed under a staging
     key per rank (``k#src0``, ``k#src1``). Nothing but those pushes touches such a key - the
@@ -146,7 +170,7 @@ def test_two_prefill_ranks_pushes_that_start_after_the_probe_pause_are_waited_fo
     to fetches after the first probe (seen in the mixed-TP e2e: 176 blocks pushed, none loaded)."""
     import threading
 
-    from tests.test_kv_geometry import shape
+    from tests.unit.connector.test_kv_geometry import shape
     from vllm_pd.connector.kv_geometry import plan_rank
     from vllm_pd.connector.layer_groups import LayerGroups
 
@@ -158,17 +182,45 @@ def test_two_prefill_ranks_pushes_that_start_after_the_probe_pause_are_waited_fo
     endpoint = prefill.start(sink, "127.0.0.1", 0)
     piece_nbytes = plan.groups[0].pieces[0].src_window(plan.groups[0].remote_format)[1]
     regions = [MemoryRegion("l0", torch.zeros(4, 2 * piece_nbytes, dtype=torch.uint8))]
-    spec = LoadSpec(request_id="d-1", remote=None, first_position=0, local_block_ids=(3, 1), transfer_id="k",
-                    prompt=LocalPrompt(prompt_hash(PROMPT), len(PROMPT), block_size=2, tp_size=1, shape=decode_shape))
+    spec = LoadSpec(
+        request_id="d-1",
+        remote=None,
+        first_position=0,
+        local_block_ids=(3, 1),
+        transfer_id="k",
+        prompt=LocalPrompt(prompt_hash(PROMPT), len(PROMPT), block_size=2, tp_size=1, shape=decode_shape),
+    )
     staging = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
     transport = create_transport("tcp")
     transport.register_regions(regions)
     transport.start(RecordingSink(regions), "127.0.0.1", 0)
-    job = LoadJob(spec, transport, regions, staging, DirectAccess(BlockCopies(regions, HostDevice())), rank=0,
-                  timeout_s=TIMEOUT_S, push_wait_s=3.0, probe_s=0.5, groups=LayerGroups(decode_shape, 1, 2))
-    staging.announce("k", remote_prefill(mode="push", transfer_id="k", block_ids=(8, 9), num_tokens=3, block_size=2,
-                                         prompt_hash=prompt_hash(PROMPT), endpoint=endpoint, shape=prefill_shape,
-                                         tp_size=2, endpoints=(endpoint, endpoint)).to_params())
+    job = LoadJob(
+        spec,
+        transport,
+        regions,
+        staging,
+        DirectAccess(BlockCopies(regions, HostDevice())),
+        rank=0,
+        timeout_s=TIMEOUT_S,
+        push_wait_s=3.0,
+        probe_s=0.5,
+        groups=LayerGroups(decode_shape, 1, 2),
+    )
+    staging.announce(
+        "k",
+        remote_prefill(
+            mode="push",
+            transfer_id="k",
+            block_ids=(8, 9),
+            num_tokens=3,
+            block_size=2,
+            prompt_hash=prompt_hash(PROMPT),
+            endpoint=endpoint,
+            shape=prefill_shape,
+            tp_size=2,
+            endpoints=(endpoint, endpoint),
+        ).to_params(),
+    )
 
     def ranks_push() -> None:  # their one layer lands 1.6 s after the load started: past the 1 s pause
         time.sleep(1.6)

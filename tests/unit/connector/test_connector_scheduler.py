@@ -13,23 +13,28 @@ from types import SimpleNamespace
 from vllm.v1.request import RequestStatus
 
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.scheduler import PDConnectorScheduler
 from vllm_pd.connector.metadata import FinishedSend, PDHandshake, RemoteRelease
+from vllm_pd.connector.scheduler import PDConnectorScheduler
 from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest, RemotePrefill, prompt_hash
 
 BLOCK = 16
 
 
 def make_scheduler(tp_size: int = 1, **extra: object) -> PDConnectorScheduler:
-    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK),
-                                  parallel_config=SimpleNamespace(tensor_parallel_size=tp_size))
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BLOCK), parallel_config=SimpleNamespace(tensor_parallel_size=tp_size)
+    )
     return PDConnectorScheduler(vllm_config, PDConnectorConfig.from_extra_config(extra), "engine-0")
 
 
 def make_request(req_id: str, transfer_id: str, n: int = 40, **ask: object) -> SimpleNamespace:
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(n)), num_prompt_tokens=n,
-                           kv_transfer_params={**AwaitedPrefill(transfer_id, "push").to_params(), **ask},
-                           status=RequestStatus.WAITING)
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=list(range(n)),
+        num_prompt_tokens=n,
+        kv_transfer_params={**AwaitedPrefill(transfer_id, "push").to_params(), **ask},
+        status=RequestStatus.WAITING,
+    )
 
 
 def ask(sched: PDConnectorScheduler, request: SimpleNamespace) -> tuple[int | None, bool]:
@@ -43,9 +48,10 @@ def alloc(sched: PDConnectorScheduler, request: SimpleNamespace, n_external: int
     sched.update_state_after_alloc(request, blocks, n_external)
 
 
-def step(sched: PDConnectorScheduler):  # noqa: ANN201 - PDConnectorMetadata
-    return sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0, preempted_req_ids=(),
-                                                      num_scheduled_tokens={}))
+def step(sched: PDConnectorScheduler):
+    return sched.build_connector_meta(
+        SimpleNamespace(total_num_scheduled_tokens=0, preempted_req_ids=(), num_scheduled_tokens={})
+    )
 
 
 def test_alone_it_waits_for_the_announcement_then_loads_layer_wise() -> None:
@@ -131,10 +137,20 @@ def test_only_the_last_token_missing_loads_nothing() -> None:
 
 
 def _prefills_answer(n: int, tp_size: int) -> RemotePrefill:
-    return RemotePrefill(transfer_id="p-1", engine_id="p", endpoint="tcp://p:5000", host="p", port=5000,
-                         block_ids=tuple(range(-(-n // BLOCK))), num_tokens=n, block_size=BLOCK, mode="pull",
-                         tp_size=tp_size, endpoints=tuple(f"tcp://p:{5000 + r}" for r in range(tp_size)),
-                         prompt_hash=prompt_hash(list(range(n))))
+    return RemotePrefill(
+        transfer_id="p-1",
+        engine_id="p",
+        endpoint="tcp://p:5000",
+        host="p",
+        port=5000,
+        block_ids=tuple(range(-(-n // BLOCK))),
+        num_tokens=n,
+        block_size=BLOCK,
+        mode="pull",
+        tp_size=tp_size,
+        endpoints=tuple(f"tcp://p:{5000 + r}" for r in range(tp_size)),
+        prompt_hash=prompt_hash(list(range(n))),
+    )
 
 
 def test_prefill_of_another_tp_size_is_refused_and_every_rank_released() -> None:
@@ -142,8 +158,13 @@ def test_prefill_of_another_tp_size_is_refused_and_every_rank_released() -> None
     for prefill_tp, decode_tp in ((2, 1), (1, 2), (2, 2)):
         sched = make_scheduler(tp_size=decode_tp)
         remote = _prefills_answer(40, prefill_tp)
-        req = SimpleNamespace(request_id="r1", prompt_token_ids=list(range(40)), num_prompt_tokens=40,
-                              kv_transfer_params=remote.to_params(), status=RequestStatus.WAITING)
+        req = SimpleNamespace(
+            request_id="r1",
+            prompt_token_ids=list(range(40)),
+            num_prompt_tokens=40,
+            kv_transfer_params=remote.to_params(),
+            status=RequestStatus.WAITING,
+        )
         if prefill_tp == decode_tp:
             assert ask(sched, req) == (39, False)  # loaded (layer-wise: decode is idle)
             continue
@@ -163,19 +184,30 @@ def test_prefill_answers_with_its_workers_block_format_and_decode_refuses_anothe
     assert answer is not None and answer.kv_format == "bfloat16:N16.H8.C256"
     for decode_format, loads in (("bfloat16:N16.H8.C256", True), ("bfloat16:H8.N16.C256", False)):
         decode = make_scheduler()
-        decode.set_handshake({0: PDHandshake("tcp://d:6000", "d", 6000, num_layers=2, block_nbytes=64,
-                                             kv_format=decode_format)})
-        leg = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(40)), num_prompt_tokens=40,
-                              kv_transfer_params=answer.to_params(), status=RequestStatus.WAITING)
+        decode.set_handshake(
+            {0: PDHandshake("tcp://d:6000", "d", 6000, num_layers=2, block_nbytes=64, kv_format=decode_format)}
+        )
+        leg = SimpleNamespace(
+            request_id="d1",
+            prompt_token_ids=list(range(40)),
+            num_prompt_tokens=40,
+            kv_transfer_params=answer.to_params(),
+            status=RequestStatus.WAITING,
+        )
         assert (ask(decode, leg)[0] > 0) is loads
 
 
 def test_a_malformed_prefill_leg_is_computed_but_not_held() -> None:
     sched = make_scheduler()
     # a transfer_id but nowhere to announce it: refused (TransferParamsError), logged
-    req = SimpleNamespace(request_id="p1", prompt_token_ids=list(range(40)), num_prompt_tokens=40,
-                          kv_transfer_params={"do_remote_decode": True, "transfer_id": "k"},
-                          status=RequestStatus.FINISHED_STOPPED, num_computed_tokens=40)
+    req = SimpleNamespace(
+        request_id="p1",
+        prompt_token_ids=list(range(40)),
+        num_prompt_tokens=40,
+        kv_transfer_params={"do_remote_decode": True, "transfer_id": "k"},
+        status=RequestStatus.FINISHED_STOPPED,
+        num_computed_tokens=40,
+    )
     alloc(sched, req, 0)
     assert sched.request_finished(req, [100, 101, 102]) == (False, None)  # freed now, nothing announced
 
@@ -184,22 +216,31 @@ def test_a_malformed_prefill_leg_is_computed_but_not_held() -> None:
 def make_prefill_scheduler(kv_format: str = "") -> PDConnectorScheduler:
     sched = make_scheduler()
     sched.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: ([7, 8, 9],)))
-    sched.set_handshake({0: PDHandshake("tcp://p:5000", "p", 5000, num_layers=2, block_nbytes=64,
-                                        kv_format=kv_format)})
+    sched.set_handshake({0: PDHandshake("tcp://p:5000", "p", 5000, num_layers=2, block_nbytes=64, kv_format=kv_format)})
     return sched
 
 
 def prefill_leg(req_id: str, transfer_id: str = "", n: int = 40) -> SimpleNamespace:
     ask = RemoteDecodeRequest("push", "tcp://d:6000", transfer_id) if transfer_id else RemoteDecodeRequest()
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(n)), num_prompt_tokens=n,
-                           kv_transfer_params=ask.to_params(), status=RequestStatus.RUNNING, num_computed_tokens=0)
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=list(range(n)),
+        num_prompt_tokens=n,
+        kv_transfer_params=ask.to_params(),
+        status=RequestStatus.RUNNING,
+        num_computed_tokens=0,
+    )
 
 
-def compute_prompt(sched: PDConnectorScheduler, req: SimpleNamespace):  # noqa: ANN201 - PDConnectorMetadata
+def compute_prompt(sched: PDConnectorScheduler, req: SimpleNamespace):
     alloc(sched, req, 0)
-    meta = sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=req.num_prompt_tokens,
-                                                      preempted_req_ids=(),
-                                                      num_scheduled_tokens={req.request_id: req.num_prompt_tokens}))
+    meta = sched.build_connector_meta(
+        SimpleNamespace(
+            total_num_scheduled_tokens=req.num_prompt_tokens,
+            preempted_req_ids=(),
+            num_scheduled_tokens={req.request_id: req.num_prompt_tokens},
+        )
+    )
     req.num_computed_tokens = req.num_prompt_tokens
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     return meta

@@ -9,41 +9,45 @@ import msgspec
 import pytest
 import torch
 
+from tests.support.transport_harness import RecordingSink, make_regions
+from tests.unit.connector.test_transfer_params import remote_prefill as _remote
+from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig, parse_size
 from vllm_pd.connector.control import PrefillDoneMessage, ReleaseMessage, decode_control
-from vllm_pd.errors import ConfigError, TransferTimeout
-from vllm_pd.connector.outgoing import OutgoingTransfers
-from vllm_pd.connector.push_staging import PushStaging
-from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.kv_access import DirectAccess
 from vllm_pd.connector.kv_device import HostDevice
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.metadata import LoadSpec
+from vllm_pd.connector.outgoing import OutgoingTransfers
+from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.transfer_params import LocalPrompt, prompt_hash
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
-from tests.unit.connector.test_transfer_params import remote_prefill as _remote
-from tests.support.transport_harness import RecordingSink, make_regions
+from vllm_pd.errors import ConfigError, TransferTimeout
 
 
 # ---- config ---------------------------------------------------------------------------------------
 def test_config_defaults_and_values() -> None:
-    cfg = PDConnectorConfig.from_extra_config({"transport": "shm", "lease_s": 5, "staging_bytes": "64m",
-                                               "load_mode": "layerwise"})
+    cfg = PDConnectorConfig.from_extra_config(
+        {"transport": "shm", "lease_s": 5, "staging_bytes": "64m", "load_mode": "layerwise"}
+    )
     assert (cfg.transport, cfg.lease_s, cfg.staging_bytes, cfg.load_mode) == ("shm", 5.0, 64 << 20, "layerwise")
     assert PDConnectorConfig.from_extra_config(None) == PDConnectorConfig()
 
 
-@pytest.mark.parametrize("extra, names", [
-    ({"transprot": "tcp"}, "transprot"),
-    ({"transport": "udp"}, "transport"),
-    ({"lease_s": 0}, "lease_s"),
-    ({"lease_s": "long"}, "lease_s"),
-    ({"checksum": "yes"}, "checksum"),
-    ({"staging_bytes": "lots"}, "staging_bytes"),
-    ({"default_mode": "teleport"}, "default_mode"),
-    ({"store": 3}, "store"),
-])
+@pytest.mark.parametrize(
+    "extra, names",
+    [
+        ({"transprot": "tcp"}, "transprot"),
+        ({"transport": "udp"}, "transport"),
+        ({"lease_s": 0}, "lease_s"),
+        ({"lease_s": "long"}, "lease_s"),
+        ({"checksum": "yes"}, "checksum"),
+        ({"staging_bytes": "lots"}, "staging_bytes"),
+        ({"default_mode": "teleport"}, "default_mode"),
+        ({"store": 3}, "store"),
+    ],
+)
 def test_config_errors_name_the_key(extra: dict, names: str) -> None:
     with pytest.raises(ConfigError, match=names):
         PDConnectorConfig.from_extra_config(extra)
@@ -109,8 +113,9 @@ def test_outgoing_failed_push_is_counted_not_fatal() -> None:
 
 
 # ---- decode: push staging --------------------------------------------------------------------------
-def _land(st: PushStaging, transfer_id: str, layer: int, positions: tuple[int, ...], fill: int, last: bool,
-          ok: bool = True) -> BlockBatch:
+def _land(
+    st: PushStaging, transfer_id: str, layer: int, positions: tuple[int, ...], fill: int, last: bool, ok: bool = True
+) -> BlockBatch:
     batch = BlockBatch(transfer_id, layer, positions, 8, last=last)
     views = st.destinations(batch)
     assert views is not None
@@ -234,12 +239,19 @@ class _RecordingTransport:
 
 def _awaited_job(st: PushStaging, prompt: list[int], timeout_s: float = 2.0, rank: int = 0, tp_size: int = 1):
     regions = [MemoryRegion(f"l{i}", torch.zeros(4, 8, dtype=torch.uint8)) for i in range(2)]
-    spec = LoadSpec(request_id="d-1", transfer_id="k", remote=None, first_position=0, local_block_ids=(3, 1),
-                    prompt=LocalPrompt(prompt_hash(prompt), len(prompt), block_size=2, tp_size=tp_size))
+    spec = LoadSpec(
+        request_id="d-1",
+        transfer_id="k",
+        remote=None,
+        first_position=0,
+        local_block_ids=(3, 1),
+        prompt=LocalPrompt(prompt_hash(prompt), len(prompt), block_size=2, tp_size=tp_size),
+    )
     transport = _RecordingTransport()
     access = DirectAccess(BlockCopies(regions, HostDevice()))
-    job = LoadJob(spec, transport, regions, st, access, rank=rank, timeout_s=timeout_s, push_wait_s=1.0,
-                  tp_size=tp_size)
+    job = LoadJob(
+        spec, transport, regions, st, access, rank=rank, timeout_s=timeout_s, push_wait_s=1.0, tp_size=tp_size
+    )
     return job, regions, transport
 
 
@@ -248,8 +260,17 @@ def test_load_job_of_awaited_push_checks_the_announcement_then_copies_and_releas
     job, regions, transport = _awaited_job(st, [5, 6, 7])
     for layer in range(2):
         _land(st, "k", layer, (0, 1), fill=10 + layer, last=True)
-    st.announce("k", _remote(mode="push", transfer_id="k", block_ids=(8, 9), num_tokens=3, block_size=2,
-                             prompt_hash=prompt_hash([5, 6, 7])).to_params())
+    st.announce(
+        "k",
+        _remote(
+            mode="push",
+            transfer_id="k",
+            block_ids=(8, 9),
+            num_tokens=3,
+            block_size=2,
+            prompt_hash=prompt_hash([5, 6, 7]),
+        ).to_params(),
+    )
     job.run()
     assert job.ok and job.blocks_from_push == 4
     assert bytes(regions[1].tensor[3].numpy()) == b"\x0b" * 8 and bytes(regions[0].tensor[1].numpy()) == b"\x0a" * 8
@@ -278,8 +299,17 @@ def test_load_job_retries_its_release_when_prefill_does_not_answer(monkeypatch: 
     transport = job._transport = _UnansweredOnceTransport()
     for layer in range(2):
         _land(st, "k", layer, (0, 1), fill=1, last=True)
-    st.announce("k", _remote(mode="push", transfer_id="k", block_ids=(8, 9), num_tokens=3, block_size=2,
-                             prompt_hash=prompt_hash([5, 6, 7])).to_params())
+    st.announce(
+        "k",
+        _remote(
+            mode="push",
+            transfer_id="k",
+            block_ids=(8, 9),
+            num_tokens=3,
+            block_size=2,
+            prompt_hash=prompt_hash([5, 6, 7]),
+        ).to_params(),
+    )
     job.run()
     deadline = time.monotonic() + 5
     while len(transport.notified) < 2 and time.monotonic() < deadline:
@@ -287,18 +317,31 @@ def test_load_job_retries_its_release_when_prefill_does_not_answer(monkeypatch: 
     assert transport.notified == [("tcp://10.0.0.1:5000", ReleaseMessage("k").encode())] * 2
 
 
-@pytest.mark.parametrize("transfer_id, prompt, problem", [
-    ("k", [5, 6, 8], "not for this request: prompt differs"),
-    ("other", [5, 6, 7], "not for this request: prefill's answer names transfer other"),
-])
-def test_load_job_of_awaited_push_refuses_kv_of_another_prompt_or_transfer(transfer_id: str, prompt: list[int],
-                                                                           problem: str) -> None:
+@pytest.mark.parametrize(
+    "transfer_id, prompt, problem",
+    [
+        ("k", [5, 6, 8], "not for this request: prompt differs"),
+        ("other", [5, 6, 7], "not for this request: prefill's answer names transfer other"),
+    ],
+)
+def test_load_job_of_awaited_push_refuses_kv_of_another_prompt_or_transfer(
+    transfer_id: str, prompt: list[int], problem: str
+) -> None:
     st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
     job, regions, transport = _awaited_job(st, [5, 6, 7])
     for layer in range(2):
         _land(st, "k", layer, (0, 1), fill=1, last=True)
-    st.announce("k", _remote(mode="push", transfer_id=transfer_id, block_ids=(8, 9), num_tokens=3, block_size=2,
-                             prompt_hash=prompt_hash(prompt)).to_params())
+    st.announce(
+        "k",
+        _remote(
+            mode="push",
+            transfer_id=transfer_id,
+            block_ids=(8, 9),
+            num_tokens=3,
+            block_size=2,
+            prompt_hash=prompt_hash(prompt),
+        ).to_params(),
+    )
     job.run()
     assert not job.ok and problem in job.error
     assert not regions[0].tensor.any()  # not one byte of it used
@@ -321,8 +364,18 @@ PREFILL_TP2 = dict(tp_size=2, endpoints=("tcp://10.0.0.1:5000", "tcp://10.0.0.1:
 def _announce_tp(st: PushStaging, **tp) -> None:
     for layer in range(2):
         _land(st, "k", layer, (0, 1), fill=10 + layer, last=True)
-    st.announce("k", _remote(mode="push", transfer_id="k", block_ids=(8, 9), num_tokens=3, block_size=2,
-                             prompt_hash=prompt_hash([5, 6, 7]), **tp).to_params())
+    st.announce(
+        "k",
+        _remote(
+            mode="push",
+            transfer_id="k",
+            block_ids=(8, 9),
+            num_tokens=3,
+            block_size=2,
+            prompt_hash=prompt_hash([5, 6, 7]),
+            **tp,
+        ).to_params(),
+    )
 
 
 def test_load_job_of_equal_tp_releases_only_the_rank_it_loaded_from() -> None:
@@ -392,14 +445,17 @@ def test_gauges_are_kept_per_tp_rank_through_the_engines_aggregation() -> None:
     ranks[0].set_gauges(held=0, loading=0, staged_bytes=0)
     ranks[1].set_gauges(held=1, loading=0, staged_bytes=64)
     step1 = ranks[0].take().aggregate(ranks[1].take())
-    assert step1.data["gauges"] == {"0": {"held_transfers": 0, "loading_requests": 0, "staged_bytes": 0},
-                                    "1": {"held_transfers": 1, "loading_requests": 0, "staged_bytes": 64}}
+    assert step1.data["gauges"] == {
+        "0": {"held_transfers": 0, "loading_requests": 0, "staged_bytes": 0},
+        "1": {"held_transfers": 1, "loading_requests": 0, "staged_bytes": 64},
+    }
     assert step1.reduce()["held_transfers"] == 1 and step1.reduce()["staged_bytes"] == 64
     ranks[1].set_gauges(held=0, loading=0, staged_bytes=0)  # released; rank 0 has nothing new
     assert ranks[0].take() is None
     step2 = ranks[1].take()
-    assert step2 is not None and step2.data["gauges"] == {"1": {"held_transfers": 0, "loading_requests": 0,
-                                                                "staged_bytes": 0}}
+    assert step2 is not None and step2.data["gauges"] == {
+        "1": {"held_transfers": 0, "loading_requests": 0, "staged_bytes": 0}
+    }
     assert step1.aggregate(step2).reduce()["held_transfers"] == 0  # the engine's running view: all ranks 0
 
 
@@ -424,8 +480,9 @@ def test_decode_release_is_retried_until_the_prefill_rank_answers(monkeypatch: p
         decode.close()
 
 
-def test_decode_release_gives_up_after_its_attempts(monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_decode_release_gives_up_after_its_attempts(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from vllm_pd.connector import release
     from vllm_pd.vllm_server import free_port
 

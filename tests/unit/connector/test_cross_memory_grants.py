@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from vllm_pd.errors import TransferCorrupted
 from vllm_pd.connector.transport.cross_memory import PeerMemory, ReaderGrants, local_info, yama_scope
+from vllm_pd.errors import TransferCorrupted
 
 UNPRIVILEGED = 65534  # nobody: no CAP_SYS_PTRACE, so Yama's rules apply to it
 
@@ -48,8 +48,10 @@ def _reader(conn) -> None:
         conn.send(str(e))
 
 
-@pytest.mark.skipif(yama_scope() != 1, reason="needs Yama ptrace_scope 1 (this kernel: "
-                    f"{'no Yama' if yama_scope() is None else f'scope {yama_scope()}'})")
+@pytest.mark.skipif(
+    yama_scope() != 1,
+    reason=f"needs Yama ptrace_scope 1 (this kernel: {'no Yama' if yama_scope() is None else f'scope {yama_scope()}'})",
+)
 @pytest.mark.parametrize("grant", [True, False], ids=["granted", "negative-control"])
 def test_only_the_granted_peer_reads_a_worker(grant: bool) -> None:
     ctx = mp.get_context("fork")

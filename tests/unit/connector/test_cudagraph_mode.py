@@ -59,15 +59,20 @@ def _vllm_config(extra: dict[str, Any], role: str, mode: str) -> Any:
     from vllm.config import CompilationConfig, KVTransferConfig, VllmConfig
     from vllm.config.compilation import CUDAGraphMode
 
-    ktc = KVTransferConfig(kv_connector="PDConnector", kv_connector_module_path="vllm_pd.connector.connector",
-                           kv_role=role, kv_connector_extra_config=extra)
+    ktc = KVTransferConfig(
+        kv_connector="PDConnector",
+        kv_connector_module_path="vllm_pd.connector.connector",
+        kv_role=role,
+        kv_connector_extra_config=extra,
+    )
     return VllmConfig(kv_transfer_config=ktc, compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode[mode]))
 
 
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_producer", "kv_both"])
 @pytest.mark.parametrize(("extra", "piecewise"), [MATRIX[0], MATRIX[2], MATRIX[5]])
-def test_vllm_keeps_full_graphs_only_where_no_layerwise_hook_runs(graphs_platform: None, extra: dict[str, Any],
-                                                                   piecewise: bool, role: str) -> None:
+def test_vllm_keeps_full_graphs_only_where_no_layerwise_hook_runs(
+    graphs_platform: None, extra: dict[str, Any], piecewise: bool, role: str
+) -> None:
     for mode in ("FULL_AND_PIECEWISE", "FULL"):
         vllm_config = _vllm_config(extra, role, mode)
         got = vllm_config.compilation_config.cudagraph_mode.name
@@ -78,20 +83,35 @@ def test_vllm_keeps_full_graphs_only_where_no_layerwise_hook_runs(graphs_platfor
 
 
 def _decode_leg(req_id: str, load_mode: str) -> SimpleNamespace:
-    remote = RemotePrefill(transfer_id=f"t-{req_id}", engine_id="p", endpoint="tcp://10.0.0.1:5000",
-                           host="10.0.0.1", port=5000, block_ids=(1, 2, 3), num_tokens=40, block_size=16,
-                           mode="push")
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(40)), num_prompt_tokens=40,
-                           kv_transfer_params={**remote.to_params(), "load_mode": load_mode})
+    remote = RemotePrefill(
+        transfer_id=f"t-{req_id}",
+        engine_id="p",
+        endpoint="tcp://10.0.0.1:5000",
+        host="10.0.0.1",
+        port=5000,
+        block_ids=(1, 2, 3),
+        num_tokens=40,
+        block_size=16,
+        mode="push",
+    )
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=list(range(40)),
+        num_prompt_tokens=40,
+        kv_transfer_params={**remote.to_params(), "load_mode": load_mode},
+    )
 
 
 @pytest.mark.parametrize(("full_graphs", "layerwise"), [(True, False), (False, True)])
-def test_under_full_graphs_a_request_asking_for_a_layerwise_load_loads_before_its_step(full_graphs: bool,
-                                                                                        layerwise: bool) -> None:
+def test_under_full_graphs_a_request_asking_for_a_layerwise_load_loads_before_its_step(
+    full_graphs: bool, layerwise: bool
+) -> None:
     mode = SimpleNamespace(has_full_cudagraphs=lambda: full_graphs)
-    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16),
-                                  parallel_config=SimpleNamespace(tensor_parallel_size=1),
-                                  compilation_config=SimpleNamespace(cudagraph_mode=mode))
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        compilation_config=SimpleNamespace(cudagraph_mode=mode),
+    )
     sched = PDConnectorScheduler(vllm_config, PDConnectorConfig.from_extra_config({"load_mode": "async"}), "e")
     req = _decode_leg("r1", "layerwise")
     sched.note_request(req.request_id)

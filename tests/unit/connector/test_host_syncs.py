@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.support.async_device import AsyncStandInDevice, HostSyncError
+from tests.support.transport_harness import make_regions, started
 from tests.unit.connector.test_kv_device_path import (
     BLOCK_NBYTES,
     BS,
@@ -35,7 +36,6 @@ from tests.unit.connector.test_kv_device_path import (
     write_layer,
 )
 from tests.unit.store.test_store_device_path import Node, WatchedStandIn
-from tests.support.transport_harness import make_regions, started
 from vllm_pd.connector import block_copies
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
@@ -62,8 +62,13 @@ def _kv(dev: AsyncStandInDevice) -> torch.Tensor:
 def test_reading_a_device_value_on_the_host_fails(dev: AsyncStandInDevice) -> None:
     kv = _kv(dev)
     with dev.forward():
-        for read in (lambda: kv[0, 0].item(), lambda: kv.tolist(), lambda: kv.numpy(), lambda: bool(kv[0, 0]),
-                     lambda: torch.equal(kv, kv)):
+        for read in (
+            lambda: kv[0, 0].item(),
+            lambda: kv.tolist(),
+            lambda: kv.numpy(),
+            lambda: bool(kv[0, 0]),
+            lambda: torch.equal(kv, kv),
+        ):
             with pytest.raises(HostSyncError):
                 read()
     assert kv.tolist()[0] == [0, 0, 0, 0]  # outside the forward's hooks: the test reads as it likes
@@ -133,16 +138,23 @@ def _todays_index(self: block_copies._IndexCache, block_ids: Sequence[int]) -> t
     return torch.tensor(list(block_ids), dtype=torch.long, device=torch.device("cpu"))
 
 
-def _push_one_step(transport: str, dev: AsyncStandInDevice, save_layers: bool = True
-                   ) -> tuple[list[torch.Tensor], list[MemoryRegion], list[int], object]:
+def _push_one_step(
+    transport: str, dev: AsyncStandInDevice, save_layers: bool = True
+) -> tuple[list[torch.Tensor], list[MemoryRegion], list[int], object]:
     """Prefill pushes a 3-block prompt in one step, its hooks on the forward's thread; returns
     (what it wrote, decode's regions, the block ids, the decode sink)."""
     prefill, kv = _prefill_worker(transport, dev)
     decode_regions = make_regions(LAYERS, 8, seed=None, block_shape=(2, BS, 64))
     decode, sink, decode_endpoint = started(transport, decode_regions)
     block_ids = [5, 2, 7]
-    spec = SendSpec(transfer_id="t1", block_ids=tuple(block_ids), first_token=0, end_token=3 * BS,
-                    num_prompt_tokens=3 * BS, push_endpoint=decode_endpoint)
+    spec = SendSpec(
+        transfer_id="t1",
+        block_ids=tuple(block_ids),
+        first_token=0,
+        end_token=3 * BS,
+        num_prompt_tokens=3 * BS,
+        push_endpoint=decode_endpoint,
+    )
     written = [random_kv(3, seed=50 + i) for i in range(LAYERS)]
     try:
         with dev.forward():
@@ -198,8 +210,18 @@ def test_a_step_replayed_as_a_full_graph_pushes_its_layers_after_the_forward() -
 def _decode_loader(dev: AsyncStandInDevice) -> tuple[KVLoader, list[MemoryRegion], list[torch.Tensor]]:
     regions, access = _staged_decode(dev)
     config = PDConnectorConfig.from_extra_config({"transfer_timeout_s": 5, "push_wait_s": 1})
-    loader = KVLoader(config, create_transport("tcp"), access, dev, regions, rank=0, tp_size=1,
-                      stats=TransferCounters(), release=lambda remote: None, changed=threading.Event())
+    loader = KVLoader(
+        config,
+        create_transport("tcp"),
+        access,
+        dev,
+        regions,
+        rank=0,
+        tp_size=1,
+        stats=TransferCounters(),
+        release=lambda remote: None,
+        changed=threading.Event(),
+    )
     pushed = [random_kv(2, seed=60 + i) for i in range(LAYERS)]
     for i in range(LAYERS):  # prefill's pushes, landed in decode's push staging
         batch = BlockBatch("p-1", i, (0, 1), BLOCK_NBYTES, last=True)
@@ -209,13 +231,20 @@ def _decode_loader(dev: AsyncStandInDevice) -> tuple[KVLoader, list[MemoryRegion
     return loader, regions, pushed
 
 
-def _land_layerwise(dev: AsyncStandInDevice, loader: KVLoader,
-                    gate: threading.Event | None = None) -> tuple[set[int], bool]:
+def _land_layerwise(
+    dev: AsyncStandInDevice, loader: KVLoader, gate: threading.Event | None = None
+) -> tuple[set[int], bool]:
     """Decode's layer-wise load of the pushed KV, its hooks on the forward's thread (the compute
     stream held at ``gate`` if given): (the load's block errors, whether the forward learned them
     while the device was held)."""
-    spec = LoadSpec(request_id="d-1", transfer_id="p-1", remote=_remote("push", "tcp://127.0.0.1:1", [9, 9]),
-                    first_position=0, local_block_ids=(6, 1), layerwise=True)
+    spec = LoadSpec(
+        request_id="d-1",
+        transfer_id="p-1",
+        remote=_remote("push", "tcp://127.0.0.1:1", [9, 9]),
+        first_position=0,
+        local_block_ids=(6, 1),
+        layerwise=True,
+    )
     with dev.forward():
         loader.begin_step(WorkerStep(loads=[spec]))
         if gate is not None:
@@ -249,8 +278,9 @@ def test_decode_lands_each_layer_with_one_copy_and_one_scatter_and_one_index() -
     dev.finish()
     for i in range(LAYERS):
         for p, block in enumerate((6, 1)):
-            assert torch.equal(regions[i].blocks[block].contiguous().view(torch.uint8).flatten(),
-                               block_bytes(pushed[i], p))
+            assert torch.equal(
+                regions[i].blocks[block].contiguous().view(torch.uint8).flatten(), block_bytes(pushed[i], p)
+            )
     assert indexes == 1
     assert ops == {"aten.copy_.default": LAYERS + 1, "aten.index_copy_.default": LAYERS}
 
@@ -284,8 +314,16 @@ def test_the_forward_reports_finished_sends_without_waiting_for_queued_copies() 
     reader.register_regions(reader_regions)
     sink = _AnnouncedSink(reader_regions)
     reader_endpoint = reader.start(sink, "127.0.0.1", 0)
-    spec = SendSpec(transfer_id="t3", block_ids=(1, 6), first_token=0, end_token=2 * BS, num_prompt_tokens=2 * BS,
-                    push_endpoint=None, announcement={"do_remote_prefill": True}, announce_endpoint=reader_endpoint)
+    spec = SendSpec(
+        transfer_id="t3",
+        block_ids=(1, 6),
+        first_token=0,
+        end_token=2 * BS,
+        num_prompt_tokens=2 * BS,
+        push_endpoint=None,
+        announcement={"do_remote_prefill": True},
+        announce_endpoint=reader_endpoint,
+    )
     gate = threading.Event()
     try:
         with dev.forward():
@@ -326,8 +364,9 @@ def test_the_stores_copies_pass_the_detector(bounce_blocks: int) -> None:
         node.save()
         node.commit()
         seen = node.load_and_attend()
-        assert all(torch.equal(block_bytes(seen[i], p), block_bytes(written[i], p))
-                   for i in range(LAYERS) for p in range(3))
+        assert all(
+            torch.equal(block_bytes(seen[i], p), block_bytes(written[i], p)) for i in range(LAYERS) for p in range(3)
+        )
         ops = node.worker.copies._load_copies.stream.ops  # type: ignore[attr-defined]
         passes = -(-3 // bounce_blocks)
         assert ops["aten.index_copy_.default"] == LAYERS * passes  # one scatter per layer and pass

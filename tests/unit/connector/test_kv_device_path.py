@@ -69,10 +69,12 @@ def random_kv(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, HEADS, BS, 2 * HEAD, generator=g).to(torch.bfloat16)
 
 
-def write_layer(kv: torch.Tensor, block_ids: list[int], values: torch.Tensor):  # noqa: ANN201
+def write_layer(kv: torch.Tensor, block_ids: list[int], values: torch.Tensor):
     """The forward's KV write of one layer, as a kernel on the compute stream."""
+
     def kernel() -> None:
         kv[block_ids] = values
+
     return kernel
 
 
@@ -93,8 +95,9 @@ def test_stand_in_catches_a_copy_that_does_not_wait_for_the_write() -> None:
 
 
 def _prefill_worker(transport: str, dev: AsyncStandInDevice) -> tuple[PDConnectorWorker, dict[str, torch.Tensor]]:
-    config = PDConnectorConfig.from_extra_config({"transport": transport, "host": "127.0.0.1",
-                                                  "host_staging_bytes": 64 * BLOCK_NBYTES * LAYERS})
+    config = PDConnectorConfig.from_extra_config(
+        {"transport": transport, "host": "127.0.0.1", "host_staging_bytes": 64 * BLOCK_NBYTES * LAYERS}
+    )
     worker = PDConnectorWorker(config, block_size=BS, tp_rank=0, base_port=0, is_producer=True, is_consumer=False)
     kv = vllm_cache(dev)
     worker.register_kv_caches(kv, NUM_BLOCKS, device=dev, kv_layout=LAYOUT.name)
@@ -111,8 +114,14 @@ def test_prefill_pushes_each_layer_only_after_its_write_and_holds_it_for_reads(t
     reader_regions = make_regions(LAYERS, NUM_BLOCKS, seed=None, block_shape=(2, BS, HEADS * HEAD))
     reader, _, _ = started(transport, reader_regions)
     block_ids = [5, 2, 7]
-    spec = SendSpec(transfer_id="t1", block_ids=tuple(block_ids), first_token=0, end_token=3 * BS,
-                    num_prompt_tokens=3 * BS, push_endpoint=decode_endpoint)
+    spec = SendSpec(
+        transfer_id="t1",
+        block_ids=tuple(block_ids),
+        first_token=0,
+        end_token=3 * BS,
+        num_prompt_tokens=3 * BS,
+        push_endpoint=decode_endpoint,
+    )
     try:
         written = [random_kv(3, seed=10 + i) for i in range(LAYERS)]
         with dev.forward():
@@ -131,8 +140,9 @@ def test_prefill_pushes_each_layer_only_after_its_write_and_holds_it_for_reads(t
         for i in range(LAYERS):
             reader.fetch(prefill.endpoint, "t1", i, block_ids, [4, 0, 6], timeout=10).result(timeout=15)
             for p, local in enumerate([4, 0, 6]):
-                assert torch.equal(reader_regions[i].tensor[local].view(torch.uint8).flatten(),
-                                   block_bytes(written[i], p))
+                assert torch.equal(
+                    reader_regions[i].tensor[local].view(torch.uint8).flatten(), block_bytes(written[i], p)
+                )
     finally:
         prefill.shutdown()
         decode.close()
@@ -159,9 +169,16 @@ def test_prefill_announces_pulled_kv_only_once_it_is_staged_for_reads() -> None:
     sink = _AnnouncedSink(reader_regions)
     reader_endpoint = reader.start(sink, "127.0.0.1", 0)
     block_ids = [1, 6]
-    spec = SendSpec(transfer_id="t2", block_ids=tuple(block_ids), first_token=0, end_token=2 * BS,
-                    num_prompt_tokens=2 * BS, push_endpoint=None, announcement={"do_remote_prefill": True},
-                    announce_endpoint=reader_endpoint)
+    spec = SendSpec(
+        transfer_id="t2",
+        block_ids=tuple(block_ids),
+        first_token=0,
+        end_token=2 * BS,
+        num_prompt_tokens=2 * BS,
+        push_endpoint=None,
+        announcement={"do_remote_prefill": True},
+        announce_endpoint=reader_endpoint,
+    )
     try:
         written = [random_kv(2, seed=30 + i) for i in range(LAYERS)]
         with dev.forward():
@@ -187,8 +204,14 @@ def _staged_decode(dev: AsyncStandInDevice) -> tuple[list[MemoryRegion], StagedA
     return regions, StagedAccess(BlockCopies(regions, dev), arena, BlockCopies(regions, dev))
 
 
-def _attend_layer_by_layer(loader: KVLoader, job: LoadJob, dev: AsyncStandInDevice, regions: list[MemoryRegion],
-                           block_ids: list[int], stream_wait: bool) -> list[torch.Tensor]:
+def _attend_layer_by_layer(
+    loader: KVLoader,
+    job: LoadJob,
+    dev: AsyncStandInDevice,
+    regions: list[MemoryRegion],
+    block_ids: list[int],
+    stream_wait: bool,
+) -> list[torch.Tensor]:
     """The decode forward: per layer, wait_for_layer_load, then attention reads the blocks.
     ``stream_wait=False`` is the bug to catch: only the host waits for the layer."""
     seen: list[torch.Tensor] = []
@@ -206,8 +229,17 @@ def _attend_layer_by_layer(loader: KVLoader, job: LoadJob, dev: AsyncStandInDevi
 
 def _remote(mode: str, endpoint: str, block_ids: list[int]) -> RemotePrefill:
     host, port = endpoint.split("://", 1)[1].rsplit(":", 1)
-    return RemotePrefill(transfer_id="p-1", engine_id="e", endpoint=endpoint, host=host, port=int(port),
-                         block_ids=tuple(block_ids), num_tokens=len(block_ids) * BS, block_size=BS, mode=mode)
+    return RemotePrefill(
+        transfer_id="p-1",
+        engine_id="e",
+        endpoint=endpoint,
+        host=host,
+        port=int(port),
+        block_ids=tuple(block_ids),
+        num_tokens=len(block_ids) * BS,
+        block_size=BS,
+        mode=mode,
+    )
 
 
 @pytest.mark.parametrize("wait", [True, False], ids=["stream-waits", "host-waits-only"])
@@ -216,16 +248,32 @@ def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool
     regions, access = _staged_decode(dev)
     transport = create_transport("tcp")
     config = PDConnectorConfig.from_extra_config({"transfer_timeout_s": 5, "push_wait_s": 1})
-    loader = KVLoader(config, transport, access, dev, regions, rank=0, tp_size=1, stats=TransferCounters(),
-                      release=lambda remote: None, changed=threading.Event())
+    loader = KVLoader(
+        config,
+        transport,
+        access,
+        dev,
+        regions,
+        rank=0,
+        tp_size=1,
+        stats=TransferCounters(),
+        release=lambda remote: None,
+        changed=threading.Event(),
+    )
     pushed = [random_kv(2, seed=20 + i) for i in range(LAYERS)]
     for i in range(LAYERS):  # prefill's pushes, landed in decode's push staging
         batch = BlockBatch("p-1", i, (0, 1), BLOCK_NBYTES, last=True)
         for p, view in enumerate(loader.staging.destinations(batch) or []):
             view[:] = block_bytes(pushed[i], p).numpy().tobytes()
         loader.staging.landed(batch, True)
-    spec = LoadSpec(request_id="d-1", transfer_id="p-1", remote=_remote("push", "tcp://127.0.0.1:1", [9, 9]),
-                    first_position=0, local_block_ids=(6, 1), layerwise=True)
+    spec = LoadSpec(
+        request_id="d-1",
+        transfer_id="p-1",
+        remote=_remote("push", "tcp://127.0.0.1:1", [9, 9]),
+        first_position=0,
+        local_block_ids=(6, 1),
+        layerwise=True,
+    )
     with dev.forward():
         loader.begin_step(WorkerStep(loads=[spec]))
     # vLLM zeroes the step's new blocks on the compute stream just before start_load_kv; the
@@ -241,8 +289,9 @@ def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool
     dev.finish()
     loader.close()
     transport.close()
-    exact = all(torch.equal(block_bytes(seen[i], p), block_bytes(pushed[i], p))
-                for i in range(LAYERS) for p in range(2))
+    exact = all(
+        torch.equal(block_bytes(seen[i], p), block_bytes(pushed[i], p)) for i in range(LAYERS) for p in range(2)
+    )
     assert job.ok and job.blocks_from_push == 2 * LAYERS
     assert exact is wait  # forgetting the wait must show as wrong bytes
 
@@ -256,8 +305,14 @@ def test_decode_pull_lands_through_staging_rows_into_device_blocks() -> None:
     decode = create_transport("tcp")
     decode.register_regions(access.transport_regions)
     decode.start(_NoSink(), "127.0.0.1", 0)
-    spec = LoadSpec(request_id="d-1", transfer_id="p-1", remote=_remote("pull", prefill_endpoint, [4, 2]),
-                    first_position=0, local_block_ids=(7, 3), layerwise=False)
+    spec = LoadSpec(
+        request_id="d-1",
+        transfer_id="p-1",
+        remote=_remote("pull", prefill_endpoint, [4, 2]),
+        first_position=0,
+        local_block_ids=(7, 3),
+        layerwise=False,
+    )
     job = LoadJob(spec, decode, regions, PushStaging(1 << 20, ttl_s=60), access, rank=0, timeout_s=5, push_wait_s=1)
     started_at = time.monotonic()
     job.run()
@@ -298,15 +353,19 @@ def test_staging_arena_takes_runs_first_fit_and_merges_them_back() -> None:
     assert arena.take(8) == 0 and arena.free_rows == 0
 
 
-@pytest.mark.parametrize("shape, dtype, block_dim", [
-    ((2, 8, 4, 4), torch.bfloat16, 1),  # K and V apart, 8-byte rows: copied as int64
-    ((2, 8, 4, 3), torch.bfloat16, 1),  # 6-byte rows: int16
-    ((8, 3, 2), torch.bfloat16, 0),  # 12-byte blocks: int32
-    ((8, 5), torch.uint8, 0),  # 5-byte blocks: bytes
-])
+@pytest.mark.parametrize(
+    "shape, dtype, block_dim",
+    [
+        ((2, 8, 4, 4), torch.bfloat16, 1),  # K and V apart, 8-byte rows: copied as int64
+        ((2, 8, 4, 3), torch.bfloat16, 1),  # 6-byte rows: int16
+        ((8, 3, 2), torch.bfloat16, 0),  # 12-byte blocks: int32
+        ((8, 5), torch.uint8, 0),  # 5-byte blocks: bytes
+    ],
+)
 @pytest.mark.parametrize("device", ["cpu", "standin"])
 def test_block_copies_move_exact_bytes_whatever_element_width_the_layout_allows(
-        shape: tuple[int, ...], dtype: torch.dtype, block_dim: int, device: str) -> None:
+    shape: tuple[int, ...], dtype: torch.dtype, block_dim: int, device: str
+) -> None:
     """Blocks are gathered and scattered as the widest integer elements their layout allows;
     runs of rows at any row offset land byte for byte."""
     dev = standin(compute_delay_s=0.0, copy_delay_s=0.0) if device == "standin" else HostDevice()

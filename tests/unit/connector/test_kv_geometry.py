@@ -30,8 +30,15 @@ from vllm_pd.connector.kv_geometry import (
 C = 4  # elements of one head's token (K and V side by side), int32 in the model below
 
 
-def shape(tp: int, kv_heads: int, block_size: int, kinds: tuple[str, ...] = ("full",), window: int = 0,
-          layout: str = "HNC", kernel: str = "") -> KVShape:
+def shape(
+    tp: int,
+    kv_heads: int,
+    block_size: int,
+    kinds: tuple[str, ...] = ("full",),
+    window: int = 0,
+    layout: str = "HNC",
+    kernel: str = "",
+) -> KVShape:
     """``kernel`` CPU_VEC_KERNEL: each head packed as vLLM CPU attention packs it (K transposed, V)."""
     heads = len(rank_heads(kv_heads, tp, 0))
     dims = {"H": f"H{heads}", "N": f"N{block_size}", "C": f"C{C}"}
@@ -66,10 +73,24 @@ def test_cpu_attention_packs_k_transposed_then_v() -> None:
     assert incompatibility(vec, shape(2, 8, 64, kernel=CPU_VEC_KERNEL)) is None
 
 
-@pytest.mark.parametrize("kv_heads, m, n", [
-    (8, 1, 2), (8, 2, 1), (8, 2, 4), (8, 4, 2), (8, 1, 8), (8, 8, 1), (2, 1, 4), (2, 4, 1), (2, 4, 8),
-    (1, 1, 2), (1, 2, 1), (1, 4, 2), (4, 2, 8),
-])
+@pytest.mark.parametrize(
+    "kv_heads, m, n",
+    [
+        (8, 1, 2),
+        (8, 2, 1),
+        (8, 2, 4),
+        (8, 4, 2),
+        (8, 1, 8),
+        (8, 8, 1),
+        (2, 1, 4),
+        (2, 4, 1),
+        (2, 4, 8),
+        (1, 1, 2),
+        (1, 2, 1),
+        (1, 4, 2),
+        (4, 2, 8),
+    ],
+)
 def test_each_decode_rank_gets_exactly_its_heads_once(kv_heads: int, m: int, n: int) -> None:
     for d in range(n):
         got = []
@@ -114,8 +135,9 @@ def test_incompatibilities_are_named() -> None:
     assert incompatibility(shape(2, 8, 32, layout="NHC"), shape(2, 8, 32, layout="NHC")) is None
     state = KVShape(1, 8, (KVGroup("state", 1024, "int8:C4096"),), (0,))
     assert incompatibility(state, state) is None
-    assert "equal shapes only" in (incompatibility(state, KVShape(2, 8, (KVGroup("state", 1024, "int8:C2048"),),
-                                                                  (0,))) or "")
+    assert "equal shapes only" in (
+        incompatibility(state, KVShape(2, 8, (KVGroup("state", 1024, "int8:C2048"),), (0,))) or ""
+    )
     other_dtype = KVShape(1, 8, (KVGroup("full", 32, "float16:H8.N32.C4"),), (0,))
     assert "dtype" in (incompatibility(shape(1, 8, 32), other_dtype) or "")
 
@@ -143,19 +165,31 @@ def prefill_blocks(s: KVShape, rank: int, num_tokens: int) -> np.ndarray:
     n = s.groups[0].block_size
     nblocks = -(-num_tokens // n)
     tokens = np.arange(nblocks * n).reshape(nblocks, n)
-    return packed_kv(rank_heads(s.kv_heads, s.tp_size, rank), tokens, BlockFormat.parse(
-        s.groups[0].block_format).kernel, num_tokens)
+    return packed_kv(
+        rank_heads(s.kv_heads, s.tp_size, rank), tokens, BlockFormat.parse(s.groups[0].block_format).kernel, num_tokens
+    )
 
 
-@pytest.mark.parametrize("m, n, nr, nl, first", [
-    (1, 1, 32, 64, 0), (1, 1, 64, 32, 0), (1, 1, 16, 64, 0), (1, 1, 64, 16, 3),  # block sizes only
-    (1, 2, 32, 32, 0), (2, 1, 32, 32, 0), (2, 4, 32, 32, 1),  # TP only
-    (1, 2, 32, 64, 0), (2, 1, 64, 32, 2), (4, 2, 16, 64, 1),  # both
-])
+@pytest.mark.parametrize(
+    "m, n, nr, nl, first",
+    [
+        (1, 1, 32, 64, 0),
+        (1, 1, 64, 32, 0),
+        (1, 1, 16, 64, 0),
+        (1, 1, 64, 16, 3),  # block sizes only
+        (1, 2, 32, 32, 0),
+        (2, 1, 32, 32, 0),
+        (2, 4, 32, 32, 1),  # TP only
+        (1, 2, 32, 64, 0),
+        (2, 1, 64, 32, 2),
+        (4, 2, 16, 64, 1),  # both
+    ],
+)
 @pytest.mark.parametrize("kv_heads", [8, 2, 1])
 @pytest.mark.parametrize("kernel", ["", CPU_VEC_KERNEL])
-def test_spans_assemble_decodes_blocks_from_prefills(m: int, n: int, nr: int, nl: int, first: int,
-                                                     kv_heads: int, kernel: str) -> None:
+def test_spans_assemble_decodes_blocks_from_prefills(
+    m: int, n: int, nr: int, nl: int, first: int, kv_heads: int, kernel: str
+) -> None:
     num_tokens = 300
     remote, local = shape(m, kv_heads, nr, kernel=kernel), shape(n, kv_heads, nl, kernel=kernel)
     blocks = [prefill_blocks(remote, p, num_tokens) for p in range(m)]
@@ -168,8 +202,9 @@ def test_spans_assemble_decodes_blocks_from_prefills(m: int, n: int, nr: int, nl
         for piece in plan.groups[0].pieces:
             src = blocks[piece.source].reshape(len(blocks[piece.source]), -1).view(np.uint8)
             for sp in piece_spans(plan.groups[0], piece, first, nlocal, num_tokens):
-                ours[sp.dst_index, sp.dst_offset:sp.dst_offset + sp.nbytes] = \
-                    src[sp.src_index, sp.src_offset:sp.src_offset + sp.nbytes]
+                ours[sp.dst_index, sp.dst_offset : sp.dst_offset + sp.nbytes] = src[
+                    sp.src_index, sp.src_offset : sp.src_offset + sp.nbytes
+                ]
                 moved += sp.nbytes
         got = ours.view(np.int32).reshape(nlocal, len(heads), -1)
         tokens = np.arange(first * nl, (first + nlocal) * nl).reshape(nlocal, nl)
@@ -216,7 +251,7 @@ def test_pushed_rows_are_recut_into_decodes_blocks(nr: int, nl: int, first_block
     blocks = prefill_blocks(remote, 0, num_tokens)
     first_token = first_block * nl
     num_local = -(-num_tokens // nl) - first_block
-    rows = [torch.from_numpy(b.reshape(-1).view(np.uint8).copy()) for b in blocks[first_token // nr:]]
+    rows = [torch.from_numpy(b.reshape(-1).view(np.uint8).copy()) for b in blocks[first_token // nr :]]
     runs = BlockFormat.parse(remote.groups[0].block_format).runs
     assert runs is not None
     out = recut_rows(rows, heads, nr, nl, first_token, num_local, runs)

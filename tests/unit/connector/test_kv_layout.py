@@ -40,14 +40,18 @@ BACKEND_MODULES = {
 }
 # the model of each backend, at full size, and the block sizes tried: as the model's default, and
 # 128 - which FlashInfer (kernel 64) and FlashMLA (kernel 64) split into two kernel blocks
-CASES = [(name, model, bs) for name, model, sizes in (
-    ("FLASH_ATTN", "llama3-8b", (16, 128)),
-    ("FLASHINFER", "llama3-8b", (16, 128)),
-    ("CPU_ATTN", "llama3-8b", (16, 128)),
-    ("FLASHMLA", "deepseek-v3", (64, 128)),
-    ("CUTLASS_MLA", "deepseek-v3", (64, 128)),
-    ("TRITON_MLA", "deepseek-v3", (64, 128)),
-) for bs in sizes]
+CASES = [
+    (name, model, bs)
+    for name, model, sizes in (
+        ("FLASH_ATTN", "llama3-8b", (16, 128)),
+        ("FLASHINFER", "llama3-8b", (16, 128)),
+        ("CPU_ATTN", "llama3-8b", (16, 128)),
+        ("FLASHMLA", "deepseek-v3", (64, 128)),
+        ("CUTLASS_MLA", "deepseek-v3", (64, 128)),
+        ("TRITON_MLA", "deepseek-v3", (64, 128)),
+    )
+    for bs in sizes
+]
 
 
 class _StubPackages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -99,11 +103,22 @@ def vllm_spec(backend: Any, m: replay.KVModel) -> Any:
     from vllm.v1.worker.utils import customize_attention_spec
 
     if m.head_size_v == 0:  # MLAAttention.get_kv_cache_spec
-        spec = MLAAttentionSpec(block_size=m.block_size, num_kv_heads=1, max_tp_shards=1, head_size=m.head_size,
-                                dtype=m.dtype, cache_dtype_str="auto")
+        spec = MLAAttentionSpec(
+            block_size=m.block_size,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=m.head_size,
+            dtype=m.dtype,
+            cache_dtype_str="auto",
+        )
     else:  # Attention.get_kv_cache_spec
-        spec = FullAttentionSpec(block_size=m.block_size, num_kv_heads=m.num_kv_heads, head_size=m.head_size,
-                                 head_size_v=m.head_size_v, dtype=m.dtype)
+        spec = FullAttentionSpec(
+            block_size=m.block_size,
+            num_kv_heads=m.num_kv_heads,
+            head_size=m.head_size,
+            head_size_v=m.head_size_v,
+            dtype=m.dtype,
+        )
     return customize_attention_spec(backend, spec)
 
 
@@ -149,12 +164,14 @@ def test_backend_table_is_what_the_backends_declare(name: str) -> None:
     m = replay.model("deepseek-v3" if ours.mla else "llama3-8b")
     declared = backend.get_supported_kernel_block_sizes(vllm_spec(backend, m))
     assert [replay.MultipleOf(s.base) if isinstance(s, MultipleOf) else s for s in declared] == list(
-        ours.kernel_block_sizes)
+        ours.kernel_block_sizes
+    )
     layouts = [layout.name for layout in get_supported_kv_cache_layouts([backend])]
     if name == "FLASHINFER":  # its kernels name the layout NHD / HND: LHBNC has no such name
         layouts = [n for n in layouts if n != "LHBNC"]
         with pytest.raises(AssertionError):
             from vllm.v1.kv_cache_layout import KVCacheLayout
+
             get_flashinfer_layout_string(KVCacheLayout.LHBNC)
     assert layouts == [layout.name for layout in ours.layouts]
     assert backend.get_name() == name
@@ -181,7 +198,11 @@ def test_views_are_vllms_tensor_by_tensor(name: str, model_name: str, block_size
         for layer, t in theirs.items():
             mine = ours.views[layer]
             assert (tuple(mine.shape), mine.stride(), mine.storage_offset(), mine.dtype) == (
-                tuple(t.shape), t.stride(), t.storage_offset(), t.dtype), (layout.name, layer)
+                tuple(t.shape),
+                t.stride(),
+                t.storage_offset(),
+                t.dtype,
+            ), (layout.name, layer)
 
 
 def test_the_kernel_block_splits_we_rely_on() -> None:
@@ -222,7 +243,7 @@ def test_a_block_is_its_bytes_in_memory_order_and_one_span_where_the_layout_allo
             assert len(spans) == (1 if layout.layer_block_contiguous else m.num_kv_heads)
             assert sum(n for _, n in spans) == r.block_nbytes == m.page_nbytes()
             # the spans' bytes, in order, are the block's wire bytes (byte_blocks / the stream path)
-            got = b"".join(bytes(raw[a - raw.data_ptr():a - raw.data_ptr() + n].numpy()) for a, n in spans)
+            got = b"".join(bytes(raw[a - raw.data_ptr() : a - raw.data_ptr() + n].numpy()) for a, n in spans)
             assert got == bytes(r.blocks[b].contiguous().view(torch.uint8).reshape(-1).numpy())
     assert all(r.block_contiguous for r in _regions(cache)) == (layout in (KVLayout.LBHNC, KVLayout.LBNHC))
 
@@ -250,15 +271,19 @@ def test_block_format_says_what_the_bytes_mean() -> None:
     assert fmt("llama3-8b", "FLASH_ATTN", KVLayout.LBHNC) == "bfloat16:H8.N16.C256"
     assert fmt("llama3-8b", "FLASH_ATTN", KVLayout.LBNHC) == "bfloat16:N16.H8.C256"
     # the same bytes in the same order, heads apart in memory: the same format (peers may differ)
-    assert fmt("llama3-8b", "FLASH_ATTN", KVLayout.LHBNC) == fmt("llama3-8b", "FLASH_ATTN", KVLayout.BHLNC) == (
-        fmt("llama3-8b", "FLASH_ATTN", KVLayout.BLHNC))
+    assert (
+        fmt("llama3-8b", "FLASH_ATTN", KVLayout.LHBNC)
+        == fmt("llama3-8b", "FLASH_ATTN", KVLayout.BHLNC)
+        == (fmt("llama3-8b", "FLASH_ATTN", KVLayout.BLHNC))
+    )
     # kernel blocks: token-major pages read as one block of 128 tokens, head-major ones do not
     assert fmt("llama3-8b", "FLASHINFER", KVLayout.LBNHC, 128) == fmt("llama3-8b", "FLASH_ATTN", KVLayout.LBNHC, 128)
     assert fmt("llama3-8b", "FLASHINFER", KVLayout.LBHNC, 128) == "bfloat16:K2.H8.N64.C256"
     assert fmt("llama3-8b", "FLASH_ATTN", KVLayout.LBHNC, 128) == "bfloat16:H8.N128.C256"
     # MLA has one head: every layout, split or not, is the same bytes
-    assert {fmt("deepseek-v3", b, layout, 128) for b in ("FLASHMLA", "TRITON_MLA", "CUTLASS_MLA")
-            for layout in KVLayout} == {"bfloat16:N128.C576"}
+    assert {
+        fmt("deepseek-v3", b, layout, 128) for b in ("FLASHMLA", "TRITON_MLA", "CUTLASS_MLA") for layout in KVLayout
+    } == {"bfloat16:N128.C576"}
 
 
 # -- the layout the connector asks for, and what its worker registers ---------------------------
@@ -273,9 +298,12 @@ def test_vllm_resolves_what_the_harness_builds_with_our_connector(name: str) -> 
 
     backend, ours = backend_class(name), replay.BACKENDS[name]
     config: Any = SimpleNamespace(
-        cache_config=CacheConfig(block_size=16), model_config=SimpleNamespace(use_mla=ours.mla),
-        kv_transfer_config=KVTransferConfig(kv_connector="PDConnector", kv_role="kv_both",
-                                            kv_connector_module_path="vllm_pd.connector.connector"))
+        cache_config=CacheConfig(block_size=16),
+        model_config=SimpleNamespace(use_mla=ours.mla),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PDConnector", kv_role="kv_both", kv_connector_module_path="vllm_pd.connector.connector"
+        ),
+    )
     supported = [layout.name for layout in get_supported_kv_cache_layouts([backend])]
     assert resolve_kv_cache_layout(config, [supported]).name == replay.resolved_layout(ours).name
     assert config.cache_config.kv_cache_layout == replay.resolved_layout(ours).name  # what the workers adopt
@@ -286,9 +314,12 @@ def test_where_lbhnc_is_not_run_vllm_takes_the_backends_choice() -> None:
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 
     config: Any = SimpleNamespace(
-        cache_config=CacheConfig(block_size=16), model_config=SimpleNamespace(use_mla=False),
-        kv_transfer_config=KVTransferConfig(kv_connector="PDConnector", kv_role="kv_both",
-                                            kv_connector_module_path="vllm_pd.connector.connector"))
+        cache_config=CacheConfig(block_size=16),
+        model_config=SimpleNamespace(use_mla=False),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PDConnector", kv_role="kv_both", kv_connector_module_path="vllm_pd.connector.connector"
+        ),
+    )
     assert resolve_kv_cache_layout(config, [["BLHNC", "BLNHC"]]).name == "BLHNC"
 
 
@@ -300,8 +331,7 @@ def _worker() -> Any:
     return PDConnectorWorker(config, block_size=128, tp_rank=0, base_port=0, is_producer=True, is_consumer=False)
 
 
-def test_the_worker_registers_the_schedulers_blocks_and_reports_their_format(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_the_worker_registers_the_schedulers_blocks_and_reports_their_format(caplog: pytest.LogCaptureFixture) -> None:
     m = replay.model("deepseek-v3", layers=2, block_size=128)
     cache = replay.allocate(m, replay.BACKENDS["FLASHMLA"], KVLayout.LBNHC, 6)
     worker = _worker()

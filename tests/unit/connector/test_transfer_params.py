@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -29,9 +30,18 @@ from vllm_pd.connector.transfer_params import (
 
 def remote_prefill(**kw: Any) -> RemotePrefill:
     """Prefill's answer for a 300-token prompt in 3 blocks of 128 (TP 1), fields overridable."""
-    base: dict[str, Any] = dict(transfer_id="cmpl-1-0-abc", engine_id="e", endpoint="tcp://10.0.0.1:5000",
-                                host="10.0.0.1", port=5000, block_ids=(4, 9, 2), num_tokens=300, block_size=128,
-                                mode="pull", prompt_hash=prompt_hash([1, 2, 3]))
+    base: dict[str, Any] = dict(
+        transfer_id="cmpl-1-0-abc",
+        engine_id="e",
+        endpoint="tcp://10.0.0.1:5000",
+        host="10.0.0.1",
+        port=5000,
+        block_ids=(4, 9, 2),
+        num_tokens=300,
+        block_size=128,
+        mode="pull",
+        prompt_hash=prompt_hash([1, 2, 3]),
+    )
     base.update(kw)
     return RemotePrefill(**base)
 
@@ -43,12 +53,17 @@ TP2 = dict(tp_size=2, endpoints=("tcp://10.0.0.1:5000", "tcp://10.0.0.1:5001"))
 def test_prefill_leg_round_trip_and_nixl_compatible_keys() -> None:
     plain = RemoteDecodeRequest().to_params()
     # what NixlConnector's proxies send, so any vLLM connector serves our prefill legs
-    assert plain == {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    assert plain == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
     ask = RemoteDecodeRequest("push", "shm://127.0.0.1:7000", "k1")
     params = json.loads(json.dumps(ask.to_params()))  # through JSON, as on the wire
-    assert params == {**plain, "transfer_mode": "push", "decode_endpoint": "shm://127.0.0.1:7000",
-                      "transfer_id": "k1"}
+    assert params == {**plain, "transfer_mode": "push", "decode_endpoint": "shm://127.0.0.1:7000", "transfer_id": "k1"}
     assert RemoteDecodeRequest.from_params(params) == ask
     assert RemoteDecodeRequest.from_params(plain) == RemoteDecodeRequest()
     assert RemoteDecodeRequest.from_params({"do_remote_prefill": True}) is None
@@ -66,14 +81,17 @@ def test_prefill_leg_resolves_the_mode_prefill_uses() -> None:
     assert (pull.mode, pull.push_endpoint, pull.announce_endpoint) == ("pull", None, "tcp://h:1")
 
 
-@pytest.mark.parametrize("extra, key", [
-    ({"transfer_mode": "teleport"}, "transfer_mode"),
-    ({"decode_endpoint": 7}, "decode_endpoint"),
-    ({"decode_endpoint": ""}, "decode_endpoint"),
-    ({"transfer_id": "k1"}, "transfer_id needs decode_endpoint"),
-    # version 1's name of a proxy-chosen transfer: refused by name, never silently ignored
-    ({"transfer_key": "k1", "decode_endpoint": "tcp://h:1"}, "`transfer_key` is not accepted any more"),
-])
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"transfer_mode": "teleport"}, "transfer_mode"),
+        ({"decode_endpoint": 7}, "decode_endpoint"),
+        ({"decode_endpoint": ""}, "decode_endpoint"),
+        ({"transfer_id": "k1"}, "transfer_id needs decode_endpoint"),
+        # version 1's name of a proxy-chosen transfer: refused by name, never silently ignored
+        ({"transfer_key": "k1", "decode_endpoint": "tcp://h:1"}, "`transfer_key` is not accepted any more"),
+    ],
+)
 def test_prefill_leg_bad_values_rejected_naming_the_key(extra: dict, key: str) -> None:
     with pytest.raises(TransferParamsError, match=key):
         RemoteDecodeRequest.from_params({"do_remote_decode": True, **extra})
@@ -84,8 +102,15 @@ def test_remote_prefill_round_trip_through_json() -> None:
     for rp in (remote_prefill(), remote_prefill(mode="push", transfer_id="k1", **TP2)):
         params = json.loads(json.dumps(rp.to_params()))
         # vLLM's standard keys are there, so standard proxies pass them on unchanged
-        for key in ("do_remote_prefill", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
-                    "remote_block_ids", "tp_size"):
+        for key in (
+            "do_remote_prefill",
+            "remote_engine_id",
+            "remote_request_id",
+            "remote_host",
+            "remote_port",
+            "remote_block_ids",
+            "tp_size",
+        ):
             assert key in params
         assert RemotePrefill.parse(params) == rp
         assert parse_decode_leg(params) == rp
@@ -168,13 +193,16 @@ def test_awaited_prefill_round_trip_and_told_apart_from_prefills_answer() -> Non
         parse_decode_leg(nixl)  # another connector's answer reached our decode
 
 
-@pytest.mark.parametrize("extra, key", [
-    ({"transfer_id": ""}, "transfer_id"),
-    ({"transfer_id": 7}, "transfer_id"),
-    ({"transfer_key": "k1"}, "transfer_key"),  # version 1's name of the transfer
-    ({"transfer_mode": "teleport"}, "transfer_mode"),
-    ({"vllm_pd": 1}, "older vllm-pd .vllm_pd=1, ours 3"),  # version 1 named a transfer twice
-])
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"transfer_id": ""}, "transfer_id"),
+        ({"transfer_id": 7}, "transfer_id"),
+        ({"transfer_key": "k1"}, "transfer_key"),  # version 1's name of the transfer
+        ({"transfer_mode": "teleport"}, "transfer_mode"),
+        ({"vllm_pd": 1}, "older vllm-pd .vllm_pd=1, ours 3"),  # version 1 named a transfer twice
+    ],
+)
 def test_awaited_prefill_bad_values_rejected_naming_the_key(extra: dict, key: str) -> None:
     with pytest.raises(TransferParamsError, match=key):
         AwaitedPrefill.parse({**AwaitedPrefill("k1", "push").to_params(), **extra})
@@ -184,17 +212,26 @@ def test_store_fetch_hint_round_trip_beside_the_prefill_leg() -> None:
     hint = StoreFetch("node-a", "tcp://10.0.0.2:7000,tcp://10.0.0.2:7001", 5)
     params = {**RemoteDecodeRequest().to_params(), **hint.to_params()}
     params = json.loads(json.dumps(params))
-    assert params["store_fetch"] == {"node": "node-a", "endpoint": "tcp://10.0.0.2:7000,tcp://10.0.0.2:7001",
-                                     "blocks": 5}
+    assert params["store_fetch"] == {
+        "node": "node-a",
+        "endpoint": "tcp://10.0.0.2:7000,tcp://10.0.0.2:7001",
+        "blocks": 5,
+    }
     assert StoreFetch.from_params(params) == hint
     assert RemoteDecodeRequest.from_params(params) == RemoteDecodeRequest()  # the leg itself is unchanged
     assert StoreFetch.from_params(RemoteDecodeRequest().to_params()) is None
     assert StoreFetch.from_params(None) is None
 
 
-@pytest.mark.parametrize("bad", [{"node": "a", "endpoint": "tcp://h:1", "blocks": 0},
-                                 {"node": "", "endpoint": "tcp://h:1", "blocks": 1},
-                                 {"node": "a", "blocks": 1}, "tcp://h:1"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"node": "a", "endpoint": "tcp://h:1", "blocks": 0},
+        {"node": "", "endpoint": "tcp://h:1", "blocks": 1},
+        {"node": "a", "blocks": 1},
+        "tcp://h:1",
+    ],
+)
 def test_malformed_store_fetch_hint_is_ignored_and_logged(bad: Any, caplog: pytest.LogCaptureFixture) -> None:
     """A bad hint only loses the hint: the store asks its master as without one."""
     with caplog.at_level("WARNING"):

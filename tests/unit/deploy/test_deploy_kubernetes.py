@@ -71,8 +71,9 @@ def test_the_schema_check_catches_a_wrong_field() -> None:
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rendering_matches_kubectl_kustomize(variant: str) -> None:
-    out = subprocess.run(["kubectl", "kustomize", str(DEPLOY / variant)], capture_output=True, text=True,
-                         check=True, timeout=120).stdout
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY / variant)], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
     expected = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
     assert _objects(variant) == expected
 
@@ -134,11 +135,21 @@ def test_the_proxy_finds_the_pods_of_each_role_with_their_kv_endpoint(variant: s
         assert picked == {role}
     for role in KV_ROLES:
         template = _pod_template(objects, f"vllm-pd-{role}")
-        pod = msgspec.convert({**template, "status": {"phase": "Running", "podIP": "10.0.0.9",
-                                                      "conditions": [{"type": "Ready", "status": "True"}]}}, Pod)
+        pod = msgspec.convert(
+            {
+                **template,
+                "status": {
+                    "phase": "Running",
+                    "podIP": "10.0.0.9",
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                },
+            },
+            Pod,
+        )
         target = pod_target(pod, cfg.kubernetes.http_port)
         transport = PDConnectorConfig.from_extra_config(
-            _kv_transfer_config(objects, role)["kv_connector_extra_config"]).transport
+            _kv_transfer_config(objects, role)["kv_connector_extra_config"]
+        ).transport
         kv_port = _kv_transfer_config(objects, role)["kv_port"]
         assert target is not None and target.kv_endpoint == f"{transport}://10.0.0.9:{kv_port}"
         command = _container(objects, f"vllm-pd-{role}")["command"]
@@ -153,8 +164,9 @@ def test_probes_resources_anti_affinity_and_rbac(variant: str) -> None:
         container = _container(objects, name)
         assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         assert "memory" in container["resources"]["limits"] and "cpu" in container["resources"]["requests"]
-        term = template["spec"]["affinity"]["podAntiAffinity"][
-            "preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+        term = template["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0][
+            "podAffinityTerm"
+        ]
         assert term["topologyKey"] == "kubernetes.io/hostname"
         assert term["labelSelector"]["matchLabels"] == template["metadata"]["labels"]
         gpus = container["resources"]["limits"].get("nvidia.com/gpu")
@@ -162,7 +174,7 @@ def test_probes_resources_anti_affinity_and_rbac(variant: str) -> None:
     account = _pod_template(objects, "vllm-pd-proxy")["spec"]["serviceAccountName"]
     binding = objects[("RoleBinding", "vllm-pd-proxy-pod-reader")]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "vllm-pd"}]
-    rule, = objects[("Role", binding["roleRef"]["name"])]["rules"]
+    (rule,) = objects[("Role", binding["roleRef"]["name"])]["rules"]
     assert rule["resources"] == ["pods"] and {"list", "watch"} <= set(rule["verbs"])
     master = _container(objects, "vllm-pd-store-master")
     master_args = build_parser().parse_args(master["command"][1:])

@@ -30,8 +30,11 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
     expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
     expr = _GROUPING.sub("", expr)  # label lists of by (...), on (...)
-    return {m.group(1) for m in _IDENT.finditer(expr) if not m.group(2)
-            and not re.fullmatch(r"(?:inf|nan|offset|bool|and|or|unless)", m.group(1), re.I)}
+    return {
+        m.group(1)
+        for m in _IDENT.finditer(expr)
+        if not m.group(2) and not re.fullmatch(r"(?:inf|nan|offset|bool|and|or|unless)", m.group(1), re.I)
+    }
 
 
 def dashboard_exprs() -> list[str]:
@@ -48,6 +51,7 @@ def proxy_metric_names() -> set[str]:
         async with harness() as h:
             async with h.session.get(h.url + "/metrics") as r:
                 return await r.text()
+
     text = run(scrape)
     return {n for fam in text_string_to_metric_families(text) for n in _samples(fam.name, fam.type)}
 
@@ -63,8 +67,10 @@ def vllm_metric_names() -> set[str]:
 
 
 def test_metric_name_extraction() -> None:
-    expr = ('histogram_quantile(0.99, sum by (le, backend) (rate(vllm_pd_proxy_prefill_seconds_bucket'
-            '{job=~"a|b", le!="+Inf"}[$__rate_interval]))) / on (instance) vllm:num_requests_running offset 5m')
+    expr = (
+        "histogram_quantile(0.99, sum by (le, backend) (rate(vllm_pd_proxy_prefill_seconds_bucket"
+        '{job=~"a|b", le!="+Inf"}[$__rate_interval]))) / on (instance) vllm:num_requests_running offset 5m'
+    )
     assert metric_names(expr) == {"vllm_pd_proxy_prefill_seconds_bucket", "vllm:num_requests_running"}
 
 

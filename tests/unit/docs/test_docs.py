@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "docs" / "hooks"))
 
 import reference_pages  # noqa: E402 - docs/hooks is not a package
 
-CI_COMMAND = "bash install.sh && ruff check vllm_pd tests benchmarks && mypy && python3 -m pytest -q tests"
+CI_COMMAND = "bash install.sh && ruff check vllm_pd tests benchmarks docs/hooks && ruff format --check vllm_pd tests benchmarks docs/hooks && mypy && python3 -m pytest -q tests"
 
 
 # ---- the build ---------------------------------------------------------------------------------
@@ -44,10 +44,19 @@ CI_COMMAND = "bash install.sh && ruff check vllm_pd tests benchmarks && mypy && 
 def test_site_builds_strictly(tmp_path: Path) -> None:
     """The whole site, generated pages included, with mkdocs' strict mode (any warning fails)."""
     site = tmp_path / "site"
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "NO_MKDOCS_2_WARNING": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stdout}\n{run.stderr}"
     for page in reference_pages.PAGES.values():  # the generated pages are in the site
         built = site / page.removesuffix(".md") / "index.html"
@@ -105,8 +114,11 @@ def code_cli() -> dict[str, set[str]]:
 
 def exposed_metrics(text: str) -> set[str]:
     """Metric names in a Prometheus exposition (``# TYPE`` lines; the ``_created`` companions left out)."""
-    return {name for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
-            if not (name.endswith("_created") and kind == "gauge")}
+    return {
+        name
+        for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
+        if not (name.endswith("_created") and kind == "gauge")
+    }
 
 
 def code_metrics() -> set[str]:
@@ -122,12 +134,21 @@ def code_metrics() -> set[str]:
     registry = CollectorRegistry()
 
     def bound(cls: Any) -> Any:  # a real prometheus_client metric class registering on our registry
-        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(
-            self, *a, registry=registry, **{key: v for key, v in k.items() if key != "multiprocess_mode"})})
+        return type(
+            cls.__name__,
+            (cls,),
+            {
+                "__init__": lambda self, *a, **k: cls.__init__(
+                    self, *a, registry=registry, **{key: v for key, v in k.items() if key != "multiprocess_mode"}
+                )
+            },
+        )
 
-    types = {prometheus_client.Counter: bound(prometheus_client.Counter),
-             prometheus_client.Gauge: bound(prometheus_client.Gauge),
-             prometheus_client.Histogram: bound(prometheus_client.Histogram)}
+    types = {
+        prometheus_client.Counter: bound(prometheus_client.Counter),
+        prometheus_client.Gauge: bound(prometheus_client.Gauge),
+        prometheus_client.Histogram: bound(prometheus_client.Histogram),
+    }
     labels = list(reference_pages.VLLM_LABELS)
     PDPromMetrics(SimpleNamespace(kv_transfer_config=None), types, labels, {0: ["m", "0"]})
     connector = exposed_metrics(generate_latest(registry).decode())
@@ -182,10 +203,17 @@ def test_every_metric_mentioned_exists() -> None:
     """The code's strings and docstrings, the hand-written docs and the README name only real metrics."""
     defined = {e.name for e in reference_pages.all_entries()["metrics"]}
     known = defined | {n.removesuffix("_total") for n in defined}
-    texts = {p: p.read_text() for p in [*(ROOT / "vllm_pd").rglob("*.py"), *(ROOT / "docs").rglob("*.md"),
-                                        ROOT / "README.md"] if "benchmarks" not in p.parts}
-    unknown = {f"{p.relative_to(ROOT)}: {m}" for p, text in texts.items() for m in metric_mentions(text)
-               if m not in known and not m.endswith("_")}
+    texts = {
+        p: p.read_text()
+        for p in [*(ROOT / "vllm_pd").rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+        if "benchmarks" not in p.parts
+    }
+    unknown = {
+        f"{p.relative_to(ROOT)}: {m}"
+        for p, text in texts.items()
+        for m in metric_mentions(text)
+        if m not in known and not m.endswith("_")
+    }
     assert not unknown, sorted(unknown)
 
 
@@ -219,7 +247,9 @@ def test_a_dropped_entry_is_reported() -> None:
 
 def test_an_unknown_metric_mention_is_found() -> None:
     assert metric_mentions("see `vllm:pd_loads_total` and vllm_pd_proxy_gone_seconds_bucket") == {
-        "vllm:pd_loads_total", "vllm_pd_proxy_gone_seconds"}
+        "vllm:pd_loads_total",
+        "vllm_pd_proxy_gone_seconds",
+    }
 
 
 def test_no_key_of_the_building_machine_lands_in_a_page(monkeypatch: pytest.MonkeyPatch) -> None:

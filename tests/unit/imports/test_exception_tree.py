@@ -33,13 +33,23 @@ def _exception_classes() -> list[type[BaseException]]:
 def test_the_walk_sees_the_package() -> None:
     """Guards the walk itself: it must reach the connector, the router, the planner and the ops."""
     names = {cls.__name__ for cls in _exception_classes()}
-    assert {"PDError", "TransferParamsError", "ProxyError", "BackendError", "ProfileError", "OpInputError",
-            "ModelSpecError"} <= names
+    assert {
+        "PDError",
+        "TransferParamsError",
+        "ProxyError",
+        "BackendError",
+        "ProfileError",
+        "OpInputError",
+        "ModelSpecError",
+    } <= names
 
 
 def test_every_exception_class_derives_from_pd_error() -> None:
-    outside = sorted(f"{cls.__module__}.{cls.__qualname__}" for cls in _exception_classes()
-                     if not issubclass(cls, PDError) and (cls.__module__, cls.__qualname__) not in ALLOWED_OUTSIDE_TREE)
+    outside = sorted(
+        f"{cls.__module__}.{cls.__qualname__}"
+        for cls in _exception_classes()
+        if not issubclass(cls, PDError) and (cls.__module__, cls.__qualname__) not in ALLOWED_OUTSIDE_TREE
+    )
     assert outside == [], f"exception classes outside the PDError tree: {outside}"
 
 
@@ -61,7 +71,14 @@ def test_builtin_bases_are_kept() -> None:
     from vllm_pd.planner.workload import WorkloadError
     from vllm_pd.router.backend.sse_relay import BadBackendStream
 
-    for cls in (ConfigError, ProtocolError, TransferParamsError, BadBackendStream, OpInputError, ProfileError,
-                WorkloadError):
+    for cls in (
+        ConfigError,
+        ProtocolError,
+        TransferParamsError,
+        BadBackendStream,
+        OpInputError,
+        ProfileError,
+        WorkloadError,
+    ):
         assert issubclass(cls, ValueError), cls
     assert issubclass(OpBackendError, RuntimeError)

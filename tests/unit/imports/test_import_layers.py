@@ -16,12 +16,26 @@ from code_shape import PACKAGE, circles, import_graph  # noqa: E402
 
 EVERY = {"module", "type_checking", "local"}
 # vllm_pd/router/__init__.py's order: each may import only those before it
-ROUTER_ORDER = ("http", "backend", "k8s", "request", "config", "pool", "observability", "routing", "flow", "server",
-                "cli")
+ROUTER_ORDER = (
+    "http",
+    "backend",
+    "k8s",
+    "request",
+    "config",
+    "pool",
+    "observability",
+    "routing",
+    "flow",
+    "server",
+    "cli",
+)
 # what the router may import of the KV store: its client and its block keys (and the store master's command,
 # which `vllm-pd up --store` starts)
-STORE_ALLOWED = {"vllm_pd.connector.store.master_client", "vllm_pd.connector.store.keys",
-                 "vllm_pd.connector.store.master_command"}
+STORE_ALLOWED = {
+    "vllm_pd.connector.store.master_client",
+    "vllm_pd.connector.store.keys",
+    "vllm_pd.connector.store.master_command",
+}
 
 
 def _router_part(module: str) -> str | None:
@@ -51,7 +65,11 @@ def test_router_packages_import_only_those_below() -> None:
 
 def test_router_reaches_the_store_only_through_its_client_and_keys() -> None:
     graph = import_graph(ROOT, PACKAGE)
-    reached = {f"{m} -> {t}" for m, targets in graph.items() if _router_part(m)
-               for t in targets if t.startswith("vllm_pd.connector.store") and t not in STORE_ALLOWED}
+    reached = {
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if _router_part(m)
+        for t in targets
+        if t.startswith("vllm_pd.connector.store") and t not in STORE_ALLOWED
+    }
     assert reached == set()
-

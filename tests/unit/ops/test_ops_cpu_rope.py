@@ -24,8 +24,13 @@ def rope():
     ropes = {}
     with set_current_vllm_config(VllmConfig()):
         for neox in (False, True):  # DeepSeek-V2 uses the GPT-J (interleaved) style
-            ropes[neox] = get_rope(ROPE, max_position=4096, is_neox_style=neox, dtype=torch.bfloat16,
-                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+            ropes[neox] = get_rope(
+                ROPE,
+                max_position=4096,
+                is_neox_style=neox,
+                dtype=torch.bfloat16,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            )
     return ropes
 
 
@@ -77,7 +82,7 @@ def test_two_dim_calls_reach_the_kernel_unchanged() -> None:
     qkv = torch.randn(5, 3 * 128)
     q, k = qkv[:, :256], qkv[:, 256:]
     wrapped(torch.arange(5), q, k, 64, torch.zeros(1, 64), True)
-    (args, _), = seen
+    ((args, _),) = seen
     assert args[1] is q and args[2] is k
 
 

@@ -81,5 +81,6 @@ def test_bad_group_id_is_an_error():
     _, _, b, sfb = fp8_operands(128, 128, 128, groups=2)
     d = torch.empty(4, 128, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="grouped_layout"):
-        deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, torch.tensor([0, 1, 2, 0], dtype=torch.int32),
-                                                   backend="native")
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
+            (a, sfa), (b, sfb), d, torch.tensor([0, 1, 2, 0], dtype=torch.int32), backend="native"
+        )

@@ -62,8 +62,12 @@ def test_opcheck(name, backend):
 @pytest.mark.parametrize("name", [n for n in OPS if n != "mla_decode"])
 def test_gemm_ops_mutate_only_d(name):
     args = OPS[name]()
-    before = [a.view(torch.uint8).clone() if isinstance(a, torch.Tensor) and a.element_size() == 1 else
-              (a.clone() if isinstance(a, torch.Tensor) else a) for a in args]
+    before = [
+        a.view(torch.uint8).clone()
+        if isinstance(a, torch.Tensor) and a.element_size() == 1
+        else (a.clone() if isinstance(a, torch.Tensor) else a)
+        for a in args
+    ]
     getattr(torch.ops.vllm_pd, name)(*args)
     for i, (a, b) in enumerate(zip(args, before)):
         if i == 4 or not isinstance(a, torch.Tensor):
@@ -190,12 +194,23 @@ def test_register_is_idempotent_and_cheap(monkeypatch):
 
 # --- vendor probing: no GPU here, so stand-in modules with the vendors' signatures -------------
 
+
 def _flash_mla_2026():
     mod = types.ModuleType("flash_mla")
     mod.get_mla_metadata = lambda *args, **kwargs: ("sched", None)
 
-    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                               num_splits=None, softmax_scale=None, causal=False, **kw):
+    def flash_mla_with_kvcache(
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens,
+        head_dim_v,
+        tile_scheduler_metadata,
+        num_splits=None,
+        softmax_scale=None,
+        causal=False,
+        **kw,
+    ):
         assert tile_scheduler_metadata == "sched" and num_splits is None
         return reference.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
 
@@ -211,8 +226,17 @@ def _flash_mla_2025():
         seen.update(per_k=num_heads_per_head_k, k=num_heads_k, q=num_heads_q)
         return torch.zeros(4, 8, dtype=torch.int32), torch.zeros(cache_seqlens.numel() + 1, dtype=torch.int32)
 
-    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                               num_splits, softmax_scale=None, causal=False):
+    def flash_mla_with_kvcache(
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens,
+        head_dim_v,
+        tile_scheduler_metadata,
+        num_splits,
+        softmax_scale=None,
+        causal=False,
+    ):
         assert tile_scheduler_metadata.shape == (4, 8)
         return reference.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
 

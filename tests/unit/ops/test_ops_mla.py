@@ -21,8 +21,9 @@ def test_native_library_is_built():
 def _check(out, lse, ref_out, ref_lse):
     assert out.shape == ref_out.shape and out.dtype == ref_out.dtype
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
-    assert flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL) is None, \
-        flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL)
+    assert flash_mla_mismatch("out", out.float(), ref_out.float(), **OUT_TOL) is None, flash_mla_mismatch(
+        "out", out.float(), ref_out.float(), **OUT_TOL
+    )
     lse_mismatch = flash_mla_mismatch("lse", lse, ref_lse, **LSE_TOL)
     assert lse_mismatch is None, lse_mismatch
 
@@ -103,7 +104,7 @@ def test_flash_mla_api_runs_flash_mla_code_unchanged():
 def test_default_scale_is_head_dim_rsqrt():
     q, cache, table, lens = mla_inputs([9], 1, 4, 16, torch.float32)
     out, _ = flash_mla_with_kvcache(q, cache, table, lens, 512, None, None)
-    ref_out, _ = reference.mla_decode(q, cache, table, lens, 512, 576 ** -0.5, False)
+    ref_out, _ = reference.mla_decode(q, cache, table, lens, 512, 576**-0.5, False)
     torch.testing.assert_close(out, ref_out)
 
 
@@ -151,8 +152,9 @@ def test_strided_cache_rows(kernel):
     view = wide[..., :576]
     assert view.stride(1) == 640
     args = (q, view, table, lens, 512, SCALE, True)
-    _check(*torch.ops.vllm_pd.mla_decode(*args, "native"),
-           *reference.mla_decode(q, cache, table, lens, 512, SCALE, True))
+    _check(
+        *torch.ops.vllm_pd.mla_decode(*args, "native"), *reference.mla_decode(q, cache, table, lens, 512, SCALE, True)
+    )
 
 
 def test_kernel_choice_is_validated(monkeypatch):

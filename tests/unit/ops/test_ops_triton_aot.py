@@ -14,15 +14,15 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed: the ops' triton backend does not exist here")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import CompilationError  # noqa: E402
+from triton.backends.compiler import GPUTarget
+from triton.compiler import CompilationError
 
-from vllm_pd.ops import backends  # noqa: E402
-from vllm_pd.ops import triton_aot as aot  # noqa: E402
-from vllm_pd.ops import triton_backend as tb  # noqa: E402
-from vllm_pd.ops import triton_kernels as tk  # noqa: E402
-from vllm_pd.ops.backends import OpBackendError  # noqa: E402
-from vllm_pd.ops.testing import fp8_operands  # noqa: E402
+from vllm_pd.ops import backends
+from vllm_pd.ops import triton_aot as aot
+from vllm_pd.ops import triton_backend as tb
+from vllm_pd.ops import triton_kernels as tk
+from vllm_pd.ops.backends import OpBackendError
+from vllm_pd.ops.testing import fp8_operands
 
 HOPPER_SMEM = 227 * 1024  # the most shared memory an sm_90 CTA can opt in to
 VARIANTS, REFUSED = aot.hopper_variants()
@@ -80,9 +80,11 @@ def test_fnuz_would_not_compile_for_hopper():
     """Negative control: what the guard prevents. Without it the backend handed fnuz operands
     to an FP8 dot on NVIDIA, and the first launch failed inside Triton's compiler."""
     a, sfa, b, sfb, d, c, layout, masked_m, groups, m = aot._gemm_operands(
-        tk.MODE_PLAIN, torch.float8_e4m3fnuz, torch.bfloat16, False)
-    launch = tb.fp8_gemm_launch(tk.MODE_PLAIN, a, sfa, b, sfb, d, c, layout, masked_m, groups, m,
-                                fp8_dot=True, interpreted=False)
+        tk.MODE_PLAIN, torch.float8_e4m3fnuz, torch.bfloat16, False
+    )
+    launch = tb.fp8_gemm_launch(
+        tk.MODE_PLAIN, a, sfa, b, sfb, d, c, layout, masked_m, groups, m, fp8_dot=True, interpreted=False
+    )
     with pytest.raises(CompilationError, match="fp8e4b8"):
         aot.compile_variant(aot.Variant("fnuz", launch, fp8_dot=True), aot.HOPPER)
 

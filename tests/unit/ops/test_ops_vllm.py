@@ -36,8 +36,9 @@ def test_backend_decode_matches_reference():
     q, cache, table, lens = mla_inputs([5, 33, 16], 1, 16, 16, torch.bfloat16)
     impl = types.SimpleNamespace(kv_lora_rank=512, scale=0.125)
     decode = types.SimpleNamespace(block_table=table.long(), seq_lens=lens.long())
-    out, lse = decode_with_vllm_pd(impl, (q[:, 0, :, :512], q[:, 0, :, 512:]), cache.squeeze(2),
-                                   types.SimpleNamespace(decode=decode))
+    out, lse = decode_with_vllm_pd(
+        impl, (q[:, 0, :, :512], q[:, 0, :, 512:]), cache.squeeze(2), types.SimpleNamespace(decode=decode)
+    )
     ref_out, ref_lse = reference.mla_decode(q, cache, table, lens, 512, 0.125, True)
     assert out.shape == (3, 16, 512) and lse.shape == (3, 16)
     torch.testing.assert_close(out, ref_out[:, 0], rtol=0.016, atol=1e-3)

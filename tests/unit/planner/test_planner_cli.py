@@ -18,12 +18,18 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from tests.support.mock_backend import MockBackend, start_backend
 from vllm_pd import cli
-from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, fit_instance, load_profile,
-                                             save_profile)
+from vllm_pd.planner.latency_profile import (
+    InstanceProfile,
+    LatencyProfile,
+    Poly,
+    fit_instance,
+    load_profile,
+    save_profile,
+)
 from vllm_pd.planner.workload import TraceRequest, write_trace
 from vllm_pd.router.config import ProxyConfig, load_yaml
-from tests.support.mock_backend import MockBackend, start_backend
 
 
 @pytest.fixture
@@ -57,9 +63,30 @@ def _serve_mock(ttft: float, itl: float) -> Iterator[str]:
 
 def test_profile_measures_the_mock_delays(mock_url: str, tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    rc = cli.main(["profile", mock_url, "--out", str(out), "--prefill-tokens", "16,64", "--decode-batches", "1,2",
-                   "--decode-contexts", "32,64", "--repeats", "1", "--decode-repeats", "2", "--kv-fixed-ms", "7",
-                   "--wake-idle-ms", "20,50", "--wake-repeats", "2"])
+    rc = cli.main(
+        [
+            "profile",
+            mock_url,
+            "--out",
+            str(out),
+            "--prefill-tokens",
+            "16,64",
+            "--decode-batches",
+            "1,2",
+            "--decode-contexts",
+            "32,64",
+            "--repeats",
+            "1",
+            "--decode-repeats",
+            "2",
+            "--kv-fixed-ms",
+            "7",
+            "--wake-idle-ms",
+            "20,50",
+            "--wake-repeats",
+            "2",
+        ]
+    )
     assert rc == 0
     prof = load_profile(out)
     inst = prof.for_tp(1)
@@ -78,26 +105,71 @@ def test_profile_measures_the_mock_delays(mock_url: str, tmp_path: Path) -> None
     assert [idle for idle, _ in inst.wake_after_idle] == [20.0, 50.0]
     assert all(0 <= ms < 15 for _, ms in inst.wake_after_idle)
     # a second TP size joins the same file
-    rc = cli.main(["profile", mock_url, "--out", str(out), "--append", "--tp", "2", "--prefill-tokens", "16,64",
-                   "--decode-batches", "1,2", "--decode-contexts", "32", "--repeats", "1", "--wake-repeats", "0"])
+    rc = cli.main(
+        [
+            "profile",
+            mock_url,
+            "--out",
+            str(out),
+            "--append",
+            "--tp",
+            "2",
+            "--prefill-tokens",
+            "16,64",
+            "--decode-batches",
+            "1,2",
+            "--decode-contexts",
+            "32",
+            "--repeats",
+            "1",
+            "--wake-repeats",
+            "0",
+        ]
+    )
     assert rc == 0 and load_profile(out).tps() == [1, 2] and load_profile(out).for_tp(2).wake_after_idle == []
 
 
 def test_profile_merge_pools_the_samples_of_two_runs(mock_url: str, tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    flags = ["--out", str(out), "--prefill-tokens", "16,64", "--decode-batches", "1,2", "--decode-contexts", "32",
-             "--repeats", "1", "--decode-repeats", "1", "--wake-idle-ms", "20,50,80", "--wake-repeats", "1", "--merge"]
+    flags = [
+        "--out",
+        str(out),
+        "--prefill-tokens",
+        "16,64",
+        "--decode-batches",
+        "1,2",
+        "--decode-contexts",
+        "32",
+        "--repeats",
+        "1",
+        "--decode-repeats",
+        "1",
+        "--wake-idle-ms",
+        "20,50,80",
+        "--wake-repeats",
+        "1",
+        "--merge",
+    ]
     assert cli.main(["profile", mock_url, *flags]) == 0  # nothing to merge into yet: a fresh file
     first = load_profile(out).for_tp(1)
     assert cli.main(["profile", mock_url, *flags]) == 0
     merged = load_profile(out).for_tp(1)
     assert len(merged.prefill_samples) == 2 * len(first.prefill_samples) == 12
-    assert merged.decode_samples[:len(first.decode_samples)] == first.decode_samples
+    assert merged.decode_samples[: len(first.decode_samples)] == first.decode_samples
     assert len(merged.decode_samples) == 2 * len(first.decode_samples)
-    assert merged == fit_instance(1, merged.prefill_samples, merged.decode_samples, merged.kv_samples,
-                                  merged.max_num_batched_tokens, merged.max_num_seqs,
-                                  merged.decode_spread_window_ms, first_step=merged.first_step_samples,
-                                  wake=merged.wake_samples, url=mock_url, speed_checks=merged.speed_checks)
+    assert merged == fit_instance(
+        1,
+        merged.prefill_samples,
+        merged.decode_samples,
+        merged.kv_samples,
+        merged.max_num_batched_tokens,
+        merged.max_num_seqs,
+        merged.decode_spread_window_ms,
+        first_step=merged.first_step_samples,
+        wake=merged.wake_samples,
+        url=mock_url,
+        speed_checks=merged.speed_checks,
+    )
     # each run checked the instance's speed at its start, midway and at its end: both runs' checks are kept
     assert len(merged.speed_checks) == 2 * len(first.speed_checks) == 6
     assert len(merged.wake_samples) == 2 * len(first.wake_samples) == 6
@@ -109,22 +181,65 @@ def test_profile_merge_pools_the_samples_of_two_runs(mock_url: str, tmp_path: Pa
 def test_profile_measures_through_the_relay(mock_url: str, slow_mock_url: str, tmp_path: Path) -> None:
     # the "relay" mock is twice as slow as the instance: what the profile holds must be the relay's
     out = tmp_path / "p.json"
-    rc = cli.main(["profile", mock_url, "--relay-url", slow_mock_url, "--out", str(out), "--prefill-tokens", "16,64",
-                   "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1", "--decode-repeats", "1",
-                   "--wake-idle-ms", "20", "--wake-repeats", "1"])
+    rc = cli.main(
+        [
+            "profile",
+            mock_url,
+            "--relay-url",
+            slow_mock_url,
+            "--out",
+            str(out),
+            "--prefill-tokens",
+            "16,64",
+            "--decode-batches",
+            "1",
+            "--decode-contexts",
+            "32",
+            "--repeats",
+            "1",
+            "--decode-repeats",
+            "1",
+            "--wake-idle-ms",
+            "20",
+            "--wake-repeats",
+            "1",
+        ]
+    )
     assert rc == 0
     inst = load_profile(out).for_tp(1)
     assert 95 <= inst.prefill_ms(64) <= 250 and 38 <= inst.decode_ms(1, 32) <= 120
 
 
-def test_profile_measures_the_hand_over_through_a_pd_proxy(mock_url: str, slow_mock_url: str,
-                                                            tmp_path: Path) -> None:
+def test_profile_measures_the_hand_over_through_a_pd_proxy(mock_url: str, slow_mock_url: str, tmp_path: Path) -> None:
     # the "PD proxy" mock answers its first token 50 ms after the instance's: the hand-over is the pair's TTFT
     # less the prefill instance's (here the instance itself: no other given), each back to back
     out = tmp_path / "p.json"
-    rc = cli.main(["profile", mock_url, "--pd-url", slow_mock_url, "--out", str(out), "--prefill-tokens", "16,64",
-                   "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1", "--decode-repeats", "1",
-                   "--wake-idle-ms", "20", "--wake-repeats", "2", "--kv-repeats", "3"])
+    rc = cli.main(
+        [
+            "profile",
+            mock_url,
+            "--pd-url",
+            slow_mock_url,
+            "--out",
+            str(out),
+            "--prefill-tokens",
+            "16,64",
+            "--decode-batches",
+            "1",
+            "--decode-contexts",
+            "32",
+            "--repeats",
+            "1",
+            "--decode-repeats",
+            "1",
+            "--wake-idle-ms",
+            "20",
+            "--wake-repeats",
+            "2",
+            "--kv-repeats",
+            "3",
+        ]
+    )
     assert rc == 0
     inst = load_profile(out).for_tp(1)
     assert [t for t, _ in inst.kv_samples] == [16, 16, 16, 64, 64, 64]
@@ -257,8 +372,20 @@ def _serve_apps(*apps: web.Application) -> Iterator[list[str]]:
     thread.join(10)
 
 
-SMALL_PLAN = ["--prefill-tokens", "16", "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "1",
-              "--decode-repeats", "1", "--wake-repeats", "0"]
+SMALL_PLAN = [
+    "--prefill-tokens",
+    "16",
+    "--decode-batches",
+    "1",
+    "--decode-contexts",
+    "32",
+    "--repeats",
+    "1",
+    "--decode-repeats",
+    "1",
+    "--wake-repeats",
+    "0",
+]
 
 
 def test_profile_measures_how_a_neighbour_slows_the_instance(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -274,8 +401,10 @@ def test_profile_measures_how_a_neighbour_slows_the_instance(tmp_path: Path, cap
     assert kinds == ["decode"] * 4 + ["prefill"] * 4 and host.peak_decoding == 4
     assert host.prefilling == host.decoding == 0  # the loop stopped, the streams were cancelled
     assert len(set(host.prompts)) == len(host.prompts)  # no prefix cache hit on either instance
-    assert (f"beside a neighbour: decode step x{inst.beside_prefill:.2f} while it prefills, "
-            f"prefill x{inst.beside_decode:.2f} while it decodes") in capsys.readouterr().out
+    assert (
+        f"beside a neighbour: decode step x{inst.beside_prefill:.2f} while it prefills, "
+        f"prefill x{inst.beside_decode:.2f} while it decodes"
+    ) in capsys.readouterr().out
 
 
 def test_profile_measures_what_a_join_costs_the_running_steps(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -283,8 +412,23 @@ def test_profile_measures_what_a_join_costs_the_running_steps(tmp_path: Path, ca
     host = FakeHost(beside_prefill=1.0, beside_decode=1.0, join_s=0.005)
     out = tmp_path / "p.json"
     for instance_url, neighbour_url, pd_url in _serve_apps(*host.apps(), host.pd_app()):
-        rc = cli.main(["profile", instance_url, "--neighbour-url", neighbour_url, "--pd-url", pd_url, "--out",
-                       str(out), *SMALL_PLAN, "--join-tokens", "16,64", "--join-repeats", "3"])
+        rc = cli.main(
+            [
+                "profile",
+                instance_url,
+                "--neighbour-url",
+                neighbour_url,
+                "--pd-url",
+                pd_url,
+                "--out",
+                str(out),
+                *SMALL_PLAN,
+                "--join-tokens",
+                "16,64",
+                "--join-repeats",
+                "3",
+            ]
+        )
     assert rc == 0
     inst = load_profile(out).for_tp(1)
     assert [t for t, *_ in inst.join_samples] == [16, 64] * 3
@@ -294,13 +438,15 @@ def test_profile_measures_what_a_join_costs_the_running_steps(tmp_path: Path, ca
     assert "a decode leg joining costs the running steps" in capsys.readouterr().out
     # without a PD proxy (or a neighbour) nothing is measured and a join costs nothing
     for instance_url, neighbour_url in _serve_apps(*FakeHost(1.0, 1.0).apps()):
-        assert cli.main(["profile", instance_url, "--neighbour-url", neighbour_url, "--out", str(out),
-                         *SMALL_PLAN]) == 0
+        assert (
+            cli.main(["profile", instance_url, "--neighbour-url", neighbour_url, "--out", str(out), *SMALL_PLAN]) == 0
+        )
     assert load_profile(out).for_tp(1).join_samples == [] and load_profile(out).for_tp(1).join_ms(500) == 0
 
 
-def test_profile_without_a_neighbour_keeps_the_factors_neutral(mock_url: str, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture) -> None:
+def test_profile_without_a_neighbour_keeps_the_factors_neutral(
+    mock_url: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     rc = cli.main(["profile", mock_url, "--out", str(tmp_path / "p.json"), *SMALL_PLAN])
     inst = load_profile(tmp_path / "p.json").for_tp(1)
     assert rc == 0 and (inst.beside_prefill, inst.beside_decode, inst.neighbour_samples) == (1.0, 1.0, [])
@@ -309,8 +455,9 @@ def test_profile_without_a_neighbour_keeps_the_factors_neutral(mock_url: str, tm
 
 def test_profile_with_a_failing_neighbour_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for instance_url, neighbour_url in _serve_apps(*FakeHost(1.0, 1.0, fail=True).apps()):
-        rc = cli.main(["profile", instance_url, "--neighbour-url", neighbour_url, "--out", str(tmp_path / "p.json"),
-                       *SMALL_PLAN])
+        rc = cli.main(
+            ["profile", instance_url, "--neighbour-url", neighbour_url, "--out", str(tmp_path / "p.json"), *SMALL_PLAN]
+        )
     assert rc == 1 and f"{neighbour_url}/v1/completions: HTTP 500" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
 
@@ -330,12 +477,26 @@ def _write_inputs(tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "prof.json", tmp_path / "trace.jsonl"
 
 
-def test_plan_writes_a_config_the_proxy_loads_and_an_up_command(tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture) -> None:
+def test_plan_writes_a_config_the_proxy_loads_and_an_up_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     prof, trace = _write_inputs(tmp_path)
     out_yaml = tmp_path / "plan.yaml"
-    rc = cli.main(["plan", "--profile", str(prof), "--workload", str(trace), "--slo", "ttft=500ms,tpot=0.05",
-                   "--devices", "3", "--yaml", str(out_yaml), "--json", str(tmp_path / "c.json")])
+    rc = cli.main(
+        [
+            "plan",
+            "--profile",
+            str(prof),
+            "--workload",
+            str(trace),
+            "--slo",
+            "ttft=500ms,tpot=0.05",
+            "--devices",
+            "3",
+            "--yaml",
+            str(out_yaml),
+            "--json",
+            str(tmp_path / "c.json"),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     for label in ("colocated x1", "colocated x3", "1P1D", "2P1D", "1P2D"):
@@ -351,10 +512,11 @@ def test_plan_writes_a_config_the_proxy_loads_and_an_up_command(tmp_path: Path,
 
 
 def test_plan_yaml_for_disaggregated_and_colocated(tmp_path: Path) -> None:
+    import yaml
+
     from vllm_pd.planner.deployment_yaml import proxy_yaml, up_command
     from vllm_pd.planner.pd_simulator import Deployment
     from vllm_pd.router.config import config_from_mapping
-    import yaml
 
     pd = ProxyConfig(**config_from_mapping(yaml.safe_load(proxy_yaml(Deployment(2, 3)))))
     assert [i.role for i in pd.instances] == ["prefill"] * 2 + ["decode"] * 3
@@ -369,13 +531,15 @@ def test_plan_yaml_for_disaggregated_and_colocated(tmp_path: Path) -> None:
     assert "--tensor-parallel-size" not in up_command(Deployment(1, 1, tp_prefill=2, tp_decode=1))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--slo", "ttft=1"], "slo.tpot: missing"),
-    (["--slo", "ttft=1,tpot=x"], "slo.tpot"),
-    (["--slo", "ttft=1,tpot=1", "--deployments", "9P9D"], "--deployments"),
-])
-def test_plan_bad_input_is_named(tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str],
-                                 message: str) -> None:
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--slo", "ttft=1"], "slo.tpot: missing"),
+        (["--slo", "ttft=1,tpot=x"], "slo.tpot"),
+        (["--slo", "ttft=1,tpot=1", "--deployments", "9P9D"], "--deployments"),
+    ],
+)
+def test_plan_bad_input_is_named(tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str], message: str) -> None:
     prof, trace = _write_inputs(tmp_path)
     rc = cli.main(["plan", "--profile", str(prof), "--workload", str(trace), "--yaml", str(tmp_path / "y"), *argv])
     assert rc == 2 and message in capsys.readouterr().err
@@ -383,7 +547,21 @@ def test_plan_bad_input_is_named(tmp_path: Path, capsys: pytest.CaptureFixture, 
 
 def test_plan_with_distributions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     prof, _ = _write_inputs(tmp_path)
-    rc = cli.main(["plan", "--profile", str(prof), "--workload", "poisson:2,in=uniform:100:400,out=8",
-                   "--slo", "ttft=1,tpot=0.1", "--devices", "2", "--requests", "100", "--yaml",
-                   str(tmp_path / "y.yaml")])
+    rc = cli.main(
+        [
+            "plan",
+            "--profile",
+            str(prof),
+            "--workload",
+            "poisson:2,in=uniform:100:400,out=8",
+            "--slo",
+            "ttft=1,tpot=0.1",
+            "--devices",
+            "2",
+            "--requests",
+            "100",
+            "--yaml",
+            str(tmp_path / "y.yaml"),
+        ]
+    )
     assert rc == 0 and "best: " in capsys.readouterr().out

@@ -11,16 +11,27 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, decode_fit, decode_level,
-                                             fit_instance, fit_poly, load_profile, refit, save_profile)
+from vllm_pd.planner.latency_profile import (
+    InstanceProfile,
+    LatencyProfile,
+    Poly,
+    decode_fit,
+    decode_level,
+    fit_instance,
+    fit_poly,
+    load_profile,
+    refit,
+    save_profile,
+)
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.profile_spread import scaled
 from vllm_pd.planner.workload import TraceRequest
 
 LEVEL = {1: 33.0, 2: 40.0, 4: 32.0}  # ms at no context: batch 2 dearer than 1 and 4, as measured on a CPU
 CONTEXT_MS = 0.002  # per context token
-POINTS = [(n, n * ctx, LEVEL[n] + CONTEXT_MS * n * ctx + noise)
-          for n in LEVEL for ctx in (64, 512) for noise in (-0.3, 0.3)]
+POINTS = [
+    (n, n * ctx, LEVEL[n] + CONTEXT_MS * n * ctx + noise) for n in LEVEL for ctx in (64, 512) for noise in (-0.3, 0.3)
+]
 
 
 def test_each_batch_measured_keeps_its_own_level_where_a_line_cannot() -> None:
@@ -74,8 +85,7 @@ def test_a_profile_without_levels_steps_on_its_line_and_a_refit_gains_them(tmp_p
 def test_a_step_with_prompt_chunks_adds_the_lines_decode_part_not_a_small_batchs_level() -> None:
     inst = fit_instance(1, [(16, 1, 3.0), (256, 1, 9.0)], POINTS, [(128, 1.0)])
     assert inst.mixed_ms([], 2, 600) == pytest.approx(inst.decode_ms(2, 600))
-    assert inst.mixed_ms([256], 2, 600) == pytest.approx(inst.prefill_ms(256) + inst.decode.b * 2
-                                                          + inst.decode.c * 600)
+    assert inst.mixed_ms([256], 2, 600) == pytest.approx(inst.prefill_ms(256) + inst.decode.b * 2 + inst.decode.c * 600)
 
 
 def test_the_band_scales_the_levels_with_the_line() -> None:
@@ -86,8 +96,9 @@ def test_the_band_scales_the_levels_with_the_line() -> None:
 
 def test_two_requests_decoding_together_step_at_batch_twos_level() -> None:
     # 1P1D: B arrives while A decodes; while both decode, the steps are batch 2's (40 ms), alone batch 1's
-    inst = InstanceProfile(1, Poly(50.0, 0, 0), Poly(33.0, 0, 0), Poly(40.0, 0),
-                           decode_levels=[(1, 33.0), (2, 40.0), (4, 32.0)])
+    inst = InstanceProfile(
+        1, Poly(50.0, 0, 0), Poly(33.0, 0, 0), Poly(40.0, 0), decode_levels=[(1, 33.0), (2, 40.0), (4, 32.0)]
+    )
     reqs = [TraceRequest(0.0, 100, 200), TraceRequest(1.0, 100, 50)]
     a, b = simulate(LatencyProfile("m", [inst]), Deployment(1, 1), reqs)
     assert b.tpot == pytest.approx(0.040, rel=0.02)  # it decoded beside A from its second token on

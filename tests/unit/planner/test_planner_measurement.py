@@ -25,8 +25,20 @@ from vllm_pd.planner.latency_profile import load_profile
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.workload import TraceRequest
 
-PLAN = ["--prefill-tokens", "16,64", "--decode-batches", "1", "--decode-contexts", "32", "--repeats", "2",
-        "--decode-repeats", "1", "--wake-repeats", "0"]
+PLAN = [
+    "--prefill-tokens",
+    "16,64",
+    "--decode-batches",
+    "1",
+    "--decode-contexts",
+    "32",
+    "--repeats",
+    "2",
+    "--decode-repeats",
+    "1",
+    "--wake-repeats",
+    "0",
+]
 
 
 class FakeServer:
@@ -34,8 +46,15 @@ class FakeServer:
     vLLM's error event in a 200 stream; ``extra_event``: written before the first token; ``short_by``: that
     many tokens fewer than asked."""
 
-    def __init__(self, vocab: int = 1 << 30, ttft: float = 0.01, itl: float = 0.005, extra_event: bytes = b"",
-                 short_by: int = 0, merged: bool = False) -> None:
+    def __init__(
+        self,
+        vocab: int = 1 << 30,
+        ttft: float = 0.01,
+        itl: float = 0.005,
+        extra_event: bytes = b"",
+        short_by: int = 0,
+        merged: bool = False,
+    ) -> None:
         self.vocab, self.ttft, self.itl = vocab, ttft, itl
         self.extra_event, self.short_by = extra_event, short_by
         self.merged = merged  # as vLLM behind: the first two tokens in one event, with their ids (asked for)
@@ -58,8 +77,14 @@ class FakeServer:
         await resp.prepare(request)
         bad = [t for t in prompt if not 0 <= t < self.vocab]
         if bad:
-            err = {"error": {"message": f"Token id {max(bad)} is out of vocabulary", "type": "BadRequestError",
-                             "param": None, "code": 400}}
+            err = {
+                "error": {
+                    "message": f"Token id {max(bad)} is out of vocabulary",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                }
+            }
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
             return resp
         await asyncio.sleep(self.ttft)
@@ -75,8 +100,9 @@ class FakeServer:
                 await asyncio.sleep(self.itl)
             await resp.write(b'data: {"choices": [{"index": 0, "text": " t", "finish_reason": null}]}\n\n')
         if self.merged:  # vLLM's last event can carry the finish reason alone
-            await resp.write(b'data: {"choices": [{"index": 0, "text": "", "token_ids": [], '
-                             b'"finish_reason": "length"}]}\n\n')
+            await resp.write(
+                b'data: {"choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": "length"}]}\n\n'
+            )
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -91,8 +117,9 @@ def test_profile_draws_its_prompts_from_the_served_vocabulary(tmp_path: Path, ca
     assert max(max(p) for p in measured) > 900  # drawn over the whole vocabulary, not a corner of it
 
 
-def test_prompts_past_the_vocabulary_fail_the_profile_naming_the_error(tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture) -> None:
+def test_prompts_past_the_vocabulary_fail_the_profile_naming_the_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """The issue's case, forced: ids drawn below 4,000 from a 1,000-token vocabulary. The error event in the
     200 stream is the measurement's failure, named - never a token, a sample or a traceback."""
     for (url,) in _serve_apps(FakeServer(vocab=1000).app()):
@@ -102,15 +129,21 @@ def test_prompts_past_the_vocabulary_fail_the_profile_naming_the_error(tmp_path:
     assert "Traceback" not in err and not (tmp_path / "p.json").exists()
 
 
-@pytest.mark.parametrize("server, message", [
-    (FakeServer(extra_event=b'{"choices": [], "usage": {"prompt_tokens": 16}}'), "an event that is not a token"),
-    (FakeServer(extra_event=b'{"choices": [{"index": 0, "text": "", "finish_reason": "error"}]}'),
-     "the stream ended in an error"),
-    (FakeServer(extra_event=b"not json"), "a line that is not JSON"),
-    (FakeServer(short_by=1), "tokens, not the"),
-])
-def test_a_stream_that_is_not_a_measurement_fails_the_profile(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                              server: FakeServer, message: str) -> None:
+@pytest.mark.parametrize(
+    "server, message",
+    [
+        (FakeServer(extra_event=b'{"choices": [], "usage": {"prompt_tokens": 16}}'), "an event that is not a token"),
+        (
+            FakeServer(extra_event=b'{"choices": [{"index": 0, "text": "", "finish_reason": "error"}]}'),
+            "the stream ended in an error",
+        ),
+        (FakeServer(extra_event=b"not json"), "a line that is not JSON"),
+        (FakeServer(short_by=1), "tokens, not the"),
+    ],
+)
+def test_a_stream_that_is_not_a_measurement_fails_the_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture, server: FakeServer, message: str
+) -> None:
     for (url,) in _serve_apps(server.app()):
         rc = cli.main(["profile", url, "--out", str(tmp_path / "p.json"), "--vocab-size", "500", *PLAN])
     err = capsys.readouterr().err
@@ -120,6 +153,7 @@ def test_a_stream_that_is_not_a_measurement_fails_the_profile(tmp_path: Path, ca
 
 def test_tokens_merged_into_one_event_count_by_their_ids() -> None:
     """Seen on a busy machine: vLLM sent 23 events for 24 tokens, and the profile failed as a short stream."""
+
     async def one(url: str) -> Stream:
         async with aiohttp.ClientSession() as session:
             return await stream_completion(session, url, "fake-model", [5, 6, 7], 4)
@@ -129,21 +163,25 @@ def test_tokens_merged_into_one_event_count_by_their_ids() -> None:
     assert len(s.stamps) == 4 and s.stamps[0] == s.stamps[1] < s.stamps[2] < s.stamps[3]
 
 
-def test_a_failure_of_the_profiler_itself_ends_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failure_of_the_profiler_itself_ends_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A bug of ours (the issue's IndexError) stands in by a patched measurement that raises one."""
+
     async def broken(self: InstanceProfiler, tp: int) -> None:
         raise IndexError("list index out of range")
 
     monkeypatch.setattr(InstanceProfiler, "run_all", broken)
     rc = cli.main(["profile", "http://127.0.0.1:1", "--out", str(tmp_path / "p.json")])
     err = capsys.readouterr().err
-    assert rc == 1 and err.strip() == ("vllm-pd profile: failed: IndexError: list index out of range "
-                                       "(--log-level DEBUG shows where)")
+    assert rc == 1 and err.strip() == (
+        "vllm-pd profile: failed: IndexError: list index out of range (--log-level DEBUG shows where)"
+    )
 
 
 def test_profile_measures_both_instances_of_a_pair_and_the_plan_uses_each_for_its_role(
-        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """The prefill instance answers in 20 ms, the decode instance in 60 ms; through the pair the first token
     comes 25 ms after the prefill instance's. The profile keeps both, says how far they differ, and takes the
     hand-over against the prefill instance's own TTFT (against the decode instance's, as before, it would be
@@ -151,8 +189,21 @@ def test_profile_measures_both_instances_of_a_pair_and_the_plan_uses_each_for_it
     prefill, decode, pair = FakeServer(ttft=0.02), FakeServer(ttft=0.06), FakeServer(ttft=0.045)
     out = tmp_path / "p.json"
     for p_url, d_url, pd_url in _serve_apps(prefill.app(), decode.app(), pair.app()):
-        rc = cli.main(["profile", d_url, "--pd-url", pd_url, "--prefill-url", p_url, "--out", str(out), *PLAN,
-                       "--kv-repeats", "3"])
+        rc = cli.main(
+            [
+                "profile",
+                d_url,
+                "--pd-url",
+                pd_url,
+                "--prefill-url",
+                p_url,
+                "--out",
+                str(out),
+                *PLAN,
+                "--kv-repeats",
+                "3",
+            ]
+        )
     assert rc == 0
     text = capsys.readouterr().out
     profile = load_profile(out)

@@ -12,8 +12,17 @@ import pytest
 
 from vllm_pd import cli
 from vllm_pd.planner.deployment_search import Candidate, LatencySummary, Slo, trace_at
-from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, fit_instance, join_notes,
-                                             kv_fit, resolved_wake_points, save_profile, wake_fit)
+from vllm_pd.planner.latency_profile import (
+    InstanceProfile,
+    LatencyProfile,
+    Poly,
+    fit_instance,
+    join_notes,
+    kv_fit,
+    resolved_wake_points,
+    save_profile,
+    wake_fit,
+)
 from vllm_pd.planner.near_tie import near_tie
 from vllm_pd.planner.pd_simulator import Deployment, simulate
 from vllm_pd.planner.profile_spread import band_profiles, drift, profile_noise, scaled, speed_range
@@ -33,8 +42,17 @@ def test_a_hand_over_resolved_above_its_noise_is_kept_as_fitted() -> None:
 
 def test_short_prompts_weigh_more_than_long_ones_when_their_spread_is_smaller() -> None:
     # 32 and 512 tokens: the hand-over within +-0.2 ms; 1536 tokens: +-40 ms of a 4 s prefill's noise
-    samples = [(32, 5.0), (32, 5.2), (32, 4.8), (512, 7.0), (512, 7.2), (512, 6.8), (1536, 80.0), (1536, -20.0),
-               (1536, 40.0)]
+    samples = [
+        (32, 5.0),
+        (32, 5.2),
+        (32, 4.8),
+        (512, 7.0),
+        (512, 7.2),
+        (512, 6.8),
+        (1536, 80.0),
+        (1536, -20.0),
+        (1536, 40.0),
+    ]
     kv, notes = kv_fit(samples)
     assert notes == [] and kv.at(32) == pytest.approx(5.0, abs=0.1) and kv.at(512) == pytest.approx(7.0, abs=0.1)
     # unweighted, the long prompts' noise would take the line off both
@@ -52,8 +70,17 @@ def _unweighted(samples: list[tuple[int, float]]) -> tuple[float, float]:
 def test_a_hand_over_lost_in_noise_says_so_and_takes_its_sharpest_measurement() -> None:
     # the pair's TTFT less the prefill instance's, 1-4 s prefills: +-50-80 ms around a few ms at 1,536 and
     # 512 tokens; at 32 tokens the hand-over measured +1-3 ms (the shape of this session's quiet run)
-    samples = [(32, 1.1), (32, 2.9), (32, 1.6), (512, -45.0), (512, -84.0), (512, -42.0), (1536, -77.0),
-               (1536, 84.0), (1536, 78.0)]
+    samples = [
+        (32, 1.1),
+        (32, 2.9),
+        (32, 1.6),
+        (512, -45.0),
+        (512, -84.0),
+        (512, -42.0),
+        (1536, -77.0),
+        (1536, 84.0),
+        (1536, 78.0),
+    ]
     kv, notes = kv_fit(samples)
     assert kv == Poly(1.6) and len(notes) == 1
     assert "not resolved above the noise" in notes[0] and "1.6 ms stands in (the median at 32 tokens" in notes[0]
@@ -84,8 +111,9 @@ def test_the_pairs_wake_up_lost_in_noise_takes_the_prefill_instances_own() -> No
 def test_a_join_fit_that_came_out_flat_or_zero_says_so() -> None:
     flat = [(128, 4.0, 4.5, 20.0), (640, 4.0, 4.4, 20.0), (128, 4.0, 4.6, 20.0), (640, 4.0, 4.5, 20.0)]
     inst = fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)], join=flat)
-    assert inst.join.b == 0 and any("no growth with the prompt resolved over 128-640 tokens" in n
-                                    for n in inst.fit_notes)
+    assert inst.join.b == 0 and any(
+        "no growth with the prompt resolved over 128-640 tokens" in n for n in inst.fit_notes
+    )
     assert join_notes(Poly(), [(128, 4.0, 3.9, 20.0)])[0].startswith("join: fitted 0")
     assert join_notes(Poly(3.0, 0.01), flat) == []
 
@@ -146,8 +174,9 @@ def test_a_pick_within_the_profiles_noise_is_a_near_tie_and_says_what_would_sepa
     text = tie.describe()
     assert text.startswith("near-tie: colocated x2 (10.000 req/s per device) and 1P1D (9.500)")
     assert "within the profile's own noise (+-9 %" in text and "To separate them" in text
-    assert set(tie.binds) == {"colocated x2", "1P1D"} and all(v in ("TTFT", "TPOT", "TTFT and TPOT", "neither")
-                                                             for v in tie.binds.values())
+    assert set(tie.binds) == {"colocated x2", "1P1D"} and all(
+        v in ("TTFT", "TPOT", "TTFT and TPOT", "neither") for v in tie.binds.values()
+    )
     # further apart than the noise, and the same order at both ends of the band: no tie
     far = Candidate(Deployment(1, 1), 10.0, _summary(), goodput_band=(12.0, 8.0))
     assert near_tie([msgspec_free(best, (22.0, 18.0)), far], profile, at, own, slo) is None
@@ -158,6 +187,7 @@ def test_a_pick_within_the_profiles_noise_is_a_near_tie_and_says_what_would_sepa
 
 def msgspec_free(c: Candidate, band: tuple[float, float]) -> Candidate:
     from dataclasses import replace
+
     return replace(c, goodput_band=band)
 
 
@@ -167,9 +197,25 @@ def test_plan_prints_bands_and_a_near_tie(tmp_path: Path, capsys: pytest.Capture
     inst = _checked([22.48 * 0.7, 22.48 * 1.3], [4.0 * 0.7, 4.0 * 1.3])
     save_profile(LatencyProfile("m", [inst]), tmp_path / "p.json")
     write_trace([TraceRequest(i * 0.5, 300, 8) for i in range(40)], tmp_path / "t.jsonl")
-    rc = cli.main(["plan", "--profile", str(tmp_path / "p.json"), "--workload", str(tmp_path / "t.jsonl"),
-                   "--slo", "ttft=40ms,tpot=8ms", "--devices", "2", "--deployments", "colocated x1,colocated x2",
-                   "--yaml", str(tmp_path / "y.yaml"), "--json", str(tmp_path / "c.json")])
+    rc = cli.main(
+        [
+            "plan",
+            "--profile",
+            str(tmp_path / "p.json"),
+            "--workload",
+            str(tmp_path / "t.jsonl"),
+            "--slo",
+            "ttft=40ms,tpot=8ms",
+            "--devices",
+            "2",
+            "--deployments",
+            "colocated x1,colocated x2",
+            "--yaml",
+            str(tmp_path / "y.yaml"),
+            "--json",
+            str(tmp_path / "c.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "slow end of the speeds it saw of itself (+-30 %)" in out
     row = next(line for line in out.splitlines() if line.startswith("| colocated x1 |"))

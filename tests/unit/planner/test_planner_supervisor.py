@@ -10,12 +10,13 @@ import pytest
 from vllm_pd.planner.latency_profile import InstanceProfile, LatencyProfile, Poly, save_profile
 from vllm_pd.planner.role_pressure import SplitLoad, move_helps, predicted_tpot, predicted_ttft
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig
-from vllm_pd.router.pool.instance_pool import InstancePool, InFlightLeg
+from vllm_pd.router.pool.instance_pool import InFlightLeg, InstancePool
 from vllm_pd.router.pool.supervisor import REVERSAL_CONFIRM, REVERSAL_MEMORY, Supervisor, supervisor_profile
 
 # 1 ms per prompt token, decode steps 10 ms + 10 ms per running request
-PROFILE = InstanceProfile(1, prefill=Poly(0.0, 1.0, 0.0), decode=Poly(10.0, 10.0, 0.0), kv=Poly(0.0, 0.0),
-                          max_num_batched_tokens=2048)
+PROFILE = InstanceProfile(
+    1, prefill=Poly(0.0, 1.0, 0.0), decode=Poly(10.0, 10.0, 0.0), kv=Poly(0.0, 0.0), max_num_batched_tokens=2048
+)
 
 
 def _pool(n: int) -> InstancePool:
@@ -23,8 +24,9 @@ def _pool(n: int) -> InstancePool:
 
 
 def test_predictions_follow_the_profile() -> None:
-    load = SplitLoad(prefillers=2, decoders=1, queued_prompts=4, queued_prompt_tokens=8000, decoding=3,
-                     decoding_context_tokens=300)
+    load = SplitLoad(
+        prefillers=2, decoders=1, queued_prompts=4, queued_prompt_tokens=8000, decoding=3, decoding_context_tokens=300
+    )
     # 4000 tokens each: one full 2048 chunk + 1952, then the first decode step (3 running: 40 ms)
     assert predicted_ttft(PROFILE, load) == pytest.approx((2048 + 1952 + 40) / 1e3)
     assert predicted_tpot(PROFILE, load) == pytest.approx(0.040)
@@ -84,8 +86,9 @@ def test_proxy_config_takes_the_profile_from_yaml_and_flag() -> None:
     assert config_from_mapping({"supervisor_profile": "p.json"}) == {"supervisor_profile": "p.json"}
     with pytest.raises(ConfigError, match="supervisor_profile"):
         config_from_mapping({"supervisor_profile": 3})
-    args = cli.build_parser().parse_args(["proxy", "--both", "http://b:1", "--supervisor", "--supervisor-profile",
-                                          "p.json"])
+    args = cli.build_parser().parse_args(
+        ["proxy", "--both", "http://b:1", "--supervisor", "--supervisor-profile", "p.json"]
+    )
     assert config_from_args(args).supervisor_profile == "p.json"
 
 

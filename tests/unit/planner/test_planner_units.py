@@ -7,24 +7,63 @@ import random
 import msgspec
 import pytest
 
-from vllm_pd.planner.deployment_search import (Slo, distributions_at, enumerate_deployments, goodput, search,
-                                               summarise, trace_at)
-from vllm_pd.planner.latency_profile import (InstanceProfile, LatencyProfile, Poly, ProfileError, fit_instance,
-                                             fit_poly, join_points, load_profile, merge_samples, neighbour_factor,
-                                             refit, save_profile, spread_of)
+from vllm_pd.planner.deployment_search import (
+    Slo,
+    distributions_at,
+    enumerate_deployments,
+    goodput,
+    search,
+    summarise,
+    trace_at,
+)
+from vllm_pd.planner.latency_profile import (
+    InstanceProfile,
+    LatencyProfile,
+    Poly,
+    ProfileError,
+    fit_instance,
+    fit_poly,
+    join_points,
+    load_profile,
+    merge_samples,
+    neighbour_factor,
+    refit,
+    save_profile,
+    spread_of,
+)
 from vllm_pd.planner.pd_simulator import Deployment, Simulation, simulate
-from vllm_pd.planner.workload import (TraceRequest, WorkloadError, load_trace, parse_distributions, write_trace)
-
+from vllm_pd.planner.workload import TraceRequest, WorkloadError, load_trace, parse_distributions, write_trace
 
 PREFILL, DECODE, KV = Poly(20.0, 0.1, 0.0), Poly(10.0, 0.5, 0.001), Poly(5.0, 0.01)
 
 
-def make_profile(prefill: Poly = PREFILL, decode: Poly = DECODE, kv: Poly = KV, chunk: int = 2048,
-                 tp: int = 1, spread: list[float] | None = None, window_ms: float = 0.0,
-                 beside_prefill: float = 1.0, beside_decode: float = 1.0) -> LatencyProfile:
-    return LatencyProfile("m", [InstanceProfile(tp, prefill, decode, kv, max_num_batched_tokens=chunk,
-                                                decode_spread=spread or [], decode_spread_window_ms=window_ms,
-                                                beside_prefill=beside_prefill, beside_decode=beside_decode)])
+def make_profile(
+    prefill: Poly = PREFILL,
+    decode: Poly = DECODE,
+    kv: Poly = KV,
+    chunk: int = 2048,
+    tp: int = 1,
+    spread: list[float] | None = None,
+    window_ms: float = 0.0,
+    beside_prefill: float = 1.0,
+    beside_decode: float = 1.0,
+) -> LatencyProfile:
+    return LatencyProfile(
+        "m",
+        [
+            InstanceProfile(
+                tp,
+                prefill,
+                decode,
+                kv,
+                max_num_batched_tokens=chunk,
+                decode_spread=spread or [],
+                decode_spread_window_ms=window_ms,
+                beside_prefill=beside_prefill,
+                beside_decode=beside_decode,
+            )
+        ],
+    )
 
 
 def test_fit_recovers_known_coefficients() -> None:
@@ -53,18 +92,21 @@ def test_fit_with_one_sample_is_a_constant_and_with_none_an_error() -> None:
 def test_fit_separates_the_per_prompt_cost_from_the_per_step_one() -> None:
     # a step of n prompts of t tokens: 6 + 0.05*T + 1e-5*sum(t^2) + 2.5*n, measured at batches 1, 2, 4
     truth = Poly(6.0, 0.05, 1e-5, 2.5)
-    samples = [(t, b, truth.at(t * b, t * t * b, b)) for t in (32, 128, 512, 1024) for b in (1, 2, 4)
-               if t * b <= 2048]
+    samples = [(t, b, truth.at(t * b, t * t * b, b)) for t in (32, 128, 512, 1024) for b in (1, 2, 4) if t * b <= 2048]
     inst = fit_instance(1, samples, [(1, 64, 5.0), (2, 128, 6.0)], [(128, 1.0)])
     assert inst.prefill.d == pytest.approx(2.5, rel=1e-3) and inst.prefill.a == pytest.approx(6.0, rel=1e-3)
     # four 32-token prompts cost more than one 128-token prompt: three more prompts, less attention
-    assert inst.prefill_ms(128, 4) - inst.prefill_ms(128) == pytest.approx(3 * 2.5 - 1e-5 * (128 ** 2 - 4 * 32 ** 2))
+    assert inst.prefill_ms(128, 4) - inst.prefill_ms(128) == pytest.approx(3 * 2.5 - 1e-5 * (128**2 - 4 * 32**2))
     assert inst.mixed_ms([32] * 4, 0, 0) == pytest.approx(inst.prefill_ms(128, 4))
 
 
 def test_profile_file_round_trip_and_bad_file(tmp_path) -> None:
-    inst = fit_instance(1, [(t, 1, 3 + 0.1 * t) for t in (16, 256, 1024)],
-                        [(n, n * k, 8 + n + 0.01 * n * k) for n in (1, 4) for k in (64, 512)], [(128, 4.0)])
+    inst = fit_instance(
+        1,
+        [(t, 1, 3 + 0.1 * t) for t in (16, 256, 1024)],
+        [(n, n * k, 8 + n + 0.01 * n * k) for n in (1, 4) for k in (64, 512)],
+        [(128, 4.0)],
+    )
     prof = LatencyProfile("m", [inst], source="http://x")
     save_profile(prof, tmp_path / "p.json")
     back = load_profile(tmp_path / "p.json")
@@ -89,7 +131,7 @@ def test_a_format_1_profile_reads_as_format_2(tmp_path) -> None:
     (tmp_path / "v1.json").write_text(FORMAT_1)
     inst = load_profile(tmp_path / "v1.json").for_tp(1)
     # the same prefill and decode costs; kv now ends at the first token, so it holds format 1's decode step
-    assert inst.prefill_ms(512) == pytest.approx(10 + 0.05 * 512 + 1e-6 * 512 ** 2)
+    assert inst.prefill_ms(512) == pytest.approx(10 + 0.05 * 512 + 1e-6 * 512**2)
     assert inst.kv_ms(128) == pytest.approx(0.5 + inst.decode_ms(1, 128))
     assert inst.transfer_ms(128) == pytest.approx(0.5)
     assert inst.prefill_samples == [(128, 1, 17.0), (512, 1, 36.0)] and inst.decode_spread == []
@@ -105,9 +147,13 @@ def test_distributions_parse_and_sample_with_seed() -> None:
     fast = d.sample(200, seed=3, rate=25)
     assert [r.input_tokens for r in fast] == [r.input_tokens for r in a]
     assert fast[-1].arrival == pytest.approx(a[-1].arrival / 10)
-    for bad, key in (("uniform:1,in=5,out=5", "poisson"), ("poisson:0,in=5,out=5", "rate"),
-                     ("poisson:1,in=5", "out"), ("poisson:1,in=5,out=5,x=1", "x"),
-                     ("poisson:1,in=uniform:5,out=5", "in")):
+    for bad, key in (
+        ("uniform:1,in=5,out=5", "poisson"),
+        ("poisson:0,in=5,out=5", "rate"),
+        ("poisson:1,in=5", "out"),
+        ("poisson:1,in=5,out=5,x=1", "x"),
+        ("poisson:1,in=uniform:5,out=5", "in"),
+    ):
         with pytest.raises(WorkloadError, match=key):
             parse_distributions(bad)
 
@@ -195,8 +241,10 @@ def test_prefill_queue_matches_md1_mean_wait() -> None:
     service_ms = 100.0
     prof = make_profile(prefill=Poly(service_ms, 0, 0), decode=Poly(1.0, 0, 0), kv=Poly(0, 0), chunk=100)
     rho = 0.7
-    reqs = [TraceRequest(r.arrival, 100, 1) for r in
-            parse_distributions(f"poisson:{rho / (service_ms / 1e3)},in=100,out=1").sample(20000, seed=5)]
+    reqs = [
+        TraceRequest(r.arrival, 100, 1)
+        for r in parse_distributions(f"poisson:{rho / (service_ms / 1e3)},in=100,out=1").sample(20000, seed=5)
+    ]
     sims = simulate(prof, Deployment(1, 1), reqs)
     mean_wait = sum(r.ttft for r in sims) / len(sims) - service_ms / 1e3
     expected = rho * service_ms / 1e3 / (2 * (1 - rho))
@@ -250,8 +298,13 @@ def test_fit_ignores_a_sample_far_off_the_rest() -> None:
 
 def test_refit_uses_the_stored_samples() -> None:
     decode = [(n, k, (8.0 + n) * f) for n in (1, 4) for k in (64, 512) for f in (0.9, 1.1)]
-    inst = fit_instance(1, [(t, b, 3 + 0.1 * t * b + b) for t in (16, 256, 1024) for b in (1, 2)], decode,
-                        [(128, 4.0)], spread_window_ms=60.0)
+    inst = fit_instance(
+        1,
+        [(t, b, 3 + 0.1 * t * b + b) for t in (16, 256, 1024) for b in (1, 2)],
+        decode,
+        [(128, 4.0)],
+        spread_window_ms=60.0,
+    )
     assert inst.decode.at(4, 0) == pytest.approx(12.0) and inst.decode_spread == [0.9] * 4 + [1.1] * 4
     stale = msgspec.structs.replace(inst, prefill=Poly(0, 0, 0))
     assert refit(stale) == inst
@@ -267,8 +320,13 @@ def test_neighbour_factors_default_to_one_and_a_file_without_them_loads(tmp_path
     assert (inst.beside_prefill, inst.beside_decode, inst.neighbour_samples) == (1.0, 1.0, [])
     assert fit_instance(1, [(16, 1, 3.0)], [(1, 64, 5.0)], [(128, 1.0)]).beside_prefill == 1.0
     # the factors: median beside / median alone per kind, floored at 1.0, and they survive a round trip
-    samples = [("decode", 10.0, 12.0), ("decode", 11.0, 14.0), ("decode", 9.0, 13.0),
-               ("prefill", 100.0, 95.0), ("prefill", 100.0, 99.0)]
+    samples = [
+        ("decode", 10.0, 12.0),
+        ("decode", 11.0, 14.0),
+        ("decode", 9.0, 13.0),
+        ("prefill", 100.0, 95.0),
+        ("prefill", 100.0, 99.0),
+    ]
     assert neighbour_factor(samples, "decode") == pytest.approx(1.3) and neighbour_factor(samples, "prefill") == 1.0
     measured = fit_instance(1, [(16, 1, 3.0)], [(1, 64, 5.0)], [(128, 1.0)], neighbour=samples)
     assert (measured.beside_prefill, measured.beside_decode) == (pytest.approx(1.3), 1.0)
@@ -283,8 +341,9 @@ def test_neighbour_factors_default_to_one_and_a_file_without_them_loads(tmp_path
 def test_mixed_step_scales_each_part_by_its_neighbour_factor() -> None:
     inst = make_profile().for_tp(1)
     decode_part = DECODE.b * 2 + DECODE.c * 300
-    assert inst.mixed_ms([100], 2, 300, 1.1, 1.3, 1.5) == pytest.approx(inst.prefill_ms(100) * 1.5
-                                                                       + decode_part * 1.1 * 1.3)
+    assert inst.mixed_ms([100], 2, 300, 1.1, 1.3, 1.5) == pytest.approx(
+        inst.prefill_ms(100) * 1.5 + decode_part * 1.1 * 1.3
+    )
     assert inst.mixed_ms([], 2, 300, 1.0, 1.3, 1.5) == pytest.approx(inst.decode_ms(2, 300) * 1.3)
     assert inst.mixed_ms([100], 0, 0, 1.0, 1.3, 1.5) == pytest.approx(inst.prefill_ms(100) * 1.5)
 
@@ -344,23 +403,39 @@ def test_wake_points_are_the_median_difference_per_idle_time_and_interpolate() -
     # (idle ms, back to back ms, after idle ms): medians per idle time, their difference (+0.9 after 30 ms,
     # -1.0 after 100, +3.0 after 300) made non-decreasing - a longer idleness cannot wake faster: the 100 ms
     # dip is pooled with 30 ms's, weighted by their pairs (2 and 1) - and never negative
-    samples = [(30.0, 7.0, 8.0), (300.0, 7.0, 10.0), (30.0, 7.2, 8.0), (300.0, 7.4, 11.0), (300.0, 6.8, 9.9),
-               (100.0, 8.0, 7.0)]
+    samples = [
+        (30.0, 7.0, 8.0),
+        (300.0, 7.0, 10.0),
+        (30.0, 7.2, 8.0),
+        (300.0, 7.4, 11.0),
+        (300.0, 6.8, 9.9),
+        (100.0, 8.0, 7.0),
+    ]
     inst = fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)], wake=samples)
     pooled = (2 * 0.9 - 1.0) / 3
-    assert inst.wake_after_idle == [(30.0, pytest.approx(pooled, abs=1e-3)), (100.0, pytest.approx(pooled, abs=1e-3)),
-                                    (300.0, pytest.approx(3.0))]
+    assert inst.wake_after_idle == [
+        (30.0, pytest.approx(pooled, abs=1e-3)),
+        (100.0, pytest.approx(pooled, abs=1e-3)),
+        (300.0, pytest.approx(3.0)),
+    ]
     assert inst.wake_ms(0) == 0.0 and inst.wake_ms(15) == pytest.approx(pooled / 2, abs=1e-3)
     assert inst.wake_ms(200) == pytest.approx((pooled + 3.0) / 2, abs=1e-3) and inst.wake_ms(5000) == pytest.approx(3.0)
-    assert fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)],
-                        wake=[(30.0, 7.0, 6.0), (100.0, 7.0, 6.5)]).wake_after_idle == [(30.0, 0.0), (100.0, 0.0)]
+    assert fit_instance(
+        1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)], wake=[(30.0, 7.0, 6.0), (100.0, 7.0, 6.5)]
+    ).wake_after_idle == [(30.0, 0.0), (100.0, 0.0)]
     assert refit(inst).wake_after_idle == inst.wake_after_idle
     assert merge_samples(inst, inst).wake_samples == samples + samples
     assert fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)]).wake_ms(1000) == 0.0
     # through a PD pair: a curve of its own, pooled and refitted alike; without one, the relay's
     assert inst.pd_wake_ms(5000) == pytest.approx(3.0)
-    pd = fit_instance(1, [(128, 1, 10.0)], [(1, 64, 5.0)], [(128, 1.0)], wake=samples,
-                      pd_wake=[(1000.0, 20.0, 21.0), (3000.0, 20.0, 22.5)])
+    pd = fit_instance(
+        1,
+        [(128, 1, 10.0)],
+        [(1, 64, 5.0)],
+        [(128, 1.0)],
+        wake=samples,
+        pd_wake=[(1000.0, 20.0, 21.0), (3000.0, 20.0, 22.5)],
+    )
     assert pd.pd_wake_after_idle == [(1000.0, 1.0), (3000.0, 2.5)] and pd.wake_ms(3000) == pytest.approx(3.0)
     assert pd.pd_wake_ms(500) == pytest.approx(0.5) and pd.pd_wake_ms(2000) == pytest.approx(1.75)
     assert refit(pd) == pd and merge_samples(pd, pd).pd_wake_samples == pd.pd_wake_samples * 2
@@ -405,14 +480,16 @@ def test_each_requests_first_steps_are_a_draw_from_the_samples() -> None:
     # colocated x1, lone requests of 11 tokens (10 gaps): each one's first steps take a draw from the
     # samples (a negative one counts as 0), so their TPOTs differ by 0 or 3 ms / 10 gaps
     base = make_profile()
-    drawn = LatencyProfile("m", [msgspec.structs.replace(base.instances[0], first_step_samples=[-1.0, 3.0],
-                                                         first_step_ms=1.0)])
+    drawn = LatencyProfile(
+        "m", [msgspec.structs.replace(base.instances[0], first_step_samples=[-1.0, 3.0], first_step_ms=1.0)]
+    )
     reqs = [TraceRequest(float(i), 100, 11) for i in range(40)]
     plain = simulate(base, Deployment(0, 1), reqs)
     extra = [round((d.tpot - p.tpot) * 10 * 1e3, 6) for p, d in zip(plain, simulate(drawn, Deployment(0, 1), reqs))]
     assert set(extra) == {0.0, 3.0}
-    assert extra == [round((d.tpot - p.tpot) * 10 * 1e3, 6)
-                     for p, d in zip(plain, simulate(drawn, Deployment(0, 1), reqs))]  # seeded: the same again
+    assert extra == [
+        round((d.tpot - p.tpot) * 10 * 1e3, 6) for p, d in zip(plain, simulate(drawn, Deployment(0, 1), reqs))
+    ]  # seeded: the same again
 
 
 def test_join_points_are_the_steps_extra_share_over_the_joins_per_second() -> None:
@@ -435,5 +512,6 @@ def test_a_decode_leg_joining_a_busy_decode_instance_slows_its_running_steps() -
     # the second arrived while it decoded: one of its steps took 7 + 0.01 x 200 ms longer
     assert (a2.finish - a1.finish) * 1e3 == pytest.approx(9.0)
     # colocated: no decode legs, no joins
-    assert [r.finish for r in simulate(joined, Deployment(0, 1), trace)] == \
-        [r.finish for r in simulate(base, Deployment(0, 1), trace)]
+    assert [r.finish for r in simulate(joined, Deployment(0, 1), trace)] == [
+        r.finish for r in simulate(base, Deployment(0, 1), trace)
+    ]

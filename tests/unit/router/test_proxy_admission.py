@@ -16,9 +16,11 @@ BODY = {"prompt": "hello there " * 10, "max_tokens": 2}
 def test_beyond_limit_and_queue_requests_get_429_with_retry_after() -> None:
     async def go() -> None:
         async with harness(max_concurrent_requests=2, max_queued_requests=1, backend_kw={"ttft": 0.4}) as h:
+
             async def one() -> tuple[int, str | None, dict]:
                 async with h.session.post(h.url + "/v1/completions", json=BODY) as r:
                     return r.status, r.headers.get("Retry-After"), await r.json()
+
             results = await asyncio.gather(*(one() for _ in range(6)))
             statuses = sorted(s for s, _, _ in results)
             assert statuses == [200, 200, 200, 429, 429, 429]
@@ -28,6 +30,7 @@ def test_beyond_limit_and_queue_requests_get_429_with_retry_after() -> None:
             assert h.proxy.gate is not None and h.proxy.gate.active == 0 and h.proxy.gate.waiting == 0
             status, _ = await h.post("/v1/completions", BODY)  # and it serves again
             assert status == 200
+
     run(go)
 
 
@@ -59,6 +62,7 @@ def test_gate_hands_slots_over_and_survives_cancelled_waiters() -> None:
         assert gate.active == 0 and gate.waiting == 0
         await gate.enter()  # free again: no wait
         assert gate.active == 1
+
     asyncio.run(go())
 
 
@@ -74,4 +78,5 @@ def test_client_disconnect_while_queued_frees_its_place() -> None:
             await wait_for(lambda: h.proxy.gate is not None and h.proxy.gate.waiting == 0)
             assert (await first)[0] == 200
             assert h.proxy.gate is not None and h.proxy.gate.active == 0
+
     run(go)

@@ -45,6 +45,7 @@ def test_decode_that_never_answers_gets_504_one_that_breaks_gets_502() -> None:
             h.decodes[0].fail_next("truncate")  # a stream cut inside its first event
             status, out = await h.post("/v1/completions", STREAM)
             assert status == 502, out
+
     run(go)
 
 
@@ -60,6 +61,7 @@ def test_decode_stream_idle_past_its_timeout_gets_504_before_output_and_an_error
                 events = _events(await r.read())
             assert json.loads(events[2][6:])["error"]["code"] == "stream_interrupted"
             assert events[-1] == b"data: [DONE]"
+
     run(go)
 
 
@@ -81,6 +83,7 @@ def test_retry_after_keeps_a_busy_decode_out_and_the_other_serves() -> None:
                 status, out = await h.post("/v1/completions", LONG)
                 assert status == 200 and out["served_by"] == "d1"
             assert len(h.decodes[0].seen) == 1
+
     run(go)
 
 
@@ -93,6 +96,7 @@ def test_retry_after_from_a_prefill_sends_prompts_to_the_other_prefill() -> None
                 assert status == 200
             assert len(h.prefills[0].seen) == 1 and len(h.prefills[1].seen) == 4
             assert all("kv_transfer_params" in s.body for s in h.decodes[0].seen)  # always a prefill leg
+
     run(go)
 
 
@@ -105,6 +109,7 @@ def test_retry_after_without_any_other_prefill_runs_decode_only() -> None:
                 assert status == 200
             assert len(h.prefills[0].seen) == 1
             assert [("kv_transfer_params" in s.body) for s in h.decodes[0].seen] == [False, False]
+
     run(go)
 
 
@@ -124,14 +129,17 @@ def test_a_malformed_sse_event_is_not_relayed(garbage_at: int) -> None:
                 assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:2]] == [" t0", " t1"]
                 assert json.loads(events[2][6:])["error"]["code"] == "malformed_sse_event"
                 assert events[3:] == [b"data: [DONE]"]
-            assert b'vllm_pd_proxy_bad_stream_events_total{reason="malformed_sse_event"} 1.0' in \
-                h.proxy.metrics.render()
+            assert (
+                b'vllm_pd_proxy_bad_stream_events_total{reason="malformed_sse_event"} 1.0' in h.proxy.metrics.render()
+            )
+
     run(go)
 
 
 def test_a_decode_found_unreachable_ends_its_legs_with_default_health_checks() -> None:
     """Legs on a decode that stops answering (and its /health too) end within seconds, though the
     periodic checks (5 s apart) have not noticed: the stalled legs' instance is probed at once."""
+
     async def go() -> None:
         async with harness(**DEFAULT_CHECKS) as h:
             await h.proxy.health.check_all()
@@ -158,6 +166,7 @@ def test_a_decode_found_unreachable_ends_its_legs_with_default_health_checks() -
             await h.proxy.health.check_all()
             status, _ = await h.post("/v1/completions", LONG)
             assert status == 200
+
     run(go)
 
 
@@ -174,6 +183,7 @@ def test_a_prefill_found_unreachable_hands_its_prompts_to_decode_with_default_he
             assert [s for s, _ in results] == [200, 200]
             assert [out["served_by"] for _, out in results] == ["d0", "d0"]
             assert sum("kv_transfer_params" not in s.body for s in h.decodes[0].seen) == 2  # decode-only
+
     run(go)
 
 
@@ -187,15 +197,18 @@ def test_an_idle_proxy_and_legs_that_make_progress_probe_nothing() -> None:
             status, _ = await h.post("/v1/completions", dict(STREAM, max_tokens=12))  # 2.2 s, a token each 0.2 s
             assert status == 200
             assert probe.probes == 0
+
     run(go)
 
 
 def test_a_flapping_decode_loses_no_request() -> None:
     """The second decode's link goes down and up every 0.4 s while requests flow: each request is
     answered (by whichever decode is reachable), none hangs."""
+
     async def go() -> None:
-        async with harness(n_decode=2, decode_policy="round_robin", probe_after=0.2, probe_timeout=0.2,
-                           backend_kw={"ttft": 0.05}) as h:
+        async with harness(
+            n_decode=2, decode_policy="round_robin", probe_after=0.2, probe_timeout=0.2, backend_kw={"ttft": 0.05}
+        ) as h:
             await h.proxy.health.check_all()
             d1 = h.decodes[1]
             stop = asyncio.Event()
@@ -221,4 +234,5 @@ def test_a_flapping_decode_loses_no_request() -> None:
                 status, _ = await h.post("/v1/completions", LONG)
                 assert status == 200
             assert len(d1.seen) > before
+
     run(go)

@@ -88,8 +88,11 @@ class _Tracked:
 
 def _holders(obj: Any) -> str:
     """Who still refers to ``obj`` (for the failure message)."""
-    return "; ".join(f"{type(r).__name__}: {str(r)[:120]}" for r in gc.get_referrers(obj)
-                     if not isinstance(r, list) or r is not gc.garbage)
+    return "; ".join(
+        f"{type(r).__name__}: {str(r)[:120]}"
+        for r in gc.get_referrers(obj)
+        if not isinstance(r, list) or r is not gc.garbage
+    )
 
 
 async def _case(h: Harness, tracked: _Tracked, send: Callable[[], Any]) -> tuple[Any, int]:
@@ -110,8 +113,9 @@ async def _case(h: Harness, tracked: _Tracked, send: Callable[[], Any]) -> tuple
         tracemalloc.stop()
         alive = tracked.alive()
         assert tracked.refs, "nothing was tracked: the test proves nothing"
-        assert not alive, "a finished leg left " + " | ".join(f"{type(o).__name__} held by {_holders(o)}"
-                                                              for o in alive)
+        assert not alive, "a finished leg left " + " | ".join(
+            f"{type(o).__name__} held by {_holders(o)}" for o in alive
+        )
         assert kept < MIB, f"{kept} bytes still held after the leg ended (gc off)"
         return result, peak
     finally:
@@ -140,6 +144,7 @@ def test_a_huge_prefill_answer_fails_its_leg_over_within_the_cap(monkeypatch: py
             assert "kv_transfer_params" not in h.decodes[0].seen[-1].body
             assert b'vllm_pd_proxy_leg_errors_total{kind="too_large",leg="prefill"} 2.0' in h.proxy.metrics.render()
             _check_rss(peak)
+
     run(go)
 
 
@@ -158,6 +163,7 @@ def test_a_huge_decode_answer_ends_the_request_within_the_cap(monkeypatch: pytes
             assert status == 502 and out["error"]["code"] == "answer_too_large", out
             assert "max_decode_answer_bytes" in out["error"]["message"]
             _check_rss(peak)
+
     run(go)
 
 
@@ -175,6 +181,7 @@ def test_an_sse_event_that_never_ends_is_cut_at_the_cap(monkeypatch: pytest.Monk
             (status, out), peak = await _case(h, tracked, send)
             assert status == 502 and "max_sse_event_bytes" in out["error"]["message"], out
             _check_rss(peak)
+
     run(go)
 
 
@@ -190,6 +197,7 @@ def test_a_stream_timed_out_in_a_long_event_frees_it_when_the_leg_ends(monkeypat
 
             async def long_event_then_silence(request: Any, body: Any, seen: Any, failure: Any) -> Any:
                 from vllm_pd.router.http.http_messages import StreamResponse
+
                 resp = StreamResponse(200, {"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
                 await resp.write(b'data: {"choices": [{"text": "' + b"y" * (3 * MIB))
@@ -205,4 +213,5 @@ def test_a_stream_timed_out_in_a_long_event_frees_it_when_the_leg_ends(monkeypat
 
             (status, out), _ = await _case(h, tracked, send)
             assert status == 504, out
+
     run(go)

@@ -11,7 +11,7 @@ import json
 import os
 import random
 import tracemalloc
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -23,16 +23,29 @@ pytestmark = pytest.mark.slow
 ERROR_KEYS = {"message", "type", "param", "code"}
 SEED_BODIES = [
     {"model": "mock-model", "prompt": "hello world", "max_tokens": 3},
-    {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "stream": True,
-     "stream_options": {"include_usage": True}, "n": 1},
+    {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "n": 1,
+    },
     {"prompt": [1, 2, 3], "max_tokens": 2, "kv_transfer_params": {"remote_host": "1.2.3.4"}},
 ]
 TOKEN = "fuzz-admin"
 
 
 def _valid_head(rng: random.Random) -> bytes:
-    path = rng.choice([b"/v1/completions", b"/v1/chat/completions", b"/v1/models", b"/health", b"/metrics",
-                       b"/admin/instances", b"/nowhere"])
+    path = rng.choice(
+        [
+            b"/v1/completions",
+            b"/v1/chat/completions",
+            b"/v1/models",
+            b"/health",
+            b"/metrics",
+            b"/admin/instances",
+            b"/nowhere",
+        ]
+    )
     return b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
 
@@ -79,9 +92,9 @@ def _mutated_json(rng: random.Random) -> bytes:
         if op == 0 and raw:
             raw[min(pos, len(raw) - 1)] = rng.randrange(256)  # a byte flip (often not UTF-8)
         elif op == 1:
-            del raw[pos:pos + rng.randint(1, 10)]  # truncation
+            del raw[pos : pos + rng.randint(1, 10)]  # truncation
         elif op == 2:
-            raw[pos:pos] = rng.choice([b"[" * 3000, b"{\"a\":" * 2000, b"\\ud800", b"\xff\xfe", b"\"", b",", b"null"])
+            raw[pos:pos] = rng.choice([b"[" * 3000, b'{"a":' * 2000, b"\\ud800", b"\xff\xfe", b'"', b",", b"null"])
         elif op == 3:
             raw[pos:pos] = rng.choice(["\u4e2d", "\U0001f600", "\x00", "\u2028"]).encode()
         elif op == 4:
@@ -122,15 +135,22 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-async def _battery(h: Harness, port: int, rng: random.Random, make: Callable[[random.Random], bytes],
-                   n: int, json_body: bool) -> int:
+async def _battery(
+    h: Harness, port: int, rng: random.Random, make: Callable[[random.Random], bytes], n: int, json_body: bool
+) -> int:
     errors = 0
     for _ in range(n):
         if json_body:
             body = make(rng)
             path = rng.choice([b"/v1/completions", b"/v1/chat/completions", b"/admin/instances"])
-            raw = (b"POST " + path + b" HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode() +
-                   b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            raw = (
+                b"POST "
+                + path
+                + b" HTTP/1.1\r\nAuthorization: Bearer "
+                + TOKEN.encode()
+                + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+                + body
+            )
         else:
             raw = make(rng)
         errors += _assert_client_error(raw, await _exchange(port, raw), allow_ok=json_body)
@@ -142,8 +162,13 @@ def test_fuzz_battery_gets_4xx_and_gives_resources_back() -> None:
 
     async def go() -> None:
         # short read deadlines: a truncated request is answered 408 at once
-        async with harness(admin_token=TOKEN, max_body_bytes=1 << 20, backend_kw={"record": False},
-                           header_timeout=0.3, body_timeout=0.3) as h:
+        async with harness(
+            admin_token=TOKEN,
+            max_body_bytes=1 << 20,
+            backend_kw={"record": False},
+            header_timeout=0.3,
+            body_timeout=0.3,
+        ) as h:
             await h.proxy.health.check_all()
             port = int(h.url.rsplit(":", 1)[1])
             ok = json.dumps(SEED_BODIES[0]).encode()
@@ -163,4 +188,5 @@ def test_fuzz_battery_gets_4xx_and_gives_resources_back() -> None:
             assert (await _exchange(port, valid) or (0, b""))[0] == 200  # still up and serving
             assert _open_fds() <= fds + 2, "file descriptors not given back"
             assert grown < 4 * 1024 * 1024, f"{grown} bytes kept after the battery"
+
     run(go)

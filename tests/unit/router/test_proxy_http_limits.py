@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from tests.unit.router.test_router_http_server import App, read_response, run
 from vllm_pd.router.http.http_limits import HttpLimits
@@ -18,8 +18,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 @contextlib.asynccontextmanager
 async def limited_server(limits: HttpLimits, max_body: int = 1 << 20) -> AsyncIterator[tuple[HttpServer, int]]:
     app = App()
-    routes = {"/echo": {"POST": app.echo, "GET": app.echo}, "/post": {"POST": app.echo},
-              "/hang": {"GET": app.hang}}
+    routes = {"/echo": {"POST": app.echo, "GET": app.echo}, "/post": {"POST": app.echo}, "/hang": {"GET": app.hang}}
     port = free_port()
     srv = HttpServer(routes, max_body, limits)  # type: ignore[arg-type]
     await srv.start("127.0.0.1", port)
@@ -68,9 +67,11 @@ def test_head_size_header_count_and_url_length() -> None:
             w.close()
             # a body larger than the head cap is no head
             body = b"x" * 100_000
-            s, _, b, _ = await _ask(port, b"POST /echo HTTP/1.1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
-                                    % len(body) + body)
+            s, _, b, _ = await _ask(
+                port, b"POST /echo HTTP/1.1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+            )
             assert s == 200 and json.loads(b)["len"] == len(body)
+
     run(go())
 
 
@@ -105,6 +106,7 @@ def test_slow_head_and_slow_body_get_408_and_are_dropped() -> None:
                     break
                 await asyncio.sleep(0.02)
             assert not srv.connections
+
     run(go())
 
 
@@ -116,6 +118,7 @@ def test_a_running_request_is_not_a_slow_client() -> None:
             await asyncio.sleep(0.8)  # the handler runs; the connection is not reading anything
             assert len(srv.connections) == 1 and not r.at_eof()
             w.close()
+
     run(go())
 
 
@@ -140,6 +143,7 @@ def test_head_on_every_get_route_and_405_with_allow() -> None:
             head = await r.readuntil(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 404") and await r.read() == b""
             w.close()
+
     run(go())
 
 
@@ -160,4 +164,5 @@ def test_pipelining_client_that_never_reads_does_not_grow_our_buffers() -> None:
             assert sent < 30000
             assert conn.transport.get_write_buffer_size() < 2 * 1024 * 1024
             w.close()
+
     run(go())

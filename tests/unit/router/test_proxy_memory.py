@@ -37,6 +37,7 @@ def test_raw_server_connections_and_bodies_free_without_gc() -> None:
                 assert grown < BIG, f"{grown} bytes not given back after 8 requests of {BIG} bytes"
             finally:
                 gc.enable()
+
     run(go)
 
 
@@ -70,12 +71,15 @@ def test_proxy_legs_and_bodies_free_without_gc() -> None:
 
                 async def requests(n: int) -> int:
                     for i in range(n):
-                        status, _ = await h.post("/v1/completions", {"prompt": prompt, "max_tokens": 2,
-                                                                     "stream": bool(i % 2)},
-                                                 headers={"Connection": "close"})
+                        status, _ = await h.post(
+                            "/v1/completions",
+                            {"prompt": prompt, "max_tokens": 2, "stream": bool(i % 2)},
+                            headers={"Connection": "close"},
+                        )
                         assert status == 200
                     await asyncio.sleep(0.1)
                     return tracemalloc.get_traced_memory()[0]
+
                 # what the last request left in flight (a background leg, a pooled connection) is there
                 # after 2 requests as after 8: only memory kept per request grows in between
                 after_2 = await requests(2)
@@ -85,4 +89,5 @@ def test_proxy_legs_and_bodies_free_without_gc() -> None:
                 assert after_8 - after_2 < BIG, f"{after_8 - after_2} bytes kept by 6 requests of {BIG} bytes"
             finally:
                 gc.enable()
+
     run(go)

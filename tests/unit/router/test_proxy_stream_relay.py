@@ -32,7 +32,7 @@ def _dechunk(body: bytes) -> bytes:
         n = int(body[i:j], 16)
         if n == 0:
             return b"".join(out)
-        out.append(body[j + 2:j + 2 + n])
+        out.append(body[j + 2 : j + 2 + n])
         i = j + 2 + n + 2
 
 
@@ -44,7 +44,8 @@ async def _read_to_the_end(sock: socket.socket) -> bytes:
 
 
 def test_a_client_reading_slower_than_decode_holds_the_stream_and_gets_all_of_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     holds = []
     relayed = BackendResponse.relayed
 
@@ -65,9 +66,11 @@ def test_a_client_reading_slower_than_decode_holds_the_stream_and_gets_all_of_it
             loop = asyncio.get_running_loop()
             await loop.sock_connect(sock, ("127.0.0.1", port))
             body = json.dumps({"prompt": "long prompt " * 30, "max_tokens": TOKENS, "stream": True}).encode()
-            await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                                    b"application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
-                                    % (len(body), body))
+            await loop.sock_sendall(
+                sock,
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body),
+            )
             await wait_for(lambda: bool(holds), 60)  # the client reads nothing: the proxy's writes pause
             await asyncio.sleep(0.3)
             (seen,) = h.decodes[0].seen
@@ -81,12 +84,14 @@ def test_a_client_reading_slower_than_decode_holds_the_stream_and_gets_all_of_it
             texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
             assert texts == [f" t{i}" for i in range(TOKENS)]  # every event, in order, once
             assert seen.finished
+
     run(go)
 
 
 async def _chunked_server(pieces: list[bytes], gate: asyncio.Event) -> tuple[asyncio.Server, int]:
     """Answers one request with ``pieces`` as chunks: the first at once, the rest in one write (one read
     on the other side, parsed piece by piece) once ``gate`` is set."""
+
     async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await r.readuntil(b"\r\n\r\n")
         w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n" % (len(pieces[0]), pieces[0]))
@@ -129,4 +134,5 @@ def test_a_sink_that_holds_the_body_gets_the_queued_pieces_in_order_once_resumed
             client.close()
             server.close()
             await server.wait_closed()
+
     run(go)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.mock_backend import MockBackend, start_backend
 from tests.support.router_harness import harness, run
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml, parse_instance_flag
-from tests.support.mock_backend import MockBackend, start_backend
 
 TOKEN = {"Authorization": "Bearer s3cret"}
 
@@ -23,6 +23,7 @@ def test_admin_requires_token_and_is_off_without_one() -> None:
                 assert r.status == 401
             async with h.session.get(h.url + "/admin/instances", headers=TOKEN) as r:
                 assert r.status == 200 and len((await r.json())["instances"]) == 2
+
     run(go)
 
 
@@ -32,17 +33,21 @@ def test_admin_add_drain_role_remove() -> None:
             extra = MockBackend(name="d9")
             runner, url = await start_backend(extra)
             try:
-                async with h.session.post(h.url + "/admin/instances", headers=TOKEN,
-                                          json={"url": url, "role": "decode"}) as r:
+                async with h.session.post(
+                    h.url + "/admin/instances", headers=TOKEN, json={"url": url, "role": "decode"}
+                ) as r:
                     assert r.status == 201
-                async with h.session.post(h.url + "/admin/instances", headers=TOKEN,
-                                          json={"url": url, "role": "decode"}) as r:
+                async with h.session.post(
+                    h.url + "/admin/instances", headers=TOKEN, json={"url": url, "role": "decode"}
+                ) as r:
                     assert r.status == 400  # duplicate
-                async with h.session.post(h.url + "/admin/instances", headers=TOKEN,
-                                          json={"url": "ftp://x", "role": "decode"}) as r:
+                async with h.session.post(
+                    h.url + "/admin/instances", headers=TOKEN, json={"url": "ftp://x", "role": "decode"}
+                ) as r:
                     assert r.status == 400 and (await r.json())["error"]["param"] == "url"
-                async with h.session.post(h.url + "/admin/instances", headers=TOKEN,
-                                          json={"url": "http://127.0.0.1:1", "role": "boss"}) as r:
+                async with h.session.post(
+                    h.url + "/admin/instances", headers=TOKEN, json={"url": "http://127.0.0.1:1", "role": "boss"}
+                ) as r:
                     assert r.status == 400 and (await r.json())["error"]["param"] == "role"
                 for _ in range(4):
                     await h.post("/v1/completions", {"prompt": "q " * 40, "max_tokens": 1})
@@ -55,8 +60,9 @@ def test_admin_add_drain_role_remove() -> None:
                 assert len(extra.seen) == 4
                 # turn the old prefill into a decode: no prefill left -> decode-only
                 p0 = h.backend_urls["p0"]
-                async with h.session.post(h.url + "/admin/instances/role", headers=TOKEN,
-                                          json={"url": p0, "role": "decode"}) as r:
+                async with h.session.post(
+                    h.url + "/admin/instances/role", headers=TOKEN, json={"url": p0, "role": "decode"}
+                ) as r:
                     assert r.status == 200
                 async with h.session.delete(h.url + "/admin/instances", headers=TOKEN, params={"url": url}) as r:
                     assert r.status == 200
@@ -66,14 +72,17 @@ def test_admin_add_drain_role_remove() -> None:
                 assert status == 200 and "kv_transfer_params" not in h.prefills[0].seen[-1].body
             finally:
                 await runner.cleanup()
+
     run(go)
 
 
 def test_instance_flag_parsing() -> None:
     ic = parse_instance_flag("http://127.0.0.1:8200@tcp://127.0.0.1:14600", "decode")
     assert ic == InstanceConfig("http://127.0.0.1:8200", "decode", "tcp://127.0.0.1:14600")
-    assert parse_instance_flag("http://127.0.0.1:8200@shm://127.0.0.1:14600", "decode").kv_endpoint == \
-        "shm://127.0.0.1:14600"
+    assert (
+        parse_instance_flag("http://127.0.0.1:8200@shm://127.0.0.1:14600", "decode").kv_endpoint
+        == "shm://127.0.0.1:14600"
+    )
     with pytest.raises(ConfigError, match="kv_endpoint"):
         parse_instance_flag("http://127.0.0.1:8200@udp://127.0.0.1:14600", "decode")
     with pytest.raises(ConfigError, match="kv_endpoint"):
@@ -82,22 +91,25 @@ def test_instance_flag_parsing() -> None:
         parse_instance_flag("127.0.0.1:8200", "decode")
 
 
-@pytest.mark.parametrize("text,key", [
-    ("prot: 5\n", "prot"),
-    ("port: '80'\n", "port"),
-    ("port: 70000\n", "port"),
-    ("prefill_timeout: true\n", "prefill_timeout"),
-    ("prefill_timeout: -1\n", "prefill_timeout"),
-    ("kv_mode: shove\n", "kv_mode"),
-    ("decode_policy: prefix_aware\n", "decode_policy"),
-    ("instances: {}\n", "instances"),
-    ("instances:\n  - {url: 'http://a:1'}\n", "instances[0].role"),
-    ("instances:\n  - {url: 'http://a:1', role: decode, kv: x}\n", "instances[0].kv"),
-    ("instances:\n  - {url: 'http://a:1', role: dec}\n", "instances[0].role"),
-    ("instances:\n  - {url: 'http://a:1', role: decode}\n  - {url: 'http://a:1', role: prefill}\n", "instances"),
-    ("[1, 2]\n", "mapping at the top level"),
-    ("a: [\n", "invalid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("prot: 5\n", "prot"),
+        ("port: '80'\n", "port"),
+        ("port: 70000\n", "port"),
+        ("prefill_timeout: true\n", "prefill_timeout"),
+        ("prefill_timeout: -1\n", "prefill_timeout"),
+        ("kv_mode: shove\n", "kv_mode"),
+        ("decode_policy: prefix_aware\n", "decode_policy"),
+        ("instances: {}\n", "instances"),
+        ("instances:\n  - {url: 'http://a:1'}\n", "instances[0].role"),
+        ("instances:\n  - {url: 'http://a:1', role: decode, kv: x}\n", "instances[0].kv"),
+        ("instances:\n  - {url: 'http://a:1', role: dec}\n", "instances[0].role"),
+        ("instances:\n  - {url: 'http://a:1', role: decode}\n  - {url: 'http://a:1', role: prefill}\n", "instances"),
+        ("[1, 2]\n", "mapping at the top level"),
+        ("a: [\n", "invalid YAML"),
+    ],
+)
 def test_yaml_errors_name_the_key(tmp_path, text: str, key: str) -> None:
     f = tmp_path / "proxy.yaml"
     f.write_text(text)
@@ -108,9 +120,11 @@ def test_yaml_errors_name_the_key(tmp_path, text: str, key: str) -> None:
 
 def test_yaml_good(tmp_path) -> None:
     f = tmp_path / "proxy.yaml"
-    f.write_text("port: 9000\nkv_mode: push\nprefill_policy: round_robin\ninstances:\n"
-                 "  - {url: 'http://127.0.0.1:8100', role: prefill}\n"
-                 "  - {url: 'http://127.0.0.1:8200/', role: decode, kv_endpoint: 'tcp://127.0.0.1:14600'}\n")
+    f.write_text(
+        "port: 9000\nkv_mode: push\nprefill_policy: round_robin\ninstances:\n"
+        "  - {url: 'http://127.0.0.1:8100', role: prefill}\n"
+        "  - {url: 'http://127.0.0.1:8200/', role: decode, kv_endpoint: 'tcp://127.0.0.1:14600'}\n"
+    )
     cfg = ProxyConfig(**load_yaml(f))
     assert cfg.port == 9000 and cfg.instances[1].url == "http://127.0.0.1:8200"
     assert cfg.instances[1].kv_endpoint == "tcp://127.0.0.1:14600"

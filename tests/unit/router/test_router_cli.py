@@ -21,21 +21,37 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_flags_build_instances_and_override_yaml(tmp_path) -> None:
     f = tmp_path / "p.yaml"
     f.write_text("port: 9100\nkv_mode: pull\ninstances:\n  - {url: 'http://127.0.0.1:8101', role: prefill}\n")
-    cfg = command_proxy.config_from_args(_args(
-        "--config", str(f), "--kv-mode", "push", "--prefill", "http://127.0.0.1:8100",
-        "--decode", "http://127.0.0.1:8200", "--decode-kv", "tcp://127.0.0.1:14600",
-        "--both", "http://127.0.0.1:8300@tcp://127.0.0.1:14700", "--require-disagg"))
+    cfg = command_proxy.config_from_args(
+        _args(
+            "--config",
+            str(f),
+            "--kv-mode",
+            "push",
+            "--prefill",
+            "http://127.0.0.1:8100",
+            "--decode",
+            "http://127.0.0.1:8200",
+            "--decode-kv",
+            "tcp://127.0.0.1:14600",
+            "--both",
+            "http://127.0.0.1:8300@tcp://127.0.0.1:14700",
+            "--require-disagg",
+        )
+    )
     assert cfg.port == 9100 and cfg.kv_mode == "push" and cfg.require_disagg is True
     assert [(i.url, i.role, i.kv_endpoint) for i in cfg.instances] == [
-        ("http://127.0.0.1:8101", "prefill", None), ("http://127.0.0.1:8100", "prefill", None),
+        ("http://127.0.0.1:8101", "prefill", None),
+        ("http://127.0.0.1:8100", "prefill", None),
         ("http://127.0.0.1:8200", "decode", "tcp://127.0.0.1:14600"),
-        ("http://127.0.0.1:8300", "both", "tcp://127.0.0.1:14700")]
+        ("http://127.0.0.1:8300", "both", "tcp://127.0.0.1:14700"),
+    ]
 
 
 def test_flag_errors_name_the_key() -> None:
     with pytest.raises(ConfigError, match="decode_kv"):
-        command_proxy.config_from_args(_args("--decode", "http://a:1", "--decode", "http://a:2",
-                                             "--decode-kv", "tcp://a:3"))
+        command_proxy.config_from_args(
+            _args("--decode", "http://a:1", "--decode", "http://a:2", "--decode-kv", "tcp://a:3")
+        )
     with pytest.raises(ConfigError, match="prefill_timeout"):
         command_proxy.config_from_args(_args("--prefill-timeout", "0"))
     with pytest.raises(ConfigError, match="url"):
@@ -64,8 +80,9 @@ def test_local_servers_advertise_their_transport_s_endpoints() -> None:
 
 
 def test_observability_and_drain_flags() -> None:
-    cfg = command_proxy.config_from_args(_args("--otlp-endpoint", "http://collector:4317", "--request-log", "-",
-                                               "--drain-grace", "7.5"))
+    cfg = command_proxy.config_from_args(
+        _args("--otlp-endpoint", "http://collector:4317", "--request-log", "-", "--drain-grace", "7.5")
+    )
     assert (cfg.otlp_endpoint, cfg.request_log, cfg.drain_grace) == ("http://collector:4317", "-", 7.5)
     assert command_proxy.config_from_args(_args()).drain_grace == 30.0
     with pytest.raises(ConfigError, match="drain_grace"):
@@ -73,16 +90,36 @@ def test_observability_and_drain_flags() -> None:
 
 
 def test_resilience_flags_and_their_errors_name_the_key() -> None:
-    cfg = command_proxy.config_from_args(_args(
-        "--probe-after", "0.5", "--probe-timeout", "0.25", "--max-prefill-answer-bytes", "1000",
-        "--max-decode-answer-bytes", "2000", "--max-sse-event-bytes", "3000", "--max-error-body-bytes", "400"))
+    cfg = command_proxy.config_from_args(
+        _args(
+            "--probe-after",
+            "0.5",
+            "--probe-timeout",
+            "0.25",
+            "--max-prefill-answer-bytes",
+            "1000",
+            "--max-decode-answer-bytes",
+            "2000",
+            "--max-sse-event-bytes",
+            "3000",
+            "--max-error-body-bytes",
+            "400",
+        )
+    )
     assert (cfg.probe_after, cfg.probe_timeout) == (0.5, 0.25)
-    assert (cfg.max_prefill_answer_bytes, cfg.max_decode_answer_bytes, cfg.max_sse_event_bytes,
-            cfg.max_error_body_bytes) == (1000, 2000, 3000, 400)
-    for flag, key in (("--probe-after", "probe_after"), ("--probe-timeout", "probe_timeout"),
-                      ("--max-prefill-answer-bytes", "max_prefill_answer_bytes"),
-                      ("--max-decode-answer-bytes", "max_decode_answer_bytes"),
-                      ("--max-sse-event-bytes", "max_sse_event_bytes"),
-                      ("--max-error-body-bytes", "max_error_body_bytes")):
+    assert (
+        cfg.max_prefill_answer_bytes,
+        cfg.max_decode_answer_bytes,
+        cfg.max_sse_event_bytes,
+        cfg.max_error_body_bytes,
+    ) == (1000, 2000, 3000, 400)
+    for flag, key in (
+        ("--probe-after", "probe_after"),
+        ("--probe-timeout", "probe_timeout"),
+        ("--max-prefill-answer-bytes", "max_prefill_answer_bytes"),
+        ("--max-decode-answer-bytes", "max_decode_answer_bytes"),
+        ("--max-sse-event-bytes", "max_sse_event_bytes"),
+        ("--max-error-body-bytes", "max_error_body_bytes"),
+    ):
         with pytest.raises(ConfigError, match=key):
             command_proxy.config_from_args(_args(flag, "0"))

@@ -53,6 +53,7 @@ def test_in_flight_requests_finish_within_grace_and_new_ones_are_refused() -> No
             assert all(b.count(b"data:") == 13 and b.endswith(b"data: [DONE]\n\n") for b in bodies)
             assert await asyncio.wait_for(drained, 5) == 0  # nothing was left to cancel
             assert not any(s.cancelled for d in h.decodes for s in d.seen)
+
     run(go)
 
 
@@ -75,6 +76,7 @@ def test_requests_past_the_grace_period_are_cancelled_on_both_legs() -> None:
             await wait_for(lambda: h.prefills[0].seen[0].cancelled and h.decodes[0].seen[1].cancelled)
             assert h.decodes[0].seen[0].finished
             assert all(i.load == 0 for i in h.proxy.pool.all())
+
     run(go)
 
 
@@ -92,6 +94,7 @@ def test_second_signal_cuts_the_grace_short() -> None:
             assert await asyncio.wait_for(drained, 5) == 1
             with pytest.raises(aiohttp.ClientError):
                 await long
+
     run(go)
 
 
@@ -114,19 +117,49 @@ def test_sigterm_to_the_proxy_process_drains_it(tmp_path) -> None:
         urls = []
         for name in ("p0", "d0"):
             port = free_port()
-            procs.append(subprocess.Popen([sys.executable, "-m", "tests.support.mock_backend", "--port", str(port),
-                                           "--name", name, "--itl", "0.05"]))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "tests.support.mock_backend",
+                        "--port",
+                        str(port),
+                        "--name",
+                        name,
+                        "--itl",
+                        "0.05",
+                    ]
+                )
+            )
             urls.append(f"http://127.0.0.1:{port}")
             _wait_healthy(urls[-1], procs[-1])
         port, log = free_port(), tmp_path / "requests.jsonl"
-        proxy = subprocess.Popen([sys.executable, "-m", "vllm_pd.router.cli.command_proxy", "--port", str(port),
-                                  "--prefill", urls[0], "--decode", urls[1], "--drain-grace", "20",
-                                  "--request-log", str(log)])
+        proxy = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "vllm_pd.router.cli.command_proxy",
+                "--port",
+                str(port),
+                "--prefill",
+                urls[0],
+                "--decode",
+                urls[1],
+                "--drain-grace",
+                "20",
+                "--request-log",
+                str(log),
+            ]
+        )
         procs.append(proxy)
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proxy)
-        req = urllib.request.Request(url + "/v1/completions", json.dumps(dict(BODY, max_tokens=30)).encode(),
-                                     {"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url + "/v1/completions",
+            json.dumps(dict(BODY, max_tokens=30)).encode(),
+            {"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             first = r.readline()
             proxy.send_signal(signal.SIGTERM)  # 29 tokens, ~1.5 s, still to come

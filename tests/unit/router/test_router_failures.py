@@ -28,6 +28,7 @@ def test_prefill_5xx_retries_on_another_prefill() -> None:
             assert status == 200
             assert len(h.prefills[0].seen) == len(h.prefills[1].seen) == 2
             assert "kv_transfer_params" not in h.decodes[0].seen[1].body
+
     run(go)
 
 
@@ -43,6 +44,7 @@ def test_prefill_dead_falls_back_to_decode_only_unless_required() -> None:
             status, out = await h.post("/v1/completions", LONG)
             assert status == 503 and out["error"]["code"] == "prefill_unavailable"
             assert not h.decodes[0].seen
+
     run(go)
 
 
@@ -54,6 +56,7 @@ def test_prefill_timeout_is_retried() -> None:
             assert status == 200
             assert h.decodes[0].seen[0].body["kv_transfer_params"]["remote_engine_id"] == "p1"
             await wait_for(lambda: h.prefills[0].seen[0].cancelled)  # the timed-out leg was aborted
+
     run(go)
 
 
@@ -65,6 +68,7 @@ def test_client_error_from_prefill_is_passed_through_without_decode() -> None:
             assert status == 400 and out["error"]["message"] == "bad prompt" and out["error"]["param"] == "prompt"
             assert not h.decodes[0].seen
             assert h.proxy.pool.all()[0].breaker.state.value == "closed"
+
     run(go)
 
 
@@ -83,6 +87,7 @@ def test_decode_5xx_before_output_retries_with_fresh_prefill_and_releases_kv() -
             status, out = await h.post("/v1/completions", LONG)
             assert status == 502 and out["error"]["type"] == "upstream_error"
             await wait_for(lambda: len(h.released) == 3)
+
     run(go)
 
 
@@ -95,6 +100,7 @@ def test_decode_connect_error_in_pull_mode_reuses_kv() -> None:
             assert len(h.prefills[0].seen) == 1  # KV untouched on prefill: decode d1 takes it
             assert h.decodes[1].seen[0].body["kv_transfer_params"]["remote_engine_id"] == "p0"
             assert h.released == []
+
     run(go)
 
 
@@ -116,6 +122,7 @@ def test_decode_connect_error_beside_prefill_reruns_prefill_for_new_target(kv_mo
             # the first prefill leg lost its decode: it is aborted (vLLM frees its KV), not held
             await wait_for(lambda: seen[0].cancelled)
             assert h.released == []
+
     run(go)
 
 
@@ -126,6 +133,7 @@ def test_only_decode_dead_gives_clean_error_no_hang() -> None:
             status, out = await asyncio.wait_for(h.post("/v1/completions", dict(LONG, stream=True)), 5)
             assert status == 502 and out["error"]["type"] == "upstream_error"
             await wait_for(lambda: len(h.released) == 1)  # prefill's KV is not left held
+
     run(go)
 
 
@@ -141,6 +149,7 @@ def test_stream_broken_after_output_ends_with_error_event() -> None:
             err = json.loads(events[2][6:])
             assert err["error"]["code"] == "stream_interrupted"
             assert events[3] == b"data: [DONE]"
+
     run(go)
 
 
@@ -151,6 +160,7 @@ def test_stream_failing_before_first_event_is_retried() -> None:
             async with h.session.post(h.url + "/v1/completions", json=dict(LONG, stream=True)) as r:
                 raw = await r.read()
             assert b"[DONE]" in raw and b'"served_by": "d1"' in raw
+
     run(go)
 
 
@@ -164,6 +174,7 @@ def test_client_disconnect_mid_stream_aborts_decode() -> None:
             assert not h.decodes[0].seen[0].finished
             await wait_for(lambda: all(i.load == 0 for i in h.proxy.pool.all()))
             assert h.proxy.metrics.disconnects.labels("stream")._value.get() == 1
+
     run(go)
 
 
@@ -174,12 +185,13 @@ def test_client_disconnect_during_prefill_cancels_prefill_and_skips_decode() -> 
             with_timeout = aiohttp.ClientTimeout(total=0.3)
             try:
                 await h.post("/v1/completions", LONG, timeout=with_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             await wait_for(lambda: h.prefills[0].seen[0].cancelled)
             await asyncio.sleep(0.1)
             assert not h.decodes[0].seen
             assert h.proxy.metrics.disconnects.labels("prefill")._value.get() == 1
+
     run(go)
 
 
@@ -208,13 +220,13 @@ def test_client_disconnect_between_legs_releases_prefill_kv() -> None:
             await wait_for(lambda: len(h.released) == 1)
             assert h.released[0]["remote_engine_id"] == "p0"
             assert not h.decodes[0].seen
+
     run(go)
 
 
 def test_breaker_opens_and_recovers() -> None:
     async def go() -> None:
-        async with harness(n_prefill=2, prefill_policy="round_robin", breaker_failures=2,
-                           breaker_cooldown=3.0) as h:
+        async with harness(n_prefill=2, prefill_policy="round_robin", breaker_failures=2, breaker_cooldown=3.0) as h:
             h.prefills[0].fail_next("500", "500")
             for _ in range(4):
                 await h.post("/v1/completions", LONG)
@@ -228,6 +240,7 @@ def test_breaker_opens_and_recovers() -> None:
             for _ in range(4):
                 await h.post("/v1/completions", LONG)
             assert p0.breaker.state.value == "closed" and len(h.prefills[0].seen) > before
+
     run(go)
 
 
@@ -243,6 +256,7 @@ def test_health_checks_take_dead_instance_out_and_drain_stops_new_requests() -> 
             assert status == 503 and out["error"]["type"] == "service_unavailable"
             async with h.session.get(h.url + "/health") as r:
                 assert r.status == 503
+
     run(go)
 
 
@@ -253,6 +267,7 @@ def test_decode_rejecting_request_releases_prefill_kv() -> None:
             status, out = await h.post("/v1/completions", LONG)
             assert status == 400 and out["error"]["message"] == "bad prompt"
             await wait_for(lambda: len(h.released) == 1)
+
     run(go)
 
 
@@ -261,8 +276,9 @@ def test_client_disconnect_seen_on_write_is_not_a_decode_failure(caplog) -> None
         # a fast stream: the proxy notices the disconnect while writing, not by cancellation
         async with harness(backend_kw={"itl": 0.0005}) as h:
             for _ in range(3):
-                async with h.session.post(h.url + "/v1/completions",
-                                          json=dict(LONG, max_tokens=5000, stream=True)) as r:
+                async with h.session.post(
+                    h.url + "/v1/completions", json=dict(LONG, max_tokens=5000, stream=True)
+                ) as r:
                     await r.content.readline()
                     r.close()
             await wait_for(lambda: all(s.cancelled for s in h.decodes[0].seen))
@@ -271,6 +287,7 @@ def test_client_disconnect_seen_on_write_is_not_a_decode_failure(caplog) -> None
             assert h.proxy.metrics.stream_errors._value.get() == 0
             d0 = h.proxy.pool.get(h.backend_urls["d0"])
             assert d0.breaker._failures == 0
+
     run(go)
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
@@ -297,6 +314,7 @@ def test_prefill_dying_under_load_loses_no_request() -> None:
             statuses = await asyncio.gather(*tasks)
             assert statuses == [200] * 200
             assert len(h.prefills[0].seen) > 100
+
     run(go)
 
 
@@ -304,8 +322,10 @@ def test_default_release_uses_the_connector_and_ignores_foreign_params() -> None
     from vllm_pd.router.flow.pd_flow import default_release_remote_kv
 
     # NixlConnector-style params are not ours: nothing to release, no exception
-    assert default_release_remote_kv({"do_remote_prefill": True, "remote_engine_id": "x",
-                                      "remote_block_ids": [1]}) is False
+    assert (
+        default_release_remote_kv({"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": [1]})
+        is False
+    )
 
 
 def test_push_mode_prefill_failure_cancels_the_waiting_decode_leg_and_runs_decode_only() -> None:
@@ -320,4 +340,5 @@ def test_push_mode_prefill_failure_cancels_the_waiting_decode_leg_and_runs_decod
             assert legs[0].body["kv_transfer_params"]["transfer_id"]  # sent beside the prefill leg
             await wait_for(lambda: legs[0].cancelled)  # no push will come: not left waiting
             assert "kv_transfer_params" not in legs[1].body  # decode computes the prompt
+
     run(go)

@@ -4,37 +4,59 @@ from __future__ import annotations
 
 import json
 
-
-from vllm_pd.connector.transfer_params import AwaitedPrefill
 from tests.support.router_harness import harness, run
+from vllm_pd.connector.transfer_params import AwaitedPrefill
 
 LONG = {"prompt": "long prompt " * 30, "max_tokens": 3}
 
-NIXL_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+NIXL_REQUEST = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def test_two_leg_bodies_exactly() -> None:
     async def go() -> None:
         async with harness() as h:
-            body = {"model": "mock-model", "prompt": "hello world " * 10, "max_tokens": 5,
-                    "max_completion_tokens": 5, "min_tokens": 2, "stream": True,
-                    "stream_options": {"include_usage": True}, "n": 1, "stop": ["x"], "logprobs": 2,
-                    "my_unknown_field": {"a": [1, 2]}}
+            body = {
+                "model": "mock-model",
+                "prompt": "hello world " * 10,
+                "max_tokens": 5,
+                "max_completion_tokens": 5,
+                "min_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "n": 1,
+                "stop": ["x"],
+                "logprobs": 2,
+                "my_unknown_field": {"a": [1, 2]},
+            }
             async with h.session.post(h.url + "/v1/completions", json=body, headers={"X-Request-Id": "rid-1"}) as r:
                 assert r.status == 200
                 await r.read()
             (p,) = h.prefills[0].seen
             (d,) = h.decodes[0].seen
-            expected_p = dict(body, max_tokens=1, max_completion_tokens=1, stream=False,
-                              kv_transfer_params=NIXL_REQUEST)
+            expected_p = dict(
+                body, max_tokens=1, max_completion_tokens=1, stream=False, kv_transfer_params=NIXL_REQUEST
+            )
             del expected_p["stream_options"], expected_p["min_tokens"]
             assert p.body == expected_p
-            kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0",
-                  "remote_block_ids": [1, 2, 3], "remote_request_id": "rid-1", "remote_host": "127.0.0.1",
-                  "remote_port": 5600}
+            kv = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": "p0",
+                "remote_block_ids": [1, 2, 3],
+                "remote_request_id": "rid-1",
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+            }
             assert d.body == dict(body, kv_transfer_params=kv)
             assert p.headers["x-request-id"] == d.headers["x-request-id"] == "rid-1"
+
     run(go)
 
 
@@ -46,25 +68,30 @@ def test_legs_go_out_together_when_decode_kv_endpoint_is_known() -> None:
                 kvp = h.prefills[0].seen[0].body["kv_transfer_params"]
                 transfer_id = kvp.get("transfer_id")
                 assert isinstance(transfer_id, str) and len(transfer_id) == 32
-                assert kvp == dict(NIXL_REQUEST, transfer_mode=mode, decode_endpoint="tcp://127.0.0.1:14601",
-                                   transfer_id=transfer_id)
+                assert kvp == dict(
+                    NIXL_REQUEST, transfer_mode=mode, decode_endpoint="tcp://127.0.0.1:14601", transfer_id=transfer_id
+                )
                 # the decode leg went out beside the prefill leg, waiting for prefill's announcement of it
-                assert h.decodes[0].seen[0].body["kv_transfer_params"] == AwaitedPrefill(transfer_id,
-                                                                                         mode).to_params()
+                assert h.decodes[0].seen[0].body["kv_transfer_params"] == AwaitedPrefill(transfer_id, mode).to_params()
         # no KV endpoint for decode: vLLM's standard flow, prefill's answer carried to decode
         async with harness(decode_kv=False, kv_mode="auto") as h:
             await h.post("/v1/completions", {"prompt": "abc " * 20, "max_tokens": 2})
             assert h.prefills[0].seen[0].body["kv_transfer_params"] == NIXL_REQUEST
             assert h.decodes[0].seen[0].body["kv_transfer_params"]["remote_engine_id"] == "p0"
+
     run(go)
 
 
 def test_chat_non_streaming_passthrough_and_request_id_generated() -> None:
     async def go() -> None:
         async with harness() as h:
-            body = {"model": "mock-model", "messages": [{"role": "user", "content": "hi there"}],
-                    "max_completion_tokens": 3, "temperature": 0, "tools": [{"type": "function",
-                                                                            "function": {"name": "f"}}]}
+            body = {
+                "model": "mock-model",
+                "messages": [{"role": "user", "content": "hi there"}],
+                "max_completion_tokens": 3,
+                "temperature": 0,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            }
             status, out = await h.post("/v1/chat/completions", body)
             assert status == 200
             assert out["choices"][0]["message"]["content"] == " t0 t1 t2"
@@ -74,6 +101,7 @@ def test_chat_non_streaming_passthrough_and_request_id_generated() -> None:
             assert h.prefills[0].seen[0].body["max_completion_tokens"] == 1
             rid = d.headers["x-request-id"]
             assert len(rid) >= 16 and h.prefills[0].seen[0].headers["x-request-id"] == rid
+
     run(go)
 
 
@@ -94,6 +122,7 @@ def test_streaming_is_flushed_per_event() -> None:
             # them all at the end; a flushing one delivers the first at once
             assert arrivals[0] - t0 < 0.45, arrivals[0] - t0
             assert arrivals[3] - arrivals[0] > 0.5
+
     run(go)
 
 
@@ -103,13 +132,14 @@ def test_usage_reports_prefill_cached_tokens() -> None:
             h.prefills[0].cached_tokens = 32
             status, out = await h.post("/v1/completions", {"prompt": "y " * 100, "max_tokens": 2})
             assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
-            body = {"prompt": "y " * 100, "max_tokens": 2, "stream": True,
-                    "stream_options": {"include_usage": True}}
+            body = {"prompt": "y " * 100, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
             async with h.session.post(h.url + "/v1/completions", json=body) as r:
-                events = [json.loads(line[6:]) for line in (await r.read()).split(b"\n\n")
-                          if line.startswith(b"data: {")]
+                events = [
+                    json.loads(line[6:]) for line in (await r.read()).split(b"\n\n") if line.startswith(b"data: {")
+                ]
             assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
             assert events[-1]["usage"]["prompt_tokens"] > 0
+
     run(go)
 
 
@@ -124,6 +154,7 @@ def test_short_prompt_and_n_greater_than_one_skip_prefill() -> None:
             assert h.decodes[0].seen[1].body["n"] == 2
             status, _ = await h.post("/v1/completions", {"prompt": "long " * 50, "max_tokens": 2})
             assert len(h.prefills[0].seen) == 1
+
     run(go)
 
 
@@ -134,6 +165,7 @@ def test_prefill_without_kv_params_still_answers() -> None:
             status, out = await h.post("/v1/completions", {"prompt": "long " * 50, "max_tokens": 2})
             assert status == 200
             assert "kv_transfer_params" not in h.decodes[0].seen[0].body
+
     run(go)
 
 
@@ -150,6 +182,7 @@ def test_models_health_metrics() -> None:
                 text = await r.text()
             assert 'vllm_pd_proxy_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
             assert "vllm_pd_proxy_instance_healthy" in text
+
     run(go)
 
 
@@ -161,9 +194,8 @@ def test_unknown_model_is_404_with_openai_error() -> None:
             assert status == 404
             assert out["error"]["code"] == "model_not_found" and out["error"]["param"] == "model"
             assert set(out["error"]) == {"message", "type", "param", "code"}
+
     run(go)
-
-
 
 
 def test_tpot_is_sampled_while_a_long_stream_runs() -> None:
@@ -177,6 +209,7 @@ def test_tpot_is_sampled_while_a_long_stream_runs() -> None:
                 tpot = h.proxy.pool.recent_tpot.value
                 assert tpot is not None and 0.005 < tpot < 0.2, tpot
                 r.close()
+
     run(go)
 
 
@@ -188,8 +221,11 @@ def test_the_decode_leg_names_the_kv_endpoints_prefill_answered_with() -> None:
     inst = Instance("http://p:1", "prefill", None, breaker=None)  # type: ignore[arg-type]
     inst.learn_kv_peers({"do_remote_prefill": True, "remote_endpoint": "x"})  # another connector's: nothing
     assert inst.kv_peers == ()
-    inst.learn_kv_peers(remote_prefill(endpoints=("tcp://10.0.0.9:7000", "tcp://10.0.0.9:7001"), tp_size=2,
-                                       endpoint="tcp://10.0.0.9:7000").to_params())
+    inst.learn_kv_peers(
+        remote_prefill(
+            endpoints=("tcp://10.0.0.9:7000", "tcp://10.0.0.9:7001"), tp_size=2, endpoint="tcp://10.0.0.9:7000"
+        ).to_params()
+    )
     assert inst.kv_peers == ("tcp://10.0.0.9:7000", "tcp://10.0.0.9:7001")
 
     async def go() -> None:
@@ -200,6 +236,7 @@ def test_the_decode_leg_names_the_kv_endpoints_prefill_answered_with() -> None:
             p0.kv_peers = ("tcp://10.0.0.9:7000",)
             status, _ = await h.post("/v1/completions", LONG)
             assert h.decodes[0].seen[1].body["kv_transfer_params"]["prefill_endpoints"] == ["tcp://10.0.0.9:7000"]
+
     run(go)
 
 
@@ -207,6 +244,12 @@ def test_a_prefill_given_with_its_kv_endpoint_is_named_from_the_first_request() 
     from vllm_pd.router.config import InstanceConfig, ProxyConfig
     from vllm_pd.router.pool.instance_pool import InstancePool
 
-    pool = InstancePool(ProxyConfig(instances=[InstanceConfig("http://p:1", "prefill", "tcp://p:7000"),
-                                               InstanceConfig("http://d:1", "decode", "tcp://d:7000")]))
+    pool = InstancePool(
+        ProxyConfig(
+            instances=[
+                InstanceConfig("http://p:1", "prefill", "tcp://p:7000"),
+                InstanceConfig("http://d:1", "decode", "tcp://d:7000"),
+            ]
+        )
+    )
     assert pool.get("http://p:1").kv_peers == ("tcp://p:7000",) and pool.get("http://d:1").kv_peers == ()

@@ -4,7 +4,7 @@ scripted servers on real sockets."""
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -12,6 +12,7 @@ from vllm_pd.router.backend import backend_response, http_client
 from vllm_pd.router.backend.backend_response import BackendConnectError, BackendError
 from vllm_pd.router.backend.http_client import BackendClient
 from vllm_pd.vllm_server import free_port
+
 
 class ScriptedServer:
     """Reads each request head (+ Content-Length body) and lets ``script`` answer it; counts connections."""
@@ -76,6 +77,7 @@ def test_content_length_and_keep_alive_reuse_one_connection() -> None:
             assert first.startswith(b"POST /v1/x HTTP/1.1\r\n") and b"\r\nX-Request-Id: r\r\n" in first
             assert b"\r\nContent-Length: 8\r\n" in first and first.endswith(b'\r\n\r\n{"a": 1}')
             client.close()
+
     run(go())
 
 
@@ -103,6 +105,7 @@ def test_chunked_body_arrives_piece_by_piece() -> None:
             assert await r.read() == b"hello world"
             r.close()
             assert srv.connections == 1
+
     run(go())
 
 
@@ -122,6 +125,7 @@ def test_connection_close_and_close_delimited_bodies_are_not_reused() -> None:
                 assert await r.read() == expected
                 r.close()
             assert srv.connections == 2
+
     run(go())
 
 
@@ -153,6 +157,7 @@ def test_unfinished_response_aborts_connection_and_next_request_uses_a_fresh_one
                     break
                 await asyncio.sleep(0.01)
             assert srv.closed_by_peer == 1
+
     run(go())
 
 
@@ -167,6 +172,7 @@ def test_backend_closing_mid_body_is_an_error() -> None:
             with pytest.raises(BackendError):
                 await r.read()
             r.close()
+
     run(go())
 
 
@@ -187,6 +193,7 @@ def test_stale_idle_connection_is_not_reused(monkeypatch: pytest.MonkeyPatch) ->
             assert await r.read() == b"x"
             r.close()
             assert srv.connections == 2
+
     run(go())
 
 
@@ -215,6 +222,7 @@ def test_reading_pauses_while_the_consumer_is_slow() -> None:
                 got += len(chunk)
             assert got == total == sent
             r.close()
+
     run(go())
 
 
@@ -237,6 +245,7 @@ def test_timeouts() -> None:
             with pytest.raises(TimeoutError):
                 await r.readany()
             r.close()
+
     run(go())
 
 
@@ -244,6 +253,7 @@ def test_refused_connection_is_a_connect_error() -> None:
     async def go() -> None:
         with pytest.raises(BackendConnectError):
             await BackendClient().request("GET", f"http://127.0.0.1:{free_port()}", "/")
+
     run(go())
 
 
@@ -261,6 +271,7 @@ def test_read_timeout_is_per_wait_not_per_body() -> None:
             r = await BackendClient().request("GET", srv.url, "/", read_timeout=0.15)
             assert await r.read() == b"x" * 6
             r.close()
+
     run(go())
 
 
@@ -283,6 +294,7 @@ def test_read_stops_at_its_limit_and_the_response_keeps_no_bytes() -> None:
             r.close()
             assert not r._chunks  # what was buffered went with the close
             client.close()
+
     run(go())
 
 
@@ -303,4 +315,5 @@ def test_a_failed_response_raises_a_fresh_error_each_time() -> None:
             # the stored error is never raised itself: its traceback would tie the reader's frames to r
             assert raised[0] is not raised[1] and r._error is not raised[0] and r._error.__traceback__ is None
             r.close()
+
     run(go())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from vllm_pd.router.http.errors import ProxyError
 from vllm_pd.router.http.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
@@ -22,9 +22,16 @@ class App:
         self.written = 0
 
     async def echo(self, req: HttpRequest) -> HttpResponse:
-        return json_response({"method": req.method, "path": req.path, "query": req.query,
-                              "len": len(req.body), "tail": req.body[-8:].decode(),
-                              "x": req.headers.get("x-test")})
+        return json_response(
+            {
+                "method": req.method,
+                "path": req.path,
+                "query": req.query,
+                "len": len(req.body),
+                "tail": req.body[-8:].decode(),
+                "x": req.headers.get("x-test"),
+            }
+        )
 
     async def fail(self, req: HttpRequest) -> HttpResponse:
         raise ProxyError(418, "no coffee", code="teapot")
@@ -63,8 +70,12 @@ class App:
 async def server(max_body: int = 1 << 20) -> AsyncIterator[tuple[App, int]]:
     app = App()
     routes: dict[str, dict[str, Callable[[HttpRequest], Awaitable[HttpResponse | StreamResponse]]]] = {
-        "/echo": {"POST": app.echo, "GET": app.echo}, "/fail": {"GET": app.fail}, "/hang": {"GET": app.hang},
-        "/stream": {"GET": app.stream}, "/flood": {"GET": app.flood}}
+        "/echo": {"POST": app.echo, "GET": app.echo},
+        "/fail": {"GET": app.fail},
+        "/hang": {"GET": app.hang},
+        "/stream": {"GET": app.stream},
+        "/flood": {"GET": app.flood},
+    }
     port = free_port()
     srv = HttpServer(routes, max_body)
     await srv.start("127.0.0.1", port)
@@ -98,18 +109,27 @@ def test_keep_alive_and_pipelined_requests_answer_in_order() -> None:
     async def go() -> None:
         async with server() as (app, port):
             r, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"POST /echo?a=1 HTTP/1.1\r\nHost: x\r\nX-Test: one\r\nContent-Length: 5\r\n\r\nhello"
-                    b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+            w.write(
+                b"POST /echo?a=1 HTTP/1.1\r\nHost: x\r\nX-Test: one\r\nContent-Length: 5\r\n\r\nhello"
+                b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
             s1, _, b1 = await read_response(r)
             s2, _, b2 = await read_response(r)
             assert s1 == s2 == 200
-            assert json.loads(b1) == {"method": "POST", "path": "/echo", "query": {"a": "1"}, "len": 5,
-                                      "tail": "hello", "x": "one"}
+            assert json.loads(b1) == {
+                "method": "POST",
+                "path": "/echo",
+                "query": {"a": "1"},
+                "len": 5,
+                "tail": "hello",
+                "x": "one",
+            }
             assert json.loads(b2)["method"] == "GET" and json.loads(b2)["len"] == 0
             w.write(b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             s3, h3, _ = await read_response(r)
             assert s3 == 200 and h3["connection"] == "close" and await r.read() == b""  # then closed
             w.close()
+
     run(go())
 
 
@@ -117,8 +137,10 @@ def test_chunked_request_body_and_expect_continue() -> None:
     async def go() -> None:
         async with server() as (app, port):
             r, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                    b"3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n")
+            w.write(
+                b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n"
+            )
             _, _, body = await read_response(r)
             assert json.loads(body)["tail"] == "abcdefg"
             w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n")
@@ -127,19 +149,25 @@ def test_chunked_request_body_and_expect_continue() -> None:
             _, _, body = await read_response(r)
             assert json.loads(body)["tail"] == "xyz"
             w.close()
+
     run(go())
 
 
 def test_errors_are_openai_json() -> None:
     async def go() -> None:
         async with server(max_body=100) as (app, port):
-            cases = [(b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n", 404),
-                     (b"DELETE /echo HTTP/1.1\r\nHost: x\r\n\r\n", 405),
-                     (b"GET /fail HTTP/1.1\r\nHost: x\r\n\r\n", 418),
-                     (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 101\r\n\r\n" + b"z" * 101, 413),
-                     (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                      b"40\r\n" + b"z" * 64 + b"\r\n40\r\n" + b"z" * 64 + b"\r\n0\r\n\r\n", 413),
-                     (b"NOT HTTP AT ALL\r\n\r\n", 400)]
+            cases = [
+                (b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+                (b"DELETE /echo HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+                (b"GET /fail HTTP/1.1\r\nHost: x\r\n\r\n", 418),
+                (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 101\r\n\r\n" + b"z" * 101, 413),
+                (
+                    b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"40\r\n" + b"z" * 64 + b"\r\n40\r\n" + b"z" * 64 + b"\r\n0\r\n\r\n",
+                    413,
+                ),
+                (b"NOT HTTP AT ALL\r\n\r\n", 400),
+            ]
             for raw, status in cases:
                 r, w = await asyncio.open_connection("127.0.0.1", port)
                 w.write(raw)
@@ -147,6 +175,7 @@ def test_errors_are_openai_json() -> None:
                 err = json.loads(body)["error"]
                 assert got == status and set(err) == {"message", "type", "param", "code"}, (raw, got, body)
                 w.close()
+
     run(go())
 
 
@@ -165,6 +194,7 @@ def test_each_stream_write_is_flushed_at_once() -> None:
             w.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")  # the connection stays usable
             assert (await read_response(r))[0] == 200
             w.close()
+
     run(go())
 
 
@@ -176,6 +206,7 @@ def test_client_disconnect_cancels_the_handler() -> None:
             await asyncio.sleep(0.1)
             w.close()
             await asyncio.wait_for(app.cancelled.wait(), 2)
+
     run(go())
 
 
@@ -190,6 +221,7 @@ def test_stream_writes_wait_for_a_slow_client() -> None:
             await asyncio.sleep(0.2)
             assert app.written == stalled
             w.close()
+
     run(go())
 
 
@@ -203,6 +235,7 @@ def test_http10_stream_is_not_chunked_and_ends_with_the_connection() -> None:
             head, body = raw.split(b"\r\n\r\n", 1)
             assert b"chunked" not in head.lower() and body == b"data: 1\n\ndata: 2\n\n"
             w.close()
+
     run(go())
 
 
@@ -218,4 +251,5 @@ def test_malformed_request_behind_a_running_one_closes_after_its_answer() -> Non
             rest = await asyncio.wait_for(r.read(), 2)  # the stream ends, then the connection closes
             assert rest.endswith(b"0\r\n\r\n")
             w.close()
+
     run(go())

@@ -43,13 +43,13 @@ CASES = [
 def test_bad_bodies(path: str, raw: bytes, status: int, param: str | None) -> None:
     async def go() -> None:
         async with harness() as h:
-            async with h.session.post(h.url + path, data=raw,
-                                      headers={"Content-Type": "application/json"}) as r:
+            async with h.session.post(h.url + path, data=raw, headers={"Content-Type": "application/json"}) as r:
                 body = await r.json(content_type=None)
                 assert r.status == status, body
             assert _is_openai_error(body)
             assert body["error"]["param"] == param
             assert not h.prefills[0].seen and not h.decodes[0].seen
+
     run(go)
 
 
@@ -67,6 +67,7 @@ def test_body_size_limit_wrong_method_and_unknown_path() -> None:
             # still alive and serving
             async with h.session.post(h.url + "/v1/completions", json={"prompt": "ok " * 30}) as r:
                 assert r.status == 200
+
     run(go)
 
 
@@ -75,9 +76,8 @@ def test_no_instances_gives_503() -> None:
         async with harness(n_prefill=0, n_decode=0) as h:
             status, body = await h.post("/v1/completions", {"prompt": "x"})
             assert status == 503 and _is_openai_error(body)
+
     run(go)
-
-
 
 
 def _random_value(rng, depth: int = 0):
@@ -90,7 +90,7 @@ def _random_value(rng, depth: int = 0):
     if kind == "float":
         return rng.random() * 1e3
     if kind == "str":
-        return "".join(rng.choice("ab \u00e9\u4e2d\"\\{}\n") for _ in range(rng.randint(0, 20)))
+        return "".join(rng.choice('ab \u00e9\u4e2d"\\{}\n') for _ in range(rng.randint(0, 20)))
     if kind == "bool":
         return rng.random() < 0.5
     if kind == "none":
@@ -104,8 +104,21 @@ def test_random_bodies_never_give_500() -> None:
     import random
 
     rng = random.Random(7)
-    fields = ["prompt", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
-              "model", "best_of", "min_tokens", "kv_transfer_params", "logprobs", "stop"]
+    fields = [
+        "prompt",
+        "messages",
+        "stream",
+        "stream_options",
+        "n",
+        "max_tokens",
+        "max_completion_tokens",
+        "model",
+        "best_of",
+        "min_tokens",
+        "kv_transfer_params",
+        "logprobs",
+        "stop",
+    ]
 
     async def go() -> None:
         async with harness() as h:
@@ -120,7 +133,9 @@ def test_random_bodies_never_give_500() -> None:
                     assert r.status < 500, (body, r.status, raw[:300])
                     if r.status >= 400:
                         import json
+
                         assert _is_openai_error(json.loads(raw))
             status, _ = await h.post("/v1/completions", {"prompt": "still alive " * 10})
             assert status == 200
+
     run(go)

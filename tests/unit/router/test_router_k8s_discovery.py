@@ -13,17 +13,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 
 from tests.support.k8s_api_standin import StandInApiServer, make_pod
+from tests.support.mock_backend import MockBackend, start_backend
 from vllm_pd.router.config import K8sDiscoveryConfig, ProxyConfig
 from vllm_pd.router.http.http_server import HttpServer
 from vllm_pd.router.pool.instance_pool import Instance
 from vllm_pd.router.server.app import ProxyServer, serve
-from tests.support.mock_backend import MockBackend, start_backend
 from vllm_pd.vllm_server import free_port
 
 PREFILL = {"app": "vllm", "role": "prefill"}
@@ -81,8 +82,13 @@ async def cluster(names: list[str], itl: float = 0.0, **k8s_kw: Any) -> AsyncIte
         ports[n] = int(url.rsplit(":", 1)[1])
     k8s_kw.setdefault("reap_interval", 0.05)
     k8s_kw.setdefault("backoff_max", 0.3)
-    k8s = K8sDiscoveryConfig(prefill_selector="app=vllm,role=prefill", decode_selector="app=vllm,role=decode",
-                             namespace="llm", api_url=api.url, **k8s_kw)
+    k8s = K8sDiscoveryConfig(
+        prefill_selector="app=vllm,role=prefill",
+        decode_selector="app=vllm,role=decode",
+        namespace="llm",
+        api_url=api.url,
+        **k8s_kw,
+    )
     cfg = ProxyConfig(port=free_port(), kubernetes=k8s, decode_policy="round_robin", health_interval=0.2)
     proxy = ProxyServer(cfg, release_kv=lambda params: True)
     runner = await serve(proxy)
@@ -129,6 +135,7 @@ def test_ready_pods_of_each_selector_become_instances_and_serve_requests() -> No
                 assert (await c.complete())[0] == 200
             assert c.served_by("d0") == 6 and c.served_by("d1") == 5
             assert c.api.requests.count("LIST") == 2  # one per role: everything else came by WATCH
+
     run(go())
 
 
@@ -151,6 +158,7 @@ def test_deleted_pod_is_drained_its_stream_finishes_and_new_requests_avoid_it() 
             assert status == 200 and events[-1] == "data: [DONE]" and len(events) == 31
             assert c.backends["d0"].seen[0].finished
             await eventually(lambda: c.instance("d0") is None, what="d0 removed once its stream ended")
+
     run(go())
 
 
@@ -172,6 +180,7 @@ def test_expired_watch_lists_again_and_catches_up() -> None:
             stale = [r for r in after if r.startswith("WATCH") and int(r.split()[1]) < c.api.compacted_at]
             assert len(stale) == 2 and after.count("LIST") == 2, after
             assert (await c.complete())[0] == 200 and c.served_by("d1") == 1
+
     run(go())
 
 
@@ -189,6 +198,7 @@ def test_api_server_restart_reconnects_and_applies_what_changed_meanwhile() -> N
             await eventually(lambda: c.instance("d1") and c.instance("d0") is None, what="reconnected")
             assert c.proxy.discovery.failures >= 2  # each role failed to reach it at least once
             assert (await c.complete())[0] == 200 and c.served_by("d1") == 1
+
     run(go())
 
 
@@ -197,9 +207,13 @@ def test_watch_renewed_from_its_version_when_the_server_ends_it() -> None:
         async with cluster(["p0", "d0"], watch_timeout=1.0) as c:
             c.api.put(c.pod("p0", PREFILL))
             await eventually(lambda: c.instance("p0"))
-            await eventually(lambda: sum(r.startswith("WATCH") for r in c.api.requests) >= 4, timeout=5,
-                             what="each role's watch renewed")
+            await eventually(
+                lambda: sum(r.startswith("WATCH") for r in c.api.requests) >= 4,
+                timeout=5,
+                what="each role's watch renewed",
+            )
             c.api.put(c.pod("d0", DECODE))
             await eventually(lambda: c.instance("d0"), what="an event after the renewal")
             assert c.api.requests.count("LIST") == 2
+
     run(go())

@@ -62,20 +62,22 @@ def test_only_running_ready_pods_with_an_ip_that_are_not_terminating_are_routabl
     assert not is_routable(Pod())  # a pod just created: no status yet
 
 
-@pytest.mark.parametrize("selector,labels,match", [
-    ("app=vllm,role=decode", {"app": "vllm", "role": "decode"}, True),
-    ("app=vllm,role=decode", {"app": "vllm", "role": "prefill"}, False),
-    ("app==vllm, role!=prefill", {"app": "vllm"}, True),
-    ("role in (prefill, decode),app", {"app": "x", "role": "decode"}, True),
-    ("role notin (prefill),!canary", {"role": "decode", "canary": "1"}, False),
-    ("vllm-pd.io/role=decode", {"vllm-pd.io/role": "decode"}, True),
-])
+@pytest.mark.parametrize(
+    "selector,labels,match",
+    [
+        ("app=vllm,role=decode", {"app": "vllm", "role": "decode"}, True),
+        ("app=vllm,role=decode", {"app": "vllm", "role": "prefill"}, False),
+        ("app==vllm, role!=prefill", {"app": "vllm"}, True),
+        ("role in (prefill, decode),app", {"app": "x", "role": "decode"}, True),
+        ("role notin (prefill),!canary", {"role": "decode", "canary": "1"}, False),
+        ("vllm-pd.io/role=decode", {"vllm-pd.io/role": "decode"}, True),
+    ],
+)
 def test_selector_matches(selector: str, labels: dict[str, str], match: bool) -> None:
     assert all(r.matches(labels) for r in parse_selector(selector)) is match
 
 
-@pytest.mark.parametrize("selector", ["", "role=decode,", "role=de code", "role in prefill", "=decode",
-                                      "role=(x)"])
+@pytest.mark.parametrize("selector", ["", "role=decode,", "role=de code", "role in prefill", "=decode", "role=(x)"])
 def test_bad_selector_is_refused(selector: str) -> None:
     with pytest.raises(ValueError):
         parse_selector(selector)
@@ -88,40 +90,56 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_discovery_flags_and_yaml(tmp_path: Path) -> None:
-    cfg = command_proxy.config_from_args(_args(
-        "--service-discovery", "k8s", "--k8s-namespace", "llm", "--prefill-selector", "app=x,role=prefill",
-        "--decode-selector", "app=x,role=decode", "--k8s-port", "9000"))
-    assert cfg.kubernetes == K8sDiscoveryConfig(prefill_selector="app=x,role=prefill",
-                                                decode_selector="app=x,role=decode", namespace="llm",
-                                                http_port=9000)
+    cfg = command_proxy.config_from_args(
+        _args(
+            "--service-discovery",
+            "k8s",
+            "--k8s-namespace",
+            "llm",
+            "--prefill-selector",
+            "app=x,role=prefill",
+            "--decode-selector",
+            "app=x,role=decode",
+            "--k8s-port",
+            "9000",
+        )
+    )
+    assert cfg.kubernetes == K8sDiscoveryConfig(
+        prefill_selector="app=x,role=prefill", decode_selector="app=x,role=decode", namespace="llm", http_port=9000
+    )
     assert cfg.instances == []
     f = tmp_path / "p.yaml"
     f.write_text("kubernetes:\n  decode_selector: role=decode\n  namespace: a\n")
     from_file = command_proxy.config_from_args(_args("--config", str(f), "--k8s-namespace", "b"))
     assert from_file.kubernetes.decode_selector == "role=decode" and from_file.kubernetes.namespace == "b"
-    assert command_proxy.config_from_args(_args("--config", str(f), "--service-discovery", "static")).kubernetes \
-        is None
+    assert command_proxy.config_from_args(_args("--config", str(f), "--service-discovery", "static")).kubernetes is None
     assert command_proxy.config_from_args(_args("--decode", "http://a:1")).kubernetes is None
 
 
-@pytest.mark.parametrize("argv,key", [
-    (["--service-discovery", "k8s"], "kubernetes"),  # no selector at all
-    (["--service-discovery", "k8s", "--decode-selector", "role=de code"], "kubernetes.decode_selector"),
-    (["--service-discovery", "k8s", "--decode-selector", "a", "--k8s-port", "0"], "kubernetes.http_port"),
-    (["--service-discovery", "k8s", "--decode-selector", "a", "--k8s-api-url", "x"], "kubernetes.api_url"),
-    (["--decode-selector", "role=decode"], "decode_selector"),  # without --service-discovery k8s
-])
+@pytest.mark.parametrize(
+    "argv,key",
+    [
+        (["--service-discovery", "k8s"], "kubernetes"),  # no selector at all
+        (["--service-discovery", "k8s", "--decode-selector", "role=de code"], "kubernetes.decode_selector"),
+        (["--service-discovery", "k8s", "--decode-selector", "a", "--k8s-port", "0"], "kubernetes.http_port"),
+        (["--service-discovery", "k8s", "--decode-selector", "a", "--k8s-api-url", "x"], "kubernetes.api_url"),
+        (["--decode-selector", "role=decode"], "decode_selector"),  # without --service-discovery k8s
+    ],
+)
 def test_discovery_flag_errors_name_the_key(argv: list[str], key: str) -> None:
     with pytest.raises(ConfigError, match=f"^{key}"):
         command_proxy.config_from_args(_args(*argv))
 
 
-@pytest.mark.parametrize("text,key", [
-    ("kubernetes: [role=decode]\n", "kubernetes"),
-    ("kubernetes:\n  decode_selectr: a\n", "kubernetes.decode_selectr"),
-    ("kubernetes:\n  decode_selector: a\n  http_port: '80'\n", "kubernetes.http_port"),
-    ("kubernetes:\n  decode_selector: a\n  watch_timeout: 0\n", "kubernetes.watch_timeout"),
-])
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("kubernetes: [role=decode]\n", "kubernetes"),
+        ("kubernetes:\n  decode_selectr: a\n", "kubernetes.decode_selectr"),
+        ("kubernetes:\n  decode_selector: a\n  http_port: '80'\n", "kubernetes.http_port"),
+        ("kubernetes:\n  decode_selector: a\n  watch_timeout: 0\n", "kubernetes.watch_timeout"),
+    ],
+)
 def test_yaml_kubernetes_errors_name_the_key(tmp_path: Path, text: str, key: str) -> None:
     f = tmp_path / "p.yaml"
     f.write_text(text)
@@ -161,4 +179,5 @@ def test_in_cluster_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
             await api.close()
             await server.stop()
         return server.authorizations
+
     assert asyncio.run(token_is_sent_and_reread()) == ["Bearer token-1", "Bearer token-2"]

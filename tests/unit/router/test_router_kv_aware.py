@@ -47,7 +47,7 @@ def _vllm_hashes(vllm_hashing, algo: str, ids: list[int]) -> list[bytes]:
     utils.init_none_hash(fns[algo])
     out, parent = [], None
     for start in range(0, len(ids) // BS * BS, BS):
-        parent = utils.hash_block_tokens(fns[algo], parent, ids[start:start + BS])
+        parent = utils.hash_block_tokens(fns[algo], parent, ids[start : start + BS])
         out.append(bytes(parent))
     return out
 
@@ -75,8 +75,9 @@ def test_tokens_equal_transformers_chat_template_and_encode(small_model_dir: Pat
     ref = transformers.AutoTokenizer.from_pretrained(str(small_model_dir))
     tok = PromptTokenizer(small_model_dir, VllmBlockHasher())
     chat = parse_body(json.dumps({"messages": CONVERSATION}).encode(), CHAT)
-    as_strings = [{**m, "content": "And three more?\nBriefly."} if isinstance(m["content"], list) else m
-                  for m in CONVERSATION]
+    as_strings = [
+        {**m, "content": "And three more?\nBriefly."} if isinstance(m["content"], list) else m for m in CONVERSATION
+    ]
     text = ref.apply_chat_template(as_strings, add_generation_prompt=True, tokenize=False)
     assert tok.token_ids(chat) == ref(text, add_special_tokens=False)["input_ids"]
     prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"
@@ -85,8 +86,12 @@ def test_tokens_equal_transformers_chat_template_and_encode(small_model_dir: Pat
     ids = parse_body(json.dumps({"prompt": [5, 6, 7]}).encode(), COMPLETIONS)
     assert tok.token_ids(ids) == [5, 6, 7]
     # what is not reproduced exactly gives no blocks (routing by load), never a guess
-    image = parse_body(json.dumps({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}).encode(), CHAT)
+    image = parse_body(
+        json.dumps(
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+        ).encode(),
+        CHAT,
+    )
     assert tok.blocks(image) is None
 
 
@@ -98,8 +103,16 @@ def _batch(*events: object) -> bytes:
 def _stored(hashes: list[bytes], ids: list[int], parent: bytes | None = None, **kw: object) -> object:
     from vllm.distributed.kv_events import BlockStored
 
-    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=ids, block_size=BS,
-                       lora_id=None, medium="GPU", lora_name=None, **kw)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=ids,
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        **kw,
+    )
 
 
 def _prompt(ids: list[int]) -> PromptBlocks:
@@ -184,7 +197,7 @@ def test_policy_prefers_the_holder_until_its_queue_costs_more() -> None:
     hasher = VllmBlockHasher()
     ids = list(range(5000, 5000 + 10 * BS))
     index = KvLocations(hasher)
-    index.apply_message("http://p1:1", 0, _batch(_stored(hasher.hashes(ids, BS)[:8], ids[:8 * BS])))
+    index.apply_message("http://p1:1", 0, _batch(_stored(hasher.hashes(ids, BS)[:8], ids[: 8 * BS])))
     pool = _pool(3)
     policy = make_policy("kv_aware", index, load_weight=1.0)
     assert isinstance(policy, KvAware)
@@ -203,8 +216,9 @@ def test_policy_prefers_the_holder_until_its_queue_costs_more() -> None:
 
 def test_flow_routes_to_holder_and_skips_prefill_when_decode_holds_prompt(small_model_dir: Path) -> None:
     async def go() -> None:
-        async with harness(n_prefill=2, n_decode=1, prefill_policy="kv_aware", decode_policy="kv_aware",
-                           tokenizer=str(small_model_dir)) as h:
+        async with harness(
+            n_prefill=2, n_decode=1, prefill_policy="kv_aware", decode_policy="kv_aware", tokenizer=str(small_model_dir)
+        ) as h:
             routing = h.proxy.kv_routing
             assert routing is not None
             body = {"model": "mock-model", "messages": CONVERSATION, "max_tokens": 3}
@@ -214,7 +228,7 @@ def test_flow_routes_to_holder_and_skips_prefill_when_decode_holds_prompt(small_
             assert ids is not None and len(ids) > 3 * BS
             full = routing.locations.hasher.hashes(ids, BS)
             p1, d0 = h.backend_urls["p1"], h.backend_urls["d0"]
-            routing.locations.apply_message(p1, 0, _batch(_stored(full[:2], ids[:2 * BS])))
+            routing.locations.apply_message(p1, 0, _batch(_stored(full[:2], ids[: 2 * BS])))
             status, _ = await h.post("/v1/chat/completions", body)
             assert status == 200
             assert len(h.prefills[1].seen) == 1 and not h.prefills[0].seen
@@ -223,22 +237,39 @@ def test_flow_routes_to_holder_and_skips_prefill_when_decode_holds_prompt(small_
             req.blocks, req.prompt_tokens = routing.tokenizer.blocks(req), len(ids)
             assert h.proxy.flow._prefill_work(req, h.proxy.pool.get(p1)) == len(ids) - 2 * BS
             assert h.proxy.flow._prefill_work(req, h.proxy.pool.get(h.backend_urls["p0"])) == len(ids)
-            routing.locations.apply_message(d0, 0, _batch(_stored(full, ids[:len(full) * BS])))
+            routing.locations.apply_message(d0, 0, _batch(_stored(full, ids[: len(full) * BS])))
             status, _ = await h.post("/v1/chat/completions", body)
             assert status == 200
             assert len(h.prefills[0].seen) + len(h.prefills[1].seen) == 1  # no second prefill leg
             assert len(h.decodes[0].seen) == 2
             assert "kv_transfer_params" not in h.decodes[0].seen[1].body
+
     run(go)
 
 
 def test_kv_events_from_flags_and_yaml(tmp_path: Path, small_model_dir: Path) -> None:
     p = argparse.ArgumentParser()
     command_proxy.add_arguments(p)
-    cfg = command_proxy.config_from_args(p.parse_args([
-        "--prefill", "http://p:1", "--decode", "http://d:1", "--prefill-policy", "kv_aware",
-        "--tokenizer", str(small_model_dir), "--kv-events", "http://p:1=tcp://p:5557", "--kv-hash-algo",
-        "sha256_cbor", "--kv-load-weight", "0.5"]))
+    cfg = command_proxy.config_from_args(
+        p.parse_args(
+            [
+                "--prefill",
+                "http://p:1",
+                "--decode",
+                "http://d:1",
+                "--prefill-policy",
+                "kv_aware",
+                "--tokenizer",
+                str(small_model_dir),
+                "--kv-events",
+                "http://p:1=tcp://p:5557",
+                "--kv-hash-algo",
+                "sha256_cbor",
+                "--kv-load-weight",
+                "0.5",
+            ]
+        )
+    )
     assert [ic.kv_events for ic in cfg.instances] == ["tcp://p:5557", None]
     assert (cfg.kv_hash_algo, cfg.kv_load_weight) == ("sha256_cbor", 0.5)
     with pytest.raises(ConfigError, match="kv_events"):

@@ -16,9 +16,9 @@ from vllm.utils.hashing import sha256, sha256_cbor
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.request import Request
 
+from tests.integration.test_router_store_locations import master, node  # noqa: F401 - the master fixture
 from tests.support.router_harness import harness, run, wait_for
 from tests.unit.router.test_router_kv_aware import CONVERSATION, _batch, _stored
-from tests.integration.test_router_store_locations import master, node  # noqa: F401 - the master fixture
 from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys
 from vllm_pd.connector.store.request_keys import RequestKeys
 from vllm_pd.connector.store_bridge import request_extra_keys as engine_extra_keys
@@ -43,9 +43,15 @@ def body(**kw: object) -> bytes:
 @pytest.mark.parametrize("lora,salt", [(ADAPTER, None), (None, "tenant-a"), (ADAPTER, "tenant-a")])
 def test_proxy_hashes_of_adapter_and_salted_requests_are_vllms_own(algo, fn, lora, salt) -> None:
     kv_cache_utils.init_none_hash(fn)
-    req = Request("r", IDS, SamplingParams(max_tokens=1), None, cache_salt=salt,
-                  lora_request=LoRARequest(lora[0], 1, lora[1]) if lora else None,
-                  block_hasher=kv_cache_utils.get_request_block_hasher(BS, fn))
+    req = Request(
+        "r",
+        IDS,
+        SamplingParams(max_tokens=1),
+        None,
+        cache_salt=salt,
+        lora_request=LoRARequest(lora[0], 1, lora[1]) if lora else None,
+        block_hasher=kv_cache_utils.get_request_block_hasher(BS, fn),
+    )
     extra = RequestExtraKeys(lora=lora, cache_salt=salt)
     mine = VllmBlockHasher(algo).hashes(IDS, BS, extra_keys=extra.blocks(0, len(IDS) // BS, BS))
     assert mine == [bytes(h) for h in req.block_hashes]
@@ -53,7 +59,8 @@ def test_proxy_hashes_of_adapter_and_salted_requests_are_vllms_own(algo, fn, lor
     # and the store keys the proxy asks the master about are the connector's
     salt_ = KeySalt("m", "bfloat16", "cpu", BS, 2)
     assert RequestKeys(salt_).get(IDS, extra_keys=extra) == RequestKeys(salt_).get(
-        IDS, extra_keys=engine_extra_keys(req))
+        IDS, extra_keys=engine_extra_keys(req)
+    )
 
 
 def test_extra_keys_named_from_model_and_cache_salt() -> None:
@@ -83,13 +90,16 @@ def test_served_models_from_the_instances_cards() -> None:
 
 
 def test_flow_routes_salted_and_adapter_requests_by_their_own_blocks_and_unknown_models_by_load(
-        small_model_dir: Path) -> None:
+    small_model_dir: Path,
+) -> None:
     """p1 holds the plain prompt, p0 the same tokens salted "A", and (later) the adapter's: each
     request goes where its own blocks are; a model the proxy cannot name goes by load alone, even
     though p1 holds its tokens (its KV may be an adapter's)."""
+
     async def go() -> None:
-        async with harness(n_prefill=2, n_decode=1, prefill_policy="kv_aware", decode_policy="kv_aware",
-                           tokenizer=str(small_model_dir)) as h:
+        async with harness(
+            n_prefill=2, n_decode=1, prefill_policy="kv_aware", decode_policy="kv_aware", tokenizer=str(small_model_dir)
+        ) as h:
             routing = h.proxy.kv_routing
             assert routing is not None
             await wait_for(lambda: all(i.models for i in h.proxy.pool.all()))
@@ -97,10 +107,18 @@ def test_flow_routes_salted_and_adapter_requests_by_their_own_blocks_and_unknown
             n = len(IDS) // BS
             p0, p1 = h.backend_urls["p0"], h.backend_urls["p1"]
             salted = RequestExtraKeys(cache_salt="A")
-            routing.locations.apply_message(p1, 0, _batch(_stored(hasher.hashes(IDS, BS), IDS[:n * BS])))
-            routing.locations.apply_message(p0, 0, _batch(_stored(
-                hasher.hashes(IDS, BS, extra_keys=salted.blocks(0, n, BS)), IDS[:n * BS],
-                extra_keys=[("A",)] + [None] * (n - 1))))
+            routing.locations.apply_message(p1, 0, _batch(_stored(hasher.hashes(IDS, BS), IDS[: n * BS])))
+            routing.locations.apply_message(
+                p0,
+                0,
+                _batch(
+                    _stored(
+                        hasher.hashes(IDS, BS, extra_keys=salted.blocks(0, n, BS)),
+                        IDS[: n * BS],
+                        extra_keys=[("A",)] + [None] * (n - 1),
+                    )
+                ),
+            )
 
             async def prefill_of(**kw: object) -> str:
                 before = [len(p.seen) for p in h.prefills]
@@ -114,21 +132,31 @@ def test_flow_routes_salted_and_adapter_requests_by_their_own_blocks_and_unknown
             for inst in h.proxy.pool.all():  # the cards now list an adapter (as vLLM's /v1/models does)
                 inst.models, inst.adapters = ["mock-model", "sql"], {"sql": "/adapters/sql"}
             lora = RequestExtraKeys(lora=("sql", "/adapters/sql"))
-            routing.locations.apply_message(p0, 1, _batch(_stored(
-                hasher.hashes(IDS, BS, extra_keys=lora.blocks(0, n, BS)), IDS[:n * BS], extra_keys=[("sql",)] * n)))
+            routing.locations.apply_message(
+                p0,
+                1,
+                _batch(
+                    _stored(
+                        hasher.hashes(IDS, BS, extra_keys=lora.blocks(0, n, BS)),
+                        IDS[: n * BS],
+                        extra_keys=[("sql",)] * n,
+                    )
+                ),
+            )
             assert await prefill_of(model="sql") == "p0"
             req = parse_body(json.dumps({"model": "unknown", "prompt": IDS}).encode(), COMPLETIONS)
             await routing.annotate(req)
             assert req.blocks is None  # no hit claimed: routed by load
             # a plain PromptBlocks of the same tokens would have claimed p1's blocks
             assert routing.locations.cached_tokens(p1, PromptBlocks(IDS, hasher, {})) == n * BS
+
     run(go)
 
 
 def test_store_locations_ask_for_the_requests_own_keys(master) -> None:  # noqa: F811 - fixture
     _, address, _ = master
     salt = KeySalt("m@", "bfloat16/auto", "cpu:4096B/block", BS, 2)
-    ids = IDS[:4 * BS]
+    ids = IDS[: 4 * BS]
     plain = node(address, "n-p0", "http://p0:1", 4, ids, salt)  # holds the plain prompt only
     loc = StoreLocations(address, timeout_s=2.0)
     try:

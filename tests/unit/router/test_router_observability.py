@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -86,6 +87,7 @@ def test_leg_histograms_per_instance_match_the_mocks_latencies() -> None:
             assert e2e >= ttft + 5 * 0.05
             assert _one(m, "vllm_pd_proxy_requests_in_flight") == 0
             assert _one(m, "vllm_pd_proxy_draining") == 0
+
     run(go)
 
 
@@ -97,6 +99,7 @@ def test_in_flight_gauge_counts_running_requests() -> None:
             assert _one(await _metrics(h), "vllm_pd_proxy_requests_in_flight") == 3
             await asyncio.gather(*tasks)
             assert _one(await _metrics(h), "vllm_pd_proxy_requests_in_flight") == 0
+
     run(go)
 
 
@@ -123,6 +126,7 @@ def test_retry_and_fallback_reach_metrics_and_request_log(tmp_path) -> None:
         assert second["trace_id"] == "ab" * 16  # the client's trace continued
         assert second["prefill_instance"] in (h.backend_urls["p0"], h.backend_urls["p1"])
         assert 0 < second["prefill_s"] <= second["ttft_s"] <= second["e2e_s"]
+
     run(go)
 
 
@@ -140,14 +144,21 @@ def test_both_legs_carry_one_trace_context() -> None:
         assert p_seen[1].headers["tracestate"] == "k=v"
         replaced = parse_traceparent(d_seen[2].headers["traceparent"])
         assert replaced is not None and replaced[0] not in ("12" * 16, started[0][0])
+
     run(go)
 
 
 def test_traceparent_parsing() -> None:
     good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     assert parse_traceparent(good) == ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", "01")
-    for bad in ("", "00-" + "0" * 32 + "-00f067aa0ba902b7-01", "00-4bf92f3577b34da6a3ce929d0e0e4736-" + "0" * 16
-                + "-01", "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", good.upper(), good + "-x"):
+    for bad in (
+        "",
+        "00-" + "0" * 32 + "-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-" + "0" * 16 + "-01",
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        good.upper(),
+        good + "-x",
+    ):
         assert parse_traceparent(bad) is None, bad
 
 
@@ -161,7 +172,7 @@ class _OtlpReceiver:
         self.spans = spans
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            def do_POST(self) -> None:
                 req = ExportTraceServiceRequest()
                 req.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
                 for rs in req.resource_spans:
@@ -201,14 +212,21 @@ def test_spans_of_request_and_legs_exported_over_otlp(otlp: _OtlpReceiver) -> No
         assert {s.trace_id.hex() for s in otlp.spans} == {client_trace}
         assert request.parent_span_id.hex() == "6b" * 8
         assert prefill.parent_span_id == decode.parent_span_id == request.span_id
-        sent = {parse_traceparent(h.prefills[0].seen[0].headers["traceparent"])[1],  # type: ignore[index]
-                parse_traceparent(h.decodes[0].seen[0].headers["traceparent"])[1]}  # type: ignore[index]
+        sent = {
+            parse_traceparent(h.prefills[0].seen[0].headers["traceparent"])[1],  # type: ignore[index]
+            parse_traceparent(h.decodes[0].seen[0].headers["traceparent"])[1],
+        }  # type: ignore[index]
         assert sent == {prefill.span_id.hex(), decode.span_id.hex()}
         attrs = {a.key: a.value for a in request.attributes}
         assert attrs["vllm_pd.decode_instance"].string_value == h.backend_urls["d0"]
         assert attrs["http.response.status_code"].int_value == 200
-        assert request.start_time_unix_nano <= prefill.start_time_unix_nano <= decode.end_time_unix_nano \
+        assert (
+            request.start_time_unix_nano
+            <= prefill.start_time_unix_nano
+            <= decode.end_time_unix_nano
             <= request.end_time_unix_nano
+        )
+
     run(go)
 
 

@@ -48,6 +48,7 @@ def test_guard_passes_results_and_cuts_legs_off_while_unreachable() -> None:
         both.cancel()
         await asyncio.gather(both, return_exceptions=True)
         assert both.cancelled()
+
     run(go)
 
 
@@ -68,6 +69,7 @@ def test_partitioned_prefill_falls_back_to_decode_only_without_waiting_its_timeo
             status, _ = await h.post("/v1/completions", LONG)
             assert status == 200 and len(h.prefills[0].seen) == 2
             assert "kv_transfer_params" in h.decodes[0].seen[1].body
+
     run(go)
 
 
@@ -85,6 +87,7 @@ def test_partitioned_prefill_beside_a_waiting_decode_leg_reruns_decode_only() ->
             await wait_for(lambda: legs[0].cancelled and h.prefills[0].seen[0].cancelled)
             assert "kv_transfer_params" not in legs[1].body
             assert b'kind="unreachable"' in h.proxy.metrics.render()
+
     run(go)
 
 
@@ -97,6 +100,7 @@ def test_partitioned_decode_before_its_answer_is_a_decode_failure_retried_elsewh
             status, out = await asyncio.wait_for(h.post("/v1/completions", LONG), BOUND)
             assert status == 200 and out["served_by"] == "d1"
             await wait_for(lambda: h.decodes[0].seen[0].cancelled)
+
     run(go)
 
 

@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
-from vllm_pd.router.pool.instance_pool import InstancePool, InFlightLeg
+from vllm_pd.router.pool.instance_pool import InFlightLeg, InstancePool
 from vllm_pd.router.pool.supervisor import Supervisor
 from vllm_pd.router.routing.policies import LeastOutstanding, PowerOfTwo, PrefixAware, RoundRobin
 
@@ -58,8 +58,7 @@ def test_prefix_aware_sticks_to_prefix_owner_and_spreads_others() -> None:
         assert pa.choose(pool.all(), "prefill", sys_a + f"question {q}", 10) is first_a
         assert pa.choose(pool.all(), "prefill", sys_b + f"question {q}", 10) is first_b
     # unrelated prompts spread (least outstanding among equals rotates)
-    picks = Counter(pa.choose(pool.all(), "prefill", f"{i} unrelated text of its own " * 3, 10).url
-                    for i in range(8))
+    picks = Counter(pa.choose(pool.all(), "prefill", f"{i} unrelated text of its own " * 3, 10).url for i in range(8))
     assert len(picks) == 4
     # an overloaded owner is bypassed
     for _ in range(10):
@@ -83,8 +82,12 @@ def _clients_see(pool: InstancePool, ttft: float, tpot: float, n: int = 5) -> No
 
 
 def test_supervisor_moves_both_instances_with_the_mix() -> None:
-    pool = InstancePool(ProxyConfig(instances=[InstanceConfig(f"http://b{i}:1", "both") for i in range(4)]
-                                    + [InstanceConfig("http://fixed:1", "prefill")]))
+    pool = InstancePool(
+        ProxyConfig(
+            instances=[InstanceConfig(f"http://b{i}:1", "both") for i in range(4)]
+            + [InstanceConfig("http://fixed:1", "prefill")]
+        )
+    )
     sup = Supervisor(pool, ttft_slo=1.0, tpot_slo=0.05)
     roles = Counter(sup.rebalance().values())
     assert roles == {"decode": 2, "prefill": 2}  # first split: alternate

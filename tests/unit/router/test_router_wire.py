@@ -15,11 +15,14 @@ from vllm_pd.router.request.request_body import COMPLETIONS, decode_body, parse_
 KV = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_host": "10.0.0.1"}
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"prompt": "hi", "max_tokens": 5, "x-unknown": {"nested": [1, 2.5, null]}}',
-    b'{"prompt":"hi","seed":123456789012345678901234567890}\n  ',
-    b'{"prompt": "h\\u00e9 \\"quoted\\" }", "stream": true}',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "hi", "max_tokens": 5, "x-unknown": {"nested": [1, 2.5, null]}}',
+        b'{"prompt":"hi","seed":123456789012345678901234567890}\n  ',
+        b'{"prompt": "h\\u00e9 \\"quoted\\" }", "stream": true}',
+    ],
+)
 def test_decode_body_is_client_bytes_plus_params(raw: bytes) -> None:
     req = parse_body(raw, COMPLETIONS)
     out = decode_body(req, KV)
@@ -58,8 +61,10 @@ def test_sse_splitter_rewrites_only_usage_events_when_prefill_had_cache_hits() -
 
 
 def test_backend_answer_reads_only_what_it_needs() -> None:
-    a = BackendAnswer(b'{"choices": [{"text": "t", "logprobs": null}], "kv_transfer_params": {"k": 1},'
-                      b' "usage": {"completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 16}}}')
+    a = BackendAnswer(
+        b'{"choices": [{"text": "t", "logprobs": null}], "kv_transfer_params": {"k": 1},'
+        b' "usage": {"completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 16}}}'
+    )
     assert (a.kv_params, a.cached_tokens, a.completion_tokens) == ({"k": 1}, 16, 3)
     b = BackendAnswer(b'{"kv_transfer_params": "nope", "usage": null}')
     assert (b.kv_params, b.cached_tokens, b.completion_tokens) == (None, None, 0)
@@ -86,8 +91,9 @@ def test_sse_splitter_holds_an_unfinished_event_in_pieces_up_to_its_cap() -> Non
         s.feed(b'data: {"c": "' + b"x" * 100 + b'"}\n\n')  # a whole event over the cap, in one read
 
 
-@pytest.mark.parametrize("event", [b"data: not json", b"data: [1, 2]", b"garbage line", b'data: {"a": 1',
-                                   b"\x00\x01binary"])
+@pytest.mark.parametrize(
+    "event", [b"data: not json", b"data: [1, 2]", b"garbage line", b'data: {"a": 1', b"\x00\x01binary"]
+)
 def test_sse_splitter_refuses_events_that_are_not_openai_stream_events(event: bytes) -> None:
     from vllm_pd.router.backend.sse_relay import BadBackendStream
 
@@ -104,6 +110,7 @@ def test_sse_splitter_passes_sse_comments_fields_and_done() -> None:
     assert s.flush() == b'data: {"tail": 1}'  # a stream ended without its last blank line
     s.feed(b"data: {broken")
     from vllm_pd.router.backend.sse_relay import BadBackendStream
+
     with pytest.raises(BadBackendStream):
         s.flush()
 

@@ -59,8 +59,7 @@ def test_prefill_legs_store_fetch_hint_reaches_the_store_once_per_request():
     from vllm_pd.connector.transfer_params import StoreFetch
     from vllm_pd.vllm_server import free_port
 
-    cfg = StoreConfig(cpu_bytes=16 * SLOT, master=f"tcp://127.0.0.1:{free_port()}", master_timeout_s=1.0,
-                      node_id="p0")
+    cfg = StoreConfig(cpu_bytes=16 * SLOT, master=f"tcp://127.0.0.1:{free_port()}", master_timeout_s=1.0, node_id="p0")
     bridge = StoreBridgeScheduler(vllm_config=None, config=cfg)
     bridge.store = StoreScheduler(cfg, SALT, SLOT, endpoint="tcp://127.0.0.1:1")
     hint = StoreFetch("d0", "tcp://127.0.0.1:2", 3)

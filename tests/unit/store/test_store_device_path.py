@@ -22,15 +22,22 @@ import pytest
 import torch
 
 from tests.support.async_device import AsyncStandInDevice
-from tests.unit.connector.test_kv_device_path import (BLOCK_NBYTES, BS, LAYERS, block_bytes, random_kv, vllm_cache,
-                                                      write_layer)
-from vllm_pd.errors import ConfigError
+from tests.unit.connector.test_kv_device_path import (
+    BLOCK_NBYTES,
+    BS,
+    LAYERS,
+    block_bytes,
+    random_kv,
+    vllm_cache,
+    write_layer,
+)
 from vllm_pd.connector.kv_device import COMPLETED, HostDevice, KVDevice
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
 from vllm_pd.connector.store_bridge import StoreBridgeWorker, make_salt
+from vllm_pd.errors import ConfigError
 
 SLOT = LAYERS * BLOCK_NBYTES
 SALT = KeySalt("m", "bfloat16", "cuda:flash-attn", BS, LAYERS)
@@ -110,6 +117,7 @@ class Node:
 
             def attention(i: int = i, kv: torch.Tensor = self.kv[name]) -> None:
                 seen[i] = kv[LOADED].clone()
+
             self.kernel(attention)
         self.dev.record(self.dev.compute_stream()).synchronize()
         assert self.bridge.load_errors() == set()
@@ -125,11 +133,15 @@ def same_blocks(seen: torch.Tensor, written: torch.Tensor) -> bool:
     return all(torch.equal(block_bytes(seen, p), block_bytes(written, p)) for p in range(written.shape[0]))
 
 
-@pytest.mark.parametrize("make_device, bounce_blocks", [
-    (WatchedStandIn, 8),  # the whole save, and each layer of the load, in one pass
-    (WatchedStandIn, 1),  # one block per pass: bounce rows reused while copies are queued
-    (HostDevice, 1),  # vLLM's CPU backend: inline copies (the bounce is not used)
-], ids=["standin-gpu", "standin-gpu-small-bounce", "cpu"])
+@pytest.mark.parametrize(
+    "make_device, bounce_blocks",
+    [
+        (WatchedStandIn, 8),  # the whole save, and each layer of the load, in one pass
+        (WatchedStandIn, 1),  # one block per pass: bounce rows reused while copies are queued
+        (HostDevice, 1),  # vLLM's CPU backend: inline copies (the bounce is not used)
+    ],
+    ids=["standin-gpu", "standin-gpu-small-bounce", "cpu"],
+)
 def test_save_then_load_round_trip_is_byte_exact(make_device: type[KVDevice], bounce_blocks: int) -> None:
     node = Node(make_device(), bounce_blocks)
     try:
@@ -221,9 +233,11 @@ def test_the_bridge_takes_the_connectors_block_format_and_device(tmp_path: Path)
     """connector.register_kv_caches hands the store vLLM's views grouped into blocks, the worker's
     KVDevice and its block format; the worker's salt (its disk directory) is the scheduler side's,
     made from the handshake's block size and format."""
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
-                                  cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
-                                  parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
+        cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )
     bridge = StoreBridgeWorker(StoreConfig(cpu_bytes=16 * SLOT, disk_path=str(tmp_path)), vllm_config, tp_rank=0)
     dev = WatchedStandIn()
     kv = vllm_cache()

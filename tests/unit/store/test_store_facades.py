@@ -6,11 +6,11 @@ import os
 import pytest
 import torch
 
-from vllm_pd.errors import ConfigError
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
+from vllm_pd.errors import ConfigError
 
 BS, LAYERS, NBLOCKS = 4, 2, 64
 SALT = KeySalt("test-model", "bfloat16", "cpu", BS, LAYERS)
@@ -96,6 +96,7 @@ def test_tp_commit_needs_every_rank():
     assert node.sched.match(tokens(8)) == 0
     # the second rank's identical report (same plan, its own shard of the heads)
     from vllm_pd.connector.store.plans import SaveResult, StoreReport
+
     keys = node.sched.block_keys(tokens(8))
     node.sched.on_worker_report(StoreReport(saves=[SaveResult("r", keys, [])]))
     assert node.sched.match(tokens(8)) == 8

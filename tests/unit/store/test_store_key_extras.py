@@ -32,15 +32,31 @@ TOKENS = list(range(100, 100 + 6 * B))
 N = len(TOKENS) // B
 
 
-def vllm_request(request_id: str = "r", tokens: list[int] = TOKENS, lora: tuple[str, str] | None = None,
-                 cache_salt: str | None = None, images: list[tuple[str, int, int]] = (),  # type: ignore[assignment]
-                 embeds: torch.Tensor | None = None) -> Request:
+def vllm_request(
+    request_id: str = "r",
+    tokens: list[int] = TOKENS,
+    lora: tuple[str, str] | None = None,
+    cache_salt: str | None = None,
+    images: list[tuple[str, int, int]] = (),  # type: ignore[assignment]
+    embeds: torch.Tensor | None = None,
+) -> Request:
     """vLLM's own Request; ``images``: (identifier, offset, length) of each multimodal input."""
-    mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
-                                mm_position=PlaceholderRange(offset=off, length=n)) for ident, off, n in images]
-    return Request(request_id, list(tokens), SamplingParams(max_tokens=1), None,
-                   lora_request=LoRARequest(lora[0], 1, lora[1]) if lora else None,
-                   cache_salt=cache_salt, mm_features=mm or None, prompt_embeds=embeds)
+    mm = [
+        MultiModalFeatureSpec(
+            data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(offset=off, length=n)
+        )
+        for ident, off, n in images
+    ]
+    return Request(
+        request_id,
+        list(tokens),
+        SamplingParams(max_tokens=1),
+        None,
+        lora_request=LoRARequest(lora[0], 1, lora[1]) if lora else None,
+        cache_salt=cache_salt,
+        mm_features=mm or None,
+        prompt_embeds=embeds,
+    )
 
 
 def store_keys(request: Request) -> list[bytes]:
@@ -53,7 +69,7 @@ def test_plain_request_keys_are_the_token_chain_unchanged():
     prev, expected = SALT.digest(), []
     data = token_bytes(TOKENS)
     for i in range(N):
-        prev = blake3.blake3(prev + data[i * 4 * B:(i + 1) * 4 * B]).digest(length=KEY_BYTES)
+        prev = blake3.blake3(prev + data[i * 4 * B : (i + 1) * 4 * B]).digest(length=KEY_BYTES)
         expected.append(prev)
     assert store_keys(vllm_request()) == expected == chain_keys(TOKENS, SALT)
     assert request_extra_keys(vllm_request()) is NO_EXTRA_KEYS
@@ -66,11 +82,14 @@ def test_vllm_has_no_extra_keys_for_a_plain_request():
     assert all(generate_block_hash_extra_keys(req, i * B, (i + 1) * B, 0)[0] is None for i in range(N))
 
 
-@pytest.mark.parametrize("variant", [
-    dict(lora=("sql", "/adapters/sql")),
-    dict(cache_salt="tenant-a"),
-    dict(lora=("sql", "/adapters/sql"), cache_salt="tenant-a"),
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(lora=("sql", "/adapters/sql")),
+        dict(cache_salt="tenant-a"),
+        dict(lora=("sql", "/adapters/sql"), cache_salt="tenant-a"),
+    ],
+)
 def test_extra_keys_are_vllms_own(variant):
     """Block by block, the connector's extra keys are what vLLM's prefix cache hashes; so are
     the proxy's, derived from the body's model (adapter) and cache_salt alone."""

@@ -19,19 +19,28 @@ def test_keys_chain_and_prefix_property():
     assert chain_keys(list(range(4, 8)), SALT, parent=a[0]) == a[1:2]
 
 
-@pytest.mark.parametrize("field,value", [("model", "x"), ("dtype", "fp8"), ("kv_layout", "flash"),
-                                         ("tp_size", 2), ("pp_size", 2), ("extra", "lora1")])
+@pytest.mark.parametrize(
+    "field,value",
+    [("model", "x"), ("dtype", "fp8"), ("kv_layout", "flash"), ("tp_size", 2), ("pp_size", 2), ("extra", "lora1")],
+)
 def test_salt_changes_every_key(field, value):
     other = KeySalt(**{**SALT.__dict__, field: value})
     assert chain_keys(list(range(8)), other)[0] != chain_keys(list(range(8)), SALT)[0]
 
 
 def test_keys_identical_across_processes_with_different_hash_seeds():
-    code = ("from vllm_pd.connector.store.keys import KeySalt, chain_keys;"
-            "print(chain_keys(list(range(40)), KeySalt('m','bfloat16','cpu',4,2))[-1].hex())")
+    code = (
+        "from vllm_pd.connector.store.keys import KeySalt, chain_keys;"
+        "print(chain_keys(list(range(40)), KeySalt('m','bfloat16','cpu',4,2))[-1].hex())"
+    )
     outs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin", "PYTHONPATH": "."}).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin", "PYTHONPATH": "."},
+        ).stdout.strip()
         for seed in ("1", "2", "random")
     }
     assert outs == {chain_keys(list(range(40)), SALT)[-1].hex()}

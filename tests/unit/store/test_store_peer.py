@@ -27,8 +27,9 @@ SCOPE = NO_EXTRA_KEYS.scope(KeySalt("m", "bf16", "cpu", 4, LAYERS))  # plain req
 
 def exchange(seed: int) -> PoolExchange:
     pool = CpuBlockPool(SLOTS, LAYERS, LAYER_NBYTES)
-    pool.data.copy_(torch.randint(0, 256, pool.data.shape, generator=torch.Generator().manual_seed(seed),
-                                  dtype=torch.uint8))
+    pool.data.copy_(
+        torch.randint(0, 256, pool.data.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    )
     ex = PoolExchange(pool, SlotDirectory(), timeout_s=1.0)
     ex.start("127.0.0.1", "127.0.0.1")
     return ex
@@ -63,6 +64,7 @@ def test_fetch_lands_verified_blocks_and_releases_the_grant(pair):
     assert eventually(lambda: a.live_grants == 0)  # released right after the fetch
     # a grant covers exactly the granted slots: a read of anything else is refused
     from vllm_pd.errors import TransferRejected
+
     with pytest.raises(TransferRejected):
         b.transport.fetch(a.endpoint, "store-made-up", 0, [4], [5], 1.0).result(timeout=5)
 
@@ -106,7 +108,7 @@ def test_block_overwritten_after_its_grant_is_rejected(pair):
 
 def test_release_of_an_unknown_or_expired_grant_counts_nothing(pair):
     a, _ = pair
-    from vllm_pd.connector.store.pool_exchange import Released, ReleaseBlocks, _decoder, _encoder
+    from vllm_pd.connector.store.pool_exchange import ReleaseBlocks, Released, _decoder, _encoder
 
     assert _decoder.decode(a.on_notify("x", _encoder.encode(ReleaseBlocks("store-nope")))) == Released(0)
 
@@ -158,8 +160,14 @@ class Node:
     def __init__(self, name: str, master: str, seed: int, host: str = "127.0.0.1", **cfg) -> None:
         g = torch.Generator().manual_seed(seed)
         self.kv = [torch.randn(NBLOCKS, 2, BS, 8, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
-        config = StoreConfig(cpu_bytes=cfg.pop("slots", 16) * SLOT_NBYTES, master=master, master_timeout_s=2.0,
-                             node_id=name, fetch_timeout_s=1.0, **cfg)
+        config = StoreConfig(
+            cpu_bytes=cfg.pop("slots", 16) * SLOT_NBYTES,
+            master=master,
+            master_timeout_s=2.0,
+            node_id=name,
+            fetch_timeout_s=1.0,
+            **cfg,
+        )
         self.worker = StoreWorker(config, SALT, self.kv)
         endpoint = self.worker.serve_peers(host, host)
         self.sched = StoreScheduler(config, SALT, SLOT_NBYTES, endpoint=endpoint)
@@ -312,8 +320,7 @@ def test_without_disk_serving_the_master_advertises_only_blocks_in_cpu_slots(mas
 
 
 def test_a_dead_master_is_retried_ever_more_rarely():
-    client = MasterClient(f"tcp://127.0.0.1:{free_port()}", "n", "", lambda: [], timeout_s=0.05,
-                          retry_after_s=1.0)
+    client = MasterClient(f"tcp://127.0.0.1:{free_port()}", "n", "", lambda: [], timeout_s=0.05, retry_after_s=1.0)
     try:
         assert client.lookup(KEYS) is None and not client.available  # nobody there: down for 1 s
         time.sleep(1.1)

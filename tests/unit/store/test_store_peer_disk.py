@@ -6,9 +6,19 @@ nodes through a real master process (holder's CPU tier full, holder restarted)."
 import pytest
 import torch
 
-from tests.unit.store.test_store_peer import (KEYS, LAYER_NBYTES, LAYERS, SALT, SCOPE, SLOTS, TOKS, Node, eventually,
-                                              save_on)
-from tests.unit.store.test_store_peer import master  # noqa: F401 - the master fixture
+from tests.unit.store.test_store_peer import (
+    KEYS,
+    LAYER_NBYTES,
+    LAYERS,
+    SALT,
+    SCOPE,
+    SLOTS,
+    TOKS,
+    Node,
+    eventually,
+    master,  # noqa: F401 - the master fixture
+    save_on,
+)
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool, checksum
 from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.disk_tier import DiskTier
@@ -28,13 +38,19 @@ SPARE = 4
 def holder(tmp_path, spare: int = SPARE, ttl: float = 30.0) -> PoolExchange:
     """Pool slots 4, 5 hold KEYS[0:2]; KEYS[2:4] are only on disk; ``spare`` staging rows."""
     pool = CpuBlockPool(SLOTS + spare, LAYERS, LAYER_NBYTES)
-    pool.data.copy_(torch.randint(0, 256, pool.data.shape, generator=torch.Generator().manual_seed(1),
-                                  dtype=torch.uint8))
+    pool.data.copy_(
+        torch.randint(0, 256, pool.data.shape, generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    )
     disk = DiskTier(tmp_path, SALT.digest(), 0, capacity_bytes=1 << 20)
     for i in (2, 3):  # written from slots 6, 7, which are then reused for something else
         disk.write(KEYS[i], KEYS[i - 1], pool.slot_view(4 + i), SCOPE).result()
-    ex = PoolExchange(pool, SlotDirectory(), timeout_s=1.0, grant_ttl_s=ttl,
-                      staging=DiskStaging(pool, disk, range(SLOTS, SLOTS + spare)))
+    ex = PoolExchange(
+        pool,
+        SlotDirectory(),
+        timeout_s=1.0,
+        grant_ttl_s=ttl,
+        staging=DiskStaging(pool, disk, range(SLOTS, SLOTS + spare)),
+    )
     for i in (0, 1):
         ex.directory.put(KEYS[i], 4 + i, pool.checksum(4 + i), SCOPE)
     ex.start("127.0.0.1", "127.0.0.1")

@@ -12,8 +12,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from tests.unit.store.test_store_peer import LAYERS, SCOPE, TOKS, Node, save_on
-from tests.unit.store.test_store_peer import master, nodes  # noqa: F401 - fixtures
+from tests.unit.store.test_store_peer import LAYERS, SCOPE, TOKS, Node, master, nodes, save_on  # noqa: F401 - fixtures
 from vllm_pd.errors import TransportError
 
 
@@ -23,7 +22,7 @@ def gate_later_layers(node: Node, fail: bool = False) -> threading.Event:
     fetch = exchange.transport.fetch
     gate = threading.Event()
 
-    def gated(peer, transfer_id, region, remote, local, timeout):  # noqa: ANN001
+    def gated(peer, transfer_id, region, remote, local, timeout):
         done = fetch(peer, transfer_id, region, remote, local, timeout)
         if remote[0] % LAYERS == 0:
             return done
@@ -36,7 +35,7 @@ def gate_later_layers(node: Node, fail: bool = False) -> threading.Event:
                 if fail:
                     raise TransportError("injected: this layer never arrived")
                 out.set_result(None)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 out.set_exception(exc)
 
         threading.Thread(target=later, daemon=True).start()

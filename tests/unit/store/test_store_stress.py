@@ -59,8 +59,9 @@ def test_random_traffic_never_serves_wrong_bytes(tmp_path):
                 continue
             served += 1
             for layer in kv:
-                assert torch.equal(layer[block_ids[i]].view(torch.uint8),
-                                   pattern(keys[i]).view(torch.uint8)), f"wrong KV at step {step}"
+                assert torch.equal(layer[block_ids[i]].view(torch.uint8), pattern(keys[i]).view(torch.uint8)), (
+                    f"wrong KV at step {step}"
+                )
         sched.on_worker_report(worker.report())
         sched.plan_save(f"s{step}", toks, block_ids)
         worker.execute(sched.build_plan())

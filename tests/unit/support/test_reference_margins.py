@@ -19,6 +19,13 @@ def test_margins_are_read_from_completion_and_chat_answers() -> None:
     assert with_top2({"messages": []})["top_logprobs"] == 2
     completion = {"choices": [{"logprobs": {"top_logprobs": [{"a": -0.1, "b": -2.6}, {"c": -1.0, "d": -1.25}]}}]}
     assert top2_margins(completion) == [2.5, 0.25]
-    chat = {"choices": [{"logprobs": {"content": [{"top_logprobs": [{"token": "a", "logprob": -3.0},
-                                                                      {"token": "b", "logprob": -0.5}]}]}}]}
+    chat = {
+        "choices": [
+            {
+                "logprobs": {
+                    "content": [{"top_logprobs": [{"token": "a", "logprob": -3.0}, {"token": "b", "logprob": -0.5}]}]
+                }
+            }
+        ]
+    }
     assert top2_margins(chat) == [2.5]

@@ -12,19 +12,19 @@ import time
 
 import pytest
 import torch
+
 from tests.support.tls_certs import issue, make_ca
 from tests.support.transport_harness import TcpRelay, make_regions, raw_dial, started
-
 from vllm_pd.connector.auth_protocol import (
     DeploymentSecret,
     DiallerHandshake,
     ListenerHandshake,
     Service,
 )
-from vllm_pd.errors import TransportError
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.framing import Checksum, Frame, Kind, read_frame, send_buffers
 from vllm_pd.connector.transport.wire import SocketChannel, Wire
+from vllm_pd.errors import TransportError
 
 SECRET = DeploymentSecret(b"the-deployment-secret-0123456789", "test")
 OTHER = DeploymentSecret(b"another-deployment-secret-987654", "test")
@@ -63,8 +63,9 @@ def guarded(request):
 @pytest.mark.parametrize("outsider_secret", [None, OTHER], ids=["no-secret", "other-secret"])
 def test_an_outsider_can_neither_fetch_push_nor_release(guarded, outsider_secret) -> None:
     name, t, sink, endpoint, regions = guarded
-    outsider, _, _ = started(name, make_regions(2, 8, seed=None), **(
-        {"secret": outsider_secret} if outsider_secret else {}))
+    outsider, _, _ = started(
+        name, make_regions(2, 8, seed=None), **({"secret": outsider_secret} if outsider_secret else {})
+    )
     try:
         attempts = [
             outsider.fetch(endpoint, "held", 0, [0, 1], [0, 1], timeout=5),
@@ -114,8 +115,13 @@ def test_raw_frames_without_a_handshake_get_closed_unanswered(guarded) -> None:
     name, t, sink, endpoint, _ = guarded
     host, port = endpoint.split("://")[1].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        send_buffers(s, [Frame(Kind.HELLO, payload=b'{"endpoint": "raw://x"}').encode(),
-                         Frame(Kind.FETCH, req_id=1, layer=0, block_nbytes=1, transfer_id="held", ids=(0,)).encode()])
+        send_buffers(
+            s,
+            [
+                Frame(Kind.HELLO, payload=b'{"endpoint": "raw://x"}').encode(),
+                Frame(Kind.FETCH, req_id=1, layer=0, block_nbytes=1, transfer_id="held", ids=(0,)).encode(),
+            ],
+        )
         assert _read_until_closed(s) == b""  # closed: not a byte of an answer
     assert _wait(lambda: t.refused_connections == 1)
     assert sink.notified == [] and sink.landed_calls == []
@@ -128,8 +134,14 @@ def test_negative_control_without_a_secret_raw_frames_are_served() -> None:
     t.allow_fetch("held", [0])
     try:
         s = raw_dial(endpoint)
-        send_buffers(s, [Frame(Kind.FETCH, req_id=1, layer=0, block_nbytes=regions[0].block_nbytes,
-                               transfer_id="held", ids=(0,)).encode()])
+        send_buffers(
+            s,
+            [
+                Frame(
+                    Kind.FETCH, req_id=1, layer=0, block_nbytes=regions[0].block_nbytes, transfer_id="held", ids=(0,)
+                ).encode()
+            ],
+        )
         assert read_frame(s).kind is Kind.DATA
         s.close()
     finally:
@@ -207,8 +219,9 @@ def test_forged_block_with_a_recomputed_digest_fails_only_the_keyed_check(keyed:
     sender, receiver = Wire(a, keys=sender_keys), Wire(b, keys=receiver_keys)
     block = bytearray(b"\x5a" * 4096)
     checksum = Checksum.BLAKE3_KEYED if keyed else Checksum.CRC32
-    frame = Frame(Kind.DATA, req_id=7, checksum=checksum, layer=0, block_nbytes=4096, transfer_id="t",
-                  ids=(0,), lengths=(4096,))
+    frame = Frame(
+        Kind.DATA, req_id=7, checksum=checksum, layer=0, block_nbytes=4096, transfer_id="t", ids=(0,), lengths=(4096,)
+    )
     SocketChannel().send_blocks(sender, frame, [memoryview(block)])
     a.shutdown(socket.SHUT_WR)
     stream = bytearray()
@@ -216,8 +229,8 @@ def test_forged_block_with_a_recomputed_digest_fails_only_the_keyed_check(keyed:
         stream += chunk
     at = stream.index(bytes(block))
     forged = bytes(4096)
-    stream[at:at + 4096] = forged
-    stream[at + 4096:at + 4096 + 8] = Checksum.CRC32.digest(forged)  # what an attacker can compute
+    stream[at : at + 4096] = forged
+    stream[at + 4096 : at + 4096 + 8] = Checksum.CRC32.digest(forged)  # what an attacker can compute
     m2.sendall(stream)
     got_frame = receiver.reader.read_frame()
     dest = bytearray(4096)
@@ -232,8 +245,9 @@ def test_unkeyed_blocks_are_refused_on_an_authenticated_connection() -> None:
     sender_keys, receiver_keys = _session_pair()
     a, b = socket.socketpair()
     sender, receiver = Wire(a, keys=sender_keys), Wire(b, keys=receiver_keys)
-    frame = Frame(Kind.DATA, req_id=1, checksum=Checksum.CRC32, layer=0, block_nbytes=64, transfer_id="t",
-                  ids=(0,), lengths=(64,))
+    frame = Frame(
+        Kind.DATA, req_id=1, checksum=Checksum.CRC32, layer=0, block_nbytes=64, transfer_id="t", ids=(0,), lengths=(64,)
+    )
     with sender.lock:
         send_buffers(a, [*sender.sealed(frame.encode()), bytes(64), Checksum.CRC32.digest(bytes(64))])
     got = receiver.reader.read_frame()
@@ -278,8 +292,9 @@ def test_tls_hides_the_kv_on_the_wire(pki, tls: bool) -> None:
 def test_tls_refuses_a_peer_without_a_deployment_certificate(pki, who: str) -> None:
     member_tls, outsider_tls = pki
     t, sink, endpoint = started("tcp", make_regions(1, 4, seed=1), tls=member_tls)
-    outsider, _, _ = started("tcp", make_regions(1, 4, seed=None), **(
-        {"tls": outsider_tls} if who == "other-ca" else {}))
+    outsider, _, _ = started(
+        "tcp", make_regions(1, 4, seed=None), **({"tls": outsider_tls} if who == "other-ca" else {})
+    )
     try:
         with pytest.raises(TransportError):
             outsider.notify(endpoint, b"release", timeout=5).result(timeout=15)
@@ -290,8 +305,8 @@ def test_tls_refuses_a_peer_without_a_deployment_certificate(pki, who: str) -> N
 
 
 def test_tls_is_for_tcp_only(pki) -> None:
-    from vllm_pd.errors import ConfigError
     from vllm_pd.connector.transport import create_transport
+    from vllm_pd.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tls"):
         create_transport("shm", tls=pki[0])

@@ -12,8 +12,8 @@ import threading
 import time
 
 import pytest
-from tests.support.transport_harness import make_regions, raw_dial, spawn_peer, started
 
+from tests.support.transport_harness import make_regions, raw_dial, spawn_peer, started
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.transport import serve_session, stream
@@ -58,8 +58,21 @@ def test_an_oversized_frame_closes_the_connection_with_a_log_line(receiver, capl
     t, sink, ep, _ = receiver
     s = raw_dial(ep)
     half = MAX_DATA_NBYTES // 2 + 1
-    send_buffers(s, [Frame(Kind.PUSH, req_id=1, checksum=Checksum.CRC32, layer=0, block_nbytes=half,
-                           transfer_id="x", ids=(0, 1), lengths=(half, half)).encode()])
+    send_buffers(
+        s,
+        [
+            Frame(
+                Kind.PUSH,
+                req_id=1,
+                checksum=Checksum.CRC32,
+                layer=0,
+                block_nbytes=half,
+                transfer_id="x",
+                ids=(0, 1),
+                lengths=(half, half),
+            ).encode()
+        ],
+    )
     assert _closed(s)
     assert _wait(lambda: t.broken_connections == 1)
     assert "oversized PUSH frame" in caplog.text and sink.landed_calls == []
@@ -80,8 +93,9 @@ def test_a_peer_that_never_reads_its_answers_is_cut_off(receiver, monkeypatch) -
     t, _, ep, regions = receiver
     s = raw_dial(ep)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    fetch = Frame(Kind.FETCH, req_id=1, layer=0, block_nbytes=regions[0].block_nbytes, transfer_id="held",
-                  ids=tuple(range(64)))
+    fetch = Frame(
+        Kind.FETCH, req_id=1, layer=0, block_nbytes=regions[0].block_nbytes, transfer_id="held", ids=tuple(range(64))
+    )
     try:
         for _ in range(200):  # 200 x 512 KiB asked for, nothing read
             s.sendall(fetch.encode())
@@ -205,8 +219,16 @@ def test_a_fetcher_that_vanishes_mid_transfer_does_not_hold_the_grant(receiver) 
     s = raw_dial(ep)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     for i in range(40):  # 20 MiB asked for, not read: the serving thread blocks mid-DATA
-        s.sendall(Frame(Kind.FETCH, req_id=i + 1, layer=0, block_nbytes=regions[0].block_nbytes,
-                        transfer_id="held", ids=tuple(range(64))).encode())
+        s.sendall(
+            Frame(
+                Kind.FETCH,
+                req_id=i + 1,
+                layer=0,
+                block_nbytes=regions[0].block_nbytes,
+                transfer_id="held",
+                ids=tuple(range(64)),
+            ).encode()
+        )
     time.sleep(0.5)
     s.close()  # the fetcher is gone (its unread bytes reset the connection)
     t0 = time.monotonic()

@@ -9,22 +9,37 @@ import random
 import numpy as np
 import pytest
 
-from vllm_pd.errors import ConfigError
-from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport import checksum as checksum_module
-from vllm_pd.errors import TransferCorrupted
+from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.checksum import BlockCheck, BlockStream, Checksum
+from vllm_pd.errors import ConfigError, TransferCorrupted
 from vllm_pd.ops import native
 
 if native.load_error() is not None:  # the CI builds it (install.sh); say so rather than pass
     pytest.fail(f"vllm_pd._C is needed for these tests: {native.load_error()}", pytrace=False)
 
-from vllm_pd import _C  # noqa: E402
+from vllm_pd import _C
 
 # Lengths around every boundary of the kernel: the 8-byte words, the short rounds (3 x 256)
 # and the long rounds (3 x 8192).
-LENGTHS = [0, 1, 7, 8, 9, 63, 767, 768, 769, 3 * 256 + 8, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 1,
-           3 * 8192 + 3 * 256 + 13, 2 * 3 * 8192 + 5, 100_003]
+LENGTHS = [
+    0,
+    1,
+    7,
+    8,
+    9,
+    63,
+    767,
+    768,
+    769,
+    3 * 256 + 8,
+    3 * 8192 - 1,
+    3 * 8192,
+    3 * 8192 + 1,
+    3 * 8192 + 3 * 256 + 13,
+    2 * 3 * 8192 + 5,
+    100_003,
+]
 
 
 def crc32c_reference(data: bytes, value: int = 0) -> int:
@@ -96,7 +111,8 @@ def _blocks(rnd: random.Random, sizes: list[int]) -> list[np.ndarray]:
 
 
 CHECKS = [BlockCheck(c) for c in Checksum if c is not Checksum.BLAKE3_KEYED] + [
-    BlockCheck.keyed(bytes(range(32)), b"a frame's encoding")]
+    BlockCheck.keyed(bytes(range(32)), b"a frame's encoding")
+]
 
 
 @pytest.mark.parametrize("checksum", CHECKS, ids=lambda c: c.checksum.name)

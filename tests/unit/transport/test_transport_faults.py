@@ -12,18 +12,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from tests.support.transport_harness import RawFetchServer, RecordingSink, make_regions, raw_dial, spawn_peer, started
 
+from tests.support.transport_harness import RawFetchServer, RecordingSink, make_regions, raw_dial, spawn_peer, started
+from vllm_pd.connector.transport import create_transport
+from vllm_pd.connector.transport.base import BlockBatch
+from vllm_pd.connector.transport.framing import Checksum, Frame, Kind, Status, read_frame, send_buffers
+from vllm_pd.connector.transport.wire import Wire
 from vllm_pd.errors import (
     PeerClosed,
     PeerUnreachable,
     TransferCorrupted,
     TransferTimeout,
 )
-from vllm_pd.connector.transport import create_transport
-from vllm_pd.connector.transport.base import BlockBatch
-from vllm_pd.connector.transport.framing import Checksum, Frame, Kind, Status, read_frame, send_buffers
-from vllm_pd.connector.transport.wire import Wire
 from vllm_pd.vllm_server import free_port
 
 
@@ -36,8 +36,16 @@ def receiver():
 
 
 def _raw_push(sock, nbytes: int, blocks: list[bytes], digests_of: list[bytes], transfer_id: str = "raw") -> Frame:
-    frame = Frame(Kind.PUSH, req_id=7, checksum=Checksum.BLAKE3, layer=1, block_nbytes=nbytes,
-                  transfer_id=transfer_id, ids=tuple(range(len(blocks))), lengths=tuple(len(b) for b in blocks))
+    frame = Frame(
+        Kind.PUSH,
+        req_id=7,
+        checksum=Checksum.BLAKE3,
+        layer=1,
+        block_nbytes=nbytes,
+        transfer_id=transfer_id,
+        ids=tuple(range(len(blocks))),
+        lengths=tuple(len(b) for b in blocks),
+    )
     trailer = b"".join(Checksum.BLAKE3.digest(memoryview(d)) for d in digests_of)
     send_buffers(sock, [frame.encode(), *blocks, trailer])
     return frame
@@ -53,7 +61,7 @@ def test_flipped_byte_in_push_is_detected(receiver) -> None:
         _raw_push(s, nbytes, bad, good)
         ack = read_frame(s)
         assert ack.kind is Kind.ACK and ack.status is Status.CORRUPTED and b"checksum" in ack.payload
-        (batch, ok), = sink.wait_landed(1)
+        ((batch, ok),) = sink.wait_landed(1)
         assert not ok and batch.transfer_id == "raw"
         # the stream stays in sync: a correct push on the same connection lands
         _raw_push(s, nbytes, good, good, transfer_id="raw2")
@@ -80,11 +88,19 @@ def test_wrong_block_length_is_refused_before_landing(receiver) -> None:
 def test_truncated_push_fails_the_batch(receiver) -> None:
     _, sink, ep, regions = receiver
     nbytes = regions[1].block_nbytes
-    frame = Frame(Kind.PUSH, req_id=1, checksum=Checksum.BLAKE3, layer=1, block_nbytes=nbytes,
-                  transfer_id="cut", ids=(0, 1), lengths=(nbytes, nbytes))
+    frame = Frame(
+        Kind.PUSH,
+        req_id=1,
+        checksum=Checksum.BLAKE3,
+        layer=1,
+        block_nbytes=nbytes,
+        transfer_id="cut",
+        ids=(0, 1),
+        lengths=(nbytes, nbytes),
+    )
     with raw_dial(ep) as s:
         send_buffers(s, [frame.encode(), os.urandom(nbytes + nbytes // 2)])
-    (batch, ok), = sink.wait_landed(1)
+    ((batch, ok),) = sink.wait_landed(1)
     assert batch.transfer_id == "cut" and not ok
 
 
@@ -217,8 +233,19 @@ def test_revoke_cuts_a_stalled_reader_instead_of_hanging() -> None:
         t.allow_fetch("big", list(range(80)))
         with raw_dial(ep) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-            send_buffers(s, [Frame(Kind.FETCH, req_id=1, layer=0, block_nbytes=regions[0].block_nbytes,
-                                   transfer_id="big", ids=tuple(range(80))).encode()])
+            send_buffers(
+                s,
+                [
+                    Frame(
+                        Kind.FETCH,
+                        req_id=1,
+                        layer=0,
+                        block_nbytes=regions[0].block_nbytes,
+                        transfer_id="big",
+                        ids=tuple(range(80)),
+                    ).encode()
+                ],
+            )
             time.sleep(0.5)
             t0 = time.monotonic()
             t.allow_fetch("big", None)

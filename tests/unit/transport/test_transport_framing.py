@@ -8,7 +8,6 @@ import threading
 
 import pytest
 
-from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.framing import (
     HEADER_NBYTES,
@@ -25,14 +24,24 @@ from vllm_pd.connector.transport.framing import (
     recv_exact,
     send_buffers,
 )
+from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted
 
 
 @pytest.mark.parametrize(
     "frame",
     [
         Frame(Kind.HELLO, payload=b'{"endpoint":"tcp://h:1"}'),
-        Frame(Kind.PUSH, req_id=2**63 + 5, checksum=Checksum.BLAKE3, flags=1, layer=31,
-              block_nbytes=262144, transfer_id="req-ü-1", ids=(0, 1, 7), lengths=(262144,) * 3),
+        Frame(
+            Kind.PUSH,
+            req_id=2**63 + 5,
+            checksum=Checksum.BLAKE3,
+            flags=1,
+            layer=31,
+            block_nbytes=262144,
+            transfer_id="req-ü-1",
+            ids=(0, 1, 7),
+            lengths=(262144,) * 3,
+        ),
         Frame(Kind.FETCH, req_id=9, layer=3, block_nbytes=4096, transfer_id="t", ids=(5, 2**32 - 1)),
         Frame(Kind.ACK, req_id=9, status=Status.REJECTED, payload=b"no such transfer"),
         Frame(Kind.DATA, req_id=1, checksum=Checksum.CRC32, block_nbytes=8, ids=(1,), lengths=(8,)),
@@ -50,8 +59,19 @@ def test_data_nbytes_counts_blocks_and_trailer() -> None:
 
 
 def _header(**over) -> bytes:
-    fields = dict(magic=MAGIC, kind=int(Kind.ACK), status=0, checksum=0, flags=0, req_id=1,
-                  layer=0, count=0, bnb=0, transfer_id_len=0, payload=0)
+    fields = dict(
+        magic=MAGIC,
+        kind=int(Kind.ACK),
+        status=0,
+        checksum=0,
+        flags=0,
+        req_id=1,
+        layer=0,
+        count=0,
+        bnb=0,
+        transfer_id_len=0,
+        payload=0,
+    )
     fields.update(over)
     return struct.pack("<4sBBBBQIIQII", *fields.values())
 
@@ -80,14 +100,13 @@ def test_short_header_and_wrong_variable_part_rejected() -> None:
     with pytest.raises(TransferCorrupted, match="variable part"):
         decode_frame(enc[:-1])
     with pytest.raises(TransferCorrupted, match="utf-8"):
-        decode_frame(enc[:HEADER_NBYTES] + b"\xff\xfe\xfd" + enc[HEADER_NBYTES + 3:])
+        decode_frame(enc[:HEADER_NBYTES] + b"\xff\xfe\xfd" + enc[HEADER_NBYTES + 3 :])
 
 
 def test_send_buffers_many_views_and_read_frame_over_a_socket() -> None:
     a, b = socket.socketpair()
     try:
-        frame = Frame(Kind.PUSH, transfer_id="x", ids=tuple(range(1500)), lengths=(3,) * 1500,
-                      block_nbytes=3)
+        frame = Frame(Kind.PUSH, transfer_id="x", ids=tuple(range(1500)), lengths=(3,) * 1500, block_nbytes=3)
         views = [memoryview(bytes([i % 256] * 3)) for i in range(1500)]  # > IOV_MAX buffers
         t = threading.Thread(target=send_buffers, args=(a, [frame.encode(), *views]))
         t.start()
@@ -137,10 +156,12 @@ def _frames_then_bytes() -> tuple[list[Frame], bytes]:
 @pytest.mark.parametrize("chunk", [1, 7, 1 << 20])
 def test_frame_reader_frames_and_following_bytes_in_any_split(chunk: int, read_ahead: bool) -> None:
     frames, tail = _frames_then_bytes()
-    stream = b"".join(f.encode() for f in frames[:2]) + tail[:100] + b"".join(
-        f.encode() for f in frames[2:]) + tail[100:]
+    stream = (
+        b"".join(f.encode() for f in frames[:2]) + tail[:100] + b"".join(f.encode() for f in frames[2:]) + tail[100:]
+    )
     left, right = socket.socketpair()
     try:
+
         def write() -> None:
             for i in range(0, len(stream), chunk):
                 left.sendall(stream[i : i + chunk])

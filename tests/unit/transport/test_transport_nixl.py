@@ -17,23 +17,29 @@ import time
 import numpy as np
 import pytest
 import torch
+
 from tests.support import vllm_kv_cache as replay
 from tests.support.transport_harness import make_regions, spawn_peer, started
-
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransferTimeout
 from vllm_pd.connector.kv_layout import KVLayout, manager_blocks
-from vllm_pd.connector.transport import create_transport
-from vllm_pd.connector.transport import nixl_agent
+from vllm_pd.connector.transport import create_transport, nixl_agent
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 from vllm_pd.connector.transport.checksum import Checksum
 from vllm_pd.connector.transport.nixl_regions import NixlRegions, RegionLayout, block_pairs, merge_pairs
+from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransferTimeout
 
 HEADS = 4  # KV heads of the small Llama-like model of these tests
 
 
-def vllm_regions(layout: KVLayout, num_blocks: int, seed: int | None, model: str = "llama3-8b",
-                 backend: str = "FLASH_ATTN", block_size: int = 0, layers: int = 2) -> list[MemoryRegion]:
+def vllm_regions(
+    layout: KVLayout,
+    num_blocks: int,
+    seed: int | None,
+    model: str = "llama3-8b",
+    backend: str = "FLASH_ATTN",
+    block_size: int = 0,
+    layers: int = 2,
+) -> list[MemoryRegion]:
     """One worker's KV as vLLM 0.32 allocates it in ``layout`` (tests/support/vllm_kv_cache.py), as the
     connector registers it; random bytes, or zeros where ``seed`` is None."""
     m = replay.model(model, layers=layers, block_size=block_size, kv_heads=HEADS if model == "llama3-8b" else 1)
@@ -130,9 +136,14 @@ def test_descriptors_per_block_in_each_of_vllms_layouts(layout: KVLayout) -> Non
         assert got == DESCRIPTORS[layout], layer
 
 
-@pytest.mark.parametrize(("model", "backend", "layout"), [("llama3-8b", "FLASHINFER", KVLayout.LBHNC),
-                                                        ("deepseek-v3", "FLASHMLA", KVLayout.LBNHC),
-                                                        ("deepseek-v3", "FLASHMLA", KVLayout.LHBNC)])
+@pytest.mark.parametrize(
+    ("model", "backend", "layout"),
+    [
+        ("llama3-8b", "FLASHINFER", KVLayout.LBHNC),
+        ("deepseek-v3", "FLASHMLA", KVLayout.LBNHC),
+        ("deepseek-v3", "FLASHMLA", KVLayout.LHBNC),
+    ],
+)
 def test_split_kernel_blocks_move_as_one_descriptor_per_block(model: str, backend: str, layout: KVLayout) -> None:
     here, there = (vllm_regions(layout, 32, None, model=model, backend=backend, block_size=128) for _ in range(2))
     assert here[0].tensor.shape[1] == 2  # two kernel blocks per block
@@ -143,8 +154,9 @@ def test_block_pairs_cut_blocks_where_either_sides_span_ends() -> None:
     """A head-major page here, heads apart there (the same bytes in the same order, so the same
     block format): each block's pieces pair up in wire order. Checked by doing the copies."""
     here, there = vllm_regions(KVLayout.LBHNC, 32, seed=None), vllm_regions(KVLayout.LHBNC, 32, seed=7)
-    local, remote, lengths = block_pairs(RegionLayout.of(here[1]), SCATTERED[0], RegionLayout.of(there[1]),
-                                         SCATTERED[1])
+    local, remote, lengths = block_pairs(
+        RegionLayout.of(here[1]), SCATTERED[0], RegionLayout.of(there[1]), SCATTERED[1]
+    )
     assert len(local) == 8 * HEADS and set(lengths.tolist()) == {here[1].block_nbytes // HEADS}
     for dst, src, n in zip(local.tolist(), remote.tolist(), lengths.tolist(), strict=True):
         ctypes.memmove(dst, src, n)  # what NIXL's READ would do
@@ -158,26 +170,29 @@ def test_block_pairs_cut_blocks_where_either_sides_span_ends() -> None:
 @pytest.mark.parametrize("layout", list(KVLayout), ids=lambda m: m.name)
 def test_one_registration_holds_every_layer_of_vllms_buffer(layout: KVLayout) -> None:
     regions = vllm_regions(layout, 8, seed=None, layers=3)
-    (mem, _, start, nbytes), = NixlRegions(regions).registrations
+    ((mem, _, start, nbytes),) = NixlRegions(regions).registrations
     raw = regions[0].tensor.untyped_storage()
     assert (mem, start, nbytes) == ("DRAM", raw.data_ptr(), raw.nbytes())
 
 
 def test_consecutive_blocks_merge_into_one_descriptor_per_span() -> None:
-    src, dst = RegionLayout.of(vllm_regions(KVLayout.LHBNC, 32, None)[0]), RegionLayout.of(
-        vllm_regions(KVLayout.LHBNC, 32, None)[0])
+    src, dst = (
+        RegionLayout.of(vllm_regions(KVLayout.LHBNC, 32, None)[0]),
+        RegionLayout.of(vllm_regions(KVLayout.LHBNC, 32, None)[0]),
+    )
     n = np.repeat(np.asarray(src.lengths), 8)
     # blocks 4..11 into 20..27: a run on both sides -> one descriptor per head
-    local, remote, lengths = merge_pairs(src.spans(np.arange(4, 12)).reshape(-1),
-                                         dst.spans(np.arange(20, 28)).reshape(-1), n)
+    local, remote, lengths = merge_pairs(
+        src.spans(np.arange(4, 12)).reshape(-1), dst.spans(np.arange(20, 28)).reshape(-1), n
+    )
     assert len(local) == HEADS and list(lengths) == [8 * src.lengths[0]] * HEADS
     # a run here, scattered there: nothing merges
-    local, _, _ = merge_pairs(src.spans(np.arange(4, 12)).reshape(-1),
-                              dst.spans(np.arange(0, 16, 2)).reshape(-1), n)
+    local, _, _ = merge_pairs(src.spans(np.arange(4, 12)).reshape(-1), dst.spans(np.arange(0, 16, 2)).reshape(-1), n)
     assert len(local) == 8 * HEADS
     # two runs, and a registration boundary between contiguous halves
-    local, _, lengths = merge_pairs(np.arange(6) * 10, np.arange(6) * 10, np.full(6, 10),
-                                    segment=np.array([0, 0, 0, -1, -1, -1]))
+    local, _, lengths = merge_pairs(
+        np.arange(6) * 10, np.arange(6) * 10, np.full(6, 10), segment=np.array([0, 0, 0, -1, -1, -1])
+    )
     assert list(local) == [0, 30] and list(lengths) == [30, 30]
 
 
@@ -279,7 +294,7 @@ class StalledWrites:
         self.entered = threading.Event()
         real = nixl_agent.LocalAgent.transfer
 
-        def transfer(agent, op, *args, **kwargs):  # noqa: ANN001, ANN202 - same signature
+        def transfer(agent, op, *args, **kwargs):
             if agent is owner_agent and op == "WRITE":
                 self.entered.set()
                 self.go.wait(30)
@@ -314,7 +329,8 @@ def test_revoke_waits_for_a_write_in_flight_and_then_refuses(monkeypatch: pytest
 
 
 def test_fetch_past_its_deadline_is_cancelled_and_settles_only_when_the_owner_answers(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     src, dst = make_regions(1, 8, seed=1), make_regions(1, 8, seed=None)
     a, _, a_ep = started("nixl", src)
     b, _, _ = started("nixl", dst, revoke_wait=20.0)
@@ -352,7 +368,7 @@ def test_sender_killed_before_its_blocks_were_read_fails_the_batch() -> None:
         os.kill(peer.pid, signal.SIGKILL)
         peer.join(10)
         b_sink.hold.set()
-        (batch, ok), = b_sink.wait_landed(1, timeout=20)
+        ((batch, ok),) = b_sink.wait_landed(1, timeout=20)
         assert batch.transfer_id == "from-peer" and not ok
         # and the transport still serves others
         a, _, _ = started("nixl", make_regions(1, 16, seed=3))
@@ -377,7 +393,7 @@ def test_close_fails_pending_futures_and_leaves_the_reader_unstuck() -> None:
         with pytest.raises(PeerClosed):
             fut.result(5)
         b_sink.hold.set()  # b now reads from a transport that is gone (its process is not)
-        (batch, ok), = b_sink.wait_landed(1, timeout=20)
+        ((batch, ok),) = b_sink.wait_landed(1, timeout=20)
         # the batch ends either way; if cross-memory attach still reached the memory, the
         # checksum vouches for what landed
         assert batch.transfer_id == "pending"
@@ -439,4 +455,10 @@ def test_ucx_settings_are_ours_only_where_the_user_has_none(monkeypatch: pytest.
         assert tls == "rc,tcp" and os.environ["UCX_KEEPALIVE_INTERVAL"] == "5s"
     assert os.environ["UCX_TLS"] == "rc,tcp" and os.environ["UCX_KEEPALIVE_INTERVAL"] == "5s"
     assert [nixl_agent.ucx_allows_cma(v) for v in ("all", "tcp,cma", "sm", "tcp", "^cma", "^ib")] == [
-        True, True, True, False, False, True]
+        True,
+        True,
+        True,
+        False,
+        False,
+        True,
+    ]

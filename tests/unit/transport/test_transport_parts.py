@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.transport_harness import make_regions, started
 
+from tests.support.transport_harness import make_regions, started
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.errors import TransferRejected
 from vllm_pd.connector.transport.base import BlockBatch, BlockWindow, FetchSpans
+from vllm_pd.errors import TransferRejected
 
 SECRET = DeploymentSecret(b"parts-test-secret-0123456789abcd", "test")
-TRANSPORTS = {"tcp": ("tcp", {}), "shm": ("shm", {}), "shm-rings": ("shm", {"cross_memory": False}),
-              "nixl": ("nixl", {}), "tcp+secret": ("tcp", {"secret": SECRET}),
-              "shm+secret": ("shm", {"secret": SECRET})}
+TRANSPORTS = {
+    "tcp": ("tcp", {}),
+    "shm": ("shm", {}),
+    "shm-rings": ("shm", {"cross_memory": False}),
+    "nixl": ("nixl", {}),
+    "tcp+secret": ("tcp", {"secret": SECRET}),
+    "shm+secret": ("shm", {"secret": SECRET}),
+}
 
 
 @pytest.fixture(params=list(TRANSPORTS))
@@ -44,9 +49,9 @@ def test_push_of_a_window_sends_those_bytes_of_each_block(pair) -> None:
     assert fut.result(10) is None
     for pos, blk in ((3, 7), (4, 9)):
         got, want = _bytes(dst[1], pos), _bytes(src[1], blk)
-        assert torch.equal(got[:window.nbytes], want[window.offset:window.offset + window.nbytes])
-        assert not got[window.nbytes:].any()  # nothing beyond the window's bytes
-    (batch, ok), = b_sink.wait_landed(1)  # the sink lands a window's row at the start of the block
+        assert torch.equal(got[: window.nbytes], want[window.offset : window.offset + window.nbytes])
+        assert not got[window.nbytes :].any()  # nothing beyond the window's bytes
+    ((batch, ok),) = b_sink.wait_landed(1)  # the sink lands a window's row at the start of the block
     assert ok and batch.block_nbytes == window.nbytes
 
 
@@ -66,16 +71,19 @@ def test_fetch_of_spans_lands_each_part_at_its_offset(pair) -> None:
     a.allow_fetch("s", [2, 5])
     # block 5's second quarter -> the start of our block 0; block 2's last quarter -> the end of
     # our block 0; block 2's first quarter -> the middle of our block 1 (ids repeat per span)
-    spans = FetchSpans(src_offsets=(quarter, 3 * quarter, 0), dst_offsets=(0, 3 * quarter, quarter),
-                       lengths=(quarter, quarter, quarter))
+    spans = FetchSpans(
+        src_offsets=(quarter, 3 * quarter, 0),
+        dst_offsets=(0, 3 * quarter, quarter),
+        lengths=(quarter, quarter, quarter),
+    )
     b.fetch(a_ep, "s", 0, [5, 2, 2], [0, 0, 1], timeout=10, spans=spans).result(10)
     d0, d1 = _bytes(dst[0], 0), _bytes(dst[0], 1)
     s2, s5 = _bytes(src[0], 2), _bytes(src[0], 5)
-    assert torch.equal(d0[:quarter], s5[quarter:2 * quarter])
-    assert torch.equal(d0[3 * quarter:], s2[3 * quarter:])
-    assert not d0[quarter:3 * quarter].any()
-    assert torch.equal(d1[quarter:2 * quarter], s2[:quarter])
-    assert not d1[:quarter].any() and not d1[2 * quarter:].any()
+    assert torch.equal(d0[:quarter], s5[quarter : 2 * quarter])
+    assert torch.equal(d0[3 * quarter :], s2[3 * quarter :])
+    assert not d0[quarter : 3 * quarter].any()
+    assert torch.equal(d1[quarter : 2 * quarter], s2[:quarter])
+    assert not d1[:quarter].any() and not d1[2 * quarter :].any()
 
 
 def test_fetch_of_spans_needs_the_grant_and_parts_inside_the_blocks(pair) -> None:

@@ -10,17 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.support.tls_certs import issue, make_ca
 from tests.support.transport_harness import make_regions, started
-
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.errors import TransferRejected, TransferTimeout
 from vllm_pd.connector.transport.base import BlockBatch
+from vllm_pd.errors import TransferRejected, TransferTimeout
 
 # shm moves block bytes by reading the peer's memory where the kernel allows it (here it
 # does), else through its rings: both paths run every test. nixl: UCX over tcp + cma on this host.
-TRANSPORTS = {"tcp": ("tcp", {}), "shm": ("shm", {}), "shm-rings": ("shm", {"cross_memory": False}),
-              "nixl": ("nixl", {})}
+TRANSPORTS = {
+    "tcp": ("tcp", {}),
+    "shm": ("shm", {}),
+    "shm-rings": ("shm", {"cross_memory": False}),
+    "nixl": ("nixl", {}),
+}
 # and each with a deployment secret: authenticated connections, sealed frames, keyed block checks
 SECRET = DeploymentSecret(b"roundtrip-test-secret-0123456789", "test")
 TRANSPORTS.update({f"{k}+secret": (name, {**opts, "secret": SECRET}) for k, (name, opts) in list(TRANSPORTS.items())})
@@ -55,7 +59,7 @@ def test_push_lands_exact_bytes_at_sink_destinations(pair) -> None:
     fut = a.push(b_ep, BlockBatch("req1", 2, (5, 6, 7), nbytes, last=True), [10, 11, 12], timeout=10)
     assert fut.result(10) is None
     assert torch.equal(dst[2].tensor[5:8], src[2].tensor[10:13])
-    (batch, ok), = b_sink.wait_landed(1)
+    ((batch, ok),) = b_sink.wait_landed(1)
     assert ok and batch.transfer_id == "req1" and batch.positions == (5, 6, 7) and batch.last
     assert not torch.equal(dst[1].tensor[5:8], src[1].tensor[10:13])  # other layers untouched
 
@@ -63,8 +67,7 @@ def test_push_lands_exact_bytes_at_sink_destinations(pair) -> None:
 def test_many_pushes_land_in_order(pair) -> None:
     _, (a, _, _, src), (_, b_sink, b_ep, dst) = pair
     nbytes = src[0].block_nbytes
-    futs = [a.push(b_ep, BlockBatch(f"t{i}", 0, (i % 64,), nbytes), [i % 64], timeout=20)
-            for i in range(300)]
+    futs = [a.push(b_ep, BlockBatch(f"t{i}", 0, (i % 64,), nbytes), [i % 64], timeout=20) for i in range(300)]
     for f in futs:
         f.result(20)
     calls = b_sink.wait_landed(300)
@@ -80,8 +83,9 @@ def test_all_layers_concurrently_both_directions(pair) -> None:
     pushes = [a.push(b_ep, BlockBatch("x", layer, tuple(ids), nbytes), ids, timeout=20) for layer in range(4)]
     # meanwhile b pushes its (still zero) odd blocks back at a's even positions... of a copy layer
     a.allow_fetch("y", list(range(64)))
-    fetches = [b.fetch(a_ep, "y", layer, list(range(1, 64, 2)), list(range(1, 64, 2)), timeout=20)
-               for layer in range(4)]
+    fetches = [
+        b.fetch(a_ep, "y", layer, list(range(1, 64, 2)), list(range(1, 64, 2)), timeout=20) for layer in range(4)
+    ]
     for f in cf.as_completed(pushes + fetches, timeout=20):
         assert f.result() is None
     for layer in range(4):
@@ -155,8 +159,10 @@ def test_quiet_pushes_settle_with_the_next_answer(pair) -> None:
     nbytes = src[0].block_nbytes
     for step in range(3):
         ids = [step * 8 + k for k in range(8)]
-        quiet = [a.push(b_ep, BlockBatch(f"s{step}", layer, tuple(ids), nbytes), ids, timeout=20, answer=False)
-                 for layer in range(3)]
+        quiet = [
+            a.push(b_ep, BlockBatch(f"s{step}", layer, tuple(ids), nbytes), ids, timeout=20, answer=False)
+            for layer in range(3)
+        ]
         last = a.push(b_ep, BlockBatch(f"s{step}", 3, tuple(ids), nbytes, last=True), ids, timeout=20)
         assert last.result(20) is None
         assert all(f.done() and f.result() is None for f in quiet)  # settled by the same answer
@@ -186,7 +192,7 @@ def test_quiet_push_without_a_later_answer_times_out(pair) -> None:
     fut = a.push(b_ep, BlockBatch("alone", 0, (3,), nbytes), [3], timeout=0.5, answer=False)
     with pytest.raises(TransferTimeout):
         fut.result(10)
-    (batch, ok), = b_sink.wait_landed(1)  # its bytes did land; only the answer never came
+    ((batch, ok),) = b_sink.wait_landed(1)  # its bytes did land; only the answer never came
     assert ok and torch.equal(dst[0].tensor[3], src[0].tensor[3])
 
 

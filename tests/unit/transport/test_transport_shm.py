@@ -16,9 +16,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from tests.support.transport_harness import make_regions, spawn_peer, started
 
-from vllm_pd.errors import ConfigError, TransferCorrupted, TransportError
+from tests.support.transport_harness import make_regions, spawn_peer, started
 from vllm_pd.connector.transport import create_transport, serve_session
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.cross_memory import PeerMemory
@@ -26,6 +25,7 @@ from vllm_pd.connector.transport.framing import Checksum, Frame, Kind
 from vllm_pd.connector.transport.layer_plan import ReadyPacer
 from vllm_pd.connector.transport.shm import FLAG_TRAILER, SEGMENT_PREFIX, SHM_DIR, ShmChannel
 from vllm_pd.connector.transport.wire import Wire
+from vllm_pd.errors import ConfigError, TransferCorrupted, TransportError
 
 
 def _segments(pid: int | None = None) -> set[str]:
@@ -89,15 +89,16 @@ def test_sender_killed_mid_stream_fails_the_batch_and_leaves_no_segments() -> No
     regions = make_regions(1, 512, seed=None)
     t, sink, ep = started("shm", regions, cross_memory=False)
     sink.hold.clear()
-    peer, _ = spawn_peer("shm", num_layers=1, num_blocks=512, hold=False, push_to=ep,
-                         slots=4, slot_nbytes=256 << 10, cross_memory=False)
+    peer, _ = spawn_peer(
+        "shm", num_layers=1, num_blocks=512, hold=False, push_to=ep, slots=4, slot_nbytes=256 << 10, cross_memory=False
+    )
     try:
         assert sink.entered.wait(30)
         time.sleep(0.3)
         os.kill(peer.pid, signal.SIGKILL)
         peer.join(10)
         sink.hold.set()
-        (batch, ok), = sink.wait_landed(1, timeout=10)
+        ((batch, ok),) = sink.wait_landed(1, timeout=10)
         assert batch.transfer_id == "from-peer" and not ok
         time.sleep(0.2)
         assert not _segments(peer.pid), "killed peer left its ring in /dev/shm"
@@ -160,8 +161,9 @@ def test_lost_credit_wake_up_is_recovered_by_the_bounded_wait(monkeypatch: pytes
     # Drop every CREDIT (what a store/load reordering between the two cores can do to one):
     # the waiting sender must still see the ring's count and finish, not stall.
     real = Wire.send_frame
-    monkeypatch.setattr(Wire, "send_frame",
-                        lambda self, frame: None if frame.kind is Kind.CREDIT else real(self, frame))
+    monkeypatch.setattr(
+        Wire, "send_frame", lambda self, frame: None if frame.kind is Kind.CREDIT else real(self, frame)
+    )
     src = make_regions(1, 16, seed=7)
     dst = make_regions(1, 16, seed=None)
     opts = dict(slots=2, slot_nbytes=8192, cross_memory=False)
@@ -187,8 +189,7 @@ def test_ready_for_a_slot_out_of_ring_order_is_corruption() -> None:
         data = np.arange(4096, dtype=np.uint8)
         push = Frame(Kind.PUSH, checksum=Checksum.NONE, ids=(0,), lengths=(4096,), block_nbytes=4096)
         # slot 1 announced while slot 0 is the next one the receiver empties
-        Wire(left).send_frames([Frame(Kind.READY, flags=FLAG_TRAILER, ids=(1,), lengths=(4096,),
-                                      payload=bytes(8))])
+        Wire(left).send_frames([Frame(Kind.READY, flags=FLAG_TRAILER, ids=(1,), lengths=(4096,), payload=bytes(8))])
         with pytest.raises(TransferCorrupted, match="expected slot 0"):
             receiver.recv_blocks(Wire(right), push, [memoryview(np.zeros_like(data))])
     finally:
@@ -391,8 +392,9 @@ def test_no_plan_where_memory_cannot_be_read(monkeypatch: pytest.MonkeyPatch) ->
         assert a.push_layers(b_ep, "x", [0], (1,), [1], timeout=10) is None
 
 
-@pytest.mark.parametrize("name, options", [("shm", {"checksum": "none"}), ("shm", {"cross_memory": False}),
-                                           ("tcp", {})])
+@pytest.mark.parametrize(
+    "name, options", [("shm", {"checksum": "none"}), ("shm", {"cross_memory": False}), ("tcp", {})]
+)
 def test_no_plan_without_checksum_cross_memory_or_on_tcp(name: str, options: dict) -> None:
     with _pair(1, 4, 11, name, **options) as (a, b_sink, b_ep, src, dst):
         _connected(a, b_ep, src)
@@ -406,7 +408,7 @@ def test_probe_rejects_another_boot_a_wrong_token_and_no_process() -> None:
     assert PeerMemory.probe(info) is not None  # this process reads itself
     assert PeerMemory.probe(dict(info, boot="another-host")) is None
     assert PeerMemory.probe(dict(info, token="00" * 16)) is None
-    assert PeerMemory.probe(dict(info, pid=2 ** 22 + 12345)) is None  # no such process
+    assert PeerMemory.probe(dict(info, pid=2**22 + 12345)) is None  # no such process
     assert PeerMemory.probe({"pid": "x"}) is None and PeerMemory.probe(None) is None
 
 

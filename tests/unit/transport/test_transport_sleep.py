@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.transport_harness import make_regions, started
 
+from tests.support.transport_harness import make_regions, started
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.errors import TransferRejected
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.worker import PDConnectorWorker
+from vllm_pd.errors import TransferRejected
 
 TRANSPORTS = ("tcp", "shm", "nixl")
 TIMEOUT = 10.0

@@ -87,14 +87,28 @@ DECISIONS: dict[str, str] = {
 READS = {
     "KVConnectorOutput": {"finished_sending", "finished_recving", "kv_connector_worker_meta"},
     "KVConnectorTransferResults": {"finished_sending", "finished_recving", "failed_recving"},
-    "KVTransferConfig": {"kv_connector_extra_config", "kv_role", "kv_port", "engine_id", "kv_load_failure_policy",
-                         "is_kv_producer", "is_kv_consumer"},
+    "KVTransferConfig": {
+        "kv_connector_extra_config",
+        "kv_role",
+        "kv_port",
+        "engine_id",
+        "kv_load_failure_policy",
+        "is_kv_producer",
+        "is_kv_consumer",
+    },
     "KVCacheBlocks": {"get_block_ids"},
     "KVCacheConfig": {"num_blocks", "kv_cache_groups", "transfer_group_ids"},
     "KVCacheManager": {"get_block_ids"},
     "SchedulerOutput": {"total_num_scheduled_tokens", "preempted_req_ids", "num_scheduled_tokens"},
-    "Request": {"request_id", "kv_transfer_params", "num_prompt_tokens", "prompt_token_ids", "num_computed_tokens",
-                "status", "all_token_ids"},
+    "Request": {
+        "request_id",
+        "kv_transfer_params",
+        "num_prompt_tokens",
+        "prompt_token_ids",
+        "num_computed_tokens",
+        "status",
+        "all_token_ids",
+    },
 }
 
 
@@ -108,7 +122,8 @@ def live_032() -> dict[str, Any]:
 
 def version_cases() -> list[Any]:
     return [pytest.param(lambda: live_032(), id="0.32-live")] + [
-        pytest.param(lambda p=p: manifest(p)["classes"][BASE], id=p.name.split("-connector")[0]) for p in MANIFESTS]
+        pytest.param(lambda p=p: manifest(p)["classes"][BASE], id=p.name.split("-connector")[0]) for p in MANIFESTS
+    ]
 
 
 def test_the_033_manifest_is_committed() -> None:
@@ -128,15 +143,27 @@ def _types() -> list[tuple[type, str, dict[str, str]]]:
     hma = vllm_base.SupportsHMA
     declared = issubclass(PDConnector, hma)
     return [
-        (PDConnector, "SupportsHMA", {"request_finished_all_groups":
-                                      "ours" if declared else "PDConnector does not declare SupportsHMA"}),
+        (
+            PDConnector,
+            "SupportsHMA",
+            {"request_finished_all_groups": "ours" if declared else "PDConnector does not declare SupportsHMA"},
+        ),
         (PDWorkerMeta, "KVConnectorWorkerMetadata", {"aggregate": "ours"}),
         (PDHandshake, "KVConnectorHandshakeMetadata", {}),
         (PDConnectorMetadata, "KVConnectorMetadata", {}),
-        (PDConnectorStats, "KVConnectorStats", {"__init__": "ours", "data": "the dataclass field",
-                                                "to_dict": "data as it is",
-                                                "reset": "ours", "aggregate": "ours", "reduce": "ours",
-                                                "is_empty": "ours"}),
+        (
+            PDConnectorStats,
+            "KVConnectorStats",
+            {
+                "__init__": "ours",
+                "data": "the dataclass field",
+                "to_dict": "data as it is",
+                "reset": "ours",
+                "aggregate": "ours",
+                "reduce": "ours",
+                "is_empty": "ours",
+            },
+        ),
         (PDPromMetrics, "KVConnectorPromMetrics", {"__init__": "ours", "observe": "ours"}),
     ]
 
@@ -145,8 +172,9 @@ def type_surfaces() -> list[Any]:
     cases = []
     for ours, base, decisions in _types():
         module = vs.METRICS_MODULE if "Stats" in base or "Prom" in base else vs.BASE_MODULE
-        cases += [pytest.param(ours, base, decisions, p, id=f"{base}-{p.name.split('-connector')[0]}")
-                  for p in MANIFESTS]
+        cases += [
+            pytest.param(ours, base, decisions, p, id=f"{base}-{p.name.split('-connector')[0]}") for p in MANIFESTS
+        ]
         live = getattr(__import__(module, fromlist=[base]), base)
         cases.append(pytest.param(ours, base, decisions, live, id=f"{base}-0.32-live"))
     return cases
@@ -175,8 +203,9 @@ def test_decisions_name_only_members_vllm_has() -> None:
 def test_the_source_reader_sees_what_inspect_sees() -> None:
     """The manifest's reader (AST of the source, no import) on the installed 0.32 gives the same
     members, kinds and parameters as inspecting the live class: the 0.33 manifest is read the same way."""
-    from_source = {k: m for k, m in installed_surface()["classes"][BASE]["members"].items()
-                   if m["kind"] != "instance_attribute"}  # inspect sees no instance
+    from_source = {
+        k: m for k, m in installed_surface()["classes"][BASE]["members"].items() if m["kind"] != "instance_attribute"
+    }  # inspect sees no instance
     live = live_032()["members"]
     assert set(from_source) == set(live)
     for name, member in live.items():
@@ -197,7 +226,8 @@ def installed_surface() -> dict[str, Any]:
 
 def reads_cases() -> list[Any]:
     return [pytest.param(lambda: installed_surface(), id="0.32-installed")] + [
-        pytest.param(lambda p=p: manifest(p), id=p.name.split("-connector")[0]) for p in MANIFESTS]
+        pytest.param(lambda p=p: manifest(p), id=p.name.split("-connector")[0]) for p in MANIFESTS
+    ]
 
 
 @pytest.mark.parametrize("surface", reads_cases())
@@ -221,8 +251,10 @@ def import_problems(modules: dict[str, Any], manifest_path: str) -> list[str]:
     problems = []
     for module, name in sorted(vllm_imports()):
         if module not in modules:
-            problems.append(f"{module}: not in the manifest; add it to MODULES in tests/support/vllm_surface.py and "
-                            f"regenerate (python -m tests.support.vllm_surface WHEEL --out {manifest_path})")
+            problems.append(
+                f"{module}: not in the manifest; add it to MODULES in tests/support/vllm_surface.py and "
+                f"regenerate (python -m tests.support.vllm_surface WHEEL --out {manifest_path})"
+            )
         elif name and name not in modules[module]["names"] and not modules[module]["dynamic"]:
             problems.append(f"{module} has no {name}")
     return problems
@@ -236,20 +268,29 @@ def test_every_name_vllm_pd_imports_from_vllm_exists(path: Path) -> None:
 # ---- negative controls: each check fails where it should ---------------------------------------
 def test_a_missing_abstract_method_fails() -> None:
     surface = copy.deepcopy(manifest(MANIFESTS[-1])["classes"][BASE])
-    surface["members"]["prepare_kv_window"] = {"kind": "method", "abstract": True,
-                                               "params": [["self", "positional_or_keyword", False]]}
-    problems = vs.check_connector(PDConnector, surface, "KVConnectorBase_V1",
-                                  {**DECISIONS, "prepare_kv_window": "ours"})
+    surface["members"]["prepare_kv_window"] = {
+        "kind": "method",
+        "abstract": True,
+        "params": [["self", "positional_or_keyword", False]],
+    }
+    problems = vs.check_connector(
+        PDConnector, surface, "KVConnectorBase_V1", {**DECISIONS, "prepare_kv_window": "ours"}
+    )
     assert any("prepare_kv_window: abstract in vLLM, not implemented" in p for p in problems), problems
 
 
 def test_an_undecided_new_hook_fails() -> None:
     surface = copy.deepcopy(manifest(MANIFESTS[-1])["classes"][BASE])
-    surface["members"]["on_weights_updated"] = {"kind": "method", "abstract": False,
-                                                "params": [["self", "positional_or_keyword", False]]}
+    surface["members"]["on_weights_updated"] = {
+        "kind": "method",
+        "abstract": False,
+        "params": [["self", "positional_or_keyword", False]],
+    }
     problems = vs.check_connector(PDConnector, surface, "KVConnectorBase_V1", DECISIONS)
-    assert problems == ["on_weights_updated: new in vLLM's KVConnectorBase_V1: decide (implement it, or record "
-                        "why the default is right)"]
+    assert problems == [
+        "on_weights_updated: new in vLLM's KVConnectorBase_V1: decide (implement it, or record "
+        "why the default is right)"
+    ]
 
 
 class _Renamed(PDConnector):
@@ -268,8 +309,7 @@ class _Renamed(PDConnector):
 
 
 def test_a_mismatched_signature_fails() -> None:
-    problems = vs.check_connector(_Renamed, manifest(MANIFESTS[-1])["classes"][BASE], "KVConnectorBase_V1",
-                                  DECISIONS)
+    problems = vs.check_connector(_Renamed, manifest(MANIFESTS[-1])["classes"][BASE], "KVConnectorBase_V1", DECISIONS)
     assert sorted(problems) == [
         "get_finished: parameter 1 is 'done' (positional_or_keyword), vLLM's is 'finished_req_ids' "
         "(positional_or_keyword)",
@@ -297,6 +337,8 @@ def test_a_name_gone_from_a_module_fails(tmp_path: Path) -> None:
     surface["modules"]["vllm.v1.request"]["names"].remove("Request")
     del surface["modules"]["vllm.forward_context"]
     problems = import_problems(surface["modules"], "MANIFEST")
-    assert problems[0] == "vllm.forward_context: not in the manifest; add it to MODULES in " \
+    assert (
+        problems[0] == "vllm.forward_context: not in the manifest; add it to MODULES in "
         "tests/support/vllm_surface.py and regenerate (python -m tests.support.vllm_surface WHEEL --out MANIFEST)"
+    )
     assert problems[1:] == ["vllm.v1.request has no Request"]

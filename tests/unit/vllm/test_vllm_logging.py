@@ -40,8 +40,9 @@ def test_connector_worker_line_reaches_vllms_handler_and_log() -> None:
     assert "('vllm.plugins.vllm_pd.connector.worker', 'PD connector worker 0: 1 layers of 4 blocks" in out.stdout
     # printed by vLLM's handler (to its stream, stdout by default) in vLLM's format:
     # "INFO <date> <time> [worker.py:NN] PD connector worker 0: ..."
-    assert re.search(r"INFO .*\[worker\.py:\d+\] PD connector worker 0: .* KV endpoint tcp://127\.0\.0\.1:\d+",
-                     out.stdout), out.stdout[-3000:]
+    assert re.search(
+        r"INFO .*\[worker\.py:\d+\] PD connector worker 0: .* KV endpoint tcp://127\.0\.0\.1:\d+", out.stdout
+    ), out.stdout[-3000:]
 
 
 def test_code_running_inside_vllm_takes_its_loggers_from_vllm_logging() -> None:

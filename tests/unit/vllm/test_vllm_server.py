@@ -54,8 +54,9 @@ time.sleep(60)
 
 def test_a_killed_groups_own_shm_files_are_removed_and_shared_ones_kept() -> None:
     shared = shared_memory.SharedMemory(create=True, size=1 << 20)
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, shared.name], stdout=subprocess.PIPE,
-                            start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, shared.name], stdout=subprocess.PIPE, start_new_session=True, text=True
+    )
     try:
         own = "/dev/shm/" + proc.stdout.readline().strip().lstrip("/")
         used = used_shm(group_members(proc.pid))

@@ -100,7 +100,11 @@ class AdaptiveCache:
     policy; ``observe_request`` and ``observe_save`` feed the shadows."""
 
     def __init__(
-        self, capacity: int, bases: Sequence[float] = DEFAULT_BASES, half_life: float = 300.0, margin: float = 0.05,
+        self,
+        capacity: int,
+        bases: Sequence[float] = DEFAULT_BASES,
+        half_life: float = 300.0,
+        margin: float = 0.05,
         sample_rate: float = 1.0,
     ) -> None:
         if not bases or bases[0] != 1.0:

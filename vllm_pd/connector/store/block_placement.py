@@ -59,8 +59,14 @@ class BlockPlacement:
         self.disk_acks: dict[BlockKey, int] = {}
         # on disk, parent not indexed yet: key -> (parent, scope)
         self.disk_orphans: dict[BlockKey, tuple[BlockKey | None, BlockKey]] = {}
-        self.stats = {"hit_blocks": 0, "remote_blocks": 0, "saved_blocks": 0, "evicted_blocks": 0,
-                      "load_failures": 0, "scope_mismatches": 0}
+        self.stats = {
+            "hit_blocks": 0,
+            "remote_blocks": 0,
+            "saved_blocks": 0,
+            "evicted_blocks": 0,
+            "load_failures": 0,
+            "scope_mismatches": 0,
+        }
 
     def location(self, key: BlockKey) -> Location:
         """The Location of an indexed key."""
@@ -73,7 +79,11 @@ class BlockPlacement:
     # -- puts: reserve -> (worker writes) -> commit ----------------------------------------
 
     def reserve(
-        self, request_id: str, new: Sequence[BlockKey], parent: BlockKey | None, guard: set[BlockKey],
+        self,
+        request_id: str,
+        new: Sequence[BlockKey],
+        parent: BlockKey | None,
+        guard: set[BlockKey],
         scope: BlockKey,
     ) -> tuple[list[BlockKey], list[int]]:
         """Phase one of a put: room in the CPU tier and a slot for each of ``new``
@@ -181,8 +191,11 @@ class BlockPlacement:
     def _admit(self, chain: Sequence[BlockKey], guard: set[BlockKey]) -> list[BlockKey]:
         """Room in the CPU tier for as long a prefix of ``chain`` as fits, evicting unguarded keys."""
         # the cache holds any Hashable; every key in it came from here, a BlockKey
-        admitted, _ = self.cache.admit(chain, lambda k: k not in guard and self.evictable(cast(BlockKey, k)),
-                                       lambda k: self.drop_one(cast(BlockKey, k)))
+        admitted, _ = self.cache.admit(
+            chain,
+            lambda k: k not in guard and self.evictable(cast(BlockKey, k)),
+            lambda k: self.drop_one(cast(BlockKey, k)),
+        )
         return cast("list[BlockKey]", admitted)
 
     def evictable(self, key: BlockKey) -> bool:
@@ -204,8 +217,11 @@ class BlockPlacement:
         the holder's worker: disk_staging.py, unless disk_serve_bytes is 0)."""
         if self.disk_served:
             return self.index.chains()
-        return [(key, parent) for key, parent in self.index.chains()
-                if self.location(key).slot is not None and not self.location(key).staging]
+        return [
+            (key, parent)
+            for key, parent in self.index.chains()
+            if self.location(key).slot is not None and not self.location(key).staging
+        ]
 
     def drop_one(self, key: BlockKey) -> None:
         """The cache evicted ``key`` from the CPU tier (at once: its parent may be the next victim)."""

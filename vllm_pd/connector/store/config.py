@@ -28,8 +28,9 @@ def _renamed_keys(raw: dict[str, Any]) -> dict[str, Any]:
         if old not in raw:
             continue
         if new in raw:
-            raise ConfigError(f"store.{old} and store.{new} are both set: {old} is the old name of {new}; "
-                              f"keep only {new}")
+            raise ConfigError(
+                f"store.{old} and store.{new} are both set: {old} is the old name of {new}; keep only {new}"
+            )
         logger.warning("store.%s is deprecated: it was renamed store.%s; please use that", old, new)
         raw[new] = raw.pop(old)
     return raw
@@ -41,8 +42,10 @@ def _instance_url(value: Any) -> str:
 
     parts = urlsplit(value) if isinstance(value, str) else None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
-        raise ConfigError(f"store.instance_url: expected the instance's URL as the proxy knows it, "
-                          f"e.g. http://10.0.0.5:8000, got {value!r}")
+        raise ConfigError(
+            f"store.instance_url: expected the instance's URL as the proxy knows it, "
+            f"e.g. http://10.0.0.5:8000, got {value!r}"
+        )
     return str(value).rstrip("/")
 
 
@@ -115,6 +118,8 @@ class StoreConfig:
         """Blocks (all layers) one pass through the host bounce moves, for device KV."""
         n = self.host_bounce_bytes // slot_nbytes
         if n <= 0:
-            raise ConfigError(f"store.host_bounce_bytes={self.host_bounce_bytes} holds no block of {slot_nbytes} "
-                              "bytes (all layers): KV on a GPU reaches the pool through it")
+            raise ConfigError(
+                f"store.host_bounce_bytes={self.host_bounce_bytes} holds no block of {slot_nbytes} "
+                "bytes (all layers): KV on a GPU reaches the pool through it"
+            )
         return n

@@ -59,7 +59,7 @@ class DiskStaging:
             if digest is None:
                 break  # a failed read ends the usable run (chained keys: later blocks need it)
             sums.append(digest)
-        self.give_back(rows[len(sums):])
+        self.give_back(rows[len(sums) :])
         if len(sums) < len(keys):
             logger.debug("store: staged %d of %d disk blocks for a peer", len(sums), len(keys))
         return rows[: len(sums)], sums

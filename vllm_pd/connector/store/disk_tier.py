@@ -30,8 +30,8 @@ from pathlib import Path
 
 from vllm_pd.connector.store.cpu_pool import CHECKSUM_BYTES, checksum
 from vllm_pd.connector.store.keys import KEY_BYTES, BlockKey
-from vllm_pd.vllm_logging import vllm_logger
 from vllm_pd.errors import ConfigError
+from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
@@ -132,14 +132,19 @@ class DiskTier:
     # -- I/O -----------------------------------------------------------------
 
     def write(
-        self, key: BlockKey, parent: BlockKey | None, payload: memoryview, scope: BlockKey,
+        self,
+        key: BlockKey,
+        parent: BlockKey | None,
+        payload: memoryview,
+        scope: BlockKey,
         payload_sum: bytes | None = None,
     ) -> Future[bool]:
         """Store ``payload`` (kept alive and unchanged by the caller until done), written for ``scope``."""
         return self._pool.submit(self._write, key, parent, payload, scope, payload_sum)
 
-    def _write(self, key: BlockKey, parent: BlockKey | None, payload: memoryview, scope: BlockKey,
-               payload_sum: bytes | None) -> bool:
+    def _write(
+        self, key: BlockKey, parent: BlockKey | None, payload: memoryview, scope: BlockKey, payload_sum: bytes | None
+    ) -> bool:
         size = HEADER_BYTES + len(payload)
         with self._lock:
             if key in self._entries:

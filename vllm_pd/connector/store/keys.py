@@ -180,6 +180,6 @@ def chain_keys(
     hasher = blake3.blake3
     for i, start in enumerate(range(0, n * step, step)):
         extra = extra_keys[i] if extra_keys is not None else b""
-        prev = hasher(prev + data[start:start + step] + extra).digest(length=KEY_BYTES)
+        prev = hasher(prev + data[start : start + step] + extra).digest(length=KEY_BYTES)
         keys.append(prev)
     return keys

@@ -164,8 +164,9 @@ class MasterIndex:
     def nodes(self, now: float) -> list[NodeInfo]:
         """The live nodes, name order."""
         self.expire(now)
-        return [NodeInfo(name, node.endpoint, node.instance_url, node.salt)
-                for name, node in sorted(self._nodes.items())]
+        return [
+            NodeInfo(name, node.endpoint, node.instance_url, node.salt) for name, node in sorted(self._nodes.items())
+        ]
 
     def answer(self, req: Request, now: float, counters: dict[str, int] | None = None) -> Reply:
         """The reply to one request (``counters``: the serving loop's, for Stats)."""
@@ -200,8 +201,9 @@ class MasterIndex:
         return len(self._owners)
 
 
-def serve(bind: str, node_ttl_s: float = 30.0, stop_after_s: float | None = None,
-          secret: DeploymentSecret | None = None) -> None:
+def serve(
+    bind: str, node_ttl_s: float = 30.0, stop_after_s: float | None = None, secret: DeploymentSecret | None = None
+) -> None:
     """Answer requests on ``bind`` (e.g. ``tcp://0.0.0.0:7700``) until interrupted; with ``secret``
     only peers that proved it, in sealed sessions."""
     index = MasterIndex(node_ttl_s)
@@ -230,8 +232,10 @@ def serve(bind: str, node_ttl_s: float = 30.0, stop_after_s: float | None = None
                     continue
                 seq, payload = request
             elif is_handshake_hello(payload):
-                logger.warning("store master: a peer authenticates with a deployment secret, but this master "
-                               "has none (give it --secret-file or VLLM_PD_SECRET)")
+                logger.warning(
+                    "store master: a peer authenticates with a deployment secret, but this master "
+                    "has none (give it --secret-file or VLLM_PD_SECRET)"
+                )
                 sock.send_multipart([ident, REFUSED])
                 continue
             try:

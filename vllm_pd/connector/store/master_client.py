@@ -20,11 +20,11 @@ import msgspec
 import zmq
 
 from vllm_pd.connector.auth_protocol import REFUSED, DeploymentSecret
-from vllm_pd.errors import AuthFailed
 from vllm_pd.connector.store.keys import BlockKey, KeySalt
 from vllm_pd.connector.store.master import Holders, Lookup, Nodes, Publish, Reply, Request, Stats
 from vllm_pd.connector.store.master import NodeInfo as NodeInfo  # re-exported: what nodes() answers, for the proxy
 from vllm_pd.connector.store.master_sessions import DiallerSession
+from vllm_pd.errors import AuthFailed
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -51,8 +51,14 @@ class MasterLink:
     Not thread-safe: one thread calls it (zmq sockets are not shared).
     """
 
-    def __init__(self, address: str, timeout_s: float = 0.2, retry_after_s: float = 2.0,
-                 what: str = "local lookups only", secret: DeploymentSecret | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 0.2,
+        retry_after_s: float = 2.0,
+        what: str = "local lookups only",
+        secret: DeploymentSecret | None = None,
+    ) -> None:
         self.address, self.timeout_s, self.retry_after_s, self.what = address, timeout_s, retry_after_s, what
         self._last_contact = float("-inf")
         self._seq = itertools.count(1)
@@ -140,8 +146,9 @@ class MasterLink:
         if self._session is not None:
             return self._session.open(data)[1]
         if data == REFUSED:
-            raise AuthFailed("the store master refused us: it requires the deployment secret (VLLM_PD_SECRET "
-                             "or secret_file)")
+            raise AuthFailed(
+                "the store master refused us: it requires the deployment secret (VLLM_PD_SECRET or secret_file)"
+            )
         return data
 
     def stats(self) -> dict[str, int] | None:
@@ -212,12 +219,23 @@ class MasterClient(MasterLink):
             return False
         if self._need_snapshot:
             self._inserts, self._removes = [], []
-            msgs = [Publish(self.node, self.endpoint, self._snapshot(), [], snapshot=True, salt=self.salt,
-                            instance_url=self.instance_url)]
+            msgs = [
+                Publish(
+                    self.node,
+                    self.endpoint,
+                    self._snapshot(),
+                    [],
+                    snapshot=True,
+                    salt=self.salt,
+                    instance_url=self.instance_url,
+                )
+            ]
         elif self._inserts or self._removes or force or time.monotonic() - self._last_contact >= self.heartbeat_s:
             # changes, or a heartbeat: keeps our keys alive on the master and tells us if it restarted
-            msgs = [Publish(self.node, self.endpoint, self._inserts[i:i + BATCH], [])
-                    for i in range(0, len(self._inserts), BATCH)]
+            msgs = [
+                Publish(self.node, self.endpoint, self._inserts[i : i + BATCH], [])
+                for i in range(0, len(self._inserts), BATCH)
+            ]
             msgs.append(Publish(self.node, self.endpoint, [], self._removes))
             self._inserts, self._removes = [], []
         else:
@@ -236,10 +254,12 @@ class MasterClient(MasterLink):
     def start_heartbeat(self) -> None:
         """Beat every ``heartbeat_s`` from a daemon thread while the engine does not publish."""
         if self._heartbeat is None:
-            link = MasterLink(self.address, self.timeout_s, self.retry_after_s, what="idle heartbeats paused",
-                              secret=self.secret)
-            self._heartbeat = threading.Thread(target=self._beat_while_idle, args=(link,), daemon=True,
-                                               name="store-master-heartbeat")
+            link = MasterLink(
+                self.address, self.timeout_s, self.retry_after_s, what="idle heartbeats paused", secret=self.secret
+            )
+            self._heartbeat = threading.Thread(
+                target=self._beat_while_idle, args=(link,), daemon=True, name="store-master-heartbeat"
+            )
             self._heartbeat.start()
 
     def _beat_while_idle(self, link: MasterLink) -> None:
@@ -264,8 +284,15 @@ class MasterClient(MasterLink):
                         chains = self._snapshot()
                     except Exception:  # the engine changed the index while it was read: it is not idle
                         return False
-                    msg = Publish(self.node, self.endpoint, chains, [], snapshot=True, salt=self.salt,
-                                  instance_url=self.instance_url)
+                    msg = Publish(
+                        self.node,
+                        self.endpoint,
+                        chains,
+                        [],
+                        snapshot=True,
+                        salt=self.salt,
+                        instance_url=self.instance_url,
+                    )
                 else:
                     msg = Publish(self.node, self.endpoint, [], [])
                 reply = link.call(msg)

@@ -8,25 +8,36 @@ import sys
 import time
 
 from vllm_pd.connector.auth_protocol import INSECURE_WARNING, SECRET_ENV, check_bind, load_secret
-from vllm_pd.errors import ConfigError
 from vllm_pd.connector.store.master import serve
+from vllm_pd.errors import ConfigError
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default=None,
-                        help="address to bind (default: 0.0.0.0 with a deployment secret, else 127.0.0.1)")
+    parser.add_argument(
+        "--host", default=None, help="address to bind (default: 0.0.0.0 with a deployment secret, else 127.0.0.1)"
+    )
     parser.add_argument("--port", type=int, default=7700, help="TCP port (default 7700; 0 = any)")
-    parser.add_argument("--node-ttl", type=float, default=30.0,
-                        help="seconds without a publish after which a node's keys are dropped (default 30)")
-    parser.add_argument("--secret-file", metavar="FILE",
-                        help=f"the deployment secret (else env {SECRET_ENV}): every node, proxy and tool must "
-                        "prove it; without one the master listens on loopback only")
-    parser.add_argument("--insecure-network", action="store_true",
-                        help="listen beyond loopback without a secret (anyone reaching the port reads and "
-                        "changes the index); only on a network nothing else can reach")
+    parser.add_argument(
+        "--node-ttl",
+        type=float,
+        default=30.0,
+        help="seconds without a publish after which a node's keys are dropped (default 30)",
+    )
+    parser.add_argument(
+        "--secret-file",
+        metavar="FILE",
+        help=f"the deployment secret (else env {SECRET_ENV}): every node, proxy and tool must "
+        "prove it; without one the master listens on loopback only",
+    )
+    parser.add_argument(
+        "--insecure-network",
+        action="store_true",
+        help="listen beyond loopback without a secret (anyone reaching the port reads and "
+        "changes the index); only on a network nothing else can reach",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,9 +57,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def spawn_master(port: int, host: str = "127.0.0.1", timeout_s: float = 60.0,
-                 netns: str | None = None, secret_file: str | None = None,
-                 insecure_network: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+def spawn_master(
+    port: int,
+    host: str = "127.0.0.1",
+    timeout_s: float = 60.0,
+    netns: str | None = None,
+    secret_file: str | None = None,
+    insecure_network: bool = False,
+) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``vllm-pd store-master`` as a child process and wait until it answers
     (tests, benchmarks); returns (process, address). The caller kills it.
     ``netns``: run it inside that network namespace (``ip netns exec``, which execs it: same pid).
@@ -57,10 +73,13 @@ def spawn_master(port: int, host: str = "127.0.0.1", timeout_s: float = 60.0,
 
     address = f"tcp://{host}:{port}"
     prefix = ["ip", "netns", "exec", netns] if netns else []
-    flags = [*(["--secret-file", secret_file] if secret_file else []),
-             *(["--insecure-network"] if insecure_network else [])]
-    proc = subprocess.Popen([*prefix, sys.executable, "-m", "vllm_pd.cli", "store-master", "--host", host,
-                             "--port", str(port), *flags])
+    flags = [
+        *(["--secret-file", secret_file] if secret_file else []),
+        *(["--insecure-network"] if insecure_network else []),
+    ]
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "vllm_pd.cli", "store-master", "--host", host, "--port", str(port), *flags]
+    )
     secret = load_secret(secret_file, "secret_file", env={}) if secret_file else None
     probe = MasterClient(address, "probe", "", lambda: [], timeout_s=1.0, retry_after_s=0.0, secret=secret)
     deadline = time.monotonic() + timeout_s

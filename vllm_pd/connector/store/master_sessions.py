@@ -67,13 +67,17 @@ class ListenerSessions:
             shake = self._pending.pop(ident, None)
             if shake is not None:
                 ours, keys = shake.verify(data)
-                self._remember(self._sessions, ident, _Session(MessageSeal(keys.receive), MessageSeal(keys.send)),
-                               MAX_SESSIONS)
+                self._remember(
+                    self._sessions, ident, _Session(MessageSeal(keys.receive), MessageSeal(keys.send)), MAX_SESSIONS
+                )
                 return ours, None
             session = self._sessions.get(ident)
             if session is None:
-                raise AuthFailed("no session: the peer did not authenticate (no deployment secret?)"
-                                 if not data.startswith(SEALED_MAGIC) else "a sealed message outside any session")
+                raise AuthFailed(
+                    "no session: the peer did not authenticate (no deployment secret?)"
+                    if not data.startswith(SEALED_MAGIC)
+                    else "a sealed message outside any session"
+                )
             request = session.receive.open(data)
             self._sessions.move_to_end(ident)
             return None, request
@@ -106,8 +110,9 @@ class ListenerSessions:
         self._sessions.pop(ident, None)
         # an unauthenticated peer retries: log its first refusals, then every 100th
         if self.refused <= 10 or self.refused % 100 == 0:
-            logger.warning("store master: refused a message from peer %s: %s (%d refused so far)",
-                           ident.hex(), error, self.refused)
+            logger.warning(
+                "store master: refused a message from peer %s: %s (%d refused so far)", ident.hex(), error, self.refused
+            )
 
 
 class DiallerSession:

@@ -91,8 +91,7 @@ class InlinePoolCopies(PoolCopies):
 class StreamPoolCopies(PoolCopies):
     """KV on a device: copy streams and pinned bounce rows of ``bounce_rows`` blocks per direction."""
 
-    def __init__(self, pool: CpuBlockPool, regions: Sequence[MemoryRegion], device: KVDevice,
-                 bounce_rows: int) -> None:
+    def __init__(self, pool: CpuBlockPool, regions: Sequence[MemoryRegion], device: KVDevice, bounce_rows: int) -> None:
         super().__init__(pool, regions, device)
         if bounce_rows < 1:
             raise StoreError(f"bounce_rows must be >= 1, got {bounce_rows}")
@@ -113,13 +112,13 @@ class StreamPoolCopies(PoolCopies):
 
     def save(self, slots: Sequence[int], block_ids: Sequence[int], after: DeviceEvent) -> None:
         for start in range(0, len(slots), self.bounce_rows):
-            ids, run = block_ids[start:start + self.bounce_rows], slots[start:start + self.bounce_rows]
+            ids, run = block_ids[start : start + self.bounce_rows], slots[start : start + self.bounce_rows]
             copied: DeviceEvent = COMPLETED
             for layer in range(len(self.regions)):
-                copied = self._save_copies.to_rows(layer, [(ids, self._save_rows[layer, :len(ids)])], after=after)
+                copied = self._save_copies.to_rows(layer, [(ids, self._save_rows[layer, : len(ids)])], after=after)
             copied.synchronize()  # one stream: the last layer's event follows every layer's copy
             for layer in range(len(self.regions)):
-                self.pool.write_rows(layer, run, self._save_rows[layer, :len(ids)])
+                self.pool.write_rows(layer, run, self._save_rows[layer, : len(ids)])
 
     def begin_loads(self, after: DeviceEvent) -> None:
         self.device.wait(self._load_copies.stream, after)
@@ -127,8 +126,8 @@ class StreamPoolCopies(PoolCopies):
     def load_layer(self, layer: int, slots: Sequence[int], block_ids: Sequence[int]) -> DeviceEvent:
         placed: DeviceEvent = COMPLETED
         for start in range(0, len(slots), self.bounce_rows):
-            ids, run = block_ids[start:start + self.bounce_rows], slots[start:start + self.bounce_rows]
-            rows = self._load_rows[layer, :len(ids)]
+            ids, run = block_ids[start : start + self.bounce_rows], slots[start : start + self.bounce_rows]
+            rows = self._load_rows[layer, : len(ids)]
             self._load_rows_busy[layer].synchronize()  # the rows' previous copy has read them
             self.pool.read_rows(layer, run, out=rows)
             placed = self._load_rows_busy[layer] = self._load_copies.from_rows(layer, [(ids, rows)])
@@ -138,8 +137,7 @@ class StreamPoolCopies(PoolCopies):
         return self._load_copies.fence()
 
 
-def pool_copies(pool: CpuBlockPool, regions: Sequence[MemoryRegion], device: KVDevice,
-                bounce_rows: int) -> PoolCopies:
+def pool_copies(pool: CpuBlockPool, regions: Sequence[MemoryRegion], device: KVDevice, bounce_rows: int) -> PoolCopies:
     """Inline copies where the host may touch the KV (CPU), else streams and a pinned bounce."""
     if device.host_accessible:
         return InlinePoolCopies(pool, regions, device)

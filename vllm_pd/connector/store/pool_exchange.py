@@ -46,13 +46,13 @@ from concurrent.futures import Future
 import msgspec
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.errors import TransportError
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.transport import MemoryRegion, Transport, create_transport
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.tls_stream import TlsSettings
+from vllm_pd.errors import TransportError
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -132,8 +132,12 @@ class SlotDirectory:
         with self._lock:
             entry = self._by_key.get(key)
             if entry is not None and entry[2] != scope:
-                logger.error("store: block %s was written for scope %s, a peer asked for %s: not served",
-                             key.hex(), entry[2].hex(), scope.hex())
+                logger.error(
+                    "store: block %s was written for scope %s, a peer asked for %s: not served",
+                    key.hex(),
+                    entry[2].hex(),
+                    scope.hex(),
+                )
                 return None
             return None if entry is None else (entry[0], entry[1], self._generation.get(entry[0], 0))
 
@@ -180,8 +184,9 @@ class PoolExchange:
         self.grant_ttl_s = grant_ttl_s
         # with the deployment secret, peers prove it before asking for a grant or a byte
         # and with TLS settings the bytes are encrypted on their way
-        self.transport: Transport = create_transport(transport, connect_timeout=timeout_s, secret=secret,
-                                                     **({"tls": tls} if tls is not None else {}))
+        self.transport: Transport = create_transport(
+            transport, connect_timeout=timeout_s, secret=secret, **({"tls": tls} if tls is not None else {})
+        )
         # one transport block per (slot, layer): a fetch of layer 0 of every slot can land
         # (and be copied into vLLM's layer 0) before the later layers arrive
         self.transport.register_regions([MemoryRegion("kv-store-pool", pool.data.view(-1, pool.layer_block_nbytes))])
@@ -227,8 +232,9 @@ class PoolExchange:
         if slots:
             with self._lock:
                 self._grants[transfer_id] = (time.monotonic() + self.grant_ttl_s, [(s, g) for s, _, g in held], staged)
-            self.transport.allow_fetch(transfer_id, [row for layer in range(self.pool.num_layers)
-                                             for row in self._rows(slots, layer)])
+            self.transport.allow_fetch(
+                transfer_id, [row for layer in range(self.pool.num_layers) for row in self._rows(slots, layer)]
+            )
             with self._lock:  # read together by take_served
                 self.stats["served_blocks"] += len(slots)
                 self.stats["served_from_disk"] += len(staged)
@@ -304,8 +310,9 @@ class PoolExchange:
         a peer's fault."""
         return self.start_fetch(peer, keys, local_slots, scope).finish()
 
-    def start_fetch(self, peer: str, keys: Sequence[BlockKey], local_slots: Sequence[int],
-                    scope: BlockKey) -> PeerFetch:
+    def start_fetch(
+        self, peer: str, keys: Sequence[BlockKey], local_slots: Sequence[int], scope: BlockKey
+    ) -> PeerFetch:
         """Ask ``peer`` for a grant of ``keys`` (for ``scope``) and start fetching them layer by layer (one
         transport fetch per layer, all queued at once: they land in order);
         returns at once with the handle the loader waits on per layer."""
@@ -322,9 +329,16 @@ class PoolExchange:
             layers: list[Future[None]] = []
             try:
                 for layer in range(self.pool.num_layers):
-                    layers.append(self.transport.fetch(
-                        peer, granted.transfer_id, POOL_REGION, self._rows(granted.slots[:n], layer),
-                        self._rows(local_slots[:n], layer), self.timeout_s))
+                    layers.append(
+                        self.transport.fetch(
+                            peer,
+                            granted.transfer_id,
+                            POOL_REGION,
+                            self._rows(granted.slots[:n], layer),
+                            self._rows(local_slots[:n], layer),
+                            self.timeout_s,
+                        )
+                    )
             except (TransportError, ValueError) as exc:
                 logger.warning("store: fetch of %d blocks from %s failed: %s; recomputing them", n, peer, exc)
                 failed = PeerFetch(self, peer, len(keys), granted.transfer_id, [], layers)
@@ -361,7 +375,6 @@ class PoolExchange:
         self.transport.close()
 
 
-
 class PeerFetch:
     """One node-to-node fetch in flight (:meth:`PoolExchange.start_fetch`).
 
@@ -374,8 +387,16 @@ class PeerFetch:
     does not count is reported as a load error by the caller: vLLM discards
     that step's output for the request and recomputes the block."""
 
-    def __init__(self, exchange: PoolExchange, peer: str, asked: int, transfer_id: str, sums: list[bytes],
-                 layers: list[Future[None]], local_slots: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        exchange: PoolExchange,
+        peer: str,
+        asked: int,
+        transfer_id: str,
+        sums: list[bytes],
+        layers: list[Future[None]],
+        local_slots: Sequence[int] = (),
+    ) -> None:
         self._exchange = exchange
         self._local_slots = list(local_slots)  # where the granted blocks land here
         self._peer = peer
@@ -393,7 +414,7 @@ class PeerFetch:
             return False
         try:
             self._layers[layer].result(timeout=self._exchange.timeout_s + 1.0)
-        except Exception as exc:  # noqa: BLE001 - a peer's fault: these blocks are recomputed
+        except Exception as exc:
             logger.warning("store: fetch of layer %d from %s failed: %s; recomputing", layer, self._peer, exc)
             self._failed = True
         return not self._failed
@@ -408,7 +429,7 @@ class PeerFetch:
         for f in self._layers:  # every one: none may still write our slots once we return
             try:
                 f.result(timeout=ex.timeout_s + 1.0)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 self._failed = True
         if not self._transfer_id:
             return []
@@ -423,8 +444,12 @@ class PeerFetch:
             logger.warning("store: release at %s failed: %s; recomputing %d blocks", self._peer, exc, self.granted)
             return []
         if released.intact < self.granted:
-            logger.warning("store: %d of %d blocks from %s were evicted there while being sent; recomputing them",
-                           self.granted - released.intact, self.granted, self._peer)
+            logger.warning(
+                "store: %d of %d blocks from %s were evicted there while being sent; recomputing them",
+                self.granted - released.intact,
+                self.granted,
+                self._peer,
+            )
         return self._verified(self._sums[: released.intact])
 
     def _verified(self, claimed: list[bytes]) -> list[bytes]:
@@ -432,8 +457,13 @@ class PeerFetch:
         pool = self._exchange.pool
         for i, (slot, want) in enumerate(zip(self._local_slots, claimed)):
             if pool.checksum(slot) != want:
-                logger.warning("store: block %d of %d from %s is not what the holder's checksum says; "
-                               "recomputing it and the %d after it", i, len(claimed), self._peer,
-                               len(claimed) - i - 1)
+                logger.warning(
+                    "store: block %d of %d from %s is not what the holder's checksum says; "
+                    "recomputing it and the %d after it",
+                    i,
+                    len(claimed),
+                    self._peer,
+                    len(claimed) - i - 1,
+                )
                 return claimed[:i]
         return claimed

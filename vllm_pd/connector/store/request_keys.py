@@ -27,7 +27,10 @@ class RequestKeys:
         return request_id in self._keys
 
     def get(
-        self, token_ids: Sequence[int], max_blocks: int | None = None, request_id: str | None = None,
+        self,
+        token_ids: Sequence[int],
+        max_blocks: int | None = None,
+        request_id: str | None = None,
         extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> list[BlockKey]:
         """Keys of the full blocks of ``token_ids`` (at most ``max_blocks``) with the request's
@@ -41,7 +44,9 @@ class RequestKeys:
         if len(keys) < n:
             done = len(keys)
             keys = keys + chain_keys(
-                token_ids[done * self.block_size:n * self.block_size], self.salt, parent=keys[-1] if keys else None,
+                token_ids[done * self.block_size : n * self.block_size],
+                self.salt,
+                parent=keys[-1] if keys else None,
                 extra_keys=extra_keys.encoded(done, n - done, self.block_size),
             )
             self._keys[request_id] = keys

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 from vllm_pd.errors import StoreError
 
@@ -109,7 +108,7 @@ class ReuseAgedCache:
         if not 0.0 < base <= 1.0:
             raise StoreError(f"base must be in (0, 1], got {base}")
         self.base = base
-        self._weights = tuple(base ** i for i in range(MAX_LEVEL + 1))
+        self._weights = tuple(base**i for i in range(MAX_LEVEL + 1))
 
     def __len__(self) -> int:
         return len(self._where)

@@ -33,8 +33,8 @@ from vllm_pd.connector.store.plans import LoadOp, SaveOp, StorePlan, StoreReport
 from vllm_pd.connector.store.radix import Pin
 from vllm_pd.connector.store.request_keys import RequestKeys
 from vllm_pd.connector.transfer_params import StoreFetch
-from vllm_pd.vllm_logging import vllm_logger
 from vllm_pd.errors import StoreError
+from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
@@ -53,11 +53,19 @@ class StoreScheduler:
         self.salt = salt
         self.world_size = world_size
         self.block_size = salt.block_size
-        self.placement = BlockPlacement(config.num_slots(slot_nbytes), world_size, config.disk_path is not None,
-                                        disk_served=config.disk_serve_slots(slot_nbytes) > 0)
+        self.placement = BlockPlacement(
+            config.num_slots(slot_nbytes),
+            world_size,
+            config.disk_path is not None,
+            disk_served=config.disk_serve_slots(slot_nbytes) > 0,
+        )
         # the same objects, named for the bridge, the tests and the benchmarks
         self.index, self.cache, self.slots, self.stats = (
-            self.placement.index, self.placement.cache, self.placement.slots, self.placement.stats)
+            self.placement.index,
+            self.placement.cache,
+            self.placement.slots,
+            self.placement.stats,
+        )
         self.keys = RequestKeys(salt)
         self._loads: dict[str, _Load] = {}
         self._plan = StorePlan()
@@ -68,9 +76,16 @@ class StoreScheduler:
             import socket
 
             node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
-            self.master = MasterClient(config.master, node, endpoint, self.placement.servable_chains,
-                                       config.master_timeout_s, salt=salt, instance_url=config.instance_url or "",
-                                       secret=config.secret)
+            self.master = MasterClient(
+                config.master,
+                node,
+                endpoint,
+                self.placement.servable_chains,
+                config.master_timeout_s,
+                salt=salt,
+                instance_url=config.instance_url or "",
+                secret=config.secret,
+            )
             self.placement.master = self.master
             self.master.start_heartbeat()
             # announce this node (salt, instance_url) now, not at its first engine step: a router
@@ -85,7 +100,10 @@ class StoreScheduler:
     # -- queries -------------------------------------------------------------------
 
     def block_keys(
-        self, token_ids: Sequence[int], max_blocks: int | None = None, request_id: str | None = None,
+        self,
+        token_ids: Sequence[int],
+        max_blocks: int | None = None,
+        request_id: str | None = None,
         extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> list[BlockKey]:
         """Keys of the full blocks of ``token_ids`` with the request's ``extra_keys``; with
@@ -100,21 +118,26 @@ class StoreScheduler:
         """Drop a request's cached keys (it finished or was aborted)."""
         self.keys.forget(request_id)
 
-    def match(self, token_ids: Sequence[int], request_id: str | None = None,
-              extra_keys: RequestExtraKeys = NO_EXTRA_KEYS) -> int:
+    def match(
+        self, token_ids: Sequence[int], request_id: str | None = None, extra_keys: RequestExtraKeys = NO_EXTRA_KEYS
+    ) -> int:
         """Leading tokens of ``token_ids`` whose KV is committed in the store
         (a multiple of the block size). Side-effect free on the store."""
         keys = self.block_keys(token_ids, request_id=request_id, extra_keys=extra_keys)
         return self.index.longest_prefix(keys) * self.block_size
 
-    def remote_match(self, token_ids: Sequence[int], request_id: str | None = None,
-                     extra_keys: RequestExtraKeys = NO_EXTRA_KEYS) -> RemoteHit | None:
+    def remote_match(
+        self, token_ids: Sequence[int], request_id: str | None = None, extra_keys: RequestExtraKeys = NO_EXTRA_KEYS
+    ) -> RemoteHit | None:
         """Another node holding a longer prefix than this node, per the master
         (None if the master is absent, down or knows nothing longer)."""
         return self.match_with_remote(token_ids, request_id, extra_keys=extra_keys)[1]
 
     def match_with_remote(
-        self, token_ids: Sequence[int], request_id: str | None = None, fetch: StoreFetch | None = None,
+        self,
+        token_ids: Sequence[int],
+        request_id: str | None = None,
+        fetch: StoreFetch | None = None,
         extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> tuple[int, RemoteHit | None]:
         """(tokens to load, the node to fetch the part beyond the local prefix
@@ -132,8 +155,11 @@ class StoreScheduler:
         if fetch is not None:
             # our own blocks are in the index already; the hint's count may include the block of
             # the prompt's last token, which is always computed: cap it to the keys asked about
-            hit = None if fetch.node == self.master.node else RemoteHit(fetch.node, fetch.endpoint,
-                                                                        min(fetch.blocks, len(keys)))
+            hit = (
+                None
+                if fetch.node == self.master.node
+                else RemoteHit(fetch.node, fetch.endpoint, min(fetch.blocks, len(keys)))
+            )
         else:
             hit = self.master.lookup(keys)
         if hit is None or hit.blocks <= local or not hit.endpoint:
@@ -143,8 +169,14 @@ class StoreScheduler:
     # -- loads -----------------------------------------------------------------------
 
     def plan_load(
-        self, request_id: str, token_ids: Sequence[int], start_token: int, num_tokens: int,
-        block_ids: Sequence[int], remote: RemoteHit | None = None, extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        start_token: int,
+        num_tokens: int,
+        block_ids: Sequence[int],
+        remote: RemoteHit | None = None,
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
     ) -> tuple[LoadOp | None, list[int]]:
         """Load tokens ``[start_token, start_token + num_tokens)`` (block aligned)
         into vLLM blocks ``block_ids`` (one per block of that range). Returns the
@@ -187,8 +219,9 @@ class StoreScheduler:
         fetched: list[BlockKey] = []
         fetch_slots: list[int] = []
         if remote is not None and first + len(usable) == local_end:  # local part whole: go on remotely
-            fetched, fetch_slots = self._reserve_fetch(request_id, keys, local_end, min(first + n, remote.blocks),
-                                                       scope)
+            fetched, fetch_slots = self._reserve_fetch(
+                request_id, keys, local_end, min(first + n, remote.blocks), scope
+            )
         count = len(usable) + len(fetched)
         missing = list(block_ids[count:])
         if not count:
@@ -199,11 +232,15 @@ class StoreScheduler:
         self.stats["hit_blocks"] += len(usable)
         self.stats["remote_blocks"] += len(fetched)
         op = LoadOp(
-            request_id, usable + fetched, list(block_ids[:count]), slots + fetch_slots,
+            request_id,
+            usable + fetched,
+            list(block_ids[:count]),
+            slots + fetch_slots,
             from_disk + [False] * len(fetched),
             from_peer=[False] * len(usable) + [True] * len(fetched) if fetched else [],
             peer=remote.endpoint if remote is not None and fetched else "",
-            parent=keys[first - 1] if first else None, scope=scope,
+            parent=keys[first - 1] if first else None,
+            scope=scope,
         )
         self._plan.loads.append(op)
         return op, missing
@@ -215,8 +252,12 @@ class StoreScheduler:
             found = self.placement.location(keys[i]).scope
             if found != scope:
                 self.stats["scope_mismatches"] += 1
-                logger.error("KV store: block %s was written for scope %s, asked for %s: not served (recomputed)",
-                             keys[i].hex(), found.hex(), scope.hex())
+                logger.error(
+                    "KV store: block %s was written for scope %s, asked for %s: not served (recomputed)",
+                    keys[i].hex(),
+                    found.hex(),
+                    scope.hex(),
+                )
                 return i
         return end
 
@@ -237,8 +278,13 @@ class StoreScheduler:
 
     # -- saves -----------------------------------------------------------------------
 
-    def plan_save(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int],
-                  extra_keys: RequestExtraKeys = NO_EXTRA_KEYS) -> SaveOp | None:
+    def plan_save(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
+    ) -> SaveOp | None:
         """Reserve pool slots for the full blocks of ``token_ids`` (whose KV is in
         vLLM blocks ``block_ids``) that the store does not hold yet. The op is
         queued for the next plan; None when there is nothing to save or no room."""
@@ -258,7 +304,7 @@ class StoreScheduler:
         admitted, slots = self.placement.reserve(request_id, new, parent, set(keys[: m + len(new)]), scope)
         if not admitted:
             return None
-        op = SaveOp(request_id, parent, admitted, list(block_ids[m:m + len(admitted)]), slots, scope)
+        op = SaveOp(request_id, parent, admitted, list(block_ids[m : m + len(admitted)]), slots, scope)
         self._plan.saves.append(op)
         return op
 

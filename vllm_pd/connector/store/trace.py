@@ -64,8 +64,9 @@ def generate(cfg: TraceConfig) -> Iterator[TraceRequest]:
     rng = random.Random(cfg.seed)
     ids = itertools.count(1)
     weights = [1.0 / (i + 1) ** cfg.system_prompt_zipf for i in range(cfg.system_prompts)]
-    prompts = [tuple(next(ids) for _ in range(rng.randint(*cfg.system_prompt_blocks)))
-               for _ in range(cfg.system_prompts)]
+    prompts = [
+        tuple(next(ids) for _ in range(rng.randint(*cfg.system_prompt_blocks))) for _ in range(cfg.system_prompts)
+    ]
     # heap of (time, conversation, turn, history)
     pending: list[tuple[float, int, int, tuple[int, ...], int]] = []
     t = 0.0

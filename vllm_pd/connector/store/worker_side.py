@@ -44,8 +44,8 @@ from vllm_pd.connector.store.plans import LoadOp, LoadResult, SaveOp, SaveResult
 from vllm_pd.connector.store.pool_copies import PoolCopies, pool_copies
 from vllm_pd.connector.store.pool_exchange import PeerFetch, PoolExchange, SlotDirectory
 from vllm_pd.connector.transport.base import MemoryRegion
-from vllm_pd.vllm_logging import vllm_logger
 from vllm_pd.errors import StoreError
+from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
@@ -61,8 +61,15 @@ class _Staged:
 
 
 class StoreWorker:
-    def __init__(self, config: StoreConfig, salt: KeySalt, kv_caches: Sequence[torch.Tensor], rank: int = 0,
-                 block_dims: Sequence[int] | None = None, device: KVDevice | None = None) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        salt: KeySalt,
+        kv_caches: Sequence[torch.Tensor],
+        rank: int = 0,
+        block_dims: Sequence[int] | None = None,
+        device: KVDevice | None = None,
+    ) -> None:
         """``block_dims``: each layer's block dimension in vLLM's layout (default 0; see
         ``MemoryRegion``); ``device``: where the KV lives (default: read from the tensors)."""
         self.config = config
@@ -79,8 +86,9 @@ class StoreWorker:
         self.device = device or kv_device_for(kv_caches)
         on_host = all(t.device.type == "cpu" for t in kv_caches)
         if self.device.host_accessible and not on_host:
-            raise StoreError(f"store: KV cache on {kv_caches[0].device} but given the host device "
-                             f"{type(self.device).__name__}")
+            raise StoreError(
+                f"store: KV cache on {kv_caches[0].device} but given the host device {type(self.device).__name__}"
+            )
         layer_nbytes = nbytes.pop()
         slot_nbytes = layer_nbytes * len(kv_caches)
         # rows past the scheduler's slots stage disk blocks for peers (disk_staging.py)
@@ -90,7 +98,8 @@ class StoreWorker:
         self.copies: PoolCopies = pool_copies(self.pool, self.regions, self.device, bounce_rows)
         self.disk = (
             DiskTier(config.disk_path, salt.digest(), rank, config.disk_bytes, config.disk_io_threads)
-            if config.disk_path else None
+            if config.disk_path
+            else None
         )
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kv-store-save")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-store-load")
@@ -113,9 +122,15 @@ class StoreWorker:
         if self.exchange is None:
             spare = range(self.num_slots, self.pool.num_slots)
             staging = DiskStaging(self.pool, self.disk, spare) if self.disk is not None and spare else None
-            self.exchange = PoolExchange(self.pool, self.directory, timeout_s=self.config.fetch_timeout_s,
-                                         grant_ttl_s=self.config.pin_ttl_s, staging=staging, secret=self.config.secret,
-                                         tls=self.config.tls)
+            self.exchange = PoolExchange(
+                self.pool,
+                self.directory,
+                timeout_s=self.config.fetch_timeout_s,
+                grant_ttl_s=self.config.pin_ttl_s,
+                staging=staging,
+                secret=self.config.secret,
+                tls=self.config.tls,
+            )
             self.exchange.start(bind_host, advertised_host)
         return self.exchange.endpoint
 
@@ -149,7 +164,7 @@ class StoreWorker:
             for key, slot, digest in zip(op.keys, op.slots, sums):
                 self.directory.put(key, slot, digest, op.scope)
             result = SaveResult(op.request_id, list(op.keys), [])
-        except Exception:  # noqa: BLE001 - a failed copy must be reported, not kill the thread
+        except Exception:
             logger.exception("store: saving %s failed", op.request_id)
             sums, result = [], SaveResult(op.request_id, [], list(op.keys))
         with self._lock:
@@ -158,8 +173,9 @@ class StoreWorker:
         if self.disk is not None and result.committed:
             self._write_through(op.parent, op.keys, op.slots, sums, op.scope)
 
-    def _write_through(self, parent: bytes | None, keys: Sequence[bytes], slots: Sequence[int],
-                       sums: Sequence[bytes], scope: bytes) -> None:
+    def _write_through(
+        self, parent: bytes | None, keys: Sequence[bytes], slots: Sequence[int], sums: Sequence[bytes], scope: bytes
+    ) -> None:
         assert self.disk is not None
         parents = [parent, *keys[:-1]]
         for i in reversed(range(len(keys))):  # leaf first: parents are the most recent on disk
@@ -215,7 +231,7 @@ class StoreWorker:
                 if layer < len(layer_futures) - 1:
                     layer_futures[layer].set_result(placed)
             usable = [self._settle(op, st) for op, st in zip(ops, staged)]
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.exception("store: load failed")
             usable = [0] * len(ops)
             for i, op in enumerate(ops):  # reserved slots must always be committed or given back

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_pd.errors import ConfigError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink, MemoryRegion, Transport
+from vllm_pd.errors import ConfigError
 
 TRANSPORT_NAMES = ("tcp", "shm", "nixl")
 

@@ -120,8 +120,9 @@ class BlockWindow:
     def check(self, block_nbytes: int) -> None:
         """ValueError unless the window lies inside blocks of ``block_nbytes``."""
         if self.offset < 0 or self.nbytes <= 0 or self.offset + self.nbytes > block_nbytes:
-            raise ValueError(f"window [{self.offset}, {self.offset + self.nbytes}) is not inside a block of "
-                             f"{block_nbytes} bytes")
+            raise ValueError(
+                f"window [{self.offset}, {self.offset + self.nbytes}) is not inside a block of {block_nbytes} bytes"
+            )
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,17 @@ class FetchSpans:
         """ValueError unless every span lies inside blocks of these sizes (the destination's
         unchecked where None)."""
         for s, d, n in zip(self.src_offsets, self.dst_offsets, self.lengths, strict=True):
-            if s < 0 or d < 0 or n <= 0 or s + n > src_block_nbytes or (
-                    dst_block_nbytes is not None and d + n > dst_block_nbytes):
-                raise ValueError(f"span of {n} bytes at {s} -> {d} is not inside blocks of {src_block_nbytes} "
-                                 f"-> {dst_block_nbytes} bytes")
+            if (
+                s < 0
+                or d < 0
+                or n <= 0
+                or s + n > src_block_nbytes
+                or (dst_block_nbytes is not None and d + n > dst_block_nbytes)
+            ):
+                raise ValueError(
+                    f"span of {n} bytes at {s} -> {d} is not inside blocks of {src_block_nbytes} "
+                    f"-> {dst_block_nbytes} bytes"
+                )
 
 
 @dataclass(frozen=True)
@@ -221,8 +229,13 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def push(
-        self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float,
-        answer: bool = True, window: BlockWindow | None = None,
+        self,
+        peer: str,
+        batch: BlockBatch,
+        block_ids: Sequence[int],
+        timeout: float,
+        answer: bool = True,
+        window: BlockWindow | None = None,
     ) -> Future[None]:
         """Send local blocks ``block_ids`` of region ``batch.layer`` to ``peer`` (``window``: only
         those bytes of each block; ``batch.block_nbytes`` is then the window's size).
@@ -236,8 +249,15 @@ class Transport(abc.ABC):
         then (or its timeout), so the caller must follow it with an answered push."""
 
     def push_layers(
-        self, peer: str, transfer_id: str, layers: Sequence[int], positions: Sequence[int],
-        block_ids: Sequence[int], timeout: float, last: bool = False, window: BlockWindow | None = None,
+        self,
+        peer: str,
+        transfer_id: str,
+        layers: Sequence[int],
+        positions: Sequence[int],
+        block_ids: Sequence[int],
+        timeout: float,
+        last: bool = False,
+        window: BlockWindow | None = None,
     ) -> LayerPush | None:
         """Announce, before a forward, a push of blocks ``block_ids`` (at ``positions``) of
         every region in ``layers``, which the peer takes itself as each layer is marked
@@ -267,8 +287,9 @@ class Transport(abc.ABC):
         """Deliver a small control message; resolves to the peer's reply."""
 
     @abc.abstractmethod
-    def allow_fetch(self, transfer_id: str, block_ids: Sequence[int] | None,
-                    served_from: Sequence[int] | None = None) -> None:
+    def allow_fetch(
+        self, transfer_id: str, block_ids: Sequence[int] | None, served_from: Sequence[int] | None = None
+    ) -> None:
         """Grant (a list) or revoke (None) peers' reads of our blocks for
         ``transfer_id``; reads of anything else are rejected, so a late reader of
         freed (reused) blocks gets an error, never another request's KV. A revoke

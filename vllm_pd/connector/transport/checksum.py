@@ -76,14 +76,18 @@ class Checksum(IntEnum):
                 f"checksum: unknown value {name!r} (one of: {', '.join(c.name.lower() for c in cls)})"
             ) from None
         if checksum is Checksum.BLAKE3_KEYED:
-            raise ConfigError("checksum: 'blake3_keyed' is not configured: a deployment secret (VLLM_PD_SECRET "
-                              "or secret_file) makes every connection without TLS use it")
+            raise ConfigError(
+                "checksum: 'blake3_keyed' is not configured: a deployment secret (VLLM_PD_SECRET "
+                "or secret_file) makes every connection without TLS use it"
+            )
         if checksum is Checksum.CRC32C:
             try:
                 _native()
             except ImportError as e:
-                raise ConfigError(f"checksum 'crc32c' needs the C++ extension: {e}; build it "
-                                  "(bash install.sh) or set checksum to 'blake3'") from None
+                raise ConfigError(
+                    f"checksum 'crc32c' needs the C++ extension: {e}; build it "
+                    "(bash install.sh) or set checksum to 'blake3'"
+                ) from None
         return checksum
 
     def running(self) -> RunningDigest:
@@ -254,7 +258,8 @@ class BlockStream:
     def _move(self, span: Bytes, to_span: bool) -> int:
         if self._native is not None:
             moved, self._index, self._offset, self._value, digests = self._native.copy_blocks_crc32c(
-                span, self._blocks, self._index, self._offset, self._value, to_span)
+                span, self._blocks, self._index, self._offset, self._value, to_span
+            )
             # none: the CRC came for free with the copy, but the slots carry zeros
             self._digests.append(digests if self._checksum is Checksum.CRC32C else bytes(len(digests)))
             return int(moved)

@@ -57,8 +57,14 @@ def _libc() -> Any:
     libc = ctypes.CDLL(None, use_errno=True)
     fn = libc.process_vm_readv
     fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
-                   ctypes.c_ulong, ctypes.c_ulong]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     return libc
 
 
@@ -95,8 +101,9 @@ class ReaderGrants:
     """Which peer process may read this one (Yama scope 1 keeps one pid): held while that
     peer's connections last, refused to a second pid meanwhile. Thread-safe."""
 
-    def __init__(self, scope: Callable[[], int | None] = yama_scope,
-                 set_ptracer: Callable[[int], bool] = _set_ptracer) -> None:
+    def __init__(
+        self, scope: Callable[[], int | None] = yama_scope, set_ptracer: Callable[[int], bool] = _set_ptracer
+    ) -> None:
         self._scope, self._set_ptracer = scope, set_ptracer
         self._lock = threading.Lock()
         self._pid: int | None = None
@@ -158,8 +165,7 @@ def local_info() -> dict[str, Any]:
         if _LIBC is None:
             _LIBC = _libc()
         _PROBE = ctypes.create_string_buffer(secrets.token_bytes(16), 16)
-    return {"pid": os.getpid(), "boot": _boot_id(), "probe": ctypes.addressof(_PROBE),
-            "token": bytes(_PROBE).hex()}
+    return {"pid": os.getpid(), "boot": _boot_id(), "probe": ctypes.addressof(_PROBE), "token": bytes(_PROBE).hex()}
 
 
 def address_of(view: memoryview) -> int:
@@ -209,11 +215,12 @@ class PeerMemory:
         """Copy ``len(views[i])`` bytes at the peer's ``addresses[i]`` into ``views[i]``.
         PeerClosed if the peer is gone, TransferCorrupted on a bad address or short read."""
         for start in range(0, len(views), MAX_IOV):
-            chunk = views[start:start + MAX_IOV]
+            chunk = views[start : start + MAX_IOV]
             n = len(chunk)
             local = (_Iovec * n)(*(_Iovec(address_of(v), len(v)) for v in chunk))
-            remote = (_Iovec * n)(*(_Iovec(a, len(v)) for a, v in zip(addresses[start:start + n], chunk,
-                                                                         strict=True)))
+            remote = (_Iovec * n)(
+                *(_Iovec(a, len(v)) for a, v in zip(addresses[start : start + n], chunk, strict=True))
+            )
             want = sum(len(v) for v in chunk)
             got = _LIBC.process_vm_readv(self.pid, local, n, remote, n, 0)
             if got == want:

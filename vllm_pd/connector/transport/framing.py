@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from vllm_pd.connector.auth_protocol import HANDSHAKE_MAGIC, TAG_NBYTES, StreamSeal
-from vllm_pd.errors import PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES as DIGEST_NBYTES  # re-exported: the frame format
 from vllm_pd.connector.transport.checksum import Checksum as Checksum
+from vllm_pd.errors import PeerClosed, TransferCorrupted
 
 # VPD5: PLAN (a step's layers read from the sender's memory as each is ready). VPD4: shm ring
 # credits counted in shared memory (CREDIT = a bare wake-up, ACK carries no
@@ -135,8 +135,17 @@ class Frame:
         n = len(self.ids)
         parts = [
             _HEADER.pack(
-                MAGIC, int(self.kind), int(self.status), int(self.checksum), self.flags,
-                self.req_id, self.layer, n, self.block_nbytes, len(encoded_id), len(self.payload),
+                MAGIC,
+                int(self.kind),
+                int(self.status),
+                int(self.checksum),
+                self.flags,
+                self.req_id,
+                self.layer,
+                n,
+                self.block_nbytes,
+                len(encoded_id),
+                len(self.payload),
             ),
             encoded_id,
             struct.pack(f"<{n}I", *self.ids),
@@ -170,25 +179,31 @@ def decode_header(buf: bytes | bytearray | memoryview) -> _HeaderFields:
     """Parse and validate the fixed header; TransferCorrupted on anything odd."""
     if len(buf) != HEADER_NBYTES:
         raise TransferCorrupted(f"header is {len(buf)} bytes, expected {HEADER_NBYTES}")
-    magic, kind, status, checksum, flags, req_id, layer, count, bnb, transfer_id_len, plen = (
-        _HEADER.unpack(buf)
-    )
+    magic, kind, status, checksum, flags, req_id, layer, count, bnb, transfer_id_len, plen = _HEADER.unpack(buf)
     if magic == HANDSHAKE_MAGIC:
-        raise TransferCorrupted("the peer opened with an authentication handshake, but this side has no "
-                                "deployment secret (set VLLM_PD_SECRET or secret_file on both)")
+        raise TransferCorrupted(
+            "the peer opened with an authentication handshake, but this side has no "
+            "deployment secret (set VLLM_PD_SECRET or secret_file on both)"
+        )
     if magic != MAGIC:
         raise TransferCorrupted(f"bad magic {magic!r} (not a vllm-pd transport stream)")
     try:
         fields = _HeaderFields(
-            Kind(kind), Status(status), Checksum(checksum), flags, req_id, layer,
-            count, bnb, transfer_id_len, plen,
+            Kind(kind),
+            Status(status),
+            Checksum(checksum),
+            flags,
+            req_id,
+            layer,
+            count,
+            bnb,
+            transfer_id_len,
+            plen,
         )
     except ValueError as e:
         raise TransferCorrupted(f"bad header field: {e}") from None
     if count > MAX_COUNT or transfer_id_len > MAX_TRANSFER_ID or plen > MAX_PAYLOAD:
-        raise TransferCorrupted(
-            f"header out of bounds: count={count} transfer_id_len={transfer_id_len} payload={plen}"
-        )
+        raise TransferCorrupted(f"header out of bounds: count={count} transfer_id_len={transfer_id_len} payload={plen}")
     if bnb > MAX_BLOCK_NBYTES:
         raise TransferCorrupted(f"header out of bounds: block_nbytes={bnb}")
     return fields
@@ -211,12 +226,21 @@ def decode_rest(h: _HeaderFields, rest: bytes | bytearray | memoryview) -> Frame
         lengths = struct.unpack_from(f"<{h.count}Q", rest, off)
         off += 8 * h.count
         if h.kind in DATA_KINDS and sum(lengths) > MAX_DATA_NBYTES:
-            raise TransferCorrupted(f"oversized {h.kind.name} frame: {sum(lengths)} bytes of blocks "
-                                    f"(at most {MAX_DATA_NBYTES})")
+            raise TransferCorrupted(
+                f"oversized {h.kind.name} frame: {sum(lengths)} bytes of blocks (at most {MAX_DATA_NBYTES})"
+            )
     return Frame(
-        kind=h.kind, req_id=h.req_id, status=h.status, checksum=h.checksum, flags=h.flags,
-        layer=h.layer, block_nbytes=h.block_nbytes, transfer_id=transfer_id, ids=ids,
-        lengths=lengths, payload=bytes(rest[off:]),
+        kind=h.kind,
+        req_id=h.req_id,
+        status=h.status,
+        checksum=h.checksum,
+        flags=h.flags,
+        layer=h.layer,
+        block_nbytes=h.block_nbytes,
+        transfer_id=transfer_id,
+        ids=ids,
+        lengths=lengths,
+        payload=bytes(rest[off:]),
     )
 
 
@@ -272,8 +296,14 @@ class FrameReader:
     ``spin_s``, e.g. a prefill's layers) it never polls, so an idle link costs no CPU.
     """
 
-    def __init__(self, sock: socket.socket, buffer_nbytes: int = READ_BUFFER_NBYTES,
-                 read_ahead: bool = False, spin_s: float = 0.0, seal: StreamSeal | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        buffer_nbytes: int = READ_BUFFER_NBYTES,
+        read_ahead: bool = False,
+        spin_s: float = 0.0,
+        seal: StreamSeal | None = None,
+    ) -> None:
         self.sock = sock
         self.seal = seal  # checks each frame's seal (an authenticated connection without TLS)
         self.read_ahead = read_ahead

@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from vllm_pd.errors import TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, Checksum
 from vllm_pd.connector.transport.cross_memory import address_of
+from vllm_pd.errors import TransferCorrupted
 
 _HEAD = struct.Struct("<QII")
 # x86-64 keeps stores in order for other cores (TSO): the counter never runs ahead of the
@@ -61,17 +61,19 @@ class LayerPlan:
 
     def payload(self, timeout: float) -> bytes:
         addresses = [address_of(v) for views in self._views for v in views]
-        return b"".join((
-            _HEAD.pack(address_of(self._area), max(1, int(timeout * 1000)), len(self.layers)),
-            struct.pack(f"<{len(self.layers)}I", *self.layers),
-            struct.pack(f"<{len(addresses)}Q", *addresses),
-        ))
+        return b"".join(
+            (
+                _HEAD.pack(address_of(self._area), max(1, int(timeout * 1000)), len(self.layers)),
+                struct.pack(f"<{len(self.layers)}I", *self.layers),
+                struct.pack(f"<{len(addresses)}Q", *addresses),
+            )
+        )
 
     def ready(self, k: int) -> None:
         """The plan's k-th layer is computed: publish its digests, then the count."""
         off = 8 + DIGEST_NBYTES * k * self._count
         for view in self._views[k]:
-            self._area[off:off + DIGEST_NBYTES] = self.checksum.digest(view)
+            self._area[off : off + DIGEST_NBYTES] = self.checksum.digest(view)
             off += DIGEST_NBYTES
         struct.pack_into("<Q", self._progress, 0, k + 1)
 
@@ -128,7 +130,7 @@ class PlanFrame:
             raise TransferCorrupted(f"PLAN payload: {e}") from None
         if off != len(payload) or not n_layers or not count:
             raise TransferCorrupted(f"PLAN payload of {len(payload)} bytes for {n_layers} layers x {count} blocks")
-        addresses = tuple(flat[i * count:(i + 1) * count] for i in range(n_layers))
+        addresses = tuple(flat[i * count : (i + 1) * count] for i in range(n_layers))
         return cls(progress, timeout_ms / 1000, layers, addresses)
 
     def digests_address(self, k: int) -> int:

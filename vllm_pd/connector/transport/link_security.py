@@ -29,9 +29,9 @@ from vllm_pd.connector.auth_protocol import (
     SessionKeys,
     describe_unauthenticated,
 )
-from vllm_pd.errors import AuthFailed, PeerClosed
 from vllm_pd.connector.transport.framing import recv_exact
 from vllm_pd.connector.transport.tls_stream import TlsSettings, TlsSocket
+from vllm_pd.errors import AuthFailed, PeerClosed
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -40,8 +40,9 @@ logger = vllm_logger(__name__)
 class LinkSecurity:
     """The deployment secret of one transport, and what its connections refused."""
 
-    def __init__(self, secret: DeploymentSecret | None, service: Service = Service.KV,
-                 tls: TlsSettings | None = None) -> None:
+    def __init__(
+        self, secret: DeploymentSecret | None, service: Service = Service.KV, tls: TlsSettings | None = None
+    ) -> None:
         self.secret = secret
         self.service = service
         self.tls = tls
@@ -69,8 +70,9 @@ class LinkSecurity:
         try:
             keys = shake.finish(_read_handshake(conn, PROOF_MESSAGE_NBYTES))
         except (PeerClosed, ConnectionError):
-            raise AuthFailed("the listener closed the connection: it refused our proof (another "
-                             "deployment's secret?)") from None
+            raise AuthFailed(
+                "the listener closed the connection: it refused our proof (another deployment's secret?)"
+            ) from None
         return conn, keys if self.seals else None
 
     def accept(self, sock: socket.socket) -> tuple[Any, SessionKeys | None]:

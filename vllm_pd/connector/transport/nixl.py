@@ -60,15 +60,6 @@ import msgspec
 import numpy as np
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.errors import (
-    ConfigError,
-    PeerClosed,
-    ProtocolError,
-    TransferCorrupted,
-    TransferRejected,
-    TransferTimeout,
-    TransportError,
-)
 from vllm_pd.connector.transport import cross_memory
 from vllm_pd.connector.transport.base import BlockBatch, BlockWindow, FetchSpans, MemoryRegion
 from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, Status
@@ -86,6 +77,15 @@ from vllm_pd.connector.transport.serve_session import ServeSession
 from vllm_pd.connector.transport.stream import DeadlineTimer
 from vllm_pd.connector.transport.tcp import TcpTransport
 from vllm_pd.connector.transport.wire import Wire
+from vllm_pd.errors import (
+    ConfigError,
+    PeerClosed,
+    ProtocolError,
+    TransferCorrupted,
+    TransferRejected,
+    TransferTimeout,
+    TransportError,
+)
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -118,8 +118,10 @@ class FetchPayload(msgspec.Struct, array_like=True):
         """(source offsets, destination offsets, lengths) of a fetch of parts; None: whole blocks."""
         if not self.lengths:
             return None
-        arrays = tuple(np.frombuffer(b, dtype=np.uint64).astype(np.int64)
-                       for b in (self.src_offsets, self.dst_offsets, self.lengths))
+        arrays = tuple(
+            np.frombuffer(b, dtype=np.uint64).astype(np.int64)
+            for b in (self.src_offsets, self.dst_offsets, self.lengths)
+        )
         if any(len(a) != count for a in arrays) or (arrays[2] <= 0).any():
             raise TransferCorrupted(f"fetch of parts: {[len(a) for a in arrays]} offsets and lengths for {count} ids")
         return arrays  # type: ignore[return-value]
@@ -170,9 +172,14 @@ class NixlChannel:
             self._pumping = True  # the peer sets up UCX's connection to us before it answers
             self._side.pump.hold()
         address, token = agent.probe
-        return {"agent": agent.name, "metadata": base64.b64encode(agent.metadata()).decode(),
-                "probe": address, "token": token.hex(), "layers": [msgspec.to_builtins(lay) for lay in regions.layouts],
-                "cross_memory": cross_memory.local_info()}
+        return {
+            "agent": agent.name,
+            "metadata": base64.b64encode(agent.metadata()).decode(),
+            "probe": address,
+            "token": token.hex(),
+            "layers": [msgspec.to_builtins(lay) for lay in regions.layouts],
+            "cross_memory": cross_memory.local_info(),
+        }
 
     def attach(self, remote: dict[str, Any]) -> None:
         if self._dialler:
@@ -192,11 +199,14 @@ class NixlChannel:
             raise TransferCorrupted(f"nixl handshake: bad HELLO ({e})") from None
         self._peer = agent.load_peer(metadata)
         got = agent.read_probe(self._peer, address, time.monotonic() + self._side.connect_timeout)
-        if got[:len(token)] != token:
+        if got[: len(token)] != token:
             raise TransferCorrupted("nixl handshake: the probe read back another token")
         self._peer_layouts = layouts
-        self._one_sided = (agent.cma and all(lay.mem == DRAM for lay in layouts)
-                           and cross_memory.PeerMemory.probe(remote.get("cross_memory")) is not None)
+        self._one_sided = (
+            agent.cma
+            and all(lay.mem == DRAM for lay in layouts)
+            and cross_memory.PeerMemory.probe(remote.get("cross_memory")) is not None
+        )
 
     def finish_handshake(self, wire: Wire) -> None:
         pass
@@ -243,16 +253,19 @@ class NixlChannel:
             # a window of each block: one span of the sender's (head-major pages are one span a block)
             end = payload.window_offset + frame.block_nbytes
             if len(ids) != n or len(layout.lengths) != 1 or payload.window_offset < 0 or end > layout.block_nbytes:
-                raise TransferCorrupted(f"push of a window [{payload.window_offset}, {end}) of {len(ids)} blocks of "
-                                        f"{layout.block_nbytes} bytes in {len(layout.lengths)} span(s), announced "
-                                        f"as {n}")
+                raise TransferCorrupted(
+                    f"push of a window [{payload.window_offset}, {end}) of {len(ids)} blocks of "
+                    f"{layout.block_nbytes} bytes in {len(layout.lengths)} span(s), announced "
+                    f"as {n}"
+                )
             local, remote = dests, layout.spans(ids)[0] + payload.window_offset
             lengths = np.full(n, frame.block_nbytes, dtype=np.int64)
             inside = regions.host_segments(dests, frame.block_nbytes)
         else:
             if len(ids) != n or layout.block_nbytes != frame.block_nbytes:
-                raise TransferCorrupted(f"push of {len(ids)} blocks of {layout.block_nbytes} bytes announced as "
-                                        f"{n} of {frame.block_nbytes}")
+                raise TransferCorrupted(
+                    f"push of {len(ids)} blocks of {layout.block_nbytes} bytes announced as {n} of {frame.block_nbytes}"
+                )
             local = (dests[None, :] + layout.wire_offsets()[:, None]).reshape(-1)
             remote = layout.spans(ids).reshape(-1)
             lengths = np.repeat(np.asarray(layout.lengths, dtype=np.int64), n)
@@ -262,8 +275,18 @@ class NixlChannel:
         fresh = regions.host_segments(local, lengths) < 0
         handle = agent.register(local[fresh], lengths[fresh], DRAM, 0) if fresh.any() else None
         try:
-            agent.transfer("READ", local, lengths, DRAM, 0, remote, layout.mem, layout.device, peer,
-                           time.monotonic() + payload.timeout_s)
+            agent.transfer(
+                "READ",
+                local,
+                lengths,
+                DRAM,
+                0,
+                remote,
+                layout.mem,
+                layout.device,
+                peer,
+                time.monotonic() + payload.timeout_s,
+            )
         finally:
             if handle is not None:
                 agent.deregister(handle)
@@ -288,22 +311,36 @@ class NixlChannel:
             src_off, dst_off, part_lengths = parts
             if len(layout.lengths) != 1 or len(theirs.lengths) != 1:
                 raise TransferRejected(f"layer {frame.layer}: parts of blocks move between blocks of one span each")
-            if ((src_off + part_lengths) > layout.block_nbytes).any() or \
-                    ((dst_off + part_lengths) > theirs.block_nbytes).any():
+            if ((src_off + part_lengths) > layout.block_nbytes).any() or (
+                (dst_off + part_lengths) > theirs.block_nbytes
+            ).any():
                 raise TransferRejected(f"layer {frame.layer}: a part lies outside the blocks")
             digests = regions.part_digests(frame.layer, own, src_off, part_lengths, checksum)
             sizes = tuple(part_lengths.tolist())
-            local, remote, lengths = merge_pairs(layout.spans(own)[0] + src_off, theirs.spans(dest)[0] + dst_off,
-                                                 part_lengths)
+            local, remote, lengths = merge_pairs(
+                layout.spans(own)[0] + src_off, theirs.spans(dest)[0] + dst_off, part_lengths
+            )
         else:
             if theirs.block_nbytes != layout.block_nbytes:
-                raise TransferRejected(f"layer {frame.layer}: the requester's blocks are {theirs.block_nbytes} "
-                                       f"bytes, ours {layout.block_nbytes}")
+                raise TransferRejected(
+                    f"layer {frame.layer}: the requester's blocks are {theirs.block_nbytes} "
+                    f"bytes, ours {layout.block_nbytes}"
+                )
             digests = regions.digests(frame.layer, own, checksum)
             sizes = (layout.block_nbytes,) * len(own)
             local, remote, lengths = block_pairs(layout, own, theirs, dest)
-        agent.transfer("WRITE", local, lengths, layout.mem, layout.device, remote, theirs.mem, theirs.device, peer,
-                       time.monotonic() + payload.timeout_s)
+        agent.transfer(
+            "WRITE",
+            local,
+            lengths,
+            layout.mem,
+            layout.device,
+            remote,
+            theirs.mem,
+            theirs.device,
+            peer,
+            time.monotonic() + payload.timeout_s,
+        )
         return digests, sizes
 
     # -- dialling side -------------------------------------------------------------------------
@@ -393,10 +430,19 @@ class NixlServeSession(ServeSession):
             except TransportError as e:
                 self._answer(frame, Status.ERROR, str(e))
                 return
-            self.wire.send_frame(Frame(
-                Kind.DATA, req_id=frame.req_id, checksum=self._checksum if digests else Checksum.NONE,
-                layer=frame.layer, block_nbytes=frame.block_nbytes, transfer_id=frame.transfer_id, ids=frame.ids,
-                lengths=sizes, payload=digests))
+            self.wire.send_frame(
+                Frame(
+                    Kind.DATA,
+                    req_id=frame.req_id,
+                    checksum=self._checksum if digests else Checksum.NONE,
+                    layer=frame.layer,
+                    block_nbytes=frame.block_nbytes,
+                    transfer_id=frame.transfer_id,
+                    ids=frame.ids,
+                    lengths=sizes,
+                    payload=digests,
+                )
+            )
         finally:
             with self._cancel_lock:
                 self._cancelled.discard(frame.req_id)  # a cancel that came while we served it
@@ -437,14 +483,19 @@ class NixlPeerLink(PeerLink):
             super().expire(op)
         elif first:
             try:
-                wire.send_frame(Frame(Kind.FETCH, req_id=op.req_id, flags=FLAG_CANCEL,
-                                      transfer_id=op.frame.transfer_id))
+                wire.send_frame(
+                    Frame(Kind.FETCH, req_id=op.req_id, flags=FLAG_CANCEL, transfer_id=op.frame.transfer_id)
+                )
             except OSError:
                 pass  # the connection is going: losing it fails the fetch
             self._timer.add(self, op)
         else:
-            logger.warning("fetch %r from %s: no answer %.1fs after its cancel; closing the connection",
-                           op.frame.transfer_id, self.endpoint, self._cancel_wait)
+            logger.warning(
+                "fetch %r from %s: no answer %.1fs after its cancel; closing the connection",
+                op.frame.transfer_id,
+                self.endpoint,
+                self._cancel_wait,
+            )
             wire.shutdown()
 
     def _on_answer(self, frame: Frame) -> None:
@@ -456,8 +507,10 @@ class NixlPeerLink(PeerLink):
         for q in covered:
             settle(q.future, None)
         if op is not None:
-            settle(op.future, error=TransferTimeout(
-                f"FETCH to {self.endpoint} timed out: {frame.payload.decode(errors='replace')}"))
+            settle(
+                op.future,
+                error=TransferTimeout(f"FETCH to {self.endpoint} timed out: {frame.payload.decode(errors='replace')}"),
+            )
         elif not cancelled or frame.status is Status.OK:
             super()._on_answer(frame)
 
@@ -480,12 +533,17 @@ class NixlTransport(TcpTransport):
     device_memory = True  # registers VRAM itself: GPU KV is not staged through host memory
     keyed_blocks = False  # blocks move by RDMA, which we cannot key; the control connection is sealed
 
-    def __init__(self, checksum: str = "crc32c", connect_timeout: float = 5.0, revoke_wait: float = 5.0,
-                 target_progress: str = "auto", secret: DeploymentSecret | None = None) -> None:
+    def __init__(
+        self,
+        checksum: str = "crc32c",
+        connect_timeout: float = 5.0,
+        revoke_wait: float = 5.0,
+        target_progress: str = "auto",
+        secret: DeploymentSecret | None = None,
+    ) -> None:
         if target_progress not in TARGET_PROGRESS:
             raise ConfigError(f"target_progress: {target_progress!r} is not one of {list(TARGET_PROGRESS)}")
-        super().__init__(checksum=checksum, connect_timeout=connect_timeout, revoke_wait=revoke_wait,
-                         secret=secret)
+        super().__init__(checksum=checksum, connect_timeout=connect_timeout, revoke_wait=revoke_wait, secret=secret)
         self._side = NixlSide(target_progress, connect_timeout)
 
     def register_regions(self, regions: Sequence[MemoryRegion]) -> None:
@@ -493,9 +551,11 @@ class NixlTransport(TcpTransport):
             raise RuntimeError("register_regions called twice")
         kv = NixlRegions(regions)
         if kv.has_vram and self._checksum is not Checksum.NONE:
-            logger.warning("transport nixl: checksum %r cannot be taken of GPU memory on the host; blocks go "
-                           "unchecked (checksum 'none'), relying on the link's integrity (RDMA ICRC, NVLink CRC)",
-                           self._checksum.name.lower())
+            logger.warning(
+                "transport nixl: checksum %r cannot be taken of GPU memory on the host; blocks go "
+                "unchecked (checksum 'none'), relying on the link's integrity (RDMA ICRC, NVLink CRC)",
+                self._checksum.name.lower(),
+            )
             self._checksum = Checksum.NONE
         agent = LocalAgent(f"vllm-pd-{os.getpid()}-{secrets.token_hex(4)}", host_only=not kv.has_vram)
         try:
@@ -541,8 +601,15 @@ class NixlTransport(TcpTransport):
 
     # -- Transport ------------------------------------------------------------------------------
 
-    def push(self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float,
-             answer: bool = True, window: BlockWindow | None = None) -> Future[None]:
+    def push(
+        self,
+        peer: str,
+        batch: BlockBatch,
+        block_ids: Sequence[int],
+        timeout: float,
+        answer: bool = True,
+        window: BlockWindow | None = None,
+    ) -> Future[None]:
         regions = self._kv()
         if len(block_ids) != len(batch.positions):
             raise ValueError(f"push: {len(block_ids)} block ids but {len(batch.positions)} positions")
@@ -557,27 +624,50 @@ class NixlTransport(TcpTransport):
             raise ValueError(f"push: batch.block_nbytes {batch.block_nbytes} != the {expected} bytes sent per block")
         if window is not None:
             offsets = np.full(len(ids), window.offset, dtype=np.int64)
-            digests = regions.part_digests(batch.layer, ids, offsets, np.full(len(ids), window.nbytes, dtype=np.int64),
-                                           self._checksum)
+            digests = regions.part_digests(
+                batch.layer, ids, offsets, np.full(len(ids), window.nbytes, dtype=np.int64), self._checksum
+            )
         else:
             digests = regions.digests(batch.layer, ids, self._checksum)
         frame = Frame(
-            Kind.PUSH, req_id=next(self._req_ids), checksum=self._checksum if digests else Checksum.NONE,
+            Kind.PUSH,
+            req_id=next(self._req_ids),
+            checksum=self._checksum if digests else Checksum.NONE,
             flags=(FLAG_LAST if batch.last else 0) | (0 if answer else FLAG_QUIET),
-            layer=batch.layer, block_nbytes=batch.block_nbytes, transfer_id=batch.transfer_id,
-            ids=tuple(batch.positions), lengths=(batch.block_nbytes,) * len(ids),
-            payload=msgspec.msgpack.encode(PushPayload(_u32(ids), digests, timeout,
-                                                       window.offset if window is not None else 0,
-                                                       window is not None)))
+            layer=batch.layer,
+            block_nbytes=batch.block_nbytes,
+            transfer_id=batch.transfer_id,
+            ids=tuple(batch.positions),
+            lengths=(batch.block_nbytes,) * len(ids),
+            payload=msgspec.msgpack.encode(
+                PushPayload(_u32(ids), digests, timeout, window.offset if window is not None else 0, window is not None)
+            ),
+        )
         return self._request(peer, frame, timeout)
 
-    def push_layers(self, peer: str, transfer_id: str, layers: Sequence[int], positions: Sequence[int],
-                    block_ids: Sequence[int], timeout: float, last: bool = False,
-                    window: BlockWindow | None = None) -> None:
+    def push_layers(
+        self,
+        peer: str,
+        transfer_id: str,
+        layers: Sequence[int],
+        positions: Sequence[int],
+        block_ids: Sequence[int],
+        timeout: float,
+        last: bool = False,
+        window: BlockWindow | None = None,
+    ) -> None:
         return None
 
-    def fetch(self, peer: str, transfer_id: str, layer: int, remote_block_ids: Sequence[int],
-              local_block_ids: Sequence[int], timeout: float, spans: FetchSpans | None = None) -> Future[None]:
+    def fetch(
+        self,
+        peer: str,
+        transfer_id: str,
+        layer: int,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        timeout: float,
+        spans: FetchSpans | None = None,
+    ) -> Future[None]:
         regions = self._kv()
         if len(remote_block_ids) != len(local_block_ids):
             raise ValueError(f"fetch: {len(remote_block_ids)} remote but {len(local_block_ids)} local ids")
@@ -589,12 +679,27 @@ class NixlTransport(TcpTransport):
             if len(spans) != len(blocks):
                 raise ValueError(f"fetch: {len(spans)} spans for {len(blocks)} block ids")
             spans.check(1 << 62, regions.block_nbytes[layer])
-            blocks = [BlockRef(b.layer, b.block_id, n, d) for b, d, n in
-                      zip(blocks, spans.dst_offsets, spans.lengths, strict=True)]
-            payload = FetchPayload(local_ids, timeout, *(np.asarray(a, dtype=np.uint64).tobytes() for a in
-                                                        (spans.src_offsets, spans.dst_offsets, spans.lengths)))
-        frame = Frame(Kind.FETCH, req_id=next(self._req_ids), layer=layer, block_nbytes=regions.block_nbytes[layer],
-                      transfer_id=transfer_id, ids=tuple(remote_block_ids), payload=msgspec.msgpack.encode(payload))
+            blocks = [
+                BlockRef(b.layer, b.block_id, n, d)
+                for b, d, n in zip(blocks, spans.dst_offsets, spans.lengths, strict=True)
+            ]
+            payload = FetchPayload(
+                local_ids,
+                timeout,
+                *(
+                    np.asarray(a, dtype=np.uint64).tobytes()
+                    for a in (spans.src_offsets, spans.dst_offsets, spans.lengths)
+                ),
+            )
+        frame = Frame(
+            Kind.FETCH,
+            req_id=next(self._req_ids),
+            layer=layer,
+            block_nbytes=regions.block_nbytes[layer],
+            transfer_id=transfer_id,
+            ids=tuple(remote_block_ids),
+            payload=msgspec.msgpack.encode(payload),
+        )
         return self._request(peer, frame, timeout, blocks)
 
     # -- internals -------------------------------------------------------------------------------
@@ -618,14 +723,31 @@ class NixlTransport(TcpTransport):
         return future
 
     def _new_link(self, peer: str, address: Any, family: int) -> PeerLink:
-        return NixlPeerLink(peer, address, family, lambda: NixlChannel(self._side, dialler=True), self._hello,
-                            self._connect_timeout, timer=self._timer, cancel_wait=self._revoke_wait,
-                            security=self._security)
+        return NixlPeerLink(
+            peer,
+            address,
+            family,
+            lambda: NixlChannel(self._side, dialler=True),
+            self._hello,
+            self._connect_timeout,
+            timer=self._timer,
+            cancel_wait=self._revoke_wait,
+            security=self._security,
+        )
 
     def _new_session(self, wire: Wire, channel: Any, peer: str) -> ServeSession:
         assert self._sink is not None and self._regions is not None
-        return NixlServeSession(wire, channel, peer, self._sink, self._regions, self._grants, self._checksum,
-                                self._session_ended, on_violation=self._security.violated)
+        return NixlServeSession(
+            wire,
+            channel,
+            peer,
+            self._sink,
+            self._regions,
+            self._grants,
+            self._checksum,
+            self._session_ended,
+            on_violation=self._security.violated,
+        )
 
     def _after_close(self) -> None:
         if self._side.pump is not None:

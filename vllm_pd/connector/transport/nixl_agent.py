@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_pd.errors import ConfigError, PeerClosed, TransferRejected, TransferTimeout, TransportError
 from vllm_pd.connector.transport.nixl_regions import DRAM
+from vllm_pd.errors import ConfigError, PeerClosed, TransferRejected, TransferTimeout, TransportError
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -101,10 +101,15 @@ class LocalAgent:
         api = import_nixl()
         from nixl import _bindings
 
-        self._errors = tuple(getattr(_bindings, n) for n in dir(_bindings)
-                             if n.startswith("nixl") and n.endswith("Error"))
-        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
-                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self._errors = tuple(
+            getattr(_bindings, n) for n in dir(_bindings) if n.startswith("nixl") and n.endswith("Error")
+        )
+        config = api.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=["UCX"],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
         with ucx_defaults(host_only) as tls:
             self._agent = api.nixl_agent(name, config)
         if "UCX" not in self._agent.backends:
@@ -123,8 +128,9 @@ class LocalAgent:
 
     def register(self, addresses: np.ndarray, lengths: np.ndarray, mem: str, device: int) -> Any:
         """Register spans for the life of the agent; returns the handle for ``deregister``."""
-        handle = self._call("register", lambda: self._agent.register_memory(
-            descriptors(addresses, lengths, device), mem))
+        handle = self._call(
+            "register", lambda: self._agent.register_memory(descriptors(addresses, lengths, device), mem)
+        )
         with self._lock:
             self._registrations.append(handle)
         return handle
@@ -136,8 +142,9 @@ class LocalAgent:
 
     def register_spans(self, spans: list[tuple[str, int, int, int]]) -> list[Any]:
         """Register each (mem, device, address, nbytes); the handles, for ``deregister``."""
-        return [self.register(np.array([start]), np.array([nbytes]), mem, device)
-                for mem, device, start, nbytes in spans]
+        return [
+            self.register(np.array([start]), np.array([nbytes]), mem, device) for mem, device, start, nbytes in spans
+        ]
 
     # -- peers --------------------------------------------------------------------------
 
@@ -179,8 +186,19 @@ class LocalAgent:
 
     # -- transfers ----------------------------------------------------------------------
 
-    def transfer(self, op: str, local: np.ndarray, lengths: np.ndarray, local_mem: str, local_device: int,
-                 remote: np.ndarray, remote_mem: str, remote_device: int, peer: str, deadline: float) -> None:
+    def transfer(
+        self,
+        op: str,
+        local: np.ndarray,
+        lengths: np.ndarray,
+        local_mem: str,
+        local_device: int,
+        remote: np.ndarray,
+        remote_mem: str,
+        remote_device: int,
+        peer: str,
+        deadline: float,
+    ) -> None:
         """READ (peer -> local) or WRITE (local -> peer) the paired spans; returns once done.
 
         Waits by polling with a growing sleep (that poll is the agent's progress). Past
@@ -192,9 +210,12 @@ class LocalAgent:
         agent = self._agent
 
         def post() -> Any:
-            return agent.initialize_xfer(op, agent.get_xfer_descs(descriptors(local, lengths, local_device), local_mem),
-                                         agent.get_xfer_descs(descriptors(remote, lengths, remote_device), remote_mem),
-                                         peer)
+            return agent.initialize_xfer(
+                op,
+                agent.get_xfer_descs(descriptors(local, lengths, local_device), local_mem),
+                agent.get_xfer_descs(descriptors(remote, lengths, remote_device), remote_mem),
+                peer,
+            )
 
         handle = self._call(what, post)
         try:

@@ -56,8 +56,15 @@ class RegionLayout(msgspec.Struct, frozen=True, array_like=True):
             raise ValueError(f"region {region.name!r}: needs a non-empty tensor with non-negative strides")
         base = t.data_ptr()
         spans = region.block_spans(0)
-        return cls(mem, device, base, t.stride(region.block_dim) * t.element_size(), region.num_blocks,
-                   tuple(a - base for a, _ in spans), tuple(n for _, n in spans))
+        return cls(
+            mem,
+            device,
+            base,
+            t.stride(region.block_dim) * t.element_size(),
+            region.num_blocks,
+            tuple(a - base for a, _ in spans),
+            tuple(n for _, n in spans),
+        )
 
     @property
     def block_nbytes(self) -> int:
@@ -89,8 +96,9 @@ class RegionLayout(msgspec.Struct, frozen=True, array_like=True):
         return np.concatenate([[0], np.cumsum(lengths)[:-1]])
 
 
-def merge_pairs(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray,
-                segment: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def merge_pairs(
+    local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, segment: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge pairs of spans (``local[k]`` <-> ``remote[k]``, ``lengths[k]`` bytes) that continue
     the previous pair on both sides and lie in the same local ``segment`` (a registration:
     NIXL refuses a descriptor that crosses two). Returns (local, remote, lengths) merged."""
@@ -105,8 +113,9 @@ def merge_pairs(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray,
     return local[first], remote[first], np.add.reduceat(lengths, first)
 
 
-def block_pairs(local: RegionLayout, local_ids: np.ndarray, remote: RegionLayout,
-                remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def block_pairs(
+    local: RegionLayout, local_ids: np.ndarray, remote: RegionLayout, remote_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The descriptors that move block ``local_ids[i]`` <-> ``remote_ids[i]`` for every i:
     (local addresses, remote addresses, lengths), merged. Each block's wire bytes are cut
     where a span ends on either side; ValueError if the two sides' blocks differ in size."""
@@ -114,8 +123,11 @@ def block_pairs(local: RegionLayout, local_ids: np.ndarray, remote: RegionLayout
         raise ValueError(f"blocks of {local.block_nbytes} bytes here, {remote.block_nbytes} at the peer")
     cuts = np.union1d(local.wire_offsets(), remote.wire_offsets())  # where each piece starts in a block
     pieces = np.diff(np.append(cuts, local.block_nbytes))
-    return merge_pairs(_piece_addresses(local, local_ids, cuts).reshape(-1),
-                       _piece_addresses(remote, remote_ids, cuts).reshape(-1), np.repeat(pieces, len(local_ids)))
+    return merge_pairs(
+        _piece_addresses(local, local_ids, cuts).reshape(-1),
+        _piece_addresses(remote, remote_ids, cuts).reshape(-1),
+        np.repeat(pieces, len(local_ids)),
+    )
 
 
 def _piece_addresses(lay: RegionLayout, ids: np.ndarray, cuts: np.ndarray) -> np.ndarray:
@@ -164,7 +176,10 @@ class NixlRegions:
         self._host: list[np.ndarray | None] = [
             # a ctypes array exports the buffer protocol; numpy's stubs do not list it
             np.frombuffer((ctypes.c_char * lay.extent[1]).from_address(lay.base), dtype=np.uint8)  # type: ignore[call-overload]
-            if lay.mem == DRAM else None for lay in self.layouts]
+            if lay.mem == DRAM
+            else None
+            for lay in self.layouts
+        ]
         self.registrations = registrations(self.layouts)
         host = [(start, start + n) for mem, _, start, n in self.registrations if mem == DRAM]
         self._host_starts = np.array([s for s, _ in host], dtype=np.int64)
@@ -200,25 +215,26 @@ class NixlRegions:
         spans = self.spans_relative(layer, ids)
         if len(lay.lengths) == 1:
             n = lay.lengths[0]
-            return b"".join(checksum.digest(host[s:s + n]) for s in spans[0].tolist())
+            return b"".join(checksum.digest(host[s : s + n]) for s in spans[0].tolist())
         out = []
         for i in range(len(ids)):
             d = checksum.running()
             for j, n in enumerate(lay.lengths):
                 start = int(spans[j, i])
-                d.update(host[start:start + n])
+                d.update(host[start : start + n])
             out.append(d.digest())
         return b"".join(out)
 
-    def part_digests(self, layer: int, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
-                     checksum: Checksum) -> bytes:
+    def part_digests(
+        self, layer: int, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, checksum: Checksum
+    ) -> bytes:
         """One digest per part (bytes ``[offsets[i], offsets[i] + lengths[i])`` of block ``ids[i]``,
         a layout of one span a block), b"" without a checksum or on a GPU."""
         host = self._host[layer]
         if checksum is Checksum.NONE or host is None:
             return b""
         starts = (self.spans_relative(layer, np.asarray(ids, dtype=np.int64))[0] + offsets).tolist()
-        return b"".join(checksum.digest(host[s:s + n]) for s, n in zip(starts, lengths.tolist(), strict=True))
+        return b"".join(checksum.digest(host[s : s + n]) for s, n in zip(starts, lengths.tolist(), strict=True))
 
     def spans_relative(self, layer: int, ids: np.ndarray) -> np.ndarray:
         lay = self.layouts[layer]

@@ -18,10 +18,10 @@ order and answers a failure at once.
 from __future__ import annotations
 
 import queue
-from collections import deque
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,15 +29,6 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd.errors import (
-    AuthFailed,
-    PeerClosed,
-    PeerUnreachable,
-    TransferCorrupted,
-    TransferRejected,
-    TransferTimeout,
-    TransportError,
-)
 from vllm_pd.connector.transport.framing import (
     FLAG_HAS_REPLY,
     FLAG_QUIET,
@@ -47,6 +38,15 @@ from vllm_pd.connector.transport.framing import (
 )
 from vllm_pd.connector.transport.link_security import LinkSecurity
 from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
+from vllm_pd.errors import (
+    AuthFailed,
+    PeerClosed,
+    PeerUnreachable,
+    TransferCorrupted,
+    TransferRejected,
+    TransferTimeout,
+    TransportError,
+)
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -127,9 +127,7 @@ class PeerLink:
         self._wire: Wire | None = None
         self._channel: BlockChannel | None = None
         self._closed = False
-        self._writer = threading.Thread(
-            target=self._write_loop, name=f"pd-link-writer {endpoint}", daemon=True
-        )
+        self._writer = threading.Thread(target=self._write_loop, name=f"pd-link-writer {endpoint}", daemon=True)
         self._writer.start()
 
     # -- called by the transport ---------------------------------------------------
@@ -146,8 +144,9 @@ class PeerLink:
                 return
             self._pending[op.req_id] = op
             wire, channel = self._wire, self._channel
-            inline = (wire is not None and channel is not None and self._queued == 0
-                      and channel.fits_now(wire, op.nbytes))
+            inline = (
+                wire is not None and channel is not None and self._queued == 0 and channel.fits_now(wire, op.nbytes)
+            )
             if inline:
                 op.state = "sending"
             else:
@@ -208,13 +207,14 @@ class PeerLink:
         if wire is None or channel is None:
             try:
                 # Bounded by the op's own deadline too: expire() cannot cut a connect.
-                wire, channel = self._connect(min(self._connect_timeout,
-                                                  max(op.deadline - time.monotonic(), 0.01)))
+                wire, channel = self._connect(min(self._connect_timeout, max(op.deadline - time.monotonic(), 0.01)))
             except (OSError, TransportError) as e:
-                self._pop_and_fail(op, TransferTimeout(
-                    f"{op.frame.kind.name} to {self.endpoint} timed out while connecting: {e}"
-                ) if op.timed_out or time.monotonic() >= op.deadline else PeerUnreachable(
-                    f"cannot connect to {self.endpoint}: {e}"))
+                self._pop_and_fail(
+                    op,
+                    TransferTimeout(f"{op.frame.kind.name} to {self.endpoint} timed out while connecting: {e}")
+                    if op.timed_out or time.monotonic() >= op.deadline
+                    else PeerUnreachable(f"cannot connect to {self.endpoint}: {e}"),
+                )
                 return
             if op.timed_out:
                 self._pop_and_fail(op, TransferTimeout(f"{op.frame.kind.name} to {self.endpoint} timed out"))
@@ -284,7 +284,9 @@ class PeerLink:
                 raise PeerClosed("transport closed")
             self._wire, self._channel = wire, channel
         threading.Thread(
-            target=self._read_loop, args=(wire, channel), name=f"pd-link-reader {self.endpoint}",
+            target=self._read_loop,
+            args=(wire, channel),
+            name=f"pd-link-reader {self.endpoint}",
             daemon=True,
         ).start()
         return wire, channel
@@ -336,19 +338,25 @@ class PeerLink:
             channel.drop_blocks(wire, frame)
             return
         views = op.recv_views
-        if len(frame.ids) != len(views) or any(
-            n != len(v) for n, v in zip(frame.lengths, views, strict=False)
-        ):
+        if len(frame.ids) != len(views) or any(n != len(v) for n, v in zip(frame.lengths, views, strict=False)):
             channel.drop_blocks(wire, frame)
-            self._pop_and_fail(op, TransferCorrupted(
-                f"fetch from {self.endpoint}: got {len(frame.ids)} blocks of lengths "
-                f"{sorted(set(frame.lengths))}, expected {len(views)} of {len(views[0]) if views else 0}"
-            ))
+            self._pop_and_fail(
+                op,
+                TransferCorrupted(
+                    f"fetch from {self.endpoint}: got {len(frame.ids)} blocks of lengths "
+                    f"{sorted(set(frame.lengths))}, expected {len(views)} of {len(views[0]) if views else 0}"
+                ),
+            )
             return
         ok = channel.recv_blocks(wire, frame, views)
-        self._pop_and_fail(op, None if ok else TransferCorrupted(
-            f"fetch {frame.transfer_id!r} layer {frame.layer} from {self.endpoint}: checksum mismatch"
-        ))
+        self._pop_and_fail(
+            op,
+            None
+            if ok
+            else TransferCorrupted(
+                f"fetch {frame.transfer_id!r} layer {frame.layer} from {self.endpoint}: checksum mismatch"
+            ),
+        )
 
     def _covered_by(self, answered: PendingOp) -> list[PendingOp]:
         """Quiet ops sent before ``answered``: the peer handled them without failure
@@ -388,8 +396,9 @@ class PeerLink:
             self._quiet.clear()
         for op in ops:
             if op.timed_out:
-                settle(op.future, error=TransferTimeout(
-                    f"{op.frame.kind.name} to {self.endpoint} timed out (connection aborted)"
-                ))
+                settle(
+                    op.future,
+                    error=TransferTimeout(f"{op.frame.kind.name} to {self.endpoint} timed out (connection aborted)"),
+                )
             else:
                 settle(op.future, error=PeerClosed(f"connection to {self.endpoint} lost: {error}"))

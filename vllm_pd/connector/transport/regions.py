@@ -68,8 +68,7 @@ class FetchGrants:
         self._grants: dict[str, dict[int, int]] = {}
         self._serving: dict[str, int] = {}
 
-    def grant(self, transfer_id: str, block_ids: Sequence[int],
-              served_from: Sequence[int] | None = None) -> None:
+    def grant(self, transfer_id: str, block_ids: Sequence[int], served_from: Sequence[int] | None = None) -> None:
         with self._cond:
             self._grants[transfer_id] = dict(zip(block_ids, served_from if served_from is not None else block_ids))
 

@@ -15,11 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vllm_pd.errors import AuthFailed, PeerClosed, ProtocolError, TransferCorrupted, TransportError
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES
 from vllm_pd.connector.transport.cross_memory import PeerMemory
-from vllm_pd.connector.transport.layer_plan import PlanFrame, ReadyPacer
 from vllm_pd.connector.transport.framing import (
     FLAG_HAS_REPLY,
     FLAG_LAST,
@@ -30,8 +28,10 @@ from vllm_pd.connector.transport.framing import (
     Status,
     decode_fetch_spans,
 )
+from vllm_pd.connector.transport.layer_plan import PlanFrame, ReadyPacer
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.wire import BlockChannel, Wire
+from vllm_pd.errors import AuthFailed, PeerClosed, ProtocolError, TransferCorrupted, TransportError
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -137,13 +137,20 @@ class ServeSession:
 
     def _on_push(self, frame: Frame) -> None:
         batch = BlockBatch(
-            transfer_id=frame.transfer_id, layer=frame.layer, positions=tuple(frame.ids),
-            block_nbytes=frame.block_nbytes, last=bool(frame.flags & FLAG_LAST), peer=self.peer,
+            transfer_id=frame.transfer_id,
+            layer=frame.layer,
+            positions=tuple(frame.ids),
+            block_nbytes=frame.block_nbytes,
+            last=bool(frame.flags & FLAG_LAST),
+            peer=self.peer,
         )
         if any(n != frame.block_nbytes for n in frame.lengths):
             self._channel.drop_blocks(self.wire, frame)
-            self._ack(frame, Status.CORRUPTED, f"block lengths {sorted(set(frame.lengths))} "
-                      f"differ from block_nbytes {frame.block_nbytes}")
+            self._ack(
+                frame,
+                Status.CORRUPTED,
+                f"block lengths {sorted(set(frame.lengths))} differ from block_nbytes {frame.block_nbytes}",
+            )
             return
         views = self._claim(batch)
         if isinstance(views, tuple):
@@ -160,8 +167,7 @@ class ServeSession:
             if not frame.flags & FLAG_QUIET:  # a quiet push is covered by the next answer
                 self._ack(frame, Status.OK)
         else:
-            self._ack(frame, Status.CORRUPTED, f"push {frame.transfer_id!r} layer {frame.layer}: "
-                      "checksum mismatch")
+            self._ack(frame, Status.CORRUPTED, f"push {frame.transfer_id!r} layer {frame.layer}: checksum mismatch")
 
     def _claim(self, batch: BlockBatch) -> list[memoryview] | tuple[Status, str]:
         """The sink's destinations for ``batch``, or why there are none (status, text)."""
@@ -175,9 +181,11 @@ class ServeSession:
         views = [memoryview(d).cast("B") for d in dests]
         n = len(batch.positions)
         if len(views) != n or any(len(v) != batch.block_nbytes or v.readonly for v in views):
-            return Status.REJECTED, (f"push of {n} blocks of {batch.block_nbytes} bytes does not fit the "
-                                     f"sink's {len(views)} destinations of {sorted({len(v) for v in views})} "
-                                     "bytes (or they are read-only)")
+            return Status.REJECTED, (
+                f"push of {n} blocks of {batch.block_nbytes} bytes does not fit the "
+                f"sink's {len(views)} destinations of {sorted({len(v) for v in views})} "
+                "bytes (or they are read-only)"
+            )
         return views
 
     # -- layer plans: the blocks are read from the sender's memory (layer_plan.py) ---------
@@ -192,8 +200,17 @@ class ServeSession:
         if memory is None:
             self._ack(frame, Status.REJECTED, "layer plan from a peer whose memory we cannot read")
             return
-        batches = [BlockBatch(frame.transfer_id, layer, tuple(frame.ids), frame.block_nbytes,
-                              last=bool(frame.flags & FLAG_LAST), peer=self.peer) for layer in plan.layers]
+        batches = [
+            BlockBatch(
+                frame.transfer_id,
+                layer,
+                tuple(frame.ids),
+                frame.block_nbytes,
+                last=bool(frame.flags & FLAG_LAST),
+                peer=self.peer,
+            )
+            for layer in plan.layers
+        ]
         deadline = time.monotonic() + plan.timeout_s
         pacer = ReadyPacer()
         k = 0
@@ -207,11 +224,19 @@ class ServeSession:
                 self._ack(frame, Status.OK)
                 return
         finally:
-            for later in batches[k + 1:]:
+            for later in batches[k + 1 :]:
                 self._landed(later, False)  # the sink stops waiting for them
 
-    def _land_plan_layer(self, memory: PeerMemory, plan: PlanFrame, k: int, batch: BlockBatch,
-                         checksum: Checksum, deadline: float, pacer: ReadyPacer) -> tuple[Status, str]:
+    def _land_plan_layer(
+        self,
+        memory: PeerMemory,
+        plan: PlanFrame,
+        k: int,
+        batch: BlockBatch,
+        checksum: Checksum,
+        deadline: float,
+        pacer: ReadyPacer,
+    ) -> tuple[Status, str]:
         # Polled, not signalled: a wake-up per layer is what the plan saves the sender's core.
         # A dead sender fails the read (PeerClosed) and ends the session.
         try:
@@ -223,8 +248,9 @@ class ServeSession:
                 now = time.monotonic()
                 if now > deadline:
                     self._landed(batch, False)
-                    return Status.ERROR, (f"layer {batch.layer} of {batch.transfer_id!r} not ready within "
-                                          f"{plan.timeout_s:.1f}s")
+                    return Status.ERROR, (
+                        f"layer {batch.layer} of {batch.transfer_id!r} not ready within {plan.timeout_s:.1f}s"
+                    )
                 if quiet is not None and now < quiet:
                     time.sleep(min(quiet - now, PLAN_QUIET_SLICE_S))
                 else:
@@ -283,20 +309,24 @@ class ServeSession:
         for o, n in zip(offsets, lengths, strict=True):
             if n <= 0 or o + n > block_nbytes:
                 raise ProtocolError(f"part [{o}, {o + n}) is not inside a block of {block_nbytes} bytes")
-        return [v[o:o + n] for v, o, n in zip(views, offsets, lengths, strict=True)]
+        return [v[o : o + n] for v, o, n in zip(views, offsets, lengths, strict=True)]
 
     def _serve_fetch(self, frame: Frame, views: Sequence[memoryview]) -> None:
         # Checked again here: the grant may have been revoked while queued.
         why = self._grants.begin_serve(frame.transfer_id, frame.ids)
         if why is not None:
-            self.wire.send_frame(Frame(Kind.ACK, req_id=frame.req_id, status=Status.REJECTED,
-                                       payload=why.encode()))
+            self.wire.send_frame(Frame(Kind.ACK, req_id=frame.req_id, status=Status.REJECTED, payload=why.encode()))
             return
         self.serving.add(frame.transfer_id)
         try:
             data = Frame(
-                Kind.DATA, req_id=frame.req_id, checksum=self._checksum, layer=frame.layer,
-                block_nbytes=frame.block_nbytes, transfer_id=frame.transfer_id, ids=frame.ids,
+                Kind.DATA,
+                req_id=frame.req_id,
+                checksum=self._checksum,
+                layer=frame.layer,
+                block_nbytes=frame.block_nbytes,
+                transfer_id=frame.transfer_id,
+                ids=frame.ids,
                 lengths=tuple(len(v) for v in views),
             )
             self._channel.send_blocks(self.wire, data, views)
@@ -311,8 +341,12 @@ class ServeSession:
             logger.exception("sink.on_notify failed")
             self._ack(frame, Status.ERROR, f"on_notify failed: {e}")
             return
-        out = Frame(Kind.REPLY, req_id=frame.req_id, flags=FLAG_HAS_REPLY if reply is not None else 0,
-                    payload=bytes(reply or b""))
+        out = Frame(
+            Kind.REPLY,
+            req_id=frame.req_id,
+            flags=FLAG_HAS_REPLY if reply is not None else 0,
+            payload=bytes(reply or b""),
+        )
         self._queue(lambda: self.wire.send_frame(out))
 
     # -- writer ----------------------------------------------------------------------

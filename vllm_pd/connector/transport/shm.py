@@ -49,7 +49,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
 from vllm_pd.connector.transport.cross_memory import (
     READER_GRANTS,
@@ -62,6 +61,7 @@ from vllm_pd.connector.transport.framing import Frame, Kind
 from vllm_pd.connector.transport.layer_plan import ORDERED_STORES
 from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
 from vllm_pd.connector.transport.wire import Wire
+from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "vllmpd-"
@@ -97,8 +97,7 @@ class ShmRing:
             os.close(fd)
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=data_nbytes).reshape(slots, slot_nbytes)
         # Aligned 8-byte loads and stores: atomic on x86-64.
-        self.control = np.frombuffer(self._map, dtype=np.uint64, count=CONTROL_NBYTES // 8,
-                                     offset=data_nbytes)
+        self.control = np.frombuffer(self._map, dtype=np.uint64, count=CONTROL_NBYTES // 8, offset=data_nbytes)
 
     def unlink(self) -> None:
         try:
@@ -123,8 +122,7 @@ class ShmChannel:
         self._peer_wants_reads = False  # acceptor: the dialler offered to be read
         self._reader: Any = None  # dialler: the acceptor's identity, if it would read us
         self._granted_pid: int | None = None  # dialler: the reader our ptrace grant names
-        self._tx = ShmRing(f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", slots, slot_nbytes,
-                           create=True)
+        self._tx = ShmRing(f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", slots, slot_nbytes, create=True)
         self._rx: ShmRing | None = None
         # Slots are filled strictly round-robin across messages and emptied in READY
         # order, so ``produced - consumed < slots`` means slot ``produced % slots`` is free.
@@ -145,8 +143,7 @@ class ShmChannel:
         return self._peer_reads_us
 
     def local_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"ring": self._tx.name, "slots": self._tx.slots,
-                                "slot_nbytes": self._tx.slot_nbytes}
+        info: dict[str, Any] = {"ring": self._tx.name, "slots": self._tx.slots, "slot_nbytes": self._tx.slot_nbytes}
         if self._cross_memory:
             # the dialler's HELLO goes first: it offers to be read; the acceptor answers who reads
             info["reader" if self._peer_wants_reads else "plans"] = local_identity()
@@ -173,8 +170,9 @@ class ShmChannel:
             grant = READER_GRANTS.grant(pid, self._authenticated) if isinstance(pid, int) else None
             if grant == "granted":
                 self._granted_pid = pid
-            wire.send_frame(Frame(Kind.HELLO, payload=msgspec.json.encode(
-                {"cross_memory": local_info() if grant else None})))
+            wire.send_frame(
+                Frame(Kind.HELLO, payload=msgspec.json.encode({"cross_memory": local_info() if grant else None}))
+            )
             answer = msgspec.json.decode(wire.reader.read_frame().payload)
             self._peer_reads_us = isinstance(answer, dict) and answer.get("reads_you") is True
             if not self._peer_reads_us:
@@ -182,8 +180,9 @@ class ShmChannel:
         elif self._peer_wants_reads:  # acceptor, and it offered to read the dialler
             offer = msgspec.json.decode(wire.reader.read_frame().payload)
             self._peer_memory = PeerMemory.probe(offer.get("cross_memory") if isinstance(offer, dict) else None)
-            wire.send_frame(Frame(Kind.HELLO, payload=msgspec.json.encode(
-                {"reads_you": self._peer_memory is not None})))
+            wire.send_frame(
+                Frame(Kind.HELLO, payload=msgspec.json.encode({"reads_you": self._peer_memory is not None}))
+            )
 
     def _revoke(self) -> None:
         pid, self._granted_pid = self._granted_pid, None
@@ -215,8 +214,9 @@ class ShmChannel:
                 self._produced += 1
                 ids, lengths = (slot,), (n,)
             if stream.done:
-                pending.append(Frame(Kind.READY, flags=FLAG_TRAILER, ids=ids, lengths=lengths,
-                                     payload=stream.digests()))
+                pending.append(
+                    Frame(Kind.READY, flags=FLAG_TRAILER, ids=ids, lengths=lengths, payload=stream.digests())
+                )
                 break
             pending.append(Frame(Kind.READY, ids=ids, lengths=lengths))
             wire.send_frames(pending)
@@ -274,8 +274,10 @@ class ShmChannel:
             if f.ids:  # a filled slot (the trailer may carry the last one)
                 slot, n = f.ids[0], f.lengths[0]
                 if slot != self._consumed % rx.slots or n > rx.slot_nbytes:
-                    raise TransferCorrupted(f"READY for slot {slot} of {n} bytes: expected slot "
-                                            f"{self._consumed % rx.slots} of <= {rx.slot_nbytes}")
+                    raise TransferCorrupted(
+                        f"READY for slot {slot} of {n} bytes: expected slot "
+                        f"{self._consumed % rx.slots} of <= {rx.slot_nbytes}"
+                    )
                 if got + n > expected:
                     raise TransferCorrupted("more block bytes than the frame announced")
                 if stream is not None:
@@ -317,8 +319,7 @@ class ShmTransport(TcpTransport):
     name = "shm"
     scheme = "shm"
 
-    def __init__(self, slots: int = 4, slot_nbytes: int = 4 << 20, cross_memory: bool = True,
-                 **options: Any) -> None:
+    def __init__(self, slots: int = 4, slot_nbytes: int = 4 << 20, cross_memory: bool = True, **options: Any) -> None:
         if options.get("tls") is not None:
             raise ConfigError("tls: only the tcp transport encrypts (shm's bytes never leave the host)")
         super().__init__(**options)
@@ -341,8 +342,9 @@ class ShmTransport(TcpTransport):
         return super()._dial_address("tcp://" + endpoint.removeprefix("shm://"))
 
     def _new_channel(self) -> ShmChannel:
-        return ShmChannel(self._slots, self._slot_nbytes, self._cross_memory,
-                          authenticated=self._security.secret is not None)
+        return ShmChannel(
+            self._slots, self._slot_nbytes, self._cross_memory, authenticated=self._security.secret is not None
+        )
 
 
 __all__ = ["ShmChannel", "ShmRing", "ShmTransport", "parse_tcp_endpoint"]

@@ -20,7 +20,6 @@ from typing import Any
 import msgspec
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.errors import AuthFailed, ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransportError
 from vllm_pd.connector.transport.base import (
     BlockBatch,
     BlockSink,
@@ -32,11 +31,12 @@ from vllm_pd.connector.transport.base import (
 from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, encode_fetch_spans
 from vllm_pd.connector.transport.layer_plan import LayerPlan
 from vllm_pd.connector.transport.link_security import LinkSecurity
-from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.serve_session import ServeSession
+from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
+from vllm_pd.errors import AuthFailed, ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransportError
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -80,11 +80,8 @@ class DeadlineTimer:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopped and (
-                    not self._heap or self._heap[0][0] > time.monotonic()
-                ):
-                    self._cond.wait(self._heap[0][0] - time.monotonic() + TIMER_SLACK_S
-                                    if self._heap else None)
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cond.wait(self._heap[0][0] - time.monotonic() + TIMER_SLACK_S if self._heap else None)
                 if self._stopped:
                     return
                 _, _, link, op = heapq.heappop(self._heap)
@@ -112,8 +109,7 @@ class StreamTransport(Transport):
         self._security = LinkSecurity(secret, tls=tls)
         # what PUSH and DATA blocks are checked with (layer plans: the blocks are read from the
         # authenticated peer's own memory, by the kernel; they keep the configured checksum)
-        self._data_checksum = (Checksum.BLAKE3_KEYED if self._security.seals and self.keyed_blocks
-                               else self._checksum)
+        self._data_checksum = Checksum.BLAKE3_KEYED if self._security.seals and self.keyed_blocks else self._checksum
         if connect_timeout <= 0:
             raise ConfigError(f"connect_timeout must be > 0, got {connect_timeout}")
         self._connect_timeout = connect_timeout
@@ -166,8 +162,15 @@ class StreamTransport(Transport):
         logger.info("%s transport serving at %s", self.name, self._endpoint)
         return self._endpoint
 
-    def push(self, peer: str, batch: BlockBatch, block_ids: Sequence[int], timeout: float,
-             answer: bool = True, window: BlockWindow | None = None) -> Future[None]:
+    def push(
+        self,
+        peer: str,
+        batch: BlockBatch,
+        block_ids: Sequence[int],
+        timeout: float,
+        answer: bool = True,
+        window: BlockWindow | None = None,
+    ) -> Future[None]:
         regions = self._require_regions()
         if len(block_ids) != len(batch.positions):
             raise ValueError(f"push: {len(block_ids)} block ids but {len(batch.positions)} positions")
@@ -176,17 +179,29 @@ class StreamTransport(Transport):
         if batch.block_nbytes != expected:
             raise ValueError(f"push: batch.block_nbytes {batch.block_nbytes} != the {expected} bytes sent per block")
         frame = Frame(
-            Kind.PUSH, req_id=next(self._req_ids), checksum=self._data_checksum,
+            Kind.PUSH,
+            req_id=next(self._req_ids),
+            checksum=self._data_checksum,
             flags=(FLAG_LAST if batch.last else 0) | (0 if answer else FLAG_QUIET),
-            layer=batch.layer, block_nbytes=batch.block_nbytes,
-            transfer_id=batch.transfer_id, ids=tuple(batch.positions),
+            layer=batch.layer,
+            block_nbytes=batch.block_nbytes,
+            transfer_id=batch.transfer_id,
+            ids=tuple(batch.positions),
             lengths=tuple(len(v) for v in views),
         )
         return self._submit(peer, frame, timeout, send_views=views)
 
-    def push_layers(self, peer: str, transfer_id: str, layers: Sequence[int], positions: Sequence[int],
-                    block_ids: Sequence[int], timeout: float, last: bool = False,
-                    window: BlockWindow | None = None) -> LayerPlan | None:
+    def push_layers(
+        self,
+        peer: str,
+        transfer_id: str,
+        layers: Sequence[int],
+        positions: Sequence[int],
+        block_ids: Sequence[int],
+        timeout: float,
+        last: bool = False,
+        window: BlockWindow | None = None,
+    ) -> LayerPlan | None:
         regions = self._require_regions()
         if not layers or not block_ids or self._unregistered:
             return None
@@ -204,16 +219,32 @@ class StreamTransport(Transport):
             # not connected yet (the first push connects), or the peer cannot read us (tcp; the
             # probe failed; shm without a checksum or ordered stores)
             return None
-        plan = LayerPlan(self._checksum, layers,
-                         [_windowed(regions.views(layer, block_ids), full, window) for layer in layers])
-        frame = Frame(Kind.PLAN, req_id=next(self._req_ids), checksum=self._checksum,
-                      flags=FLAG_LAST if last else 0, block_nbytes=nbytes, transfer_id=transfer_id,
-                      ids=tuple(positions), payload=plan.payload(timeout))
+        plan = LayerPlan(
+            self._checksum, layers, [_windowed(regions.views(layer, block_ids), full, window) for layer in layers]
+        )
+        frame = Frame(
+            Kind.PLAN,
+            req_id=next(self._req_ids),
+            checksum=self._checksum,
+            flags=FLAG_LAST if last else 0,
+            block_nbytes=nbytes,
+            transfer_id=transfer_id,
+            ids=tuple(positions),
+            payload=plan.payload(timeout),
+        )
         plan.future = self._submit(peer, frame, timeout, keep=plan)
         return plan
 
-    def fetch(self, peer: str, transfer_id: str, layer: int, remote_block_ids: Sequence[int],
-              local_block_ids: Sequence[int], timeout: float, spans: FetchSpans | None = None) -> Future[None]:
+    def fetch(
+        self,
+        peer: str,
+        transfer_id: str,
+        layer: int,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        timeout: float,
+        spans: FetchSpans | None = None,
+    ) -> Future[None]:
         regions = self._require_regions()
         if len(remote_block_ids) != len(local_block_ids):
             raise ValueError(f"fetch: {len(remote_block_ids)} remote but {len(local_block_ids)} local ids")
@@ -223,28 +254,38 @@ class StreamTransport(Transport):
             if len(spans) != len(views):
                 raise ValueError(f"fetch: {len(spans)} spans for {len(views)} block ids")
             spans.check(MAX_SPAN_SOURCE, regions.block_nbytes[layer])
-            views = [v[d:d + n] for v, d, n in zip(views, spans.dst_offsets, spans.lengths, strict=True)]
+            views = [v[d : d + n] for v, d, n in zip(views, spans.dst_offsets, spans.lengths, strict=True)]
             payload = encode_fetch_spans(spans.src_offsets, spans.lengths)
         # block_nbytes: our blocks' size, which the peer checks against its own (whole blocks), or 0 (parts)
-        frame = Frame(Kind.FETCH, req_id=next(self._req_ids), layer=layer,
-                      block_nbytes=0 if spans is not None else regions.block_nbytes[layer], transfer_id=transfer_id,
-                      ids=tuple(remote_block_ids), payload=payload)
+        frame = Frame(
+            Kind.FETCH,
+            req_id=next(self._req_ids),
+            layer=layer,
+            block_nbytes=0 if spans is not None else regions.block_nbytes[layer],
+            transfer_id=transfer_id,
+            ids=tuple(remote_block_ids),
+            payload=payload,
+        )
         return self._submit(peer, frame, timeout, recv_views=views)
 
     def notify(self, peer: str, message: bytes, timeout: float) -> Future[bytes | None]:
         frame = Frame(Kind.NOTIFY, req_id=next(self._req_ids), payload=bytes(message))
         return self._submit(peer, frame, timeout)
 
-    def allow_fetch(self, transfer_id: str, block_ids: Sequence[int] | None,
-                    served_from: Sequence[int] | None = None) -> None:
+    def allow_fetch(
+        self, transfer_id: str, block_ids: Sequence[int] | None, served_from: Sequence[int] | None = None
+    ) -> None:
         if block_ids is not None:
             self._grants.grant(transfer_id, block_ids, served_from)
             return
         if not self._grants.revoke(transfer_id, self._revoke_wait):
             # A reader stalls mid-read: cut its connection so no byte of these
             # blocks is sent after we return (the blocks may be reused).
-            logger.warning("revoke of %r: a read still in flight after %.1fs; closing "
-                           "the serving connections", transfer_id, self._revoke_wait)
+            logger.warning(
+                "revoke of %r: a read still in flight after %.1fs; closing the serving connections",
+                transfer_id,
+                self._revoke_wait,
+            )
             with self._lock:
                 sessions = [s for s in self._sessions if transfer_id in s.serving]
             for s in sessions:
@@ -262,8 +303,9 @@ class StreamTransport(Transport):
         self._close_links()
         granted = self._grants.transfer_ids()
         if granted:
-            logger.warning("%s transport: KV unregistered while %d transfers still granted: revoked",
-                           self.name, len(granted))
+            logger.warning(
+                "%s transport: KV unregistered while %d transfers still granted: revoked", self.name, len(granted)
+            )
         for transfer_id in granted:
             self.allow_fetch(transfer_id, None)
 
@@ -329,8 +371,15 @@ class StreamTransport(Transport):
             raise RuntimeError("register_regions must be called first")
         return self._regions
 
-    def _submit(self, peer: str, frame: Frame, timeout: float, send_views: list[memoryview] | None = None,
-                recv_views: list[memoryview] | None = None, keep: Any = None) -> Future[Any]:
+    def _submit(
+        self,
+        peer: str,
+        frame: Frame,
+        timeout: float,
+        send_views: list[memoryview] | None = None,
+        recv_views: list[memoryview] | None = None,
+        keep: Any = None,
+    ) -> Future[Any]:
         future: Future[Any] = Future()
         future.set_running_or_notify_cancel()  # not cancellable: bytes may be moving
         op = PendingOp(frame, future, time.monotonic() + timeout, send_views or [], recv_views or [], keep=keep)
@@ -359,14 +408,24 @@ class StreamTransport(Transport):
 
     def _new_link(self, peer: str, address: Any, family: int) -> PeerLink:
         """The dialling side of a connection to ``peer`` (a subclass's own kind of link)."""
-        return PeerLink(peer, address, family, self._new_channel, self._hello, self._connect_timeout,
-                        security=self._security)
+        return PeerLink(
+            peer, address, family, self._new_channel, self._hello, self._connect_timeout, security=self._security
+        )
 
     def _new_session(self, wire: Wire, channel: BlockChannel, peer: str) -> ServeSession:
         """The serving side of an accepted connection (a subclass's own kind of session)."""
         assert self._sink is not None and self._regions is not None
-        return ServeSession(wire, channel, peer, self._sink, self._regions, self._grants, self._data_checksum,
-                            self._session_ended, on_violation=self._security.violated)
+        return ServeSession(
+            wire,
+            channel,
+            peer,
+            self._sink,
+            self._regions,
+            self._grants,
+            self._data_checksum,
+            self._session_ended,
+            on_violation=self._security.violated,
+        )
 
     def _hello(self, channel: BlockChannel) -> bytes:
         return msgspec.json.encode({"endpoint": self._endpoint, "channel": channel.local_info()})
@@ -387,11 +446,15 @@ class StreamTransport(Transport):
                     oldest = next(iter(self._handshaking))
                     del self._handshaking[oldest]
             if oldest is not None:
-                logger.warning("%s: over %d connections in their handshake; cutting the oldest", self.scheme,
-                               MAX_PENDING_HANDSHAKES)
+                logger.warning(
+                    "%s: over %d connections in their handshake; cutting the oldest",
+                    self.scheme,
+                    MAX_PENDING_HANDSHAKES,
+                )
                 _cut(oldest)
-            threading.Thread(target=self._open_session, args=(sock, addr), daemon=True,
-                             name="pd-transport-handshake").start()
+            threading.Thread(
+                target=self._open_session, args=(sock, addr), daemon=True, name="pd-transport-handshake"
+            ).start()
 
     def _open_session(self, sock: socket.socket, addr: Any) -> None:
         try:
@@ -429,8 +492,9 @@ class StreamTransport(Transport):
             _close_quietly(channel, sock)
             return
         endpoint = info.get("endpoint")
-        session = self._new_session(wire, channel, endpoint if isinstance(endpoint, str) and endpoint
-                                    else f"{self.scheme}://{addr}")
+        session = self._new_session(
+            wire, channel, endpoint if isinstance(endpoint, str) and endpoint else f"{self.scheme}://{addr}"
+        )
         with self._lock:
             if self._closed:
                 session.close()
@@ -453,7 +517,7 @@ def _windowed(views: list[memoryview], block_nbytes: int, window: BlockWindow | 
     if window is None:
         return views
     window.check(block_nbytes)
-    return [v[window.offset:window.offset + window.nbytes] for v in views]
+    return [v[window.offset : window.offset + window.nbytes] for v in views]
 
 
 def _cut(sock: socket.socket) -> None:

@@ -65,7 +65,8 @@ class TlsSettings:
         ctx.verify_mode = ssl.CERT_REQUIRED  # both ways: the dialler shows a certificate too
         loads: tuple[tuple[str, Callable[[], None]], ...] = (
             ("tls_ca", lambda: ctx.load_verify_locations(cafile=self.ca_file)),
-            ("tls_cert", lambda: ctx.load_cert_chain(self.cert_file, self.key_file)))
+            ("tls_cert", lambda: ctx.load_cert_chain(self.cert_file, self.key_file)),
+        )
         for key, load in loads:
             try:
                 load()
@@ -136,7 +137,7 @@ class TlsSocket:
                 view = memoryview(buf).cast("B")
                 for start in range(0, len(view), WRITE_CHUNK):
                     with self._ssl_lock:
-                        self._obj.write(view[start:start + WRITE_CHUNK])
+                        self._obj.write(view[start : start + WRITE_CHUNK])
                         data = self._out.read()
                     self._sock.sendall(data)
                 total += len(view)

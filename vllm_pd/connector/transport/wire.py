@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from vllm_pd.connector.auth_protocol import SessionKeys, StreamSeal
-from vllm_pd.errors import ProtocolError, TransferCorrupted
 from vllm_pd.connector.transport.checksum import BlockCheck
 from vllm_pd.connector.transport.cross_memory import PeerMemory
 from vllm_pd.connector.transport.framing import (
@@ -27,6 +26,7 @@ from vllm_pd.connector.transport.framing import (
     FrameReader,
     send_buffers,
 )
+from vllm_pd.errors import ProtocolError, TransferCorrupted
 
 SOCKET_BUFFER_NBYTES = 8 << 20
 # Blocks hashed then handed to the kernel in one sendmsg: large enough to keep
@@ -63,8 +63,12 @@ class Wire:
         self.keys = keys
         self._seal = StreamSeal(keys.send) if keys is not None else None
         # the reading thread's only way to this socket's bytes
-        self.reader = FrameReader(sock, read_ahead=frames_only, spin_s=FRAME_SPIN_S if frames_only else 0.0,
-                                  seal=StreamSeal(keys.receive) if keys is not None else None)
+        self.reader = FrameReader(
+            sock,
+            read_ahead=frames_only,
+            spin_s=FRAME_SPIN_S if frames_only else 0.0,
+            seal=StreamSeal(keys.receive) if keys is not None else None,
+        )
         self.lock = threading.Lock()
         self._closed = False
         self.send_buffer_nbytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)

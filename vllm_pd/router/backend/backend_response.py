@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from vllm_pd.errors import RouterError
 
@@ -82,8 +83,24 @@ class BackendResponse:
     backend learns that the request was abandoned).
     """
 
-    __slots__ = ("status", "retry_after", "_conn", "_chunks", "_buffered", "_done", "_error", "_waiter",
-                 "_idle_timeout", "_closed", "_timer", "_idle_timer", "_active_at", "_sink", "_held", "__weakref__")
+    __slots__ = (
+        "status",
+        "retry_after",
+        "_conn",
+        "_chunks",
+        "_buffered",
+        "_done",
+        "_error",
+        "_waiter",
+        "_idle_timeout",
+        "_closed",
+        "_timer",
+        "_idle_timer",
+        "_active_at",
+        "_sink",
+        "_held",
+        "__weakref__",
+    )
 
     def __init__(self, conn: BackendConnection, idle_timeout: float | None) -> None:
         self.status = 0

@@ -17,20 +17,28 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from typing import Any, Union
+from typing import Any
 from urllib.parse import urlsplit
 
 from vllm_pd.errors import ConfigError
 
-Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
-Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
-_REFUSED: tuple[Network, ...] = tuple(ipaddress.ip_network(n) for n in (
-    "0.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32",
-    "100.100.100.200/32",  # Alibaba Cloud's metadata service
-    "::/128", "fe80::/10", "ff00::/8",
-    "fd00:ec2::254/128",  # AWS's metadata service over IPv6
-))
+_REFUSED: tuple[Network, ...] = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "0.0.0.0/8",
+        "169.254.0.0/16",
+        "224.0.0.0/4",
+        "255.255.255.255/32",
+        "100.100.100.200/32",  # Alibaba Cloud's metadata service
+        "::/128",
+        "fe80::/10",
+        "ff00::/8",
+        "fd00:ec2::254/128",  # AWS's metadata service over IPv6
+    )
+)
 
 
 def parse_networks(values: Any, key: str) -> list[Network]:

@@ -19,14 +19,14 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+from collections.abc import Iterable
 from functools import lru_cache
-from typing import Iterable
 from urllib.parse import urlsplit
 
 import httptools
 
-from vllm_pd.router.backend.backend_response import BackendConnectError, BackendError, BackendResponse
 from vllm_pd.errors import ConfigError
+from vllm_pd.router.backend.backend_response import BackendConnectError, BackendError, BackendResponse
 
 # uvicorn (vLLM's server) closes idle keep-alive connections after 5 s: reusing one
 # later races with its close, so connections idle longer than this are dropped
@@ -103,8 +103,9 @@ class _Connection(asyncio.Protocol):
             if resp.status and not self._framed and exc is None:
                 resp._finish()  # a body delimited by the close of the connection
             else:
-                resp._fail(BackendError(f"backend closed the connection ({exc!r})" if exc
-                                        else "backend closed the connection"))
+                resp._fail(
+                    BackendError(f"backend closed the connection ({exc!r})" if exc else "backend closed the connection")
+                )
         # break the cycles (parser -> our bound methods, response <-> connection) so a closed
         # connection and the body it buffered are freed without waiting for a full collection
         del self._parser
@@ -177,10 +178,19 @@ class BackendClient:
         self._tls = tls  # for https:// backends; made with the defaults on first use when not given
         self._origins: dict[tuple[str, int, bool], _Origin] = {}
 
-    async def request(self, method: str, url: str, path: str, body: bytes = b"",
-                      headers: Iterable[tuple[str, str]] = (), *, timeout: float | None = None,
-                      head_timeout: float | None = None, read_timeout: float | None = None,
-                      connect_timeout: float | None = None) -> BackendResponse:
+    async def request(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        body: bytes = b"",
+        headers: Iterable[tuple[str, str]] = (),
+        *,
+        timeout: float | None = None,
+        head_timeout: float | None = None,
+        read_timeout: float | None = None,
+        connect_timeout: float | None = None,
+    ) -> BackendResponse:
         """Send one request to the backend at ``url`` (``http://host:port``) and wait for the response head.
 
         Timeouts (TimeoutError), in seconds once connected: ``timeout`` for the whole exchange, body
@@ -191,9 +201,20 @@ class BackendClient:
         """
         host, port, host_header, tls = _origin(url)
         conn = await self._connection(host, port, tls, connect_timeout)
-        head = b"".join([method.encode(), b" ", path.encode(), b" HTTP/1.1\r\nHost: ", host_header,
-                         b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n",
-                         *[f"{k}: {v}\r\n".encode("latin-1") for k, v in headers], b"\r\n"])
+        head = b"".join(
+            [
+                method.encode(),
+                b" ",
+                path.encode(),
+                b" HTTP/1.1\r\nHost: ",
+                host_header,
+                b"\r\nContent-Length: ",
+                str(len(body)).encode(),
+                b"\r\n",
+                *[f"{k}: {v}\r\n".encode("latin-1") for k, v in headers],
+                b"\r\n",
+            ]
+        )
         resp = BackendResponse(conn, read_timeout)
         deadline = timeout if timeout is not None else head_timeout
         if deadline is not None:
@@ -232,8 +253,9 @@ class BackendClient:
                 if tls:
                     if self._tls is None:
                         self._tls = tls_context()
-                    _, conn = await loop.create_connection(lambda: _Connection(origin), host, port, ssl=self._tls,
-                                                           server_hostname=host)
+                    _, conn = await loop.create_connection(
+                        lambda: _Connection(origin), host, port, ssl=self._tls, server_hostname=host
+                    )
                 else:
                     _, conn = await loop.create_connection(lambda: _Connection(origin), host, port)
         except (OSError, TimeoutError) as e:  # (ssl.SSLError, a failed handshake, is an OSError)

@@ -62,8 +62,10 @@ def rewrite_usage(raw: bytes, cached_tokens: int) -> bytes | None:
 def check_event(event: bytes, max_event_bytes: int) -> None:
     """Raise BadBackendStream unless ``event`` (without its closing blank line) is an OpenAI stream event."""
     if len(event) > max_event_bytes:
-        raise BadBackendStream(f"the backend sent an SSE event of {len(event)} bytes, more than "
-                               f"{max_event_bytes} (max_sse_event_bytes)", "sse_event_too_large")
+        raise BadBackendStream(
+            f"the backend sent an SSE event of {len(event)} bytes, more than {max_event_bytes} (max_sse_event_bytes)",
+            "sse_event_too_large",
+        )
     for line in event.split(b"\n") if b"\n" in event else (event,):
         if line.startswith(b"data:"):
             payload = line[6:] if line.startswith(b"data: ") else line[5:]
@@ -72,8 +74,9 @@ def check_event(event: bytes, max_event_bytes: int) -> None:
             try:
                 _check_object(payload)
             except (msgspec.DecodeError, msgspec.ValidationError):
-                raise BadBackendStream("the backend sent an SSE event whose data is not a JSON object",
-                                       "malformed_sse_event", line[:120]) from None
+                raise BadBackendStream(
+                    "the backend sent an SSE event whose data is not a JSON object", "malformed_sse_event", line[:120]
+                ) from None
         elif line and not line.startswith(b":") and not line.startswith(_FIELDS):
             raise BadBackendStream("the backend sent a line that is no SSE field", "malformed_sse_event", line[:120])
 
@@ -111,7 +114,7 @@ class SseSplitter:
             if cut < 0:
                 self._hold(chunk)
                 return b""
-            chunk, rest = chunk[:cut + 2], chunk[cut + 2:]
+            chunk, rest = chunk[: cut + 2], chunk[cut + 2 :]
             self._hold(rest)
         self._check(chunk)
         if self.cached_tokens is not None and (b'"usage":{' in chunk or b'"usage": {' in chunk):
@@ -122,8 +125,11 @@ class SseSplitter:
         self._pending_len += len(piece)
         if self._pending_len > self.max_event_bytes:
             self.drop_partial()
-            raise BadBackendStream(f"the backend sent more than {self.max_event_bytes} bytes without ending an "
-                                   "SSE event (max_sse_event_bytes)", "sse_event_too_large")
+            raise BadBackendStream(
+                f"the backend sent more than {self.max_event_bytes} bytes without ending an "
+                "SSE event (max_sse_event_bytes)",
+                "sse_event_too_large",
+            )
         self._pending.append(piece)
 
     def _check(self, data: bytes) -> None:

@@ -12,8 +12,18 @@ import signal
 import sys
 from typing import Any
 
-from vllm_pd.router.config import (DECODE_POLICIES, KV_HASH_ALGOS, KV_MODES, PREFILL_POLICIES, ConfigError,
-                                   InstanceConfig, K8sDiscoveryConfig, ProxyConfig, load_yaml, parse_instance_flag)
+from vllm_pd.router.config import (
+    DECODE_POLICIES,
+    KV_HASH_ALGOS,
+    KV_MODES,
+    PREFILL_POLICIES,
+    ConfigError,
+    InstanceConfig,
+    K8sDiscoveryConfig,
+    ProxyConfig,
+    load_yaml,
+    parse_instance_flag,
+)
 from vllm_pd.router.k8s.k8s_api import ApiError
 
 logger = logging.getLogger(__name__)
@@ -21,40 +31,104 @@ logger = logging.getLogger(__name__)
 FULL_COLLECTION_EVERY = 1000  # middle-generation collections between two full ones (Python's default: 10)
 
 # flag dest -> ProxyConfig field, for flags that override the YAML file when given
-_SCALAR_FLAGS = ("host", "port", "kv_mode", "prefill_policy", "decode_policy", "require_disagg",
-                 "short_prompt_tokens", "prefill_timeout", "decode_timeout", "decode_idle_timeout",
-                 "connect_timeout", "max_body_bytes", "prefill_attempts", "decode_attempts", "health_interval",
-                 "health_timeout", "breaker_failures", "breaker_cooldown", "admin_token", "supervisor",
-                 "supervisor_ttft_slo", "supervisor_tpot_slo", "supervisor_profile", "tokenizer", "otlp_endpoint",
-                 "request_log", "drain_grace", "api_key", "backend_api_key", "backend_networks",
-                 "backend_ca_file", "backend_tls_verify", "max_header_bytes", "max_headers", "max_url_bytes",
-                 "header_timeout", "body_timeout", "max_concurrent_requests", "max_queued_requests",
-                 "kv_hash_algo", "kv_load_weight", "store_master", "secret_file",
-                 "kv_tls_cert", "kv_tls_key", "kv_tls_ca", "probe_after", "probe_timeout",
-                 "max_prefill_answer_bytes", "max_decode_answer_bytes", "max_sse_event_bytes",
-                 "max_error_body_bytes")
+_SCALAR_FLAGS = (
+    "host",
+    "port",
+    "kv_mode",
+    "prefill_policy",
+    "decode_policy",
+    "require_disagg",
+    "short_prompt_tokens",
+    "prefill_timeout",
+    "decode_timeout",
+    "decode_idle_timeout",
+    "connect_timeout",
+    "max_body_bytes",
+    "prefill_attempts",
+    "decode_attempts",
+    "health_interval",
+    "health_timeout",
+    "breaker_failures",
+    "breaker_cooldown",
+    "admin_token",
+    "supervisor",
+    "supervisor_ttft_slo",
+    "supervisor_tpot_slo",
+    "supervisor_profile",
+    "tokenizer",
+    "otlp_endpoint",
+    "request_log",
+    "drain_grace",
+    "api_key",
+    "backend_api_key",
+    "backend_networks",
+    "backend_ca_file",
+    "backend_tls_verify",
+    "max_header_bytes",
+    "max_headers",
+    "max_url_bytes",
+    "header_timeout",
+    "body_timeout",
+    "max_concurrent_requests",
+    "max_queued_requests",
+    "kv_hash_algo",
+    "kv_load_weight",
+    "store_master",
+    "secret_file",
+    "kv_tls_cert",
+    "kv_tls_key",
+    "kv_tls_ca",
+    "probe_after",
+    "probe_timeout",
+    "max_prefill_answer_bytes",
+    "max_decode_answer_bytes",
+    "max_sse_event_bytes",
+    "max_error_body_bytes",
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with any ProxyConfig field and 'instances' (flags override it)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
-    p.add_argument("--prefill", action="append", default=[], metavar="URL",
-                   help="a prefill instance (repeatable)")
-    p.add_argument("--decode", action="append", default=[], metavar="URL[@tcp://HOST:KVPORT]",
-                   help="a decode instance, optionally with its KV endpoint after '@' (repeatable)")
-    p.add_argument("--decode-kv", action="append", default=[], metavar="tcp://HOST:KVPORT",
-                   help="KV endpoint of the decode instance given in the same position")
-    p.add_argument("--both", action="append", default=[], metavar="URL[@tcp://HOST:KVPORT]",
-                   help="a kv_both instance that can serve either leg (repeatable)")
-    p.add_argument("--kv-mode", choices=KV_MODES, help="with a decode KV endpoint both legs go out at once; push: "
-                   "prefill writes each layer into decode while computing; pull: decode reads the KV once "
-                   "prefill announces it; auto (default): push, the fastest measured "
-                   "(docs/benchmarks/pd-latency.md)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL", help="a prefill instance (repeatable)")
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL[@tcp://HOST:KVPORT]",
+        help="a decode instance, optionally with its KV endpoint after '@' (repeatable)",
+    )
+    p.add_argument(
+        "--decode-kv",
+        action="append",
+        default=[],
+        metavar="tcp://HOST:KVPORT",
+        help="KV endpoint of the decode instance given in the same position",
+    )
+    p.add_argument(
+        "--both",
+        action="append",
+        default=[],
+        metavar="URL[@tcp://HOST:KVPORT]",
+        help="a kv_both instance that can serve either leg (repeatable)",
+    )
+    p.add_argument(
+        "--kv-mode",
+        choices=KV_MODES,
+        help="with a decode KV endpoint both legs go out at once; push: "
+        "prefill writes each layer into decode while computing; pull: decode reads the KV once "
+        "prefill announces it; auto (default): push, the fastest measured "
+        "(docs/benchmarks/pd-latency.md)",
+    )
     p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, help="default prefix_aware")
     p.add_argument("--decode-policy", choices=DECODE_POLICIES, help="default least_outstanding")
-    p.add_argument("--require-disagg", action="store_true", default=None,
-                   help="fail requests instead of letting decode compute the prompt when no prefill works")
+    p.add_argument(
+        "--require-disagg",
+        action="store_true",
+        default=None,
+        help="fail requests instead of letting decode compute the prompt when no prefill works",
+    )
     p.add_argument("--short-prompt-tokens", type=int, help="prompts this short skip prefill (default 0)")
     p.add_argument("--prefill-timeout", type=float, help="seconds for the prefill leg (default 300)")
     p.add_argument("--decode-timeout", type=float, help="seconds until decode answers (default 600)")
@@ -64,92 +138,184 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-attempts", type=int, help="prefill instances tried per request (default 3)")
     p.add_argument("--decode-attempts", type=int, help="decode instances tried per request (default 3)")
     p.add_argument("--health-interval", type=float, help="seconds between health checks (default 5)")
-    p.add_argument("--health-timeout", type=float, help="seconds a health check may take (default 2); two failed "
-                   "checks in a row mark an instance unreachable and the legs waiting on it move on")
-    p.add_argument("--probe-after", type=float, help="an instance a leg has waited on this many seconds without "
-                   "a byte from it is probed at once (default 1); no probes while no leg waits")
-    p.add_argument("--probe-timeout", type=float, help="seconds such a probe may take (default 1); two failed "
-                   "probes mark the instance unreachable and the legs waiting on it move on")
+    p.add_argument(
+        "--health-timeout",
+        type=float,
+        help="seconds a health check may take (default 2); two failed "
+        "checks in a row mark an instance unreachable and the legs waiting on it move on",
+    )
+    p.add_argument(
+        "--probe-after",
+        type=float,
+        help="an instance a leg has waited on this many seconds without "
+        "a byte from it is probed at once (default 1); no probes while no leg waits",
+    )
+    p.add_argument(
+        "--probe-timeout",
+        type=float,
+        help="seconds such a probe may take (default 1); two failed "
+        "probes mark the instance unreachable and the legs waiting on it move on",
+    )
     p.add_argument("--breaker-failures", type=int, help="consecutive failures that open a breaker (default 5)")
     p.add_argument("--breaker-cooldown", type=float, help="seconds a breaker stays open (default 10)")
-    p.add_argument("--admin-token", default=os.environ.get("VLLM_PD_ADMIN_TOKEN"),
-                   help="bearer token of the admin API (env VLLM_PD_ADMIN_TOKEN); admin API off without it")
-    p.add_argument("--supervisor", action="store_true", default=None,
-                   help="let observed load choose the role of each --both instance")
-    p.add_argument("--supervisor-ttft-slo", type=float, help="TTFT target in seconds the supervisor balances "
-                   "against (default 2)")
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("VLLM_PD_ADMIN_TOKEN"),
+        help="bearer token of the admin API (env VLLM_PD_ADMIN_TOKEN); admin API off without it",
+    )
+    p.add_argument(
+        "--supervisor",
+        action="store_true",
+        default=None,
+        help="let observed load choose the role of each --both instance",
+    )
+    p.add_argument(
+        "--supervisor-ttft-slo", type=float, help="TTFT target in seconds the supervisor balances against (default 2)"
+    )
     p.add_argument("--supervisor-tpot-slo", type=float, help="TPOT target in seconds (default 0.1)")
-    p.add_argument("--supervisor-profile", help="a `vllm-pd profile` file: the supervisor predicts TTFT/TPOT "
-                   "from the queues with the planner's cost model and moves an instance only where it helps")
+    p.add_argument(
+        "--supervisor-profile",
+        help="a `vllm-pd profile` file: the supervisor predicts TTFT/TPOT "
+        "from the queues with the planner's cost model and moves an instance only where it helps",
+    )
     p.add_argument("--tokenizer", help="HF model dir whose tokenizer.json counts prompt tokens exactly")
     k8s = p.add_argument_group("Kubernetes service discovery (the YAML file's 'kubernetes' mapping)")
-    k8s.add_argument("--service-discovery", choices=("static", "k8s"),
-                     help="k8s: also route to the Ready pods of the selectors below, watched (default: k8s when "
-                     "the YAML file has a 'kubernetes' mapping, else static)")
+    k8s.add_argument(
+        "--service-discovery",
+        choices=("static", "k8s"),
+        help="k8s: also route to the Ready pods of the selectors below, watched (default: k8s when "
+        "the YAML file has a 'kubernetes' mapping, else static)",
+    )
     k8s.add_argument("--k8s-namespace", help="namespace of the pods (default: the proxy's own)")
-    k8s.add_argument("--k8s-api-url", help="the API server's URL (default: in the cluster, with the pod's "
-                     "service account)")
-    k8s.add_argument("--k8s-port", type=int, help="HTTP port of pods without a vllm-pd/http-port annotation "
-                     "or a container port named http (default 8000)")
+    k8s.add_argument(
+        "--k8s-api-url", help="the API server's URL (default: in the cluster, with the pod's service account)"
+    )
+    k8s.add_argument(
+        "--k8s-port",
+        type=int,
+        help="HTTP port of pods without a vllm-pd/http-port annotation or a container port named http (default 8000)",
+    )
     for role in ("prefill", "decode", "both"):
-        k8s.add_argument(f"--{role}-selector", metavar="LABELS",
-                         help=f"label selector of the {role} pods, e.g. app=vllm,role={role}")
-    p.add_argument("--otlp-endpoint", help="export OpenTelemetry spans of each request and its legs to this OTLP "
-                   "traces endpoint (else OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; protocol from "
-                   "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, default grpc)")
-    p.add_argument("--request-log", metavar="PATH", help="one JSON line per request (id, instances, leg times, "
-                   "outcome) to PATH ('-': standard error)")
-    p.add_argument("--drain-grace", type=float, help="on SIGTERM: seconds in-flight requests get to finish "
-                   "before both legs of what remains are cancelled (default 30; SIGINT: 0)")
-    p.add_argument("--kv-events", action="append", default=[], metavar="URL=tcp://HOST:PORT",
-                   help="an instance's vLLM KV-event publisher (--kv-events-config endpoint), for kv_aware")
-    p.add_argument("--kv-hash-algo", choices=KV_HASH_ALGOS,
-                   help="the servers' --prefix-caching-hash-algo (default sha256, vLLM's default)")
-    p.add_argument("--kv-load-weight", type=float,
-                   help="kv_aware: weight of queued prompt tokens against uncached ones (default 1)")
-    p.add_argument("--store-master", metavar="tcp://HOST:PORT",
-                   help="kv_aware: also learn where prompts' KV lives from the KV store's master (the servers' "
-                   "store.master); a prefill leg is then told which store node to fetch from")
+        k8s.add_argument(
+            f"--{role}-selector", metavar="LABELS", help=f"label selector of the {role} pods, e.g. app=vllm,role={role}"
+        )
+    p.add_argument(
+        "--otlp-endpoint",
+        help="export OpenTelemetry spans of each request and its legs to this OTLP "
+        "traces endpoint (else OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; protocol from "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, default grpc)",
+    )
+    p.add_argument(
+        "--request-log",
+        metavar="PATH",
+        help="one JSON line per request (id, instances, leg times, outcome) to PATH ('-': standard error)",
+    )
+    p.add_argument(
+        "--drain-grace",
+        type=float,
+        help="on SIGTERM: seconds in-flight requests get to finish "
+        "before both legs of what remains are cancelled (default 30; SIGINT: 0)",
+    )
+    p.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=tcp://HOST:PORT",
+        help="an instance's vLLM KV-event publisher (--kv-events-config endpoint), for kv_aware",
+    )
+    p.add_argument(
+        "--kv-hash-algo",
+        choices=KV_HASH_ALGOS,
+        help="the servers' --prefix-caching-hash-algo (default sha256, vLLM's default)",
+    )
+    p.add_argument(
+        "--kv-load-weight",
+        type=float,
+        help="kv_aware: weight of queued prompt tokens against uncached ones (default 1)",
+    )
+    p.add_argument(
+        "--store-master",
+        metavar="tcp://HOST:PORT",
+        help="kv_aware: also learn where prompts' KV lives from the KV store's master (the servers' "
+        "store.master); a prefill leg is then told which store node to fetch from",
+    )
     _add_security_and_limit_arguments(p)
 
 
 def _add_security_and_limit_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--secret-file", metavar="FILE",
-                   help="the deployment secret (else env VLLM_PD_SECRET): KV releases and store master lookups "
-                   "authenticate with it, as the servers' connections do")
-    p.add_argument("--kv-tls-cert", metavar="PEM", help="with --kv-tls-key and --kv-tls-ca: TLS to the servers' tcp "
-                   "KV endpoints (their tls_cert/tls_key/tls_ca), for the proxy's KV releases")
+    p.add_argument(
+        "--secret-file",
+        metavar="FILE",
+        help="the deployment secret (else env VLLM_PD_SECRET): KV releases and store master lookups "
+        "authenticate with it, as the servers' connections do",
+    )
+    p.add_argument(
+        "--kv-tls-cert",
+        metavar="PEM",
+        help="with --kv-tls-key and --kv-tls-ca: TLS to the servers' tcp "
+        "KV endpoints (their tls_cert/tls_key/tls_ca), for the proxy's KV releases",
+    )
     p.add_argument("--kv-tls-key", metavar="PEM", help="the key of --kv-tls-cert")
     p.add_argument("--kv-tls-ca", metavar="PEM", help="the CA that signed the servers' certificates")
-    p.add_argument("--api-key", default=os.environ.get("VLLM_PD_API_KEY"),
-                   help="clients must send 'Authorization: Bearer KEY' on /v1/* (env VLLM_PD_API_KEY)")
-    p.add_argument("--backend-api-key", default=os.environ.get("VLLM_PD_BACKEND_API_KEY"),
-                   help="key sent to the instances (their vllm serve --api-key), on legs and health checks "
-                   "(env VLLM_PD_BACKEND_API_KEY); default: the client's Authorization is forwarded")
-    p.add_argument("--backend-network", dest="backend_networks", action="append", metavar="CIDR",
-                   help="a network the admin API may add instances in (repeatable; default any address "
-                   "except link-local and metadata ones)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_PD_API_KEY"),
+        help="clients must send 'Authorization: Bearer KEY' on /v1/* (env VLLM_PD_API_KEY)",
+    )
+    p.add_argument(
+        "--backend-api-key",
+        default=os.environ.get("VLLM_PD_BACKEND_API_KEY"),
+        help="key sent to the instances (their vllm serve --api-key), on legs and health checks "
+        "(env VLLM_PD_BACKEND_API_KEY); default: the client's Authorization is forwarded",
+    )
+    p.add_argument(
+        "--backend-network",
+        dest="backend_networks",
+        action="append",
+        metavar="CIDR",
+        help="a network the admin API may add instances in (repeatable; default any address "
+        "except link-local and metadata ones)",
+    )
     p.add_argument("--backend-ca-file", help="CA bundle for https:// instances (default: the system's)")
-    p.add_argument("--no-backend-tls-verify", dest="backend_tls_verify", action="store_false", default=None,
-                   help="do not check the certificates of https:// instances")
+    p.add_argument(
+        "--no-backend-tls-verify",
+        dest="backend_tls_verify",
+        action="store_false",
+        default=None,
+        help="do not check the certificates of https:// instances",
+    )
     p.add_argument("--max-header-bytes", type=int, help="request head size limit, 431 beyond (default 32 KiB)")
     p.add_argument("--max-headers", type=int, help="header fields per request, 431 beyond (default 100)")
     p.add_argument("--max-url-bytes", type=int, help="URL length limit, 414 beyond (default 8 KiB)")
-    p.add_argument("--header-timeout", type=float, help="seconds a client has to send a request head "
-                   "(default 10), 408 beyond")
-    p.add_argument("--body-timeout", type=float, help="seconds a client has to send a body after its head "
-                   "(default 60), 408 beyond")
+    p.add_argument(
+        "--header-timeout", type=float, help="seconds a client has to send a request head (default 10), 408 beyond"
+    )
+    p.add_argument(
+        "--body-timeout", type=float, help="seconds a client has to send a body after its head (default 60), 408 beyond"
+    )
     p.add_argument("--max-concurrent-requests", type=int, help="completions served at once (default 0: no limit)")
-    p.add_argument("--max-prefill-answer-bytes", type=int, help="a prefill answer longer than this fails its leg, "
-                   "which moves on like any failed prefill (default 16 MiB)")
-    p.add_argument("--max-decode-answer-bytes", type=int, help="a non-streamed decode answer longer than this "
-                   "ends the request with 502 (default 64 MiB)")
-    p.add_argument("--max-sse-event-bytes", type=int, help="one SSE event of decode's stream longer than this, "
-                   "finished or not, ends the stream with an error event (default 4 MiB)")
-    p.add_argument("--max-error-body-bytes", type=int, help="bytes read of a backend's error answer "
-                   "(default 64 KiB)")
-    p.add_argument("--max-queued-requests", type=int, help="completions waiting beyond that limit (default 256); "
-                   "more get 429 with Retry-After")
+    p.add_argument(
+        "--max-prefill-answer-bytes",
+        type=int,
+        help="a prefill answer longer than this fails its leg, which moves on like any failed prefill (default 16 MiB)",
+    )
+    p.add_argument(
+        "--max-decode-answer-bytes",
+        type=int,
+        help="a non-streamed decode answer longer than this ends the request with 502 (default 64 MiB)",
+    )
+    p.add_argument(
+        "--max-sse-event-bytes",
+        type=int,
+        help="one SSE event of decode's stream longer than this, "
+        "finished or not, ends the stream with an error event (default 4 MiB)",
+    )
+    p.add_argument("--max-error-body-bytes", type=int, help="bytes read of a backend's error answer (default 64 KiB)")
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        help="completions waiting beyond that limit (default 256); more get 429 with Retry-After",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -175,8 +341,18 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     elif discovery == "k8s" or "kubernetes" in kw:
         kw["kubernetes"] = _kubernetes_from_args(args, kw.get("kubernetes"))
     else:
-        given = [f for f in ("k8s_namespace", "k8s_api_url", "k8s_port", "prefill_selector", "decode_selector",
-                             "both_selector") if getattr(args, f, None) is not None]
+        given = [
+            f
+            for f in (
+                "k8s_namespace",
+                "k8s_api_url",
+                "k8s_port",
+                "prefill_selector",
+                "decode_selector",
+                "both_selector",
+            )
+            if getattr(args, f, None) is not None
+        ]
         if given:
             raise ConfigError(f"{given[0]}: only with --service-discovery k8s")
     cfg = ProxyConfig(instances=instances, **kw)
@@ -190,9 +366,14 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 def _kubernetes_from_args(args: argparse.Namespace, from_file: K8sDiscoveryConfig | None) -> K8sDiscoveryConfig:
     """The YAML file's ``kubernetes`` settings, overridden by the flags given."""
     kw = dataclasses.asdict(from_file) if from_file is not None else {}
-    flags = {"namespace": args.k8s_namespace, "api_url": args.k8s_api_url, "http_port": args.k8s_port,
-             "prefill_selector": args.prefill_selector, "decode_selector": args.decode_selector,
-             "both_selector": args.both_selector}
+    flags = {
+        "namespace": args.k8s_namespace,
+        "api_url": args.k8s_api_url,
+        "http_port": args.k8s_port,
+        "prefill_selector": args.prefill_selector,
+        "decode_selector": args.decode_selector,
+        "both_selector": args.both_selector,
+    }
     kw.update({k: v for k, v in flags.items() if v is not None})
     return K8sDiscoveryConfig(**kw)
 

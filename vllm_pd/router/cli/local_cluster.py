@@ -15,14 +15,14 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Iterator
 
 from vllm_pd import CONNECTOR_NAME
+from vllm_pd.errors import ConfigError
 from vllm_pd.router.config import InstanceConfig
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
-from vllm_pd.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,11 @@ def cpu_bindings(n_servers: int, cores: list[int] | None = None) -> list[str]:
         return []
     if len(cores) >= n_servers:
         per = len(cores) // n_servers
-        groups = [cores[i * per:(i + 1) * per] for i in range(n_servers)]
+        groups = [cores[i * per : (i + 1) * per] for i in range(n_servers)]
         # "a-b" for contiguous groups: the form vLLM's docs use for VLLM_CPU_OMP_THREADS_BIND
-        return [f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1 and len(g) > 1 else ",".join(map(str, g))
-                for g in groups]
+        return [
+            f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1 and len(g) > 1 else ",".join(map(str, g)) for g in groups
+        ]
     return [str(cores[i % len(cores)]) for i in range(n_servers)]
 
 
@@ -64,9 +65,11 @@ def gpu_bindings(n_servers: int, per_instance: int, gpus: list[str]) -> list[str
     if per_instance == 0:
         return [None] * n_servers
     if n_servers * per_instance > len(gpus):
-        raise ConfigError(f"gpus_per_instance={per_instance} for {n_servers} servers needs "
-                          f"{n_servers * per_instance} GPUs, {len(gpus)} visible ({','.join(gpus) or 'none'})")
-    return [",".join(gpus[i * per_instance:(i + 1) * per_instance]) for i in range(n_servers)]
+        raise ConfigError(
+            f"gpus_per_instance={per_instance} for {n_servers} servers needs "
+            f"{n_servers * per_instance} GPUs, {len(gpus)} visible ({','.join(gpus) or 'none'})"
+        )
+    return [",".join(gpus[i * per_instance : (i + 1) * per_instance]) for i in range(n_servers)]
 
 
 @dataclass
@@ -124,29 +127,54 @@ class LocalCluster:
             name = f"{role[0]}{counters[role]}"
             counters[role] += 1
             port, kv_port = _distinct_port(used), _distinct_port(used)
-            kv_cfg = None if self.connector is None else {
-                "kv_connector": self.connector, "kv_role": KV_ROLES[role], "kv_port": kv_port,
-                # a KV load that fails is recomputed on decode rather than failing the request
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"transport": self.transport, "host": self.host,
-                                              **({"secret_file": self.secret_file} if self.secret_file else {}),
-                                              **_with_instance_url(self.connector_extra, self.host, port)}}
+            kv_cfg = (
+                None
+                if self.connector is None
+                else {
+                    "kv_connector": self.connector,
+                    "kv_role": KV_ROLES[role],
+                    "kv_port": kv_port,
+                    # a KV load that fails is recomputed on decode rather than failing the request
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {
+                        "transport": self.transport,
+                        "host": self.host,
+                        **({"secret_file": self.secret_file} if self.secret_file else {}),
+                        **_with_instance_url(self.connector_extra, self.host, port),
+                    },
+                }
+            )
             events_port = _distinct_port(used) if self.kv_events else None
             extra = list(self.extra_args)
             if events_port is not None:
-                extra += ["--kv-events-config", json.dumps({
-                    "enable_kv_cache_events": True, "publisher": "zmq",
-                    # vLLM binds only wildcard endpoints (else it connects): all interfaces
-                    "endpoint": f"tcp://*:{events_port}"})]
-            spec = VllmServerSpec(model=self.model, port=port, host=self.host, kv_transfer_config=kv_cfg,
-                                  cpu_cores=cores, pin_processes=pin, max_model_len=self.max_model_len,
-                                  served_model_name=self.served_model_name, extra_args=extra,
-                                  gpus=gpus, serve_cli=self.serve_cli)
+                extra += [
+                    "--kv-events-config",
+                    json.dumps(
+                        {
+                            "enable_kv_cache_events": True,
+                            "publisher": "zmq",
+                            # vLLM binds only wildcard endpoints (else it connects): all interfaces
+                            "endpoint": f"tcp://*:{events_port}",
+                        }
+                    ),
+                ]
+            spec = VllmServerSpec(
+                model=self.model,
+                port=port,
+                host=self.host,
+                kv_transfer_config=kv_cfg,
+                cpu_cores=cores,
+                pin_processes=pin,
+                max_model_len=self.max_model_len,
+                served_model_name=self.served_model_name,
+                extra_args=extra,
+                gpus=gpus,
+                serve_cli=self.serve_cli,
+            )
             server = VllmServer(spec, log_path=self.log_dir / f"{name}.log").start()
             self.servers.append(LocalServer(name, role, server, kv_port, self.transport, events_port))
 
-    def wait_healthy(self, timeout: float = 900.0,
-                     progress: Callable[[dict[str, str]], None] | None = None) -> None:
+    def wait_healthy(self, timeout: float = 900.0, progress: Callable[[dict[str, str]], None] | None = None) -> None:
         deadline = time.monotonic() + timeout
         t0 = time.monotonic()
         pending = {s.name: s for s in self.servers}
@@ -154,8 +182,9 @@ class LocalCluster:
         while pending:
             for name, s in list(pending.items()):
                 if not s.server.alive():
-                    raise RuntimeError(f"vLLM server {name} exited during start-up; log {s.server.log_path}:\n"
-                                       f"{s.server.log_tail()}")
+                    raise RuntimeError(
+                        f"vLLM server {name} exited during start-up; log {s.server.log_path}:\n{s.server.log_tail()}"
+                    )
                 if s.server.healthy():
                     states[name] = f"ready {time.monotonic() - t0:.0f}s"
                     del pending[name]
@@ -164,8 +193,9 @@ class LocalCluster:
             if not pending:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM servers {sorted(pending)} not healthy after {timeout:.0f}s "
-                                   f"(logs in {self.log_dir})")
+                raise TimeoutError(
+                    f"vLLM servers {sorted(pending)} not healthy after {timeout:.0f}s (logs in {self.log_dir})"
+                )
             time.sleep(1.0)
 
     def instances(self) -> list[InstanceConfig]:

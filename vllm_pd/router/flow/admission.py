@@ -33,9 +33,13 @@ class AdmissionGate:
             self.active += 1
             return
         if len(self._waiters) >= self.queue:
-            raise ProxyError(429, f"the proxy is serving {self.active} requests and has {len(self._waiters)} "
-                             "waiting; retry later", "rate_limit_exceeded", code="too_many_requests",
-                             headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise ProxyError(
+                429,
+                f"the proxy is serving {self.active} requests and has {len(self._waiters)} waiting; retry later",
+                "rate_limit_exceeded",
+                code="too_many_requests",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:

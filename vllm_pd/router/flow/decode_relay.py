@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
+from vllm_pd.errors import RouterError
 from vllm_pd.router.backend.backend_answer import BackendAnswer
 from vllm_pd.router.backend.backend_response import BackendError, BackendResponse, BackendUnreachable, BodyTooLarge
 from vllm_pd.router.backend.sse_relay import DEFAULT_MAX_EVENT_BYTES, BadBackendStream, SseSplitter, rewrite_usage
@@ -29,8 +30,7 @@ from vllm_pd.router.http.http_messages import HttpRequest, HttpResponse, StreamR
 from vllm_pd.router.observability.leg_timings import FastHistogram, LegTimings
 from vllm_pd.router.observability.metrics import ProxyMetrics
 from vllm_pd.router.observability.tracing import RequestTrace
-from vllm_pd.router.pool.instance_pool import Instance, InstancePool, InFlightLeg
-from vllm_pd.errors import RouterError
+from vllm_pd.router.pool.instance_pool import InFlightLeg, Instance, InstancePool
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class FlowState:
     kv_pending: bool = False  # prefill holds KV that no decode has been asked to take
     prefill_cached_tokens: int | None = None
     pushed: bool = False  # prefill was told to push the KV into one decode instance
-    prefill_leg: "asyncio.Task[bool] | None" = None  # running beside the decode leg
+    prefill_leg: asyncio.Task[bool] | None = None  # running beside the decode leg
     timings: LegTimings = field(default_factory=lambda: LegTimings(time.monotonic()))
     trace: RequestTrace | None = None
     stage: str = "prefill"  # prefill | decode | stream (bytes reached the client): where a disconnect hit
@@ -76,16 +76,21 @@ def read_failure(e: BaseException) -> str:
 
 
 class DecodeRelay:
-    def __init__(self, metrics: ProxyMetrics, pool: InstancePool, prefill_timeout: float,
-                 max_answer_bytes: int = 64 * 1024 * 1024, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+    def __init__(
+        self,
+        metrics: ProxyMetrics,
+        pool: InstancePool,
+        prefill_timeout: float,
+        max_answer_bytes: int = 64 * 1024 * 1024,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    ) -> None:
         self.metrics = metrics
         self.pool = pool
         self.prefill_timeout = prefill_timeout
         self.max_answer_bytes = max_answer_bytes
         self.max_event_bytes = max_event_bytes
 
-    async def json(self, resp: BackendResponse, decode: Instance, state: FlowState,
-                   t0: float) -> HttpResponse:
+    async def json(self, resp: BackendResponse, decode: Instance, state: FlowState, t0: float) -> HttpResponse:
         try:
             raw = await resp.read(self.max_answer_bytes, "max_decode_answer_bytes")
         except BodyTooLarge as e:  # the same request would be as long anywhere: no retry
@@ -114,16 +119,18 @@ class DecodeRelay:
             pass
         return HttpResponse(raw, resp.status, headers={"X-Request-Id": state.request_id})
 
-    async def stream(self, resp: BackendResponse, decode: Instance, state: FlowState,
-                     http_request: HttpRequest, t0: float) -> StreamResponse:
+    async def stream(
+        self, resp: BackendResponse, decode: Instance, state: FlowState, http_request: HttpRequest, t0: float
+    ) -> StreamResponse:
         events = SseSplitter(state.prefill_cached_tokens, self.max_event_bytes)
         try:
             return await self._stream(resp, events, decode, state, http_request)
         finally:
             events.drop_partial()  # an unfinished event goes with the leg
 
-    async def _stream(self, resp: BackendResponse, events: SseSplitter, decode: Instance, state: FlowState,
-                      http_request: HttpRequest) -> StreamResponse:
+    async def _stream(
+        self, resp: BackendResponse, events: SseSplitter, decode: Instance, state: FlowState, http_request: HttpRequest
+    ) -> StreamResponse:
         # hold the client's response until decode produced its first event, so a
         # failure before that can still be retried elsewhere
         first = b""
@@ -146,8 +153,15 @@ class DecodeRelay:
         state.first_token()
         self.pool.observe(self.pool.recent_ttft, timings.started, t_first - timings.started)
         out = StreamResponse(200, headers={**SSE_HEADERS, "X-Request-Id": state.request_id})
-        pump = _StreamPump(events, out, state, self.metrics.legs.inter_token.child(decode.url),
-                           lambda sent, tpot: self._record_tpot(decode, sent, tpot), first.count(b"data:"), t_first)
+        pump = _StreamPump(
+            events,
+            out,
+            state,
+            self.metrics.legs.inter_token.child(decode.url),
+            lambda sent, tpot: self._record_tpot(decode, sent, tpot),
+            first.count(b"data:"),
+            t_first,
+        )
         timings.events = pump.n_events
         try:
             await out.prepare(http_request)
@@ -186,15 +200,23 @@ class DecodeRelay:
         decode.tpot.add(tpot)
         self.pool.observe(self.pool.recent_tpot, sent, tpot)
 
-    async def _stream_broke(self, out: StreamResponse, events: SseSplitter, decode: Instance,
-                            resp: BackendResponse, e: BaseException, timings: LegTimings) -> None:
+    async def _stream_broke(
+        self,
+        out: StreamResponse,
+        events: SseSplitter,
+        decode: Instance,
+        resp: BackendResponse,
+        e: BaseException,
+        timings: LegTimings,
+    ) -> None:
         """Bytes already reached the client: end the stream with an error event."""
         timings.outcome = "stream_error"
         resp.relay_to(None)
         await self._end_with_error(out, events, decode, e)
 
-    async def _end_with_error(self, out: StreamResponse, events: SseSplitter, decode: Instance,
-                              e: BaseException) -> None:
+    async def _end_with_error(
+        self, out: StreamResponse, events: SseSplitter, decode: Instance, e: BaseException
+    ) -> None:
         self.metrics.stream_errors.inc()
         code = "stream_interrupted"
         if isinstance(e, BadBackendStream):
@@ -216,11 +238,18 @@ class _StreamPump:
     False holds decode's stream for the relay's task to handle - as is a client that reads slower than
     decode writes (``error`` None)."""
 
-    __slots__ = ("events", "out", "state", "inter_token", "record_tpot", "n_events", "sample_t", "sample_n",
-                 "error")
+    __slots__ = ("events", "out", "state", "inter_token", "record_tpot", "n_events", "sample_t", "sample_n", "error")
 
-    def __init__(self, events: SseSplitter, out: StreamResponse, state: FlowState, inter_token: FastHistogram,
-                 record_tpot: Callable[[float, float], None], n_events: int, t_first: float) -> None:
+    def __init__(
+        self,
+        events: SseSplitter,
+        out: StreamResponse,
+        state: FlowState,
+        inter_token: FastHistogram,
+        record_tpot: Callable[[float, float], None],
+        n_events: int,
+        t_first: float,
+    ) -> None:
         self.events = events
         self.out = out
         self.state = state
@@ -264,5 +293,6 @@ class _StreamPump:
     def record_tail(self) -> None:
         """The stream ended: the TPOT of the tail since the last sample, minus the [DONE] event."""
         if self.n_events - self.sample_n > 2:
-            self.record_tpot(self.state.timings.started,
-                             (time.monotonic() - self.sample_t) / (self.n_events - self.sample_n - 1))
+            self.record_tpot(
+                self.state.timings.started, (time.monotonic() - self.sample_t) / (self.n_events - self.sample_n - 1)
+            )

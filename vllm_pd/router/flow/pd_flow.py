@@ -34,14 +34,21 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest, TransferMode
 from vllm_pd.connector.transport.tls_stream import TlsSettings
+from vllm_pd.errors import RouterError
 from vllm_pd.router.backend.backend_answer import BackendAnswer
-from vllm_pd.router.backend.backend_response import (BackendConnectError, BackendError, BackendResponse,
-                                                     BackendUnreachable, BodyTooLarge)
+from vllm_pd.router.backend.backend_response import (
+    BackendConnectError,
+    BackendError,
+    BackendResponse,
+    BackendUnreachable,
+    BodyTooLarge,
+)
 from vllm_pd.router.backend.http_client import BackendClient
 from vllm_pd.router.backend.retry_after import header_value, retry_after_seconds
 from vllm_pd.router.config import ProxyConfig
@@ -52,12 +59,11 @@ from vllm_pd.router.http.http_messages import HttpRequest, HttpResponse, StreamR
 from vllm_pd.router.observability.metrics import ProxyMetrics
 from vllm_pd.router.observability.request_log import RequestLog
 from vllm_pd.router.observability.tracing import RequestTrace, Tracer
-from vllm_pd.router.pool.instance_pool import Instance, InstancePool, InFlightLeg
+from vllm_pd.router.pool.instance_pool import InFlightLeg, Instance, InstancePool
 from vllm_pd.router.pool.partition_watch import InstanceUnreachable, PartitionWatch
 from vllm_pd.router.request.request_body import ParsedRequest, decode_body, encode_body, prefill_body
 from vllm_pd.router.routing.kv_locations import KvLocations
 from vllm_pd.router.routing.policies import Policy, held_tokens
-from vllm_pd.errors import RouterError
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +90,9 @@ def new_id() -> str:
     return f"{_id_prefix}{next(_id_counter):016x}"
 
 
-def default_release_remote_kv(params: dict, secret: DeploymentSecret | None = None,
-                              tls: TlsSettings | None = None) -> bool:
+def default_release_remote_kv(
+    params: dict, secret: DeploymentSecret | None = None, tls: TlsSettings | None = None
+) -> bool:
     """The connector's release call (every prefill rank), imported on first use: most proxies never need it.
     ``secret``, ``tls``: the deployment's (the proxy's config), which the instances' KV endpoints require."""
     from vllm_pd.connector.release import release_remote_kv
@@ -103,12 +110,20 @@ def remote_decode_params(decode: Instance, transfer_id: str | None, mode: Transf
 
 
 class PDFlow:
-    def __init__(self, config: ProxyConfig, pool: InstancePool, client: BackendClient,
-                 metrics: ProxyMetrics, prefill_policy: Policy, decode_policy: Policy,
-                 release_kv: ReleaseFn = default_release_remote_kv, tracer: Tracer | None = None,
-                 request_log: RequestLog | None = None,
-                 watch: PartitionWatch | None = None,
-                 kv_locations: KvLocations | None = None) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        pool: InstancePool,
+        client: BackendClient,
+        metrics: ProxyMetrics,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        release_kv: ReleaseFn = default_release_remote_kv,
+        tracer: Tracer | None = None,
+        request_log: RequestLog | None = None,
+        watch: PartitionWatch | None = None,
+        kv_locations: KvLocations | None = None,
+    ) -> None:
         self.config = config
         self.kv_locations = kv_locations
         self.pool = pool
@@ -118,8 +133,9 @@ class PDFlow:
         self.decode_policy = decode_policy
         self.release_kv = release_kv
         self.watch = watch or PartitionWatch()  # legs on an instance found unreachable move on
-        self.relay = DecodeRelay(metrics, pool, config.prefill_timeout, config.max_decode_answer_bytes,
-                                 config.max_sse_event_bytes)
+        self.relay = DecodeRelay(
+            metrics, pool, config.prefill_timeout, config.max_decode_answer_bytes, config.max_sse_event_bytes
+        )
         # the proxy's own key for the instances replaces whatever the client authenticated with
         self._backend_auth = bearer(config.backend_api_key) if config.backend_api_key else None
         self._background: set[asyncio.Future] = set()
@@ -172,8 +188,9 @@ class PDFlow:
         if self.request_log is not None:
             self.request_log.write(t, state.request_id, trace.trace_id, endpoint)
 
-    async def _run(self, req: ParsedRequest, http_request: HttpRequest, headers: dict[str, str],
-                   state: FlowState) -> HttpResponse | StreamResponse:
+    async def _run(
+        self, req: ParsedRequest, http_request: HttpRequest, headers: dict[str, str], state: FlowState
+    ) -> HttpResponse | StreamResponse:
         tried: set[str] = set()
         decode = self._pick("decode", req, tried)
         if decode is None:
@@ -195,8 +212,13 @@ class PDFlow:
                 self.metrics.leg_errors.labels("decode", e.kind).inc()
                 if e.kind != "busy":
                     decode.breaker.record_failure()
-                logger.warning("decode on %s failed before output (%s); attempt %d/%d",
-                               decode.url, last_error[0], attempt + 1, self.config.decode_attempts)
+                logger.warning(
+                    "decode on %s failed before output (%s); attempt %d/%d",
+                    decode.url,
+                    last_error[0],
+                    attempt + 1,
+                    self.config.decode_attempts,
+                )
                 tried.add(decode.url)
                 if state.kv_params is not None and not self._kv_can_follow(state, e):
                     self._drop_kv(state)
@@ -215,8 +237,9 @@ class PDFlow:
         wait = self.pool.busy_wait("decode")
         if wait is None:
             return unavailable("no healthy decode instance")
-        e = unavailable(f"every decode instance asked for no requests for now (Retry-After); retry in {wait:.0f} s",
-                        "backend_busy")
+        e = unavailable(
+            f"every decode instance asked for no requests for now (Retry-After); retry in {wait:.0f} s", "backend_busy"
+        )
         e.headers = {"Retry-After": header_value(wait)}
         return e
 
@@ -276,15 +299,15 @@ class PDFlow:
             return False
         if not self.pool.eligible("prefill", {decode.url}):  # a "both" instance never prefills for itself
             if self.config.require_disagg:
-                raise unavailable("no prefill instance available and --require-disagg is set",
-                                  "prefill_unavailable")
+                raise unavailable("no prefill instance available and --require-disagg is set", "prefill_unavailable")
             self.metrics.fallbacks.labels("no_prefill_instance").inc()
             state.timings.fallback = "no_prefill_instance"
             return False
         return True
 
-    async def _decode_beside_prefill(self, req: ParsedRequest, decode: Instance, headers: dict[str, str],
-                                     state: FlowState, http_request: HttpRequest) -> HttpResponse | StreamResponse:
+    async def _decode_beside_prefill(
+        self, req: ParsedRequest, decode: Instance, headers: dict[str, str], state: FlowState, http_request: HttpRequest
+    ) -> HttpResponse | StreamResponse:
         """Both legs at once; decode waits for prefill to announce the KV of transfer_id."""
         transfer_id = new_id()
         # auto = push: an idle decode then runs its first forward beside prefill's, taking each layer
@@ -297,8 +320,7 @@ class PDFlow:
         awaited = AwaitedPrefill(transfer_id, mode, first.kv_peers if first is not None else ())
         prefill = asyncio.ensure_future(self._prefill(req, decode, transfer_id, headers, state, mode, first))
         state.prefill_leg = prefill
-        decode_leg = asyncio.ensure_future(
-            self._decode(req, decode, headers, state, http_request, awaited.to_params()))
+        decode_leg = asyncio.ensure_future(self._decode(req, decode, headers, state, http_request, awaited.to_params()))
         try:
             await asyncio.wait({prefill, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and not decode_leg.done() and state.stage != "stream":
@@ -321,9 +343,16 @@ class PDFlow:
                     self._background.add(prefill)
                     prefill.add_done_callback(self._background.discard)
 
-    async def _prefill(self, req: ParsedRequest, decode: Instance, transfer_id: str | None,
-                       headers: dict[str, str], state: FlowState, mode: TransferMode = "pull",
-                       first: Instance | None = None) -> bool:
+    async def _prefill(
+        self,
+        req: ParsedRequest,
+        decode: Instance,
+        transfer_id: str | None,
+        headers: dict[str, str],
+        state: FlowState,
+        mode: TransferMode = "pull",
+        first: Instance | None = None,
+    ) -> bool:
         """Run the prefill leg with retries (on ``first``, when chosen already, then others), leaving
         ``state.kv_params`` set. False: none succeeded, decode computes the prompt (raises instead
         under require_disagg)."""
@@ -339,8 +368,9 @@ class PDFlow:
             if await self._prefill_once(req, prefill, decode, transfer_id, headers, state, mode):
                 return True
         if self.config.require_disagg:
-            raise unavailable("no prefill instance could run the prompt and --require-disagg is set",
-                              "prefill_unavailable")
+            raise unavailable(
+                "no prefill instance could run the prompt and --require-disagg is set", "prefill_unavailable"
+            )
         self.metrics.fallbacks.labels("prefill_unavailable").inc()
         state.timings.fallback = "prefill_unavailable"
         logger.warning("request %s: no prefill succeeded; decode computes the prompt", state.request_id)
@@ -353,8 +383,9 @@ class PDFlow:
             return req.prompt_tokens
         return max(1, req.prompt_tokens - held_tokens(self.kv_locations, prefill.url, req))
 
-    def _prefill_params(self, req: ParsedRequest, prefill: Instance, decode: Instance, transfer_id: str | None,
-                        mode: TransferMode) -> dict[str, Any]:
+    def _prefill_params(
+        self, req: ParsedRequest, prefill: Instance, decode: Instance, transfer_id: str | None, mode: TransferMode
+    ) -> dict[str, Any]:
         """The prefill leg's kv_transfer_params, with a store_fetch hint when another node's KV store
         holds more of the prompt than the prefill instance has (its store then fetches from there
         without asking the store master on the engine's scheduler thread)."""
@@ -366,9 +397,16 @@ class PDFlow:
                 self.metrics.store_fetch_hints.inc()
         return params
 
-    async def _prefill_once(self, req: ParsedRequest, prefill: Instance, decode: Instance,
-                            transfer_id: str | None, headers: dict[str, str], state: FlowState,
-                            mode: TransferMode) -> bool:
+    async def _prefill_once(
+        self,
+        req: ParsedRequest,
+        prefill: Instance,
+        decode: Instance,
+        transfer_id: str | None,
+        headers: dict[str, str],
+        state: FlowState,
+        mode: TransferMode,
+    ) -> bool:
         body = prefill_body(req.body, self._prefill_params(req, prefill, decode, transfer_id, mode))
         leg = InFlightLeg(prefill, "prefill", self._prefill_work(req, prefill))
         state.in_flight.append(leg)
@@ -376,14 +414,16 @@ class PDFlow:
         failed: str | None = "cancelled"
         t0 = time.monotonic()
         try:
-            status, raw, retry_after = await self.watch.guard(prefill.url, self._post_prefill(
-                prefill, req, body, span.headers(headers)))
+            status, raw, retry_after = await self.watch.guard(
+                prefill.url, self._post_prefill(prefill, req, body, span.headers(headers))
+            )
             if status in (429, 503):
                 wait = retry_after_seconds(retry_after)
                 if wait is not None:
                     prefill.mark_busy(wait)  # other prefills serve meanwhile
-                raise _LegError(f"HTTP {status}: {raw[:200]!r}", "busy" if wait is not None or status == 429
-                                else "status")
+                raise _LegError(
+                    f"HTTP {status}: {raw[:200]!r}", "busy" if wait is not None or status == 429 else "status"
+                )
             if status >= 500 or status == 408:
                 raise _LegError(f"HTTP {status}: {raw[:200]!r}", "status")
             if status >= 400:
@@ -428,13 +468,20 @@ class PDFlow:
             state.prefill_cached_tokens = answer.cached_tokens
         return True
 
-    async def _post_prefill(self, prefill: Instance, req: ParsedRequest, body: dict[str, Any],
-                            headers: dict[str, str]) -> tuple[int, bytes, str | None]:
+    async def _post_prefill(
+        self, prefill: Instance, req: ParsedRequest, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None]:
         """(status, body, Retry-After) of the prefill leg; an answer longer than max_prefill_answer_bytes
         raises BodyTooLarge (the leg fails over), an error answer is cut to max_error_body_bytes."""
-        r = await self.client.request("POST", prefill.url, req.path, encode_body(body), headers.items(),
-                                      timeout=self.config.prefill_timeout,
-                                      connect_timeout=self.config.connect_timeout)
+        r = await self.client.request(
+            "POST",
+            prefill.url,
+            req.path,
+            encode_body(body),
+            headers.items(),
+            timeout=self.config.prefill_timeout,
+            connect_timeout=self.config.connect_timeout,
+        )
         try:
             if r.status >= 400:
                 return r.status, await _read_error_body(r, self.config.max_error_body_bytes), r.retry_after
@@ -443,8 +490,15 @@ class PDFlow:
             r.close()
 
     # ----------------------------------------------------------------- decode
-    async def _decode(self, req: ParsedRequest, decode: Instance, headers: dict[str, str], state: FlowState,
-                      http_request: HttpRequest, kv_params: dict | None) -> HttpResponse | StreamResponse:
+    async def _decode(
+        self,
+        req: ParsedRequest,
+        decode: Instance,
+        headers: dict[str, str],
+        state: FlowState,
+        http_request: HttpRequest,
+        kv_params: dict | None,
+    ) -> HttpResponse | StreamResponse:
         body = decode_body(req, kv_params)
         leg = InFlightLeg(decode, "decode", req.prompt_tokens + req.max_tokens)
         state.in_flight.append(leg)
@@ -456,10 +510,19 @@ class PDFlow:
         try:
             # from here decode owns the KV: closing this request aborts it and decode releases prefill's KV
             state.kv_pending = False
-            resp = await self.watch.guard(decode.url, self.client.request(
-                "POST", decode.url, req.path, body, span.headers(headers).items(),
-                head_timeout=self.config.decode_timeout, read_timeout=self.config.decode_idle_timeout,
-                connect_timeout=self.config.connect_timeout))
+            resp = await self.watch.guard(
+                decode.url,
+                self.client.request(
+                    "POST",
+                    decode.url,
+                    req.path,
+                    body,
+                    span.headers(headers).items(),
+                    head_timeout=self.config.decode_timeout,
+                    read_timeout=self.config.decode_idle_timeout,
+                    connect_timeout=self.config.connect_timeout,
+                ),
+            )
         except InstanceUnreachable as e:
             leg.finish()
             span.end("unreachable")
@@ -495,8 +558,7 @@ class PDFlow:
                 raise _passthrough_error(resp.status, await _read_error_body(resp, self.config.max_error_body_bytes))
             with self.watch.following(decode.url, resp):  # found unreachable: the read fails, the leg ends
                 if req.stream:
-                    out: HttpResponse | StreamResponse = await self.relay.stream(resp, decode, state, http_request,
-                                                                                 t0)
+                    out: HttpResponse | StreamResponse = await self.relay.stream(resp, decode, state, http_request, t0)
                 else:
                     out = await self.relay.json(resp, decode, state, t0)
             failed = None if state.timings.outcome == "ok" else state.timings.outcome
@@ -576,7 +638,7 @@ async def _read_error_body(resp: BackendResponse, limit: int) -> bytes:
                 chunk = await resp.readany()
                 if not chunk:
                     break
-                parts.append(chunk[:limit - size])
+                parts.append(chunk[: limit - size])
                 size += len(parts[-1])
     except (BackendError, TimeoutError):
         pass

@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from vllm_pd.errors import ConfigError
 from vllm_pd.router.http.errors import ProxyError
 from vllm_pd.router.http.http_messages import HttpRequest, HttpResponse, StreamResponse
 from vllm_pd.router.http.http_server import Handler
-from vllm_pd.errors import ConfigError
 
 GUARDED_PREFIX = "/v1"
 
@@ -42,8 +42,13 @@ class ClientAuth:
     def check(self, request: HttpRequest) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(_digest(token.strip()), self._digest):
-            raise ProxyError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                             "authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ProxyError(
+                401,
+                "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                "authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     def protect(self, routes: dict[str, dict[str, Handler]]) -> None:
         """Wrap every handler of the guarded routes (in place) so it runs only for an authenticated client."""
@@ -56,4 +61,5 @@ class ClientAuth:
         async def guarded(request: HttpRequest) -> HttpResponse | StreamResponse:
             self.check(request)
             return await handler(request)
+
         return guarded

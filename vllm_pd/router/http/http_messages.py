@@ -49,8 +49,17 @@ class HttpRequest:
 
     __slots__ = ("method", "path", "query_string", "headers", "body", "keep_alive", "conn", "http10")
 
-    def __init__(self, method: str, path: str, query_string: str, headers: dict[str, str], body: bytes,
-                 keep_alive: bool, conn: ClientConnection, http10: bool = False) -> None:
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        query_string: str,
+        headers: dict[str, str],
+        body: bytes,
+        keep_alive: bool,
+        conn: ClientConnection,
+        http10: bool = False,
+    ) -> None:
         self.method = method
         self.path = path
         self.query_string = query_string
@@ -70,8 +79,13 @@ class HttpResponse:
 
     __slots__ = ("status", "body", "content_type", "headers")
 
-    def __init__(self, body: bytes = b"", status: int = 200, content_type: str = "application/json",
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        body: bytes = b"",
+        status: int = 200,
+        content_type: str = "application/json",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.status = status
         self.body = body
         self.content_type = content_type
@@ -79,10 +93,20 @@ class HttpResponse:
 
     def encode(self, keep_alive: bool, head_only: bool = False) -> bytes:
         """The response's bytes; ``head_only`` (an answer to HEAD): the same head, no body."""
-        return b"".join([status_line(self.status), b"Content-Type: ", self.content_type.encode("latin-1"),
-                         b"\r\nContent-Length: ", str(len(self.body)).encode(), b"\r\n",
-                         _header_lines(self.headers), b"" if keep_alive else b"Connection: close\r\n", b"\r\n",
-                         b"" if head_only else self.body])
+        return b"".join(
+            [
+                status_line(self.status),
+                b"Content-Type: ",
+                self.content_type.encode("latin-1"),
+                b"\r\nContent-Length: ",
+                str(len(self.body)).encode(),
+                b"\r\n",
+                _header_lines(self.headers),
+                b"" if keep_alive else b"Connection: close\r\n",
+                b"\r\n",
+                b"" if head_only else self.body,
+            ]
+        )
 
 
 def json_response(data: Any, status: int = 200) -> HttpResponse:
@@ -120,9 +144,15 @@ class StreamResponse:
         self._chunked = not request.http10
         if not self._chunked:
             request.keep_alive = False
-        self._head = b"".join([status_line(self.status), _header_lines(self.headers),
-                               b"Transfer-Encoding: chunked\r\n" if self._chunked else b"",
-                               b"" if request.keep_alive else b"Connection: close\r\n", b"\r\n"])
+        self._head = b"".join(
+            [
+                status_line(self.status),
+                _header_lines(self.headers),
+                b"Transfer-Encoding: chunked\r\n" if self._chunked else b"",
+                b"" if request.keep_alive else b"Connection: close\r\n",
+                b"\r\n",
+            ]
+        )
 
     async def write(self, data: bytes) -> None:
         if not self.send(data):

@@ -24,17 +24,17 @@ import asyncio
 import logging
 import ssl
 from collections import deque
-from typing import Awaitable, Callable, Union
+from collections.abc import Awaitable, Callable
 
 import httptools
 
 from vllm_pd.router.http.errors import ProxyError
-from vllm_pd.router.http.http_limits import (HttpLimits, head_too_large, read_timed_out, too_many_headers, url_too_long)
+from vllm_pd.router.http.http_limits import HttpLimits, head_too_large, read_timed_out, too_many_headers, url_too_long
 from vllm_pd.router.http.http_messages import HttpRequest, HttpResponse, StreamResponse, error_response
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[HttpRequest], Awaitable[Union[HttpResponse, StreamResponse]]]
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse | StreamResponse]]
 
 KEEPALIVE_TIMEOUT = 75.0  # seconds an idle client connection stays open (aiohttp's default)
 _SWEEP_INTERVAL = 5.0
@@ -94,8 +94,11 @@ class _Connection(asyncio.Protocol):
             self._reject(ProxyError(400, "protocol upgrades are not supported", code="bad_request"))
         except httptools.HttpParserCallbackError as e:  # a limit, raised from a callback
             cause = e.__context__
-            self._reject(cause if isinstance(cause, ProxyError) else
-                         ProxyError(400, f"malformed HTTP request: {e}", code="bad_request"))
+            self._reject(
+                cause
+                if isinstance(cause, ProxyError)
+                else ProxyError(400, f"malformed HTTP request: {e}", code="bad_request")
+            )
         except httptools.HttpParserError as e:
             self._reject(ProxyError(400, f"malformed HTTP request: {e}", code="bad_request"))
 
@@ -179,9 +182,16 @@ class _Connection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body.clear()  # an idle keep-alive connection does not hold its last request's body
         parser = self._parser
-        req = HttpRequest(parser.get_method().decode("latin-1"), url.path.decode("latin-1"),
-                          url.query.decode("latin-1") if url.query else "", self._headers, body,
-                          parser.should_keep_alive(), self, parser.get_http_version() == "1.0")
+        req = HttpRequest(
+            parser.get_method().decode("latin-1"),
+            url.path.decode("latin-1"),
+            url.query.decode("latin-1") if url.query else "",
+            self._headers,
+            body,
+            parser.should_keep_alive(),
+            self,
+            parser.get_http_version() == "1.0",
+        )
         if self.task is None:
             self.task = self._loop.create_task(self._run(req))
         else:
@@ -237,8 +247,7 @@ class _Connection(asyncio.Protocol):
                 self.close()
             return
         limits = self._limits
-        timeout, what = ((limits.header_timeout, "head") if self._reading == _HEAD
-                         else (limits.body_timeout, "body"))
+        timeout, what = (limits.header_timeout, "head") if self._reading == _HEAD else (limits.body_timeout, "body")
         if now - self._reading_since > timeout:
             if self._lingering or self._rejected:
                 self.close()
@@ -271,8 +280,10 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def _too_large(self) -> None:
-        self._reject(ProxyError(413, f"request body larger than {self._server.max_body} bytes",
-                                code="body_too_large"), close_now=False)
+        self._reject(
+            ProxyError(413, f"request body larger than {self._server.max_body} bytes", code="body_too_large"),
+            close_now=False,
+        )
 
     def _reject(self, e: ProxyError, close_now: bool = True) -> None:
         """Answer a request that never reaches a handler, then close: at once, or (``close_now`` False)
@@ -306,8 +317,7 @@ class _Connection(asyncio.Protocol):
 class HttpServer:
     """Routes (path -> method -> handler) served on one listening socket."""
 
-    def __init__(self, routes: dict[str, dict[str, Handler]], max_body: int,
-                 limits: HttpLimits | None = None) -> None:
+    def __init__(self, routes: dict[str, dict[str, Handler]], max_body: int, limits: HttpLimits | None = None) -> None:
         self.routes = routes
         self.max_body = max_body
         self.limits = limits or HttpLimits()
@@ -318,8 +328,9 @@ class HttpServer:
         self.draining = False  # no longer accepting; every connection closes after its answer
 
     async def start(self, host: str, port: int, backlog: int = 2048, tls: ssl.SSLContext | None = None) -> None:
-        self._server = await self.loop.create_server(lambda: _Connection(self), host, port, backlog=backlog,
-                                                     reuse_address=True, ssl=tls)
+        self._server = await self.loop.create_server(
+            lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True, ssl=tls
+        )
         self._sweeper = self.loop.create_task(self._sweep())
 
     @property
@@ -335,8 +346,12 @@ class HttpServer:
                 raise ProxyError(404, f"no route {req.path}", code="404")
             handler = methods.get(req.method) or (methods.get("GET") if req.method == "HEAD" else None)
             if handler is None:
-                raise ProxyError(405, f"method {req.method} not allowed on {req.path}", code="405",
-                                 headers={"Allow": _allow(methods)})
+                raise ProxyError(
+                    405,
+                    f"method {req.method} not allowed on {req.path}",
+                    code="405",
+                    headers={"Allow": _allow(methods)},
+                )
             return await handler(req)
         except ProxyError as e:
             return error_response(e)

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import os
 import ssl
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import httpx
 import msgspec
 
-from vllm_pd.router.k8s.k8s_pods import Pod, PodList, Status, WatchEvent
 from vllm_pd.errors import RouterError
+from vllm_pd.router.k8s.k8s_pods import Pod, PodList, Status, WatchEvent
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -36,8 +36,9 @@ class ResourceExpired(ApiError):
 
 
 class KubeApi:
-    def __init__(self, base_url: str, token_path: Path | None = None, ca_path: Path | None = None,
-                 connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self, base_url: str, token_path: Path | None = None, ca_path: Path | None = None, connect_timeout: float = 5.0
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._token_path = token_path
         try:
@@ -51,8 +52,9 @@ class KubeApi:
     def in_cluster(cls, sa_dir: Path = SERVICE_ACCOUNT_DIR) -> KubeApi:
         host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
         if not host or not port:
-            raise ApiError("not in a Kubernetes pod (KUBERNETES_SERVICE_HOST/PORT unset): "
-                           "give the API's URL (--k8s-api-url)")
+            raise ApiError(
+                "not in a Kubernetes pod (KUBERNETES_SERVICE_HOST/PORT unset): give the API's URL (--k8s-api-url)"
+            )
         host = f"[{host}]" if ":" in host else host
         return cls(f"https://{host}:{port}", sa_dir / "token", sa_dir / "ca.crt")
 
@@ -61,8 +63,9 @@ class KubeApi:
 
     async def list_pods(self, namespace: str, selector: str) -> PodList:
         try:
-            r = await self._client.get(self._pods_url(namespace), params={"labelSelector": selector},
-                                       headers=self._headers())
+            r = await self._client.get(
+                self._pods_url(namespace), params={"labelSelector": selector}, headers=self._headers()
+            )
         except httpx.HTTPError as e:
             raise ApiError(f"LIST pods: {e!r}") from None
         _raise_for_status(r.status_code, r.content, "LIST pods")
@@ -71,17 +74,24 @@ class KubeApi:
         except msgspec.DecodeError as e:
             raise ApiError(f"LIST pods: unexpected answer: {e}") from None
 
-    async def watch_pods(self, namespace: str, selector: str, resource_version: str,
-                         timeout_s: float) -> AsyncIterator[tuple[str, Pod]]:
+    async def watch_pods(
+        self, namespace: str, selector: str, resource_version: str, timeout_s: float
+    ) -> AsyncIterator[tuple[str, Pod]]:
         """(event type, pod) as they come, from after ``resource_version`` until the server ends the watch
         (about ``timeout_s``); BOOKMARK events carry only a resourceVersion. Raises ResourceExpired on 410."""
-        params = {"labelSelector": selector, "watch": "1", "resourceVersion": resource_version,
-                  "allowWatchBookmarks": "true", "timeoutSeconds": str(max(1, round(timeout_s)))}
+        params = {
+            "labelSelector": selector,
+            "watch": "1",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(max(1, round(timeout_s))),
+        }
         # a silent connection is dead well after the server's own timeout and its bookmarks
         timeout = httpx.Timeout(connect=self._connect_timeout, read=timeout_s + 30.0, write=10.0, pool=10.0)
         try:
-            async with self._client.stream("GET", self._pods_url(namespace), params=params,
-                                           headers=self._headers(), timeout=timeout) as r:
+            async with self._client.stream(
+                "GET", self._pods_url(namespace), params=params, headers=self._headers(), timeout=timeout
+            ) as r:
                 if r.status_code != 200:
                     _raise_for_status(r.status_code, await r.aread(), "WATCH pods")
                 async for line in r.aiter_lines():

@@ -105,8 +105,7 @@ class PodConfigError(ConfigError):
 
 def is_routable(pod: Pod) -> bool:
     ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions)
-    return ready and pod.status.phase == "Running" and bool(pod.status.podIP) \
-        and pod.metadata.deletionTimestamp is None
+    return ready and pod.status.phase == "Running" and bool(pod.status.podIP) and pod.metadata.deletionTimestamp is None
 
 
 def pod_target(pod: Pod, default_http_port: int) -> PodTarget | None:

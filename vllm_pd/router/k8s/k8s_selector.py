@@ -63,5 +63,7 @@ def _requirement(part: str) -> Requirement:
             return Requirement(m[1], m[2], frozenset(v[1] for v in values if v))
     elif m := _EXISTS.fullmatch(part):
         return Requirement(m[2], "!exists" if m[1] else "exists")
-    raise ConfigError(f"{part.strip()!r} is not a label requirement (key=value, key!=value, key in (a,b), "
-                      "key notin (a,b), key or !key)")
+    raise ConfigError(
+        f"{part.strip()!r} is not a label requirement (key=value, key!=value, key in (a,b), "
+        "key notin (a,b), key or !key)"
+    )

@@ -15,8 +15,8 @@ histogram (a lock and a labels() lookup per observation) would buy nothing;
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -24,8 +24,28 @@ from prometheus_client.registry import Collector
 # seconds: legs and end-to-end times (prefill of long prompts can take minutes on CPU)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # seconds: per output token (vLLM's own inter-token buckets start at 10 ms; a fast GPU decodes faster)
-TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TOKEN_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 
 
 class FastHistogram:
@@ -145,24 +165,40 @@ class LegHistograms(HistogramSet):
 
     def __init__(self) -> None:
         p = "vllm_pd_proxy_"
-        self.prefill = LabelledHistogram(p + "prefill_seconds", "prefill leg: request sent to answer read, "
-                                         "by prefill backend", LATENCY_BUCKETS)
+        self.prefill = LabelledHistogram(
+            p + "prefill_seconds", "prefill leg: request sent to answer read, by prefill backend", LATENCY_BUCKETS
+        )
         self.decode_first_token = LabelledHistogram(
-            p + "decode_first_token_seconds", "decode leg: request sent to its first token, by decode backend",
-            LATENCY_BUCKETS)
+            p + "decode_first_token_seconds",
+            "decode leg: request sent to its first token, by decode backend",
+            LATENCY_BUCKETS,
+        )
         self.handoff_gap = LabelledHistogram(
-            p + "prefill_to_decode_gap_seconds", "prefill's answer to decode's first token (0 when decode's "
-            "token came first), by decode backend", LATENCY_BUCKETS)
-        self.ttft = LabelledHistogram(p + "ttft_seconds", "client's time to first token: request received to the "
-                                      "first byte sent back, by decode backend", LATENCY_BUCKETS)
+            p + "prefill_to_decode_gap_seconds",
+            "prefill's answer to decode's first token (0 when decode's token came first), by decode backend",
+            LATENCY_BUCKETS,
+        )
+        self.ttft = LabelledHistogram(
+            p + "ttft_seconds",
+            "client's time to first token: request received to the first byte sent back, by decode backend",
+            LATENCY_BUCKETS,
+        )
         self.inter_token = LabelledHistogram(
-            p + "inter_token_latency_seconds", "time between decode's stream events, by decode backend",
-            TOKEN_BUCKETS)
+            p + "inter_token_latency_seconds", "time between decode's stream events, by decode backend", TOKEN_BUCKETS
+        )
         self.time_per_output_token = LabelledHistogram(
-            p + "time_per_output_token_seconds", "per request: decode's first to last token over the tokens "
-            "between, by decode backend", TOKEN_BUCKETS)
-        super().__init__(self.prefill, self.decode_first_token, self.handoff_gap, self.ttft, self.inter_token,
-                         self.time_per_output_token)
+            p + "time_per_output_token_seconds",
+            "per request: decode's first to last token over the tokens between, by decode backend",
+            TOKEN_BUCKETS,
+        )
+        super().__init__(
+            self.prefill,
+            self.decode_first_token,
+            self.handoff_gap,
+            self.ttft,
+            self.inter_token,
+            self.time_per_output_token,
+        )
 
     def observe(self, t: LegTimings) -> None:
         """The histograms one finished request feeds (prefill and ITL were observed as they happened;

@@ -9,7 +9,8 @@ observed on the event loop); gauges are read at scrape time.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -26,14 +27,22 @@ class _PoolCollector(Collector):
         self._pool = pool
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        outstanding = GaugeMetricFamily("vllm_pd_proxy_instance_outstanding_requests",
-                                        "requests in flight per instance and leg", labels=["backend", "leg"])
-        healthy = GaugeMetricFamily("vllm_pd_proxy_instance_healthy", "1 if the health check passes",
-                                    labels=["backend", "role"])
-        eligible = GaugeMetricFamily("vllm_pd_proxy_instance_eligible",
-                                     "1 if the instance takes new requests for the role", labels=["backend", "role"])
-        breaker = GaugeMetricFamily("vllm_pd_proxy_instance_breaker_open", "1 if the circuit breaker is not closed",
-                                    labels=["backend"])
+        outstanding = GaugeMetricFamily(
+            "vllm_pd_proxy_instance_outstanding_requests",
+            "requests in flight per instance and leg",
+            labels=["backend", "leg"],
+        )
+        healthy = GaugeMetricFamily(
+            "vllm_pd_proxy_instance_healthy", "1 if the health check passes", labels=["backend", "role"]
+        )
+        eligible = GaugeMetricFamily(
+            "vllm_pd_proxy_instance_eligible",
+            "1 if the instance takes new requests for the role",
+            labels=["backend", "role"],
+        )
+        breaker = GaugeMetricFamily(
+            "vllm_pd_proxy_instance_breaker_open", "1 if the circuit breaker is not closed", labels=["backend"]
+        )
         for inst in self._pool.all():
             for leg in ("prefill", "decode"):
                 outstanding.add_metric([inst.url, leg], inst.outstanding[leg])
@@ -51,39 +60,52 @@ class _ProxyStateCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         m = self._metrics
-        yield GaugeMetricFamily("vllm_pd_proxy_requests_in_flight", "client requests being served",
-                                value=m.in_flight)
-        yield GaugeMetricFamily("vllm_pd_proxy_requests_queued", "client requests waiting for a slot "
-                                "(concurrency limit)", value=m.queue_length())
-        yield GaugeMetricFamily("vllm_pd_proxy_draining", "1 while the proxy drains before it stops",
-                                value=1.0 if m.draining else 0.0)
+        yield GaugeMetricFamily("vllm_pd_proxy_requests_in_flight", "client requests being served", value=m.in_flight)
+        yield GaugeMetricFamily(
+            "vllm_pd_proxy_requests_queued",
+            "client requests waiting for a slot (concurrency limit)",
+            value=m.queue_length(),
+        )
+        yield GaugeMetricFamily(
+            "vllm_pd_proxy_draining", "1 while the proxy drains before it stops", value=1.0 if m.draining else 0.0
+        )
 
 
 class ProxyMetrics:
     def __init__(self, pool: InstancePool) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("vllm_pd_proxy_requests", "client requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "vllm_pd_proxy_requests", "client requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
         # end to end: request received to its last byte sent
-        self.request_seconds = LabelledHistogram("vllm_pd_proxy_request_seconds", "client request duration",
-                                                 LATENCY_BUCKETS, label="endpoint")
+        self.request_seconds = LabelledHistogram(
+            "vllm_pd_proxy_request_seconds", "client request duration", LATENCY_BUCKETS, label="endpoint"
+        )
         r.register(HistogramSet(self.request_seconds))
         self.legs = LegHistograms()
         r.register(self.legs)
         self.leg_errors = Counter("vllm_pd_proxy_leg_errors", "failed legs", ["leg", "kind"], registry=r)
         self.retries = Counter("vllm_pd_proxy_retries", "legs retried on another instance", ["leg"], registry=r)
-        self.fallbacks = Counter("vllm_pd_proxy_decode_only", "requests sent to decode without prefill",
-                                 ["reason"], registry=r)
+        self.fallbacks = Counter(
+            "vllm_pd_proxy_decode_only", "requests sent to decode without prefill", ["reason"], registry=r
+        )
         self.kv_releases = Counter("vllm_pd_proxy_kv_releases", "release_remote_kv calls", ["result"], registry=r)
         self.disconnects = Counter("vllm_pd_proxy_client_disconnects", "client disconnects", ["stage"], registry=r)
-        self.store_fetch_hints = Counter("vllm_pd_proxy_store_fetch_hints", "prefill legs told which KV store "
-                                         "node to fetch the prompt from (kv_aware with --store-master)", registry=r)
+        self.store_fetch_hints = Counter(
+            "vllm_pd_proxy_store_fetch_hints",
+            "prefill legs told which KV store node to fetch the prompt from (kv_aware with --store-master)",
+            registry=r,
+        )
         self.stream_errors = Counter("vllm_pd_proxy_stream_errors", "streams ended by an error event", registry=r)
-        self.bad_stream_events = Counter("vllm_pd_proxy_bad_stream_events", "decode streams that sent an SSE event "
-                                         "the proxy does not relay (too long, malformed): the stream ends with an "
-                                         "error event, or is retried elsewhere before its first event", ["reason"],
-                                         registry=r)
+        self.bad_stream_events = Counter(
+            "vllm_pd_proxy_bad_stream_events",
+            "decode streams that sent an SSE event "
+            "the proxy does not relay (too long, malformed): the stream ends with an "
+            "error event, or is retried elsewhere before its first event",
+            ["reason"],
+            registry=r,
+        )
         r.register(_PoolCollector(pool))
         self.in_flight = 0  # client requests in the PD flow
         self.draining = False

@@ -32,8 +32,9 @@ _propagator = TraceContextTextMapPropagator()
 
 def otlp_exporter(endpoint: str | None) -> SpanExporter:
     """The OTLP span exporter; without ``endpoint`` it reads the standard OTEL_* variables itself."""
-    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-                or "grpc")
+    protocol = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    )
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     elif protocol == "http/protobuf":
@@ -69,21 +70,30 @@ class OtelRequestTrace:
         self.trace_id = f"{span.get_span_context().trace_id:032x}"
 
     def leg(self, leg: str, instance: str) -> OtelLegSpan:
-        span = self._tracer.start_span(f"{leg} leg", context=trace.set_span_in_context(self._span),
-                                       kind=SpanKind.CLIENT,
-                                       attributes={"vllm_pd.leg": leg, "vllm_pd.instance": instance})
+        span = self._tracer.start_span(
+            f"{leg} leg",
+            context=trace.set_span_in_context(self._span),
+            kind=SpanKind.CLIENT,
+            attributes={"vllm_pd.leg": leg, "vllm_pd.instance": instance},
+        )
         return OtelLegSpan(span)
 
     def end(self, timings: LegTimings, request_id: str) -> None:
         span = self._span
-        attrs: dict[str, Any] = {"vllm_pd.request_id": request_id, "http.response.status_code": timings.status,
-                                 "vllm_pd.outcome": timings.outcome, "vllm_pd.retries": timings.retries}
-        for key, value in (("vllm_pd.prefill_instance", timings.prefill_instance),
-                           ("vllm_pd.decode_instance", timings.decode_instance),
-                           ("vllm_pd.prefill_seconds", timings.prefill_seconds),
-                           ("vllm_pd.decode_first_token_seconds", timings.decode_first_token_seconds),
-                           ("vllm_pd.prefill_to_decode_gap_seconds", timings.handoff_gap_seconds),
-                           ("vllm_pd.fallback", timings.fallback)):
+        attrs: dict[str, Any] = {
+            "vllm_pd.request_id": request_id,
+            "http.response.status_code": timings.status,
+            "vllm_pd.outcome": timings.outcome,
+            "vllm_pd.retries": timings.retries,
+        }
+        for key, value in (
+            ("vllm_pd.prefill_instance", timings.prefill_instance),
+            ("vllm_pd.decode_instance", timings.decode_instance),
+            ("vllm_pd.prefill_seconds", timings.prefill_seconds),
+            ("vllm_pd.decode_first_token_seconds", timings.decode_first_token_seconds),
+            ("vllm_pd.prefill_to_decode_gap_seconds", timings.handoff_gap_seconds),
+            ("vllm_pd.fallback", timings.fallback),
+        ):
             if value is not None:
                 attrs[key] = value
         span.set_attributes(attrs)

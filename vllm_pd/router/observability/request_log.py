@@ -42,9 +42,25 @@ class RequestLine(msgspec.Struct, omit_defaults=True):
 
 def request_line(t: LegTimings, request_id: str, trace_id: str, endpoint: str) -> RequestLine:
     ttft = None if t.first_token is None else t.first_token - t.started
-    return RequestLine(time.time(), request_id, trace_id, endpoint, t.status, t.outcome, t.e2e_seconds or 0.0,
-                       t.prefill_instance, t.decode_instance, t.prefill_seconds, t.decode_first_token_seconds,
-                       t.handoff_gap_seconds, ttft, t.time_per_output_token, t.events, t.retries, t.fallback)
+    return RequestLine(
+        time.time(),
+        request_id,
+        trace_id,
+        endpoint,
+        t.status,
+        t.outcome,
+        t.e2e_seconds or 0.0,
+        t.prefill_instance,
+        t.decode_instance,
+        t.prefill_seconds,
+        t.decode_first_token_seconds,
+        t.handoff_gap_seconds,
+        ttft,
+        t.time_per_output_token,
+        t.events,
+        t.retries,
+        t.fallback,
+    )
 
 
 class RequestLog:
@@ -55,8 +71,9 @@ class RequestLog:
         self._logger = logging.getLogger(LOGGER_NAME)
         self._logger.setLevel(logging.INFO)
         self._logger.propagate = False  # the proxy's own log format must not wrap the JSON
-        handler: logging.Handler = (logging.StreamHandler(sys.stderr) if path == "-"
-                                    else logging.FileHandler(path, encoding="utf-8"))
+        handler: logging.Handler = (
+            logging.StreamHandler(sys.stderr) if path == "-" else logging.FileHandler(path, encoding="utf-8")
+        )
         handler.setFormatter(logging.Formatter("%(message)s"))
         self._handler = handler
         self._logger.addHandler(handler)

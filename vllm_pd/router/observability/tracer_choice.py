@@ -17,8 +17,11 @@ logger = logging.getLogger(__name__)
 def otlp_configured(endpoint: str | None) -> bool:
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
-    return bool(endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return bool(
+        endpoint
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
 
 
 def make_tracer(endpoint: str | None) -> Tracer:
@@ -28,7 +31,10 @@ def make_tracer(endpoint: str | None) -> Tracer:
     try:
         from vllm_pd.router.observability.otel_tracing import OtelTracer
     except ImportError as e:
-        logger.warning("OTLP tracing asked for but OpenTelemetry is not installed (pip install "
-                       "'vllm-pd[otel]'): %s; trace context is still propagated", e)
+        logger.warning(
+            "OTLP tracing asked for but OpenTelemetry is not installed (pip install "
+            "'vllm-pd[otel]'): %s; trace context is still propagated",
+            e,
+        )
         return Tracer()
     return OtelTracer(endpoint, os.environ.get("OTEL_SERVICE_NAME") or "vllm-pd-proxy")

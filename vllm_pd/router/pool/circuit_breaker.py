@@ -4,19 +4,18 @@ half-open after a cooldown (one probe request) -> closed on success."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from enum import Enum
-from typing import Callable
 
 
-class BreakerState(str, Enum):
+class BreakerState(str, Enum):  # noqa: UP042 - StrEnum would change str(state), which logs show
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
 
 
 class CircuitBreaker:
-    def __init__(self, failures: int = 5, cooldown: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, failures: int = 5, cooldown: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.failure_limit = failures
         self.cooldown = cooldown
         self._clock = clock

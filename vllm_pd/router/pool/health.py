@@ -21,9 +21,16 @@ MAX_HEALTH_BODY = 1024 * 1024  # bytes read of a /health or /v1/models answer
 
 
 class HealthChecker(PeriodicTask):
-    def __init__(self, pool: InstancePool, client: BackendClient, interval: float, timeout: float,
-                 failures_to_down: int = 2, headers: tuple[tuple[str, str], ...] = (),
-                 watch: PartitionWatch | None = None) -> None:
+    def __init__(
+        self,
+        pool: InstancePool,
+        client: BackendClient,
+        interval: float,
+        timeout: float,
+        failures_to_down: int = 2,
+        headers: tuple[tuple[str, str], ...] = (),
+        watch: PartitionWatch | None = None,
+    ) -> None:
         self._pool = pool
         self._headers = headers  # the proxy's own key for the instances, when it has one
         self._client = client
@@ -54,8 +61,9 @@ class HealthChecker(PeriodicTask):
                         cards = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
                         inst.models = [m["id"] for m in cards]
                         # a LoRA adapter's card names its base model and its path (kv_extra_keys.py)
-                        inst.adapters = {m["id"]: m["root"] for m in cards
-                                         if m.get("parent") and isinstance(m.get("root"), str)}
+                        inst.adapters = {
+                            m["id"]: m["root"] for m in cards if m.get("parent") and isinstance(m.get("root"), str)
+                        }
         except (BackendError, TimeoutError, ValueError, TypeError, KeyError, AttributeError) as e:
             logger.debug("health check %s failed: %s", inst.url, repr(e))
             ok = False

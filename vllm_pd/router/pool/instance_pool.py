@@ -79,8 +79,13 @@ class Instance:
         return self.role == role
 
     def eligible(self, role: str) -> bool:
-        return (self.serves(role) and self.healthy and not self.draining and self.breaker.allows()
-                and not (self.busy_until and time.monotonic() < self.busy_until))
+        return (
+            self.serves(role)
+            and self.healthy
+            and not self.draining
+            and self.breaker.allows()
+            and not (self.busy_until and time.monotonic() < self.busy_until)
+        )
 
     @property
     def load(self) -> int:
@@ -88,11 +93,19 @@ class Instance:
 
     def describe(self) -> dict:
         return {
-            "url": self.url, "role": self.role, "active_role": self.active_role,
-            "kv_endpoint": self.kv_endpoint, "healthy": self.healthy, "draining": self.draining,
-            "breaker": self.breaker.state.value, "outstanding": dict(self.outstanding),
-            "outstanding_tokens": dict(self.outstanding_tokens), "ttft_s": self.ttft.value,
-            "tpot_s": self.tpot.value, "models": list(self.models), "busy_s": round(self.busy_for(), 3),
+            "url": self.url,
+            "role": self.role,
+            "active_role": self.active_role,
+            "kv_endpoint": self.kv_endpoint,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "breaker": self.breaker.state.value,
+            "outstanding": dict(self.outstanding),
+            "outstanding_tokens": dict(self.outstanding_tokens),
+            "ttft_s": self.ttft.value,
+            "tpot_s": self.tpot.value,
+            "models": list(self.models),
+            "busy_s": round(self.busy_for(), 3),
         }
 
 
@@ -153,8 +166,12 @@ class InstancePool:
     def add(self, ic: InstanceConfig) -> Instance:
         if ic.url in self._instances:
             raise ConfigError(f"url: instance {ic.url} already exists")
-        inst = Instance(url=ic.url, role=ic.role, kv_endpoint=ic.kv_endpoint,
-                        breaker=CircuitBreaker(self._config.breaker_failures, self._config.breaker_cooldown))
+        inst = Instance(
+            url=ic.url,
+            role=ic.role,
+            kv_endpoint=ic.kv_endpoint,
+            breaker=CircuitBreaker(self._config.breaker_failures, self._config.breaker_cooldown),
+        )
         if ic.kv_endpoint is not None and ic.role != "decode":
             inst.kv_peers = (ic.kv_endpoint,)  # a prefill's KV endpoint given (URL@tcp://...): no answer needed first
         self._instances[ic.url] = inst

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from vllm_pd.router.config import ConfigError, InstanceConfig, K8sDiscoveryConfig
 from vllm_pd.router.k8s.k8s_api import ApiError, KubeApi, ResourceExpired, service_account_namespace
@@ -36,8 +36,13 @@ BACKOFF_MIN = 0.2  # seconds before the first reconnect
 
 
 class KubernetesDiscovery:
-    def __init__(self, pool: InstancePool, config: K8sDiscoveryConfig, api: KubeApi | None = None,
-                 on_added: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        pool: InstancePool,
+        config: K8sDiscoveryConfig,
+        api: KubeApi | None = None,
+        on_added: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self._pool = pool
         self._config = config
         self._api = api or (KubeApi(config.api_url) if config.api_url else KubeApi.in_cluster())
@@ -74,7 +79,7 @@ class KubernetesDiscovery:
                     version = await self._watch(role, selector, version)
             except ResourceExpired as e:
                 logger.info("%s pods: %s; listing again", role, e)
-            except Exception as e:  # noqa: BLE001 - the API unreachable or erring, or a bug here: never stop
+            except Exception as e:
                 self.failures += 1
                 if isinstance(e, ApiError):
                     logger.warning("%s pods: %s; retrying in %.1f s", role, e, backoff)
@@ -91,8 +96,7 @@ class KubernetesDiscovery:
         return pods.metadata.resourceVersion
 
     async def _watch(self, role: str, selector: str, version: str) -> str:
-        async for kind, pod in self._api.watch_pods(self.namespace, selector, version,
-                                                     self._config.watch_timeout):
+        async for kind, pod in self._api.watch_pods(self.namespace, selector, version, self._config.watch_timeout):
             version = pod.metadata.resourceVersion or version
             if kind == "DELETED":
                 self._pods[role].pop(pod.key, None)

@@ -24,8 +24,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
-from vllm_pd.router.backend.backend_response import BackendResponse, BackendUnreachable
 from vllm_pd.errors import RouterError
+from vllm_pd.router.backend.backend_response import BackendResponse, BackendUnreachable
 
 logger = logging.getLogger(__name__)
 

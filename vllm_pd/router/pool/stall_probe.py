@@ -28,8 +28,15 @@ logger = logging.getLogger(__name__)
 
 
 class StallProbe:
-    def __init__(self, watch: PartitionWatch, pool: InstancePool, client: BackendClient, health: HealthChecker,
-                 probe_after: float, probe_timeout: float) -> None:
+    def __init__(
+        self,
+        watch: PartitionWatch,
+        pool: InstancePool,
+        client: BackendClient,
+        health: HealthChecker,
+        probe_after: float,
+        probe_timeout: float,
+    ) -> None:
         self._watch = watch
         self._pool = pool
         self._client = client

@@ -73,8 +73,14 @@ def supervisor_profile(path: str | None) -> InstanceProfile | None:
 class Supervisor(PeriodicTask):
     run_first = False
 
-    def __init__(self, pool: InstancePool, interval: float = 2.0, ttft_slo: float = 2.0,
-                 tpot_slo: float = 0.1, profile: InstanceProfile | None = None) -> None:
+    def __init__(
+        self,
+        pool: InstancePool,
+        interval: float = 2.0,
+        ttft_slo: float = 2.0,
+        tpot_slo: float = 0.1,
+        profile: InstanceProfile | None = None,
+    ) -> None:
         self._pool = pool
         self.profile = profile
         self.interval = interval
@@ -91,8 +97,9 @@ class Supervisor(PeriodicTask):
         self.rebalance()
 
     def _flexible(self) -> list[Instance]:
-        return sorted((i for i in self._pool.all() if i.role == "both" and i.healthy and not i.draining),
-                      key=lambda i: i.url)
+        return sorted(
+            (i for i in self._pool.all() if i.role == "both" and i.healthy and not i.draining), key=lambda i: i.url
+        )
 
     def pressures(self) -> tuple[float, float]:
         """(prefill, decode): each side's recent latency over its target (> 1 = missing it)."""
@@ -127,10 +134,14 @@ class Supervisor(PeriodicTask):
         # decode legs still waiting for their prompt (on prefill, or computed by decode itself) are not
         # decoding: counted, a prompt-heavy queue read as a big decode batch and kept decoders from moving
         waiting = [sum(i.awaiting_first[k] for i in insts) for k in (0, 1)]
-        return SplitLoad(len(self._pool.eligible("prefill")), len(self._pool.eligible("decode")),
-                         total("outstanding", "prefill"), total("outstanding_tokens", "prefill"),
-                         total("outstanding", "decode") - waiting[0],
-                         total("outstanding_tokens", "decode") - waiting[1])
+        return SplitLoad(
+            len(self._pool.eligible("prefill")),
+            len(self._pool.eligible("decode")),
+            total("outstanding", "prefill"),
+            total("outstanding_tokens", "prefill"),
+            total("outstanding", "decode") - waiting[0],
+            total("outstanding_tokens", "decode") - waiting[1],
+        )
 
     def rebalance(self) -> dict[str, str]:
         """Assign every flexible instance a role; returns url -> role."""
@@ -144,35 +155,50 @@ class Supervisor(PeriodicTask):
         self._follow_the_mix()
         prefill_p, decode_p = self.pressures()
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("supervisor tick %d: ttft/slo=%.2f tpot/slo=%.2f, %s, mean prompt in flight %s, last move %s",
-                         self._ticks, prefill_p, decode_p, self.split_load(), self._prompt_mix(), self._last_move)
+            logger.debug(
+                "supervisor tick %d: ttft/slo=%.2f tpot/slo=%.2f, %s, mean prompt in flight %s, last move %s",
+                self._ticks,
+                prefill_p,
+                decode_p,
+                self.split_load(),
+                self._prompt_mix(),
+                self._last_move,
+            )
         prefill_side = [i for i in flexible if i.active_role == "prefill"]
         decode_side = [i for i in flexible if i.active_role == "decode"]
         fixed_decoders = sum(1 for i in self._pool.all() if i.role == "decode" and i.healthy and not i.draining)
         move: tuple[Instance, str] | None = None
-        if prefill_p > 1 and prefill_p > DEAD_BAND * decode_p and decode_side \
-                and len(decode_side) + fixed_decoders > 1:
+        if prefill_p > 1 and prefill_p > DEAD_BAND * decode_p and decode_side and len(decode_side) + fixed_decoders > 1:
             # the least loaded decoder switches (its streams finish there)
             move = (min(decode_side, key=lambda i: i.outstanding["decode"]), "prefill")
         elif decode_p > 1 and decode_p > DEAD_BAND * prefill_p and prefill_side:
             move = (min(prefill_side, key=lambda i: i.outstanding["prefill"]), "decode")
         receiving = prefill_p if move is not None and move[1] == "prefill" else decode_p
-        if move is not None and self.profile is not None and \
-                not move_helps(self.profile, self.split_load(), move[1], self.ttft_slo, self.tpot_slo, receiving,
-                                DEAD_BAND):
+        if (
+            move is not None
+            and self.profile is not None
+            and not move_helps(
+                self.profile, self.split_load(), move[1], self.ttft_slo, self.tpot_slo, receiving, DEAD_BAND
+            )
+        ):
             logger.debug("supervisor: moving %s to %s would not help (cost model)", move[0].url, move[1])
             move = None
         if move is not None and self._holds_back(move[1], receiving):
-            logger.debug("supervisor: not moving %s back to %s yet (%.2f does not outweigh the last move's "
-                         "pressure)", move[0].url, move[1], receiving)
+            logger.debug(
+                "supervisor: not moving %s back to %s yet (%.2f does not outweigh the last move's pressure)",
+                move[0].url,
+                move[1],
+                receiving,
+            )
             move = None
         if move is not None:
             inst, role = move
             self._last_move = (role, receiving, self._ticks, self._prompt_mix())
             self._reversal_asked = 0
             self._mix_observed = self._prompt_mix()
-            logger.info("supervisor: %s now serves %s (ttft/slo=%.2f tpot/slo=%.2f)", inst.url, role,
-                        prefill_p, decode_p)
+            logger.info(
+                "supervisor: %s now serves %s (ttft/slo=%.2f tpot/slo=%.2f)", inst.url, role, prefill_p, decode_p
+            )
             inst.active_role = role
             self.moves += 1
             # what clients saw so far describes the split that was: TPOT taken while every instance also
@@ -205,8 +231,11 @@ class Supervisor(PeriodicTask):
         if self._mix_observed is None:
             self._mix_observed = mix
         elif _mix_changed(self._mix_observed, mix):
-            logger.debug("supervisor: prompts in flight %.0f tokens on average, were %.0f: observed latencies restart",
-                         mix, self._mix_observed)
+            logger.debug(
+                "supervisor: prompts in flight %.0f tokens on average, were %.0f: observed latencies restart",
+                mix,
+                self._mix_observed,
+            )
             self._pool.restart_recent()
             self._mix_observed = mix
 

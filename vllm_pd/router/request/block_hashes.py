@@ -60,15 +60,20 @@ class VllmBlockHasher:
         self.seed = seed if seed is not None else os.environ.get("PYTHONHASHSEED", VLLM_DEFAULT_SEED)
         self.none_hash = self._fn(self.seed)
 
-    def hashes(self, token_ids: Sequence[int], block_size: int, parent: bytes | None = None,
-               extra_keys: Sequence[BlockExtraKeys] | None = None) -> list[bytes]:
+    def hashes(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        parent: bytes | None = None,
+        extra_keys: Sequence[BlockExtraKeys] | None = None,
+    ) -> list[bytes]:
         """Full vLLM hashes (bytes) of each full block; ``parent`` continues a chain;
         ``extra_keys[i]``: block i's extra keys (None: no block has any)."""
         out: list[bytes] = []
         prev = parent if parent else self.none_hash
         for i, start in enumerate(range(0, len(token_ids) // block_size * block_size, block_size)):
             extra = extra_keys[i] if extra_keys is not None else None
-            prev = self._fn((prev, tuple(token_ids[start:start + block_size]), extra))
+            prev = self._fn((prev, tuple(token_ids[start : start + block_size]), extra))
             out.append(prev)
         return out
 

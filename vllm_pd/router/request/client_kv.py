@@ -21,13 +21,28 @@ KV_PARAMS = "kv_transfer_params"
 _XARGS = "vllm_xargs"
 
 # the connector's wire names (vllm_pd.connector.transfer_params) and NixlConnector's
-CLIENT_KV_FIELDS = frozenset({
-    KV_PARAMS, "do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids",
-    "remote_host", "remote_port", "remote_request_id", "remote_endpoint", "remote_endpoints",
-    "remote_num_tokens", "tp_size", "prompt_hash", "transfer_id", "transfer_mode", "decode_endpoint",
-    "transfer_key",  # protocol 1's name of the transfer
-    "store_fetch",  # where a prefill's store fetches the prompt from: a client must not point it anywhere
-})
+CLIENT_KV_FIELDS = frozenset(
+    {
+        KV_PARAMS,
+        "do_remote_decode",
+        "do_remote_prefill",
+        "remote_engine_id",
+        "remote_block_ids",
+        "remote_host",
+        "remote_port",
+        "remote_request_id",
+        "remote_endpoint",
+        "remote_endpoints",
+        "remote_num_tokens",
+        "tp_size",
+        "prompt_hash",
+        "transfer_id",
+        "transfer_mode",
+        "decode_endpoint",
+        "transfer_key",  # protocol 1's name of the transfer
+        "store_fetch",  # where a prefill's store fetches the prompt from: a client must not point it anywhere
+    }
+)
 
 
 def strip_client_kv(body: dict[str, Any]) -> bool:

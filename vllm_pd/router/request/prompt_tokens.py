@@ -22,15 +22,21 @@ from pathlib import Path
 from typing import Any
 
 from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, RequestExtraKeys
+from vllm_pd.errors import ConfigError
 from vllm_pd.router.request.block_hashes import PromptBlocks, VllmBlockHasher
 from vllm_pd.router.request.request_body import CHAT, ParsedRequest
-from vllm_pd.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 # body fields that change the rendered prompt in ways not reproduced here: no blocks for such requests
-_UNSUPPORTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "tools", "documents",
-                            "mm_processor_kwargs", "truncate_prompt_tokens")
+_UNSUPPORTED_CHAT_FIELDS = (
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+    "mm_processor_kwargs",
+    "truncate_prompt_tokens",
+)
 _UNSUPPORTED_COMPLETION_FIELDS = ("truncate_prompt_tokens", "prompt_embeds", "lora_request")
 
 
@@ -48,12 +54,12 @@ class ChatTemplate:
         self._special = special
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self._special)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self._special)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -88,8 +94,11 @@ class PromptTokenizer:
         if isinstance(source, list):  # named templates: transformers uses "default"
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
         if isinstance(source, str):
-            special = {k: t for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-                       if (t := _token_text(cfg.get(k))) is not None}
+            special = {
+                k: t
+                for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                if (t := _token_text(cfg.get(k))) is not None
+            }
             self._template = ChatTemplate(source, special)
         self._cache: OrderedDict[tuple[str, bytes, RequestExtraKeys], PromptBlocks | None] = OrderedDict()
         self._cache_size = cache_size

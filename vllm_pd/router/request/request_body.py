@@ -10,8 +10,9 @@ add ``kv_transfer_params`` (docs/benchmarks/proxy.md, profile).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
@@ -93,9 +94,15 @@ def parse_body(raw: bytes, path: str, count_tokens: TokenCounter = estimate_toke
 
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
     return ParsedRequest(
-        path=path, body=body, raw=raw, stream=stream, model=model, prompt_key=prompt_key,
+        path=path,
+        body=body,
+        raw=raw,
+        stream=stream,
+        model=model,
+        prompt_key=prompt_key,
         prompt_tokens=ids_len if ids_len is not None else count_tokens(prompt_key),
-        max_tokens=max_tokens, disaggregable=single and n == 1 and best_of == 1,
+        max_tokens=max_tokens,
+        disaggregable=single and n == 1 and best_of == 1,
     )
 
 
@@ -119,8 +126,9 @@ def _chat_text(body: dict[str, Any]) -> str:
                 if isinstance(c, dict) and isinstance(c.get("text"), str):
                     parts.append(c["text"])
         elif content is not None:
-            raise bad_request(f"'messages[{i}].content' must be a string or an array",
-                              f"messages[{i}].content", "invalid_type")
+            raise bad_request(
+                f"'messages[{i}].content' must be a string or an array", f"messages[{i}].content", "invalid_type"
+            )
     return "\n".join(parts)
 
 

@@ -52,8 +52,11 @@ class StorePrompt:
         salt = self.salts.get(instance_url)
         if salt is None:
             return None
-        best = max((h for h in self.hits if h.salt == salt and h.node.instance_url != instance_url
-                    and h.node.endpoint), key=lambda h: (h.blocks, h.node.node), default=None)
+        best = max(
+            (h for h in self.hits if h.salt == salt and h.node.instance_url != instance_url and h.node.endpoint),
+            key=lambda h: (h.blocks, h.node.node),
+            default=None,
+        )
         if best is None or best.tokens <= held_tokens:
             return None
         return StoreFetch(best.node.node, best.node.endpoint, best.blocks)

@@ -46,8 +46,9 @@ def _hashable_here(block_extra: Any) -> bool:
     """A block's extra keys as vLLM publishes them (untagged: the adapter's name and the cache salt
     as bare strings, a multimodal input as an (identifier, offset) pair, prompt embeddings as a
     digest): whether the proxy can hash a request with them (strings only)."""
-    return block_extra is None or (isinstance(block_extra, (list, tuple))
-                                   and all(isinstance(k, str) for k in block_extra))
+    return block_extra is None or (
+        isinstance(block_extra, (list, tuple)) and all(isinstance(k, str) for k in block_extra)
+    )
 
 
 class KvLocations:
@@ -72,8 +73,9 @@ class KvLocations:
         with self._lock:
             held = self._held.setdefault(instance, _Held())
             if held.next_seq is not None and seq != held.next_seq:
-                logger.info("KV events from %s: expected seq %d, got %d; forgetting its blocks",
-                            instance, held.next_seq, seq)
+                logger.info(
+                    "KV events from %s: expected seq %d, got %d; forgetting its blocks", instance, held.next_seq, seq
+                )
                 held.blocks.clear()
             held.next_seq = seq + 1
             for event in events:
@@ -91,8 +93,13 @@ class KvLocations:
             hashes = event.get("block_hashes") or []
             held.block_size = event.get("block_size") or held.block_size
             plain = event.get("lora_name") is None and not any(extra)
-            if (not self._checked_hash and plain and event.get("parent_block_hash") is None and hashes
-                    and held.block_size):
+            if (
+                not self._checked_hash
+                and plain
+                and event.get("parent_block_hash") is None
+                and hashes
+                and held.block_size
+            ):
                 self._check_hash(hashes[0], event.get("token_ids") or [], held.block_size)
             held.blocks.update(external_hash(h) for h in hashes)
         elif kind == "BlockRemoved":
@@ -109,10 +116,14 @@ class KvLocations:
         mine = self.hasher.hashes(token_ids[:block_size], block_size)[0]
         if external_hash(mine) != external_hash(first):
             self.hash_mismatch = True
-            logger.warning("vLLM's block hashes differ from the proxy's (kv_hash_algo=%s, seed %r): start the "
-                           "servers with --prefix-caching-hash-algo %s and the same PYTHONHASHSEED as the proxy; "
-                           "until then kv_aware routes by load only", self.hasher.algo, self.hasher.seed,
-                           self.hasher.algo)
+            logger.warning(
+                "vLLM's block hashes differ from the proxy's (kv_hash_algo=%s, seed %r): start the "
+                "servers with --prefix-caching-hash-algo %s and the same PYTHONHASHSEED as the proxy; "
+                "until then kv_aware routes by load only",
+                self.hasher.algo,
+                self.hasher.seed,
+                self.hasher.algo,
+            )
 
     def forget(self, instance: str) -> None:
         with self._lock:

@@ -12,8 +12,8 @@ import random
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Protocol
 
-from vllm_pd.router.pool.instance_pool import Instance
 from vllm_pd.errors import ConfigError
+from vllm_pd.router.pool.instance_pool import Instance
 
 if TYPE_CHECKING:
     from vllm_pd.router.request.request_body import ParsedRequest
@@ -72,8 +72,9 @@ class PrefixAware:
     Memory is bounded: at most ``max_entries`` chunk hashes (LRU).
     """
 
-    def __init__(self, chunk_chars: int = 256, max_chunks: int = 64, max_entries: int = 200_000,
-                 imbalance: int = 4) -> None:
+    def __init__(
+        self, chunk_chars: int = 256, max_chunks: int = 64, max_entries: int = 200_000, imbalance: int = 4
+    ) -> None:
         self.chunk_chars = chunk_chars
         self.max_chunks = max_chunks
         self.max_entries = max_entries
@@ -86,7 +87,7 @@ class PrefixAware:
         data = prompt_key.encode("utf-8", "surrogatepass")
         step = self.chunk_chars
         for start in range(0, min(len(data), step * self.max_chunks), step):
-            h = hashlib.blake2b(h + data[start:start + step], digest_size=16).digest()
+            h = hashlib.blake2b(h + data[start : start + step], digest_size=16).digest()
             hashes.append(h)
         return hashes
 
@@ -113,7 +114,7 @@ class PrefixAware:
         return len(self._owner)
 
 
-def held_tokens(locations: "KvLocations", instance: str, req: "ParsedRequest") -> int:
+def held_tokens(locations: KvLocations, instance: str, req: ParsedRequest) -> int:
     """Prompt tokens the instance will not compute: the longer of what its prefix cache holds (KV
     events) and what its own KV store holds (the store master), as leading full blocks.
 
@@ -140,7 +141,7 @@ class KvAware:
     told to fetch them (pd_flow.py), whichever it is.
     """
 
-    def __init__(self, locations: "KvLocations", load_weight: float = 1.0) -> None:
+    def __init__(self, locations: KvLocations, load_weight: float = 1.0) -> None:
         self.locations = locations
         self.load_weight = load_weight
         self._fallback = LeastOutstanding()
@@ -148,21 +149,27 @@ class KvAware:
     def choose(self, candidates: list[Instance], role: str, prompt_key: str, tokens: int) -> Instance:
         return self._fallback.choose(candidates, role, prompt_key, tokens)
 
-    def choose_for(self, candidates: list[Instance], role: str, req: "ParsedRequest") -> Instance:
+    def choose_for(self, candidates: list[Instance], role: str, req: ParsedRequest) -> Instance:
         if req.blocks is None or len(candidates) == 1:
             return self.choose(candidates, role, req.prompt_key, req.prompt_tokens)
         tokens = len(req.blocks.token_ids)
-        costs = {c.url: tokens - held_tokens(self.locations, c.url, req)
-                 + self.load_weight * c.outstanding_tokens[role] for c in candidates}
+        costs = {
+            c.url: tokens - held_tokens(self.locations, c.url, req) + self.load_weight * c.outstanding_tokens[role]
+            for c in candidates
+        }
         best = min(costs.values())
         return self._fallback.choose([c for c in candidates if costs[c.url] == best], role, req.prompt_key, tokens)
 
 
-def make_policy(name: str, locations: "KvLocations | None" = None, load_weight: float = 1.0) -> Policy:
+def make_policy(name: str, locations: KvLocations | None = None, load_weight: float = 1.0) -> Policy:
     if name == "kv_aware":
         if locations is None:
             raise ConfigError("kv_aware needs a KV location index (the proxy's tokenizer and kv_events)")
         return KvAware(locations, load_weight)
-    policies: dict[str, type[Policy]] = {"round_robin": RoundRobin, "least_outstanding": LeastOutstanding,
-                                         "power_of_two": PowerOfTwo, "prefix_aware": PrefixAware}
+    policies: dict[str, type[Policy]] = {
+        "round_robin": RoundRobin,
+        "least_outstanding": LeastOutstanding,
+        "power_of_two": PowerOfTwo,
+        "prefix_aware": PrefixAware,
+    }
     return policies[name]()

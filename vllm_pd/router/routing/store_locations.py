@@ -39,10 +39,17 @@ TIMEOUT_S = 0.1  # per master call; the tokenize thread serves every request, so
 class StoreLocations:
     """The proxy's view of the KV store through its master. One thread calls it (the tokenize worker)."""
 
-    def __init__(self, address: str, timeout_s: float = TIMEOUT_S, refresh_s: float = NODES_REFRESH_S,
-                 retry_after_s: float = 2.0, secret: DeploymentSecret | None = None) -> None:
-        self.link = MasterLink(address, timeout_s, retry_after_s, what="kv_aware routes by KV events only",
-                               secret=secret)
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = TIMEOUT_S,
+        refresh_s: float = NODES_REFRESH_S,
+        retry_after_s: float = 2.0,
+        secret: DeploymentSecret | None = None,
+    ) -> None:
+        self.link = MasterLink(
+            address, timeout_s, retry_after_s, what="kv_aware routes by KV events only", secret=secret
+        )
         self.refresh_s = refresh_s
         self._nodes: list[NodeInfo] = []
         self._nodes_at = float("-inf")

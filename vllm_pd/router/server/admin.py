@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Awaitable, Callable
-
+from collections.abc import Awaitable, Callable
 
 from vllm_pd.router.backend.backend_url import BackendAddressPolicy
 from vllm_pd.router.config import ConfigError, InstanceConfig
@@ -20,9 +19,13 @@ from vllm_pd.router.pool.instance_pool import InstancePool
 
 
 class AdminApi:
-    def __init__(self, pool: InstancePool, token: str | None,
-                 on_added: Callable[[], Awaitable[None]] | None = None,
-                 addresses: BackendAddressPolicy | None = None) -> None:
+    def __init__(
+        self,
+        pool: InstancePool,
+        token: str | None,
+        on_added: Callable[[], Awaitable[None]] | None = None,
+        addresses: BackendAddressPolicy | None = None,
+    ) -> None:
         self._pool = pool
         self._token = token
         self._on_added = on_added
@@ -36,8 +39,12 @@ class AdminApi:
 
     def _authorize(self, request: HttpRequest) -> None:
         if not self._token:
-            raise ProxyError(403, "admin API disabled (start the proxy with --admin-token)", "permission_error",
-                             code="admin_disabled")
+            raise ProxyError(
+                403,
+                "admin API disabled (start the proxy with --admin-token)",
+                "permission_error",
+                code="admin_disabled",
+            )
         header = request.headers.get("authorization", "")
         given = header[7:] if header.startswith("Bearer ") else ""
         if not hmac.compare_digest(given.encode(), self._token.encode()):
@@ -75,8 +82,11 @@ class AdminApi:
         if unknown:
             raise bad_request(f"unknown key {sorted(unknown)[0]!r}", sorted(unknown)[0], "unknown_key")
         try:
-            ic = InstanceConfig(url=data.get("url"), role=data.get("role"),  # type: ignore[arg-type]
-                                kv_endpoint=data.get("kv_endpoint"))
+            ic = InstanceConfig(  # InstanceConfig checks the client's values: they may be of any type
+                url=data.get("url"),  # type: ignore[arg-type]
+                role=data.get("role"),  # type: ignore[arg-type]
+                kv_endpoint=data.get("kv_endpoint"),
+            )
             # where the proxy (and prefill, pushing KV) would connect: never an arbitrary address
             await self._addresses.check(ic.url, "url")
             if ic.kv_endpoint is not None:

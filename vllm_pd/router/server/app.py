@@ -39,11 +39,17 @@ from vllm_pd.router.server.admin import AdminApi
 
 logger = logging.getLogger(__name__)
 
+
 class ProxyServer:
     """Everything one proxy process holds; ``routes`` is what its HTTP server serves."""
 
-    def __init__(self, config: ProxyConfig, release_kv: ReleaseFn = default_release_remote_kv,
-                 count_tokens: TokenCounter | None = None, run_health_checks: bool = True) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        release_kv: ReleaseFn = default_release_remote_kv,
+        count_tokens: TokenCounter | None = None,
+        run_health_checks: bool = True,
+    ) -> None:
         self.config = config
         self.pool = InstancePool(config)
         self.metrics = ProxyMetrics(self.pool)
@@ -67,24 +73,33 @@ class ProxyServer:
         self.tracer: Tracer | None = None
         self.request_log: RequestLog | None = None
         self.routes: dict[str, dict[str, Handler]] = {
-            COMPLETIONS: {"POST": self._completion}, CHAT: {"POST": self._completion},
-            "/v1/models": {"GET": self._models}, "/health": {"GET": self._health},
+            COMPLETIONS: {"POST": self._completion},
+            CHAT: {"POST": self._completion},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
         }
-        AdminApi(self.pool, config.admin_token, self._on_instance_added,
-                 BackendAddressPolicy(parse_networks(config.backend_networks, "backend_networks"))
-                 ).register(self.routes)
+        AdminApi(
+            self.pool,
+            config.admin_token,
+            self._on_instance_added,
+            BackendAddressPolicy(parse_networks(config.backend_networks, "backend_networks")),
+        ).register(self.routes)
         if config.api_key:
             ClientAuth(config.api_key).protect(self.routes)
-        self.gate = (AdmissionGate(config.max_concurrent_requests, config.max_queued_requests)
-                     if config.max_concurrent_requests else None)
+        self.gate = (
+            AdmissionGate(config.max_concurrent_requests, config.max_queued_requests)
+            if config.max_concurrent_requests
+            else None
+        )
         if self.gate is not None:
             gate = self.gate
             self.metrics.queue_length = lambda: gate.waiting
 
     async def start(self) -> None:
-        self.client = BackendClient(self.config.connect_timeout,
-                                    tls_context(self.config.backend_ca_file, self.config.backend_tls_verify))
+        self.client = BackendClient(
+            self.config.connect_timeout, tls_context(self.config.backend_ca_file, self.config.backend_tls_verify)
+        )
         watch = PartitionWatch()  # checks find lost instances; the flow's legs on them move on
         self.tracer = make_tracer(self.config.otlp_endpoint)
         self.request_log = RequestLog(self.config.request_log) if self.config.request_log else None
@@ -94,25 +109,44 @@ class ProxyServer:
             self.kv_routing.start()
             locations = self.kv_routing.locations
         weight = self.config.kv_load_weight
-        self.flow = PDFlow(self.config, self.pool, self.client, self.metrics,
-                           make_policy(self.config.prefill_policy, locations, weight),
-                           make_policy(self.config.decode_policy, locations, weight),
-                           self._release_kv, self.tracer, self.request_log, watch, locations)
+        self.flow = PDFlow(
+            self.config,
+            self.pool,
+            self.client,
+            self.metrics,
+            make_policy(self.config.prefill_policy, locations, weight),
+            make_policy(self.config.decode_policy, locations, weight),
+            self._release_kv,
+            self.tracer,
+            self.request_log,
+            watch,
+            locations,
+        )
         key = self.config.backend_api_key
-        self.health = HealthChecker(self.pool, self.client, self.config.health_interval, self.config.health_timeout,
-                                    headers=(("Authorization", bearer(key)),) if key else (), watch=watch)
+        self.health = HealthChecker(
+            self.pool,
+            self.client,
+            self.config.health_interval,
+            self.config.health_timeout,
+            headers=(("Authorization", bearer(key)),) if key else (),
+            watch=watch,
+        )
         if self._run_health_checks:
             self.health.start()
-            self.stall_probe = StallProbe(watch, self.pool, self.client, self.health, self.config.probe_after,
-                                          self.config.probe_timeout)
+            self.stall_probe = StallProbe(
+                watch, self.pool, self.client, self.health, self.config.probe_after, self.config.probe_timeout
+            )
         if self.config.supervisor:
-            self.supervisor = Supervisor(self.pool, self.config.supervisor_interval,
-                                         self.config.supervisor_ttft_slo, self.config.supervisor_tpot_slo,
-                                         supervisor_profile(self.config.supervisor_profile))
+            self.supervisor = Supervisor(
+                self.pool,
+                self.config.supervisor_interval,
+                self.config.supervisor_ttft_slo,
+                self.config.supervisor_tpot_slo,
+                supervisor_profile(self.config.supervisor_profile),
+            )
             self.supervisor.start()
         if self.config.kubernetes is not None:
-            self.discovery = KubernetesDiscovery(self.pool, self.config.kubernetes,
-                                                 on_added=self._on_instance_added)
+            self.discovery = KubernetesDiscovery(self.pool, self.config.kubernetes, on_added=self._on_instance_added)
             self.discovery.start()
 
     async def stop(self) -> None:
@@ -177,8 +211,7 @@ class ProxyServer:
     def _check_model(self, model: str | None) -> None:
         known = self._known_models()
         if model is not None and known and model not in known:
-            raise ProxyError(404, f"The model `{model}` does not exist.", "NotFoundError", "model",
-                             "model_not_found")
+            raise ProxyError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
 
     async def _models(self, request: HttpRequest) -> HttpResponse:
         data = [{"id": m, "object": "model", "owned_by": "vllm-pd"} for m in sorted(self._known_models())]
@@ -186,8 +219,11 @@ class ProxyServer:
 
     async def _health(self, request: HttpRequest) -> HttpResponse:
         ok = bool(self.pool.eligible("decode"))
-        body = {"status": "ok" if ok else "no healthy decode instance",
-                "prefill": len(self.pool.eligible("prefill")), "decode": len(self.pool.eligible("decode"))}
+        body = {
+            "status": "ok" if ok else "no healthy decode instance",
+            "prefill": len(self.pool.eligible("prefill")),
+            "decode": len(self.pool.eligible("decode")),
+        }
         return json_response(body, status=200 if ok else 503)
 
     async def _metrics(self, request: HttpRequest) -> HttpResponse:
@@ -219,8 +255,7 @@ async def serve(server: ProxyServer) -> RunningProxy:
     """Start listening; the caller keeps the result and calls ``cleanup()`` to stop."""
     await server.start()
     cfg = server.config
-    limits = HttpLimits(cfg.max_header_bytes, cfg.max_headers, cfg.max_url_bytes, cfg.header_timeout,
-                        cfg.body_timeout)
+    limits = HttpLimits(cfg.max_header_bytes, cfg.max_headers, cfg.max_url_bytes, cfg.header_timeout, cfg.body_timeout)
     http = HttpServer(server.routes, cfg.max_body_bytes, limits)
     try:
         await http.start(server.config.host, server.config.port, backlog=2048)
