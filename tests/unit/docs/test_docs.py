@@ -35,7 +35,10 @@ sys.path.insert(0, str(ROOT / "docs" / "hooks"))
 
 import reference_pages  # noqa: E402 - docs/hooks is not a package
 
-CI_COMMAND = "bash install.sh && ruff check vllm_pd tests benchmarks docs/hooks && ruff format --check vllm_pd tests benchmarks docs/hooks && mypy && python3 -m pytest -q tests"
+CI_COMMAND = (
+    "bash install.sh && ruff check vllm_pd tests benchmarks docs/hooks"
+    " && ruff format --check vllm_pd tests benchmarks docs/hooks && mypy && python3 -m pytest -q tests"
+)
 
 
 # ---- the build ---------------------------------------------------------------------------------

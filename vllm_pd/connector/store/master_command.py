@@ -68,8 +68,11 @@ def spawn_master(
     """Start ``vllm-pd store-master`` as a child process and wait until it answers
     (tests, benchmarks); returns (process, address). The caller kills it.
     ``netns``: run it inside that network namespace (``ip netns exec``, which execs it: same pid).
-    ``secret_file``: the deployment secret it requires (the probe proves it)."""
-    from vllm_pd.connector.store.master_client import MasterClient
+    ``secret_file``: the deployment secret it requires (the readiness call proves it).
+    Readiness is a read-only ``Nodes`` call: a node registered to probe would stay in the
+    index for ``node_ttl_s`` and show up in its node list."""
+    from vllm_pd.connector.store.master import Nodes
+    from vllm_pd.connector.store.master_client import MasterLink
 
     address = f"tcp://{host}:{port}"
     prefix = ["ip", "netns", "exec", netns] if netns else []
@@ -81,15 +84,15 @@ def spawn_master(
         [*prefix, sys.executable, "-m", "vllm_pd.cli", "store-master", "--host", host, "--port", str(port), *flags]
     )
     secret = load_secret(secret_file, "secret_file", env={}) if secret_file else None
-    probe = MasterClient(address, "probe", "", lambda: [], timeout_s=1.0, retry_after_s=0.0, secret=secret)
+    link = MasterLink(address, timeout_s=1.0, retry_after_s=0.0, secret=secret)
     deadline = time.monotonic() + timeout_s
     try:
-        while not probe.flush(force=True):
+        while link.call(Nodes()) is None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 proc.wait()
                 raise RuntimeError(f"store master on {address} did not start (exit code {proc.returncode})")
             time.sleep(0.2)
     finally:
-        probe.close()
+        link.close()
     return proc, address
