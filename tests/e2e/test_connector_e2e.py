@@ -114,6 +114,7 @@ def test_disaggregated_output_equals_plain(mode: str, pd_pair, reference_outputs
     prefill, decode = pd_pair
     source = "fetch" if mode.startswith("pull") else "push"
     ok_before = ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok")
+    failed_before = ec.metric(client, decode.url, "vllm:pd_loads_total", result="failed")
     blocks_before = ec.metric(client, decode.url, "vllm:pd_loaded_blocks_total", source=source)
     mismatches = []
     transferred = 0  # requests whose KV came from prefill
@@ -146,6 +147,10 @@ def test_disaggregated_output_equals_plain(mode: str, pd_pair, reference_outputs
     assert not mismatches, f"{mode}: outputs differ from the plain instance for {mismatches}"
     assert transferred >= len(CONNECTOR_CASES) // 2
     assert ec.metric(client, decode.url, "vllm:pd_loads_total", result="ok") - ok_before >= transferred
+    # vLLM recomputes a failed layer-wise load after counting its tokens as transferred: `local == 1`
+    # above does not show it
+    failed = ec.metric(client, decode.url, "vllm:pd_loads_total", result="failed") - failed_before
+    assert failed == 0, f"{mode}: {failed:.0f} loads failed and were recomputed"
     assert ec.metric(client, decode.url, "vllm:pd_loaded_blocks_total", source=source) > blocks_before
     assert_nothing_held(client, pd_pair)
 
