@@ -76,7 +76,10 @@ class Figures:
     failed_loads: int = 0  # decode's loads that failed (then recomputed): their TTFT includes the recompute
 
 
-def server_spec(model: Path, tp: int, core: str, role: str, extra: tuple[str, ...]) -> VllmServerSpec:
+def server_spec(model: Path, tp: int, other_tp: int, core: str, role: str, extra: tuple[str, ...]) -> VllmServerSpec:
+    """One side of a pair; a TP 1 side beside a TP 2 one is left unbound (VLLM_CPU_OMP_THREADS_BIND
+    nobind): bound to a core a decode TP rank spins on in vLLM CPU's all-reduce, a prefill starves
+    (docs/benchmarks/transfer.md, "P1 -> D2")."""
     kv_port = free_port()
     ktc = {
         "kv_connector": "PDConnector",
@@ -89,7 +92,7 @@ def server_spec(model: Path, tp: int, core: str, role: str, extra: tuple[str, ..
         model=str(model),
         port=free_port(),
         kv_transfer_config=ktc,
-        cpu_cores="0|1" if tp == 2 else core,
+        cpu_cores="0|1" if tp == 2 else core if other_tp == 1 else "nobind",
         max_model_len=2048,
         served_model_name="bench",
         kv_cache_bytes=f"{KV_CACHE_BYTES >> 20}m",
@@ -119,11 +122,11 @@ def run_case(case: Case, requests: int, length: int, log_dir: Path, client: http
     model = ensure_model(case.model)
     servers = [
         VllmServer(
-            server_spec(model, case.prefill_tp, "0", "kv_producer", case.prefill_args),
+            server_spec(model, case.prefill_tp, case.decode_tp, "0", "kv_producer", case.prefill_args),
             log_dir / f"{case.name}-prefill.log",
         ).start(),
         VllmServer(
-            server_spec(model, case.decode_tp, "1", "kv_consumer", case.decode_args),
+            server_spec(model, case.decode_tp, case.prefill_tp, "1", "kv_consumer", case.decode_args),
             log_dir / f"{case.name}-decode.log",
         ).start(),
     ]

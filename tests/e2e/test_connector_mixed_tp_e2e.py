@@ -31,8 +31,15 @@ def client():
         yield c
 
 
+# The TP 1 instance is left unbound beside the TP 2 one, as a prefill must be on a host where it shares
+# cores with a decode TP rank: a TP 2 rank whose KV arrived first waits for its partner spinning in vLLM
+# CPU's shared-memory all-reduce, and on its core that spin starved a prefill bound there for up to the 30 s
+# transfer timeout - the partner's KV is the prefill's to send (docs/benchmarks/transfer.md, "P1 -> D2").
+UNBOUND = "nobind"
+
+
 def _spec(model: Path, tp: int, ktc: dict | None) -> ec.VllmServerSpec:
-    return tp_spec(model, ktc) if tp == 2 else ec.server_spec(model, "0-1" if ktc is None else "1", ktc)
+    return tp_spec(model, ktc) if tp == 2 else ec.server_spec(model, "0-1" if ktc is None else UNBOUND, ktc)
 
 
 @pytest.fixture(scope="module")

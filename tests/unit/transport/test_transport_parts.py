@@ -97,3 +97,37 @@ def test_fetch_of_spans_needs_the_grant_and_parts_inside_the_blocks(pair) -> Non
     assert not _bytes(dst[0], 0).any()
     with pytest.raises(ValueError, match="not inside"):
         b.fetch(a_ep, "g", 0, [1], [0], timeout=10, spans=FetchSpans((0,), (nbytes - 32,), (64,)))
+
+
+@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "nixl"])
+def test_two_fetchers_of_different_windows_read_one_server_at_once(transport: str) -> None:
+    """Mixed TP, P TP 1 -> D TP 2 pull: each decode rank (a transport of its own) reads its head - its
+    half of every block - of every layer from prefill's one rank, both at once and under one transfer
+    id. Each gets exactly its half of each block and every read is answered: neither reader's reads
+    wait for, or settle, the other's."""
+    name, options = TRANSPORTS[transport]
+    src = make_regions(4, 16, seed=1)
+    a, _, a_ep = started(name, src, **options)
+    readers = [started(name, make_regions(4, 16, seed=None), **options)[0] for _ in range(2)]
+    try:
+        half = src[0].block_nbytes // 2
+        ids = list(range(16))
+        a.allow_fetch("p1d2", ids)
+        spans = [FetchSpans((rank * half,) * 16, (0,) * 16, (half,) * 16) for rank in range(2)]
+        reads = [
+            t.fetch(a_ep, "p1d2", layer, ids, ids, timeout=10, spans=spans[rank])
+            for layer in range(4)
+            for rank, t in enumerate(readers)
+        ]
+        for f in reads:
+            assert f.result(10) is None
+        for rank, t in enumerate(readers):
+            landed = t._require_regions()
+            for layer in range(4):
+                for blk in ids:
+                    want = _bytes(src[layer], blk)[rank * half : (rank + 1) * half]
+                    assert bytes(landed.views(layer, [blk])[0][:half]) == want.numpy().tobytes()
+        a.allow_fetch("p1d2", None)
+    finally:
+        for t in (a, *readers):
+            t.close()
