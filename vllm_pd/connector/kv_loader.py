@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,6 +22,7 @@ from vllm_pd.connector.kv_device import KVDevice
 from vllm_pd.connector.layer_groups import LayerGroups
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.push_staging import PushStaging
+from vllm_pd.connector.release import DecodeRelease
 from vllm_pd.connector.step_specs import WorkerStep
 from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transfer_params import RemotePrefill
@@ -43,7 +43,7 @@ class KVLoader:
         rank: int,
         tp_size: int,
         stats: TransferCounters,
-        release: Callable[[RemotePrefill], None],
+        release: DecodeRelease,
         changed: threading.Event,
         groups: LayerGroups | None = None,
     ) -> None:
@@ -55,7 +55,7 @@ class KVLoader:
         self.rank = rank
         self.tp_size = tp_size
         self.stats = stats
-        self._release = release  # free prefill's copy on this rank's share of its ranks
+        self._release = release  # every release this rank sends, its jobs' too
         self.groups = groups or LayerGroups(None, len(regions), 1)
         self._changed = changed  # wakes an idle step waiting for transfer events
         self.staging = PushStaging(
@@ -89,7 +89,7 @@ class KVLoader:
     def _release_announced(self, params: dict[str, Any]) -> None:
         remote = RemotePrefill.from_params(params)
         if remote is not None:
-            self._release(remote)
+            self._release.never_read(remote)
 
     # ---- each step ----------------------------------------------------------------------------
     def begin_step(self, meta: WorkerStep) -> None:
@@ -108,13 +108,14 @@ class KVLoader:
                 probe_s=self.config.peer_probe_s,
                 groups=self.groups,
                 host_alloc=self.device.host_empty,
+                release=self._release,
             )
             for spec in meta.loads
         ]
         for rel in meta.remote_releases:
             if rel.refused:
                 self.stats.record_shape_refused()
-            self._release(rel.remote)
+            self._release.never_read(rel.remote)
         for transfer_id in meta.abandoned_pushes:
             announced = self.staging.abandon(transfer_id)
             if announced is not None:

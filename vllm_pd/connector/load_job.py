@@ -46,7 +46,7 @@ from vllm_pd.connector.kv_geometry import (
 )
 from vllm_pd.connector.layer_groups import LayerGroups, union
 from vllm_pd.connector.push_staging import PushStaging
-from vllm_pd.connector.release import release_plan_share, release_rank_share
+from vllm_pd.connector.release import DecodeRelease
 from vllm_pd.connector.step_specs import LoadSpec
 from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport.base import FetchSpans, MemoryRegion, Transport
@@ -91,6 +91,7 @@ class LoadJob:
         probe_s: float = 2.0,
         groups: LayerGroups | None = None,
         host_alloc: Callable[[int], torch.Tensor] | None = None,
+        release: DecodeRelease | None = None,
     ) -> None:
         self.spec = spec
         self.remote: RemotePrefill | None = spec.remote
@@ -99,7 +100,7 @@ class LoadJob:
         self._staging = staging
         self._access = access
         self._rank = rank
-        self._tp_size = tp_size
+        self._release = release or DecodeRelease(transport, rank, tp_size)
         self._timeout_s = timeout_s
         self._push_wait_s = push_wait_s
         self._probe_s = probe_s
@@ -467,12 +468,4 @@ class LoadJob:
     def _release_remote(self, remote: RemotePrefill) -> None:
         # Retried: one lost answer from a busy prefill rank would hold its blocks - and keep its
         # engine stepping - for the whole lease.
-        local = self._groups.shape
-        if self._plan is not None and remote.shape is not None and local is not None:
-            # the prefill ranks we read from (and those nobody reads, shared out); each frees
-            # its blocks once every decode rank reading it is done
-            release_plan_share(self._transport, remote, remote.shape, local, self._rank)
-            return
-        # equal TP sizes: our rank's share is the prefill rank we loaded from; refused or not
-        # shaped: the shares together cover every prefill rank
-        release_rank_share(self._transport, remote, self._rank, self._tp_size)
+        self._release.done_reading(remote, self._groups.shape if self._plan is not None else None)

@@ -99,6 +99,29 @@ def release_plan_share(
             send_release(transport, remote.endpoint_for_rank(source), remote.transfer_id, releaser=rank, of=len(ranks))
 
 
+class DecodeRelease:
+    """The one route by which a decode TP rank tells prefill's ranks it is done with a transfer's KV:
+    after a load (its job), and for KV it never read (announced pushes no request claimed, loads the
+    scheduler dropped or refused). Never blocks; each release is retried (:func:`send_release`)."""
+
+    def __init__(self, transport: Transport, rank: int, tp_size: int) -> None:
+        self._transport, self._rank, self._tp_size = transport, rank, tp_size
+
+    def done_reading(self, remote: RemotePrefill, local_shape: KVShape | None) -> None:
+        """After a load. ``local_shape``: ours where a plan took shares of prefill's ranks (the prefill
+        ranks we read from, and our share of those nobody read; each frees once every decode rank
+        reading it is done); None (no plan: refused, or a side without a shape): as :meth:`never_read`."""
+        if local_shape is not None and remote.shape is not None:
+            release_plan_share(self._transport, remote, remote.shape, local_shape, self._rank)
+        else:
+            self.never_read(remote)
+
+    def never_read(self, remote: RemotePrefill) -> None:
+        """Nothing of ``remote`` was read here: our rank's share of prefill's ranks frees it (the
+        shares of all decode ranks together cover every prefill rank)."""
+        release_rank_share(self._transport, remote, self._rank, self._tp_size)
+
+
 def release_remote_kv(
     kv_transfer_params: dict[str, Any] | None,
     timeout: float = 2.0,

@@ -30,10 +30,9 @@ from vllm_pd.connector.kv_loader import KVLoader
 from vllm_pd.connector.kv_sender import KVSender
 from vllm_pd.connector.layer_groups import LayerGroups
 from vllm_pd.connector.push_staging import PushStaging
-from vllm_pd.connector.release import release_rank_share
+from vllm_pd.connector.release import DecodeRelease
 from vllm_pd.connector.step_specs import WorkerStep
 from vllm_pd.connector.transfer_counters import TransferCounters
-from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 from vllm_pd.vllm_logging import vllm_logger
@@ -155,7 +154,7 @@ class PDConnectorWorker:
             self.tp_rank,
             self.tp_size,
             self.stats,
-            self._release,
+            DecodeRelease(self.transport, self.tp_rank, self.tp_size),
             self.sender.outgoing.changed,
             groups,
         )
@@ -304,11 +303,6 @@ class PDConnectorWorker:
         elif self.is_consumer:
             self.loader.announce(msg.transfer_id, msg.params)
         return b"ok"
-
-    def _release(self, remote: RemotePrefill) -> None:
-        """Tell this rank's share of prefill's ranks that ``remote``'s KV is not needed (nothing of
-        it was read here)."""
-        release_rank_share(self.transport, remote, self.tp_rank, self.tp_size)
 
     # ---- each step ------------------------------------------------------------------------------
     def begin_step(self, meta: WorkerStep) -> None:

@@ -297,6 +297,7 @@ def test_load_job_retries_its_release_when_prefill_does_not_answer(monkeypatch: 
     st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
     job, _, _ = _awaited_job(st, [5, 6, 7])
     transport = job._transport = _UnansweredOnceTransport()
+    job._release = release.DecodeRelease(transport, 0, 1)
     for layer in range(2):
         _land(st, "k", layer, (0, 1), fill=1, last=True)
     st.announce(

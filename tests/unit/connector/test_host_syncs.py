@@ -40,6 +40,7 @@ from vllm_pd.connector import block_copies
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.kv_loader import KVLoader
+from vllm_pd.connector.release import DecodeRelease
 from vllm_pd.connector.step_specs import FinishedSend, LoadSpec, SendSpec, WorkerStep
 from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transport import create_transport
@@ -210,16 +211,17 @@ def test_a_step_replayed_as_a_full_graph_pushes_its_layers_after_the_forward() -
 def _decode_loader(dev: AsyncStandInDevice) -> tuple[KVLoader, list[MemoryRegion], list[torch.Tensor]]:
     regions, access = _staged_decode(dev)
     config = PDConnectorConfig.from_extra_config({"transfer_timeout_s": 5, "push_wait_s": 1})
+    transport = create_transport("tcp")
     loader = KVLoader(
         config,
-        create_transport("tcp"),
+        transport,
         access,
         dev,
         regions,
         rank=0,
         tp_size=1,
         stats=TransferCounters(),
-        release=lambda remote: None,
+        release=DecodeRelease(transport, 0, 1),
         changed=threading.Event(),
     )
     pushed = [random_kv(2, seed=60 + i) for i in range(LAYERS)]

@@ -32,6 +32,7 @@ from vllm_pd.connector.kv_layout import KVLayout
 from vllm_pd.connector.kv_loader import KVLoader
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.push_staging import PushStaging
+from vllm_pd.connector.release import DecodeRelease
 from vllm_pd.connector.step_specs import LoadSpec, SendSpec, WorkerStep
 from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transfer_params import RemotePrefill
@@ -257,7 +258,7 @@ def test_decode_attention_reads_pushed_kv_only_after_its_layer_landed(wait: bool
         rank=0,
         tp_size=1,
         stats=TransferCounters(),
-        release=lambda remote: None,
+        release=DecodeRelease(transport, 0, 1),
         changed=threading.Event(),
     )
     pushed = [random_kv(2, seed=20 + i) for i in range(LAYERS)]
