@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 from cpu_meter import CpuMeter  # benchmarks/ is the script's own folder
 
-from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest
+from vllm_pd.protocol.transfer_params import AwaitedPrefill, RemoteDecodeRequest
 from vllm_pd.small_model import ModelSpec, ensure_model
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest
+from vllm_pd.protocol.transfer_params import AwaitedPrefill, RemoteDecodeRequest
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from vllm_pd.connector.auth_protocol import DeploymentSecret, check_bind, is_loopback, load_secret
-from vllm_pd.connector.transfer_params import LoadMode, TransferMode
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.errors import ConfigError
+from vllm_pd.protocol.transfer_params import LoadMode, TransferMode
 
 TransportName = Literal["tcp", "shm", "nixl"]
 

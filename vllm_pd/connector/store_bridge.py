@@ -31,8 +31,8 @@ from vllm_pd.connector.store.master_client import RemoteHit
 from vllm_pd.connector.store.plans import StorePlan, StoreReport
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
-from vllm_pd.connector.transfer_params import StoreFetch
 from vllm_pd.connector.transport.base import MemoryRegion
+from vllm_pd.protocol.transfer_params import StoreFetch
 from vllm_pd.vllm_logging import vllm_logger
 
 if TYPE_CHECKING:

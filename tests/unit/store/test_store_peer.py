@@ -15,7 +15,7 @@ from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.connector.store.pool_exchange import PoolExchange, SlotDirectory
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
-from vllm_pd.connector.transfer_params import StoreFetch
+from vllm_pd.protocol.transfer_params import StoreFetch
 from vllm_pd.vllm_server import free_port
 
 # ---- the protocol: two pools on the TCP transport -------------------------------------------

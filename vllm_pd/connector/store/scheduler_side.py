@@ -32,8 +32,8 @@ from vllm_pd.connector.store.master_client import MasterClient, RemoteHit
 from vllm_pd.connector.store.plans import LoadOp, SaveOp, StorePlan, StoreReport
 from vllm_pd.connector.store.radix import Pin
 from vllm_pd.connector.store.request_keys import RequestKeys
-from vllm_pd.connector.transfer_params import StoreFetch
 from vllm_pd.errors import StoreError
+from vllm_pd.protocol.transfer_params import StoreFetch
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

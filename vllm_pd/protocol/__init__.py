@@ -1,0 +1,19 @@
+"""What two vllm-pd processes exchange: every message and frame, one place, one version.
+
+The connector (prefill and decode workers, the scheduler side), its transports and KV store,
+the store master and the proxy all import their wire from here, and this package imports
+none of them, nor torch nor vLLM (tests/unit/imports/test_import_layers.py): it is the floor
+they stand on. Only definitions live here - the messages, frame layouts, flags, sizes and
+their encoding and checks; what moves them (sockets, shared memory, NIXL calls, torch
+copies) lives with its user. One version for all of it: :data:`version.PROTOCOL_VERSION`.
+
+Modules, one concern each (the map with who talks to whom: docs/design/protocol.md):
+
+* ``version`` - the protocol's version and its history.
+* ``transfer_params`` - ``kv_transfer_params`` between proxy, prefill and decode (JSON).
+* ``kv_shape`` - an instance's KV cache shape, as the two sides of a transfer tell each other.
+* ``control`` - the control messages riding on ``Transport.notify`` (msgpack).
+
+Importing the package imports none of its modules (each is imported by name), so a
+process takes only the wire it speaks.
+"""
