@@ -236,7 +236,7 @@ def ours_ktc(role: str, kv_port: int, transport: str, secret_file: str | None = 
 
 def secret_file(log_dir: Path) -> str:
     """A deployment secret for a "+secret" pair (as `vllm-pd up` makes one)."""
-    from vllm_pd.connector.auth_protocol import write_new_secret
+    from vllm_pd.connector.deployment_secret import write_new_secret
 
     return write_new_secret(log_dir / "deployment-secret")
 

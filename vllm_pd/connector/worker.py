@@ -17,9 +17,9 @@ import msgspec
 import torch
 
 from vllm_pd.connector.amx_tiles import request_amx_tiles
-from vllm_pd.connector.auth_protocol import INSECURE_WARNING, SECRET_ENV, is_loopback
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
+from vllm_pd.connector.deployment_secret import INSECURE_WARNING, SECRET_ENV, is_loopback
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
 from vllm_pd.connector.kv_device import KVDevice, kv_device_for

@@ -15,16 +15,11 @@ import torch
 
 from tests.support.tls_certs import issue, make_ca
 from tests.support.transport_harness import TcpRelay, make_regions, raw_dial, started
-from vllm_pd.connector.auth_protocol import (
-    DeploymentSecret,
-    DiallerHandshake,
-    ListenerHandshake,
-    Service,
-)
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.framing import Checksum, Frame, Kind, read_frame, send_buffers
 from vllm_pd.connector.transport.wire import SocketChannel, Wire
 from vllm_pd.errors import TransportError
+from vllm_pd.protocol.auth_handshake import DeploymentSecret, DiallerHandshake, ListenerHandshake, Service
 
 SECRET = DeploymentSecret(b"the-deployment-secret-0123456789", "test")
 OTHER = DeploymentSecret(b"another-deployment-secret-987654", "test")

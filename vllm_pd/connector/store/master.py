@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from vllm_pd.connector.auth_protocol import REFUSED, DeploymentSecret, is_handshake_hello
 from vllm_pd.connector.store.keys import BlockKey, KeySalt
 from vllm_pd.connector.store.master_sessions import ListenerSessions
+from vllm_pd.protocol.auth_handshake import REFUSED, DeploymentSecret, is_handshake_hello
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

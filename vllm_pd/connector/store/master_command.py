@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from vllm_pd.connector.auth_protocol import INSECURE_WARNING, SECRET_ENV, check_bind, load_secret
+from vllm_pd.connector.deployment_secret import INSECURE_WARNING, SECRET_ENV, check_bind, load_secret
 from vllm_pd.connector.store.master import serve
 from vllm_pd.errors import ConfigError
 from vllm_pd.vllm_logging import vllm_logger

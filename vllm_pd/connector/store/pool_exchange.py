@@ -45,7 +45,6 @@ from concurrent.futures import Future
 
 import msgspec
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.keys import BlockKey
@@ -53,6 +52,7 @@ from vllm_pd.connector.transport import MemoryRegion, Transport, create_transpor
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.errors import TransportError
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

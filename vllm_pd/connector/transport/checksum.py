@@ -11,7 +11,7 @@ algorithm, so the receiver verifies with the one its sender used. Algorithms:
 * ``crc32`` - zlib.crc32 (~2-5 GB/s).
 * ``none``  - no check (the digest slots carry zeros).
 * ``blake3_keyed`` - not configured: chosen where a deployment secret is set and TLS is not
-  (auth_protocol.py). The first 8 bytes of BLAKE3 keyed with the connection's block key over the
+  (protocol/auth_handshake.py). The first 8 bytes of BLAKE3 keyed with the connection's block key over the
   block's frame (its hash), the block's index in the frame and its bytes (:class:`BlockCheck`):
   a block changed on the path - by an attacker that can write the stream or the ring, not only
   by a fault - fails its check, and so does a genuine block moved to another frame or position.

@@ -17,7 +17,7 @@ copy that moves it (the block is still in cache), and the lengths lead them so
 the receiver rejects a wrong-sized block before writing a byte of it.
 
 On a connection that authenticated with the deployment secret (and runs without TLS),
-every frame's header and variable part are followed by a 16-byte seal (auth_protocol.py,
+every frame's header and variable part are followed by a 16-byte seal (protocol/auth_handshake.py,
 ``StreamSeal``): a frame injected, replayed or altered on the path fails it and ends the
 connection. Its blocks are checked with a key of the session instead (checksum.py).
 """
@@ -31,10 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-from vllm_pd.connector.auth_protocol import HANDSHAKE_MAGIC, TAG_NBYTES, StreamSeal
 from vllm_pd.connector.transport.checksum import DIGEST_NBYTES as DIGEST_NBYTES  # re-exported: the frame format
 from vllm_pd.connector.transport.checksum import Checksum as Checksum
 from vllm_pd.errors import PeerClosed, TransferCorrupted
+from vllm_pd.protocol.auth_handshake import HANDSHAKE_MAGIC, TAG_NBYTES, StreamSeal
 
 # VPD5: PLAN (a step's layers read from the sender's memory as each is ready). VPD4: shm ring
 # credits counted in shared memory (CREDIT = a bare wake-up, ACK carries no

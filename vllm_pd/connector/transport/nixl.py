@@ -59,7 +59,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transport import cross_memory
 from vllm_pd.connector.transport.base import BlockBatch, BlockWindow, FetchSpans, MemoryRegion
 from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, Status
@@ -86,6 +85,7 @@ from vllm_pd.errors import (
     TransferTimeout,
     TransportError,
 )
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

@@ -19,7 +19,6 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transport.base import (
     BlockBatch,
     BlockSink,
@@ -37,6 +36,7 @@ from vllm_pd.connector.transport.serve_session import ServeSession
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
 from vllm_pd.errors import AuthFailed, ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransportError
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

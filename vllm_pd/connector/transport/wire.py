@@ -16,7 +16,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from vllm_pd.connector.auth_protocol import SessionKeys, StreamSeal
 from vllm_pd.connector.transport.checksum import BlockCheck
 from vllm_pd.connector.transport.cross_memory import PeerMemory
 from vllm_pd.connector.transport.framing import (
@@ -27,6 +26,7 @@ from vllm_pd.connector.transport.framing import (
     send_buffers,
 )
 from vllm_pd.errors import ProtocolError, TransferCorrupted
+from vllm_pd.protocol.auth_handshake import SessionKeys, StreamSeal
 
 SOCKET_BUFFER_NBYTES = 8 << 20
 # Blocks hashed then handed to the kernel in one sendmsg: large enough to keep

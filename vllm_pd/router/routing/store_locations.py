@@ -25,9 +25,9 @@ import logging
 import time
 from collections.abc import Sequence
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys, chain_keys
 from vllm_pd.connector.store.master_client import MasterLink, NodeInfo
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
 from vllm_pd.router.request.store_prompt import StoreHit, StorePrompt
 
 logger = logging.getLogger(__name__)
