@@ -21,11 +21,11 @@ from tests.support.transport_harness import make_regions, spawn_peer, started
 from vllm_pd.connector.transport import create_transport, serve_session
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.cross_memory import PeerMemory
-from vllm_pd.connector.transport.framing import Checksum, Frame, Kind
 from vllm_pd.connector.transport.layer_plan import ReadyPacer
 from vllm_pd.connector.transport.shm import FLAG_TRAILER, SEGMENT_PREFIX, SHM_DIR, ShmChannel
 from vllm_pd.connector.transport.wire import Wire
 from vllm_pd.errors import ConfigError, TransferCorrupted, TransportError
+from vllm_pd.protocol.frames import Checksum, Frame, Kind
 
 
 def _segments(pid: int | None = None) -> set[str]:

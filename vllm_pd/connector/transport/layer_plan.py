@@ -36,9 +36,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, Checksum
+from vllm_pd.connector.transport.checksum import block_digest
 from vllm_pd.connector.transport.cross_memory import address_of
 from vllm_pd.errors import TransferCorrupted
+from vllm_pd.protocol.frames import DIGEST_NBYTES, Checksum
 
 _HEAD = struct.Struct("<QII")
 # x86-64 keeps stores in order for other cores (TSO): the counter never runs ahead of the
@@ -73,7 +74,7 @@ class LayerPlan:
         """The plan's k-th layer is computed: publish its digests, then the count."""
         off = 8 + DIGEST_NBYTES * k * self._count
         for view in self._views[k]:
-            self._area[off : off + DIGEST_NBYTES] = self.checksum.digest(view)
+            self._area[off : off + DIGEST_NBYTES] = block_digest(self.checksum, view)
             off += DIGEST_NBYTES
         struct.pack_into("<Q", self._progress, 0, k + 1)
 

@@ -17,7 +17,7 @@ import ssl
 import threading
 from typing import Any
 
-from vllm_pd.connector.transport.framing import recv_exact
+from vllm_pd.connector.transport.frame_io import recv_exact
 from vllm_pd.connector.transport.tls_stream import TlsSettings, TlsSocket
 from vllm_pd.errors import AuthFailed, PeerClosed
 from vllm_pd.protocol.auth_handshake import (

@@ -61,7 +61,7 @@ import numpy as np
 
 from vllm_pd.connector.transport import cross_memory
 from vllm_pd.connector.transport.base import BlockBatch, BlockWindow, FetchSpans, MemoryRegion
-from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, Status
+from vllm_pd.connector.transport.checksum import block_digest
 from vllm_pd.connector.transport.nixl_agent import LocalAgent, ProgressPump
 from vllm_pd.connector.transport.nixl_regions import (
     DRAM,
@@ -86,12 +86,11 @@ from vllm_pd.errors import (
     TransportError,
 )
 from vllm_pd.protocol.auth_handshake import DeploymentSecret
+from vllm_pd.protocol.frames import FLAG_CANCEL, FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, Status
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
-# FETCH flag (framing.py's PUSH flags are 1 and 2): withdraw the FETCH with this req_id.
-FLAG_CANCEL = 4
 TARGET_PROGRESS = ("auto", "always", "never")
 # Room a request needs in the socket's send buffer to go out from the caller's thread.
 CONTROL_ROOM = 64 << 10
@@ -292,7 +291,7 @@ class NixlChannel:
                 agent.deregister(handle)
         if frame.checksum is Checksum.NONE:
             return True
-        return bool(b"".join(frame.checksum.digest(v) for v in views) == payload.digests)
+        return bool(b"".join(block_digest(frame.checksum, v) for v in views) == payload.digests)
 
     def write_fetched(self, frame: Frame, checksum: Checksum) -> tuple[bytes, tuple[int, ...]]:
         """WRITE the blocks (or parts) a FETCH asks for into the requester's regions; their

@@ -49,7 +49,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
+from vllm_pd.connector.transport.checksum import BlockStream
 from vllm_pd.connector.transport.cross_memory import (
     READER_GRANTS,
     PeerMemory,
@@ -57,15 +57,14 @@ from vllm_pd.connector.transport.cross_memory import (
     local_info,
     same_host,
 )
-from vllm_pd.connector.transport.framing import Frame, Kind
 from vllm_pd.connector.transport.layer_plan import ORDERED_STORES
 from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
 from vllm_pd.connector.transport.wire import Wire
 from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted
+from vllm_pd.protocol.frames import DIGEST_NBYTES, FLAG_TRAILER, Checksum, Frame, Kind
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "vllmpd-"
-FLAG_TRAILER = 1  # READY: the batch's last; payload = the digests (ids: its last slot, if any)
 # Control area after the slots: two u64 counters on their own cache lines.
 CONTROL_NBYTES = 4096
 _CONSUMED = 0  # slots the receiver has emptied so far (written by the receiver only)
