@@ -13,6 +13,11 @@ Modules, one concern each (the map with who talks to whom: docs/design/protocol.
 * ``transfer_params`` - ``kv_transfer_params`` between proxy, prefill and decode (JSON).
 * ``kv_shape`` - an instance's KV cache shape, as the two sides of a transfer tell each other.
 * ``control`` - the control messages riding on ``Transport.notify`` (msgpack).
+* ``auth_handshake`` - the deployment-secret handshake every KV-plane connection opens with, and the seals after it.
+* ``frames`` - the stream transports' frames: header, kinds, flags (one namespace), checksum kinds.
+* ``block_keys`` - the KV store's block keys, which every node, the master and the proxy compute alike.
+* ``store_index`` - the store master's requests and replies.
+* ``store_peer`` - a store node's fetch from another node's pool: grant, granted, release, released.
 
 Importing the package imports none of its modules (each is imported by name), so a
 process takes only the wire it speaks.

@@ -32,11 +32,10 @@ ROUTER_ORDER = (
     "server",
     "cli",
 )
-# what the router may import of the KV store: its client and its block keys (and the store master's command,
-# which `vllm-pd up --store` starts)
+# what the router may import of the KV store: its client (and the store master's command, which `vllm-pd up
+# --store` starts); the block keys and the master's messages are the protocol package's
 STORE_ALLOWED = {
     "vllm_pd.connector.store.master_client",
-    "vllm_pd.connector.store.keys",
     "vllm_pd.connector.store.master_command",
 }
 

@@ -4,10 +4,10 @@ back to vLLM only when both the store's copy and the PD transfer are done."""
 import torch
 
 from vllm_pd.connector.store.config import StoreConfig
-from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
 from vllm_pd.connector.store_bridge import StoreBridgeWorker, StoreStepMeta, StoreWorkerMeta
+from vllm_pd.protocol.block_keys import KeySalt
 
 SALT = KeySalt("m", "bfloat16", "cpu", 4, 2)
 SLOT = 2 * 2 * 4 * 8 * 2
