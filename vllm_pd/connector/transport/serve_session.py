@@ -18,7 +18,7 @@ from typing import Any
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink
 from vllm_pd.connector.transport.checksum import block_digest
 from vllm_pd.connector.transport.cross_memory import PeerMemory
-from vllm_pd.connector.transport.layer_plan import PlanFrame, ReadyPacer
+from vllm_pd.connector.transport.layer_plan import ReadyPacer
 from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
 from vllm_pd.connector.transport.wire import BlockChannel, Wire
 from vllm_pd.errors import AuthFailed, PeerClosed, ProtocolError, TransferCorrupted, TransportError
@@ -33,6 +33,7 @@ from vllm_pd.protocol.frames import (
     Status,
     decode_fetch_spans,
 )
+from vllm_pd.protocol.layer_plan import PlanFrame
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
