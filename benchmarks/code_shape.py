@@ -13,7 +13,8 @@ Three figures, each beside its peer:
   KV caches, connects, and moves one push and one pull request on the CPU. Module-level code
   (imports) is not counted. The scheduler side and the facade are not in it (the harness drives
   the worker as vLLM does, without them): they are in the static figure.
-* **Files one request's KV crosses, read**: the files under ``vllm_pd/connector/`` that the
+* **Files one request's KV crosses, read**: the files under ``vllm_pd/connector/`` (and
+  ``vllm_pd/protocol/``, the wire it speaks) that the
   facade vLLM loads (``vllm_pd/connector/connector.py``) reaches through imports not under
   ``TYPE_CHECKING``; the peer is the same count for vLLM's NixlConnector inside its ``nixl/``
   package (``.../kv_connector/v1/nixl/connector.py``).
@@ -176,7 +177,9 @@ def circles(graph: dict[str, dict[str, set[str]]], kinds: set[str]) -> list[list
     return sorted(out)
 
 
-def reachable(graph: dict[str, dict[str, set[str]]], start: str, prefix: str, kinds: set[str]) -> set[str]:
+def reachable(
+    graph: dict[str, dict[str, set[str]]], start: str, prefix: str | tuple[str, ...], kinds: set[str]
+) -> set[str]:
     """Modules under ``prefix`` that ``start`` reaches over edges of ``kinds`` (within ``prefix``)."""
     seen, todo = {start}, [start]
     while todo:
@@ -237,7 +240,8 @@ def main() -> int:
     )
 
     static_kinds = {"module", "local"}
-    ours = reachable(graph, "vllm_pd.connector.connector", "vllm_pd.connector", static_kinds)
+    # the connector and the protocol package it speaks (vllm_pd/protocol/, issue 27; absent before it)
+    ours = reachable(graph, "vllm_pd.connector.connector", ("vllm_pd.connector", "vllm_pd.protocol"), static_kinds)
     ours_folders = by_folder({module_file(m) for m in ours})
     import vllm
 
@@ -252,7 +256,7 @@ def main() -> int:
         "vllm nixl": sorted(peer),
         "vllm nixl files": len(peer_graph),
     }
-    print(f"\nfiles under vllm_pd/connector/ the facade reaches by its imports: {len(ours)} {ours_folders}")
+    print(f"\nfiles under connector/ and protocol/ the facade reaches by its imports: {len(ours)} {ours_folders}")
     print(
         f"  peer: vLLM {vllm.__version__}'s NixlConnector, the same within its nixl/ package: {len(peer)} of "
         f"its {len(peer_graph)} files"

@@ -4,7 +4,7 @@ The GPU machine has Python 3.12, CUDA torch, Triton, numpy, uvloop and PyYAML, a
 What the connector's data path and the harness import beyond that travels as wheels (cp312,
 manylinux x86-64) in one folder that the device call carries:
 
-* msgspec - the wire protocol of every transport (transfer_params, framing, control);
+* msgspec - the wire protocol of every transport (vllm_pd/protocol/);
 * nixl + nixl-cu13 - the ``nixl`` transport (NIXL over UCX with its CUDA transports; the machine's
   torch is a CUDA 13 build, so NIXL's meta package picks nixl_cu13). nixl-cu13's wheel also holds
   NIXL-EP (expert-parallel kernels, three builds of 31 MB each) that we never import: it is

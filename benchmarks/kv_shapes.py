@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from vllm_pd.connector.transfer_params import RemoteDecodeRequest
+from vllm_pd.protocol.transfer_params import RemoteDecodeRequest
 from vllm_pd.small_model import ModelSpec, ensure_model
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 

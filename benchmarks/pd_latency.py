@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 from cpu_meter import CpuMeter  # benchmarks/ is the script's own folder
 
-from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest
+from vllm_pd.protocol.transfer_params import AwaitedPrefill, RemoteDecodeRequest
 from vllm_pd.small_model import ModelSpec, ensure_model
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
@@ -236,7 +236,7 @@ def ours_ktc(role: str, kv_port: int, transport: str, secret_file: str | None = 
 
 def secret_file(log_dir: Path) -> str:
     """A deployment secret for a "+secret" pair (as `vllm-pd up` makes one)."""
-    from vllm_pd.connector.auth_protocol import write_new_secret
+    from vllm_pd.connector.deployment_secret import write_new_secret
 
     return write_new_secret(log_dir / "deployment-secret")
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from cpu_meter import CpuMeter  # noqa: E402 - benchmarks/ is the script's own folder
 
-from vllm_pd.connector.transfer_params import RemoteDecodeRequest  # noqa: E402
+from vllm_pd.protocol.transfer_params import RemoteDecodeRequest  # noqa: E402
 from vllm_pd.router.backend.backend_response import BackendError  # noqa: E402
 from vllm_pd.router.backend.http_client import BackendClient  # noqa: E402
 from vllm_pd.vllm_server import free_port  # noqa: E402

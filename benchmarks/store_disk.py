@@ -31,7 +31,7 @@ from pathlib import Path
 
 from vllm_pd.connector.store.cpu_pool import checksum
 from vllm_pd.connector.store.disk_tier import DiskTier
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, chain_keys
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, KeySalt, chain_keys
 
 SALT = KeySalt("bench-disk", "bfloat16", "cpu", 16, 8)
 SCOPE = NO_EXTRA_KEYS.scope(SALT)

@@ -37,8 +37,8 @@ from benchmarks.store_disk import drop_from_page_cache
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.disk_tier import DiskTier
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, chain_keys
 from vllm_pd.connector.store.pool_exchange import POOL_REGION, PoolExchange, SlotDirectory
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, KeySalt, chain_keys
 
 SCOPE = NO_EXTRA_KEYS.scope(KeySalt("bench", "bf16", "cpu", 4, 1))  # what the blocks were written for
 

@@ -10,8 +10,8 @@ import random
 import statistics
 import time
 
-from vllm_pd.connector.store.keys import KeySalt, chain_keys
 from vllm_pd.connector.store.radix import RadixIndex
+from vllm_pd.protocol.block_keys import KeySalt, chain_keys
 
 TOKENS = 128 * 1024
 BLOCK = 16

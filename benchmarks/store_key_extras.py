@@ -1,4 +1,4 @@
-"""What the store's extra keys (LoRA adapter, cache_salt, multimodal inputs; store/keys.py) cost.
+"""What the store's extra keys (LoRA adapter, cache_salt, multimodal inputs; protocol/block_keys.py) cost.
 
 1. Hit rate on the multi-turn trace (vllm_pd/connector/store/trace.py, as
    benchmarks/store_hit_rate.py), the store's CPU-tier policy over the real
@@ -32,11 +32,11 @@ from vllm.v1.request import Request
 
 from benchmarks.store_hit_rate import serve
 from vllm_pd.connector.store.adaptive_cache import AdaptiveCache, shadow_sample_rate
-from vllm_pd.connector.store.keys import KEY_BYTES, KeySalt, RequestExtraKeys, token_bytes
 from vllm_pd.connector.store.radix import RadixIndex
 from vllm_pd.connector.store.request_keys import RequestKeys
 from vllm_pd.connector.store.trace import TraceConfig, TraceRequest, generate
 from vllm_pd.connector.store_bridge import request_extra_keys
+from vllm_pd.protocol.block_keys import KEY_BYTES, KeySalt, RequestExtraKeys, token_bytes
 
 BLOCK = 16
 SALT = KeySalt("bench", "bfloat16", "cpu", BLOCK, 32)

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 from vllm_pd.connector.transport.tls_stream import TlsSettings
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
 
 KV_HEADS, HEAD_DIM = 8, 128
 BENCH_SECRET = DeploymentSecret(b"transfer-benchmark-secret-0123456789", "benchmark")

@@ -16,7 +16,7 @@ import pytest
 
 from tests.support import e2e_cluster as ec
 from tests.support.prompt_catalogue import CONNECTOR_CASES
-from vllm_pd.connector.transfer_params import AwaitedPrefill
+from vllm_pd.protocol.transfer_params import AwaitedPrefill
 
 pytestmark = pytest.mark.e2e
 

@@ -24,12 +24,12 @@ import torch
 from tests.support import e2e_cluster as ec
 from tests.support.prompt_catalogue import CONNECTOR_CASES
 from tests.support.transport_harness import TcpRelay
-from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.control import ReleaseMessage
-from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion, Transport
 from vllm_pd.errors import TransportError
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
+from vllm_pd.protocol.control import ReleaseMessage
+from vllm_pd.protocol.transfer_params import RemotePrefill
 
 pytestmark = pytest.mark.e2e
 

@@ -149,10 +149,10 @@ def phases(reference_outputs, small_model_dir: Path, tmp_path_factory: pytest.Te
 def outsider_attacks(address: str, secret_file: str) -> dict[str, object]:
     """An outsider (our client code, no secret) asks the live master for its nodes and who holds
     turn 1, and publishes a node claiming turn 2's blocks; then a member lists the nodes."""
-    from vllm_pd.connector.auth_protocol import load_secret
-    from vllm_pd.connector.store.keys import KeySalt, chain_keys
-    from vllm_pd.connector.store.master import Holders, Nodes, Publish
+    from vllm_pd.connector.deployment_secret import load_secret
     from vllm_pd.connector.store.master_client import MasterLink
+    from vllm_pd.protocol.block_keys import KeySalt, chain_keys
+    from vllm_pd.protocol.store_index import Holders, Nodes, Publish
 
     outsider = MasterLink(address, timeout_s=2.0, retry_after_s=0.0)
     member = MasterLink(address, timeout_s=2.0, retry_after_s=0.0, secret=load_secret(secret_file, env={}))

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.netns_hosts import NetnsHosts, netns_unavailable
-from vllm_pd.connector.auth_protocol import new_secret
+from vllm_pd.connector.deployment_secret import new_secret
 from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.vllm_server import free_port
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.support.netns_hosts import NetnsHosts, netns_unavailable
-from vllm_pd.connector.auth_protocol import new_secret
+from vllm_pd.connector.deployment_secret import new_secret
 
 _why = netns_unavailable()
 pytestmark = [

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from tests.support.router_harness import harness, run, wait_for
-from vllm_pd.connector.store.keys import KeySalt, chain_keys
-from vllm_pd.connector.store.master import NodeInfo
 from vllm_pd.connector.store.master_client import MasterClient
 from vllm_pd.connector.store.master_command import spawn_master
-from vllm_pd.connector.transfer_params import StoreFetch
+from vllm_pd.protocol.block_keys import KeySalt, chain_keys
+from vllm_pd.protocol.store_index import NodeInfo
+from vllm_pd.protocol.transfer_params import StoreFetch
 from vllm_pd.router.cli import command_proxy
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml
 from vllm_pd.router.pool.instance_pool import InstancePool

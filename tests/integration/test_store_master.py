@@ -8,20 +8,12 @@ import msgspec
 import pytest
 
 from vllm_pd.connector.store.config import StoreConfig
-from vllm_pd.connector.store.keys import KeySalt, chain_keys
-from vllm_pd.connector.store.master import (
-    Holders,
-    Lookup,
-    MasterIndex,
-    NodeInfo,
-    Nodes,
-    Publish,
-    Reply,
-    Request,
-)
+from vllm_pd.connector.store.master import MasterIndex
 from vllm_pd.connector.store.master_client import MasterClient, MasterLink
 from vllm_pd.connector.store.plans import SaveResult, StoreReport
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
+from vllm_pd.protocol.block_keys import KeySalt, chain_keys
+from vllm_pd.protocol.store_index import Holders, Lookup, NodeInfo, Nodes, Publish, Reply, Request
 from vllm_pd.vllm_server import free_port
 
 SALT = KeySalt("m", "bfloat16", "cpu", 4, 2)

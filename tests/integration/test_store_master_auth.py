@@ -13,11 +13,11 @@ import msgspec
 import pytest
 import zmq
 
-from vllm_pd.connector.auth_protocol import REFUSED, DeploymentSecret, DiallerHandshake, MessageSeal, Service
-from vllm_pd.connector.store.keys import KeySalt, chain_keys
-from vllm_pd.connector.store.master import Holders, Nodes, Publish, Request
 from vllm_pd.connector.store.master_client import MasterClient, MasterLink
 from vllm_pd.connector.store.master_command import spawn_master
+from vllm_pd.protocol.auth_handshake import REFUSED, DeploymentSecret, DiallerHandshake, MessageSeal, Service
+from vllm_pd.protocol.block_keys import KeySalt, chain_keys
+from vllm_pd.protocol.store_index import Holders, Nodes, Publish, Request
 from vllm_pd.vllm_server import free_port
 
 SALT = KeySalt("m", "bfloat16", "cpu", 4, 2)

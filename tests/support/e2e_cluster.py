@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
+from vllm_pd.protocol.transfer_params import AwaitedPrefill, RemoteDecodeRequest
 from vllm_pd.vllm_server import VllmServer, VllmServerSpec, free_port
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ TRANSPORT = os.environ.get("VLLM_PD_TEST_TRANSPORT", "shm")
 
 def write_secret(folder: Path) -> str:
     """A fresh deployment secret in ``folder`` (mode 0600), as `vllm-pd up` makes one; its path."""
-    from vllm_pd.connector.auth_protocol import write_new_secret
+    from vllm_pd.connector.deployment_secret import write_new_secret
 
     return write_new_secret(folder / "deployment-secret")
 
@@ -57,7 +57,7 @@ class Instance:
 
     @property
     def secret(self) -> DeploymentSecret | None:
-        from vllm_pd.connector.auth_protocol import load_secret
+        from vllm_pd.connector.deployment_secret import load_secret
 
         return load_secret(self.secret_file, env={}) if self.secret_file else None
 

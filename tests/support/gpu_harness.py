@@ -224,8 +224,8 @@ class _Forward:
 def _worker(spec: HarnessSpec, side: str, rank: int, base_port: int):
     from vllm_pd.connector.block_copies import byte_blocks
     from vllm_pd.connector.config import PDConnectorConfig
-    from vllm_pd.connector.kv_geometry import KVGroup
     from vllm_pd.connector.worker import PDConnectorWorker
+    from vllm_pd.protocol.kv_shape import KVGroup
 
     device, kv_device = _device(spec)
     layout = spec.layout()
@@ -262,7 +262,7 @@ def _worker(spec: HarnessSpec, side: str, rank: int, base_port: int):
 
 def _prefill_main(spec: HarnessSpec, conn: Any, rank: int, base_port: int) -> None:
     from vllm_pd.connector.step_specs import FinishedSend, SendSpec, WorkerStep
-    from vllm_pd.connector.transfer_params import RemotePrefill
+    from vllm_pd.protocol.transfer_params import RemotePrefill
 
     worker, kv, views, device, kv_device = _worker(spec, "prefill", rank, base_port)
     forward = _Forward(spec, device, kv_device)
@@ -348,7 +348,7 @@ def _step(
 
 def _decode_main(spec: HarnessSpec, conn: Any, rank: int, base_port: int) -> None:
     from vllm_pd.connector.step_specs import LoadSpec, WorkerStep
-    from vllm_pd.connector.transfer_params import RemotePrefill
+    from vllm_pd.protocol.transfer_params import RemotePrefill
 
     worker, kv, views, device, kv_device = _worker(spec, "decode", rank, base_port)
     forward = _Forward(spec, device, kv_device)

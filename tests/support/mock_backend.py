@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_pd.connector.transfer_params import asks_remote_decode
+from vllm_pd.protocol.transfer_params import asks_remote_decode
 from vllm_pd.router.http.http_messages import HttpRequest, HttpResponse, StreamResponse, json_response
 from vllm_pd.router.http.http_server import Handler, HttpServer
 

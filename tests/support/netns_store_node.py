@@ -18,7 +18,7 @@ import time
 import torch
 
 from tests.unit.store.test_store_peer import LAYERS, TOKS, Node, save_on
-from vllm_pd.connector.auth_protocol import load_secret
+from vllm_pd.connector.deployment_secret import load_secret
 
 SAVED_IDS = [3, 7, 9]  # where the serving node's blocks sit (save_on's default)
 LOADED_IDS = [20, 21, 22]  # where the loading node lands them

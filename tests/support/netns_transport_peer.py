@@ -15,7 +15,7 @@ import sys
 import torch
 
 from tests.support.transport_harness import RecordingSink, make_regions
-from vllm_pd.connector.auth_protocol import load_secret
+from vllm_pd.connector.deployment_secret import load_secret
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch
 

@@ -14,13 +14,9 @@ import torch
 
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion, Transport
-from vllm_pd.connector.transport.framing import (
-    Checksum,
-    Frame,
-    Kind,
-    read_frame,
-    send_buffers,
-)
+from vllm_pd.connector.transport.checksum import block_digest
+from vllm_pd.connector.transport.frame_io import read_frame, send_buffers
+from vllm_pd.protocol.frames import Checksum, Frame, Kind
 
 # vLLM CPU KV page: [num_blocks, 2 (k/v), block_size, kv_heads*head_dim]; small
 # block_size keeps tests fast, the shape family is the real one.
@@ -174,7 +170,7 @@ class RawFetchServer:
                 lengths=tuple(len(d) for d in self.data),
             )
             body = b"".join(self.data)
-            trailer = b"".join(Checksum.BLAKE3.digest(memoryview(d)) for d in self.digest_of)
+            trailer = b"".join(block_digest(Checksum.BLAKE3, memoryview(d)) for d in self.digest_of)
             if self.truncate:
                 send_buffers(conn, [frame.encode(), body[: len(body) // 2]])
             else:

@@ -17,8 +17,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from vllm_pd.connector.control import PingMessage
 from vllm_pd.connector.transport import Transport, create_transport
+from vllm_pd.protocol.control import PingMessage
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

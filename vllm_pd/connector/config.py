@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret, check_bind, is_loopback, load_secret
-from vllm_pd.connector.transfer_params import LoadMode, TransferMode
+from vllm_pd.connector.deployment_secret import check_bind, is_loopback, load_secret
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.errors import ConfigError
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
+from vllm_pd.protocol.transfer_params import LoadMode, TransferMode
 
 TransportName = Literal["tcp", "shm", "nixl"]
 
@@ -56,7 +57,7 @@ class PDConnectorConfig:
     # insecure_network, else 127.0.0.1 only)
     bind_host: str = "auto"
     # file holding the deployment secret (else the VLLM_PD_SECRET environment variable): every KV
-    # connection proves it holds it (auth_protocol.py); None and no variable: loopback only
+    # connection proves it holds it (protocol/auth_handshake.py); None and no variable: loopback only
     secret_file: str | None = None
     # listen beyond loopback without a deployment secret (anyone reaching the port can read,
     # write and release KV): only on a network nothing else can reach

@@ -29,16 +29,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_pd.connector.config import PDConnectorConfig, needs_layer_hooks
-from vllm_pd.connector.kv_geometry import CPU_VEC_KERNEL, encode_shape
+from vllm_pd.connector.kv_geometry import CPU_VEC_KERNEL
 from vllm_pd.connector.kv_layout import TRANSFER_LAYOUT
 from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, PDWorkerMeta
 from vllm_pd.connector.scheduler import PDConnectorScheduler, kv_cache_groups
 from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store_bridge import StoreBridgeScheduler, StoreBridgeWorker
-from vllm_pd.connector.transfer_params import asks_remote_decode, asks_remote_prefill
 from vllm_pd.connector.worker import PDConnectorWorker
 from vllm_pd.errors import ConfigError
+from vllm_pd.protocol.kv_shape import encode_shape
+from vllm_pd.protocol.transfer_params import asks_remote_decode, asks_remote_prefill
 from vllm_pd.vllm_logging import vllm_logger
 
 if TYPE_CHECKING:

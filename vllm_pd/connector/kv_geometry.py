@@ -1,12 +1,10 @@
 """What a KV cache looks like across tensor-parallel ranks, and how a decode rank takes its
-share from prefill ranks of another shape. Pure Python (the proxy imports it through
-``transfer_params``): no torch, no vLLM.
+share from prefill ranks of another shape. Pure Python: no torch, no vLLM.
 
 A :class:`KVShape` describes one instance: its TP size, the model's KV heads, and its KV
 cache groups (vLLM's hybrid manager keeps one per kind of layer: full attention, a sliding
 window, a recurrent state), each with its block size and the format of one rank's block
-(``kv_layout.block_format``). Both sides of a transfer exchange theirs (prefill's travels in
-``RemotePrefill``, decode's answers prefill's :class:`ShapeQuery`).
+(``kv_layout.block_format``). Both sides of a transfer exchange theirs (``protocol/kv_shape.py``).
 
 How heads are sharded is vLLM's rule: with TP ``t`` over ``K`` KV heads, rank ``r`` holds
 heads ``[r*K/t, (r+1)*K/t)`` when ``t <= K``, else the one head ``r*K // t`` (replicated on
@@ -29,13 +27,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
-
-import msgspec
 
 from vllm_pd.errors import ConfigError, ProtocolError
-
-GroupKind = Literal["full", "window", "state"]
+from vllm_pd.protocol.kv_shape import KVGroup, KVShape
 
 # bytes per element of the dtypes vLLM keeps KV in (block_format names them as torch does)
 _ITEMSIZE = {
@@ -52,44 +46,6 @@ _ITEMSIZE = {
     "float8_e4m3fnuz": 1,
     "float8_e5m2fnuz": 1,
 }
-
-
-class KVGroup(msgspec.Struct, frozen=True):
-    """One KV cache group of an instance, as one TP rank holds it."""
-
-    kind: GroupKind
-    block_size: int  # tokens per block the scheduler hands out
-    block_format: str  # kv_layout.block_format of its layers' blocks on one rank
-    window: int = 0  # sliding window in tokens (kind "window")
-
-
-class KVShape(msgspec.Struct, frozen=True):
-    """What one instance's KV cache looks like across its TP ranks."""
-
-    tp_size: int
-    kv_heads: int  # KV heads of the whole model (1: MLA's latent, on every rank)
-    groups: tuple[KVGroup, ...]
-    layer_groups: tuple[int, ...]  # the group of each layer, in layer order
-
-    def group_of(self, layer: int) -> KVGroup:
-        return self.groups[self.layer_groups[layer]]
-
-
-class ShapeQuery(msgspec.Struct, tag="shape_query", frozen=True):
-    """Prefill -> decode (a control message), before pushing to it or announcing to it: decode
-    answers with its msgpack-encoded :class:`KVShape`."""
-
-    def encode(self) -> bytes:
-        return msgspec.msgpack.encode(self)
-
-
-def encode_shape(shape: KVShape) -> bytes:
-    return msgspec.msgpack.encode(shape)
-
-
-def decode_shape(data: bytes) -> KVShape:
-    """msgspec.DecodeError / ValidationError if ``data`` is not a shape."""
-    return msgspec.msgpack.decode(data, type=KVShape)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.release import DecodeRelease
 from vllm_pd.connector.step_specs import WorkerStep
 from vllm_pd.connector.transfer_counters import TransferCounters
-from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport.base import MemoryRegion, Transport
+from vllm_pd.protocol.transfer_params import RemotePrefill
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

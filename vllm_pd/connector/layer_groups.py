@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_pd.connector.kv_geometry import KVGroup, KVShape, window_positions
+from vllm_pd.connector.kv_geometry import window_positions
 from vllm_pd.connector.step_specs import SendSpec
+from vllm_pd.protocol.kv_shape import KVGroup, KVShape
 
 
 class LayerGroups:

@@ -32,7 +32,6 @@ import torch
 from vllm_pd.connector.block_copies import Run
 from vllm_pd.connector.block_recut import recut_rows
 from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S
-from vllm_pd.connector.control import PingMessage
 from vllm_pd.connector.kv_access import KVAccess
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
 from vllm_pd.connector.kv_geometry import (
@@ -48,9 +47,10 @@ from vllm_pd.connector.layer_groups import LayerGroups, union
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.release import DecodeRelease
 from vllm_pd.connector.step_specs import LoadSpec
-from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport.base import FetchSpans, MemoryRegion, Transport
 from vllm_pd.errors import ProtocolError
+from vllm_pd.protocol.control import PingMessage
+from vllm_pd.protocol.transfer_params import RemotePrefill
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

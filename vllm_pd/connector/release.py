@@ -15,12 +15,13 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.control import ReleaseMessage
-from vllm_pd.connector.kv_geometry import KVShape, releasers
-from vllm_pd.connector.transfer_params import RemotePrefill, TransferParamsError
+from vllm_pd.connector.kv_geometry import releasers
 from vllm_pd.connector.transport import Transport, create_transport
 from vllm_pd.connector.transport.tls_stream import TlsSettings
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
+from vllm_pd.protocol.control import ReleaseMessage
+from vllm_pd.protocol.kv_shape import KVShape
+from vllm_pd.protocol.transfer_params import RemotePrefill, TransferParamsError
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

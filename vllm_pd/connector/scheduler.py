@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_pd.connector.announce_probe import AnnounceProbe
 from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S, PDConnectorConfig
-from vllm_pd.connector.kv_geometry import KVGroup, KVShape, decode_shape, incompatibility, window_positions
+from vllm_pd.connector.kv_geometry import incompatibility, window_positions
 from vllm_pd.connector.metadata import (
     FinishedSend,
     LoadSpec,
@@ -38,9 +38,10 @@ from vllm_pd.connector.metadata import (
     RemoteRelease,
     SendSpec,
 )
-from vllm_pd.connector.transfer_params import (
+from vllm_pd.connector.step_specs import LocalPrompt
+from vllm_pd.protocol.kv_shape import KVGroup, KVShape, decode_shape
+from vllm_pd.protocol.transfer_params import (
     AwaitedPrefill,
-    LocalPrompt,
     RemoteDecodeRequest,
     RemotePrefill,
     TransferParamsError,

@@ -10,7 +10,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_pd.connector.transfer_params import LocalPrompt, RemotePrefill
+import msgspec
+
+from vllm_pd.connector.kv_geometry import incompatibility
+from vllm_pd.protocol.kv_shape import KVShape
+from vllm_pd.protocol.transfer_params import RemotePrefill
+
+
+class LocalPrompt(msgspec.Struct, frozen=True):
+    """What decode knows of a request's prompt, to check remote KV is really for it."""
+
+    prompt_hash: str
+    num_tokens: int
+    block_size: int
+    tp_size: int
+    kv_format: str = ""  # what our blocks' bytes mean ("": not known, not checked)
+    shape: KVShape | None = None  # our KV shape (None: not known, equal shapes only)
+
+    def mismatch(self, remote: RemotePrefill) -> str | None:
+        """Why ``remote``'s KV cannot be used for this prompt, or None if it can."""
+        if remote.prompt_hash and remote.prompt_hash != self.prompt_hash:
+            return "prompt differs from the one prefill computed"
+        if remote.shape is not None and self.shape is not None:
+            # another TP, block size or layout is taken where heads and tokens can be re-cut
+            return incompatibility(remote.shape, self.shape)
+        if remote.block_size != self.block_size:
+            return f"block size {remote.block_size} != ours {self.block_size}"
+        if self.kv_format and remote.kv_format and remote.kv_format != self.kv_format:
+            # same sizes, other meaning (another KV cache layout, kernel block or dtype): wrong KV if used
+            return f"KV cache blocks laid out as {remote.kv_format}, ours as {self.kv_format}"
+        if remote.tp_size != self.tp_size:
+            # rank r of each side holds the r-th shard of the heads: other TP sizes shard differently
+            return f"prefill TP {remote.tp_size} != ours {self.tp_size} (PD needs equal tensor-parallel sizes)"
+        if remote.prompt_hash and remote.prompt_hash != self.prompt_hash:
+            return "prompt differs from the one prefill computed"
+        return None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ blocks for decode.
 A request's store keys carry vLLM's own extra keys of each block
 (``request_extra_keys``: LoRA adapter, cache salt, multimodal inputs, prompt
 embeddings, from vLLM's ``generate_block_hash_extra_keys``), so requests that
-differ only in those never share KV (store/keys.py says why the keys are not
+differ only in those never share KV (protocol/block_keys.py says why the keys are not
 vLLM's block hashes themselves).
 """
 
@@ -26,13 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 from vllm_pd.connector.kv_device import KVDevice
 from vllm_pd.connector.store.config import StoreConfig
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys
 from vllm_pd.connector.store.master_client import RemoteHit
 from vllm_pd.connector.store.plans import StorePlan, StoreReport
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
-from vllm_pd.connector.transfer_params import StoreFetch
 from vllm_pd.connector.transport.base import MemoryRegion
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys
+from vllm_pd.protocol.transfer_params import StoreFetch
 from vllm_pd.vllm_logging import vllm_logger
 
 if TYPE_CHECKING:

@@ -17,14 +17,13 @@ import msgspec
 import torch
 
 from vllm_pd.connector.amx_tiles import request_amx_tiles
-from vllm_pd.connector.auth_protocol import INSECURE_WARNING, SECRET_ENV, is_loopback
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.control import PingMessage, ReleaseMessage, decode_control
+from vllm_pd.connector.deployment_secret import INSECURE_WARNING, SECRET_ENV, is_loopback
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
 from vllm_pd.connector.kv_device import KVDevice, kv_device_for
-from vllm_pd.connector.kv_geometry import KVGroup, KVShape, ShapeQuery, encode_shape, kernel_format
+from vllm_pd.connector.kv_geometry import kernel_format
 from vllm_pd.connector.kv_layout import KVLayout, block_format, manager_blocks, memory_order_mismatch
 from vllm_pd.connector.kv_loader import KVLoader
 from vllm_pd.connector.kv_sender import KVSender
@@ -35,6 +34,9 @@ from vllm_pd.connector.step_specs import WorkerStep
 from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from vllm_pd.protocol.control import PingMessage, ReleaseMessage, decode_control
+from vllm_pd.protocol.kv_shape import KVGroup, KVShape, ShapeQuery, encode_shape
+from vllm_pd.protocol.transfer_params import RemotePrefill
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

@@ -12,7 +12,6 @@
 * ``server/``: the running proxy: its routes, the admin API, the graceful drain.
 * ``cli/``: ``vllm-pd proxy`` and ``vllm-pd up``.
 
-The KV store is reached only through its client (``connector/store/master_client.py``) and its block keys
-(``connector/store/keys.py``); ``benchmarks/code_shape.py``
-prints the import circles (none).
+The KV store is reached only through its client (``connector/store/master_client.py``) and the protocol
+package (its block keys: ``protocol/block_keys.py``); ``benchmarks/code_shape.py`` prints the import circles (none).
 """

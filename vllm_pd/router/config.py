@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret, load_secret
+from vllm_pd.connector.deployment_secret import load_secret
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.errors import ConfigError
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
 from vllm_pd.router.backend.backend_url import parse_networks
 from vllm_pd.router.backend.sse_relay import DEFAULT_MAX_EVENT_BYTES
 from vllm_pd.router.http.client_auth import check_api_key
@@ -163,7 +164,7 @@ class ProxyConfig:
     # source of where prompts' KV lives (router/routing/store_locations.py); None = vLLM's KV events only
     store_master: str | None = None
     # the deployment secret's file (else VLLM_PD_SECRET): the proxy's KV releases and store master
-    # lookups authenticate with it (connector/auth_protocol.py)
+    # lookups authenticate with it (protocol/auth_handshake.py)
     secret_file: str | None = None
     # TLS of the instances' tcp KV endpoints (their tls_cert / tls_key / tls_ca): the proxy's releases
     # present this certificate and check theirs against the CA

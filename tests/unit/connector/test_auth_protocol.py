@@ -1,4 +1,5 @@
-"""The deployment secret and the handshake (auth_protocol.py), without sockets."""
+"""The deployment secret (connector/deployment_secret.py) and the handshake (protocol/auth_handshake.py),
+without sockets."""
 
 from __future__ import annotations
 
@@ -6,20 +7,16 @@ import os
 
 import pytest
 
-from vllm_pd.connector.auth_protocol import (
-    SECRET_ENV,
+from vllm_pd.connector.deployment_secret import SECRET_ENV, check_bind, is_loopback, load_secret, new_secret
+from vllm_pd.errors import AuthFailed, ConfigError
+from vllm_pd.protocol.auth_handshake import (
     DeploymentSecret,
     DiallerHandshake,
     ListenerHandshake,
     MessageSeal,
     Service,
     StreamSeal,
-    check_bind,
-    is_loopback,
-    load_secret,
-    new_secret,
 )
-from vllm_pd.errors import AuthFailed, ConfigError
 
 SECRET = DeploymentSecret(b"s" * 32, "test")
 

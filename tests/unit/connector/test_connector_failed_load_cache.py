@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from vllm_pd.connector.metadata import PDWorkerMeta
-from vllm_pd.connector.transfer_params import AwaitedPrefill
+from vllm_pd.protocol.transfer_params import AwaitedPrefill
 
 BLOCK = 16
 PROMPT = list(range(100, 100 + 5 * BLOCK + 3))  # 5 full blocks and a partial one

@@ -14,15 +14,16 @@ from tests.unit.connector.test_connector_units import _land
 from tests.unit.connector.test_transfer_params import remote_prefill
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.control import PingMessage, decode_control
 from vllm_pd.connector.kv_access import DirectAccess
 from vllm_pd.connector.kv_device import HostDevice
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.metadata import LoadSpec
 from vllm_pd.connector.push_staging import PushStaging
-from vllm_pd.connector.transfer_params import LocalPrompt, prompt_hash
+from vllm_pd.connector.step_specs import LocalPrompt
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from vllm_pd.protocol.control import PingMessage, decode_control
+from vllm_pd.protocol.transfer_params import prompt_hash
 
 PROMPT = [5, 6, 7]
 TIMEOUT_S = 30.0  # the transfer's deadline: what a load waited for a silent prefill before

@@ -15,7 +15,7 @@ from vllm.v1.request import RequestStatus
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.metadata import FinishedSend, PDHandshake, RemoteRelease
 from vllm_pd.connector.scheduler import PDConnectorScheduler
-from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest, RemotePrefill, prompt_hash
+from vllm_pd.protocol.transfer_params import AwaitedPrefill, RemoteDecodeRequest, RemotePrefill, prompt_hash
 
 BLOCK = 16
 

@@ -13,17 +13,18 @@ from tests.support.transport_harness import RecordingSink, make_regions
 from tests.unit.connector.test_transfer_params import remote_prefill as _remote
 from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig, parse_size
-from vllm_pd.connector.control import PrefillDoneMessage, ReleaseMessage, decode_control
 from vllm_pd.connector.kv_access import DirectAccess
 from vllm_pd.connector.kv_device import HostDevice
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.metadata import LoadSpec
 from vllm_pd.connector.outgoing import OutgoingTransfers
 from vllm_pd.connector.push_staging import PushStaging
-from vllm_pd.connector.transfer_params import LocalPrompt, prompt_hash
+from vllm_pd.connector.step_specs import LocalPrompt
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 from vllm_pd.errors import ConfigError, TransferTimeout
+from vllm_pd.protocol.control import PrefillDoneMessage, ReleaseMessage, decode_control
+from vllm_pd.protocol.transfer_params import prompt_hash
 
 
 # ---- config ---------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 from vllm_pd.connector.config import PDConnectorConfig, needs_layer_hooks
 from vllm_pd.connector.connector import PDConnector
 from vllm_pd.connector.scheduler import PDConnectorScheduler
-from vllm_pd.connector.transfer_params import RemotePrefill
+from vllm_pd.protocol.transfer_params import RemotePrefill
 
 STORE = {"cpu_bytes": "64m"}
 MATRIX = [  # (kv_connector_extra_config, PIECEWISE needed)

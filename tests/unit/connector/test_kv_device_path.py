@@ -35,10 +35,10 @@ from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.release import DecodeRelease
 from vllm_pd.connector.step_specs import LoadSpec, SendSpec, WorkerStep
 from vllm_pd.connector.transfer_counters import TransferCounters
-from vllm_pd.connector.transfer_params import RemotePrefill
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 from vllm_pd.connector.worker import PDConnectorWorker
+from vllm_pd.protocol.transfer_params import RemotePrefill
 
 LAYERS, NUM_BLOCKS, BS, HEADS, HEAD = 3, 8, 16, 2, 32
 BLOCK_NBYTES = 2 * BS * HEADS * HEAD * 2  # bf16 K and V of one block

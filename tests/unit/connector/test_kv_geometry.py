@@ -13,8 +13,6 @@ import pytest
 from vllm_pd.connector.kv_geometry import (
     CPU_VEC_KERNEL,
     BlockFormat,
-    KVGroup,
-    KVShape,
     announced_ranks,
     head_pieces,
     incompatibility,
@@ -26,6 +24,7 @@ from vllm_pd.connector.kv_geometry import (
     remote_positions,
     window_positions,
 )
+from vllm_pd.protocol.kv_shape import KVGroup, KVShape
 
 C = 4  # elements of one head's token (K and V side by side), int32 in the model below
 

@@ -1,4 +1,4 @@
-"""The ``kv_transfer_params`` protocol (vllm_pd.connector.transfer_params): round trips, bad values
+"""The ``kv_transfer_params`` protocol (vllm_pd.protocol.transfer_params): round trips, bad values
 rejected with an error naming the key, the release fan-out over TP ranks, and that the proxy's
 side of it loads neither torch nor vLLM."""
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from vllm_pd.connector.transfer_params import (
+from vllm_pd.connector.step_specs import LocalPrompt
+from vllm_pd.protocol.transfer_params import (
     AwaitedPrefill,
-    LocalPrompt,
     RemoteDecodeRequest,
     RemotePrefill,
     StoreFetch,
@@ -277,7 +277,7 @@ def test_prompt_hash_is_stable_and_sensitive() -> None:
 _PROXY_PROCESS = """
 import sys
 import vllm_pd.router.server.app, vllm_pd.router.flow.pd_flow, vllm_pd.router.cli.command_proxy
-from vllm_pd.connector.transfer_params import RemotePrefill
+from vllm_pd.protocol.transfer_params import RemotePrefill
 from vllm_pd.router.flow.pd_flow import default_release_remote_kv
 # a whole release, down to the transport's connect (nothing listens on these ports: refused at once)
 eps = ("tcp://127.0.0.1:1", "shm://127.0.0.1:1")

@@ -188,7 +188,7 @@ SECRET_REF = {"name": "vllm-pd-secret", "key": "secret"}  # not optional: no pod
 def test_every_kv_plane_process_takes_the_deployment_secret_from_a_secret(variant: str, monkeypatch) -> None:
     """The servers, the store master and the proxy all get VLLM_PD_SECRET from the same Secret; with
     it the connector listens beyond loopback (without it, it would listen on 127.0.0.1 only)."""
-    from vllm_pd.connector.auth_protocol import SECRET_ENV
+    from vllm_pd.connector.deployment_secret import SECRET_ENV
 
     objects = _objects(variant)
     for name in ("vllm-pd-prefill", "vllm-pd-decode", "vllm-pd-store-master", "vllm-pd-proxy"):

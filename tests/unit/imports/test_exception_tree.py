@@ -64,11 +64,11 @@ def test_one_config_error_for_the_whole_package() -> None:
 
 def test_builtin_bases_are_kept() -> None:
     """An ``except ValueError``/``RuntimeError`` written before the tree still catches what it caught."""
-    from vllm_pd.connector.transfer_params import TransferParamsError
     from vllm_pd.ops.backends import OpBackendError
     from vllm_pd.ops.validation import OpInputError
     from vllm_pd.planner.latency_profile import ProfileError
     from vllm_pd.planner.workload import WorkloadError
+    from vllm_pd.protocol.transfer_params import TransferParamsError
     from vllm_pd.router.backend.sse_relay import BadBackendStream
 
     for cls in (

@@ -1,4 +1,5 @@
-"""The import graph's shape (issue 27): no import circles in vllm_pd, the router's packages in one direction.
+"""The import graph's shape (issue 27): no import circles in vllm_pd, the router's packages in one direction,
+the protocol package (vllm_pd/protocol/) at the bottom: it imports no other package of ours, nor torch nor vLLM.
 
 Reads the imports statically with benchmarks/code_shape.py (every import counts: module level, under
 ``TYPE_CHECKING``, inside functions), so a circle closed by a type-only or a local import fails here too.
@@ -6,6 +7,8 @@ Reads the imports statically with benchmarks/code_shape.py (every import counts:
 
 from __future__ import annotations
 
+import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,11 +32,10 @@ ROUTER_ORDER = (
     "server",
     "cli",
 )
-# what the router may import of the KV store: its client and its block keys (and the store master's command,
-# which `vllm-pd up --store` starts)
+# what the router may import of the KV store: its client (and the store master's command, which `vllm-pd up
+# --store` starts); the block keys and the master's messages are the protocol package's
 STORE_ALLOWED = {
     "vllm_pd.connector.store.master_client",
-    "vllm_pd.connector.store.keys",
     "vllm_pd.connector.store.master_command",
 }
 
@@ -73,3 +75,53 @@ def test_router_reaches_the_store_only_through_its_client_and_keys() -> None:
         if t.startswith("vllm_pd.connector.store") and t not in STORE_ALLOWED
     }
     assert reached == set()
+
+
+# ---- the protocol package: the floor everything that talks stands on ----------------------------------
+# what vllm_pd/protocol/ may import of vllm_pd besides itself: the exception tree and the logger
+PROTOCOL_ALLOWED = ("vllm_pd.protocol", "vllm_pd.errors", "vllm_pd.vllm_logging")
+NOT_IN_PROTOCOL = ("torch", "vllm", "triton", "nixl")
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module ``path`` imports (absolute names; module level, TYPE_CHECKING, inside functions)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: a relative import"
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_protocol_imports_nothing_above_it() -> None:
+    """protocol/ imports no other vllm_pd package (connector and its store, router, planner, ops, ...)."""
+    upward = sorted(
+        f"{path.relative_to(ROOT)} -> {name}"
+        for path in sorted((PACKAGE / "protocol").rglob("*.py"))
+        for name in _imported_names(path)
+        if name.split(".")[0] == "vllm_pd" and not name.startswith(PROTOCOL_ALLOWED)
+    )
+    assert upward == []
+
+
+def test_protocol_imports_neither_torch_nor_vllm() -> None:
+    """Statically (every import of every module) and when every module is imported in a fresh process."""
+    static = sorted(
+        f"{path.relative_to(ROOT)} -> {name}"
+        for path in sorted((PACKAGE / "protocol").rglob("*.py"))
+        for name in _imported_names(path)
+        if name.split(".")[0] in NOT_IN_PROTOCOL
+    )
+    assert static == []
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import vllm_pd.protocol as p\n"
+        "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('vllm_pd.protocol.' + m.name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *NOT_IN_PROTOCOL], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert proc.stdout.strip() == "[]", proc.stdout

@@ -179,7 +179,7 @@ def test_a_client_does_not_pick_the_data_parallel_engine() -> None:
 def test_store_fetch_hint_is_a_client_kv_field() -> None:
     """The proxy's hint where a prefill's store fetches from (transfer_params.STORE_FETCH): a client's
     would point a prefill's store at an address of the client's choosing."""
-    from vllm_pd.connector.transfer_params import STORE_FETCH
+    from vllm_pd.protocol.transfer_params import STORE_FETCH
 
     assert STORE_FETCH in CLIENT_KV_FIELDS
     body = {"prompt": "x", STORE_FETCH: {"node": "n", "endpoint": "tcp://h:1", "blocks": 1}}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from tests.support.router_harness import harness, run
-from vllm_pd.connector.transfer_params import AwaitedPrefill
+from vllm_pd.protocol.transfer_params import AwaitedPrefill
 
 LONG = {"prompt": "long prompt " * 30, "max_tokens": 3}
 

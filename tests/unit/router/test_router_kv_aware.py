@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from tests.support.router_harness import harness, run, wait_for
-from vllm_pd.connector.store.keys import RequestExtraKeys
+from vllm_pd.protocol.block_keys import RequestExtraKeys
 from vllm_pd.router.cli import command_proxy
 from vllm_pd.router.config import ConfigError, InstanceConfig, ProxyConfig, load_yaml
 from vllm_pd.router.pool.instance_pool import InstancePool

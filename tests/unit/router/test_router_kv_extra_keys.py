@@ -19,9 +19,9 @@ from vllm.v1.request import Request
 from tests.integration.test_router_store_locations import master, node  # noqa: F401 - the master fixture
 from tests.support.router_harness import harness, run, wait_for
 from tests.unit.router.test_router_kv_aware import CONVERSATION, _batch, _stored
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys
 from vllm_pd.connector.store.request_keys import RequestKeys
 from vllm_pd.connector.store_bridge import request_extra_keys as engine_extra_keys
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys
 from vllm_pd.router.config import InstanceConfig, ProxyConfig
 from vllm_pd.router.pool.instance_pool import InstancePool
 from vllm_pd.router.request.block_hashes import PromptBlocks, VllmBlockHasher

@@ -4,10 +4,10 @@ back to vLLM only when both the store's copy and the PD transfer are done."""
 import torch
 
 from vllm_pd.connector.store.config import StoreConfig
-from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
 from vllm_pd.connector.store_bridge import StoreBridgeWorker, StoreStepMeta, StoreWorkerMeta
+from vllm_pd.protocol.block_keys import KeySalt
 
 SALT = KeySalt("m", "bfloat16", "cpu", 4, 2)
 SLOT = 2 * 2 * 4 * 8 * 2
@@ -56,7 +56,7 @@ def test_prefill_legs_store_fetch_hint_reaches_the_store_once_per_request():
     from vllm.v1.request import Request
 
     from vllm_pd.connector.store_bridge import StoreBridgeScheduler
-    from vllm_pd.connector.transfer_params import StoreFetch
+    from vllm_pd.protocol.transfer_params import StoreFetch
     from vllm_pd.vllm_server import free_port
 
     cfg = StoreConfig(cpu_bytes=16 * SLOT, master=f"tcp://127.0.0.1:{free_port()}", master_timeout_s=1.0, node_id="p0")

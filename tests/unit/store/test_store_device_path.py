@@ -33,11 +33,11 @@ from tests.unit.connector.test_kv_device_path import (
 )
 from vllm_pd.connector.kv_device import COMPLETED, HostDevice, KVDevice
 from vllm_pd.connector.store.config import StoreConfig
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
 from vllm_pd.connector.store_bridge import StoreBridgeWorker, make_salt
 from vllm_pd.errors import ConfigError
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, KeySalt
 
 SLOT = LAYERS * BLOCK_NBYTES
 SALT = KeySalt("m", "bfloat16", "cuda:flash-attn", BS, LAYERS)

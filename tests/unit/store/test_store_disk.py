@@ -2,7 +2,7 @@ import torch
 
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool, SlotAllocator, checksum
 from vllm_pd.connector.store.disk_tier import HEADER_BYTES, DiskTier
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys, chain_keys
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys, chain_keys
 
 SALT = KeySalt("m", "bfloat16", "cpu", 4, 2)
 KEYS = chain_keys(list(range(40)), SALT)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from vllm_pd.connector.store.config import StoreConfig
-from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
 from vllm_pd.errors import ConfigError
+from vllm_pd.protocol.block_keys import KeySalt
 
 BS, LAYERS, NBLOCKS = 4, 2, 64
 SALT = KeySalt("test-model", "bfloat16", "cpu", BS, LAYERS)

@@ -14,7 +14,9 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 from vllm.v1.request import Request
 
-from vllm_pd.connector.store.keys import (
+from vllm_pd.connector.store.request_keys import RequestKeys
+from vllm_pd.connector.store_bridge import request_extra_keys
+from vllm_pd.protocol.block_keys import (
     KEY_BYTES,
     NO_EXTRA_KEYS,
     KeySalt,
@@ -23,8 +25,6 @@ from vllm_pd.connector.store.keys import (
     extra_key_bytes,
     token_bytes,
 )
-from vllm_pd.connector.store.request_keys import RequestKeys
-from vllm_pd.connector.store_bridge import request_extra_keys
 
 B = 4
 SALT = KeySalt("m", "bfloat16", "cpu", B, 2)

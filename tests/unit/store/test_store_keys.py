@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from vllm_pd.connector.store.keys import KEY_BYTES, KeySalt, chain_keys
+from vllm_pd.protocol.block_keys import KEY_BYTES, KeySalt, chain_keys
 
 SALT = KeySalt(model="m", dtype="bfloat16", kv_layout="cpu", block_size=4, num_layers=2)
 
@@ -30,7 +30,7 @@ def test_salt_changes_every_key(field, value):
 
 def test_keys_identical_across_processes_with_different_hash_seeds():
     code = (
-        "from vllm_pd.connector.store.keys import KeySalt, chain_keys;"
+        "from vllm_pd.protocol.block_keys import KeySalt, chain_keys;"
         "print(chain_keys(list(range(40)), KeySalt('m','bfloat16','cpu',4,2))[-1].hex())"
     )
     outs = {

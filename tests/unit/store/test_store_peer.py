@@ -9,13 +9,13 @@ import torch
 
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, chain_keys
 from vllm_pd.connector.store.master_client import MasterClient
 from vllm_pd.connector.store.master_command import spawn_master
 from vllm_pd.connector.store.pool_exchange import PoolExchange, SlotDirectory
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
-from vllm_pd.connector.transfer_params import StoreFetch
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, KeySalt, chain_keys
+from vllm_pd.protocol.transfer_params import StoreFetch
 from vllm_pd.vllm_server import free_port
 
 # ---- the protocol: two pools on the TCP transport -------------------------------------------
@@ -108,7 +108,8 @@ def test_block_overwritten_after_its_grant_is_rejected(pair):
 
 def test_release_of_an_unknown_or_expired_grant_counts_nothing(pair):
     a, _ = pair
-    from vllm_pd.connector.store.pool_exchange import ReleaseBlocks, Released, _decoder, _encoder
+    from vllm_pd.connector.store.pool_exchange import _decoder, _encoder
+    from vllm_pd.protocol.store_peer import ReleaseBlocks, Released
 
     assert _decoder.decode(a.on_notify("x", _encoder.encode(ReleaseBlocks("store-nope")))) == Released(0)
 

@@ -22,15 +22,9 @@ from tests.unit.store.test_store_peer import (
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool, checksum
 from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.disk_tier import DiskTier
-from vllm_pd.connector.store.keys import chain_keys
-from vllm_pd.connector.store.pool_exchange import (
-    GrantBlocks,
-    PoolExchange,
-    ReleaseBlocks,
-    SlotDirectory,
-    _decoder,
-    _encoder,
-)
+from vllm_pd.connector.store.pool_exchange import PoolExchange, SlotDirectory, _decoder, _encoder
+from vllm_pd.protocol.block_keys import chain_keys
+from vllm_pd.protocol.store_peer import GrantBlocks, ReleaseBlocks
 
 SPARE = 4
 

@@ -95,8 +95,8 @@ def test_a_later_layer_failing_makes_the_fetched_blocks_load_errors(nodes):  # n
 @pytest.mark.parametrize("layers", [1, 4])
 def test_the_pool_region_serves_single_layers_of_a_slot(layers):
     from vllm_pd.connector.store.cpu_pool import CpuBlockPool
-    from vllm_pd.connector.store.keys import KeySalt, chain_keys
     from vllm_pd.connector.store.pool_exchange import PoolExchange, SlotDirectory
+    from vllm_pd.protocol.block_keys import KeySalt, chain_keys
 
     keys = chain_keys(list(range(12)), KeySalt("m", "bf16", "cpu", 4, layers))
     pools = [CpuBlockPool(4, layers, 32) for _ in range(2)]

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from vllm_pd.connector.store.config import StoreConfig
-from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker
+from vllm_pd.protocol.block_keys import KeySalt
 
 pytestmark = pytest.mark.slow
 

@@ -15,16 +15,13 @@ import torch
 
 from tests.support.tls_certs import issue, make_ca
 from tests.support.transport_harness import TcpRelay, make_regions, raw_dial, started
-from vllm_pd.connector.auth_protocol import (
-    DeploymentSecret,
-    DiallerHandshake,
-    ListenerHandshake,
-    Service,
-)
 from vllm_pd.connector.transport.base import BlockBatch
-from vllm_pd.connector.transport.framing import Checksum, Frame, Kind, read_frame, send_buffers
+from vllm_pd.connector.transport.checksum import block_digest
+from vllm_pd.connector.transport.frame_io import read_frame, send_buffers
 from vllm_pd.connector.transport.wire import SocketChannel, Wire
 from vllm_pd.errors import TransportError
+from vllm_pd.protocol.auth_handshake import DeploymentSecret, DiallerHandshake, ListenerHandshake, Service
+from vllm_pd.protocol.frames import Checksum, Frame, Kind
 
 SECRET = DeploymentSecret(b"the-deployment-secret-0123456789", "test")
 OTHER = DeploymentSecret(b"another-deployment-secret-987654", "test")
@@ -230,7 +227,7 @@ def test_forged_block_with_a_recomputed_digest_fails_only_the_keyed_check(keyed:
     at = stream.index(bytes(block))
     forged = bytes(4096)
     stream[at : at + 4096] = forged
-    stream[at + 4096 : at + 4096 + 8] = Checksum.CRC32.digest(forged)  # what an attacker can compute
+    stream[at + 4096 : at + 4096 + 8] = block_digest(Checksum.CRC32, forged)  # what an attacker can compute
     m2.sendall(stream)
     got_frame = receiver.reader.read_frame()
     dest = bytearray(4096)
@@ -249,7 +246,7 @@ def test_unkeyed_blocks_are_refused_on_an_authenticated_connection() -> None:
         Kind.DATA, req_id=1, checksum=Checksum.CRC32, layer=0, block_nbytes=64, transfer_id="t", ids=(0,), lengths=(64,)
     )
     with sender.lock:
-        send_buffers(a, [*sender.sealed(frame.encode()), bytes(64), Checksum.CRC32.digest(bytes(64))])
+        send_buffers(a, [*sender.sealed(frame.encode()), bytes(64), block_digest(Checksum.CRC32, bytes(64))])
     got = receiver.reader.read_frame()
     assert SocketChannel().recv_blocks(receiver, got, [memoryview(bytearray(64))]) is False
     a.close()

@@ -16,7 +16,8 @@ import torch
 from tests.support.transport_harness import RawFetchServer, RecordingSink, make_regions, raw_dial, spawn_peer, started
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch
-from vllm_pd.connector.transport.framing import Checksum, Frame, Kind, Status, read_frame, send_buffers
+from vllm_pd.connector.transport.checksum import block_digest
+from vllm_pd.connector.transport.frame_io import read_frame, send_buffers
 from vllm_pd.connector.transport.wire import Wire
 from vllm_pd.errors import (
     PeerClosed,
@@ -24,6 +25,7 @@ from vllm_pd.errors import (
     TransferCorrupted,
     TransferTimeout,
 )
+from vllm_pd.protocol.frames import Checksum, Frame, Kind, Status
 from vllm_pd.vllm_server import free_port
 
 
@@ -46,7 +48,7 @@ def _raw_push(sock, nbytes: int, blocks: list[bytes], digests_of: list[bytes], t
         ids=tuple(range(len(blocks))),
         lengths=tuple(len(b) for b in blocks),
     )
-    trailer = b"".join(Checksum.BLAKE3.digest(memoryview(d)) for d in digests_of)
+    trailer = b"".join(block_digest(Checksum.BLAKE3, memoryview(d)) for d in digests_of)
     send_buffers(sock, [frame.encode(), *blocks, trailer])
     return frame
 

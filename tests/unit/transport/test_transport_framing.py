@@ -9,22 +9,20 @@ import threading
 import pytest
 
 from vllm_pd.connector.transport import create_transport
-from vllm_pd.connector.transport.framing import (
+from vllm_pd.connector.transport.checksum import block_digest, parse_checksum
+from vllm_pd.connector.transport.frame_io import FrameReader, read_frame, recv_exact, send_buffers
+from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted
+from vllm_pd.protocol.frames import (
     HEADER_NBYTES,
     MAGIC,
     MAX_COUNT,
     Checksum,
     Frame,
-    FrameReader,
     Kind,
     Status,
     decode_frame,
     decode_header,
-    read_frame,
-    recv_exact,
-    send_buffers,
 )
-from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted
 
 
 @pytest.mark.parametrize(
@@ -125,12 +123,12 @@ def test_send_buffers_many_views_and_read_frame_over_a_socket() -> None:
 def test_checksums_detect_a_flipped_byte() -> None:
     data = bytearray(range(256)) * 64
     for c in (Checksum.CRC32, Checksum.BLAKE3, Checksum.CRC32C):
-        d = c.digest(memoryview(data))
+        d = block_digest(c, memoryview(data))
         data[1000] ^= 1
-        assert c.digest(memoryview(data)) != d
+        assert block_digest(c, memoryview(data)) != d
         data[1000] ^= 1
     with pytest.raises(ValueError, match="checksum"):
-        Checksum.parse("md5")
+        parse_checksum("md5")
 
 
 def test_create_transport_names_unknown_name_and_option() -> None:
@@ -186,3 +184,18 @@ def test_frame_reader_frames_and_following_bytes_in_any_split(chunk: int, read_a
     finally:
         left.close()
         right.close()
+
+
+def test_one_flag_namespace() -> None:
+    """Every frame flag is defined in protocol/frames.py and listed once, under the kind it belongs to;
+    within a kind each is one bit of its own (across kinds bits repeat: a bit means something for one kind)."""
+    from vllm_pd.protocol import frames
+
+    defined = [value for name, value in vars(frames).items() if name.startswith("FLAG_")]
+    listed = [flag for kind_flags in frames.KIND_FLAGS.values() for flag in kind_flags]
+    assert sorted(listed) == sorted(defined)
+    for kind, kind_flags in frames.KIND_FLAGS.items():
+        assert all(f > 0 and f & (f - 1) == 0 for f in kind_flags), kind
+        assert len(set(kind_flags)) == len(kind_flags), kind
+    # a link reads FLAG_QUIET off every request it has out: no FETCH flag may be it
+    assert frames.FLAG_QUIET not in frames.KIND_FLAGS[frames.Kind.FETCH]

@@ -24,9 +24,9 @@ from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.kv_layout import KVLayout, manager_blocks
 from vllm_pd.connector.transport import create_transport, nixl_agent
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
-from vllm_pd.connector.transport.checksum import Checksum
 from vllm_pd.connector.transport.nixl_regions import NixlRegions, RegionLayout, block_pairs, merge_pairs
 from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransferTimeout
+from vllm_pd.protocol.frames import Checksum
 
 HEADS = 4  # KV heads of the small Llama-like model of these tests
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.support.transport_harness import make_regions, started
-from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transport.base import BlockBatch, BlockWindow, FetchSpans
 from vllm_pd.errors import TransferRejected
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
 
 SECRET = DeploymentSecret(b"parts-test-secret-0123456789abcd", "test")
 TRANSPORTS = {

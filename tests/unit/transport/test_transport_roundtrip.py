@@ -13,9 +13,9 @@ import torch
 
 from tests.support.tls_certs import issue, make_ca
 from tests.support.transport_harness import make_regions, started
-from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.errors import TransferRejected, TransferTimeout
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
 
 # shm moves block bytes by reading the peer's memory where the kernel allows it (here it
 # does), else through its rings: both paths run every test. nixl: UCX over tcp + cma on this host.

@@ -21,11 +21,12 @@ from tests.support.transport_harness import make_regions, spawn_peer, started
 from vllm_pd.connector.transport import create_transport, serve_session
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.cross_memory import PeerMemory
-from vllm_pd.connector.transport.framing import Checksum, Frame, Kind
 from vllm_pd.connector.transport.layer_plan import ReadyPacer
-from vllm_pd.connector.transport.shm import FLAG_TRAILER, SEGMENT_PREFIX, SHM_DIR, ShmChannel
+from vllm_pd.connector.transport.shm import SHM_DIR, ShmChannel
 from vllm_pd.connector.transport.wire import Wire
 from vllm_pd.errors import ConfigError, TransferCorrupted, TransportError
+from vllm_pd.protocol.frames import FLAG_TRAILER, Checksum, Frame, Kind
+from vllm_pd.protocol.shm_ring import SEGMENT_PREFIX
 
 
 def _segments(pid: int | None = None) -> set[str]:
@@ -413,7 +414,7 @@ def test_probe_rejects_another_boot_a_wrong_token_and_no_process() -> None:
 
 
 def test_bad_plan_payload_is_refused_and_the_stream_stays_usable() -> None:
-    from vllm_pd.connector.transport.layer_plan import PlanFrame
+    from vllm_pd.protocol.layer_plan import PlanFrame
 
     with pytest.raises(TransferCorrupted):
         PlanFrame.parse(b"\0" * 10, 1)

@@ -32,7 +32,7 @@ Scheduler side (EngineCore process) - ``StoreScheduler(config, salt, slot_nbytes
         to ``plan_load(..., remote=hit)``: the part beyond the local prefix is fetched
         from that node). ``remote_match`` returns only the hit.
     Every query, ``plan_load`` and ``plan_save`` also take the request's ``extra_keys``
-    (keys.RequestExtraKeys: LoRA adapter, cache salt, multimodal inputs, as vLLM's prefix cache
+    (block_keys.RequestExtraKeys: LoRA adapter, cache salt, multimodal inputs, as vLLM's prefix cache
     keys them; store_bridge.request_extra_keys makes them from vLLM's Request); a block is served
     only to a request of the scope it was written for.
 

@@ -17,10 +17,10 @@ from typing import cast
 
 from vllm_pd.connector.store.adaptive_cache import AdaptiveCache, shadow_sample_rate
 from vllm_pd.connector.store.cpu_pool import SlotAllocator
-from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.store.master_client import MasterClient
 from vllm_pd.connector.store.plans import SaveResult, StoreReport
 from vllm_pd.connector.store.radix import RadixIndex
+from vllm_pd.protocol.block_keys import BlockKey
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -34,7 +34,7 @@ class Location:
     on_disk: bool = False  # every rank has it on disk
     disk_writing: bool = False  # write-through in flight: the slot must stay
     staging: bool = False  # slot being filled from disk by a load
-    scope: BlockKey = b""  # what the block was written for (keys.RequestExtraKeys.scope); loads compare it
+    scope: BlockKey = b""  # what the block was written for (block_keys.RequestExtraKeys.scope); loads compare it
 
 
 @dataclass(slots=True)

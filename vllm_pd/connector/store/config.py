@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.config import parse_size
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.errors import ConfigError
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

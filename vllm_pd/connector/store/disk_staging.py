@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_tier import DiskTier
-from vllm_pd.connector.store.keys import BlockKey
+from vllm_pd.protocol.block_keys import BlockKey
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

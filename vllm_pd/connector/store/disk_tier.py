@@ -3,7 +3,7 @@
 File = 112-byte header + payload. The header names the salt (a directory reused
 by another model/layout is ignored), the key and its *parent* key (so the
 radix index can be rebuilt from disk alone after a restart), the scope the
-block was written for (adapter and cache salt: keys.RequestExtraKeys.scope; a
+block was written for (adapter and cache salt: block_keys.RequestExtraKeys.scope; a
 read for another scope fails), the payload length and its blake3 checksum.
 Files of the previous format (VPDKVB01, no scope, written when keys ignored
 adapters and cache salts) are dropped at start. Writes go to ``*.tmp`` then ``os.replace``: a crash
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_pd.connector.store.cpu_pool import CHECKSUM_BYTES, checksum
-from vllm_pd.connector.store.keys import KEY_BYTES, BlockKey
 from vllm_pd.errors import ConfigError
+from vllm_pd.protocol.block_keys import KEY_BYTES, BlockKey
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

@@ -24,73 +24,13 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from vllm_pd.connector.auth_protocol import REFUSED, DeploymentSecret, is_handshake_hello
-from vllm_pd.connector.store.keys import BlockKey, KeySalt
 from vllm_pd.connector.store.master_sessions import ListenerSessions
+from vllm_pd.protocol.auth_handshake import REFUSED, DeploymentSecret, is_handshake_hello
+from vllm_pd.protocol.block_keys import BlockKey, KeySalt
+from vllm_pd.protocol.store_index import Holders, NodeInfo, Nodes, Publish, Reply, Request, Stats
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
-
-
-# 3: authenticated sessions with a deployment secret; Stats requests. 2: salt and instance_url in
-# snapshots; Nodes and Holders requests
-PROTOCOL_VERSION = 3
-
-
-class Publish(msgspec.Struct, tag="publish"):
-    node: str
-    endpoint: str  # where peers fetch this node's blocks (transport endpoint)
-    inserts: list[tuple[BlockKey, BlockKey | None]] = []
-    removes: list[BlockKey] = []
-    snapshot: bool = False  # inserts are the node's whole index: forget its older keys
-    # with a snapshot (they never change for a node): what its keys are salted with, and the
-    # URL of its vLLM instance as the proxy knows it ("" = not routable by the proxy)
-    salt: KeySalt | None = None
-    instance_url: str = ""
-
-
-class Lookup(msgspec.Struct, tag="lookup"):
-    keys: list[BlockKey]
-    exclude: str | None = None  # the asking node (it knows its own blocks)
-
-
-class Nodes(msgspec.Struct, tag="nodes"):
-    """The live nodes, with what a router needs to compute their keys and reach their instances."""
-
-
-class Holders(msgspec.Struct, tag="holders"):
-    """Per node, how many leading keys of ``keys`` it holds (not only the best node's)."""
-
-    keys: list[BlockKey]
-
-
-class Stats(msgspec.Struct, tag="stats"):
-    """The master's counters (``refused``: messages from peers that did not authenticate)."""
-
-
-class NodeInfo(msgspec.Struct, frozen=True):
-    node: str
-    endpoint: str
-    instance_url: str = ""
-    salt: KeySalt | None = None
-
-
-class Reply(msgspec.Struct):
-    seq: int
-    ok: bool = True
-    node: str | None = None
-    endpoint: str | None = None
-    blocks: int = 0  # leading keys held by ``node``
-    known: bool = True  # False: the master has no record of the publishing node (restarted): resync
-    nodes: list[NodeInfo] = []  # answer to Nodes
-    held: dict[str, int] = {}  # answer to Holders: node -> leading keys held (nodes holding none left out)
-    stats: dict[str, int] = {}  # answer to Stats
-    version: int = PROTOCOL_VERSION
-
-
-class Request(msgspec.Struct):
-    seq: int
-    body: Publish | Lookup | Nodes | Holders | Stats
 
 
 @dataclass

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from vllm_pd.connector.auth_protocol import REFUSED, DeploymentSecret
-from vllm_pd.connector.store.keys import BlockKey, KeySalt
-from vllm_pd.connector.store.master import Holders, Lookup, Nodes, Publish, Reply, Request, Stats
-from vllm_pd.connector.store.master import NodeInfo as NodeInfo  # re-exported: what nodes() answers, for the proxy
 from vllm_pd.connector.store.master_sessions import DiallerSession
 from vllm_pd.errors import AuthFailed
+from vllm_pd.protocol.auth_handshake import REFUSED, DeploymentSecret
+from vllm_pd.protocol.block_keys import BlockKey, KeySalt
+from vllm_pd.protocol.store_index import Holders, Lookup, NodeInfo, Nodes, Publish, Reply, Request, Stats
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

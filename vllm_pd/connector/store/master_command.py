@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from vllm_pd.connector.auth_protocol import INSECURE_WARNING, SECRET_ENV, check_bind, load_secret
+from vllm_pd.connector.deployment_secret import INSECURE_WARNING, SECRET_ENV, check_bind, load_secret
 from vllm_pd.connector.store.master import serve
 from vllm_pd.errors import ConfigError
 from vllm_pd.vllm_logging import vllm_logger
@@ -71,8 +71,8 @@ def spawn_master(
     ``secret_file``: the deployment secret it requires (the readiness call proves it).
     Readiness is a read-only ``Nodes`` call: a node registered to probe would stay in the
     index for ``node_ttl_s`` and show up in its node list."""
-    from vllm_pd.connector.store.master import Nodes
     from vllm_pd.connector.store.master_client import MasterLink
+    from vllm_pd.protocol.store_index import Nodes
 
     address = f"tcp://{host}:{port}"
     prefix = ["ip", "netns", "exec", netns] if netns else []

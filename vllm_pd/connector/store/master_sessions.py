@@ -1,4 +1,4 @@
-"""Authenticated sessions over the store master's ZMQ sockets (auth_protocol.py's handshake).
+"""Authenticated sessions over the store master's ZMQ sockets (protocol/auth_handshake.py).
 
 ZMQ hides connections behind peer identities, so the handshake runs as messages: the peer's
 ``HELLO`` -> our ``CHALLENGE`` -> its ``PROOF`` -> our ``PROOF``; from then on each request
@@ -18,7 +18,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
 
-from vllm_pd.connector.auth_protocol import (
+from vllm_pd.errors import AuthFailed
+from vllm_pd.protocol.auth_handshake import (
     REFUSED,
     SEALED_MAGIC,
     DeploymentSecret,
@@ -28,7 +29,6 @@ from vllm_pd.connector.auth_protocol import (
     Service,
     is_handshake_hello,
 )
-from vllm_pd.errors import AuthFailed
 from vllm_pd.vllm_logging import vllm_logger
 
 _V = TypeVar("_V")

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import msgspec
 
-from vllm_pd.connector.store.keys import BlockKey
+from vllm_pd.protocol.block_keys import BlockKey
 
 
 class SaveOp(msgspec.Struct, frozen=True):
     """Copy vLLM blocks ``block_ids`` into pool ``slots`` as ``keys`` (a chain
     hanging off ``parent``; None = root), then write them to disk if enabled,
-    recording ``scope`` (what the blocks were written for: keys.RequestExtraKeys.scope)."""
+    recording ``scope`` (what the blocks were written for: block_keys.RequestExtraKeys.scope)."""
 
     request_id: str
     parent: BlockKey | None

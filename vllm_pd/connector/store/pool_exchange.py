@@ -12,7 +12,7 @@ transport's ``notify``:
    and the commit-time checksums of the longest leading run of ``keys`` it
    still has, in CPU memory or on disk (a disk block is first read and
    verified into a spare pool row, disk_staging.py), *written for ``scope``*
-   (the asker's adapter and cache salt, keys.RequestExtraKeys.scope: a block of
+   (the asker's adapter and cache salt, block_keys.RequestExtraKeys.scope: a block of
    another scope under the same key - a collision, a bug - ends the run), and
    grants a fetch of exactly those slots under a fresh transfer id (the grant
    expires after ``grant_ttl_s``).
@@ -45,14 +45,15 @@ from concurrent.futures import Future
 
 import msgspec
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_staging import DiskStaging
-from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.connector.transport import MemoryRegion, Transport, create_transport
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.errors import TransportError
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
+from vllm_pd.protocol.block_keys import BlockKey
+from vllm_pd.protocol.store_peer import BlocksGranted, GrantBlocks, PeerMessage, ReleaseBlocks, Released
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -60,30 +61,8 @@ logger = vllm_logger(__name__)
 POOL_REGION = 0  # the pool is the transport's only region
 
 
-class GrantBlocks(msgspec.Struct, tag="grant"):
-    """Asker -> holder: grant me a fetch of the longest leading run of ``keys`` you hold for ``scope``."""
-
-    keys: list[BlockKey]
-    scope: BlockKey
-
-
-class BlocksGranted(msgspec.Struct, tag="granted"):
-    transfer_id: str
-    slots: list[int]  # of the leading keys held, in order (may be empty)
-    sums: list[bytes]  # commit-time checksums of those slots' bytes
-
-
-class ReleaseBlocks(msgspec.Struct, tag="release"):
-    transfer_id: str
-
-
-class Released(msgspec.Struct, tag="released"):
-    intact: int  # leading granted slots not overwritten (not even started) since the grant
-
-
-_Message = GrantBlocks | BlocksGranted | ReleaseBlocks | Released
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(_Message)
+_decoder = msgspec.msgpack.Decoder(PeerMessage)
 
 
 class SlotDirectory:
@@ -360,9 +339,9 @@ class PoolExchange:
         except (TransportError, ValueError):  # the grant expires anyway
             pass
 
-    def _ask(self, peer: str, message: GrantBlocks | ReleaseBlocks) -> _Message:
+    def _ask(self, peer: str, message: GrantBlocks | ReleaseBlocks) -> PeerMessage:
         reply = self.transport.notify(peer, _encoder.encode(message), self.timeout_s)
-        answer: _Message = _decoder.decode(reply.result(timeout=self.timeout_s + 1.0) or b"")
+        answer: PeerMessage = _decoder.decode(reply.result(timeout=self.timeout_s + 1.0) or b"")
         return answer
 
     def _count(self, ok: list[bytes], asked: int) -> list[bytes]:

@@ -1,7 +1,7 @@
 """Radix index over block keys: longest cached prefix, batched inserts,
 leaf-first removal, pins with deadlines.
 
-Because a block key hashes its parent key (keys.py), the tree over keys is
+Because a block key hashes its parent key (protocol/block_keys.py), the tree over keys is
 already prefix-compressed by content: a key has exactly one possible parent.
 The index keeps the invariant "a node's parent is in the index" (inserts hang
 chains off present nodes; only leaves are removed, or whole subtrees), so
@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_pd.connector.store.keys import BlockKey
 from vllm_pd.errors import StoreError
+from vllm_pd.protocol.block_keys import BlockKey
 
 
 class RadixNode:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, BlockKey, KeySalt, RequestExtraKeys, chain_keys
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, BlockKey, KeySalt, RequestExtraKeys, chain_keys
 
 MAX_REQUESTS = 4096
 

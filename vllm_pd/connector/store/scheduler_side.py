@@ -12,7 +12,7 @@ Two-phase put: ``plan_save`` *reserves* slots (keys pending, invisible to
 blocks are ever counted by ``match`` or handed to ``plan_load``.
 
 Isolation: a request's keys carry its extra keys (LoRA adapter, cache salt,
-multimodal inputs; keys.py), and every block records the *scope* it was
+multimodal inputs; protocol/block_keys.py), and every block records the *scope* it was
 written for (``RequestExtraKeys.scope``: salt, adapter, cache salt). A load
 serves a block only if its scope is the loading request's; a mismatch (a key
 collision, or a bug that dropped extra keys) is logged, counted
@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from vllm_pd.connector.store.block_placement import BlockPlacement
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.disk_tier import scan
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, BlockKey, KeySalt, RequestExtraKeys
 from vllm_pd.connector.store.master_client import MasterClient, RemoteHit
 from vllm_pd.connector.store.plans import LoadOp, SaveOp, StorePlan, StoreReport
 from vllm_pd.connector.store.radix import Pin
 from vllm_pd.connector.store.request_keys import RequestKeys
-from vllm_pd.connector.transfer_params import StoreFetch
 from vllm_pd.errors import StoreError
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, BlockKey, KeySalt, RequestExtraKeys
+from vllm_pd.protocol.transfer_params import StoreFetch
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

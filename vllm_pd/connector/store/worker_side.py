@@ -39,12 +39,12 @@ from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_staging import DiskStaging
 from vllm_pd.connector.store.disk_tier import DiskTier
-from vllm_pd.connector.store.keys import KeySalt
 from vllm_pd.connector.store.plans import LoadOp, LoadResult, SaveOp, SaveResult, StorePlan, StoreReport
 from vllm_pd.connector.store.pool_copies import PoolCopies, pool_copies
 from vllm_pd.connector.store.pool_exchange import PeerFetch, PoolExchange, SlotDirectory
 from vllm_pd.connector.transport.base import MemoryRegion
 from vllm_pd.errors import StoreError
+from vllm_pd.protocol.block_keys import KeySalt
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

@@ -1,7 +1,7 @@
 """Per-block checksums of the stream transports, and copies that compute them on the way.
 
-Each block travels with one 8-byte digest (framing.py's trailer); the frame names the
-algorithm, so the receiver verifies with the one its sender used. Algorithms:
+Each block travels with one 8-byte digest (protocol/frames.py's trailer); the frame names the
+algorithm (``frames.Checksum``), so the receiver verifies with the one its sender used. Algorithms:
 
 * ``crc32c`` (default) - CRC32C (Castagnoli) from vllm_pd._C: the SSE4.2 crc32 instruction
   over three interleaved streams, fused with the copy that moves the bytes (the shm ring), so
@@ -11,7 +11,7 @@ algorithm, so the receiver verifies with the one its sender used. Algorithms:
 * ``crc32`` - zlib.crc32 (~2-5 GB/s).
 * ``none``  - no check (the digest slots carry zeros).
 * ``blake3_keyed`` - not configured: chosen where a deployment secret is set and TLS is not
-  (auth_protocol.py). The first 8 bytes of BLAKE3 keyed with the connection's block key over the
+  (protocol/auth_handshake.py). The first 8 bytes of BLAKE3 keyed with the connection's block key over the
   block's frame (its hash), the block's index in the frame and its bytes (:class:`BlockCheck`):
   a block changed on the path - by an attacker that can write the stream or the ring, not only
   by a fault - fails its check, and so does a genuine block moved to another frame or position.
@@ -29,14 +29,13 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any
 
 import numpy as np
 
 from vllm_pd.errors import ConfigError, TransferCorrupted
+from vllm_pd.protocol.frames import DIGEST_NBYTES, Checksum
 
-DIGEST_NBYTES = 8
 # Buffers accepted by the copy/update methods: memoryviews or uint8 numpy arrays, C-contiguous.
 Bytes = Any
 
@@ -57,58 +56,6 @@ def _native() -> Any:
 
         _NATIVE = _C
     return _NATIVE
-
-
-class Checksum(IntEnum):
-    NONE = 0
-    CRC32 = 1
-    BLAKE3 = 2
-    CRC32C = 3
-    BLAKE3_KEYED = 4  # keyed by the connection's session; set by a deployment secret (module docstring)
-
-    @classmethod
-    def parse(cls, name: str) -> Checksum:
-        """The configured algorithm; ValueError naming the key if unknown or not available."""
-        try:
-            checksum = cls[name.upper()]
-        except KeyError:
-            raise ConfigError(
-                f"checksum: unknown value {name!r} (one of: {', '.join(c.name.lower() for c in cls)})"
-            ) from None
-        if checksum is Checksum.BLAKE3_KEYED:
-            raise ConfigError(
-                "checksum: 'blake3_keyed' is not configured: a deployment secret (VLLM_PD_SECRET "
-                "or secret_file) makes every connection without TLS use it"
-            )
-        if checksum is Checksum.CRC32C:
-            try:
-                _native()
-            except ImportError as e:
-                raise ConfigError(
-                    f"checksum 'crc32c' needs the C++ extension: {e}; build it "
-                    "(bash install.sh) or set checksum to 'blake3'"
-                ) from None
-        return checksum
-
-    def running(self) -> RunningDigest:
-        """A digest of one block fed piecewise (``copy`` / ``update``)."""
-        if self is Checksum.CRC32C:
-            try:
-                return _Crc32cDigest(_native())
-            except ImportError as e:  # a peer sent crc32c; this side cannot verify it
-                raise TransferCorrupted(f"cannot verify a crc32c block: {e}") from None
-        if self is Checksum.BLAKE3:
-            return _Blake3Digest()
-        if self is Checksum.CRC32:
-            return _Crc32Digest()
-        if self is Checksum.BLAKE3_KEYED:
-            raise TransferCorrupted("a keyed block check needs its connection's key (BlockCheck)")
-        return RunningDigest()
-
-    def digest(self, data: Bytes) -> bytes:
-        d = self.running()
-        d.update(data)
-        return d.digest()
 
 
 class RunningDigest:
@@ -181,6 +128,53 @@ class _KeyedDigest(RunningDigest):
         return self._hasher.digest(DIGEST_NBYTES)
 
 
+def parse_checksum(name: str) -> Checksum:
+    """The configured algorithm; ConfigError naming the key if unknown or not available."""
+    try:
+        checksum = Checksum[name.upper()]
+    except KeyError:
+        raise ConfigError(
+            f"checksum: unknown value {name!r} (one of: {', '.join(c.name.lower() for c in Checksum)})"
+        ) from None
+    if checksum is Checksum.BLAKE3_KEYED:
+        raise ConfigError(
+            "checksum: 'blake3_keyed' is not configured: a deployment secret (VLLM_PD_SECRET "
+            "or secret_file) makes every connection without TLS use it"
+        )
+    if checksum is Checksum.CRC32C:
+        try:
+            _native()
+        except ImportError as e:
+            raise ConfigError(
+                f"checksum 'crc32c' needs the C++ extension: {e}; build it "
+                "(bash install.sh) or set checksum to 'blake3'"
+            ) from None
+    return checksum
+
+
+def running_digest(checksum: Checksum) -> RunningDigest:
+    """A digest of one block fed piecewise (``copy`` / ``update``)."""
+    if checksum is Checksum.CRC32C:
+        try:
+            return _Crc32cDigest(_native())
+        except ImportError as e:  # a peer sent crc32c; this side cannot verify it
+            raise TransferCorrupted(f"cannot verify a crc32c block: {e}") from None
+    if checksum is Checksum.BLAKE3:
+        return _Blake3Digest()
+    if checksum is Checksum.CRC32:
+        return _Crc32Digest()
+    if checksum is Checksum.BLAKE3_KEYED:
+        raise TransferCorrupted("a keyed block check needs its connection's key (BlockCheck)")
+    return RunningDigest()
+
+
+def block_digest(checksum: Checksum, data: Bytes) -> bytes:
+    """One block's digest (``data``: all its bytes)."""
+    d = running_digest(checksum)
+    d.update(data)
+    return d.digest()
+
+
 _INDEX = struct.Struct("<I")
 
 
@@ -205,7 +199,7 @@ class BlockCheck:
             if self.key is None:
                 raise TransferCorrupted("a keyed block check without its connection's key")
             return _KeyedDigest(self.key, self.context, index)
-        return self.checksum.running()
+        return running_digest(self.checksum)
 
     def digest(self, index: int, data: Bytes) -> bytes:
         d = self.running(index)

@@ -22,10 +22,7 @@ forward's KV writes, then the digests, then the counter) become visible to other
 cores in program order on x86-64 (TSO); a reader that saw the counter sees what
 came before it. Other architectures fall back to pushes.
 
-Payload of a PLAN frame (ids = the blocks' positions, block_nbytes, checksum):
-``progress address u64 | timeout ms u32 | layer count u32 | layer u32 x L |
-block address u64 x (L x count)``. The progress area: ``ready layers u64 |
-digest x (L x count)``.
+The PLAN frame's payload and the progress area's layout: protocol/layer_plan.py.
 """
 
 from __future__ import annotations
@@ -34,13 +31,12 @@ import platform
 import struct
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
-from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, Checksum
+from vllm_pd.connector.transport.checksum import block_digest
 from vllm_pd.connector.transport.cross_memory import address_of
-from vllm_pd.errors import TransferCorrupted
+from vllm_pd.protocol.frames import DIGEST_NBYTES, Checksum
+from vllm_pd.protocol.layer_plan import digests_offset, encode_plan, progress_nbytes
 
-_HEAD = struct.Struct("<QII")
 # x86-64 keeps stores in order for other cores (TSO): the counter never runs ahead of the
 # digests and KV it announces. Elsewhere plans are not offered.
 ORDERED_STORES = platform.machine() in ("x86_64", "AMD64")
@@ -55,25 +51,19 @@ class LayerPlan:
         self._views = [list(v) for v in views]
         self._count = len(self._views[0]) if self._views else 0
         # never resized: the peer reads it at this address until our future settles
-        self._progress = bytearray(8 + DIGEST_NBYTES * len(self.layers) * self._count)
+        self._progress = bytearray(progress_nbytes(len(self.layers), self._count))
         self._area = memoryview(self._progress)
         self.future: Future[None] | None = None  # ACK of the whole plan (set by the transport)
 
     def payload(self, timeout: float) -> bytes:
         addresses = [address_of(v) for views in self._views for v in views]
-        return b"".join(
-            (
-                _HEAD.pack(address_of(self._area), max(1, int(timeout * 1000)), len(self.layers)),
-                struct.pack(f"<{len(self.layers)}I", *self.layers),
-                struct.pack(f"<{len(addresses)}Q", *addresses),
-            )
-        )
+        return encode_plan(address_of(self._area), timeout, self.layers, addresses)
 
     def ready(self, k: int) -> None:
         """The plan's k-th layer is computed: publish its digests, then the count."""
-        off = 8 + DIGEST_NBYTES * k * self._count
+        off = digests_offset(k, self._count)
         for view in self._views[k]:
-            self._area[off : off + DIGEST_NBYTES] = self.checksum.digest(view)
+            self._area[off : off + DIGEST_NBYTES] = block_digest(self.checksum, view)
             off += DIGEST_NBYTES
         struct.pack_into("<Q", self._progress, 0, k + 1)
 
@@ -106,32 +96,3 @@ class ReadyPacer:
         if self._last is None or len(self._intervals) < 2:
             return None
         return self._last + self.EARLY * min(self._intervals)
-
-
-@dataclass(frozen=True)
-class PlanFrame:
-    """Receiver side: a PLAN frame's payload, parsed and bounds-checked."""
-
-    progress: int
-    timeout_s: float
-    layers: tuple[int, ...]
-    addresses: tuple[tuple[int, ...], ...]  # per layer, per block
-
-    @classmethod
-    def parse(cls, payload: bytes, count: int) -> PlanFrame:
-        try:
-            progress, timeout_ms, n_layers = _HEAD.unpack_from(payload, 0)
-            off = _HEAD.size
-            layers = struct.unpack_from(f"<{n_layers}I", payload, off)
-            off += 4 * n_layers
-            flat = struct.unpack_from(f"<{n_layers * count}Q", payload, off)
-            off += 8 * n_layers * count
-        except struct.error as e:
-            raise TransferCorrupted(f"PLAN payload: {e}") from None
-        if off != len(payload) or not n_layers or not count:
-            raise TransferCorrupted(f"PLAN payload of {len(payload)} bytes for {n_layers} layers x {count} blocks")
-        addresses = tuple(flat[i * count : (i + 1) * count] for i in range(n_layers))
-        return cls(progress, timeout_ms / 1000, layers, addresses)
-
-    def digests_address(self, k: int) -> int:
-        return self.progress + 8 + DIGEST_NBYTES * k * len(self.addresses[0])

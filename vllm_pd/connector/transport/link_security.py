@@ -2,7 +2,7 @@
 
 :class:`LinkSecurity` is one transport's side of it: with TLS settings (tcp only) ``dial`` and
 ``accept`` first run TLS on a freshly connected socket (tls_stream.py); with a deployment
-secret they then run the challenge-response of auth_protocol.py (before the transports' HELLO,
+secret they then run the challenge-response of protocol/auth_handshake.py (before the transports' HELLO,
 before a shm ring or a NIXL agent is touched) and return the session's keys - None under TLS,
 which already seals what follows. A peer that fails either is closed by the caller, with a log
 line and a count (``refused``). A frame that breaks the protocol later on an authenticated
@@ -17,7 +17,10 @@ import ssl
 import threading
 from typing import Any
 
-from vllm_pd.connector.auth_protocol import (
+from vllm_pd.connector.transport.frame_io import recv_exact
+from vllm_pd.connector.transport.tls_stream import TlsSettings, TlsSocket
+from vllm_pd.errors import AuthFailed, PeerClosed
+from vllm_pd.protocol.auth_handshake import (
     CHALLENGE_NBYTES,
     HANDSHAKE_MAGIC,
     HELLO_NBYTES,
@@ -29,9 +32,6 @@ from vllm_pd.connector.auth_protocol import (
     SessionKeys,
     describe_unauthenticated,
 )
-from vllm_pd.connector.transport.framing import recv_exact
-from vllm_pd.connector.transport.tls_stream import TlsSettings, TlsSocket
-from vllm_pd.errors import AuthFailed, PeerClosed
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

@@ -59,10 +59,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transport import cross_memory
 from vllm_pd.connector.transport.base import BlockBatch, BlockWindow, FetchSpans, MemoryRegion
-from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, Status
+from vllm_pd.connector.transport.checksum import block_digest
 from vllm_pd.connector.transport.nixl_agent import LocalAgent, ProgressPump
 from vllm_pd.connector.transport.nixl_regions import (
     DRAM,
@@ -86,45 +85,16 @@ from vllm_pd.errors import (
     TransferTimeout,
     TransportError,
 )
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
+from vllm_pd.protocol.frames import FLAG_CANCEL, FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, Status
+from vllm_pd.protocol.nixl_messages import FetchPayload, PushPayload
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
 
-# FETCH flag (framing.py's PUSH flags are 1 and 2): withdraw the FETCH with this req_id.
-FLAG_CANCEL = 4
 TARGET_PROGRESS = ("auto", "always", "never")
 # Room a request needs in the socket's send buffer to go out from the caller's thread.
 CONTROL_ROOM = 64 << 10
-
-
-class PushPayload(msgspec.Struct, array_like=True):
-    block_ids: bytes  # u32: the sender's blocks, in the order of the frame's positions
-    digests: bytes  # one per block (empty without a checksum)
-    timeout_s: float
-    window_offset: int = 0  # where in each block the frame's block_nbytes start (a window of it)
-    windowed: bool = False
-
-
-class FetchPayload(msgspec.Struct, array_like=True):
-    block_ids: bytes  # u32: the requester's blocks the owner writes, in the order of the frame's ids
-    timeout_s: float
-    # parts of blocks (FetchSpans), u64 each: where each id's part starts at the owner and at the
-    # requester, and its length; empty: whole blocks
-    src_offsets: bytes = b""
-    dst_offsets: bytes = b""
-    lengths: bytes = b""
-
-    def spans(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """(source offsets, destination offsets, lengths) of a fetch of parts; None: whole blocks."""
-        if not self.lengths:
-            return None
-        arrays = tuple(
-            np.frombuffer(b, dtype=np.uint64).astype(np.int64)
-            for b in (self.src_offsets, self.dst_offsets, self.lengths)
-        )
-        if any(len(a) != count for a in arrays) or (arrays[2] <= 0).any():
-            raise TransferCorrupted(f"fetch of parts: {[len(a) for a in arrays]} offsets and lengths for {count} ids")
-        return arrays  # type: ignore[return-value]
 
 
 def _u32(ids: np.ndarray) -> bytes:
@@ -292,7 +262,7 @@ class NixlChannel:
                 agent.deregister(handle)
         if frame.checksum is Checksum.NONE:
             return True
-        return bool(b"".join(frame.checksum.digest(v) for v in views) == payload.digests)
+        return bool(b"".join(block_digest(frame.checksum, v) for v in views) == payload.digests)
 
     def write_fetched(self, frame: Frame, checksum: Checksum) -> tuple[bytes, tuple[int, ...]]:
         """WRITE the blocks (or parts) a FETCH asks for into the requester's regions; their

@@ -26,7 +26,8 @@ import msgspec
 import numpy as np
 
 from vllm_pd.connector.transport.base import MemoryRegion
-from vllm_pd.connector.transport.checksum import Checksum
+from vllm_pd.connector.transport.checksum import block_digest, running_digest
+from vllm_pd.protocol.frames import Checksum
 
 DRAM, VRAM = "DRAM", "VRAM"  # NIXL's names of host and GPU memory
 
@@ -215,10 +216,10 @@ class NixlRegions:
         spans = self.spans_relative(layer, ids)
         if len(lay.lengths) == 1:
             n = lay.lengths[0]
-            return b"".join(checksum.digest(host[s : s + n]) for s in spans[0].tolist())
+            return b"".join(block_digest(checksum, host[s : s + n]) for s in spans[0].tolist())
         out = []
         for i in range(len(ids)):
-            d = checksum.running()
+            d = running_digest(checksum)
             for j, n in enumerate(lay.lengths):
                 start = int(spans[j, i])
                 d.update(host[start : start + n])
@@ -234,7 +235,7 @@ class NixlRegions:
         if checksum is Checksum.NONE or host is None:
             return b""
         starts = (self.spans_relative(layer, np.asarray(ids, dtype=np.int64))[0] + offsets).tolist()
-        return b"".join(checksum.digest(host[s : s + n]) for s, n in zip(starts, lengths.tolist(), strict=True))
+        return b"".join(block_digest(checksum, host[s : s + n]) for s, n in zip(starts, lengths.tolist(), strict=True))
 
     def spans_relative(self, layer: int, ids: np.ndarray) -> np.ndarray:
         lay = self.layouts[layer]

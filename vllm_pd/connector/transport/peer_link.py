@@ -29,13 +29,6 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd.connector.transport.framing import (
-    FLAG_HAS_REPLY,
-    FLAG_QUIET,
-    Frame,
-    Kind,
-    Status,
-)
 from vllm_pd.connector.transport.link_security import LinkSecurity
 from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
 from vllm_pd.errors import (
@@ -47,6 +40,7 @@ from vllm_pd.errors import (
     TransferTimeout,
     TransportError,
 )
+from vllm_pd.protocol.frames import FLAG_HAS_REPLY, FLAG_QUIET, Frame, Kind, Status
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

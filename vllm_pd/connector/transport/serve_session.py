@@ -16,9 +16,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_pd.connector.transport.base import BlockBatch, BlockSink
-from vllm_pd.connector.transport.checksum import DIGEST_NBYTES
+from vllm_pd.connector.transport.checksum import block_digest
 from vllm_pd.connector.transport.cross_memory import PeerMemory
-from vllm_pd.connector.transport.framing import (
+from vllm_pd.connector.transport.layer_plan import ReadyPacer
+from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
+from vllm_pd.connector.transport.wire import BlockChannel, Wire
+from vllm_pd.errors import AuthFailed, PeerClosed, ProtocolError, TransferCorrupted, TransportError
+from vllm_pd.protocol.frames import (
+    DIGEST_NBYTES,
     FLAG_HAS_REPLY,
     FLAG_LAST,
     FLAG_QUIET,
@@ -28,10 +33,7 @@ from vllm_pd.connector.transport.framing import (
     Status,
     decode_fetch_spans,
 )
-from vllm_pd.connector.transport.layer_plan import PlanFrame, ReadyPacer
-from vllm_pd.connector.transport.regions import FetchGrants, RegisteredRegions
-from vllm_pd.connector.transport.wire import BlockChannel, Wire
-from vllm_pd.errors import AuthFailed, PeerClosed, ProtocolError, TransferCorrupted, TransportError
+from vllm_pd.protocol.layer_plan import PlanFrame
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -267,7 +269,7 @@ class ServeSession:
         try:
             memory.read_into(views, plan.addresses[k])
             digests = memory.read(plan.digests_address(k), DIGEST_NBYTES * len(views))
-            ok = b"".join(checksum.digest(v) for v in views) == digests
+            ok = b"".join(block_digest(checksum, v) for v in views) == digests
         except TransferCorrupted as e:
             logger.warning("layer plan %r layer %d: %s", batch.transfer_id, batch.layer, e)
         finally:

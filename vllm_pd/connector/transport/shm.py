@@ -1,7 +1,7 @@
 """Same-host transport: block bytes through POSIX shared memory.
 
 Each connection has two rings in /dev/shm, one per direction, each created by
-the side that writes it and announced in the HELLO handshake. A ring is
+the side that writes it and announced in the HELLO handshake (their layout: protocol/shm_ring.py). A ring is
 ``slots`` slots of ``slot_nbytes`` plus a small control area; the TCP connection
 (the control channel) carries the frames plus READY (sender filled slot k with n
 bytes). The sender fills slot k+1 while the receiver empties slot k, so the two
@@ -49,7 +49,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vllm_pd.connector.transport.checksum import DIGEST_NBYTES, BlockStream, Checksum
+from vllm_pd.connector.transport.checksum import BlockStream
 from vllm_pd.connector.transport.cross_memory import (
     READER_GRANTS,
     PeerMemory,
@@ -57,19 +57,14 @@ from vllm_pd.connector.transport.cross_memory import (
     local_info,
     same_host,
 )
-from vllm_pd.connector.transport.framing import Frame, Kind
 from vllm_pd.connector.transport.layer_plan import ORDERED_STORES
 from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
 from vllm_pd.connector.transport.wire import Wire
 from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted
+from vllm_pd.protocol.frames import DIGEST_NBYTES, FLAG_TRAILER, Checksum, Frame, Kind
+from vllm_pd.protocol.shm_ring import CONSUMED, CONTROL_NBYTES, SEGMENT_PREFIX, WANTED
 
 SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "vllmpd-"
-FLAG_TRAILER = 1  # READY: the batch's last; payload = the digests (ids: its last slot, if any)
-# Control area after the slots: two u64 counters on their own cache lines.
-CONTROL_NBYTES = 4096
-_CONSUMED = 0  # slots the receiver has emptied so far (written by the receiver only)
-_WANTED = 8  # the ``consumed`` value a waiting sender wants a CREDIT at (written by the sender only)
 # A waiting sender re-checks ``consumed`` after this long even without a CREDIT (a wake-up
 # lost to store/load reordering), doubling up to the cap: no stall, no polling when idle.
 RECHECK_FIRST_S = 0.001
@@ -224,7 +219,7 @@ class ShmChannel:
         wire.send_frames(pending)
 
     def _free_slots(self) -> int:
-        return self._tx.slots - (self._produced - int(self._tx.control[_CONSUMED]))
+        return self._tx.slots - (self._produced - int(self._tx.control[CONSUMED]))
 
     def _wait_for_slot(self) -> None:
         if self._closed:
@@ -233,7 +228,7 @@ class ShmChannel:
             return
         # Woken once half the ring is free, not per slot: one CREDIT per several slots.
         ctl = self._tx.control
-        ctl[_WANTED] = self._produced - self._tx.slots + max(1, self._tx.slots // 2)
+        ctl[WANTED] = self._produced - self._tx.slots + max(1, self._tx.slots // 2)
         wait = RECHECK_FIRST_S
         with self._wake:
             while self._free_slots() <= 0:
@@ -301,8 +296,8 @@ class ShmChannel:
         assert self._rx is not None
         ctl = self._rx.control
         self._consumed += 1
-        ctl[_CONSUMED] = self._consumed
-        if int(ctl[_WANTED]) == self._consumed:
+        ctl[CONSUMED] = self._consumed
+        if int(ctl[WANTED]) == self._consumed:
             wire.send_frame(Frame(Kind.CREDIT))
 
     def close(self) -> None:

@@ -19,7 +19,6 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
 from vllm_pd.connector.transport.base import (
     BlockBatch,
     BlockSink,
@@ -28,7 +27,7 @@ from vllm_pd.connector.transport.base import (
     MemoryRegion,
     Transport,
 )
-from vllm_pd.connector.transport.framing import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, encode_fetch_spans
+from vllm_pd.connector.transport.checksum import parse_checksum
 from vllm_pd.connector.transport.layer_plan import LayerPlan
 from vllm_pd.connector.transport.link_security import LinkSecurity
 from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
@@ -37,6 +36,8 @@ from vllm_pd.connector.transport.serve_session import ServeSession
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
 from vllm_pd.errors import AuthFailed, ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransportError
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
+from vllm_pd.protocol.frames import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, encode_fetch_spans
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -105,7 +106,7 @@ class StreamTransport(Transport):
         secret: DeploymentSecret | None = None,
         tls: TlsSettings | None = None,
     ) -> None:
-        self._checksum = Checksum.parse(checksum)
+        self._checksum = parse_checksum(checksum)
         self._security = LinkSecurity(secret, tls=tls)
         # what PUSH and DATA blocks are checked with (layer plans: the blocks are read from the
         # authenticated peer's own memory, by the kernel; they keep the configured checksum)

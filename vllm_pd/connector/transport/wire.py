@@ -1,6 +1,6 @@
 """One connected socket of a stream transport and the data path beside it.
 
-A :class:`Wire` is the control stream: frames (see framing.py) written under one
+A :class:`Wire` is the control stream: frames (protocol/frames.py, read and written by frame_io.py) written under one
 lock so that the two threads that may write (the writer, and on shm the reader
 waking a sender that waits for ring slots) never interleave bytes. A :class:`BlockChannel` moves
 block bytes: over the socket itself (tcp) or through shared memory (shm).
@@ -16,17 +16,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from vllm_pd.connector.auth_protocol import SessionKeys, StreamSeal
 from vllm_pd.connector.transport.checksum import BlockCheck
 from vllm_pd.connector.transport.cross_memory import PeerMemory
-from vllm_pd.connector.transport.framing import (
-    DIGEST_NBYTES,
-    Checksum,
-    Frame,
-    FrameReader,
-    send_buffers,
-)
+from vllm_pd.connector.transport.frame_io import FrameReader, send_buffers
 from vllm_pd.errors import ProtocolError, TransferCorrupted
+from vllm_pd.protocol.auth_handshake import SessionKeys, StreamSeal
+from vllm_pd.protocol.frames import DIGEST_NBYTES, Checksum, Frame
 
 SOCKET_BUFFER_NBYTES = 8 << 20
 # Blocks hashed then handed to the kernel in one sendmsg: large enough to keep
@@ -56,7 +51,7 @@ class Wire:
     """A connected socket; frames are sent whole under ``lock``.
 
     ``keys``: the session's keys where the connection authenticated and runs without TLS: each
-    frame then carries a seal and the blocks a keyed check (framing.py, checksum.py)."""
+    frame then carries a seal and the blocks a keyed check (protocol/frames.py, checksum.py)."""
 
     def __init__(self, sock: socket.socket, frames_only: bool = False, keys: SessionKeys | None = None) -> None:
         self.sock = sock

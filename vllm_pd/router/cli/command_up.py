@@ -147,7 +147,7 @@ def cluster_secret(folder: Path) -> str | None:
     inherit that)."""
     import os
 
-    from vllm_pd.connector.auth_protocol import SECRET_ENV, write_new_secret
+    from vllm_pd.connector.deployment_secret import SECRET_ENV, write_new_secret
 
     if os.environ.get(SECRET_ENV):
         return None

@@ -37,10 +37,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.transfer_params import AwaitedPrefill, RemoteDecodeRequest, TransferMode
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.errors import RouterError
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
+from vllm_pd.protocol.transfer_params import AwaitedPrefill, RemoteDecodeRequest, TransferMode
 from vllm_pd.router.backend.backend_answer import BackendAnswer
 from vllm_pd.router.backend.backend_response import (
     BackendConnectError,

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from vllm_pd.connector.transfer_params import PROTOCOL_KEY
+from vllm_pd.protocol.transfer_params import PROTOCOL_KEY
 from vllm_pd.router.config import ROLES, ConfigError, InstanceConfig, ProxyConfig
 from vllm_pd.router.pool.circuit_breaker import CircuitBreaker
 

@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, BlockExtraKeys, RequestExtraKeys
 from vllm_pd.errors import ConfigError
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, BlockExtraKeys, RequestExtraKeys
 
 HASH_ALGOS = ("sha256", "sha256_cbor")
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vllm.v1.core.kv_cache_utils.DEFAULT_NONE_HASH_SEED

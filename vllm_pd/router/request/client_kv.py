@@ -20,7 +20,7 @@ from typing import Any
 KV_PARAMS = "kv_transfer_params"
 _XARGS = "vllm_xargs"
 
-# the connector's wire names (vllm_pd.connector.transfer_params) and NixlConnector's
+# the connector's wire names (vllm_pd.protocol.transfer_params) and NixlConnector's
 CLIENT_KV_FIELDS = frozenset(
     {
         KV_PARAMS,

@@ -21,8 +21,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, RequestExtraKeys
 from vllm_pd.errors import ConfigError
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, RequestExtraKeys
 from vllm_pd.router.request.block_hashes import PromptBlocks, VllmBlockHasher
 from vllm_pd.router.request.request_body import CHAT, ParsedRequest
 

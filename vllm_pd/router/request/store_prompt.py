@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_pd.connector.store.keys import KeySalt
-from vllm_pd.connector.store.master_client import NodeInfo
-from vllm_pd.connector.transfer_params import StoreFetch
+from vllm_pd.protocol.block_keys import KeySalt
+from vllm_pd.protocol.store_index import NodeInfo
+from vllm_pd.protocol.transfer_params import StoreFetch
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """A request's extra keys as far as the proxy can name them: its LoRA adapter and cache salt.
 
-vLLM keys a block's KV - in its prefix cache, and so in our store (connector/store/keys.py) -
+vLLM keys a block's KV - in its prefix cache, and so in our store (protocol/block_keys.py) -
 on the block's tokens *and* on the request's LoRA adapter (name and path), its ``cache_salt``
 and its multimodal inputs. The proxy sees ``model`` (an adapter is served under its own model
 name) and ``cache_salt`` in the body; the adapter's path, which vLLM hashes too, comes from
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, RequestExtraKeys
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, RequestExtraKeys
 from vllm_pd.router.pool.instance_pool import Instance
 from vllm_pd.router.request.request_body import ParsedRequest
 

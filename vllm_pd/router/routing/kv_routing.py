@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from vllm_pd.connector.store.keys import RequestExtraKeys
+from vllm_pd.protocol.block_keys import RequestExtraKeys
 from vllm_pd.router.config import ProxyConfig
 from vllm_pd.router.pool.instance_pool import InstancePool
 from vllm_pd.router.request.block_hashes import PromptBlocks, VllmBlockHasher

@@ -8,7 +8,7 @@ keys; since protocol version 2 each node also tells it its key salt and the
 URL the proxy knows its instance by (``store.instance_url``). So the proxy
 computes, per distinct salt, the store keys of the exact prompt tokens with
 the request's extra keys (LoRA adapter, cache salt: kv_extra_keys.py;
-keys.chain_keys, the store's own function) and asks the master how many
+block_keys.chain_keys, the store's own function) and asks the master how many
 leading blocks each node holds.
 
 Everything runs on the tokenize worker thread (kv_routing.py), never on the
@@ -25,9 +25,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from vllm_pd.connector.auth_protocol import DeploymentSecret
-from vllm_pd.connector.store.keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys, chain_keys
-from vllm_pd.connector.store.master_client import MasterLink, NodeInfo
+from vllm_pd.connector.store.master_client import MasterLink
+from vllm_pd.protocol.auth_handshake import DeploymentSecret
+from vllm_pd.protocol.block_keys import NO_EXTRA_KEYS, KeySalt, RequestExtraKeys, chain_keys
+from vllm_pd.protocol.store_index import NodeInfo
 from vllm_pd.router.request.store_prompt import StoreHit, StorePrompt
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd.connector.kv_geometry import ShapeQuery
+from vllm_pd.protocol.kv_shape import ShapeQuery
 
 
 class ReleaseMessage(msgspec.Struct, tag="release", frozen=True):

@@ -12,7 +12,7 @@ speak), so those proxies work with this connector unchanged:
   compute. It names the transfer itself: the same ``transfer_id`` in both legs is the
   transfer's id on prefill and decode alike. Prefill pushes under it (push mode) and,
   once its forward is done, announces its :class:`RemotePrefill` to decode, which
-  checks it is the same prompt (:class:`LocalPrompt`) before using a byte (and, in pull
+  checks it is the same prompt (``connector/step_specs.py``'s ``LocalPrompt``) before using a byte (and, in pull
   mode, reads the KV then).
 * proxy -> prefill, in the prefill leg (:class:`StoreFetch`, ``"store_fetch"``): another
   node's KV store holds a longer prefix of the prompt than the prefill instance does; its
@@ -40,8 +40,9 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgspec
 
-from vllm_pd.connector.kv_geometry import KVShape, incompatibility
 from vllm_pd.errors import ProtocolError
+from vllm_pd.protocol.kv_shape import KVShape
+from vllm_pd.protocol.version import PROTOCOL_VERSION
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -52,11 +53,8 @@ LoadMode = Literal["auto", "async", "layerwise"]
 # vLLM's standard keys (NixlConnector's)
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
-# ours: marks params produced by this connector, and which version of them
+# ours: marks params produced by this connector, and which version of them (version.PROTOCOL_VERSION)
 PROTOCOL_KEY = "vllm_pd"
-# 3: prefill's KV shape (kv_shape: TP, heads, KV cache groups) and every group's blocks, so decode
-# takes KV from a prefill of another TP or block size, and of hybrid models; 2: one transfer_id
-PROTOCOL_VERSION = 3
 # ours, on a decode leg: the load mode this request asks for instead of the instance's
 LOAD_MODE = "load_mode"
 # ours, on a prefill leg: the store node to fetch the prompt's leading blocks from (StoreFetch)
@@ -178,7 +176,7 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     prompt_hash: str = ""  # of the prompt token ids: decode checks it is the same prompt
     # what a block's bytes mean on prefill's side (kv_layout.block_format): decode checks it is its own
     kv_format: str = ""
-    # prefill's KV shape (TP, heads, KV cache groups): decode takes its share from it (kv_geometry)
+    # prefill's KV shape (TP, heads, KV cache groups): decode takes its share from it (kv_shape)
     shape: KVShape | None = msgspec.field(default=None, name="kv_shape")
     # every KV cache group's blocks, where there are several (a hybrid model; block_ids is group 0's)
     group_block_ids: tuple[tuple[_Count, ...], ...] = msgspec.field(default=(), name="remote_group_block_ids")
@@ -349,36 +347,6 @@ def mark_remote_prefill_taken(params: dict[str, Any]) -> None:
     """vLLM asks the connector about a request again (after its load, on preemption): a
     decode leg's params are marked so the remote prefill is taken only once."""
     params[DO_REMOTE_PREFILL] = False
-
-
-class LocalPrompt(msgspec.Struct, frozen=True):
-    """What decode knows of a request's prompt, to check remote KV is really for it."""
-
-    prompt_hash: str
-    num_tokens: int
-    block_size: int
-    tp_size: int
-    kv_format: str = ""  # what our blocks' bytes mean ("": not known, not checked)
-    shape: KVShape | None = None  # our KV shape (None: not known, equal shapes only)
-
-    def mismatch(self, remote: RemotePrefill) -> str | None:
-        """Why ``remote``'s KV cannot be used for this prompt, or None if it can."""
-        if remote.prompt_hash and remote.prompt_hash != self.prompt_hash:
-            return "prompt differs from the one prefill computed"
-        if remote.shape is not None and self.shape is not None:
-            # another TP, block size or layout is taken where heads and tokens can be re-cut
-            return incompatibility(remote.shape, self.shape)
-        if remote.block_size != self.block_size:
-            return f"block size {remote.block_size} != ours {self.block_size}"
-        if self.kv_format and remote.kv_format and remote.kv_format != self.kv_format:
-            # same sizes, other meaning (another KV cache layout, kernel block or dtype): wrong KV if used
-            return f"KV cache blocks laid out as {remote.kv_format}, ours as {self.kv_format}"
-        if remote.tp_size != self.tp_size:
-            # rank r of each side holds the r-th shard of the heads: other TP sizes shard differently
-            return f"prefill TP {remote.tp_size} != ours {self.tp_size} (PD needs equal tensor-parallel sizes)"
-        if remote.prompt_hash and remote.prompt_hash != self.prompt_hash:
-            return "prompt differs from the one prefill computed"
-        return None
 
 
 def prompt_hash(token_ids: list[int] | tuple[int, ...]) -> str:

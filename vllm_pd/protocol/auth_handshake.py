@@ -1,4 +1,4 @@
-"""The deployment secret and the handshake every KV-plane connection opens with: one place.
+"""The handshake every KV-plane connection opens with, and the seals of what follows it.
 
 Every connection between a deployment's processes - the KV transports (tcp, shm, nixl's
 control connection), release / probe / announce messages riding on them, the KV store's
@@ -11,37 +11,34 @@ that both ends hold the deployment's secret before anything else is read or sent
 4. listener -> dialler ``PROOF``: HMAC-SHA256(secret, "server" | service | Nc | Ns),
    sent only once the dialler's proof checked out (else the listener closes)
 
-Both nonces are fresh, so a recorded handshake replayed against either side fails; the proofs
-name their direction, so one side's proof is never the other's; the secret itself never
-crosses the wire. The dialler proves first: an outsider that connects gets a random nonce and
-nothing else. Both ends then derive the session's keys from the secret and both nonces:
-one per direction that seals every later message (a keyed BLAKE3 tag over an implicit, or
-for message sockets explicit, sequence number and the message: a byte injected, replayed,
-dropped or reordered on the path fails the tag and closes the connection) and one that keys
-the blocks' checks (checksum.py, ``BLAKE3_KEYED``: bytes injected into a block fail it).
+Each message: ``magic "VPDA" | version u8 | kind u8 | service u16 | body`` (the version is the
+protocol's, version.PROTOCOL_VERSION). Both nonces are fresh, so a recorded handshake replayed
+against either side fails; the proofs name their direction, so one side's proof is never the
+other's; the secret itself never crosses the wire. The dialler proves first: an outsider that
+connects gets a random nonce and nothing else. Both ends then derive the session's keys from
+the secret and both nonces: one per direction that seals every later message (a keyed BLAKE3
+tag over an implicit, or for message sockets explicit, sequence number and the message: a byte
+injected, replayed, dropped or reordered on the path fails the tag and closes the connection)
+and one that keys the blocks' checks (transport/checksum.py, ``BLAKE3_KEYED``: bytes injected
+into a block fail it).
 
-With no secret configured nothing of this runs (a loopback-only deployment, see
-:func:`check_bind`); a side with a secret refuses a peer without one, and says so.
-Torch-free (the proxy and the store master import it). Version history: 1 - this.
+No I/O here: the transports run it on their sockets (transport/link_security.py), the store
+master on its ZMQ sockets (store/master_sessions.py). Where the secret comes from and who may
+listen without one: connector/deployment_secret.py. Torch-free (the proxy and the store master
+import it).
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
-import os
 import secrets
-import socket
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 
-from vllm_pd.errors import AuthFailed, ConfigError
+from vllm_pd.errors import AuthFailed
+from vllm_pd.protocol.version import PROTOCOL_VERSION
 
-AUTH_VERSION = 1
-SECRET_ENV = "VLLM_PD_SECRET"
-MIN_SECRET_NBYTES = 16
 HANDSHAKE_MAGIC = b"VPDA"
 NONCE_NBYTES = 32
 PROOF_NBYTES = 32
@@ -53,7 +50,7 @@ REFUSED = b"VPDR"
 
 _HEAD = struct.Struct("<4sBBH")  # magic, version, message kind, service
 _SEQ = struct.Struct("<Q")
-_LABEL = b"vllm-pd auth v1"
+_LABEL = b"vllm-pd auth v1"  # the proofs' label (domain separation), not a version
 
 
 class Service(IntEnum):
@@ -74,9 +71,6 @@ CHALLENGE_NBYTES = _HEAD.size + NONCE_NBYTES
 PROOF_MESSAGE_NBYTES = _HEAD.size + PROOF_NBYTES
 
 
-# -- the secret ------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class DeploymentSecret:
     """The deployment's shared secret; ``source`` says where it came from (never its value)."""
@@ -88,104 +82,11 @@ class DeploymentSecret:
         return f"DeploymentSecret(from {self.source})"
 
 
-def load_secret(
-    secret_file: str | None, key: str = "secret_file", env: Mapping[str, str] | None = None
-) -> DeploymentSecret | None:
-    """The secret from ``secret_file`` or the ``VLLM_PD_SECRET`` environment variable; None if
-    neither is set. ConfigError naming ``key`` (or the variable) on an unreadable file, an empty
-    or short secret, or both set to different values."""
-    env = os.environ if env is None else env
-    from_env = env.get(SECRET_ENV)
-    from_file: bytes | None = None
-    if secret_file is not None:
-        try:
-            with open(secret_file, "rb") as f:
-                from_file = f.read().strip()
-        except OSError as e:
-            raise ConfigError(f"{key}: cannot read {secret_file!r}: {e.strerror or e}") from None
-        _check_secret(from_file, f"{key} ({secret_file})")
-    if from_env is not None:
-        _check_secret(from_env.strip().encode(), SECRET_ENV)
-        if from_file is not None and from_file != from_env.strip().encode():
-            raise ConfigError(f"{key} and {SECRET_ENV} are both set, to different secrets; set one")
-    if from_file is not None:
-        return DeploymentSecret(from_file, f"{key} {secret_file}")
-    if from_env is not None:
-        return DeploymentSecret(from_env.strip().encode(), SECRET_ENV)
-    return None
-
-
-def _check_secret(value: bytes, where: str) -> None:
-    if not value:
-        raise ConfigError(f"{where}: the secret is empty")
-    if len(value) < MIN_SECRET_NBYTES:
-        raise ConfigError(
-            f"{where}: the secret is {len(value)} bytes; use at least {MIN_SECRET_NBYTES} random "
-            "bytes (e.g. `openssl rand -hex 32`)"
-        )
-
-
-def new_secret() -> str:
-    """A fresh random secret (what ``vllm-pd up`` writes for its cluster)."""
-    return secrets.token_hex(32)
-
-
-def write_new_secret(path: str | os.PathLike[str]) -> str:
-    """A fresh secret written to ``path``, readable by its owner only (mode 0600 from the start);
-    returns the path."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # also a file that was there before
-        os.write(fd, new_secret().encode())
-    finally:
-        os.close(fd)
-    return str(path)
-
-
-# -- where a KV endpoint may listen ------------------------------------------------------------------
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or a name) means this machine only."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
-
-
-def check_bind(
-    host: str, secret: DeploymentSecret | None, insecure_network: bool, key: str, insecure_key: str = "insecure_network"
-) -> bool:
-    """Whether listening on ``host`` is allowed: loopback always; beyond it only with a secret, or
-    with ``insecure_network`` (True returned: the caller logs a warning). ConfigError naming ``key``."""
-    if secret is not None or is_loopback(host):
-        return False
-    if insecure_network:
-        return True
-    raise ConfigError(
-        f"{key}: {host!r} is reachable from other hosts, and no deployment secret is set: anyone "
-        f"who can reach it could read, write or release KV. Set {SECRET_ENV} (or secret_file), "
-        f"bind to 127.0.0.1, or set {insecure_key} to accept that"
-    )
-
-
-INSECURE_WARNING = (
-    "%s listens on %s without a deployment secret (%s): any process that reaches it can read, "
-    "write and release KV. Set %s or secret_file to require one."
-)
-
-
 # -- the handshake -------------------------------------------------------------------------------------
 
 
 def _pack(kind: _Kind, service: Service, body: bytes) -> bytes:
-    return _HEAD.pack(HANDSHAKE_MAGIC, AUTH_VERSION, int(kind), int(service)) + body
+    return _HEAD.pack(HANDSHAKE_MAGIC, PROTOCOL_VERSION, int(kind), int(service)) + body
 
 
 def _unpack(data: bytes, kind: _Kind, service: Service, nbytes: int) -> bytes:
@@ -194,8 +95,8 @@ def _unpack(data: bytes, kind: _Kind, service: Service, nbytes: int) -> bytes:
     magic, version, got_kind, got_service = _HEAD.unpack_from(data)
     if magic != HANDSHAKE_MAGIC:
         raise AuthFailed(describe_unauthenticated(data[:4]))
-    if version != AUTH_VERSION:
-        raise AuthFailed(f"handshake version {version}, this side speaks {AUTH_VERSION}")
+    if version != PROTOCOL_VERSION:
+        raise AuthFailed(f"handshake version {version}, this side speaks {PROTOCOL_VERSION}")
     if got_kind != kind or got_service != service:
         raise AuthFailed(
             f"expected handshake {kind.name} for {service.name}, got kind {got_kind} for service {got_service}"
@@ -355,13 +256,10 @@ class MessageSeal:
 
 
 __all__ = [
-    "AUTH_VERSION",
     "CHALLENGE_NBYTES",
     "HELLO_NBYTES",
-    "INSECURE_WARNING",
     "PROOF_MESSAGE_NBYTES",
     "REFUSED",
-    "SECRET_ENV",
     "TAG_NBYTES",
     "DeploymentSecret",
     "DiallerHandshake",
@@ -370,11 +268,6 @@ __all__ = [
     "Service",
     "SessionKeys",
     "StreamSeal",
-    "check_bind",
     "describe_unauthenticated",
     "is_handshake_hello",
-    "is_loopback",
-    "load_secret",
-    "new_secret",
-    "write_new_secret",
 ]
