@@ -36,7 +36,6 @@ from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 from vllm_pd.protocol.control import PingMessage, ReleaseMessage, decode_control
 from vllm_pd.protocol.kv_shape import KVGroup, KVShape, ShapeQuery, encode_shape
-from vllm_pd.protocol.transfer_params import RemotePrefill
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
