@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arch",
         choices=ARCHS,
         default="llama",
-        help="model family: llama (attention) or deepseek_v2 (MLA); default llama",
+        help="model family: llama (attention), deepseek_v2 (MLA) or nemotron_h (Mamba-2 layers beside "
+        "attention and MLP layers, the pattern M*M- cycled over --layers); default llama",
     )
     for f in dataclasses.fields(ModelSpec):
         if f.name == "arch":

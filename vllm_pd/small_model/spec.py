@@ -10,7 +10,12 @@ from typing import Any
 
 from vllm_pd.errors import ConfigError
 
-ARCHS = ("llama", "deepseek_v2")
+ARCHS = ("llama", "deepseek_v2", "nemotron_h")
+# nemotron_h: Mamba-2 layers (M) beside attention (*) and MLP (-) layers, this pattern cycled over
+# --layers (vLLM keeps the Mamba state in a KV cache group of its own)
+NEMOTRON_H_PATTERN = "M*M-"
+MAMBA_HEAD_DIM = 32
+MAMBA_STATE = 16
 # head sizes vLLM's CPU attention backend supports
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # bump when the written files change for the same spec, so cached copies are rebuilt
@@ -82,7 +87,12 @@ class ModelSpec:
         if self.vocab < 512:
             # room for the 256 byte tokens, the special tokens and some merges
             raise ModelSpecError(f"--vocab must be >= 512, got {self.vocab}")
-        if self.arch == "llama":
+        if self.arch == "nemotron_h" and (self.hidden % MAMBA_HEAD_DIM or "*" not in self.layer_pattern):
+            raise ModelSpecError(
+                f"--arch nemotron_h needs --hidden a multiple of {MAMBA_HEAD_DIM} (got {self.hidden}) and "
+                f"--layers >= 2 for an attention layer (got {self.layers})"
+            )
+        if self.arch in ("llama", "nemotron_h"):
             if self.heads % self.kv_heads:
                 raise ModelSpecError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})")
             if self.head_dim not in CPU_HEAD_SIZES:
@@ -99,6 +109,13 @@ class ModelSpec:
             "full_attention" if (i + 1) % self.full_attention_every == 0 else "sliding_attention"
             for i in range(self.layers)
         ]
+
+    @property
+    def layer_pattern(self) -> str:
+        """nemotron_h's ``hybrid_override_pattern``: M Mamba-2, * attention, - MLP; else empty."""
+        if self.arch != "nemotron_h":
+            return ""
+        return (NEMOTRON_H_PATTERN * self.layers)[: self.layers]
 
     def key(self) -> str:
         """Short stable hash of every field: names a cached copy of this model."""
@@ -142,6 +159,8 @@ class ModelSpec:
                     else {}
                 ),
             }
+        if self.arch == "nemotron_h":
+            return self._nemotron_h_config(common)
         return {
             "architectures": ["DeepseekV2ForCausalLM"],
             "model_type": "deepseek_v2",
@@ -167,6 +186,37 @@ class ModelSpec:
             "norm_topk_prob": False,
             "rope_scaling": None,
             **common,
+        }
+
+    def _nemotron_h_config(self, common: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "architectures": ["NemotronHForCausalLM"],
+            "model_type": "nemotron_h",
+            **{k: v for k, v in common.items() if k not in ("rms_norm_eps", "rope_theta", "hidden_act")},
+            "hybrid_override_pattern": self.layer_pattern,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "mamba_num_heads": self.hidden // MAMBA_HEAD_DIM,
+            "mamba_head_dim": MAMBA_HEAD_DIM,
+            "n_groups": 1,
+            "ssm_state_size": MAMBA_STATE,
+            "conv_kernel": 4,
+            "expand": 1,
+            "chunk_size": 128,
+            "use_conv_bias": True,
+            "mamba_proj_bias": False,
+            "mamba_hidden_act": "silu",
+            "mlp_hidden_act": "relu2",
+            "mlp_bias": False,
+            "layer_norm_epsilon": 1e-5,
+            "residual_in_fp32": False,
+            "rescale_prenorm_residual": True,
+            "time_step_limit": [0.0, 1e9],
+            "time_step_min": 0.001,
+            "time_step_max": 0.1,
+            "time_step_floor": 0.0001,
+            "n_routed_experts": 0,
+            "num_experts_per_tok": 0,
         }
 
 

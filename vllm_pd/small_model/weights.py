@@ -1,4 +1,4 @@
-"""Seeded random weights under the tensor names vLLM's Llama / DeepSeek-V2 loaders expect."""
+"""Seeded random weights under the tensor names vLLM's Llama / DeepSeek-V2 / NemotronH loaders expect."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from vllm_pd.small_model.spec import ModelSpec
+from vllm_pd.small_model.spec import MAMBA_HEAD_DIM, MAMBA_STATE, ModelSpec
 
 # Random-weight models have flat logits whose near-ties flip under bf16 batch-shape noise, which
 # would make "disaggregated == single instance" greedy comparisons flaky. The Llama model is
@@ -20,6 +20,11 @@ COPY_GAIN = 3.0
 QK_GAIN = 4.0
 NOISE_GAIN = 0.1
 LM_HEAD_SCALE = 0.25
+# nemotron_h: the copy layer's query is the last token's residual after a Mamba layer, so the Mamba
+# state decides which position it copies from (a wrong state changes the answer); MAMBA_GAIN makes
+# the first Mamba layer's output as large as the embedding. Later Mamba layers are noise.
+MAMBA_GAIN = 1.0
+MAMBA_DT = 0.05  # each head's step: the state forgets over some 20 tokens
 
 
 def _linear(gen: torch.Generator, out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
@@ -67,14 +72,52 @@ def _attention_mla(spec: ModelSpec, gen: torch.Generator, p: str) -> dict[str, t
     return t
 
 
+def _mamba2(spec: ModelSpec, gen: torch.Generator, p: str, gain: float) -> dict[str, torch.Tensor]:
+    """A Mamba-2 mixer (vLLM's MambaMixer2 names; one group, expand 1, conv kernel 4)."""
+    heads, inner = spec.hidden // MAMBA_HEAD_DIM, spec.hidden
+    conv_dim = inner + 2 * MAMBA_STATE
+    return {
+        f"{p}.in_proj.weight": _linear(gen, 2 * inner + 2 * MAMBA_STATE + heads, spec.hidden),
+        f"{p}.conv1d.weight": torch.randn(conv_dim, 1, 4, generator=gen) * 0.5,
+        f"{p}.conv1d.bias": torch.zeros(conv_dim),
+        f"{p}.dt_bias": torch.full((heads,), math.log(math.expm1(MAMBA_DT))),  # softplus(dt_bias) = MAMBA_DT
+        f"{p}.A_log": torch.log(torch.arange(1, heads + 1, dtype=torch.float32)),
+        f"{p}.D": torch.ones(heads),
+        f"{p}.norm.weight": torch.ones(inner),
+        f"{p}.out_proj.weight": _linear(gen, spec.hidden, inner, gain=gain),
+    }
+
+
+def _nemotron_h_layers(spec: ModelSpec, gen: torch.Generator, proj: torch.Tensor) -> dict[str, torch.Tensor]:
+    t: dict[str, torch.Tensor] = {}
+    first_mamba, first_attention = spec.layer_pattern.find("M"), spec.layer_pattern.find("*")
+    for i, kind in enumerate(spec.layer_pattern):
+        p = f"backbone.layers.{i}"
+        t[f"{p}.norm.weight"] = torch.ones(spec.hidden)
+        if kind == "M":
+            t.update(_mamba2(spec, gen, f"{p}.mixer", MAMBA_GAIN if i == first_mamba else NOISE_GAIN))
+        elif kind == "*":
+            t.update(_attention_llama(spec, gen, f"{p}.mixer", proj if i == first_attention else None))
+        else:
+            t[f"{p}.mixer.up_proj.weight"] = _linear(gen, spec.intermediate, spec.hidden)
+            t[f"{p}.mixer.down_proj.weight"] = _linear(gen, spec.hidden, spec.intermediate, gain=NOISE_GAIN)
+    t["backbone.norm_f.weight"] = torch.ones(spec.hidden)
+    return t
+
+
 def make_weights(spec: ModelSpec, special_ids: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
     """All tensors in bfloat16, a pure function of ``spec`` (including its seed).
 
     ``special_ids`` get zero lm_head rows so greedy decoding never emits them (no early EOS).
     """
     gen = torch.Generator().manual_seed(spec.seed)
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(spec.vocab, spec.hidden, generator=gen)}
-    proj = _orthonormal_rows(gen, spec.head_dim, spec.hidden) if spec.arch == "llama" else None
+    embed = torch.randn(spec.vocab, spec.hidden, generator=gen)
+    proj = _orthonormal_rows(gen, spec.head_dim, spec.hidden) if spec.arch != "deepseek_v2" else None
+    if spec.arch == "nemotron_h":
+        assert proj is not None
+        t = {"backbone.embeddings.weight": embed, **_nemotron_h_layers(spec, gen, proj)}
+        return _with_lm_head(spec, gen, t, embed, proj, special_ids)
+    t = {"model.embed_tokens.weight": embed}
     for i in range(spec.layers):
         p = f"model.layers.{i}"
         if spec.arch == "llama":
@@ -87,9 +130,19 @@ def make_weights(spec: ModelSpec, special_ids: tuple[int, ...] = ()) -> dict[str
         t[f"{p}.input_layernorm.weight"] = torch.ones(spec.hidden)
         t[f"{p}.post_attention_layernorm.weight"] = torch.ones(spec.hidden)
     t["model.norm.weight"] = torch.ones(spec.hidden)
+    return _with_lm_head(spec, gen, t, embed, proj, special_ids)
+
+
+def _with_lm_head(
+    spec: ModelSpec,
+    gen: torch.Generator,
+    t: dict[str, torch.Tensor],
+    embed: torch.Tensor,
+    proj: torch.Tensor | None,
+    special_ids: tuple[int, ...],
+) -> dict[str, torch.Tensor]:
     if proj is not None:
         perm = torch.randperm(spec.vocab, generator=gen)
-        embed = t["model.embed_tokens.weight"]
         t["lm_head.weight"] = LM_HEAD_SCALE * (embed[perm] @ proj.T @ proj)
     else:
         t["lm_head.weight"] = _linear(gen, spec.vocab, spec.hidden, gain=4.0)
