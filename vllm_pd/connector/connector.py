@@ -9,8 +9,9 @@ serves decode legs (``do_remote_prefill``), ``kv_both`` either, per request.
 
 It supports vLLM's hybrid KV cache manager (``SupportsHMA``): a model with sliding-window and
 full-attention layers keeps one KV cache group per kind and moves each group's blocks
-(``kv_geometry``, ``layer_groups``). A recurrent state group (Mamba, linear attention) is
-refused at start, with the reason.
+(``kv_geometry``, ``layer_groups``); a model with a recurrent state (Mamba, linear attention)
+moves its state after the prompt's last token but one, and decode computes the last
+(``scheduler.PDConnectorScheduler.on_new_request``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store_bridge import StoreBridgeScheduler, StoreBridgeWorker
 from vllm_pd.connector.worker import PDConnectorWorker
-from vllm_pd.errors import ConfigError
 from vllm_pd.protocol.kv_shape import encode_shape
 from vllm_pd.protocol.transfer_params import asks_remote_decode, asks_remote_prefill
 from vllm_pd.vllm_logging import vllm_logger
@@ -116,18 +116,13 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_scheduler: StoreBridgeScheduler | None = None
         self._store_worker: StoreBridgeWorker | None = None
         groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
-        if any(g.kind == "state" for g in groups):
-            # a recurrent state is rewritten every step and sharded unlike heads: moving it is not done yet
-            raise ConfigError(
-                "PDConnector: this model keeps a recurrent state (Mamba / linear attention KV cache "
-                "group), which the PD connector does not move yet; serve it without "
-                "--kv-transfer-config PDConnector (sliding-window hybrids are supported)"
-            )
-        if store_config is not None and len(groups) > 1:
-            # its keys and blocks are one group's: a hybrid model's other groups would be missing
+        if store_config is not None and (len(groups) > 1 or groups[0].kind == "state"):
+            # its keys and blocks are one attention group's: a hybrid model's other groups would be missing
             logger.warning(
-                "PD connector: the KV store is off for this model: it has %d KV cache groups (the store keeps one)",
+                "PD connector: the KV store is off for this model: it has %d KV cache groups (%s); "
+                "the store keeps one attention group",
                 len(groups),
+                ", ".join(g.kind for g in groups),
             )
             store_config = None
         if role == KVConnectorRole.SCHEDULER:
@@ -303,6 +298,10 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         """Our loads land the request's own blocks of every KV cache group that transfers KV."""
         assert self._kv_cache_config is not None
         return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def on_new_request(self, request: Request) -> None:
+        if self.is_producer:
+            self.scheduler.on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._store_scheduler is not None:

@@ -19,7 +19,7 @@ Block sizes may differ too: a token range maps across block boundaries, and per 
 token range is contiguous (``H.N.C``; per row of K and of V where a kernel packs them apart, as
 vLLM CPU attention does: :func:`kernel_format`), so decode's block is assembled from spans of
 prefill's blocks (:func:`piece_spans` for reads; pushes are re-cut on decode's host,
-``block_recut``). Recurrent state groups are refused by the connector (not moved yet).
+``block_recut``). A recurrent state group moves its one state block, between equal shapes only.
 """
 
 from __future__ import annotations
@@ -401,8 +401,12 @@ def remote_positions(plan: GroupPlan, first_position: int, num_positions: int, n
 def window_positions(group: KVGroup, num_tokens: int) -> int:
     """First block position of a group whose KV decode reads after a prompt of ``num_tokens``:
     a sliding window's first token, ``window`` before the last prompt token (which decode may
-    compute again); every other kind: 0. vLLM frees a window's blocks behind the computed tokens
-    less ``window - 1`` while the prompt computes, so these blocks are never freed before its end."""
+    compute again); a recurrent state's last block, which holds the state after the last token
+    (vLLM keeps the running state in the block of the last computed token and nulls the ones
+    before); full attention: 0. vLLM frees a window's blocks behind the computed tokens less
+    ``window - 1`` while the prompt computes, so these blocks are never freed before its end."""
+    if group.kind == "state":
+        return max(0, -(-num_tokens // group.block_size) - 1)
     if group.kind != "window" or not group.window:
         return 0
     return max(0, num_tokens - group.window) // group.block_size

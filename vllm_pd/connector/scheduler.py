@@ -14,8 +14,10 @@ It decides, per request and per step, what the worker side moves:
   the push; if it will never load, the push is abandoned (released when announced).
 
 A hybrid model (vLLM's hybrid KV cache manager on: several KV cache groups) moves every
-group's blocks: a sliding window's only those decode reads. (A recurrent state group - Mamba,
-linear attention - is refused when the connector starts: not supported yet.)
+group's blocks: a sliding window's only those decode reads. A recurrent state (Mamba, linear
+attention) moves the state after the prompt's last token but one: prefill stops one token short
+(its request is cut when it arrives, :meth:`PDConnectorScheduler.on_new_request`) and decode
+computes the last token from that state, as it does a token after its own prefix-cache hit.
 Prefill's KV shape (``kv_geometry.KVShape``, from the workers' handshake) travels with its
 answer; decode takes KV of another TP or block size, and refuses only what cannot be re-cut.
 """
@@ -26,6 +28,8 @@ import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from vllm_pd.connector.announce_probe import AnnounceProbe
 from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S, PDConnectorConfig
@@ -61,6 +65,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = vllm_logger(__name__)
+
+# set in a prefill leg's kv_transfer_params once its prompt is cut (on_new_request): never cut twice
+_CUT_KEY = "_vllm_pd_prompt_cut"
 
 
 @dataclass
@@ -116,7 +123,10 @@ class PDConnectorScheduler:
         # vLLM nulls the blocks behind (local + external tokens) - window + 1, so a load covering the
         # whole prompt could leave that block null while the last token is computed again; a load of
         # a model with a window always leaves the last token to decode's forward.
-        self._leave_last = any(g.kind == "window" for g in self.groups)
+        # A recurrent state cannot be computed again over a token it has taken in: prefill stops one
+        # token short (on_new_request) and decode's forward takes the last one in.
+        self._has_state = any(g.kind == "state" for g in self.groups)
+        self._leave_last = self._has_state or any(g.kind == "window" for g in self.groups)
         # a prompt is handed to the workers in steps of whole blocks of every group
         self._token_step = math.lcm(*(g.block_size for g in self.groups))
         self.shape: KVShape | None = None  # the workers' (handshake): travels with our KV
@@ -124,6 +134,7 @@ class PDConnectorScheduler:
         # (vLLM keeps them only where config.needs_layer_hooks said no layer-wise load would run)
         self.layerwise_loads = not full_cudagraphs(vllm_config)
         self._layerwise_refused = False
+        self._push_refused = False
         self._kv_cache_manager: Any = None
         self._endpoints: tuple[str, ...] = ()
         self._host = ""
@@ -171,6 +182,33 @@ class PDConnectorScheduler:
             if self.shape is not None
             else "KV shape not reported (equal shapes only)",
         )
+
+    def prefill_tokens(self, num_prompt_tokens: int) -> int:
+        """The tokens of a prompt whose KV prefill computes for decode: all, or all but the last
+        where the model keeps a recurrent state (see on_new_request)."""
+        return num_prompt_tokens - 1 if self._has_state and num_prompt_tokens > 1 else num_prompt_tokens
+
+    def on_new_request(self, request: Request) -> None:
+        """A prefill leg of a model with a recurrent state computes its prompt but the last token.
+
+        The state after the whole prompt cannot take the last token in again, and decode computes
+        at least one prompt token itself (the one its first output comes from): so prefill's state
+        is the one after the last token but one, and decode computes the last. Its one output
+        token (of the shorter prompt) is not an answer: the proxy answers from decode's. A request
+        that reads no prefix cache (prompt logprobs), which decode computes from scratch, is not
+        cut (decode finds prefill's KV is for a longer prompt and computes it). As vLLM's
+        NixlConnector does (``_truncate_request_for_prefill``)."""
+        params = request.kv_transfer_params
+        if not self._has_state or params is None or not asks_remote_decode(params) or params.get(_CUT_KEY):
+            return
+        prompt = request.prompt_token_ids
+        if prompt is None or len(prompt) < 2 or request.get_skip_reading_prefix_cache():
+            return
+        del prompt[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params[_CUT_KEY] = True
 
     # ---- decode side: remote prefill -> load --------------------------------------------------
     def note_request(self, request_id: str) -> None:
@@ -265,6 +303,8 @@ class PDConnectorScheduler:
         return True
 
     def _layerwise(self, request: Request) -> bool:
+        if self._has_state:
+            return False  # vLLM waits for no layer's load before a recurrent layer's forward
         mode = self._load_mode(request)
         return mode == "layerwise" or (mode == "auto" and self._live <= {request.request_id})
 
@@ -285,6 +325,8 @@ class PDConnectorScheduler:
         return "async"
 
     def _local_prompt(self, prompt: list[int]) -> LocalPrompt:
+        """What prefill's KV must be for: the prompt's tokens that prefill computes."""
+        prompt = prompt[: self.prefill_tokens(len(prompt))]
         return LocalPrompt(
             prompt_hash(prompt), len(prompt), self.groups[0].block_size, self.tp_size, self.kv_format, self.shape
         )
@@ -365,7 +407,7 @@ class PDConnectorScheduler:
             self._abandoned.append(awaited.transfer_id)
             return
         _, num_local, layerwise = matched
-        loads = self._group_loads(blocks, num_local, request.num_prompt_tokens)
+        loads = self._group_loads(blocks, num_local, self.prefill_tokens(request.num_prompt_tokens))
         if not layerwise:
             self._awaiting.add(request.request_id)
         self._loads.append(
@@ -393,7 +435,7 @@ class PDConnectorScheduler:
             return
         if ask is None:
             return
-        out = _OutgoingRequest(request, ask.resolve(self.config.default_mode))
+        out = _OutgoingRequest(request, self._resolve(ask))
         if out.transfer_id in self._transfer_owners:
             # a second transfer of that id would take the first one's pushes, grants and release
             logger.warning(
@@ -406,6 +448,17 @@ class PDConnectorScheduler:
             return
         self._outgoing[request.request_id] = out
         self._transfer_owners[out.transfer_id] = request.request_id
+
+    def _resolve(self, ask: RemoteDecodeRequest) -> RemoteDecodeRequest:
+        """The mode this prefill leg uses: a recurrent state's is written by layers vLLM runs no save
+        hook for, so it is pulled once the whole forward is done, never pushed layer by layer."""
+        resolved = ask.resolve(self.config.default_mode)
+        if self._has_state and resolved.mode == "push":
+            if not self._push_refused:
+                self._push_refused = True
+                logger.info("PD connector: this model keeps a recurrent state: its KV is pulled by decode, not pushed")
+            return msgspec.structs.replace(resolved, mode="pull")
+        return resolved
 
     def forget_failed_blocks(self, block_ids: set[int]) -> None:
         """Blocks a sync (layer-wise) load failed to fill leave vLLM's prefix cache now.

@@ -325,3 +325,94 @@ def test_a_late_announcement_from_a_prefill_that_answers_is_still_waited_for() -
         assert ask(sched, req) == (39, False)
     finally:
         prefill.close()
+
+
+# ---- a model with a recurrent state (Mamba, linear attention) ---------------------------------------
+def make_state_scheduler() -> PDConnectorScheduler:
+    """vLLM's groups of a Mamba hybrid (attention beside a Mamba state, both of BLOCK tokens, as in
+    vLLM's 'align' mamba cache mode), built from vLLM's own spec classes."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    specs = (
+        FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16),
+        MambaSpec(block_size=BLOCK, shapes=((4, 16),), dtypes=(torch.float32,), mamba_cache_mode="align"),
+    )
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BLOCK), parallel_config=SimpleNamespace(tensor_parallel_size=1)
+    )
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+    sched = PDConnectorScheduler(vllm_config, PDConnectorConfig.from_extra_config({}), "engine-0", kv_cache_config)
+    assert [g.kind for g in sched.groups] == ["full", "state"]
+    return sched
+
+
+def state_prefill_leg(n: int = 40, skip_prefix_cache: bool = False) -> SimpleNamespace:
+    req = prefill_leg("p1", transfer_id="t-1", n=n)  # asks for a push
+    req._all_token_ids = list(req.prompt_token_ids)
+    req.max_tokens = 16
+    req.get_skip_reading_prefix_cache = lambda: skip_prefix_cache
+    return req
+
+
+def test_a_state_models_prefill_leg_stops_one_token_short_once() -> None:
+    """The state after the whole prompt cannot take its last token in again: prefill computes all
+    but the last token and decode computes that one (as vLLM's NixlConnector does)."""
+    sched = make_state_scheduler()
+    req = state_prefill_leg(40)
+    sched.on_new_request(req)
+    assert (req.num_prompt_tokens, len(req.prompt_token_ids), len(req._all_token_ids)) == (39, 39, 39)
+    assert req.prompt_token_ids == list(range(39)) and req.max_tokens == 1
+    sched.on_new_request(req)  # never cut twice
+    assert req.num_prompt_tokens == 39
+    # not cut: a request that reads no prefix cache (decode computes it whole), a one-token prompt,
+    # a decode leg, and any request of a model without a state
+    for other, n in ((state_prefill_leg(40, skip_prefix_cache=True), 40), (state_prefill_leg(1), 1)):
+        sched.on_new_request(other)
+        assert other.num_prompt_tokens == n
+    decode_leg = make_request("d1", "t-1")
+    decode_leg.get_skip_reading_prefix_cache = lambda: False
+    sched.on_new_request(decode_leg)
+    plain = state_prefill_leg(40)
+    make_scheduler().on_new_request(plain)
+    assert decode_leg.num_prompt_tokens == 40 and plain.num_prompt_tokens == 40
+
+
+def test_a_state_models_prefill_is_pulled_and_holds_only_the_last_state_block() -> None:
+    """vLLM runs no save hook for a recurrent layer: its KV is pulled once the forward is done
+    (a push is resolved to a pull); the state held is the one block of the last computed token."""
+    sched = make_state_scheduler()
+    sched.bind_kv_cache_manager(
+        SimpleNamespace(get_block_ids=lambda req_id: ([7, 8, 9], [0, 0, 21]))  # 'align': earlier states nulled
+    )
+    sched.set_handshake({0: PDHandshake("tcp://p:5000", "p", 5000, num_layers=2, block_nbytes=64)})
+    req = state_prefill_leg(40)
+    sched.on_new_request(req)
+    [send] = compute_prompt(sched, req).sends
+    assert send.push_endpoint is None and send.num_prompt_tokens == 39
+    held, params = sched.request_finished(req, ([7, 8, 9], [0, 0, 21]))
+    answer = RemotePrefill.parse(params)
+    assert held and answer is not None and answer.mode == "pull" and answer.num_tokens == 39
+    assert answer.prompt_hash == prompt_hash(list(range(39)))
+
+
+def test_a_state_models_decode_loads_all_but_the_last_token_async_into_the_states_block() -> None:
+    sched = make_state_scheduler()
+    remote = _prefills_answer(39, 1)  # prefill's answer for its cut prompt of 39 of our 40 tokens
+    leg = SimpleNamespace(
+        request_id="d1",
+        prompt_token_ids=list(range(40)),
+        num_prompt_tokens=40,
+        kv_transfer_params=remote.to_params(),
+        status=RequestStatus.WAITING,
+    )
+    assert ask(sched, leg) == (39, True)  # async: vLLM waits for no load before a recurrent layer
+    blocks = SimpleNamespace(get_block_ids=lambda: ([100, 101, 102], [0, 0, 202]))
+    sched.update_state_after_alloc(leg, blocks, 39)
+    [load] = step(sched).loads
+    # attention: every block of the 39 tokens; the state: only token 38's block (position 2)
+    assert load.group_loads == ((0, (100, 101, 102)), (2, (202,)))
+    # KV of the whole prompt (a prefill that did not stop short) is for another prompt: recomputed
+    uncut = SimpleNamespace(**vars(leg))
+    uncut.request_id, uncut.kv_transfer_params = "d2", _prefills_answer(40, 1).to_params()
+    assert ask(sched, uncut) == (0, False)

@@ -234,6 +234,10 @@ def test_remote_positions_and_windows() -> None:
     assert window_positions(KVGroup("window", 32, "x:C1", 32), 64) == 1
     assert window_positions(KVGroup("window", 32, "x:C1", 128), 100) == 0
     assert window_positions(KVGroup("full", 32, "x:C1"), 300) == 0
+    # a recurrent state: the block of the last token only
+    assert window_positions(KVGroup("state", 32, "x:C1"), 300) == 9
+    assert window_positions(KVGroup("state", 32, "x:C1"), 288) == 8
+    assert window_positions(KVGroup("state", 4096, "x:C1"), 300) == 0
 
 
 @pytest.mark.parametrize("nr, nl, first_block", [(32, 64, 0), (64, 32, 0), (64, 32, 3), (16, 64, 1)])
