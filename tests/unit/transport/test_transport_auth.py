@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -145,6 +146,12 @@ def test_negative_control_without_a_secret_raw_frames_are_served() -> None:
         t.close()
 
 
+def _wait_for(done: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("secret", [SECRET, None], ids=["secret", "negative-control"])
 def test_a_recorded_session_replayed_gets_nothing(secret) -> None:
     t, sink, endpoint = started("tcp", make_regions(1, 4, seed=1), **({"secret": secret} if secret else {}))
@@ -159,10 +166,13 @@ def test_a_recorded_session_replayed_gets_nothing(secret) -> None:
             s.sendall(recorded)
             s.shutdown(socket.SHUT_WR)
             _read_until_closed(s)
-        time.sleep(0.3)
+        # the listener handles the replayed connection on its own thread: wait for its verdict (a
+        # fixed sleep was too short on a loaded 2-core machine)
         if secret is None:  # the replay is served again: the attack the handshake stops
+            _wait_for(lambda: len(sink.notified) == 2)
             assert sink.notified == [b"release transfer-1"] * 2
         else:
+            _wait_for(lambda: t.refused_connections == 1)
             assert sink.notified == [b"release transfer-1"]
             assert t.refused_connections == 1
     finally:
