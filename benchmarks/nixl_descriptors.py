@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.support import vllm_kv_cache as replay
 from vllm_pd.connector.kv_layout import KVLayout, manager_blocks
 from vllm_pd.connector.transport.base import MemoryRegion, tensor_spans
-from vllm_pd.connector.transport.nixl_regions import RegionLayout, block_pairs, merge_pairs
+from vllm_pd.connector.transport.nixl_regions import block_pairs, merge_pairs, region_layout
 
 NUM_BLOCKS = 32
 ADJACENT = (np.arange(4, 12), np.arange(20, 28))
@@ -47,7 +47,7 @@ def before(view: object, ids: tuple[np.ndarray, np.ndarray]) -> tuple[int, int]:
 
 
 def now(here: MemoryRegion, there: MemoryRegion, ids: tuple[np.ndarray, np.ndarray]) -> tuple[int, int]:
-    local, _, lengths = block_pairs(RegionLayout.of(here), ids[0], RegionLayout.of(there), ids[1])
+    local, _, lengths = block_pairs(region_layout(here), ids[0], region_layout(there), ids[1])
     return len(local), int(lengths.sum()) // len(local)
 
 

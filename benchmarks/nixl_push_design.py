@@ -33,7 +33,7 @@ def _sender(conn, core: int, nbytes: int) -> None:
     import torch
 
     from vllm_pd.connector.transport.nixl_agent import LocalAgent
-    from vllm_pd.connector.transport.nixl_regions import DRAM
+    from vllm_pd.protocol.nixl_messages import DRAM
 
     agent = LocalAgent(f"sender-{os.getpid()}", host_only=True)
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vllm_pd.connector.transport.nixl_agent import LocalAgent
-    from vllm_pd.connector.transport.nixl_regions import DRAM
+    from vllm_pd.protocol.nixl_messages import DRAM
 
     block = args.block_kib << 10
     nbytes = args.blocks * block

@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.skipif(_why is not None, reason=f"network namespaces refused by the kernel: {_why}"),
 ]
 
-MASTER_TIMEOUT_S = 2.0  # tests/unit/store/test_store_peer.Node's master_timeout_s
+MASTER_TIMEOUT_S = 2.0  # tests/support/store_nodes.Node's master_timeout_s
 
 
 SECRET = new_secret()

@@ -81,6 +81,7 @@ class KVSender:
         block_size: int,
         rank: int,
         stats: TransferCounters,
+        changed: threading.Event,
         groups: LayerGroups | None = None,
     ) -> None:
         self.config = config
@@ -92,7 +93,8 @@ class KVSender:
         self.stats = stats
         self.groups = groups or LayerGroups(None, num_layers, block_size)
         self.sends = SendQueue()
-        self.outgoing = OutgoingTransfers(config.lease_s)
+        self._changed = changed  # wakes an idle step waiting for transfer events (the worker's)
+        self.outgoing = OutgoingTransfers(config.lease_s, changed)
         self._step_sends: list[SendSpec] = []
         self._step_pushes: list[SendSpec] = []  # of the step's sends, those pushed layer by layer
         self._step_saved = False  # a save_kv_layer ran this step (none does in a replayed FULL graph)
@@ -352,7 +354,7 @@ class KVSender:
             with self._retire_lock:
                 self._retiring -= 1
                 self._retired.add(t.request_id)
-            self.outgoing.changed.set()  # an idle step reports it at once
+            self._changed.set()  # an idle step reports it at once
 
     def pending(self) -> bool:
         """Transfers still held, sending, or being released."""

@@ -49,14 +49,15 @@ class OutgoingTransfer:
 class OutgoingTransfers:
     """Thread-safe: the transport's threads deliver releases while the model runs."""
 
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, changed: threading.Event | None = None) -> None:
         self.lease_s = lease_s
         self._lock = threading.Lock()
         self._transfers: dict[str, OutgoingTransfer] = {}
         self.expired_total = 0
         self.push_failures_total = 0
-        # set when something may have become reportable (release, push done)
-        self.changed = threading.Event()
+        # set when something may have become reportable (release, push done); the worker passes the
+        # event its idle step waits on (one for both sides), a transfer table on its own makes one
+        self.changed = changed if changed is not None else threading.Event()
 
     def _get(self, transfer_id: str) -> OutgoingTransfer:
         t = self._transfers.get(transfer_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Sequence
 
 import msgspec
@@ -108,6 +109,9 @@ class PDConnectorWorker:
         self.shape: KVShape | None = None  # this rank's KV shape, once registered (None: not known)
         self._layer_index: dict[str, int] = {}
         self._idle = False
+        # set by either side (sender: a push done, a release; loader: a load done) when a transfer
+        # may have become reportable: wakes an idle step's wait in get_finished
+        self._changed = threading.Event()
         self._unregistered = False  # vLLM's sleep mode freed the KV's pages (unregister_kv_caches)
         self.endpoint = ""
         self.host = ""
@@ -144,6 +148,7 @@ class PDConnectorWorker:
             self.block_size,
             self.tp_rank,
             self.stats,
+            self._changed,
             groups,
         )
         self.loader = KVLoader(
@@ -156,7 +161,7 @@ class PDConnectorWorker:
             self.tp_size,
             self.stats,
             DecodeRelease(self.transport, self.tp_rank, self.tp_size),
-            self.sender.outgoing.changed,
+            self._changed,
             groups,
         )
         self.transport.register_regions(self.access.transport_regions)
@@ -337,7 +342,7 @@ class PDConnectorWorker:
         """(finished sending, finished receiving, failed receiving)."""
         sent, recvd, failed = self._collect()
         if self._idle and not (sent or recvd) and (self.sender.pending() or self.loader.busy):
-            self.sender.outgoing.changed.wait(IDLE_WAIT_S)
+            self._changed.wait(IDLE_WAIT_S)
             sent, recvd, failed = self._collect()
         self.stats.set_gauges(
             held=self.sender.outgoing.held(), loading=self.loader.loading, staged_bytes=self.loader.staging.used_bytes
@@ -346,7 +351,7 @@ class PDConnectorWorker:
         return sent, recvd, failed
 
     def _collect(self) -> tuple[set[str], set[str], set[str]]:
-        self.sender.outgoing.changed.clear()  # before looking: what happens after wakes the next wait
+        self._changed.clear()  # before looking: what happens after wakes the next wait
         recvd, failed = self.loader.collect()
         return self.sender.collect(), recvd, failed
 

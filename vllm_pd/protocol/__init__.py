@@ -15,9 +15,10 @@ Modules, one concern each (the map with who talks to whom: docs/design/protocol.
 * ``control`` - the control messages riding on ``Transport.notify`` (msgpack).
 * ``auth_handshake`` - the deployment-secret handshake every KV-plane connection opens with, and the seals after it.
 * ``frames`` - the stream transports' frames: header, kinds, flags (one namespace), checksum kinds.
+* ``hello_frame`` - the HELLO frame's payload: each end's endpoint and block channel's announcement.
 * ``layer_plan`` - a PLAN frame's payload and the progress area its receiver polls.
 * ``shm_ring`` - the shm transport's ring in /dev/shm: slots and control counters.
-* ``nixl_messages`` - the NIXL transport's PUSH and FETCH payloads.
+* ``nixl_messages`` - the NIXL transport's region layouts (its handshake) and PUSH and FETCH payloads.
 * ``block_keys`` - the KV store's block keys, which every node, the master and the proxy compute alike.
 * ``store_index`` - the store master's requests and replies.
 * ``store_peer`` - a store node's fetch from another node's pool: grant, granted, release, released.

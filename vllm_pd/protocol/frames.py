@@ -23,8 +23,8 @@ connection. Its blocks are checked with a key of the session instead (transport/
 
 The flags (one namespace, :data:`KIND_FLAGS`: each bit means something for one kind of frame),
 the checksum kinds and the FETCH payload of parts of blocks are here too. Reading and writing
-frames on a socket: transport/frame_io.py; the PLAN payload: layer_plan.py; NIXL's payloads:
-nixl_messages.py.
+frames on a socket: transport/frame_io.py; the HELLO payload: hello_frame.py; the PLAN payload:
+layer_plan.py; NIXL's payloads: nixl_messages.py.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.kv_layout import KVLayout, manager_blocks
 from vllm_pd.connector.transport import create_transport, nixl_agent
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
-from vllm_pd.connector.transport.nixl_regions import NixlRegions, RegionLayout, block_pairs, merge_pairs
+from vllm_pd.connector.transport.nixl_regions import NixlRegions, block_pairs, merge_pairs, region_layout
 from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransferTimeout
 from vllm_pd.protocol.frames import Checksum
 
@@ -97,17 +97,17 @@ def staged(regions: list[MemoryRegion]):
 
 def test_layout_gives_every_block_the_spans_of_memory_region() -> None:
     for region in (vllm_regions(KVLayout.LHBNC, 9, seed=None)[1], make_regions(1, 9, seed=None)[0]):
-        lay = RegionLayout.of(region)
+        lay = region_layout(region)
         ids = np.arange(9)
         spans = lay.spans(ids)
         for b in ids:
             assert [(int(spans[j, b]), n) for j, n in enumerate(lay.lengths)] == region.block_spans(int(b))
         start, _ = lay.extent
         assert start == region.tensor.data_ptr()
-    assert RegionLayout.of(make_regions(1, 9, seed=None)[0]).extent[1] == 9 * make_regions(1, 1)[0].block_nbytes
-    assert len(RegionLayout.of(vllm_regions(KVLayout.LHBNC, 4, seed=None)[0]).lengths) == HEADS  # heads apart
+    assert region_layout(make_regions(1, 9, seed=None)[0]).extent[1] == 9 * make_regions(1, 1)[0].block_nbytes
+    assert len(region_layout(vllm_regions(KVLayout.LHBNC, 4, seed=None)[0]).lengths) == HEADS  # heads apart
     with pytest.raises(ValueError, match="cpu or cuda"):
-        RegionLayout.of(MemoryRegion("m", torch.empty((4, 8), device="meta")))
+        region_layout(MemoryRegion("m", torch.empty((4, 8), device="meta")))
 
 
 ADJACENT = (np.arange(4, 12), np.arange(20, 28))  # 8 blocks in a run on both sides
@@ -124,7 +124,7 @@ DESCRIPTORS = {  # layout: (adjacent ids, scattered ids)
 
 
 def descriptors(local: MemoryRegion, remote: MemoryRegion, ids: tuple[np.ndarray, np.ndarray]) -> int:
-    return len(block_pairs(RegionLayout.of(local), ids[0], RegionLayout.of(remote), ids[1])[0])
+    return len(block_pairs(region_layout(local), ids[0], region_layout(remote), ids[1])[0])
 
 
 @pytest.mark.parametrize("layout", list(KVLayout), ids=lambda m: m.name)
@@ -154,9 +154,7 @@ def test_block_pairs_cut_blocks_where_either_sides_span_ends() -> None:
     """A head-major page here, heads apart there (the same bytes in the same order, so the same
     block format): each block's pieces pair up in wire order. Checked by doing the copies."""
     here, there = vllm_regions(KVLayout.LBHNC, 32, seed=None), vllm_regions(KVLayout.LHBNC, 32, seed=7)
-    local, remote, lengths = block_pairs(
-        RegionLayout.of(here[1]), SCATTERED[0], RegionLayout.of(there[1]), SCATTERED[1]
-    )
+    local, remote, lengths = block_pairs(region_layout(here[1]), SCATTERED[0], region_layout(there[1]), SCATTERED[1])
     assert len(local) == 8 * HEADS and set(lengths.tolist()) == {here[1].block_nbytes // HEADS}
     for dst, src, n in zip(local.tolist(), remote.tolist(), lengths.tolist(), strict=True):
         ctypes.memmove(dst, src, n)  # what NIXL's READ would do
@@ -164,7 +162,7 @@ def test_block_pairs_cut_blocks_where_either_sides_span_ends() -> None:
         assert wire_bytes(here[1], int(mine)) == wire_bytes(there[1], int(theirs))
     assert not here[0].tensor.any()  # the other layer untouched
     with pytest.raises(ValueError, match="bytes here"):
-        block_pairs(RegionLayout.of(here[0]), ADJACENT[0], RegionLayout.of(make_regions(1, 32)[0]), ADJACENT[1])
+        block_pairs(region_layout(here[0]), ADJACENT[0], region_layout(make_regions(1, 32)[0]), ADJACENT[1])
 
 
 @pytest.mark.parametrize("layout", list(KVLayout), ids=lambda m: m.name)
@@ -177,8 +175,8 @@ def test_one_registration_holds_every_layer_of_vllms_buffer(layout: KVLayout) ->
 
 def test_consecutive_blocks_merge_into_one_descriptor_per_span() -> None:
     src, dst = (
-        RegionLayout.of(vllm_regions(KVLayout.LHBNC, 32, None)[0]),
-        RegionLayout.of(vllm_regions(KVLayout.LHBNC, 32, None)[0]),
+        region_layout(vllm_regions(KVLayout.LHBNC, 32, None)[0]),
+        region_layout(vllm_regions(KVLayout.LHBNC, 32, None)[0]),
     )
     n = np.repeat(np.asarray(src.lengths), 8)
     # blocks 4..11 into 20..27: a run on both sides -> one descriptor per head
@@ -220,7 +218,7 @@ def test_head_split_blocks_push_into_staging_and_fetch_into_another_layout_byte_
     a, _, a_ep = staged(src)
     b, b_sink, b_ep = staged(dst)
     try:
-        nbytes = RegionLayout.of(src[1]).block_nbytes
+        nbytes = region_layout(src[1]).block_nbytes
         ids = [3, 4, 5, 6, 17, 30]  # a run and two strays
         quiet = a.push(b_ep, BlockBatch("lh", 0, (0, 1), nbytes), [8, 9], timeout=10, answer=False)
         a.push(b_ep, BlockBatch("lh", 1, tuple(range(6)), nbytes, last=True), ids, timeout=10).result(10)

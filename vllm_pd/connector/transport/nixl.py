@@ -63,14 +63,7 @@ from vllm_pd.connector.transport import cross_memory
 from vllm_pd.connector.transport.base import BlockBatch, BlockWindow, FetchSpans, MemoryRegion
 from vllm_pd.connector.transport.checksum import block_digest
 from vllm_pd.connector.transport.nixl_agent import LocalAgent, ProgressPump
-from vllm_pd.connector.transport.nixl_regions import (
-    DRAM,
-    BlockRef,
-    NixlRegions,
-    RegionLayout,
-    block_pairs,
-    merge_pairs,
-)
+from vllm_pd.connector.transport.nixl_regions import BlockRef, NixlRegions, block_pairs, merge_pairs
 from vllm_pd.connector.transport.peer_link import PeerLink, PendingOp, settle
 from vllm_pd.connector.transport.serve_session import ServeSession
 from vllm_pd.connector.transport.stream import DeadlineTimer
@@ -87,7 +80,7 @@ from vllm_pd.errors import (
 )
 from vllm_pd.protocol.auth_handshake import DeploymentSecret
 from vllm_pd.protocol.frames import FLAG_CANCEL, FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, Status
-from vllm_pd.protocol.nixl_messages import FetchPayload, PushPayload
+from vllm_pd.protocol.nixl_messages import DRAM, FetchPayload, PushPayload, RegionLayout
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_pd.connector.transport.nixl_regions import DRAM
 from vllm_pd.errors import ConfigError, PeerClosed, TransferRejected, TransferTimeout, TransportError
+from vllm_pd.protocol.nixl_messages import DRAM
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

@@ -2,11 +2,12 @@
 
 A region's blocks are equally spaced: block ``b``'s byte spans are block 0's spans
 shifted by ``b * stride`` (the tensor's stride along its block dimension), so one
-:class:`RegionLayout` - block 0's spans and the stride - says where every block is,
-on this side and, sent in the handshake, for the peer. A block's wire bytes are its
-bytes in memory order (``MemoryRegion.blocks``): one span in every vLLM 0.32 layout that
-keeps a block of a layer together (LBHNC, LBNHC, BLHNC, BLNHC, with or without kernel
-blocks), one per head where heads lie outside blocks (LHBNC, BHLNC).
+``RegionLayout`` (protocol/nixl_messages.py: block 0's spans and the stride; made here by
+:func:`region_layout`) says where every block is, on this side and, sent in the handshake,
+for the peer. A block's wire bytes are its bytes in memory order (``MemoryRegion.blocks``):
+one span in every vLLM 0.32 layout that keeps a block of a layer together (LBHNC, LBNHC,
+BLHNC, BLNHC, with or without kernel blocks), one per head where heads lie outside blocks
+(LHBNC, BHLNC).
 
 A transfer pairs the two sides' spans of each block (:func:`block_pairs`, cut where either
 side's span ends, so the sides' layouts may differ as long as their wire bytes mean the
@@ -22,79 +23,36 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-import msgspec
 import numpy as np
 
 from vllm_pd.connector.transport.base import MemoryRegion
 from vllm_pd.connector.transport.checksum import block_digest, running_digest
 from vllm_pd.protocol.frames import Checksum
+from vllm_pd.protocol.nixl_messages import DRAM, VRAM, RegionLayout
 
-DRAM, VRAM = "DRAM", "VRAM"  # NIXL's names of host and GPU memory
 
-
-class RegionLayout(msgspec.Struct, frozen=True, array_like=True):
-    """Block 0's spans and the distance between blocks, of one registered region."""
-
-    mem: str  # DRAM | VRAM
-    device: int  # GPU index (0 for DRAM)
-    base: int  # address of block 0's first byte
-    stride: int  # bytes from block b to block b + 1
-    num_blocks: int
-    offsets: tuple[int, ...]  # block 0's spans, relative to base, in wire order
-    lengths: tuple[int, ...]
-
-    @classmethod
-    def of(cls, region: MemoryRegion) -> RegionLayout:
-        """The layout of ``region``; ValueError for memory NIXL cannot register."""
-        t = region.tensor
-        if t.device.type == "cpu":
-            mem, device = DRAM, 0
-        elif t.device.type == "cuda":
-            mem, device = VRAM, t.get_device()
-        else:
-            raise ValueError(f"region {region.name!r}: NIXL registers cpu or cuda tensors, got {t.device}")
-        if t.numel() == 0 or any(s < 0 for s in t.stride()):
-            raise ValueError(f"region {region.name!r}: needs a non-empty tensor with non-negative strides")
-        base = t.data_ptr()
-        spans = region.block_spans(0)
-        return cls(
-            mem,
-            device,
-            base,
-            t.stride(region.block_dim) * t.element_size(),
-            region.num_blocks,
-            tuple(a - base for a, _ in spans),
-            tuple(n for _, n in spans),
-        )
-
-    @property
-    def block_nbytes(self) -> int:
-        return sum(self.lengths)
-
-    @property
-    def extent(self) -> tuple[int, int]:
-        """(address, nbytes) of the memory every block lies in: what gets registered."""
-        end = max(o + n for o, n in zip(self.offsets, self.lengths, strict=True))
-        return self.base, (self.num_blocks - 1) * self.stride + end
-
-    def check_ids(self, block_ids: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
-        """``block_ids`` as an int64 array; ValueError naming ``what`` on an id out of range."""
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
-            bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
-            raise ValueError(f"block id {bad} out of range for {what} ({self.num_blocks} blocks)")
-        return ids
-
-    def spans(self, ids: np.ndarray) -> np.ndarray:
-        """Addresses of the blocks' spans, shape (spans per block, len(ids)): row j holds
-        every block's j-th span (j-major, so consecutive blocks sit side by side)."""
-        offsets = np.asarray(self.offsets, dtype=np.int64)
-        return self.base + ids[None, :] * self.stride + offsets[:, None]
-
-    def wire_offsets(self) -> np.ndarray:
-        """Where each span of a block starts in the block's wire bytes."""
-        lengths = np.asarray(self.lengths, dtype=np.int64)
-        return np.concatenate([[0], np.cumsum(lengths)[:-1]])
+def region_layout(region: MemoryRegion) -> RegionLayout:
+    """The layout of ``region`` (what the handshake tells the peer); ValueError for memory NIXL cannot register."""
+    t = region.tensor
+    if t.device.type == "cpu":
+        mem, device = DRAM, 0
+    elif t.device.type == "cuda":
+        mem, device = VRAM, t.get_device()
+    else:
+        raise ValueError(f"region {region.name!r}: NIXL registers cpu or cuda tensors, got {t.device}")
+    if t.numel() == 0 or any(s < 0 for s in t.stride()):
+        raise ValueError(f"region {region.name!r}: needs a non-empty tensor with non-negative strides")
+    base = t.data_ptr()
+    spans = region.block_spans(0)
+    return RegionLayout(
+        mem,
+        device,
+        base,
+        t.stride(region.block_dim) * t.element_size(),
+        region.num_blocks,
+        tuple(a - base for a, _ in spans),
+        tuple(n for _, n in spans),
+    )
 
 
 def merge_pairs(
@@ -169,7 +127,7 @@ class NixlRegions:
     """This side's regions as NIXL sees them: layouts, block checks, host digests."""
 
     def __init__(self, regions: Sequence[MemoryRegion]) -> None:
-        self.layouts = [RegionLayout.of(r) for r in regions]
+        self.layouts = [region_layout(r) for r in regions]
         self.block_nbytes = [lay.block_nbytes for lay in self.layouts]
         self.num_blocks = [lay.num_blocks for lay in self.layouts]
         self._tensors = [r.tensor for r in regions]  # the registered memory stays alive with us

@@ -27,20 +27,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from vllm_pd.connector.transport.link_security import LinkSecurity
 from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socket
 from vllm_pd.errors import (
     AuthFailed,
     PeerClosed,
     PeerUnreachable,
+    ProtocolError,
     TransferCorrupted,
     TransferRejected,
     TransferTimeout,
     TransportError,
 )
 from vllm_pd.protocol.frames import FLAG_HAS_REPLY, FLAG_QUIET, Frame, Kind, Status
+from vllm_pd.protocol.hello_frame import HelloPayload
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -261,8 +261,11 @@ class PeerLink:
                 reply = wire.reader.read_frame()
                 if reply.kind is not Kind.HELLO:
                     raise TransferRejected(f"expected HELLO from {self.endpoint}, got {reply.kind.name}")
-                info = msgspec.json.decode(reply.payload)
-                channel.attach(info.get("channel", {}) if isinstance(info, dict) else {})
+                try:
+                    hello = HelloPayload.decode(reply.payload)
+                except ProtocolError as e:
+                    raise TransferCorrupted(f"{self.endpoint}: {e}") from None
+                channel.attach(hello.channel)
                 channel.finish_handshake(wire)
                 conn.settimeout(None)
             except BaseException:

@@ -38,6 +38,7 @@ from vllm_pd.connector.transport.wire import BlockChannel, Wire, configure_socke
 from vllm_pd.errors import AuthFailed, ConfigError, PeerClosed, TransferCorrupted, TransferRejected, TransportError
 from vllm_pd.protocol.auth_handshake import DeploymentSecret
 from vllm_pd.protocol.frames import FLAG_LAST, FLAG_QUIET, Checksum, Frame, Kind, encode_fetch_spans
+from vllm_pd.protocol.hello_frame import HelloPayload
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -429,7 +430,7 @@ class StreamTransport(Transport):
         )
 
     def _hello(self, channel: BlockChannel) -> bytes:
-        return msgspec.json.encode({"endpoint": self._endpoint, "channel": channel.local_info()})
+        return HelloPayload(self._endpoint, channel.local_info()).encode()
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -474,13 +475,11 @@ class StreamTransport(Transport):
             conn, keys = self._security.accept(sock)
             channel = self._new_channel()
             wire = Wire(conn, channel.frames_only, keys)
-            hello = wire.reader.read_frame()
-            if hello.kind is not Kind.HELLO:
-                raise TransferCorrupted(f"expected HELLO, got {hello.kind.name}")
-            info = msgspec.json.decode(hello.payload)
-            if not isinstance(info, dict):
-                raise TransferCorrupted("HELLO is not an object")
-            channel.attach(info.get("channel", {}))
+            frame = wire.reader.read_frame()
+            if frame.kind is not Kind.HELLO:
+                raise TransferCorrupted(f"expected HELLO, got {frame.kind.name}")
+            hello = HelloPayload.decode(frame.payload)
+            channel.attach(hello.channel)
             wire.send_frame(Frame(Kind.HELLO, payload=self._hello(channel)))
             channel.finish_handshake(wire)
             conn.settimeout(None)
@@ -492,10 +491,7 @@ class StreamTransport(Transport):
             logger.warning("%s handshake with %s failed: %s", self.scheme, addr, e)
             _close_quietly(channel, sock)
             return
-        endpoint = info.get("endpoint")
-        session = self._new_session(
-            wire, channel, endpoint if isinstance(endpoint, str) and endpoint else f"{self.scheme}://{addr}"
-        )
+        session = self._new_session(wire, channel, hello.endpoint or f"{self.scheme}://{addr}")
         with self._lock:
             if self._closed:
                 session.close()

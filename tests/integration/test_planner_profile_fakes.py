@@ -4,7 +4,8 @@ the profiler's own failures, and a PD pair whose two instances differ (no vLLM).
 The fakes stand in for vLLM where these cases are cheap to make: :class:`FakeServer` refuses a prompt id at or
 past its vocabulary as vLLM 0.32 does - an error event *inside* a 200 stream - and can slip a non-token event
 into a stream or end it short; a pair of them with a third as the "PD proxy" (its TTFT the prefill
-instance's plus a hand-over) stands in for a prefill/decode pair.
+instance's plus a hand-over) stands in for a prefill/decode pair. (Moved from tests/unit/planner/: they serve
+HTTP and the profiles sleep the fakes' real delays.)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.unit.planner.test_planner_cli import _serve_apps
+from tests.support.served_apps import serve_apps
 from vllm_pd import cli
 from vllm_pd.planner.completion_stream import Stream, stream_completion
 from vllm_pd.planner.instance_profiler import InstanceProfiler
@@ -109,7 +110,7 @@ class FakeServer:
 
 def test_profile_draws_its_prompts_from_the_served_vocabulary(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     server = FakeServer(vocab=1000)
-    for (url,) in _serve_apps(server.app()):
+    for (url,) in serve_apps(server.app()):
         assert cli.main(["profile", url, "--out", str(tmp_path / "p.json"), *PLAN]) == 0
     assert "vocabulary of 1000 token ids" in capsys.readouterr().out
     measured = [p for p in server.prompts if len(p) > 1]  # the probe's are one token each
@@ -122,7 +123,7 @@ def test_prompts_past_the_vocabulary_fail_the_profile_naming_the_error(
 ) -> None:
     """The issue's case, forced: ids drawn below 4,000 from a 1,000-token vocabulary. The error event in the
     200 stream is the measurement's failure, named - never a token, a sample or a traceback."""
-    for (url,) in _serve_apps(FakeServer(vocab=1000).app()):
+    for (url,) in serve_apps(FakeServer(vocab=1000).app()):
         rc = cli.main(["profile", url, "--out", str(tmp_path / "p.json"), "--vocab-size", "4000", *PLAN])
     err = capsys.readouterr().err
     assert rc == 1 and "the stream carried an error: Token id" in err and "out of vocabulary" in err
@@ -144,7 +145,7 @@ def test_prompts_past_the_vocabulary_fail_the_profile_naming_the_error(
 def test_a_stream_that_is_not_a_measurement_fails_the_profile(
     tmp_path: Path, capsys: pytest.CaptureFixture, server: FakeServer, message: str
 ) -> None:
-    for (url,) in _serve_apps(server.app()):
+    for (url,) in serve_apps(server.app()):
         rc = cli.main(["profile", url, "--out", str(tmp_path / "p.json"), "--vocab-size", "500", *PLAN])
     err = capsys.readouterr().err
     assert rc == 1 and message in err and "Traceback" not in err
@@ -158,7 +159,7 @@ def test_tokens_merged_into_one_event_count_by_their_ids() -> None:
         async with aiohttp.ClientSession() as session:
             return await stream_completion(session, url, "fake-model", [5, 6, 7], 4)
 
-    for (url,) in _serve_apps(FakeServer(merged=True).app()):
+    for (url,) in serve_apps(FakeServer(merged=True).app()):
         s = asyncio.run(one(url))
     assert len(s.stamps) == 4 and s.stamps[0] == s.stamps[1] < s.stamps[2] < s.stamps[3]
 
@@ -188,7 +189,7 @@ def test_profile_measures_both_instances_of_a_pair_and_the_plan_uses_each_for_it
     45 - 60 ms: fitted 0)."""
     prefill, decode, pair = FakeServer(ttft=0.02), FakeServer(ttft=0.06), FakeServer(ttft=0.045)
     out = tmp_path / "p.json"
-    for p_url, d_url, pd_url in _serve_apps(prefill.app(), decode.app(), pair.app()):
+    for p_url, d_url, pd_url in serve_apps(prefill.app(), decode.app(), pair.app()):
         rc = cli.main(
             [
                 "profile",
@@ -226,7 +227,7 @@ def test_profile_measures_both_instances_of_a_pair_and_the_plan_uses_each_for_it
 def test_merge_pools_a_pair_per_role(tmp_path: Path) -> None:
     prefill, decode, pair = FakeServer(ttft=0.02), FakeServer(ttft=0.04), FakeServer(ttft=0.03)
     out = tmp_path / "p.json"
-    for p_url, d_url, pd_url in _serve_apps(prefill.app(), decode.app(), pair.app()):
+    for p_url, d_url, pd_url in serve_apps(prefill.app(), decode.app(), pair.app()):
         flags = [d_url, "--pd-url", pd_url, "--prefill-url", p_url, "--out", str(out), *PLAN, "--merge"]
         assert cli.main(["profile", *flags]) == 0
         once = load_profile(out)
