@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from tests.unit.store.test_store_peer import LAYERS, TOKS, Node, save_on
+from tests.support.store_nodes import LAYERS, TOKS, Node, save_on
 from vllm_pd.connector.deployment_secret import load_secret
 
 SAVED_IDS = [3, 7, 9]  # where the serving node's blocks sit (save_on's default)

@@ -67,7 +67,7 @@ DECISIONS: dict[str, str] = {
     "get_external_cache_hit_sources": "see _cache_hit_source",
     "update_state_after_alloc": "ours",
     "build_connector_meta": "ours",
-    "on_new_request": "requests are noted in get_num_new_matched_tokens",
+    "on_new_request": "ours",
     "update_connector_output": "ours",
     "request_finished": "ours",
     "register_finished_partial_tail": "no partial-tail offload",
@@ -108,6 +108,10 @@ READS = {
         "num_computed_tokens",
         "status",
         "all_token_ids",
+        # a recurrent state model's prefill leg is cut by one token (scheduler.on_new_request)
+        "_all_token_ids",
+        "max_tokens",
+        "get_skip_reading_prefix_cache",
     },
 }
 
