@@ -1,8 +1,8 @@
 """The documentation site: it builds strictly, offline, and its reference covers the code.
 
-* ``mkdocs build --strict`` (the ``docs`` extra, which install.sh installs) into a temporary
-  folder: a broken link or anchor, a page left out of the navigation or a warning fails it. The
-  build fetches nothing (mkdocs.yml: no web fonts, no plugins that download).
+* The build itself (``mkdocs build --strict``, a process of its own) is in
+  tests/integration/test_docs_site.py; here: mkdocs.yml fetches nothing (no web fonts, no plugins
+  that download).
 * The generated reference (docs/hooks/reference_pages.py) has an entry, with a meaning, for every
   setting, YAML key, CLI flag and metric the code defines. The names the code defines are read
   here independently of the generator: the config dataclasses' fields, the argparse parsers'
@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,33 +38,6 @@ CI_COMMAND = (
     "bash install.sh && ruff check vllm_pd tests benchmarks docs/hooks"
     " && ruff format --check vllm_pd tests benchmarks docs/hooks && mypy && python3 -m pytest -q tests"
 )
-
-
-# ---- the build ---------------------------------------------------------------------------------
-
-
-def test_site_builds_strictly(tmp_path: Path) -> None:
-    """The whole site, generated pages included, with mkdocs' strict mode (any warning fails)."""
-    site = tmp_path / "site"
-    env = {
-        **os.environ,
-        "NO_MKDOCS_2_WARNING": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    run = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stdout}\n{run.stderr}"
-    for page in reference_pages.PAGES.values():  # the generated pages are in the site
-        built = site / page.removesuffix(".md") / "index.html"
-        assert built.is_file(), f"{page} was not generated"
-    assert (site / "benchmarks" / "img" / "store_e2e.svg").is_file()  # the charts come along
-    assert "vllm:pd_loads_total" in (site / "reference" / "metrics" / "index.html").read_text()
 
 
 def test_mkdocs_config_fetches_nothing() -> None:
