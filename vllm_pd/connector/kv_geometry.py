@@ -19,7 +19,8 @@ Block sizes may differ too: a token range maps across block boundaries, and per 
 token range is contiguous (``H.N.C``; per row of K and of V where a kernel packs them apart, as
 vLLM CPU attention does: :func:`kernel_format`), so decode's block is assembled from spans of
 prefill's blocks (:func:`piece_spans` for reads; pushes are re-cut on decode's host,
-``block_recut``). A recurrent state group moves its one state block, between equal shapes only.
+``block_recut``, and so are reads where only block sizes differ, :func:`whole_block_reads`).
+A recurrent state group moves its one state block, between equal shapes only.
 """
 
 from __future__ import annotations
@@ -377,6 +378,54 @@ def piece_spans(plan: GroupPlan, piece: Piece, first_position: int, num_position
                 else:
                     spans.append(Span(k, src, j - first_position, dst, n))
     return spans
+
+
+@dataclass(frozen=True)
+class WholeBlockReads:
+    """Prefill's whole blocks at positions ``remote`` read back to back, as one byte stream, into our
+    blocks at positions ``local`` (``spans``: ``dst_index`` counts from the read's first position),
+    then re-cut there (``block_recut``) - instead of a span per head and row of every block."""
+
+    local: range
+    remote: range
+    spans: tuple[Span, ...]
+
+
+def whole_block_reads(
+    plan: GroupPlan, piece: Piece, first_position: int, num_positions: int, num_tokens: int
+) -> WholeBlockReads | None:
+    """How our positions ``[first_position, first_position + num_positions)`` take ``piece`` from
+    prefill's whole blocks, or None where they cannot: only block sizes differ (the piece is every
+    head of both sides' blocks, the packing is known), and our positions hold the whole blocks
+    that cover them. The re-cut positions start where a block of each side starts and end where
+    they both end or prefill's blocks do (the prompt's end); the rest (at most a block at either
+    end, where prefill's block is larger than ours and straddles our first or last) is left to
+    :func:`piece_spans`."""
+    rf, lf = plan.remote_format, plan.local_format
+    nr, nl = plan.remote.block_size, plan.local.block_size
+    if (
+        nr == nl
+        or rf.runs is None
+        or not (piece.heads == rf.heads == lf.heads and piece.src_head == 0 and piece.dst_head == 0)
+        or rf.runs != lf.runs
+    ):
+        return None
+    stop = first_position + num_positions
+    remote_end = -(-num_tokens // nr) * nr  # prefill's blocks end here
+    start = next((j for j in range(first_position, stop) if j * nl % nr == 0), stop)
+    end = next((j for j in range(stop, start, -1) if j * nl % nr == 0 or j * nl >= remote_end), start)
+    remote = remote_positions(plan, start, end - start, num_tokens)
+    if not remote:
+        return None
+    rb, lb = rf.block_nbytes, lf.block_nbytes
+    spans = []
+    for t, k in enumerate(remote):
+        at, stream_end = t * rb, (t + 1) * rb
+        while at < stream_end:  # cut where our blocks end
+            n = min(stream_end, (at // lb + 1) * lb) - at
+            spans.append(Span(k, at - t * rb, start - first_position + at // lb, at % lb, n))
+            at += n
+    return WholeBlockReads(range(start, end), remote, tuple(spans))
 
 
 def _rows_of_runs(fmt: BlockFormat) -> list[tuple[int, int, int]]:

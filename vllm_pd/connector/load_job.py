@@ -10,9 +10,11 @@ Prefill may be of another shape (``kv_geometry``): another TP size, another bloc
 Then each layer's blocks come as *units*, one per piece of the rank plan - a run of heads
 from one prefill rank: pushed as rows of that piece of prefill's blocks (under the plan's
 staging key, placed into that part of our blocks, re-cut first where block sizes differ,
-``block_recut``), or fetched as spans straight into our blocks. Of equal shapes a layer is
-one unit of whole blocks, as always. A hybrid model's layers each take their own KV cache
-group's blocks (``LoadSpec.group``).
+``block_recut``), or fetched: as spans straight into our blocks, or - where only the block
+size differs - as prefill's whole blocks, landed back to back in our landing blocks and re-cut
+from there as a push is (``kv_geometry.whole_block_reads``: a read per block, not one per head
+and row of vLLM CPU's transposed K). Of equal shapes a layer is one unit of whole blocks, as
+always. A hybrid model's layers each take their own KV cache group's blocks (``LoadSpec.group``).
 
 The job always ends ``ok`` or failed - never pending forever - and always tells
 prefill to release its copy, so neither side leaks blocks: every prefill rank this
@@ -25,11 +27,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from vllm_pd.connector.block_copies import Run
+from vllm_pd.connector.block_copies import Run, byte_blocks
 from vllm_pd.connector.block_recut import recut_rows
 from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S
 from vllm_pd.connector.kv_access import KVAccess
@@ -38,10 +40,13 @@ from vllm_pd.connector.kv_geometry import (
     GroupPlan,
     Piece,
     RankPlan,
+    Span,
+    WholeBlockReads,
     incompatibility,
     piece_spans,
     plan_rank,
     remote_positions,
+    whole_block_reads,
 )
 from vllm_pd.connector.layer_groups import LayerGroups, union
 from vllm_pd.connector.push_staging import PushStaging
@@ -74,6 +79,17 @@ class _Unit:
     def counts_blocks(self) -> bool:
         """A block landed counts once, with its whole or its first piece."""
         return self.plan is None or self.piece == self.plan.pieces[0]
+
+
+@dataclass(frozen=True)
+class _Recut:
+    """A unit's blocks read as prefill's whole blocks: landed back to back in ``landing_ids``
+    (transport ids of ``block_ids``), re-cut into ``block_ids`` once the read is complete."""
+
+    unit: _Unit
+    reads: WholeBlockReads
+    block_ids: tuple[int, ...]
+    landing_ids: tuple[int, ...]
 
 
 class LoadJob:
@@ -241,14 +257,15 @@ class LoadJob:
             return
         landing = dict(zip(local_ids, landing_ids))
         self.blocks_ready.synchronize()  # a transport writing our blocks itself must come after the zeroing
-        futures: list[tuple[int, list[tuple[Future[None], int, int]]]] = []
+        futures: list[tuple[int, list[tuple[Future[None], int, int]], list[_Recut]]] = []
         for layer, units in missing.items():
-            fetches = []
+            fetches, recuts = [], []
             for unit, idxs in units:
-                fut, nbytes = self._fetch_unit(remote, layer, unit, idxs, landing, deadline)
+                fut, nbytes, recut = self._fetch_unit(remote, layer, unit, idxs, landing, deadline)
                 fetches.append((fut, nbytes, len(idxs) if unit.counts_blocks else 0))
-            futures.append((layer, fetches))
-        for layer, fetches in futures:
+                recuts += [recut] if recut is not None else []
+            futures.append((layer, fetches, recuts))
+        for layer, fetches, recuts in futures:
             ok = True
             for fut, nbytes, blocks in fetches:
                 try:
@@ -262,15 +279,21 @@ class LoadJob:
             if not ok:
                 self._layer_landed(layer, False)
                 continue
+            # blocks re-cut from prefill's whole blocks are placed from the re-cut, not from their landing
+            recut_ids = {b for r in recuts for b in r.block_ids}
             _, ids = spec.group(self._groups.group(layer))
-            self._layer_landed(
-                layer, True, self._access.land_read(spec.request_id, layer, list(ids), self.blocks_ready)
+            placed = self._access.land_read(
+                spec.request_id, layer, [b for b in ids if b not in recut_ids], self.blocks_ready
             )
+            for recut in recuts:
+                placed = self._place_recut(layer, recut)
+            self._layer_landed(layer, True, placed)
 
     def _fetch_unit(
         self, remote: RemotePrefill, layer: int, unit: _Unit, idxs: list[int], landing: dict[int, int], deadline: float
-    ) -> tuple[Future[None], int]:
-        """Start reading ``unit``'s part of our blocks at indexes ``idxs`` of its group; (the read, its bytes)."""
+    ) -> tuple[Future[None], int, _Recut | None]:
+        """Start reading ``unit``'s part of our blocks at indexes ``idxs`` of its group; (the read, its
+        bytes, what of it is re-cut once landed)."""
         first, ids = self.spec.group(unit.group)
         remote_ids = remote.group_blocks(unit.group)
         timeout = max(0.1, deadline - time.monotonic())
@@ -279,23 +302,65 @@ class LoadJob:
             src = [remote_ids[first + i] for i in idxs]
             dst = [landing[ids[i]] for i in idxs]
             fut = self._transport.fetch(peer, remote.transfer_id, layer, src, dst, timeout=timeout)
-            return fut, len(idxs) * self._regions[layer].block_nbytes
+            return fut, len(idxs) * self._regions[layer].block_nbytes, None
         assert unit.plan is not None and unit.piece is not None
-        src, dst, src_off, dst_off, lengths = [], [], [], [], []
-        for i in idxs:  # our block i, from the spans of prefill's blocks that hold its tokens
-            for s in piece_spans(unit.plan, unit.piece, first + i, 1, remote.num_tokens):
-                if s.src_index >= len(remote_ids):
-                    raise ProtocolError(
-                        f"prefill's {len(remote_ids)} blocks of group {unit.group} do not hold our tokens"
-                    )
-                src.append(remote_ids[s.src_index])
-                dst.append(landing[ids[i]])
-                src_off.append(s.src_offset)
-                dst_off.append(s.dst_offset)
-                lengths.append(s.nbytes)
-        parts = FetchSpans(tuple(src_off), tuple(dst_off), tuple(lengths))
+        reads = self._whole_block_reads(remote, layer, unit, idxs)
+        spans: list[Span] = list(reads.spans) if reads is not None else []
+        by_span = [i for i in idxs if reads is None or first + i not in reads.local]
+        for i in by_span:  # our block i, from the spans of prefill's blocks that hold its tokens
+            spans += [
+                replace(s, dst_index=i) for s in piece_spans(unit.plan, unit.piece, first + i, 1, remote.num_tokens)
+            ]
+        if any(s.src_index >= len(remote_ids) for s in spans):
+            raise ProtocolError(f"prefill's {len(remote_ids)} blocks of group {unit.group} do not hold our tokens")
+        src = [remote_ids[s.src_index] for s in spans]
+        dst = [landing[ids[s.dst_index]] for s in spans]
+        parts = FetchSpans(
+            tuple(s.src_offset for s in spans), tuple(s.dst_offset for s in spans), tuple(s.nbytes for s in spans)
+        )
         fut = self._transport.fetch(peer, remote.transfer_id, layer, src, dst, timeout=timeout, spans=parts)
-        return fut, sum(parts.lengths)
+        recut = None
+        if reads is not None:
+            local = [ids[j - first] for j in reads.local]
+            recut = _Recut(unit, reads, tuple(local), tuple(landing[b] for b in local))
+        return fut, sum(parts.lengths), recut
+
+    def _whole_block_reads(
+        self, remote: RemotePrefill, layer: int, unit: _Unit, idxs: list[int]
+    ) -> WholeBlockReads | None:
+        """How ``unit``'s blocks are read as prefill's whole blocks and re-cut here, or None (read by
+        spans): only every block of its group at once, of only another block size, landing in
+        host memory of our block's size (the re-cut reads it there)."""
+        assert unit.plan is not None and unit.piece is not None
+        first, ids = self.spec.group(unit.group)
+        region = self._access.transport_regions[layer]
+        if (
+            idxs != list(range(len(ids)))
+            or region.tensor.device.type != "cpu"
+            or region.block_nbytes != unit.plan.local_format.block_nbytes
+        ):
+            return None
+        return whole_block_reads(unit.plan, unit.piece, first, len(ids), remote.num_tokens)
+
+    def _place_recut(self, layer: int, recut: _Recut) -> DeviceEvent:
+        """Re-cut prefill's whole blocks, landed back to back in ``recut``'s landing blocks, into our
+        block size and place them in our blocks (as a push of another block size is)."""
+        plan, reads = recut.unit.plan, recut.reads
+        assert plan is not None
+        fmt = plan.remote_format
+        landed = byte_blocks(self._access.transport_regions[layer])[torch.tensor(recut.landing_ids)]
+        rows = landed.reshape(-1)[: len(reads.remote) * fmt.block_nbytes].view(len(reads.remote), -1)
+        rows = recut_rows(
+            list(rows),
+            fmt.heads,
+            plan.remote.block_size,
+            plan.local.block_size,
+            reads.local.start * plan.local.block_size,
+            len(reads.local),
+            fmt.runs or (),
+            self._host_alloc,
+        )
+        return self._access.land_pushed(layer, [(recut.block_ids, rows)], self.blocks_ready)
 
     def _land_layer_pushed(
         self, remote: RemotePrefill, layer: int, deadline: float, since: float

@@ -13,6 +13,7 @@ import pytest
 from vllm_pd.connector.kv_geometry import (
     CPU_VEC_KERNEL,
     BlockFormat,
+    Span,
     announced_ranks,
     head_pieces,
     incompatibility,
@@ -22,6 +23,7 @@ from vllm_pd.connector.kv_geometry import (
     rank_heads,
     releasers,
     remote_positions,
+    whole_block_reads,
     window_positions,
 )
 from vllm_pd.protocol.kv_shape import KVGroup, KVShape
@@ -262,3 +264,80 @@ def test_pushed_rows_are_recut_into_decodes_blocks(nr: int, nl: int, first_block
     tokens = np.arange(first_token, first_token + num_local * nl).reshape(num_local, nl)
     valid = np.broadcast_to(packed_kv(range(1), tokens, kernel, num_tokens) != 0, got.shape)
     assert np.array_equal(got[valid], packed_kv(range(heads), tokens, kernel, num_tokens)[valid])
+
+
+@pytest.mark.parametrize(
+    "nr, nl, first, num_tokens",
+    [
+        (32, 64, 0, 300),  # prefill's last block partial, ours too
+        (32, 64, 2, 300),  # decode's own prefix-cache hit: our first position > 0
+        (16, 64, 1, 256),
+        (64, 32, 0, 300),  # one prefill block feeds two of ours
+        (64, 32, 0, 270),  # prefill's last block straddles our last: that one by spans
+        (64, 32, 3, 300),  # prefill's block straddles our first: that one by spans
+        (64, 32, 3, 270),
+        (64, 16, 1, 300),
+        (64, 32, 9, 300),  # our one block inside prefill's: spans only
+    ],
+)
+@pytest.mark.parametrize("kernel", ["", CPU_VEC_KERNEL])
+def test_whole_block_reads_recut_to_what_the_spans_assemble(
+    nr: int, nl: int, first: int, num_tokens: int, kernel: str
+) -> None:
+    """Prefill's whole blocks, landed back to back in our blocks as ``whole_block_reads`` says and
+    re-cut there (``block_recut``), give decode's blocks byte for byte as the spans per head and row
+    (``piece_spans``) do - the rest of our blocks by those spans - and read each prefill block once."""
+    import torch
+
+    from vllm_pd.connector.block_recut import recut_rows
+
+    heads = 2
+    remote, local = shape(1, heads, nr, kernel=kernel), shape(1, heads, nl, kernel=kernel)
+    plan = plan_rank(remote, local, 0).groups[0]
+    [piece] = plan.pieces
+    src = prefill_blocks(remote, 0, num_tokens).reshape(-1 if num_tokens else 0, heads * nr * C).view(np.uint8)
+    nlocal = -(-num_tokens // nl) - first
+    lb = heads * nl * C * 4
+
+    def assemble(spans: list, into: np.ndarray) -> None:
+        for sp in spans:
+            into[sp.dst_index, sp.dst_offset : sp.dst_offset + sp.nbytes] = src[
+                sp.src_index, sp.src_offset : sp.src_offset + sp.nbytes
+            ]
+
+    by_spans = np.zeros((nlocal, lb), dtype=np.uint8)
+    assemble(piece_spans(plan, piece, first, nlocal, num_tokens), by_spans)
+    reads = whole_block_reads(plan, piece, first, nlocal, num_tokens)
+    if first * nl % nr and nlocal == 1:  # our one block inside prefill's: nothing to read whole
+        assert reads is None
+        return
+    assert reads is not None
+    assert reads.remote == remote_positions(plan, reads.local.start, len(reads.local), num_tokens)
+    assert [sp.src_index for sp in reads.spans if sp.src_offset == 0] == list(reads.remote)  # each read whole, once
+    landed = np.full((nlocal, lb), 0xA5, dtype=np.uint8)  # landing rows hold garbage before the read
+    assemble(list(reads.spans), landed)
+    ours = np.zeros((nlocal, lb), dtype=np.uint8)
+    for j in range(nlocal):
+        if first + j not in reads.local:
+            spans = piece_spans(plan, piece, first + j, 1, num_tokens)
+            assemble([Span(s.src_index, s.src_offset, j, s.dst_offset, s.nbytes) for s in spans], ours)
+    a, b = reads.local.start - first, reads.local.stop - first
+    stream = torch.from_numpy(landed[a:b].reshape(-1)[: len(reads.remote) * heads * nr * C * 4].copy())
+    runs = plan.remote_format.runs
+    assert runs is not None
+    recut = recut_rows(list(stream.view(len(reads.remote), -1)), heads, nr, nl, reads.local.start * nl, b - a, runs)
+    ours[a:b] = recut.numpy()
+    assert np.array_equal(ours, by_spans)
+    ours[a, 7] ^= 1  # negative control: one byte of the re-cut off
+    assert not np.array_equal(ours, by_spans)
+
+
+def test_whole_block_reads_only_for_another_block_size_of_every_head() -> None:
+    same_size = plan_rank(shape(1, 8, 32), shape(1, 8, 32), 0)
+    assert whole_block_reads(same_size.groups[0], same_size.groups[0].pieces[0], 0, 4, 128) is None
+    other_tp = plan_rank(shape(1, 8, 32), shape(2, 8, 64), 1)  # heads 4..7 of prefill's 8: a piece of its blocks
+    [piece] = other_tp.groups[0].pieces
+    assert whole_block_reads(other_tp.groups[0], piece, 0, 2, 128) is None
+    sizes = plan_rank(shape(1, 8, 32), shape(1, 8, 64), 0)
+    reads = whole_block_reads(sizes.groups[0], sizes.groups[0].pieces[0], 0, 2, 128)
+    assert reads is not None and len(reads.spans) == 4  # four prefill blocks, each one span
