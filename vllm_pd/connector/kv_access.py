@@ -28,6 +28,9 @@ from vllm_pd.connector.transport.base import MemoryRegion
 
 
 class KVAccess(abc.ABC):
+    #: a read lands in the KV cache itself: its landing blocks are our blocks
+    lands_in_kv = False
+
     def __init__(self, send_copies: BlockCopies, land_copies: BlockCopies | None = None) -> None:
         self.send_copies = send_copies
         self.land_copies = land_copies or BlockCopies(send_copies.regions, send_copies.device)
@@ -92,6 +95,8 @@ class KVAccess(abc.ABC):
 
 
 class DirectAccess(KVAccess):
+    lands_in_kv = True
+
     @property
     def transport_regions(self) -> list[MemoryRegion]:
         return self.regions

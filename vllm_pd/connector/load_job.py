@@ -340,7 +340,13 @@ class LoadJob:
             or region.block_nbytes != unit.plan.local_format.block_nbytes
         ):
             return None
-        return whole_block_reads(unit.plan, unit.piece, first, len(ids), remote.num_tokens)
+        num = len(ids)
+        if self.spec.layerwise and self._access.lands_in_kv:
+            # This step's forward writes its tokens into our last block while we load: vLLM writes a
+            # layer's new KV before it waits for the layer's load. Prefill's blocks landed there as
+            # they are would be written over before the re-cut reads them; that block goes by spans.
+            num -= 1
+        return whole_block_reads(unit.plan, unit.piece, first, num, remote.num_tokens)
 
     def _place_recut(self, layer: int, recut: _Recut) -> DeviceEvent:
         """Re-cut prefill's whole blocks, landed back to back in ``recut``'s landing blocks, into our

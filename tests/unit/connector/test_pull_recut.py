@@ -9,6 +9,7 @@ the plain ``H.N.C`` one, a partial last block and a first position past decode's
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -20,7 +21,7 @@ from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.host_staging import StagingArena
 from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
 from vllm_pd.connector.kv_device import HostDevice
-from vllm_pd.connector.kv_geometry import CPU_VEC_KERNEL, kernel_format
+from vllm_pd.connector.kv_geometry import CPU_VEC_KERNEL, BlockFormat, kernel_format
 from vllm_pd.connector.layer_groups import LayerGroups
 from vllm_pd.connector.load_job import LoadJob
 from vllm_pd.connector.push_staging import PushStaging
@@ -48,12 +49,41 @@ def decode_access(kind: str, regions: list[MemoryRegion]) -> KVAccess:
     return StagedAccess(BlockCopies(regions, dev), arena, BlockCopies(regions, dev))
 
 
+def write_token(
+    src: torch.Tensor, dst: torch.Tensor, token: int, nr: int, nl: int, kernel: str, local_ids: list[int], first: int
+) -> None:
+    """What a forward computing ``token`` writes: its K and V (here prefill's, the same values) into
+    our block that holds it, at that token's place of each head and row (``BlockFormat.runs``)."""
+    runs = BlockFormat.parse(kv_shape(nl, kernel).groups[0].block_format).runs
+    assert runs is not None
+    s, d = src.view(torch.uint8).flatten(1), dst.view(torch.uint8).flatten(1)
+    k, j = token // nr, token // nl
+    head_r, head_l = s.shape[1] // HEADS, d.shape[1] // HEADS
+    at = 0
+    for rows, e in runs:
+        for h, row in itertools.product(range(HEADS), range(rows)):
+            a = h * head_r + at * nr + row * nr * e + (token - k * nr) * e
+            b = h * head_l + at * nl + row * nl * e + (token - j * nl) * e
+            d[local_ids[j - first], b : b + e] = s[k, a : a + e]
+        at += rows * e
+
+
 def pull(
-    kind: str, nr: int, nl: int, kernel: str, first: int, num_tokens: int, fetch_spans: list[int]
+    kind: str,
+    nr: int,
+    nl: int,
+    kernel: str,
+    first: int,
+    num_tokens: int,
+    fetch_spans: list[int],
+    layerwise: bool = False,
+    forward_writes: bool = False,
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Decode's KV after pulling a prompt of ``num_tokens`` from a prefill of block size ``nr``
     into blocks of ``nl`` from position ``first``; (each layer's blocks, our block ids). The
-    number of spans of each fetch is appended to ``fetch_spans``."""
+    number of spans of each fetch is appended to ``fetch_spans``. ``forward_writes``: once a
+    layer's read landed (before the load places it), the step's forward writes the prompt's last
+    token into that layer, as vLLM does before it waits for a layer-wise load."""
     prefill_regions = make_regions(LAYERS, NUM_BLOCKS, seed=7, block_shape=(HEADS, nr, C))
     remote_ids = [NUM_BLOCKS - 1 - 2 * k % NUM_BLOCKS for k in range(-(-num_tokens // nr))]  # not in order
     local_ids = [(5 * j + 3) % NUM_BLOCKS for j in range(-(-num_tokens // nl) - first)]
@@ -70,7 +100,13 @@ def pull(
 
     def counted(*args, spans=None, **kwargs):  # type: ignore[no-untyped-def]
         fetch_spans.append(len(spans) if spans is not None else len(args[3]))
-        return fetch(*args, spans=spans, **kwargs)
+        fut = fetch(*args, spans=spans, **kwargs)
+        if forward_writes:
+            fut.result(timeout=10)
+            layer = args[2]
+            src, dst = prefill_regions[layer].tensor, regions[layer].tensor
+            write_token(src, dst, num_tokens - 1, nr, nl, kernel, local_ids, first)
+        return fut
 
     decode.fetch = counted  # type: ignore[method-assign]
     host, port = endpoint.split("://", 1)[1].rsplit(":", 1)
@@ -86,7 +122,7 @@ def pull(
         mode="pull",
         shape=kv_shape(nr, kernel),
     )
-    spec = LoadSpec("d-1", "p-1", remote, first, tuple(local_ids))
+    spec = LoadSpec("d-1", "p-1", remote, first, tuple(local_ids), layerwise=layerwise)
     groups = LayerGroups(kv_shape(nl, kernel), LAYERS, nl)
     job = LoadJob(
         spec, decode, regions, PushStaging(1 << 20, ttl_s=60), access, 0, 5, 1, groups=groups, host_alloc=None
@@ -147,6 +183,26 @@ def test_a_wrong_recut_shows_as_other_blocks(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(load_job_module, "recut_rows", off_by_a_byte)
     got, _ = pull("direct", 32, 64, CPU_VEC_KERNEL, 0, 300, [])
     assert not all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("nr, nl", [(32, 64), (64, 32)])
+@pytest.mark.parametrize("kernel", ["", CPU_VEC_KERNEL], ids=["plain", "cpu-vec"])
+def test_a_layerwise_forward_writing_its_token_mid_load_is_not_recut_over(
+    monkeypatch: pytest.MonkeyPatch, kernel: str, nr: int, nl: int
+) -> None:
+    """vLLM writes a layer's new KV (the prompt's last token, in our last block) before it waits for
+    that layer's load. Where a read lands in the KV itself (vLLM CPU), prefill's blocks landed as
+    they are in that block would be written over before the re-cut reads them: it goes by spans,
+    and the KV is the span path's."""
+    whole_spans: list[int] = []
+    got, ids = pull("direct", nr, nl, kernel, 0, 300, whole_spans, layerwise=True, forward_writes=True)
+    with monkeypatch.context() as m:
+        by_span_path(m)
+        span_spans: list[int] = []
+        want, _ = pull("direct", nr, nl, kernel, 0, 300, span_spans, layerwise=True, forward_writes=True)
+    for layer in range(LAYERS):
+        assert torch.equal(got[layer], want[layer]), layer
+    assert all(w < s for w, s in zip(whole_spans, span_spans, strict=True)), (whole_spans, span_spans)
 
 
 class _NoSink:
