@@ -357,6 +357,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.note_sent(connector_output.finished_sending or set())
+        if self._store_scheduler is not None and connector_output.finished_recving:
+            self._store_scheduler.loads_finished(connector_output.finished_recving)
         if connector_output.invalid_block_ids:
             self.scheduler.forget_failed_blocks(connector_output.invalid_block_ids)
         meta = connector_output.kv_connector_worker_meta

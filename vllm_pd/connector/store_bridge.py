@@ -221,6 +221,9 @@ class StoreBridgeScheduler:
         self._meta.held[request.request_id] = ("store", "pd") if pd_holds else ("store",)
         return True
 
+    def loads_finished(self, request_ids: set[str]) -> None:
+        """vLLM's finished_recving of a step (async loads only: none here)."""
+
     def build_meta(self) -> StoreStepMeta | None:
         if self.store is None:
             return None

@@ -58,6 +58,10 @@ class GroupStoreBridgeScheduler(StoreBridgeScheduler):
         super().__init__(vllm_config, dataclasses.replace(config, master=None))
         self.groups = tuple(groups)
         self.group_stores: list[StoreScheduler] = []
+        # requests a load was planned for: vLLM asks again after a failed load (and a preemption),
+        # and a failure that would repeat (a block of another scope stays indexed) must not loop
+        self._loaded_once: set[str] = set()
+        self._loading: set[str] = set()  # requests whose load has not ended (their blocks are not KV yet)
 
     def on_handshake(self, num_layers: int, block_nbytes: int, endpoint: str, kv_format: str = "") -> None:
         """``block_nbytes``: every layer's (vLLM's hybrid manager gives all groups one page size;
@@ -86,7 +90,7 @@ class GroupStoreBridgeScheduler(StoreBridgeScheduler):
         )
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        if self.store is None:
+        if self.store is None or request.request_id in self._loaded_once:
             return 0
         prompt = request.prompt_token_ids or []
         tokens = prompt[: len(prompt) - 1]  # >= 1 token left to compute
@@ -109,6 +113,8 @@ class GroupStoreBridgeScheduler(StoreBridgeScheduler):
         if self.store is None or matched is None or num_external_tokens <= 0:
             return False
         hit, _ = matched
+        self._loaded_once.add(request.request_id)
+        self._loading.add(request.request_id)
         bs = self.store.block_size
         first, end = (hit - num_external_tokens) // bs, hit // bs
         loading: list[int] = []
@@ -150,7 +156,11 @@ class GroupStoreBridgeScheduler(StoreBridgeScheduler):
         them (every group's) until the saves copied them."""
         self._matched.pop(request.request_id, None)
         self._hints.pop(request.request_id, None)
+        self._loaded_once.discard(request.request_id)
         extra_keys = self._extra_keys.pop(request.request_id, None)
+        if request.request_id in self._loading:  # aborted while loading: its blocks are not its KV
+            self._loading.discard(request.request_id)
+            return False
         if self.store is None:
             return False
         if extra_keys is None:
@@ -171,6 +181,9 @@ class GroupStoreBridgeScheduler(StoreBridgeScheduler):
             return False
         self._meta.held[request.request_id] = (*owners, "pd") if pd_holds else tuple(owners)
         return True
+
+    def loads_finished(self, request_ids: set[str]) -> None:
+        self._loading -= request_ids
 
     def build_meta(self) -> StoreStepMeta | None:
         if self.store is None:

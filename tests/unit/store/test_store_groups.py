@@ -75,6 +75,7 @@ class Engine:
             store.wait_saves()
         saved = self.worker.merge_finished(set())
         ended, failed = self.worker.finished_loads()
+        self.sched.loads_finished(ended)  # the connector hands vLLM's finished_recving back
         self.sched.update_connector_output(self.worker.worker_meta())
         return saved, ended, failed
 
@@ -205,6 +206,23 @@ def test_a_block_gone_between_lookup_and_load_fails_the_whole_load(engine: Engin
     window.placement.remove_subtree(window.block_keys(PROMPT)[17])
     assert engine.load(req, hit) == ({"turn2"}, {"turn2"})
     assert engine.worker.load_errors() == set()  # vLLM 0.32 raises on block ids with several groups
+    # vLLM asks again for the request it now computes: no second try (a failure may repeat)
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == 0
+
+
+def test_a_request_aborted_while_loading_saves_nothing(engine: Engine) -> None:
+    """vLLM keeps its blocks until the load ends, but they are not its KV: none is saved."""
+    engine.compute("turn1", PROMPT, tag=1)
+    req, hit = engine.ask("turn2", TURN2)
+    assert engine.mgr.allocate_slots(req, len(TURN2) - hit, num_external_computed_tokens=hit)
+    ids = engine.mgr.get_block_ids("turn2")
+    engine.sched.update_state_after_alloc(req, ids, hit)
+    window = engine.sched.group_stores[1]
+    window.placement.remove_subtree(window.block_keys(PROMPT)[17])  # would be saved again from turn2's blocks
+    req.num_computed_tokens = hit
+    assert not engine.sched.request_finished(req, ids, pd_holds=False)
+    assert engine.step()[1] == {"turn2"}
+    assert window.block_keys(PROMPT)[17] not in window.index
 
 
 def test_blocks_vllm_gives_beyond_the_checked_window_fail_the_load(engine: Engine) -> None:
