@@ -118,7 +118,7 @@ class GroupStoreBridgeScheduler(StoreBridgeScheduler):
         bs = self.store.block_size
         first, end = (hit - num_external_tokens) // bs, hit // bs
         loading: list[int] = []
-        whole = True
+        whole = len(block_ids_by_group) == len(self.groups)
         for g, (group, store, ids) in enumerate(zip(self.groups, self.group_stores, block_ids_by_group)):
             needed = group.needed(end, first)
             given = [p for p in range(first, min(end, len(ids))) if ids[p] != NULL_BLOCK]
@@ -162,6 +162,13 @@ class GroupStoreBridgeScheduler(StoreBridgeScheduler):
             self._loading.discard(request.request_id)
             return False
         if self.store is None:
+            return False
+        if len(block_ids_by_group) != len(self.groups):
+            logger.warning(
+                "KV store: request %s finished with %d KV cache groups' blocks, not saved",
+                request.request_id,
+                len(block_ids_by_group),
+            )
             return False
         if extra_keys is None:
             extra_keys = request_extra_keys(request)
