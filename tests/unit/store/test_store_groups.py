@@ -247,3 +247,23 @@ def test_state_groups_and_mixed_block_sizes_are_not_stored() -> None:
     assert why_not_stored((full, window, window)) == ""
     assert "recurrent state" in why_not_stored((full, KVGroup("state", BS, "")))
     assert "block sizes" in why_not_stored((full, KVGroup("window", 2 * BS, "", WINDOW)))
+
+
+def test_the_connector_keeps_the_store_local_for_several_groups(caplog: pytest.LogCaptureFixture) -> None:
+    """PDConnector's choice: the groups with their layer names and no master (warned), or no store
+    for a state group (warned, saying why)."""
+    from vllm_pd.connector.connector import groups_store
+
+    config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(layer_names=list(g.layers)) for g in GROUPS]  # vLLM's KVCacheGroupSpec
+    )
+    kv_groups = (KVGroup("full", BS, ""), KVGroup("window", BS, "", WINDOW), KVGroup("window", BS, "", WINDOW))
+    store = StoreConfig(master="tcp://127.0.0.1:1")
+    with caplog.at_level("WARNING"):
+        kept, groups = groups_store(store, kv_groups, config)
+    assert groups == GROUPS and kept is not None and kept.master is None
+    assert "master tcp://127.0.0.1:1 not used" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        off, none = groups_store(StoreConfig(), (kv_groups[0], KVGroup("state", BS, "")), config)
+    assert off is None and none == () and "the KV store is off" in caplog.text and "recurrent state" in caplog.text
