@@ -36,9 +36,11 @@ from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, PDWorke
 from vllm_pd.connector.scheduler import PDConnectorScheduler, kv_cache_groups
 from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
 from vllm_pd.connector.store.config import StoreConfig
+from vllm_pd.connector.store.groups import StoreGroup, why_not_stored
 from vllm_pd.connector.store_bridge import StoreBridgeScheduler, StoreBridgeWorker
+from vllm_pd.connector.store_group_bridge import GroupStoreBridgeScheduler, GroupStoreBridgeWorker
 from vllm_pd.connector.worker import PDConnectorWorker
-from vllm_pd.protocol.kv_shape import encode_shape
+from vllm_pd.protocol.kv_shape import KVGroup, encode_shape
 from vllm_pd.protocol.transfer_params import asks_remote_decode, asks_remote_prefill
 from vllm_pd.vllm_logging import vllm_logger
 
@@ -88,6 +90,33 @@ def attention_kernel(vllm_config: VllmConfig) -> str:
     return CPU_VEC_KERNEL if vec else "cpu-" + ("amx" if amx else "other")
 
 
+def groups_store(
+    store_config: StoreConfig, groups: tuple[KVGroup, ...], kv_cache_config: KVCacheConfig | None
+) -> tuple[StoreConfig | None, tuple[StoreGroup, ...]]:
+    """The store's settings and groups for a model with several KV cache groups: None where the
+    store cannot keep them (with a warning saying why), and no master (store_group_bridge.py)."""
+    reason = why_not_stored(groups)
+    if reason or kv_cache_config is None:
+        logger.warning(
+            "PD connector: the KV store is off for this model: it has %d KV cache groups (%s) and %s",
+            len(groups),
+            ", ".join(g.kind for g in groups),
+            reason or "no KV cache config",
+        )
+        return None, ()
+    if store_config.master:
+        logger.warning(
+            "PD connector: KV store master %s not used: this model has %d KV cache groups, and the master "
+            "and the router look up whole prefixes of one group; the store stays local (CPU, disk)",
+            store_config.master,
+            len(groups),
+        )
+    layers = [g.layer_names for g in kv_cache_config.kv_cache_groups]
+    return dataclasses.replace(store_config, master=None), tuple(
+        StoreGroup.of(g, names) for g, names in zip(groups, layers)
+    )
+
+
 class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -116,19 +145,20 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_scheduler: StoreBridgeScheduler | None = None
         self._store_worker: StoreBridgeWorker | None = None
         groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
-        if store_config is not None and (len(groups) > 1 or groups[0].kind == "state"):
-            # its keys and blocks are one attention group's: a hybrid model's other groups would be missing
-            logger.warning(
-                "PD connector: the KV store is off for this model: it has %d KV cache groups (%s); "
-                "the store keeps one attention group",
-                len(groups),
-                ", ".join(g.kind for g in groups),
-            )
+        store_groups: tuple[StoreGroup, ...] = ()
+        if store_config is not None and len(groups) > 1:
+            store_config, store_groups = groups_store(store_config, groups, kv_cache_config)
+        elif store_config is not None and groups[0].kind == "state":
+            logger.warning("PD connector: the KV store is off for this model: %s", why_not_stored(groups))
             store_config = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PDConnectorScheduler(vllm_config, self.config, str(ktc.engine_id), kv_cache_config)
             if store_config is not None:
-                self._store_scheduler = StoreBridgeScheduler(vllm_config, store_config)
+                self._store_scheduler = (
+                    GroupStoreBridgeScheduler(vllm_config, store_config, store_groups)
+                    if store_groups
+                    else StoreBridgeScheduler(vllm_config, store_config)
+                )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -152,7 +182,12 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
                 kernel=attention_kernel(vllm_config),
             )
             if store_config is not None:
-                self._store_worker = StoreBridgeWorker(store_config, vllm_config, get_tensor_model_parallel_rank())
+                rank = get_tensor_model_parallel_rank()
+                self._store_worker = (
+                    GroupStoreBridgeWorker(store_config, vllm_config, rank, store_groups)
+                    if store_groups
+                    else StoreBridgeWorker(store_config, vllm_config, rank)
+                )
 
     # ---- worker side ----------------------------------------------------------------------------
     @property
@@ -231,6 +266,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         sent, recvd, failed = self.worker.get_finished()
         if self._store_worker is not None:
             sent = self._store_worker.merge_finished(sent)
+            loaded, load_failed = self._store_worker.finished_loads()
+            recvd, failed = recvd | loaded, failed | load_failed
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recvd, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -289,7 +326,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         if self._store_scheduler is not None and not asks_remote_prefill(request.kv_transfer_params):
             hit = self._store_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
             if hit:
-                return hit, False  # sync load: the worker lands it layer by layer before each layer
+                # one group: a sync load the worker lands layer by layer before each layer; several:
+                # an async one (store_group_bridge.py says why)
+                return hit, self._store_scheduler.loads_async
         if not self.is_consumer:
             return 0, False
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -305,7 +344,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._store_scheduler is not None:
-            self._store_scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+            self._store_scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
         if asks_remote_decode(request.kv_transfer_params) and not self.is_producer:
             return
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -318,6 +357,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.note_sent(connector_output.finished_sending or set())
+        if self._store_scheduler is not None and connector_output.finished_recving:
+            self._store_scheduler.loads_finished(connector_output.finished_recving)
         if connector_output.invalid_block_ids:
             self.scheduler.forget_failed_blocks(connector_output.invalid_block_ids)
         meta = connector_output.kv_connector_worker_meta
@@ -338,7 +379,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         """SupportsHMA: every KV cache group's blocks, held together until decode took them."""
         delay, params = self.scheduler.request_finished(request, block_ids)
         if self._store_scheduler is not None:
-            delay = self._store_scheduler.request_finished(request, block_ids[0], pd_holds=delay) or delay
+            delay = self._store_scheduler.request_finished(request, block_ids, pd_holds=delay) or delay
         return delay, params
 
     def has_pending_push_work(self) -> bool:

@@ -18,6 +18,7 @@ vLLM's block hashes themselves).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 from vllm_pd.connector.kv_device import KVDevice
 from vllm_pd.connector.store.config import StoreConfig
+from vllm_pd.connector.store.groups import owner
 from vllm_pd.connector.store.master_client import RemoteHit
 from vllm_pd.connector.store.plans import StorePlan, StoreReport
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
@@ -42,9 +44,12 @@ if TYPE_CHECKING:
 logger = vllm_logger(__name__)
 
 
-def make_salt(vllm_config: VllmConfig, num_layers: int, block_nbytes: int, kv_format: str = "") -> KeySalt:
+def make_salt(
+    vllm_config: VllmConfig, num_layers: int, block_nbytes: int, kv_format: str = "", group: str = ""
+) -> KeySalt:
     """``kv_format``: what a block's bytes mean (kv_layout.block_format): stores of other layouts
-    hold other bytes for the same prompt, so their keys differ."""
+    hold other bytes for the same prompt, so their keys differ. ``group``: the KV cache group's
+    identity (store/groups.py) where the model has several, "" where it has one."""
     from vllm.platforms import current_platform
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
@@ -57,6 +62,7 @@ def make_salt(vllm_config: VllmConfig, num_layers: int, block_nbytes: int, kv_fo
         num_layers=num_layers,
         tp_size=pc.tensor_parallel_size,
         pp_size=pc.pipeline_parallel_size,
+        extra=group,
     )
 
 
@@ -93,18 +99,30 @@ class StoreStepMeta:
     missing_block_ids: list[int] = field(default_factory=list)  # vanished between match and alloc
     # request -> owners of its blocks ("store", and "pd" when prefill also holds them)
     held: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # several KV cache groups (store_group_bridge.py): groups 1.. plans, the async loads started
+    # (request -> the groups loading it) and the requests whose load already failed
+    group_plans: list[StorePlan] = field(default_factory=list)
+    loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    failed_loads: list[str] = field(default_factory=list)
 
 
 class StoreWorkerMeta(KVConnectorWorkerMetadata):
-    def __init__(self, report: StoreReport) -> None:
+    def __init__(self, report: StoreReport, group_reports: tuple[StoreReport, ...] = ()) -> None:
         self.report = report
+        self.group_reports = group_reports  # groups 1.. of a model with several KV cache groups
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, StoreWorkerMeta)
-        return StoreWorkerMeta(self.report.aggregate(other.report))
+        return StoreWorkerMeta(
+            self.report.aggregate(other.report),
+            tuple(a.aggregate(b) for a, b in zip(self.group_reports, other.group_reports)),
+        )
 
 
 class StoreBridgeScheduler:
+    # loads land layer by layer in the step that computes the rest (vLLM's sync external load)
+    loads_async = False
+
     def __init__(self, vllm_config: VllmConfig, config: StoreConfig) -> None:
         self.vllm_config = vllm_config
         self.config = config
@@ -161,8 +179,11 @@ class StoreBridgeScheduler:
             self._hints[request.request_id] = StoreFetch.from_params(request.kv_transfer_params)
         return self._hints[request.request_id]
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> bool:
-        """True if the store serves this request's external tokens."""
+    def update_state_after_alloc(
+        self, request: Request, block_ids_by_group: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> bool:
+        """True if the store serves this request's external tokens (the blocks of its one group)."""
+        block_ids = block_ids_by_group[0]
         matched = self._matched.pop(request.request_id, None)
         if self.store is None or matched is None or num_external_tokens <= 0:
             return False
@@ -182,8 +203,9 @@ class StoreBridgeScheduler:
         self._meta.missing_block_ids.extend(missing)
         return True
 
-    def request_finished(self, request: Request, block_ids: list[int], pd_holds: bool) -> bool:
+    def request_finished(self, request: Request, block_ids_by_group: Sequence[Sequence[int]], pd_holds: bool) -> bool:
         """Queue the save of the request's computed blocks; True if vLLM must keep them for it."""
+        block_ids = block_ids_by_group[0]
         self._matched.pop(request.request_id, None)
         self._hints.pop(request.request_id, None)
         extra_keys = self._extra_keys.pop(request.request_id, None)
@@ -198,6 +220,9 @@ class StoreBridgeScheduler:
             return False
         self._meta.held[request.request_id] = ("store", "pd") if pd_holds else ("store",)
         return True
+
+    def loads_finished(self, request_ids: set[str]) -> None:
+        """vLLM's finished_recving of a step (async loads only: none here)."""
 
     def build_meta(self) -> StoreStepMeta | None:
         if self.store is None:
@@ -262,6 +287,10 @@ class StoreBridgeWorker:
         if self.store is not None and i is not None:
             self.store.wait_layer(i)
 
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """(async loads that ended, those of them that failed): none here, loads are layer-wise."""
+        return set(), set()
+
     def merge_finished(self, pd_sent: set[str]) -> set[str]:
         """finished_sending = PD's, except requests the store still copies; plus the store's done ones."""
         out = set()
@@ -274,17 +303,25 @@ class StoreBridgeWorker:
             if not owners:
                 del self._owners[req_id]
                 out.add(req_id)
-        if self.store is not None:
-            saved, _ = self.store.take_finished()
+        for group, store in enumerate(self.stores()):
+            saved, loaded = store.take_finished()
+            self._loads_ended(group, loaded)
             for req_id in saved:
                 owners = self._owners.get(req_id)
                 if owners is None:
                     continue
-                owners.discard("store")
+                owners.discard(owner(group))
                 if not owners:
                     del self._owners[req_id]
                     out.add(req_id)
         return out
+
+    def stores(self) -> list[StoreWorker]:
+        """The store of each KV cache group (one here)."""
+        return [self.store] if self.store is not None else []
+
+    def _loads_ended(self, group: int, request_ids: set[str]) -> None:
+        """Loads of ``group`` that ended (layer-wise here: vLLM waited for them in its forward)."""
 
     def load_errors(self) -> set[int]:
         bad, self._missing = self._missing, set()
@@ -305,5 +342,5 @@ class StoreBridgeWorker:
         return StoreWorkerMeta(report) if report else None
 
     def shutdown(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        for store in self.stores():
+            store.close()

@@ -66,7 +66,8 @@ Modules: keys (blake3 chained keys), radix (index, pins), reuse_cache
 weighting picked online by keys-only shadows, LRU among them, hash-sampled 1/8), cpu_pool (pool +
 slot allocator), pool_copies (KV cache <-> pool on the KV's device), disk_tier, plans
 (wire structs), config, scheduler_side (plans loads/saves) with block_placement (what is where)
-and request_keys, worker_side, pool_exchange (node-to-node
+and request_keys, groups (a model with several KV cache groups: each group's identity, the hit all
+groups hold; wired in connector/store_group_bridge.py), worker_side, pool_exchange (node-to-node
 fetch) with disk_staging (the holder's disk served to peers), master / master_client / master_command
 (``vllm-pd store-master``),
 trace (multi-turn trace generator).

@@ -47,9 +47,22 @@ class _Load:
 
 class StoreScheduler:
     def __init__(
-        self, config: StoreConfig, salt: KeySalt, slot_nbytes: int, world_size: int = 1, endpoint: str = ""
+        self,
+        config: StoreConfig,
+        salt: KeySalt,
+        slot_nbytes: int,
+        world_size: int = 1,
+        endpoint: str = "",
+        prefix_closed: bool = True,
     ) -> None:
+        """``prefix_closed``: every block is stored with all blocks before it (full attention). A
+        sliding-window group's (groups.py) holds runs of blocks whose earlier blocks vLLM freed:
+        its index is then asked key by key, never by a prefix search, and it has no master (the
+        master and the router look up prefixes)."""
+        if not prefix_closed and config.master:
+            raise StoreError("a store of a sliding-window group has no master (its blocks are not whole prefixes)")
         self.config = config
+        self.prefix_closed = prefix_closed
         self.salt = salt
         self.world_size = world_size
         self.block_size = salt.block_size
@@ -126,6 +139,16 @@ class StoreScheduler:
         keys = self.block_keys(token_ids, request_id=request_id, extra_keys=extra_keys)
         return self.index.longest_prefix(keys) * self.block_size
 
+    def held_positions(
+        self, token_ids: Sequence[int], request_id: str | None = None, extra_keys: RequestExtraKeys = NO_EXTRA_KEYS
+    ) -> list[bool]:
+        """Per full block of ``token_ids``: whether its KV is committed here (side-effect free)."""
+        keys = self.block_keys(token_ids, request_id=request_id, extra_keys=extra_keys)
+        if self.prefix_closed:
+            n = self.index.longest_prefix(keys)
+            return [True] * n + [False] * (len(keys) - n)
+        return [key in self.index for key in keys]
+
     def remote_match(
         self, token_ids: Sequence[int], request_id: str | None = None, extra_keys: RequestExtraKeys = NO_EXTRA_KEYS
     ) -> RemoteHit | None:
@@ -194,7 +217,7 @@ class StoreScheduler:
             raise StoreError(f"{n} blocks to load but {len(block_ids)} block ids")
         keys = self.block_keys(token_ids, max_blocks=first + n, request_id=request_id, extra_keys=extra_keys)
         scope = self.scope(extra_keys)
-        local_end = self._in_scope(keys, first, max(first, self.index.longest_prefix(keys)), scope)
+        local_end = self._in_scope(keys, first, self._present_from(keys, first), scope)
         usable = keys[first:local_end]
         pin = self.index.pin(usable, self.config.pin_ttl_s)
         load = _Load(pin)
@@ -245,6 +268,15 @@ class StoreScheduler:
         self._plan.loads.append(op)
         return op, missing
 
+    def _present_from(self, keys: Sequence[BlockKey], start: int) -> int:
+        """Where the run of indexed ``keys`` from ``start`` ends (``start``: none)."""
+        if self.prefix_closed:
+            return max(start, self.index.longest_prefix(keys))
+        end = start
+        while end < len(keys) and keys[end] in self.index:
+            end += 1
+        return end
+
     def _in_scope(self, keys: Sequence[BlockKey], start: int, end: int, scope: BlockKey) -> int:
         """Where the run of (indexed) ``keys[start:end]`` written for ``scope`` ends: only the blocks
         a load serves are checked (the ones before ``start`` vLLM already has)."""
@@ -284,22 +316,26 @@ class StoreScheduler:
         token_ids: Sequence[int],
         block_ids: Sequence[int],
         extra_keys: RequestExtraKeys = NO_EXTRA_KEYS,
+        first_block: int = 0,
     ) -> SaveOp | None:
         """Reserve pool slots for the full blocks of ``token_ids`` (whose KV is in
-        vLLM blocks ``block_ids``) that the store does not hold yet. The op is
+        vLLM blocks ``block_ids``, by block position) that the store does not hold yet, from
+        position ``first_block`` on (a sliding window's earlier blocks are freed). The op is
         queued for the next plan; None when there is nothing to save or no room."""
         keys = self.block_keys(token_ids, max_blocks=len(block_ids), request_id=request_id, extra_keys=extra_keys)
         self.forget(request_id)
         self.cache.observe_save(keys)
-        m = self.index.longest_prefix(keys)
+        m = self._present_from(keys, first_block)
         new: list[BlockKey] = []
         for key in keys[m:]:
-            if key in self.placement.pending:
-                break  # another request is writing it; our later blocks would have no parent
+            if key in self.placement.pending or key in self.index:
+                break  # another request is writing it (or a run of a window holds it): stop the chain here
             new.append(key)
         if not new:
             return None
-        parent = keys[m - 1] if m else None
+        # a window's run hangs off the root where the block before it is not stored (its key still
+        # chains every token before it)
+        parent = keys[m - 1] if m and keys[m - 1] in self.index else None
         scope = self.scope(extra_keys)
         admitted, slots = self.placement.reserve(request_id, new, parent, set(keys[: m + len(new)]), scope)
         if not admitted:

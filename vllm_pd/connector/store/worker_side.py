@@ -110,6 +110,7 @@ class StoreWorker:
         self._saved_requests: set[str] = set()
         self._loaded_requests: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # requests with a block that did not load
         self._save_futures: list[Future[None]] = []
         self._disk_futures: list[Future[bool]] = []
         # per layer: futures of the loads started so far, each the event of the layer's copy
@@ -244,6 +245,8 @@ class StoreWorker:
                 self._loads.append(LoadResult(op.request_id, op.keys[:n], op.keys[n:], op.block_ids[n:]))
                 self._load_errors.update(op.block_ids[n:])
                 self._loaded_requests.add(op.request_id)
+                if n < len(op.keys):
+                    self._failed_loads.add(op.request_id)
         # a failed load still orders the forward after every copy it launched: a late copy
         # must not overwrite what vLLM recomputes in those blocks
         placed = self.copies.fence()
@@ -343,6 +346,13 @@ class StoreWorker:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose load left a block unloaded, since the last call (a connector that cannot
+        name failed blocks to vLLM - several KV cache groups - fails the request's whole load)."""
+        with self._lock:
+            failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def close(self) -> None:
         if self.exchange is not None:
