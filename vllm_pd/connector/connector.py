@@ -115,7 +115,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._store_scheduler: StoreBridgeScheduler | None = None
         self._store_worker: StoreBridgeWorker | None = None
-        groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size, vllm_config)
         if store_config is not None and (len(groups) > 1 or groups[0].kind == "state"):
             # its keys and blocks are one attention group's: a hybrid model's other groups would be missing
             logger.warning(

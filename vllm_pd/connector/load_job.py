@@ -10,9 +10,11 @@ Prefill may be of another shape (``kv_geometry``): another TP size, another bloc
 Then each layer's blocks come as *units*, one per piece of the rank plan - a run of heads
 from one prefill rank: pushed as rows of that piece of prefill's blocks (under the plan's
 staging key, placed into that part of our blocks, re-cut first where block sizes differ,
-``block_recut``), or fetched as spans straight into our blocks. Of equal shapes a layer is
-one unit of whole blocks, as always. A hybrid model's layers each take their own KV cache
-group's blocks (``LoadSpec.group``).
+``block_recut``), or fetched as spans straight into our blocks. A recurrent state's layer
+of another shape takes one unit per prefill rank it reads: that rank's byte windows of its
+state block (``state_geometry``), always fetched (vLLM runs no save hook for a recurrent
+layer, so its KV is never pushed). Of equal shapes a layer is one unit of whole blocks, as
+always. A hybrid model's layers each take their own KV cache group's blocks (``LoadSpec.group``).
 
 The job always ends ``ok`` or failed - never pending forever - and always tells
 prefill to release its copy, so neither side leaks blocks: every prefill rank this
@@ -42,10 +44,12 @@ from vllm_pd.connector.kv_geometry import (
     piece_spans,
     plan_rank,
     remote_positions,
+    window_positions,
 )
 from vllm_pd.connector.layer_groups import LayerGroups, union
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.release import DecodeRelease
+from vllm_pd.connector.state_geometry import StateWindow
 from vllm_pd.connector.step_specs import LoadSpec
 from vllm_pd.connector.transport.base import FetchSpans, MemoryRegion, Transport
 from vllm_pd.errors import ProtocolError
@@ -65,15 +69,18 @@ class _Unit:
     key: str  # what its pushes land under
     plan: GroupPlan | None = None
     piece: Piece | None = None
+    windows: tuple[StateWindow, ...] = ()  # a state's windows of ``source``'s block (no piece)
 
     @property
     def whole(self) -> bool:
-        return self.piece is None
+        return self.piece is None and not self.windows
 
     @property
     def counts_blocks(self) -> bool:
-        """A block landed counts once, with its whole or its first piece."""
-        return self.plan is None or self.piece == self.plan.pieces[0]
+        """A block landed counts once, with its whole, its first piece or its first source's windows."""
+        if self.plan is None:
+            return True
+        return self.piece == self.plan.pieces[0] if self.plan.pieces else self.source == self.plan.sources[0]
 
 
 class LoadJob:
@@ -193,6 +200,17 @@ class LoadJob:
                 )
             ]
         gp = plan.groups[group]
+        if gp.windows:
+            return [
+                _Unit(
+                    group,
+                    source,
+                    plan.staging_key(self.spec.transfer_id, source),
+                    gp,
+                    windows=tuple(w for w in gp.windows if w.source == source),
+                )
+                for source in gp.sources
+            ]
         return [_Unit(group, p.source, plan.staging_key(self.spec.transfer_id, p.source), gp, p) for p in gp.pieces]
 
     def _peer(self, remote: RemotePrefill, source: int) -> str:
@@ -280,6 +298,8 @@ class LoadJob:
             dst = [landing[ids[i]] for i in idxs]
             fut = self._transport.fetch(peer, remote.transfer_id, layer, src, dst, timeout=timeout)
             return fut, len(idxs) * self._regions[layer].block_nbytes
+        if unit.windows:
+            return self._fetch_state_windows(remote, layer, unit, idxs, landing, timeout)
         assert unit.plan is not None and unit.piece is not None
         src, dst, src_off, dst_off, lengths = [], [], [], [], []
         for i in idxs:  # our block i, from the spans of prefill's blocks that hold its tokens
@@ -294,6 +314,30 @@ class LoadJob:
                 dst_off.append(s.dst_offset)
                 lengths.append(s.nbytes)
         parts = FetchSpans(tuple(src_off), tuple(dst_off), tuple(lengths))
+        fut = self._transport.fetch(peer, remote.transfer_id, layer, src, dst, timeout=timeout, spans=parts)
+        return fut, sum(parts.lengths)
+
+    def _fetch_state_windows(
+        self, remote: RemotePrefill, layer: int, unit: _Unit, idxs: list[int], landing: dict[int, int], timeout: float
+    ) -> tuple[Future[None], int]:
+        """Read ``unit``'s windows of prefill's state block into ours: the state after the same token,
+        in the last block of each side's own block size."""
+        assert unit.plan is not None
+        _, ids = self.spec.group(unit.group)
+        remote_ids = remote.group_blocks(unit.group)
+        position = window_positions(unit.plan.remote, remote.num_tokens)
+        if position >= len(remote_ids):
+            raise ProtocolError(f"prefill's {len(remote_ids)} blocks of group {unit.group} hold no state block")
+        src, dst, src_off, dst_off, lengths = [], [], [], [], []
+        for i in idxs:
+            for w in unit.windows:
+                src.append(remote_ids[position])
+                dst.append(landing[ids[i]])
+                src_off.append(w.src_offset)
+                dst_off.append(w.dst_offset)
+                lengths.append(w.nbytes)
+        parts = FetchSpans(tuple(src_off), tuple(dst_off), tuple(lengths))
+        peer = self._peer(remote, unit.source)
         fut = self._transport.fetch(peer, remote.transfer_id, layer, src, dst, timeout=timeout, spans=parts)
         return fut, sum(parts.lengths)
 
@@ -420,6 +464,8 @@ class LoadJob:
                 self.blocks_from_push += n
                 self.bytes_landed += n * region.block_nbytes
             return missing
+        if unit.windows:
+            return list(range(len(ids)))  # never pushed (no save hook for a recurrent layer): read
         assert unit.plan is not None and unit.piece is not None
         plan, piece = unit.plan, unit.piece
         src_nbytes = piece.src_window(plan.remote_format)[1]
