@@ -267,6 +267,9 @@ def _group_incompatibility(r: KVGroup, lo: KVGroup, same_tp: bool, remote: KVSha
         rf, lf = BlockFormat.parse(r.block_format), BlockFormat.parse(lo.block_format)
     except ValueError as e:
         return str(e)
+    if r.kind == "state" and r.state is not None and lo.state is not None and r.state != lo.state:
+        # blocks of equal size may hold another state layout (vLLM's conv state "SD" or "DS"): never moved whole
+        return state_incompatibility(r.state, lo.state, remote.tp_size, local.tp_size)
     if r.block_format == lo.block_format and r.block_size == lo.block_size and same_tp:
         return None  # the equal shape: whole blocks, one for one
     if r.kind == "state":

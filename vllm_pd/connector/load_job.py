@@ -52,12 +52,16 @@ from vllm_pd.connector.release import DecodeRelease
 from vllm_pd.connector.state_geometry import StateWindow
 from vllm_pd.connector.step_specs import LoadSpec
 from vllm_pd.connector.transport.base import FetchSpans, MemoryRegion, Transport
-from vllm_pd.errors import ProtocolError
+from vllm_pd.errors import ProtocolError, TransferRejected
 from vllm_pd.protocol.control import PingMessage
 from vllm_pd.protocol.transfer_params import RemotePrefill
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
+
+# a prefill rank other than the one that announced a decode leg's KV may grant its share a little later
+GRANT_WAIT_S = 2.0
+GRANT_RETRY_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -259,18 +263,18 @@ class LoadJob:
             return
         landing = dict(zip(local_ids, landing_ids))
         self.blocks_ready.synchronize()  # a transport writing our blocks itself must come after the zeroing
-        futures: list[tuple[int, list[tuple[Future[None], int, int]]]] = []
+        futures: list[tuple[int, list[tuple[Future[None], int, int, _Unit, list[int]]]]] = []
         for layer, units in missing.items():
             fetches = []
             for unit, idxs in units:
                 fut, nbytes = self._fetch_unit(remote, layer, unit, idxs, landing, deadline)
-                fetches.append((fut, nbytes, len(idxs) if unit.counts_blocks else 0))
+                fetches.append((fut, nbytes, len(idxs) if unit.counts_blocks else 0, unit, idxs))
             futures.append((layer, fetches))
         for layer, fetches in futures:
             ok = True
-            for fut, nbytes, blocks in fetches:
+            for fut, nbytes, blocks, unit, idxs in fetches:
                 try:
-                    fut.result(timeout=max(0.1, deadline - time.monotonic() + 1.0))
+                    self._finish_read(fut, remote, layer, unit, idxs, landing, deadline)
                 except Exception as e:
                     self.error = self.error or f"fetch of layer {layer} failed: {type(e).__name__}: {e}"
                     ok = False
@@ -284,6 +288,33 @@ class LoadJob:
             self._layer_landed(
                 layer, True, self._access.land_read(spec.request_id, layer, list(ids), self.blocks_ready)
             )
+
+    def _finish_read(
+        self,
+        fut: Future[None],
+        remote: RemotePrefill,
+        layer: int,
+        unit: _Unit,
+        idxs: list[int],
+        landing: dict[int, int],
+        deadline: float,
+    ) -> None:
+        """Wait for a read of ``unit``. A decode leg sent beside its prefill leg heard that prefill's KV is
+        granted from one prefill rank (``kv_geometry.announced_ranks``); another prefill rank it reads (a
+        recurrent state is always read, from every rank holding a share) grants its share on its own send
+        thread, a moment after their forward ends together: a read it rejects is tried again, for up to
+        GRANT_WAIT_S."""
+        until = min(deadline, time.monotonic() + GRANT_WAIT_S)
+        while True:
+            try:
+                fut.result(timeout=max(0.1, deadline - time.monotonic() + 1.0))
+                return
+            except TransferRejected:
+                announcer = self._rank % remote.tp_size
+                if self.spec.remote is not None or unit.source == announcer or time.monotonic() >= until:
+                    raise
+            time.sleep(GRANT_RETRY_S)
+            fut, _ = self._fetch_unit(remote, layer, unit, idxs, landing, deadline)
 
     def _fetch_unit(
         self, remote: RemotePrefill, layer: int, unit: _Unit, idxs: list[int], landing: dict[int, int], deadline: float

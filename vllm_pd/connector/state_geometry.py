@@ -53,7 +53,7 @@ def state_incompatibility(
             f"layout ({side} not known: a state kind vllm-pd does not cut, or an older vllm-pd)"
         )
     if remote != local:
-        return f"prefill's state is sharded as {remote}, ours as {local} (another model?)"
+        return f"prefill's state is laid out and sharded as {remote}, ours as {local} (another model or conv layout?)"
     for part in local.parts:
         for s in part.segments:
             if not (shardable(s.shards, remote_tp) and shardable(s.shards, local_tp)):

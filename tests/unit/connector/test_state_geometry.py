@@ -208,7 +208,13 @@ def test_what_cannot_be_cut_is_refused_with_the_reason(monkeypatch: pytest.Monke
     unknown = state_shape(2, None, monkeypatch)
     assert "shard layout (prefill's not known" in (incompatibility(unknown, d1) or "")
     other = state_shape(2, Model(1, False).layout(2, monkeypatch), monkeypatch)
-    assert "prefill's state is sharded as" in (incompatibility(other, d1) or "")
+    assert "prefill's state is laid out and sharded as" in (incompatibility(other, d1) or "")
+    # equal TP and block sizes, but another conv layout ("DS" beside "SD"): never moved whole
+    sd, ds = Model(2, False).layout(1, monkeypatch), Model(2, True).layout(1, monkeypatch)
+    assert state_nbytes(sd, 1) == state_nbytes(ds, 1)
+    p1_sd, d1_ds = state_shape(1, sd, monkeypatch), state_shape(1, ds, monkeypatch)
+    assert p1_sd.groups[1].block_format == d1_ds.groups[1].block_format
+    assert "conv layout" in (incompatibility(p1_sd, d1_ds) or "")
     # 8 heads over TP 3 do not shard (vLLM would not start such an instance either)
     p3 = KVShape(3, 3, (KVGroup("full", 16, "int32:N16.C4"), KVGroup("state", 64, "int8:C100", state=layout)), (0, 1))
     d1_3 = (
