@@ -236,3 +236,35 @@ def test_state_kinds_not_cut_get_no_layout() -> None:
     assert mamba_state_layout("MAMBA2", shapes, (CONV_DTYPE, SSM_DTYPE), 2, 1, False) is not None
     # groups that do not fit the shapes
     assert mamba_state_layout("MAMBA2", shapes, (CONV_DTYPE, SSM_DTYPE), 2, 4, False) is None
+
+
+@pytest.mark.parametrize("m, n", [(1, 2), (2, 1), (4, 2)])
+@pytest.mark.parametrize("dim_first", [False, True])
+def test_a_mamba1_state_is_cut_byte_for_byte(m: int, n: int, dim_first: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mamba-1: conv state and SSM state both over the inner channels, each rank a contiguous run of them
+    (vLLM's ColumnParallelLinear in_proj / conv1d)."""
+    inner, d_state = 16, 3
+    monkeypatch.setattr(mamba_utils, "is_conv_state_dim_first", lambda: dim_first)
+
+    def layout(tp: int) -> StateLayout:
+        shapes = MambaStateShapeCalculator.mamba1_state_shape(tp, inner, d_state, KERNEL)
+        out = mamba_state_layout("MAMBA1", shapes, (CONV_DTYPE, SSM_DTYPE), tp, None, dim_first)
+        assert out is not None
+        return out
+
+    gen = torch.Generator().manual_seed(2)
+    conv = torch.randint(-(2**15), 2**15, (inner, KERNEL - 1), generator=gen, dtype=torch.int16).view(CONV_DTYPE)
+    ssm = torch.randint(-(2**31), 2**31 - 1, (inner, d_state), generator=gen, dtype=torch.int32).view(SSM_DTYPE)
+
+    def page(tp: int, rank: int) -> torch.Tensor:
+        rows = slice(rank * inner // tp, (rank + 1) * inner // tp)
+        c = conv[rows] if dim_first else conv[rows].t()
+        return torch.cat(
+            [c.contiguous().view(torch.uint8).flatten(), ssm[rows].contiguous().view(torch.uint8).flatten()]
+        )
+
+    assert layout(m) == layout(n)
+    prefill = [page(m, p) for p in range(m)]
+    for d in range(n):
+        got, written = assemble(state_windows(layout(n), m, n, d), prefill, state_nbytes(layout(n), n))
+        assert bool((written == 1).all()) and torch.equal(got, page(n, d))
