@@ -1,8 +1,8 @@
 """KV memory, bytes moved and TTFT per request for prefill/decode pairs of different KV shapes,
 each beside its same-shape peer in one run, on real vLLM CPU servers (1P1D, pull mode).
 
-    python3 benchmarks/kv_shapes.py [--cases hma no-hma p32-d64 p64-d64 p1-d2 p2-d2 state nixl-hma nixl-p32-d64
-        nixl-p1-d2 nixl-state] [--requests 6] [--length 1500]
+    python3 benchmarks/kv_shapes.py [--cases hma no-hma p32-d64 p64-d64 p1-d2 p2-d2 state state-p1-d2 nixl-hma
+        nixl-p32-d64 nixl-p1-d2 nixl-state nixl-state-p1-d2] [--requests 6] [--length 1500]
 
 Cases (each a fresh P/D pair, prefill on core 0, decode on core 1; TP 2 instances on both):
 
@@ -16,7 +16,9 @@ Cases (each a fresh P/D pair, prefill on core 0, decode on core 1; TP 2 instance
 * ``state``: a model with a recurrent state (`make-model --arch nemotron_h`: Mamba-2, attention,
   Mamba-2, MLP; prefix caching off - vLLM CPU's align state cache fails 1500-token prompts by
   itself), printed beside ``nixl-state``: prefill computes all but the last token and moves the
-  attention KV and the Mamba state after it.
+  attention KV and the Mamba state after it. ``state-p1-d2`` beside ``state``: the same into a decode
+  of TP 2 (each rank reads its share of the state: byte windows of prefill's state block), printed
+  beside ``nixl-state-p1-d2``.
 * ``nixl-*``: the same shape with vLLM's stock NixlConnector on both sides (its standard
   ``kv_transfer_params``, ``kv_load_failure_policy`` recompute), printed beside ours. Where a pair
   does not start or answer, its row says why instead of a figure.
@@ -89,6 +91,16 @@ CASES = {
         Case("nixl-p1-d2", PLAIN, decode_tp=2, peer_of="p1-d2", connector="NixlConnector"),
         Case("state", STATE, NO_PREFIX_CACHE, NO_PREFIX_CACHE),
         Case("nixl-state", STATE, NO_PREFIX_CACHE, NO_PREFIX_CACHE, peer_of="state", connector="NixlConnector"),
+        Case("state-p1-d2", STATE, NO_PREFIX_CACHE, NO_PREFIX_CACHE, decode_tp=2, peer_of="state"),
+        Case(
+            "nixl-state-p1-d2",
+            STATE,
+            NO_PREFIX_CACHE,
+            NO_PREFIX_CACHE,
+            decode_tp=2,
+            peer_of="state-p1-d2",
+            connector="NixlConnector",
+        ),
     )
 }
 

@@ -144,7 +144,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._store_scheduler: StoreBridgeScheduler | None = None
         self._store_worker: StoreBridgeWorker | None = None
-        groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        groups = kv_cache_groups(kv_cache_config, vllm_config.cache_config.block_size, vllm_config)
         store_groups: tuple[StoreGroup, ...] = ()
         if store_config is not None and len(groups) > 1:
             store_config, store_groups = groups_store(store_config, groups, kv_cache_config)

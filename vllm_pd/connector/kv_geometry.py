@@ -20,7 +20,9 @@ token range is contiguous (``H.N.C``; per row of K and of V where a kernel packs
 vLLM CPU attention does: :func:`kernel_format`), so decode's block is assembled from spans of
 prefill's blocks (:func:`piece_spans` for reads; pushes are re-cut on decode's host,
 ``block_recut``, and so are reads where only block sizes differ, :func:`whole_block_reads`).
-A recurrent state group moves its one state block, between equal shapes only.
+A recurrent state group moves its one state block: whole between equal shapes, else as byte
+windows of prefill ranks' state blocks (``state_geometry``: the state's own sharding, which its
+group tells, ``KVGroup.state``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vllm_pd.connector.state_geometry import StateWindow, state_incompatibility, state_nbytes, state_windows
+from vllm_pd.connector.tp_shards import holders, rank_heads, shardable
 from vllm_pd.errors import ConfigError, ProtocolError
 from vllm_pd.protocol.kv_shape import KVGroup, KVShape
 
@@ -132,21 +136,6 @@ def kernel_format(block_format: str, kernel: str) -> str:
     return f"{block_format}@{kernel}" if kernel else block_format
 
 
-def rank_heads(kv_heads: int, tp_size: int, rank: int) -> range:
-    """The KV heads TP rank ``rank`` of ``tp_size`` holds (vLLM's sharding, replicated heads
-    where there are more ranks than heads)."""
-    if tp_size <= kv_heads:
-        per = kv_heads // tp_size
-        return range(rank * per, (rank + 1) * per)
-    first = rank * kv_heads // tp_size
-    return range(first, first + 1)
-
-
-def shardable(kv_heads: int, tp_size: int) -> bool:
-    """Whether vLLM shards ``kv_heads`` over ``tp_size`` ranks (one divides the other)."""
-    return kv_heads > 0 and tp_size > 0 and (kv_heads % tp_size == 0 or tp_size % kv_heads == 0)
-
-
 @dataclass(frozen=True)
 class Piece:
     """A run of heads decode rank takes from one prefill rank: ``heads`` heads starting at
@@ -173,8 +162,8 @@ def head_pieces(kv_heads: int, remote_tp: int, local_tp: int, rank: int) -> list
     mine = rank_heads(kv_heads, local_tp, rank)
     pieces: list[Piece] = []
     for h in mine:
-        holders = [p for p in range(remote_tp) if h in rank_heads(kv_heads, remote_tp, p)]
-        source = holders[rank % len(holders)]
+        have = holders(kv_heads, remote_tp, h)
+        source = have[rank % len(have)]
         src_head = h - rank_heads(kv_heads, remote_tp, source).start
         dst_head = h - mine.start
         last = pieces[-1] if pieces else None
@@ -187,11 +176,18 @@ def head_pieces(kv_heads: int, remote_tp: int, local_tp: int, rank: int) -> list
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """How one KV cache group's blocks of decode rank ``rank`` come from prefill's."""
+    """How one KV cache group's blocks of decode rank ``rank`` come from prefill's: pieces (runs of
+    heads), or a recurrent state's byte windows (``windows``, no pieces)."""
 
     remote: KVGroup
     local: KVGroup
     pieces: tuple[Piece, ...]
+    windows: tuple[StateWindow, ...] = ()
+
+    @property
+    def sources(self) -> tuple[int, ...]:
+        """The prefill ranks this group reads from, in order of first use."""
+        return tuple(dict.fromkeys([p.source for p in self.pieces] + [w.source for w in self.windows]))
 
     @property
     def remote_format(self) -> BlockFormat:
@@ -223,7 +219,7 @@ class RankPlan:
     @property
     def sources(self) -> tuple[int, ...]:
         """The prefill ranks this rank reads from."""
-        return tuple(sorted({p.source for g in self.groups for p in g.pieces}))
+        return tuple(sorted({s for g in self.groups for s in g.sources}))
 
     @property
     def identity(self) -> bool:
@@ -272,13 +268,13 @@ def _group_incompatibility(r: KVGroup, lo: KVGroup, same_tp: bool, remote: KVSha
         rf, lf = BlockFormat.parse(r.block_format), BlockFormat.parse(lo.block_format)
     except ValueError as e:
         return str(e)
+    if r.kind == "state" and r.state is not None and lo.state is not None and r.state != lo.state:
+        # blocks of equal size may hold another state layout (vLLM's conv state "SD" or "DS"): never moved whole
+        return state_incompatibility(r.state, lo.state, remote.tp_size, local.tp_size)
     if r.block_format == lo.block_format and r.block_size == lo.block_size and same_tp:
         return None  # the equal shape: whole blocks, one for one
     if r.kind == "state":
-        return (
-            f"recurrent state moves between equal shapes only: prefill TP {remote.tp_size}, "
-            f"{r.block_format}; ours TP {local.tp_size}, {lo.block_format}"
-        )
+        return _state_group_incompatibility(r, lo, rf, lf, remote.tp_size, local.tp_size)
     if rf.dtype != lf.dtype or rf.token_nbytes != lf.token_nbytes:
         return f"prefill's blocks are {r.block_format}, ours {lo.block_format} (another dtype or head size)"
     if rf.kernel != lf.kernel:
@@ -300,6 +296,23 @@ def _group_incompatibility(r: KVGroup, lo: KVGroup, same_tp: bool, remote: KVSha
     return None
 
 
+def _state_group_incompatibility(
+    r: KVGroup, lo: KVGroup, rf: BlockFormat, lf: BlockFormat, remote_tp: int, local_tp: int
+) -> str | None:
+    """Why a recurrent state group of another shape cannot be cut into ours, or None."""
+    why = state_incompatibility(r.state, lo.state, remote_tp, local_tp)
+    if why is not None:
+        return f"{why}: prefill TP {remote_tp}, {r.block_format}; ours TP {local_tp}, {lo.block_format}"
+    assert r.state is not None
+    sizes = (state_nbytes(r.state, remote_tp), state_nbytes(r.state, local_tp))
+    if sizes != (rf.block_nbytes, lf.block_nbytes) or not (rf.itemsize and lf.itemsize):
+        return (
+            f"its shard layout gives state blocks of {sizes[0]} (prefill) / {sizes[1]} (ours) bytes, "
+            f"the blocks are {r.block_format} / {lo.block_format}"
+        )
+    return None
+
+
 def plan_rank(remote: KVShape, local: KVShape, rank: int) -> RankPlan:
     """What decode rank ``rank`` takes from prefill; ValueError where :func:`incompatibility` says."""
     why = incompatibility(remote, local)
@@ -308,13 +321,16 @@ def plan_rank(remote: KVShape, local: KVShape, rank: int) -> RankPlan:
     heads = head_pieces(local.kv_heads, remote.tp_size, local.tp_size, rank)
     groups = []
     for r, lo in zip(remote.groups, local.groups, strict=True):
-        if r.kind == "state" or (r.block_format == lo.block_format and remote.tp_size == local.tp_size):
+        same_tp = remote.tp_size == local.tp_size
+        if r.block_format == lo.block_format and same_tp and (r.kind != "state" or r.block_size == lo.block_size):
             # equal shapes: our rank's whole blocks are its namesake's (also for replicated heads)
             fmt = BlockFormat.parse(lo.block_format)
-            pieces: tuple[Piece, ...] = (Piece(rank, 0, 0, fmt.heads),)
+            groups.append(GroupPlan(r, lo, (Piece(rank, 0, 0, fmt.heads),)))
+        elif r.kind == "state":
+            assert lo.state is not None  # incompatibility said so
+            groups.append(GroupPlan(r, lo, (), state_windows(lo.state, remote.tp_size, local.tp_size, rank)))
         else:
-            pieces = tuple(heads)
-        groups.append(GroupPlan(r, lo, pieces))
+            groups.append(GroupPlan(r, lo, tuple(heads)))
     return RankPlan(rank, tuple(groups))
 
 

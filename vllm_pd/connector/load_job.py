@@ -13,7 +13,10 @@ staging key, placed into that part of our blocks, re-cut first where block sizes
 ``block_recut``), or fetched: as spans straight into our blocks, or - where only the block
 size differs - as prefill's whole blocks, landed back to back in our landing blocks and re-cut
 from there as a push is (``kv_geometry.whole_block_reads``: a read per block, not one per head
-and row of vLLM CPU's transposed K). Of equal shapes a layer is one unit of whole blocks, as
+and row of vLLM CPU's transposed K). A recurrent state's layer of another shape takes one unit
+per prefill rank it reads: that rank's byte windows of its state block (``state_geometry``),
+always fetched (vLLM runs no save hook for a recurrent layer, so its KV is never pushed). Of
+equal shapes a layer is one unit of whole blocks, as
 always. A hybrid model's layers each take their own KV cache group's blocks (``LoadSpec.group``).
 
 The job always ends ``ok`` or failed - never pending forever - and always tells
@@ -47,18 +50,24 @@ from vllm_pd.connector.kv_geometry import (
     plan_rank,
     remote_positions,
     whole_block_reads,
+    window_positions,
 )
 from vllm_pd.connector.layer_groups import LayerGroups, union
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.release import DecodeRelease
+from vllm_pd.connector.state_geometry import StateWindow
 from vllm_pd.connector.step_specs import LoadSpec
 from vllm_pd.connector.transport.base import FetchSpans, MemoryRegion, Transport
-from vllm_pd.errors import ProtocolError
+from vllm_pd.errors import ProtocolError, TransferRejected
 from vllm_pd.protocol.control import PingMessage
 from vllm_pd.protocol.transfer_params import RemotePrefill
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
+
+# a prefill rank other than the one that announced a decode leg's KV may grant its share a little later
+GRANT_WAIT_S = 2.0
+GRANT_RETRY_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -70,15 +79,18 @@ class _Unit:
     key: str  # what its pushes land under
     plan: GroupPlan | None = None
     piece: Piece | None = None
+    windows: tuple[StateWindow, ...] = ()  # a state's windows of ``source``'s block (no piece)
 
     @property
     def whole(self) -> bool:
-        return self.piece is None
+        return self.piece is None and not self.windows
 
     @property
     def counts_blocks(self) -> bool:
-        """A block landed counts once, with its whole or its first piece."""
-        return self.plan is None or self.piece == self.plan.pieces[0]
+        """A block landed counts once, with its whole, its first piece or its first source's windows."""
+        if self.plan is None:
+            return True
+        return self.piece == self.plan.pieces[0] if self.plan.pieces else self.source == self.plan.sources[0]
 
 
 @dataclass(frozen=True)
@@ -209,6 +221,17 @@ class LoadJob:
                 )
             ]
         gp = plan.groups[group]
+        if gp.windows:
+            return [
+                _Unit(
+                    group,
+                    source,
+                    plan.staging_key(self.spec.transfer_id, source),
+                    gp,
+                    windows=tuple(w for w in gp.windows if w.source == source),
+                )
+                for source in gp.sources
+            ]
         return [_Unit(group, p.source, plan.staging_key(self.spec.transfer_id, p.source), gp, p) for p in gp.pieces]
 
     def _peer(self, remote: RemotePrefill, source: int) -> str:
@@ -257,19 +280,19 @@ class LoadJob:
             return
         landing = dict(zip(local_ids, landing_ids))
         self.blocks_ready.synchronize()  # a transport writing our blocks itself must come after the zeroing
-        futures: list[tuple[int, list[tuple[Future[None], int, int]], list[_Recut]]] = []
+        futures: list[tuple[int, list[tuple[Future[None], int, int, _Unit, list[int]]], list[_Recut]]] = []
         for layer, units in missing.items():
             fetches, recuts = [], []
             for unit, idxs in units:
                 fut, nbytes, recut = self._fetch_unit(remote, layer, unit, idxs, landing, deadline)
-                fetches.append((fut, nbytes, len(idxs) if unit.counts_blocks else 0))
+                fetches.append((fut, nbytes, len(idxs) if unit.counts_blocks else 0, unit, idxs))
                 recuts += [recut] if recut is not None else []
             futures.append((layer, fetches, recuts))
         for layer, fetches, recuts in futures:
             ok = True
-            for fut, nbytes, blocks in fetches:
+            for fut, nbytes, blocks, unit, idxs in fetches:
                 try:
-                    fut.result(timeout=max(0.1, deadline - time.monotonic() + 1.0))
+                    self._finish_read(fut, remote, layer, unit, idxs, landing, deadline)
                 except Exception as e:
                     self.error = self.error or f"fetch of layer {layer} failed: {type(e).__name__}: {e}"
                     ok = False
@@ -289,6 +312,33 @@ class LoadJob:
                 placed = self._place_recut(layer, recut)
             self._layer_landed(layer, True, placed)
 
+    def _finish_read(
+        self,
+        fut: Future[None],
+        remote: RemotePrefill,
+        layer: int,
+        unit: _Unit,
+        idxs: list[int],
+        landing: dict[int, int],
+        deadline: float,
+    ) -> None:
+        """Wait for a read of ``unit``. A decode leg sent beside its prefill leg heard that prefill's KV is
+        granted from one prefill rank (``kv_geometry.announced_ranks``); another prefill rank it reads (a
+        recurrent state is always read, from every rank holding a share) grants its share on its own send
+        thread, a moment after their forward ends together: a read it rejects is tried again, for up to
+        GRANT_WAIT_S."""
+        until = min(deadline, time.monotonic() + GRANT_WAIT_S)
+        while True:
+            try:
+                fut.result(timeout=max(0.1, deadline - time.monotonic() + 1.0))
+                return
+            except TransferRejected:
+                announcer = self._rank % remote.tp_size
+                if self.spec.remote is not None or unit.source == announcer or time.monotonic() >= until:
+                    raise
+            time.sleep(GRANT_RETRY_S)
+            fut, _, _ = self._fetch_unit(remote, layer, unit, idxs, landing, deadline)
+
     def _fetch_unit(
         self, remote: RemotePrefill, layer: int, unit: _Unit, idxs: list[int], landing: dict[int, int], deadline: float
     ) -> tuple[Future[None], int, _Recut | None]:
@@ -303,6 +353,9 @@ class LoadJob:
             dst = [landing[ids[i]] for i in idxs]
             fut = self._transport.fetch(peer, remote.transfer_id, layer, src, dst, timeout=timeout)
             return fut, len(idxs) * self._regions[layer].block_nbytes, None
+        if unit.windows:
+            fut, nbytes = self._fetch_state_windows(remote, layer, unit, idxs, landing, timeout)
+            return fut, nbytes, None
         assert unit.plan is not None and unit.piece is not None
         reads = self._whole_block_reads(remote, layer, unit, idxs)
         spans: list[Span] = list(reads.spans) if reads is not None else []
@@ -367,6 +420,30 @@ class LoadJob:
             self._host_alloc,
         )
         return self._access.land_pushed(layer, [(recut.block_ids, rows)], self.blocks_ready)
+
+    def _fetch_state_windows(
+        self, remote: RemotePrefill, layer: int, unit: _Unit, idxs: list[int], landing: dict[int, int], timeout: float
+    ) -> tuple[Future[None], int]:
+        """Read ``unit``'s windows of prefill's state block into ours: the state after the same token,
+        in the last block of each side's own block size."""
+        assert unit.plan is not None
+        _, ids = self.spec.group(unit.group)
+        remote_ids = remote.group_blocks(unit.group)
+        position = window_positions(unit.plan.remote, remote.num_tokens)
+        if position >= len(remote_ids):
+            raise ProtocolError(f"prefill's {len(remote_ids)} blocks of group {unit.group} hold no state block")
+        src, dst, src_off, dst_off, lengths = [], [], [], [], []
+        for i in idxs:
+            for w in unit.windows:
+                src.append(remote_ids[position])
+                dst.append(landing[ids[i]])
+                src_off.append(w.src_offset)
+                dst_off.append(w.dst_offset)
+                lengths.append(w.nbytes)
+        parts = FetchSpans(tuple(src_off), tuple(dst_off), tuple(lengths))
+        peer = self._peer(remote, unit.source)
+        fut = self._transport.fetch(peer, remote.transfer_id, layer, src, dst, timeout=timeout, spans=parts)
+        return fut, sum(parts.lengths)
 
     def _land_layer_pushed(
         self, remote: RemotePrefill, layer: int, deadline: float, since: float
@@ -491,6 +568,8 @@ class LoadJob:
                 self.blocks_from_push += n
                 self.bytes_landed += n * region.block_nbytes
             return missing
+        if unit.windows:
+            return list(range(len(ids)))  # never pushed (no save hook for a recurrent layer): read
         assert unit.plan is not None and unit.piece is not None
         plan, piece = unit.plan, unit.piece
         src_nbytes = piece.src_window(plan.remote_format)[1]

@@ -91,10 +91,13 @@ def full_cudagraphs(vllm_config: VllmConfig) -> bool:
     return bool(mode is not None and mode.has_full_cudagraphs())
 
 
-def kv_cache_groups(kv_cache_config: Any, block_size: int) -> tuple[KVGroup, ...]:
+def kv_cache_groups(kv_cache_config: Any, block_size: int, vllm_config: Any = None) -> tuple[KVGroup, ...]:
     """vLLM's KV cache groups as kv_geometry's (their block formats come from the workers): full
-    attention (MLA too), a sliding window, a recurrent state (Mamba, linear attention)."""
+    attention (MLA too), a sliding window, a recurrent state (Mamba, linear attention; its shard
+    layout where vllm-pd cuts it across TP, ``state_layout``, which reads ``vllm_config``)."""
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    from vllm_pd.connector.state_layout import state_layout
 
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         return (KVGroup("full", block_size, ""),)
@@ -102,7 +105,7 @@ def kv_cache_groups(kv_cache_config: Any, block_size: int) -> tuple[KVGroup, ...
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
-            groups.append(KVGroup("state", spec.block_size, ""))
+            groups.append(KVGroup("state", spec.block_size, "", state=state_layout(spec, vllm_config)))
         elif isinstance(spec, SlidingWindowSpec):
             groups.append(KVGroup("window", spec.block_size, "", spec.sliding_window))
         else:
@@ -118,7 +121,7 @@ class PDConnectorScheduler:
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.groups = kv_cache_groups(kv_cache_config, self.block_size)
+        self.groups = kv_cache_groups(kv_cache_config, self.block_size, vllm_config)
         # A sliding window's first token of the last prompt token's window must be in decode's blocks:
         # vLLM nulls the blocks behind (local + external tokens) - window + 1, so a load covering the
         # whole prompt could leave that block null while the last token is computed again; a load of

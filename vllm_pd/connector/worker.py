@@ -216,7 +216,7 @@ class PDConnectorWorker:
                     sorted(set(formats.values())) or "(none)",
                 )
                 return None
-            groups.append(KVGroup(spec.kind, spec.block_size, next(iter(formats.values())), spec.window))
+            groups.append(msgspec.structs.replace(spec, block_format=next(iter(formats.values()))))
         return KVShape(self.tp_size, self._kv_heads, tuple(groups), layer_groups)
 
     def _group_format(self, blocks: torch.Tensor) -> str:

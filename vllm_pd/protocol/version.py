@@ -9,6 +9,8 @@ change: a stream transport's peer of another frame format fails on it before a f
 
 History (the kv_transfer_params' numbers, then of the whole package):
 
+* 4 - a recurrent state group's shard layout (``kv_shape.StateLayout``) in the KV shape: decode of
+  another TP takes its share of prefill's state.
 * 3 - prefill's KV shape (``kv_shape``: TP, heads, KV cache groups) and every group's blocks in
   the transfer params; authenticated store master sessions and its ``Stats`` request; frames
   ``VPD5`` (layer plans). One version for the whole package since it was gathered here (the
@@ -20,4 +22,4 @@ History (the kv_transfer_params' numbers, then of the whole package):
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4

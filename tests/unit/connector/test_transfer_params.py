@@ -137,10 +137,11 @@ _BAD_ANSWERS: list[tuple[Callable[[dict], Any], str]] = [
     (lambda p: p.update(tp_size=0), "tp_size"),
     (lambda p: p.update(remote_request_id=""), "remote_request_id"),
     (lambda p: p.pop("vllm_pd"), "vllm_pd"),  # another connector's params
-    (lambda p: p.update(vllm_pd=1), "older vllm-pd .vllm_pd=1, ours 3"),  # version 1 named a transfer twice
-    (lambda p: p.update(vllm_pd=2), "older vllm-pd .vllm_pd=2, ours 3"),  # version 2 knew one KV shape
-    (lambda p: p.update(vllm_pd=4), "newer vllm-pd .vllm_pd=4, ours 3"),
-    (lambda p: p.update(vllm_pd="x"), "vllm_pd='x', expected 3"),
+    (lambda p: p.update(vllm_pd=1), "older vllm-pd .vllm_pd=1, ours 4"),  # version 1 named a transfer twice
+    (lambda p: p.update(vllm_pd=2), "older vllm-pd .vllm_pd=2, ours 4"),  # version 2 knew one KV shape
+    (lambda p: p.update(vllm_pd=3), "older vllm-pd .vllm_pd=3, ours 4"),  # version 3 cut no state across TP
+    (lambda p: p.update(vllm_pd=5), "newer vllm-pd .vllm_pd=5, ours 4"),
+    (lambda p: p.update(vllm_pd="x"), "vllm_pd='x', expected 4"),
     (lambda p: p.update(transfer_key="k1"), "transfer_key"),
 ]
 
@@ -200,7 +201,7 @@ def test_awaited_prefill_round_trip_and_told_apart_from_prefills_answer() -> Non
         ({"transfer_id": 7}, "transfer_id"),
         ({"transfer_key": "k1"}, "transfer_key"),  # version 1's name of the transfer
         ({"transfer_mode": "teleport"}, "transfer_mode"),
-        ({"vllm_pd": 1}, "older vllm-pd .vllm_pd=1, ours 3"),  # version 1 named a transfer twice
+        ({"vllm_pd": 1}, "older vllm-pd .vllm_pd=1, ours 4"),  # version 1 named a transfer twice
     ],
 )
 def test_awaited_prefill_bad_values_rejected_naming_the_key(extra: dict, key: str) -> None:
