@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import msgspec
 
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.kv_access import KVAccess
+from vllm_pd.connector.kv_access import KVAccess, union
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
 from vllm_pd.connector.kv_geometry import announced_ranks, incompatibility, plan_rank
-from vllm_pd.connector.layer_groups import LayerGroups, union
+from vllm_pd.connector.layer_groups import LayerGroups
 from vllm_pd.connector.outgoing import OutgoingTransfer, OutgoingTransfers
 from vllm_pd.connector.send_queue import SendQueue
 from vllm_pd.connector.step_specs import SendSpec, WorkerStep

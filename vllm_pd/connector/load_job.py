@@ -32,7 +32,7 @@ import torch
 from vllm_pd.connector.block_copies import Run
 from vllm_pd.connector.block_recut import recut_rows
 from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S
-from vllm_pd.connector.kv_access import KVAccess
+from vllm_pd.connector.kv_access import KVAccess, union
 from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
 from vllm_pd.connector.kv_geometry import (
     GroupPlan,
@@ -43,7 +43,7 @@ from vllm_pd.connector.kv_geometry import (
     plan_rank,
     remote_positions,
 )
-from vllm_pd.connector.layer_groups import LayerGroups, union
+from vllm_pd.connector.layer_groups import LayerGroups
 from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.release import DecodeRelease
 from vllm_pd.connector.step_specs import LoadSpec
