@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from vllm_pd.connector.kv_geometry import (
+from vllm_pd.connector.device.kv_geometry import (
     CPU_VEC_KERNEL,
     BlockFormat,
     announced_ranks,
@@ -247,7 +247,7 @@ def test_pushed_rows_are_recut_into_decodes_blocks(nr: int, nl: int, first_block
     rows (its block size) become decode's rows of the same heads and tokens."""
     import torch
 
-    from vllm_pd.connector.block_recut import recut_rows
+    from vllm_pd.connector.device.block_recut import recut_rows
 
     num_tokens, heads = 300, 2
     remote = shape(1, heads, nr, kernel=kernel)

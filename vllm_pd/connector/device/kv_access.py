@@ -20,9 +20,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vllm_pd.connector.block_copies import BlockCopies, Run
-from vllm_pd.connector.host_staging import StagingArena
-from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
+from vllm_pd.connector.device.block_copies import BlockCopies, Run
+from vllm_pd.connector.device.host_staging import StagingArena
+from vllm_pd.connector.device.kv_device import COMPLETED, DeviceEvent
 from vllm_pd.connector.transport.base import MemoryRegion
 
 

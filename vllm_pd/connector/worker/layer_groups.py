@@ -11,7 +11,7 @@ one state, rewritten every step, which moves once the prompt is computed. Withou
 
 from __future__ import annotations
 
-from vllm_pd.connector.kv_geometry import window_positions
+from vllm_pd.connector.device.kv_geometry import window_positions
 from vllm_pd.connector.step_specs import SendSpec
 from vllm_pd.protocol.kv_shape import KVGroup, KVShape
 
