@@ -275,6 +275,10 @@ def main() -> int:
             "files": rel,
             "by folder": folders,
             "per process": {pid: len(files) for pid, files in per_process.items()},
+            # which side each file runs on (prefill's process runs kv_sender, decode's kv_loader)
+            "per process files": {
+                pid: sorted(str(Path(f).relative_to(ROOT)) for f in files) for pid, files in per_process.items()
+            },
         }
         print(
             f"\nfiles whose functions ran in the two worker processes (harness, cpu, {args.transport}, "

@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.support.async_device import AsyncStandInDevice
-from vllm_pd.connector.block_copies import BlockCopies, Run, byte_blocks
-from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent, HostDevice, KVDevice
+from vllm_pd.connector.device.block_copies import BlockCopies, Run, byte_blocks
+from vllm_pd.connector.device.kv_device import COMPLETED, DeviceEvent, HostDevice, KVDevice
 from vllm_pd.connector.transport.base import MemoryRegion
 
 

@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.support import vllm_kv_cache as replay
-from vllm_pd.connector.kv_layout import KVLayout, manager_blocks
+from vllm_pd.connector.device.kv_layout import KVLayout, manager_blocks
 from vllm_pd.connector.transport.base import MemoryRegion, tensor_spans
 from vllm_pd.connector.transport.nixl_regions import block_pairs, merge_pairs, region_layout
 

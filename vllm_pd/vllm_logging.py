@@ -2,7 +2,7 @@
 
 vLLM configures logging for its own hierarchy only: a handler on the ``vllm``
 logger, which does not propagate to the root. A plain ``getLogger(__name__)``
-(``vllm_pd.connector.worker``) has no handler in those processes, so its info
+(``vllm_pd.connector.worker.worker``) has no handler in those processes, so its info
 lines vanish and its warnings reach stderr only through logging's last resort,
 without vLLM's format or process prefix. A logger named under ``vllm.plugins``
 goes through vLLM's handler and ``VLLM_LOGGING_LEVEL``; outside vLLM (the proxy

@@ -214,7 +214,7 @@ def test_unclaimed_kv_is_freed_when_the_lease_ends(pd_pair, client) -> None:
 
 def test_proxy_side_release_frees_prefill_at_once(pd_pair, client) -> None:
     """What the proxy does when the decode leg will never run (client gone between legs)."""
-    from vllm_pd.connector.release import release_remote_kv
+    from vllm_pd.connector.worker.release import release_remote_kv
 
     prefill, decode = pd_pair
     p = ec.post(client, prefill.url, ec.prefill_leg(CONNECTOR_CASES["ids1000"], "pull", decode))

@@ -19,7 +19,7 @@ import pytest
 
 from tests.support import e2e_cluster as ec
 from tests.support.prompt_catalogue import CONNECTOR_CASES
-from vllm_pd.connector.release import release_remote_kv
+from vllm_pd.connector.worker.release import release_remote_kv
 from vllm_pd.protocol.transfer_params import RemotePrefill
 
 pytestmark = pytest.mark.e2e

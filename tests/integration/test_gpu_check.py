@@ -51,7 +51,7 @@ def test_the_blocker_refuses_what_the_gpu_machine_lacks(tmp_path: Path) -> None:
         proc = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True)
         assert proc.returncode != 0 and "not on the bare GPU machine" in proc.stderr, (module, proc.stderr)
     data_path = (
-        "vllm_pd.connector.worker",
+        "vllm_pd.connector.worker.worker",
         "vllm_pd.protocol.transfer_params",
         "vllm_pd.connector.transport.checksum",
         "tests.support.gpu_harness",

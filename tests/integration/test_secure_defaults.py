@@ -10,7 +10,7 @@ import pytest
 
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.deployment_secret import SECRET_ENV
-from vllm_pd.connector.worker import advertised_host
+from vllm_pd.connector.worker.worker import advertised_host
 from vllm_pd.errors import ConfigError
 from vllm_pd.vllm_server import free_port
 

@@ -17,7 +17,7 @@ from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging
 configure_logging(LoggingConfig(log_level="INFO"))
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.worker import PDConnectorWorker
+from vllm_pd.connector.worker.worker import PDConnectorWorker
 
 seen = []
 class Keep(logging.Handler):
@@ -35,7 +35,7 @@ print(seen)
 def test_connector_worker_line_reaches_vllms_handler_and_log() -> None:
     out = subprocess.run([sys.executable, "-c", _WORKER_LOGS], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "('vllm.plugins.vllm_pd.connector.worker', 'PD connector worker 0: 1 layers of 4 blocks" in out.stdout
+    assert "('vllm.plugins.vllm_pd.connector.worker.worker', 'PD connector worker 0: 1 layers of 4 blocks" in out.stdout
     # printed by vLLM's handler (to its stream, stdout by default) in vLLM's format:
     # "INFO <date> <time> [worker.py:NN] PD connector worker 0: ..."
     assert re.search(

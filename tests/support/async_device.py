@@ -58,7 +58,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_pd.connector.kv_device import DeviceEvent, KVDevice
+from vllm_pd.connector.device.kv_device import DeviceEvent, KVDevice
 
 DEVICE, PINNED, PAGEABLE = "device", "pinned", "pageable"
 

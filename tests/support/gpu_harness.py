@@ -50,8 +50,8 @@ from typing import Any
 import torch
 
 from tests.support import vllm_kv_cache as replay
-from vllm_pd.connector.kv_geometry import BlockFormat, rank_heads
-from vllm_pd.connector.kv_layout import KVLayout
+from vllm_pd.connector.device.kv_geometry import BlockFormat, rank_heads
+from vllm_pd.connector.device.kv_layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def _device(spec: HarnessSpec) -> tuple[torch.device, Any]:
         from tests.support.async_device import AsyncStandInDevice
 
         return torch.device("cpu"), AsyncStandInDevice(compute_delay_s=0.002, copy_delay_s=0.001)
-    from vllm_pd.connector.kv_device import kv_device_for
+    from vllm_pd.connector.device.kv_device import kv_device_for
 
     device = torch.device(spec.device)
     return device, kv_device_for([torch.empty(0, device=device)])
@@ -222,9 +222,9 @@ class _Forward:
 
 
 def _worker(spec: HarnessSpec, side: str, rank: int, base_port: int):
-    from vllm_pd.connector.block_copies import byte_blocks
     from vllm_pd.connector.config import PDConnectorConfig
-    from vllm_pd.connector.worker import PDConnectorWorker
+    from vllm_pd.connector.device.block_copies import byte_blocks
+    from vllm_pd.connector.worker.worker import PDConnectorWorker
     from vllm_pd.protocol.kv_shape import KVGroup
 
     device, kv_device = _device(spec)

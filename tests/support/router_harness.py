@@ -64,7 +64,7 @@ async def harness(
         instances.append(InstanceConfig(url=urls[b.name], role=role, kv_endpoint=kv))
     released: list[dict] = []
 
-    def release(params: dict) -> bool:  # stands in for vllm_pd.connector.release (a real ZMQ call)
+    def release(params: dict) -> bool:  # stands in for vllm_pd.connector.worker.release (a real ZMQ call)
         released.append(params)
         return release_ok
 

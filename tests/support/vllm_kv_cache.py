@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from vllm_pd.connector.kv_layout import TRANSFER_LAYOUT, KVLayout
+from vllm_pd.connector.device.kv_layout import TRANSFER_LAYOUT, KVLayout
 
 
 @dataclass(frozen=True)

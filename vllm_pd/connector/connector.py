@@ -2,7 +2,7 @@
 
 The scheduler role (EngineCore process) delegates to
 :class:`~vllm_pd.connector.scheduler.PDConnectorScheduler`, the worker role (each
-worker process) to :class:`~vllm_pd.connector.worker.PDConnectorWorker`.
+worker process) to :class:`~vllm_pd.connector.worker.worker.PDConnectorWorker`.
 
 Roles: ``kv_producer`` serves prefill legs (``do_remote_decode``), ``kv_consumer``
 serves decode legs (``do_remote_prefill``), ``kv_both`` either, per request.
@@ -30,8 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_pd.connector.config import PDConnectorConfig, needs_layer_hooks
-from vllm_pd.connector.kv_geometry import CPU_VEC_KERNEL
-from vllm_pd.connector.kv_layout import TRANSFER_LAYOUT
+from vllm_pd.connector.device.kv_geometry import CPU_VEC_KERNEL
+from vllm_pd.connector.device.kv_layout import TRANSFER_LAYOUT
 from vllm_pd.connector.metadata import PDConnectorMetadata, PDHandshake, PDWorkerMeta
 from vllm_pd.connector.scheduler import PDConnectorScheduler, kv_cache_groups
 from vllm_pd.connector.stats import PDConnectorStats, PDPromMetrics
@@ -39,7 +39,7 @@ from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.groups import StoreGroup, why_not_stored
 from vllm_pd.connector.store_bridge import StoreBridgeScheduler, StoreBridgeWorker
 from vllm_pd.connector.store_group_bridge import GroupStoreBridgeScheduler, GroupStoreBridgeWorker
-from vllm_pd.connector.worker import PDConnectorWorker
+from vllm_pd.connector.worker.worker import PDConnectorWorker
 from vllm_pd.protocol.kv_shape import KVGroup, encode_shape
 from vllm_pd.protocol.transfer_params import asks_remote_decode, asks_remote_prefill
 from vllm_pd.vllm_logging import vllm_logger

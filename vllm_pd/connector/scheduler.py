@@ -33,7 +33,7 @@ import msgspec
 
 from vllm_pd.connector.announce_probe import AnnounceProbe
 from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S, PDConnectorConfig
-from vllm_pd.connector.kv_geometry import incompatibility, window_positions
+from vllm_pd.connector.device.kv_geometry import incompatibility, window_positions
 from vllm_pd.connector.metadata import (
     FinishedSend,
     LoadSpec,

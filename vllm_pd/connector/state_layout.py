@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vllm_pd.connector.tp_shards import rank_heads, shardable
+from vllm_pd.connector.device.tp_shards import rank_heads, shardable
 from vllm_pd.protocol.kv_shape import StateLayout, StatePart, StateSegment
 from vllm_pd.vllm_logging import vllm_logger
 

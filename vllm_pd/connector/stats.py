@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from vllm_pd.connector.transfer_counters import COUNTERS, GAUGES, RANK_GAUGES, TransferCounters
+from vllm_pd.connector.worker.transfer_counters import COUNTERS, GAUGES, RANK_GAUGES, TransferCounters
 
 # the help text of each metric in /metrics (and in the docs' generated metrics reference)
 HELP = {

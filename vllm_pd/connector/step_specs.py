@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd.connector.kv_geometry import incompatibility
+from vllm_pd.connector.device.kv_geometry import incompatibility
 from vllm_pd.protocol.kv_shape import KVShape
 from vllm_pd.protocol.transfer_params import RemotePrefill
 

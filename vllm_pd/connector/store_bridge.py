@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from vllm_pd.connector.kv_device import KVDevice
+from vllm_pd.connector.device.kv_device import KVDevice
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.groups import owner
 from vllm_pd.connector.store.master_client import RemoteHit

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_pd.connector.kv_device import KVDevice
+from vllm_pd.connector.device.kv_device import KVDevice
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.groups import NULL_BLOCK, StoreGroup, agreed_hit, first_held, group_config, owner
 from vllm_pd.connector.store.plans import StorePlan

@@ -16,6 +16,7 @@ Modules, one concern each (the map with who talks to whom: docs/design/protocol.
 * ``auth_handshake`` - the deployment-secret handshake every KV-plane connection opens with, and the seals after it.
 * ``frames`` - the stream transports' frames: header, kinds, flags (one namespace), checksum kinds.
 * ``hello_frame`` - the HELLO frame's payload: each end's endpoint and block channel's announcement.
+* ``cross_memory_hello`` - the shm transport's cross-memory HELLOs: a process's memory probe, the offer, the answer.
 * ``layer_plan`` - a PLAN frame's payload and the progress area its receiver polls.
 * ``shm_ring`` - the shm transport's ring in /dev/shm: slots and control counters.
 * ``nixl_messages`` - the NIXL transport's region layouts (its handshake) and PUSH and FETCH payloads.

@@ -5,7 +5,7 @@ size, the model's KV heads, its KV cache groups (each a :class:`KVGroup`: kind, 
 the format of one rank's block) and the group of each layer. Prefill's travels in its
 ``kv_transfer_params`` (``transfer_params.RemotePrefill.shape``); decode's answers prefill's
 :class:`ShapeQuery` (a control message), msgpack-encoded (:func:`encode_shape`). What the
-fields mean and how decode takes its share of another shape: ``connector/kv_geometry.py``.
+fields mean and how decode takes its share of another shape: ``connector/device/kv_geometry.py``.
 
 A recurrent state group (Mamba, linear attention) also tells how its state block is sharded over
 TP ranks (:class:`StateLayout`, made from vLLM's state shapes by ``connector/state_layout.py``): a

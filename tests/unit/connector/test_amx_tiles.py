@@ -1,4 +1,4 @@
-"""A connector worker on CPU asks Linux for the AMX tile state (vllm_pd.connector.amx_tiles).
+"""A connector worker on CPU asks Linux for the AMX tile state (vllm_pd.connector.device.amx_tiles).
 
 Without it, vLLM's AMX attention killed both TP=2 decode ranks with SIGILL on their first request
 on an AMX host: their first forward was a step of loaded KV, so oneDNN had not asked yet. Each
@@ -13,13 +13,13 @@ import sys
 import pytest
 import torch
 
-from vllm_pd.connector.amx_tiles import request_amx_tiles
+from vllm_pd.connector.device.amx_tiles import request_amx_tiles
 
 _PERMISSION_AROUND_REGISTER = """
 import ctypes
 import torch
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.worker import PDConnectorWorker
+from vllm_pd.connector.worker.worker import PDConnectorWorker
 
 libc = ctypes.CDLL(None, use_errno=True)
 

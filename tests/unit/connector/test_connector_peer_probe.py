@@ -12,16 +12,16 @@ import torch
 from tests.support.transport_harness import RecordingSink, make_regions
 from tests.unit.connector.test_connector_units import _land
 from tests.unit.connector.test_transfer_params import remote_prefill
-from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.kv_access import DirectAccess
-from vllm_pd.connector.kv_device import HostDevice
-from vllm_pd.connector.load_job import LoadJob
+from vllm_pd.connector.device.block_copies import BlockCopies
+from vllm_pd.connector.device.kv_access import DirectAccess
+from vllm_pd.connector.device.kv_device import HostDevice
 from vllm_pd.connector.metadata import LoadSpec
-from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.step_specs import LocalPrompt
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from vllm_pd.connector.worker.load_job import LoadJob
+from vllm_pd.connector.worker.push_staging import PushStaging
 from vllm_pd.protocol.control import PingMessage, decode_control
 from vllm_pd.protocol.transfer_params import prompt_hash
 
@@ -172,8 +172,8 @@ def test_two_prefill_ranks_pushes_that_start_after_the_probe_pause_are_waited_fo
     import threading
 
     from tests.unit.connector.test_kv_geometry import shape
-    from vllm_pd.connector.kv_geometry import plan_rank
-    from vllm_pd.connector.layer_groups import LayerGroups
+    from vllm_pd.connector.device.kv_geometry import plan_rank
+    from vllm_pd.connector.worker.layer_groups import LayerGroups
 
     prefill_shape, decode_shape = shape(2, 2, 2), shape(1, 2, 2)
     plan = plan_rank(prefill_shape, decode_shape, 0)

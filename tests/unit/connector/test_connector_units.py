@@ -11,17 +11,17 @@ import torch
 
 from tests.support.transport_harness import RecordingSink, make_regions
 from tests.unit.connector.test_transfer_params import remote_prefill as _remote
-from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig, parse_size
-from vllm_pd.connector.kv_access import DirectAccess
-from vllm_pd.connector.kv_device import HostDevice
-from vllm_pd.connector.load_job import LoadJob
+from vllm_pd.connector.device.block_copies import BlockCopies
+from vllm_pd.connector.device.kv_access import DirectAccess
+from vllm_pd.connector.device.kv_device import HostDevice
 from vllm_pd.connector.metadata import LoadSpec
-from vllm_pd.connector.outgoing import OutgoingTransfers
-from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.step_specs import LocalPrompt
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from vllm_pd.connector.worker.load_job import LoadJob
+from vllm_pd.connector.worker.outgoing import OutgoingTransfers
+from vllm_pd.connector.worker.push_staging import PushStaging
 from vllm_pd.errors import ConfigError, TransferTimeout
 from vllm_pd.protocol.control import PrefillDoneMessage, ReleaseMessage, decode_control
 from vllm_pd.protocol.transfer_params import prompt_hash
@@ -292,7 +292,7 @@ class _UnansweredOnceTransport(_RecordingTransport):
 
 def test_load_job_retries_its_release_when_prefill_does_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     """One lost answer must not leave prefill holding the blocks (and stepping) for its whole lease."""
-    from vllm_pd.connector import release
+    from vllm_pd.connector.worker import release
 
     monkeypatch.setattr(release, "RELEASE_BACKOFF_S", 0.05)
     st = PushStaging(capacity_bytes=1 << 20, ttl_s=60)
@@ -417,7 +417,7 @@ class _ReleaseSink(RecordingSink):
 
 
 def test_proxy_side_release_reaches_every_prefill_rank_over_tcp() -> None:
-    from vllm_pd.connector.release import release_remote_kv
+    from vllm_pd.connector.worker.release import release_remote_kv
 
     ranks = [_ReleaseSink() for _ in range(2)]
     transports = [create_transport("tcp") for _ in ranks]
@@ -463,7 +463,7 @@ def test_gauges_are_kept_per_tp_rank_through_the_engines_aggregation() -> None:
 
 def test_decode_release_is_retried_until_the_prefill_rank_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill rank that does not answer (here: not listening yet) still gets decode's release."""
-    from vllm_pd.connector import release
+    from vllm_pd.connector.worker import release
     from vllm_pd.vllm_server import free_port
 
     monkeypatch.setattr(release, "RELEASE_BACKOFF_S", 0.2)
@@ -485,7 +485,7 @@ def test_decode_release_is_retried_until_the_prefill_rank_answers(monkeypatch: p
 def test_decode_release_gives_up_after_its_attempts(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from vllm_pd.connector import release
+    from vllm_pd.connector.worker import release
     from vllm_pd.vllm_server import free_port
 
     monkeypatch.setattr(release, "RELEASE_BACKOFF_S", 0.05)

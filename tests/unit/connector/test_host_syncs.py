@@ -36,15 +36,15 @@ from tests.unit.connector.test_kv_device_path import (
     write_layer,
 )
 from tests.unit.store.test_store_device_path import Node, WatchedStandIn
-from vllm_pd.connector import block_copies
-from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.kv_loader import KVLoader
-from vllm_pd.connector.release import DecodeRelease
+from vllm_pd.connector.device import block_copies
+from vllm_pd.connector.device.block_copies import BlockCopies
 from vllm_pd.connector.step_specs import FinishedSend, LoadSpec, SendSpec, WorkerStep
-from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from vllm_pd.connector.worker.kv_loader import KVLoader
+from vllm_pd.connector.worker.release import DecodeRelease
+from vllm_pd.connector.worker.transfer_counters import TransferCounters
 
 
 @pytest.fixture

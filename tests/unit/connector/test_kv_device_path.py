@@ -23,21 +23,21 @@ import torch
 from tests.support import vllm_kv_cache as replay
 from tests.support.async_device import AsyncStandInDevice
 from tests.support.transport_harness import RecordingSink, make_regions, started
-from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.host_staging import StagingArena
-from vllm_pd.connector.kv_access import StagedAccess
-from vllm_pd.connector.kv_device import COMPLETED, HostDevice
-from vllm_pd.connector.kv_layout import KVLayout
-from vllm_pd.connector.kv_loader import KVLoader
-from vllm_pd.connector.load_job import LoadJob
-from vllm_pd.connector.push_staging import PushStaging
-from vllm_pd.connector.release import DecodeRelease
+from vllm_pd.connector.device.block_copies import BlockCopies
+from vllm_pd.connector.device.host_staging import StagingArena
+from vllm_pd.connector.device.kv_access import StagedAccess
+from vllm_pd.connector.device.kv_device import COMPLETED, HostDevice
+from vllm_pd.connector.device.kv_layout import KVLayout
 from vllm_pd.connector.step_specs import LoadSpec, SendSpec, WorkerStep
-from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
-from vllm_pd.connector.worker import PDConnectorWorker
+from vllm_pd.connector.worker.kv_loader import KVLoader
+from vllm_pd.connector.worker.load_job import LoadJob
+from vllm_pd.connector.worker.push_staging import PushStaging
+from vllm_pd.connector.worker.release import DecodeRelease
+from vllm_pd.connector.worker.transfer_counters import TransferCounters
+from vllm_pd.connector.worker.worker import PDConnectorWorker
 from vllm_pd.protocol.transfer_params import RemotePrefill
 
 LAYERS, NUM_BLOCKS, BS, HEADS, HEAD = 3, 8, 16, 2, 32

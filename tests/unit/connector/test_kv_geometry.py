@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from vllm_pd.connector.kv_geometry import (
+from vllm_pd.connector.device.kv_geometry import (
     CPU_VEC_KERNEL,
     BlockFormat,
     Span,
@@ -249,7 +249,7 @@ def test_pushed_rows_are_recut_into_decodes_blocks(nr: int, nl: int, first_block
     rows (its block size) become decode's rows of the same heads and tokens."""
     import torch
 
-    from vllm_pd.connector.block_recut import recut_rows
+    from vllm_pd.connector.device.block_recut import recut_rows
 
     num_tokens, heads = 300, 2
     remote = shape(1, heads, nr, kernel=kernel)
@@ -289,7 +289,7 @@ def test_whole_block_reads_recut_to_what_the_spans_assemble(
     (``piece_spans``) do - the rest of our blocks by those spans - and read each prefill block once."""
     import torch
 
-    from vllm_pd.connector.block_recut import recut_rows
+    from vllm_pd.connector.device.block_recut import recut_rows
 
     heads = 2
     remote, local = shape(1, heads, nr, kernel=kernel), shape(1, heads, nl, kernel=kernel)

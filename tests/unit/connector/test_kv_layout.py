@@ -1,5 +1,5 @@
 """vLLM 0.32's KV cache layouts: our torch-only replay (tests/support/vllm_kv_cache.py) against vLLM's own
-code, and what the connector reads from them (vllm_pd/connector/kv_layout.py).
+code, and what the connector reads from them (vllm_pd/connector/device/kv_layout.py).
 
 vLLM's side runs its real functions on the CPU - the spec classes, ``customize_attention_spec``,
 ``get_kv_cache_config_from_groups``, ``prepare_kernel_block_sizes``, ``allocate_kv_cache`` (which
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.support import vllm_kv_cache as replay
-from vllm_pd.connector.kv_layout import KVLayout, block_format, manager_blocks, memory_order_mismatch
+from vllm_pd.connector.device.kv_layout import KVLayout, block_format, manager_blocks, memory_order_mismatch
 from vllm_pd.connector.transport.base import MemoryRegion
 
 NUM_BLOCKS = 3
@@ -325,7 +325,7 @@ def test_where_lbhnc_is_not_run_vllm_takes_the_backends_choice() -> None:
 
 def _worker() -> Any:
     from vllm_pd.connector.config import PDConnectorConfig
-    from vllm_pd.connector.worker import PDConnectorWorker
+    from vllm_pd.connector.worker.worker import PDConnectorWorker
 
     config = PDConnectorConfig.from_extra_config({"transport": "tcp", "host": "127.0.0.1", "bind_host": "127.0.0.1"})
     return PDConnectorWorker(config, block_size=128, tp_rank=0, base_port=0, is_producer=True, is_consumer=False)

@@ -14,17 +14,17 @@ import torch
 from tests.support.transport_harness import RecordingSink
 from tests.unit.connector.test_kv_geometry import shape
 from tests.unit.connector.test_transfer_params import remote_prefill
-from vllm_pd.connector import load_job
-from vllm_pd.connector.block_copies import BlockCopies
-from vllm_pd.connector.kv_access import DirectAccess
-from vllm_pd.connector.kv_device import HostDevice
-from vllm_pd.connector.layer_groups import LayerGroups
-from vllm_pd.connector.load_job import LoadJob
+from vllm_pd.connector.device.block_copies import BlockCopies
+from vllm_pd.connector.device.kv_access import DirectAccess
+from vllm_pd.connector.device.kv_device import HostDevice
 from vllm_pd.connector.metadata import LoadSpec
-from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.step_specs import LocalPrompt
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import MemoryRegion
+from vllm_pd.connector.worker import load_job
+from vllm_pd.connector.worker.layer_groups import LayerGroups
+from vllm_pd.connector.worker.load_job import LoadJob
+from vllm_pd.connector.worker.push_staging import PushStaging
 from vllm_pd.protocol.transfer_params import prompt_hash
 
 PROMPT = [5, 6, 7]

@@ -16,18 +16,18 @@ import pytest
 import torch
 
 from tests.support.transport_harness import make_regions, started
-from vllm_pd.connector import load_job as load_job_module
-from vllm_pd.connector.block_copies import BlockCopies
-from vllm_pd.connector.host_staging import StagingArena
-from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
-from vllm_pd.connector.kv_device import HostDevice
-from vllm_pd.connector.kv_geometry import CPU_VEC_KERNEL, BlockFormat, kernel_format
-from vllm_pd.connector.layer_groups import LayerGroups
-from vllm_pd.connector.load_job import LoadJob
-from vllm_pd.connector.push_staging import PushStaging
+from vllm_pd.connector.device.block_copies import BlockCopies
+from vllm_pd.connector.device.host_staging import StagingArena
+from vllm_pd.connector.device.kv_access import DirectAccess, KVAccess, StagedAccess
+from vllm_pd.connector.device.kv_device import HostDevice
+from vllm_pd.connector.device.kv_geometry import CPU_VEC_KERNEL, BlockFormat, kernel_format
 from vllm_pd.connector.step_specs import LoadSpec
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import MemoryRegion
+from vllm_pd.connector.worker import load_job as load_job_module
+from vllm_pd.connector.worker.layer_groups import LayerGroups
+from vllm_pd.connector.worker.load_job import LoadJob
+from vllm_pd.connector.worker.push_staging import PushStaging
 from vllm_pd.protocol.kv_shape import KVGroup, KVShape
 from vllm_pd.protocol.transfer_params import RemotePrefill
 

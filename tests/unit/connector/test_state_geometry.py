@@ -17,8 +17,8 @@ from vllm.model_executor.layers.mamba.mamba_mixer2 import mamba_v2_sharded_weigh
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from vllm_pd.connector.kv_geometry import incompatibility, plan_rank, releasers
-from vllm_pd.connector.state_geometry import StateWindow, state_nbytes, state_windows
+from vllm_pd.connector.device.kv_geometry import incompatibility, plan_rank, releasers
+from vllm_pd.connector.device.state_geometry import StateWindow, state_nbytes, state_windows
 from vllm_pd.connector.state_layout import mamba_state_layout
 from vllm_pd.protocol.kv_shape import KVGroup, KVShape, StateLayout, decode_shape, encode_shape
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from tests.support import vllm_kv_cache as replay
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.kv_layout import KVLayout
-from vllm_pd.connector.worker import PDConnectorWorker
+from vllm_pd.connector.device.kv_layout import KVLayout
+from vllm_pd.connector.worker.worker import PDConnectorWorker
 
 
 def test_sender_and_loader_wake_the_same_idle_step() -> None:

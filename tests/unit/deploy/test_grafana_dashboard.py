@@ -16,7 +16,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.router_harness import harness, run
-from vllm_pd.connector.transfer_counters import GAUGES
+from vllm_pd.connector.worker.transfer_counters import GAUGES
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "examples" / "grafana" / "vllm-pd.json"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}

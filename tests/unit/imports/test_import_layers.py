@@ -1,5 +1,6 @@
-"""The import graph's shape (issue 27): no import circles in vllm_pd, the router's packages in one direction,
-the protocol package (vllm_pd/protocol/) at the bottom: it imports no other package of ours, nor torch nor vLLM.
+"""The import graph's shape (issue 27): no import circles in vllm_pd, the router's packages and the connector's
+layers in one direction, the protocol package (vllm_pd/protocol/) at the bottom: it imports no other package of
+ours, nor torch nor vLLM.
 
 Reads the imports statically with benchmarks/code_shape.py (every import counts: module level, under
 ``TYPE_CHECKING``, inside functions), so a circle closed by a type-only or a local import fails here too.
@@ -125,3 +126,66 @@ def test_protocol_imports_neither_torch_nor_vllm() -> None:
         [sys.executable, "-c", code, *NOT_IN_PROTOCOL], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+# ---- the connector's layers --------------------------------------------------------------------------
+# vllm_pd/connector/__init__.py's order: each may import only those before it (a subpackage or a module)
+CONNECTOR_ORDER = (
+    "transport",
+    "deployment_secret",
+    "config",
+    "device",
+    "step_specs",
+    "store",
+    "worker",
+    "metadata",
+    "announce_probe",
+    "state_layout",
+    "scheduler",
+    "store_bridge",
+    "store_group_bridge",
+    "stats",
+    "connector",
+)
+# the worker's data path: the GPU harness runs it without vLLM
+VLLM_FREE = ("transport", "device", "worker")
+
+
+def _connector_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["vllm_pd", "connector"] and len(parts) > 2 else None
+
+
+def test_connector_layers_import_only_those_below() -> None:
+    graph = import_graph(ROOT, PACKAGE)
+    rank = {name: i for i, name in enumerate(CONNECTOR_ORDER)}
+    upward = []
+    for module, targets in graph.items():
+        part = _connector_part(module)
+        if part is None:
+            continue
+        assert part in rank, f"{module}: a connector part not in CONNECTOR_ORDER (and connector/__init__.py's list)"
+        for target, kinds in targets.items():
+            other = _connector_part(target)
+            if other is not None and other != part and rank[other] > rank[part]:
+                upward.append(f"{module} -> {target} ({', '.join(sorted(kinds))})")
+    assert upward == []
+
+
+def test_connector_order_is_the_packages_own() -> None:
+    """The order names every part of vllm_pd/connector/ that exists, and nothing that does not."""
+    on_disk = {p.stem for p in (PACKAGE / "connector").glob("*.py") if p.name != "__init__.py"}
+    on_disk |= {p.parent.name for p in (PACKAGE / "connector").glob("*/__init__.py")}
+    assert set(CONNECTOR_ORDER) == on_disk
+
+
+def test_worker_data_path_imports_no_vllm() -> None:
+    """worker/, device/ and transport/ (every import of every module): the harness runs them without vLLM."""
+    found = sorted(
+        f"{path.relative_to(ROOT)} -> {name}"
+        for part in VLLM_FREE
+        for path in sorted((PACKAGE / "connector" / part).rglob("*.py"))
+        for name in _imported_names(path)
+        if name.split(".")[0] == "vllm"
+    )
+    assert found == []

@@ -31,7 +31,7 @@ from tests.unit.connector.test_kv_device_path import (
     vllm_cache,
     write_layer,
 )
-from vllm_pd.connector.kv_device import COMPLETED, HostDevice, KVDevice
+from vllm_pd.connector.device.kv_device import COMPLETED, HostDevice, KVDevice
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.scheduler_side import StoreScheduler
 from vllm_pd.connector.store.worker_side import StoreWorker

@@ -14,10 +14,10 @@ import time
 import pytest
 
 from tests.support.transport_harness import make_regions, raw_dial, spawn_peer, started
-from vllm_pd.connector.push_staging import PushStaging
 from vllm_pd.connector.transport import serve_session, stream
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.connector.transport.frame_io import send_buffers
+from vllm_pd.connector.worker.push_staging import PushStaging
 from vllm_pd.protocol.auth_handshake import DeploymentSecret
 from vllm_pd.protocol.frames import MAGIC, MAX_DATA_NBYTES, Checksum, Frame, Kind
 

@@ -21,7 +21,7 @@ import torch
 from tests.support import vllm_kv_cache as replay
 from tests.support.transport_harness import make_regions, spawn_peer, started
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.kv_layout import KVLayout, manager_blocks
+from vllm_pd.connector.device.kv_layout import KVLayout, manager_blocks
 from vllm_pd.connector.transport import create_transport, nixl_agent
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
 from vllm_pd.connector.transport.nixl_regions import NixlRegions, block_pairs, merge_pairs, region_layout

@@ -15,7 +15,7 @@ import torch
 from tests.support.transport_harness import make_regions, started
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.transport.base import BlockBatch
-from vllm_pd.connector.worker import PDConnectorWorker
+from vllm_pd.connector.worker.worker import PDConnectorWorker
 from vllm_pd.errors import TransferRejected
 
 TRANSPORTS = ("tcp", "shm", "nixl")

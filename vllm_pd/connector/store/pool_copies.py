@@ -31,8 +31,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-from vllm_pd.connector.block_copies import BlockCopies, byte_blocks
-from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent, KVDevice
+from vllm_pd.connector.device.block_copies import BlockCopies, byte_blocks
+from vllm_pd.connector.device.kv_device import COMPLETED, DeviceEvent, KVDevice
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.transport.base import MemoryRegion
 from vllm_pd.errors import StoreError

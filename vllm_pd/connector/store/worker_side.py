@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_pd.connector.kv_device import DeviceEvent, KVDevice, kv_device_for
+from vllm_pd.connector.device.kv_device import DeviceEvent, KVDevice, kv_device_for
 from vllm_pd.connector.store.config import StoreConfig
 from vllm_pd.connector.store.cpu_pool import CpuBlockPool
 from vllm_pd.connector.store.disk_staging import DiskStaging

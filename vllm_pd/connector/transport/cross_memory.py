@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_pd.errors import PeerClosed, TransferCorrupted
+from vllm_pd.protocol.cross_memory_hello import MemoryProbe
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)
@@ -154,18 +155,27 @@ def local_identity() -> dict[str, Any]:
 
 def same_host(identity: Any) -> bool:
     """Whether a peer's :func:`local_identity` is a process of this host and boot."""
-    boot = _boot_id()
-    return isinstance(identity, dict) and bool(boot) and identity.get("boot") == boot
+    return isinstance(identity, dict) and _this_boot(identity.get("boot"))
 
 
-def local_info() -> dict[str, Any]:
+def _this_boot(boot: Any) -> bool:
+    ours = _boot_id()
+    return bool(ours) and boot == ours
+
+
+def memory_probe() -> MemoryProbe:
     """What a peer needs to probe (and then read) this process's memory."""
     global _LIBC, _PROBE
     if _PROBE is None:
         if _LIBC is None:
             _LIBC = _libc()
         _PROBE = ctypes.create_string_buffer(secrets.token_bytes(16), 16)
-    return {"pid": os.getpid(), "boot": _boot_id(), "probe": ctypes.addressof(_PROBE), "token": bytes(_PROBE).hex()}
+    return MemoryProbe(os.getpid(), _boot_id(), ctypes.addressof(_PROBE), bytes(_PROBE))
+
+
+def local_info() -> dict[str, Any]:
+    """:func:`memory_probe` as it goes in a HELLO."""
+    return memory_probe().to_wire()
 
 
 def address_of(view: memoryview) -> int:
@@ -181,16 +191,14 @@ class PeerMemory:
 
     @classmethod
     def probe(cls, info: Any) -> PeerMemory | None:
-        """A reader of the peer that announced ``info`` (see :func:`local_info`), or None
-        if its memory cannot be read from here."""
-        if not isinstance(info, dict):
+        """A reader of the peer that announced ``info`` (a :class:`MemoryProbe`, or its wire form:
+        :func:`local_info`), or None if its memory cannot be read from here."""
+        announced = info if isinstance(info, MemoryProbe) else MemoryProbe.from_wire(info)
+        if announced is None:
             return None
-        local_info()  # loads libc
-        try:
-            pid, address, token = int(info["pid"]), int(info["probe"]), bytes.fromhex(info["token"])
-        except (KeyError, TypeError, ValueError):
-            return None
-        if not same_host(info):
+        memory_probe()  # loads libc
+        pid, address, token = announced.pid, announced.address, announced.token
+        if not _this_boot(announced.boot):
             return None  # another host (or boot): its pid means nothing here
         reader = cls(pid)
         got = bytearray(len(token))

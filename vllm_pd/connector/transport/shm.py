@@ -46,7 +46,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from vllm_pd.connector.transport.checksum import BlockStream
@@ -54,13 +53,14 @@ from vllm_pd.connector.transport.cross_memory import (
     READER_GRANTS,
     PeerMemory,
     local_identity,
-    local_info,
+    memory_probe,
     same_host,
 )
 from vllm_pd.connector.transport.layer_plan import ORDERED_STORES
 from vllm_pd.connector.transport.tcp import TcpTransport, parse_tcp_endpoint
 from vllm_pd.connector.transport.wire import Wire
-from vllm_pd.errors import ConfigError, PeerClosed, TransferCorrupted
+from vllm_pd.errors import ConfigError, PeerClosed, ProtocolError, TransferCorrupted
+from vllm_pd.protocol.cross_memory_hello import CrossMemoryAnswer, CrossMemoryOffer
 from vllm_pd.protocol.frames import DIGEST_NBYTES, FLAG_TRAILER, Checksum, Frame, Kind
 from vllm_pd.protocol.shm_ring import CONSUMED, CONTROL_NBYTES, SEGMENT_PREFIX, WANTED
 
@@ -160,24 +160,25 @@ class ShmChannel:
     def finish_handshake(self, wire: Wire) -> None:
         """Rounds 3 and 4 (module docstring): the dialler grants the acceptor reads of its
         memory and says where its probe token is; the acceptor probes and says whether it worked."""
+        try:
+            self._cross_memory_rounds(wire)
+        except ProtocolError as e:
+            raise TransferCorrupted(f"shm handshake: {e}") from None
+
+    def _cross_memory_rounds(self, wire: Wire) -> None:
         if self._reader is not None:  # dialler, and the acceptor would read us
             pid = self._reader.get("pid") if same_host(self._reader) else None
             grant = READER_GRANTS.grant(pid, self._authenticated) if isinstance(pid, int) else None
             if grant == "granted":
                 self._granted_pid = pid
-            wire.send_frame(
-                Frame(Kind.HELLO, payload=msgspec.json.encode({"cross_memory": local_info() if grant else None}))
-            )
-            answer = msgspec.json.decode(wire.reader.read_frame().payload)
-            self._peer_reads_us = isinstance(answer, dict) and answer.get("reads_you") is True
+            wire.send_frame(Frame(Kind.HELLO, payload=CrossMemoryOffer(memory_probe() if grant else None).encode()))
+            self._peer_reads_us = CrossMemoryAnswer.decode(wire.reader.read_frame().payload).reads_you
             if not self._peer_reads_us:
                 self._revoke()
         elif self._peer_wants_reads:  # acceptor, and it offered to read the dialler
-            offer = msgspec.json.decode(wire.reader.read_frame().payload)
-            self._peer_memory = PeerMemory.probe(offer.get("cross_memory") if isinstance(offer, dict) else None)
-            wire.send_frame(
-                Frame(Kind.HELLO, payload=msgspec.json.encode({"reads_you": self._peer_memory is not None}))
-            )
+            offer = CrossMemoryOffer.decode(wire.reader.read_frame().payload)
+            self._peer_memory = PeerMemory.probe(offer.probe)
+            wire.send_frame(Frame(Kind.HELLO, payload=CrossMemoryAnswer(self._peer_memory is not None).encode()))
 
     def _revoke(self) -> None:
         pid, self._granted_pid = self._granted_pid, None

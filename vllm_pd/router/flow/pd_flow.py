@@ -95,7 +95,7 @@ def default_release_remote_kv(
 ) -> bool:
     """The connector's release call (every prefill rank), imported on first use: most proxies never need it.
     ``secret``, ``tls``: the deployment's (the proxy's config), which the instances' KV endpoints require."""
-    from vllm_pd.connector.release import release_remote_kv
+    from vllm_pd.connector.worker.release import release_remote_kv
 
     return release_remote_kv(params, timeout=2.0, secret=secret, tls=tls)
 

@@ -11,9 +11,7 @@ one state, rewritten every step, which moves once the prompt is computed. Withou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from vllm_pd.connector.kv_geometry import window_positions
+from vllm_pd.connector.device.kv_geometry import window_positions
 from vllm_pd.connector.step_specs import SendSpec
 from vllm_pd.protocol.kv_shape import KVGroup, KVShape
 
@@ -66,8 +64,3 @@ class LayerGroups:
             ids = spec.group_blocks(group)
             by_group.append([ids[p] for p in self.kept_positions(group, spec.num_prompt_tokens) if p < len(ids)])
         return [by_group[g] for g in self._layer_groups]
-
-
-def union(block_ids_by_layer: Sequence[Sequence[int]]) -> list[int]:
-    """Every block id named, once, in order of first appearance."""
-    return list(dict.fromkeys(b for ids in block_ids_by_layer for b in ids))

@@ -17,15 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.kv_access import KVAccess
-from vllm_pd.connector.kv_device import KVDevice
-from vllm_pd.connector.layer_groups import LayerGroups
-from vllm_pd.connector.load_job import LoadJob
-from vllm_pd.connector.push_staging import PushStaging
-from vllm_pd.connector.release import DecodeRelease
+from vllm_pd.connector.device.kv_access import KVAccess
+from vllm_pd.connector.device.kv_device import KVDevice
 from vllm_pd.connector.step_specs import WorkerStep
-from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transport.base import MemoryRegion, Transport
+from vllm_pd.connector.worker.layer_groups import LayerGroups
+from vllm_pd.connector.worker.load_job import LoadJob
+from vllm_pd.connector.worker.push_staging import PushStaging
+from vllm_pd.connector.worker.release import DecodeRelease
+from vllm_pd.connector.worker.transfer_counters import TransferCounters
 from vllm_pd.protocol.transfer_params import RemotePrefill
 from vllm_pd.vllm_logging import vllm_logger
 

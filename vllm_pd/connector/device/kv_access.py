@@ -20,11 +20,15 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vllm_pd.connector.block_copies import BlockCopies, Run
-from vllm_pd.connector.host_staging import StagingArena
-from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
-from vllm_pd.connector.layer_groups import union
+from vllm_pd.connector.device.block_copies import BlockCopies, Run
+from vllm_pd.connector.device.host_staging import StagingArena
+from vllm_pd.connector.device.kv_device import COMPLETED, DeviceEvent
 from vllm_pd.connector.transport.base import MemoryRegion
+
+
+def union(block_ids_by_layer: Sequence[Sequence[int]]) -> list[int]:
+    """Every block id named, once, in order of first appearance."""
+    return list(dict.fromkeys(b for ids in block_ids_by_layer for b in ids))
 
 
 class KVAccess(abc.ABC):
@@ -67,7 +71,7 @@ class KVAccess(abc.ABC):
     ) -> tuple[list[int], DeviceEvent] | None:
         """As ``stage_send`` for every layer, each its own blocks (a hybrid model's groups hold
         different ones): the blocks decode may read (pull). The transport ids come in the order of
-        :func:`layer_groups.union` of the blocks."""
+        :func:`union` of the blocks."""
 
     def release(self, transfer_id: str) -> None:
         """The transfer is over: its staging, if any, is free again."""

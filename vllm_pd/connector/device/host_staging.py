@@ -16,7 +16,7 @@ import bisect
 import threading
 from collections.abc import Sequence
 
-from vllm_pd.connector.kv_device import KVDevice
+from vllm_pd.connector.device.kv_device import KVDevice
 from vllm_pd.connector.transport.base import MemoryRegion
 from vllm_pd.errors import ConfigError
 

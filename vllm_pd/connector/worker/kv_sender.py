@@ -33,15 +33,15 @@ from dataclasses import dataclass
 import msgspec
 
 from vllm_pd.connector.config import PDConnectorConfig
-from vllm_pd.connector.kv_access import KVAccess
-from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
-from vllm_pd.connector.kv_geometry import announced_ranks, incompatibility, plan_rank
-from vllm_pd.connector.layer_groups import LayerGroups, union
-from vllm_pd.connector.outgoing import OutgoingTransfer, OutgoingTransfers
-from vllm_pd.connector.send_queue import SendQueue
+from vllm_pd.connector.device.kv_access import KVAccess, union
+from vllm_pd.connector.device.kv_device import COMPLETED, DeviceEvent
+from vllm_pd.connector.device.kv_geometry import announced_ranks, incompatibility, plan_rank
 from vllm_pd.connector.step_specs import SendSpec, WorkerStep
-from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transport.base import BlockBatch, BlockWindow, LayerPush, Transport
+from vllm_pd.connector.worker.layer_groups import LayerGroups
+from vllm_pd.connector.worker.outgoing import OutgoingTransfer, OutgoingTransfers
+from vllm_pd.connector.worker.send_queue import SendQueue
+from vllm_pd.connector.worker.transfer_counters import TransferCounters
 from vllm_pd.protocol.control import PrefillDoneMessage
 from vllm_pd.protocol.kv_shape import KVShape, ShapeQuery, decode_shape
 from vllm_pd.vllm_logging import vllm_logger

@@ -31,8 +31,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_pd.connector.state_geometry import StateWindow, state_incompatibility, state_nbytes, state_windows
-from vllm_pd.connector.tp_shards import holders, rank_heads, shardable
+from vllm_pd.connector.device.state_geometry import StateWindow, state_incompatibility, state_nbytes, state_windows
+from vllm_pd.connector.device.tp_shards import holders, rank_heads, shardable
 from vllm_pd.errors import ConfigError, ProtocolError
 from vllm_pd.protocol.kv_shape import KVGroup, KVShape
 

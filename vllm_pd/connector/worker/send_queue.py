@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from vllm_pd.connector.kv_device import DeviceEvent
+from vllm_pd.connector.device.kv_device import DeviceEvent
 from vllm_pd.vllm_logging import vllm_logger
 
 logger = vllm_logger(__name__)

@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from vllm_pd.connector.kv_geometry import releasers
+from vllm_pd.connector.device.kv_geometry import releasers
 from vllm_pd.connector.transport import Transport, create_transport
 from vllm_pd.connector.transport.tls_stream import TlsSettings
 from vllm_pd.protocol.auth_handshake import DeploymentSecret

@@ -2,8 +2,8 @@
 
 It owns what both sides share - the transport, the KV cache as regions on its
 device, and how the transport reaches them (:mod:`kv_access`) - and routes the
-rest: prefill's sends to :class:`~vllm_pd.connector.kv_sender.KVSender`, decode's
-loads to :class:`~vllm_pd.connector.kv_loader.KVLoader`. The transport's
+rest: prefill's sends to :class:`~vllm_pd.connector.worker.kv_sender.KVSender`, decode's
+loads to :class:`~vllm_pd.connector.worker.kv_loader.KVLoader`. The transport's
 ``BlockSink`` calls land here and go to the side they belong to. vLLM-free.
 """
 
@@ -17,24 +17,24 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from vllm_pd.connector.amx_tiles import request_amx_tiles
-from vllm_pd.connector.block_copies import BlockCopies
 from vllm_pd.connector.config import PDConnectorConfig
 from vllm_pd.connector.deployment_secret import INSECURE_WARNING, SECRET_ENV, is_loopback
-from vllm_pd.connector.host_staging import StagingArena
-from vllm_pd.connector.kv_access import DirectAccess, KVAccess, StagedAccess
-from vllm_pd.connector.kv_device import KVDevice, kv_device_for
-from vllm_pd.connector.kv_geometry import kernel_format
-from vllm_pd.connector.kv_layout import KVLayout, block_format, manager_blocks, memory_order_mismatch
-from vllm_pd.connector.kv_loader import KVLoader
-from vllm_pd.connector.kv_sender import KVSender
-from vllm_pd.connector.layer_groups import LayerGroups
-from vllm_pd.connector.push_staging import PushStaging
-from vllm_pd.connector.release import DecodeRelease
+from vllm_pd.connector.device.amx_tiles import request_amx_tiles
+from vllm_pd.connector.device.block_copies import BlockCopies
+from vllm_pd.connector.device.host_staging import StagingArena
+from vllm_pd.connector.device.kv_access import DirectAccess, KVAccess, StagedAccess
+from vllm_pd.connector.device.kv_device import KVDevice, kv_device_for
+from vllm_pd.connector.device.kv_geometry import kernel_format
+from vllm_pd.connector.device.kv_layout import KVLayout, block_format, manager_blocks, memory_order_mismatch
 from vllm_pd.connector.step_specs import WorkerStep
-from vllm_pd.connector.transfer_counters import TransferCounters
 from vllm_pd.connector.transport import create_transport
 from vllm_pd.connector.transport.base import BlockBatch, MemoryRegion
+from vllm_pd.connector.worker.kv_loader import KVLoader
+from vllm_pd.connector.worker.kv_sender import KVSender
+from vllm_pd.connector.worker.layer_groups import LayerGroups
+from vllm_pd.connector.worker.push_staging import PushStaging
+from vllm_pd.connector.worker.release import DecodeRelease
+from vllm_pd.connector.worker.transfer_counters import TransferCounters
 from vllm_pd.protocol.control import PingMessage, ReleaseMessage, decode_control
 from vllm_pd.protocol.kv_shape import KVGroup, KVShape, ShapeQuery, encode_shape
 from vllm_pd.vllm_logging import vllm_logger

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_pd.connector.load_job import LoadJob
+    from vllm_pd.connector.worker.load_job import LoadJob
 
 COUNTERS = (
     "pushed_blocks",

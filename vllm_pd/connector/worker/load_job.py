@@ -34,12 +34,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from vllm_pd.connector.block_copies import Run, byte_blocks
-from vllm_pd.connector.block_recut import recut_rows
 from vllm_pd.connector.config import PROBE_PAUSED_PUSHES_S
-from vllm_pd.connector.kv_access import KVAccess
-from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent
-from vllm_pd.connector.kv_geometry import (
+from vllm_pd.connector.device.block_copies import Run, byte_blocks
+from vllm_pd.connector.device.block_recut import recut_rows
+from vllm_pd.connector.device.kv_access import KVAccess, union
+from vllm_pd.connector.device.kv_device import COMPLETED, DeviceEvent
+from vllm_pd.connector.device.kv_geometry import (
     GroupPlan,
     Piece,
     RankPlan,
@@ -52,12 +52,12 @@ from vllm_pd.connector.kv_geometry import (
     whole_block_reads,
     window_positions,
 )
-from vllm_pd.connector.layer_groups import LayerGroups, union
-from vllm_pd.connector.push_staging import PushStaging
-from vllm_pd.connector.release import DecodeRelease
-from vllm_pd.connector.state_geometry import StateWindow
+from vllm_pd.connector.device.state_geometry import StateWindow
 from vllm_pd.connector.step_specs import LoadSpec
 from vllm_pd.connector.transport.base import FetchSpans, MemoryRegion, Transport
+from vllm_pd.connector.worker.layer_groups import LayerGroups
+from vllm_pd.connector.worker.push_staging import PushStaging
+from vllm_pd.connector.worker.release import DecodeRelease
 from vllm_pd.errors import ProtocolError, TransferRejected
 from vllm_pd.protocol.control import PingMessage
 from vllm_pd.protocol.transfer_params import RemotePrefill

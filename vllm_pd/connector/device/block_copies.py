@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vllm_pd.connector.kv_device import COMPLETED, DeviceEvent, KVDevice
+from vllm_pd.connector.device.kv_device import COMPLETED, DeviceEvent, KVDevice
 from vllm_pd.connector.transport.base import MemoryRegion
 
 #: (block ids, host rows ``[len(ids), block_nbytes]``): one contiguous run of host memory

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_pd.connector.tp_shards import holders, rank_heads, shardable
+from vllm_pd.connector.device.tp_shards import holders, rank_heads, shardable
 from vllm_pd.protocol.kv_shape import StateLayout, StatePart
 
 

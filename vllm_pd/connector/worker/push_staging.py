@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from vllm_pd.connector.kv_geometry import transfer_of_key
+from vllm_pd.connector.device.kv_geometry import transfer_of_key
 from vllm_pd.connector.transport.base import BlockBatch
 from vllm_pd.vllm_logging import vllm_logger
 
