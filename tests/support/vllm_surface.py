@@ -76,6 +76,7 @@ MODULES = (
     "vllm.v1.core.kv_cache_utils",
     "vllm.v1.core.block_pool",
     "vllm.v1.kv_cache_interface",
+    "vllm.model_executor.layers.mamba.mamba_utils",
     "vllm.v1.attention.backend",
     "vllm.v1.attention.backends.registry",
     "vllm.v1.attention.backends.mla.triton_mla",
