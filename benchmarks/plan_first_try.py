@@ -198,7 +198,8 @@ def replays(
             rows = asyncio.run(replay(urls[name], model, trace, 20000 + 10 * seed + len(out[str(seed)]), vocab))
             foreign = foreign_cpu(busy0, ours0, t1, servers, procs)
             out[str(seed)][name] = {
-                "requests": [{k: v for k, v in r.items() if k != "gaps_ms"} for r in rows],
+                # each request's gaps kept: the decode instance's steps can be rebuilt from them
+                "requests": [{**r, "gaps_ms": [round(g, 1) for g in r["gaps_ms"]]} for r in rows],
                 "speed": speed,
                 "foreign_cpu_pct": round(foreign, 1),
                 "loadavg": [load0, os.getloadavg()],

@@ -31,8 +31,10 @@ beside the prefill, so it costs nothing of its own). A decode leg arriving at a 
 instance that is decoding others adds the profile's ``join_ms`` of its prompt to that instance's next step
 that decodes (its HTTP leg, scheduling and KV intake take the instance's core; on an idle instance that is
 part of the measured hand-over). Requests reach the instance
-with the fewest outstanding requests, taking turns among ties, as the proxy's least_outstanding policy
-does (one turn counter per role).
+with the fewest outstanding requests, then the fewest outstanding tokens, taking turns among instances
+equal in both, as the proxy's least_outstanding policy does (router/routing/policies.py ``_load``; one
+turn counter per role). A leg's tokens are the proxy's: a prefill leg its prompt, until its prefill ends;
+a decode leg (colocated: the request) its prompt plus its output tokens, from its arrival until it ends.
 
 Each instance steps as the instance that will do its work was measured: a prefill instance of a PD
 deployment as the profile's prefill instance, a decode instance as its decode instance (the profile's
@@ -121,6 +123,7 @@ class _Instance:
     step_decode: bool = False  # the current step decodes
     idle_since: float = float("-inf")  # when its last step ended (idle since the start: a full wake-up)
     joins_ms: float = 0.0  # decode: what arriving decode legs cost, not yet charged to a step that decodes
+    leg_tokens: int = 0  # the tokens of the legs it holds, as the proxy counts them (its tie-break)
 
     @property
     def outstanding(self) -> int:
@@ -221,17 +224,19 @@ class Simulation:
         if not self.deployment.colocated:
             req.decoder = dec = self._least_outstanding(self.decoders, "decode")
             dec.awaiting += 1
+            dec.leg_tokens += _decode_leg_tokens(req)
             if dec.running:  # an idle decode instance's intake is in the request's own hand-over (kv)
                 dec.joins_ms += dec.profile.join_ms(req.spec.input_tokens)
         inst = self._least_outstanding(self.prefillers, "prefill")
         if self.deployment.colocated:
             req.decoder = inst
+        inst.leg_tokens += _decode_leg_tokens(req) if self.deployment.colocated else req.spec.input_tokens
         inst.waiting.append(req)
         self._kick(t, inst)
 
     def _least_outstanding(self, instances: list[_Instance], role: str) -> _Instance:
-        best = min(i.outstanding for i in instances)
-        tied = [i for i in instances if i.outstanding == best]
+        best = min((i.outstanding, i.leg_tokens) for i in instances)
+        tied = [i for i in instances if (i.outstanding, i.leg_tokens) == best]
         return tied[next(self._turns.setdefault(role, itertools.count())) % len(tied)]
 
     def _kv_ready(self, t: float, req: SimRequest) -> None:
@@ -301,6 +306,7 @@ class Simulation:
             inst.waiting.remove(req)
             if inst.role == "prefill":
                 n = req.spec.input_tokens
+                inst.leg_tokens -= n
                 assert req.decoder is not None
                 hand_over = req.decoder.profile  # measured through the pair, with the decode instance's steps
                 done, ms = (
@@ -322,6 +328,12 @@ class Simulation:
         if req.generated >= req.spec.output_tokens:
             req.finish = t
             inst.running.remove(req)
+            inst.leg_tokens -= _decode_leg_tokens(req)
+
+
+def _decode_leg_tokens(req: SimRequest) -> int:
+    """What the proxy counts for a decode leg (router/flow/pd_flow.py: prompt tokens + max_tokens)."""
+    return req.spec.input_tokens + req.spec.output_tokens
 
 
 def simulate(

@@ -33,6 +33,8 @@ from vllm_pd.planner.latency_profile import (
 )
 from vllm_pd.planner.pd_simulator import Deployment, Simulation, simulate
 from vllm_pd.planner.workload import TraceRequest, WorkloadError, load_trace, parse_distributions, write_trace
+from vllm_pd.router.pool.instance_pool import Instance
+from vllm_pd.router.routing.policies import LeastOutstanding
 
 PREFILL, DECODE, KV = Poly(20.0, 0.1, 0.0), Poly(10.0, 0.5, 0.001), Poly(5.0, 0.01)
 
@@ -474,6 +476,24 @@ def test_requests_take_turns_among_equally_loaded_instances_as_the_proxy_does() 
     a, b, c = sim.run([TraceRequest(0.0, 100, 400), TraceRequest(0.001, 100, 2), TraceRequest(1.0, 100, 4)])
     assert (a.decoder, b.decoder, c.decoder) == (sim.decoders[0], sim.decoders[1], sim.decoders[1])
     assert a.finish is not None and a.finish > 1.0
+
+
+def test_among_instances_with_as_many_requests_the_one_with_fewer_tokens_takes_it_as_the_proxy_does() -> None:
+    # colocated x2: a 1,500-token prompt on the first, a 100-token one on the second; the third request finds
+    # one outstanding on each - the proxy (and now the simulator) sends it where fewer tokens are outstanding,
+    # whoever's turn it is (the turn is the first's: turn-taking alone would queue it behind the long prompt)
+    trace = [TraceRequest(0.0, 1500, 4), TraceRequest(0.001, 100, 400), TraceRequest(0.002, 100, 4)]
+    sim = Simulation(make_profile(), Deployment(0, 2))
+    long, short, third = sim.run(trace)
+    assert (long.decoder, short.decoder, third.decoder) == (sim.decoders[0], sim.decoders[1], sim.decoders[1])
+    assert third.ttft < long.ttft
+    # the proxy's own policy on the same loads (a prefill leg's prompt, a decode leg's prompt + max_tokens)
+    router = [Instance(f"http://{n}:1", "decode", None, breaker=None) for n in "ab"]  # type: ignore[arg-type]
+    for inst, req in zip(router, trace[:2], strict=True):
+        inst.outstanding["decode"], inst.outstanding_tokens["decode"] = 1, req.input_tokens + req.output_tokens
+    policy = LeastOutstanding()
+    next(policy._counter), next(policy._counter)  # two requests routed before, as in the simulation
+    assert policy.choose(router, "decode", "", 100) is router[1]
 
 
 def test_each_requests_first_steps_are_a_draw_from_the_samples() -> None:
